@@ -1,0 +1,220 @@
+//! Packing every tensor of a tree into one 64-byte-aligned buffer, with views into it.
+//!
+//! One buffer means one allocation, one transfer and one file write for a whole
+//! dictionary. Large dictionaries are copied by several threads at once.
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
+use crate::storage::Storage;
+use crate::tensor::{contiguous_strides, Tensor};
+use crate::tree::{Node, TensorDict};
+
+/// Contiguous sources are split into pieces of at most this many bytes, so that one huge
+/// tensor still spreads over every thread.
+const PIECE_BYTES: usize = 8 << 20;
+/// Below this total, one thread copies everything (thread start-up would cost more).
+const PARALLEL_THRESHOLD: usize = 16 << 20;
+
+/// Where each tensor goes in the packed buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedLayout {
+    /// Byte offset of each tensor, in tree order; every one is 64-byte aligned.
+    pub offsets: Vec<usize>,
+    /// Total bytes of the buffer.
+    pub total: usize,
+}
+
+impl PackedLayout {
+    /// The layout of tensors of the given byte sizes, each starting 64-byte aligned.
+    pub fn plan(sizes: impl IntoIterator<Item = usize>) -> PackedLayout {
+        let mut offsets = Vec::new();
+        let mut at = 0usize;
+        for size in sizes {
+            offsets.push(at);
+            at = (at + size).next_multiple_of(HOST_ALIGNMENT);
+        }
+        PackedLayout { offsets, total: at }
+    }
+}
+
+enum Source<'a> {
+    Bytes(&'a [u8]),
+    Strided(&'a Tensor),
+}
+
+struct Piece<'a> {
+    dst: usize,
+    len: usize,
+    src: Source<'a>,
+}
+
+/// Packs the tensors of `node` into one buffer; returns the tree with views into it.
+/// The source is left as it is. Every tensor must be on the host.
+pub fn consolidate_node(node: &Node) -> Result<Node> {
+    let tensors = node.tensors();
+    let layout = PackedLayout::plan(tensors.iter().map(|(_, t)| t.nbytes()));
+    let mut pieces = Vec::new();
+    for ((_, t), &dst) in tensors.iter().zip(&layout.offsets) {
+        match t.contiguous_bytes() {
+            Some(bytes) => {
+                for (i, chunk) in bytes.chunks(PIECE_BYTES).enumerate() {
+                    pieces.push(Piece {
+                        dst: dst + i * PIECE_BYTES,
+                        len: chunk.len(),
+                        src: Source::Bytes(chunk),
+                    });
+                }
+            }
+            None => pieces.push(Piece {
+                dst,
+                len: t.nbytes(),
+                src: Source::Strided(t),
+            }),
+        }
+    }
+    let mut buffer = AlignedBuffer::zeroed(layout.total)?;
+    copy_pieces(buffer.as_mut_slice(), &pieces, threads_for(layout.total))?;
+    let storage = Arc::new(Storage::Owned(buffer));
+    let mut next = layout.offsets.iter();
+    node.try_map_tensors(&mut |_, t| {
+        let offset = *next.next().expect("one offset per tensor");
+        let shape = t.shape().to_vec();
+        let strides = contiguous_strides(&shape);
+        Tensor::from_storage(storage.clone(), offset, t.dtype(), shape, strides)
+    })
+}
+
+/// Packs the tensors of `dict` into one buffer; see [`consolidate_node`].
+pub fn consolidate(dict: &TensorDict) -> Result<TensorDict> {
+    match consolidate_node(&Node::Dict(dict.clone()))? {
+        Node::Dict(d) => Ok(d),
+        _ => unreachable!("a dict maps to a dict"),
+    }
+}
+
+fn threads_for(total: usize) -> usize {
+    if total < PARALLEL_THRESHOLD {
+        return 1;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores.clamp(1, 8)
+}
+
+/// Copies every piece into `dst`, splitting the pieces into `threads` runs of about equal bytes.
+fn copy_pieces(dst: &mut [u8], pieces: &[Piece<'_>], threads: usize) -> Result<()> {
+    if threads <= 1 || pieces.len() < 2 {
+        return copy_group(dst, 0, pieces);
+    }
+    let total: usize = pieces.iter().map(|p| p.len).sum();
+    let share = total.div_ceil(threads);
+    let mut groups: Vec<&[Piece<'_>]> = Vec::new();
+    let mut start = 0;
+    let mut acc = 0;
+    for (i, p) in pieces.iter().enumerate() {
+        acc += p.len;
+        if acc >= share && i + 1 < pieces.len() {
+            groups.push(&pieces[start..=i]);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    groups.push(&pieces[start..]);
+    std::thread::scope(|scope| {
+        let mut rest = dst;
+        let mut base = 0;
+        let mut handles = Vec::new();
+        for (gi, group) in groups.iter().enumerate() {
+            let end = match groups.get(gi + 1) {
+                Some(next) => next[0].dst,
+                None => base + rest.len(),
+            };
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(end - base);
+            let group_base = base;
+            handles.push(scope.spawn(move || copy_group(mine, group_base, group)));
+            rest = tail;
+            base = end;
+        }
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().expect("copy threads do not panic"))
+    })
+}
+
+/// Copies `pieces` into `dst`, whose first byte is at offset `base` of the whole buffer.
+fn copy_group(dst: &mut [u8], base: usize, pieces: &[Piece<'_>]) -> Result<()> {
+    for p in pieces {
+        let at = p.dst - base;
+        let out = &mut dst[at..at + p.len];
+        match p.src {
+            Source::Bytes(b) => out.copy_from_slice(b),
+            Source::Strided(t) => {
+                let mut i = 0;
+                t.for_each_run(|run| {
+                    out[i..i + run.len()].copy_from_slice(run);
+                    i += run.len();
+                    Ok(())
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+
+    #[test]
+    fn layout_aligns_every_tensor_to_64_bytes() {
+        let l = PackedLayout::plan([3, 64, 0, 65]);
+        assert_eq!(l.offsets, vec![0, 64, 128, 128]);
+        assert_eq!(l.total, 256);
+    }
+
+    #[test]
+    fn consolidated_tensors_share_one_buffer_and_keep_values() {
+        let mut d = TensorDict::new();
+        d.insert("a", Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap());
+        let m = Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
+        d.insert_path(&["n", "t"], m.transpose(0, 1).unwrap())
+            .unwrap();
+        d.insert("s", "text");
+        let c = consolidate(&d).unwrap();
+        let a = c.tensor(&["a"]).unwrap();
+        let t = c.tensor(&["n", "t"]).unwrap();
+        assert!(Arc::ptr_eq(a.storage(), t.storage()));
+        assert_eq!(t.offset() % HOST_ALIGNMENT, 0);
+        assert!(t.is_contiguous());
+        assert_eq!(t.to_vec::<i32>().unwrap(), vec![1, 4, 2, 5, 3, 6]);
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
+        assert!(c.get("s").is_some());
+    }
+
+    #[test]
+    fn parallel_copy_matches_the_source_bytes() {
+        let mut d = TensorDict::new();
+        let big: Vec<u8> = (0..(40usize << 20)).map(|i| (i * 7 % 251) as u8).collect();
+        d.insert(
+            "big",
+            Tensor::from_bytes(DType::U8, vec![big.len()], &big).unwrap(),
+        );
+        for i in 0..50 {
+            d.insert(
+                format!("small{i}"),
+                Tensor::from_slice(&[i as u8; 100], &[100]).unwrap(),
+            );
+        }
+        let c = consolidate(&d).unwrap();
+        assert_eq!(
+            c.tensor(&["big"]).unwrap().contiguous_bytes().unwrap(),
+            &big[..]
+        );
+        assert_eq!(
+            c.tensor(&["small49"]).unwrap().to_vec::<u8>().unwrap(),
+            vec![49; 100]
+        );
+    }
+}

@@ -1,0 +1,125 @@
+//! Where a tensor lives: parsed from and shown as strings ("cpu", "cuda", "cuda:1"),
+//! and what is present on this machine, asked of the driver at run time.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::backend::cuda;
+use crate::error::{Error, Result};
+
+/// The forms [`Device::from_str`] accepts, for error messages.
+pub const ACCEPTED_DEVICE_FORMS: &str = "\"cpu\", \"cuda\", \"cuda:N\" (N = 0, 1, …)";
+
+/// A place a tensor's memory can live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Device {
+    /// Host memory.
+    #[default]
+    Cpu,
+    /// The memory of CUDA device N.
+    Cuda(usize),
+}
+
+impl Device {
+    /// True for host memory.
+    pub const fn is_host(self) -> bool {
+        matches!(self, Device::Cpu)
+    }
+
+    /// Checks that the device can be used now; the error says why not.
+    pub fn ensure_available(self) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            Device::Cuda(index) => match cuda::status() {
+                cuda::CudaStatus::Unavailable { reason } => Err(Error::DeviceUnavailable {
+                    device: self.to_string(),
+                    reason: reason.clone(),
+                }),
+                cuda::CudaStatus::Available { gpus, .. } if index >= gpus.len() => {
+                    Err(Error::DeviceUnavailable {
+                        device: self.to_string(),
+                        reason: format!("only {} CUDA device(s) present", gpus.len()),
+                    })
+                }
+                cuda::CudaStatus::Available { .. } => Err(Error::DeviceUnavailable {
+                    device: self.to_string(),
+                    reason: "the CUDA transfer engine is not built into this version yet".into(),
+                }),
+            },
+        }
+    }
+}
+
+/// The devices present on this machine, host first (e.g. `[cpu]`, or `[cpu, cuda:0]`).
+pub fn available_devices() -> Vec<Device> {
+    let mut found = vec![Device::Cpu];
+    if let cuda::CudaStatus::Available { gpus, .. } = cuda::status() {
+        found.extend((0..gpus.len()).map(Device::Cuda));
+    }
+    found
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = Error;
+
+    /// Parses "cpu", "cuda" (device 0) or "cuda:N".
+    fn from_str(s: &str) -> Result<Self> {
+        let invalid = || Error::InvalidDevice {
+            input: s.to_string(),
+            accepted: ACCEPTED_DEVICE_FORMS,
+        };
+        let trimmed = s.trim();
+        match trimmed {
+            "cpu" => return Ok(Device::Cpu),
+            "cuda" => return Ok(Device::Cuda(0)),
+            _ => {}
+        }
+        let index = trimmed.strip_prefix("cuda:").ok_or_else(invalid)?;
+        if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(invalid());
+        }
+        index.parse().map(Device::Cuda).map_err(|_| invalid())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_accepted_forms() {
+        assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+    }
+
+    #[test]
+    fn shows_the_canonical_form() {
+        assert_eq!(Device::Cpu.to_string(), "cpu");
+        assert_eq!(Device::Cuda(1).to_string(), "cuda:1");
+    }
+
+    #[test]
+    fn rejects_bad_strings_listing_the_accepted_forms() {
+        for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "CPU0", "", "cuda:1:2"] {
+            let err = bad.parse::<Device>().unwrap_err();
+            let msg = err.to_string();
+            assert!(msg.contains("cuda:N"), "{bad:?} gave {msg}");
+            assert!(matches!(err, Error::InvalidDevice { .. }));
+        }
+    }
+
+    #[test]
+    fn host_is_always_present_and_first() {
+        assert_eq!(available_devices()[0], Device::Cpu);
+    }
+}

@@ -1,0 +1,138 @@
+//! One error type for the whole library.
+//!
+//! Every variant carries what a user needs to act on it: the key path, the
+//! dtype, the bytes asked and free, the file offset, the device.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in tensorferry.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A device string that is not one of the accepted forms.
+    #[error("invalid device {input:?}: expected one of {accepted}")]
+    InvalidDevice {
+        /// What was given.
+        input: String,
+        /// The forms that are accepted, for the message.
+        accepted: &'static str,
+    },
+
+    /// The device exists as a name but is not usable on this machine.
+    #[error("device {device} is unavailable: {reason}")]
+    DeviceUnavailable {
+        /// The device asked for, e.g. `cuda:0`.
+        device: String,
+        /// Why it cannot be used (no driver, index out of range, …).
+        reason: String,
+    },
+
+    /// An allocation failed on a device or on the host.
+    #[error("out of memory on {device}: asked for {requested} bytes, {free} free of {total}")]
+    OutOfMemory {
+        /// Where the allocation was attempted.
+        device: String,
+        /// Bytes requested.
+        requested: usize,
+        /// Bytes free at the time, as far as known (0 when unknown).
+        free: usize,
+        /// Total bytes of that memory, as far as known (0 when unknown).
+        total: usize,
+    },
+
+    /// A file or byte buffer that breaks the safetensors format rules.
+    #[error("invalid safetensors data at {at}: {reason}")]
+    Format {
+        /// Where the fault is: a byte offset or a tensor name.
+        at: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A value that cannot be stored or converted (e.g. an unsupported leaf type).
+    #[error("cannot handle the value at {key:?}: {reason}")]
+    InvalidValue {
+        /// The key path of the value, joined with '/'.
+        key: String,
+        /// Why it cannot be handled.
+        reason: String,
+    },
+
+    /// A dtype that the requested operation cannot handle.
+    #[error("dtype {dtype} at {key:?} is not supported here: {reason}")]
+    UnsupportedDType {
+        /// The key path of the tensor.
+        key: String,
+        /// The dtype name.
+        dtype: String,
+        /// Why it is unsupported and what to do instead.
+        reason: String,
+    },
+
+    /// Two key paths that map to the same flat tensor name in a file.
+    #[error("key paths {first:?} and {second:?} both map to the tensor name {name:?}")]
+    NameCollision {
+        /// The name both paths give.
+        name: String,
+        /// The first path.
+        first: String,
+        /// The second path.
+        second: String,
+    },
+
+    /// Shape, strides and byte span of a tensor disagree.
+    #[error("inconsistent tensor layout: {reason}")]
+    Layout {
+        /// What disagrees.
+        reason: String,
+    },
+
+    /// A key path that does not exist in the dictionary.
+    #[error("no entry at key path {path:?}")]
+    KeyNotFound {
+        /// The path asked for, joined with '/'.
+        path: String,
+    },
+
+    /// An operating-system I/O error, with the file and the operation.
+    #[error("{op} {path:?}: {source}")]
+    Io {
+        /// What was being done (open, write, rename, …).
+        op: &'static str,
+        /// The file concerned.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The library's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// A [`Error::Format`] at a byte offset.
+    pub(crate) fn format_at(offset: u64, reason: impl Into<String>) -> Self {
+        Error::Format {
+            at: format!("byte {offset}"),
+            reason: reason.into(),
+        }
+    }
+
+    /// A [`Error::Format`] about a named tensor.
+    pub(crate) fn format_in(name: &str, reason: impl Into<String>) -> Self {
+        Error::Format {
+            at: format!("tensor {name:?}"),
+            reason: reason.into(),
+        }
+    }
+
+    /// An [`Error::Io`] for `op` on `path`.
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+}

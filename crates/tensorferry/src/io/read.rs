@@ -1,0 +1,133 @@
+//! Reading safetensors files: validated headers, then zero-copy views of a memory map
+//! or one read into fresh aligned memory. Never allocates more than the file's size.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Read;
+use std::path::Path;
+use std::sync::Arc;
+
+use memmap2::Mmap;
+
+use super::header::{header_len, parse_header, Header};
+use super::{tree_meta, TREE_METADATA_KEY};
+use crate::error::{Error, Result};
+use crate::memory::AlignedBuffer;
+use crate::storage::Storage;
+use crate::tensor::{contiguous_strides, Tensor};
+use crate::tree::{Node, TensorDict};
+
+/// How to load.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions {
+    /// Map the file and hand out read-only views of it (cost proportional to the header),
+    /// instead of reading it into fresh memory. Default true.
+    pub mmap: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { mmap: true }
+    }
+}
+
+/// What a file holds.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The tree as saved (or a flat dict of names for files tensorferry did not write).
+    pub root: Node,
+    /// The user metadata, without tensorferry's reserved key.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Loads a file whose root is a dictionary (every file of other tools is).
+pub fn load(
+    path: impl AsRef<Path>,
+    options: LoadOptions,
+) -> Result<(TensorDict, BTreeMap<String, String>)> {
+    let loaded = load_node(path, options)?;
+    match loaded.root {
+        Node::Dict(d) => Ok((d, loaded.metadata)),
+        _ => Err(Error::InvalidValue {
+            key: String::new(),
+            reason: "the file holds a list or tuple at its root; use load_node".into(),
+        }),
+    }
+}
+
+/// Loads the tree saved in the file at `path`.
+pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
+    let path = path.as_ref();
+    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let file_len = file
+        .metadata()
+        .map_err(|e| Error::io("stat", path, e))?
+        .len();
+    let (header, storage, base) = if options.mmap {
+        map_file(&file, path, file_len)?
+    } else {
+        read_file(&mut file, path, file_len)?
+    };
+    build(header, storage, base)
+}
+
+/// Maps the file; tensors view the map at `data_start + begin`.
+fn map_file(file: &File, path: &Path, file_len: u64) -> Result<(Header, Arc<Storage>, usize)> {
+    if file_len < 8 {
+        header_len(&[], file_len)?;
+    }
+    // SAFETY: the map is read-only. Like every memory map it assumes nobody truncates or
+    // rewrites the file while it is mapped; tensorferry's own writes replace files by
+    // rename, which leaves an existing map of the old file valid.
+    let map = unsafe { Mmap::map(file) }.map_err(|e| Error::io("map", path, e))?;
+    let n = header_len(&map[..8], map.len() as u64)?;
+    let data_start = 8 + n as usize;
+    let header = parse_header(&map[8..data_start], (map.len() - data_start) as u64)?;
+    Ok((header, Arc::new(Storage::Mapped(map)), data_start))
+}
+
+/// Reads the header, then the data section in one read into aligned memory.
+fn read_file(file: &mut File, path: &Path, file_len: u64) -> Result<(Header, Arc<Storage>, usize)> {
+    let mut prefix = [0u8; 8];
+    if file_len >= 8 {
+        file.read_exact(&mut prefix)
+            .map_err(|e| Error::io("read", path, e))?;
+    }
+    let n = header_len(&prefix, file_len)?;
+    let mut header_bytes = vec![0u8; n as usize];
+    file.read_exact(&mut header_bytes)
+        .map_err(|e| Error::io("read", path, e))?;
+    let data_len = file_len - 8 - n;
+    let header = parse_header(&header_bytes, data_len)?;
+    let mut data = AlignedBuffer::zeroed(data_len as usize)?;
+    file.read_exact(data.as_mut_slice())
+        .map_err(|e| Error::io("read", path, e))?;
+    Ok((header, Arc::new(Storage::Owned(data)), 0))
+}
+
+fn build(header: Header, storage: Arc<Storage>, base: usize) -> Result<Loaded> {
+    let mut metadata = header.metadata;
+    let recorded = metadata.remove(TREE_METADATA_KEY);
+    let mut order = Vec::with_capacity(header.tensors.len());
+    let mut tensors = HashMap::with_capacity(header.tensors.len());
+    for e in header.tensors {
+        let strides = contiguous_strides(&e.shape);
+        let t = Tensor::from_storage(storage.clone(), base + e.begin, e.dtype, e.shape, strides)
+            .map_err(|err| Error::format_in(&e.name, err.to_string()))?;
+        order.push(e.name.clone());
+        tensors.insert(e.name, t);
+    }
+    let root = match recorded {
+        Some(text) => tree_meta::decode(&text, tensors)?,
+        None => Node::Dict(
+            order
+                .into_iter()
+                .map(|name| {
+                    let t = tensors.remove(&name).expect("present");
+                    (name, Node::Tensor(t))
+                })
+                .collect(),
+        ),
+    };
+    Ok(Loaded { root, metadata })
+}

@@ -1,0 +1,23 @@
+#![doc = include_str!("../../../README.md")]
+#![deny(missing_docs)]
+
+pub mod backend;
+pub mod consolidate;
+pub mod device;
+pub mod dlpack;
+pub mod dtype;
+pub mod error;
+pub mod io;
+pub mod memory;
+pub mod storage;
+pub mod tensor;
+pub mod tree;
+
+pub use consolidate::{consolidate, consolidate_node};
+pub use device::{available_devices, Device};
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use io::{load, load_node, save, save_node, LoadOptions, Loaded, SaveOptions};
+pub use storage::Storage;
+pub use tensor::Tensor;
+pub use tree::{KeyPath, Node, TensorDict, Value};

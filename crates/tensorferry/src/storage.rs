@@ -1,0 +1,134 @@
+//! The memory behind tensors: owned, mapped from a file, or borrowed from a foreign
+//! producer (NumPy, PyTorch, JAX, …) that a handle keeps alive.
+
+use std::any::Any;
+use std::fmt;
+
+use memmap2::Mmap;
+
+use crate::device::Device;
+use crate::memory::AlignedBuffer;
+
+/// Memory owned by someone else, kept alive by `owner` for as long as this value lives.
+pub struct ForeignMemory {
+    ptr: *mut u8,
+    len: usize,
+    device: Device,
+    read_only: bool,
+    _owner: Box<dyn Any + Send + Sync>,
+}
+
+// SAFETY: the memory is owned by `_owner`, which is itself `Send + Sync`; the raw pointer is
+// only an address into that memory, and tensorferry reads it only through `&self`.
+unsafe impl Send for ForeignMemory {}
+// SAFETY: see `Send`.
+unsafe impl Sync for ForeignMemory {}
+
+impl ForeignMemory {
+    /// Wraps `len` bytes at `ptr` on `device`, alive while `owner` lives.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads of `len` bytes on `device` (and for writes unless
+    /// `read_only`) for as long as `owner` is alive, and nobody may write to it while
+    /// tensorferry reads it.
+    pub unsafe fn new(
+        ptr: *mut u8,
+        len: usize,
+        device: Device,
+        read_only: bool,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Self {
+        ForeignMemory {
+            ptr,
+            len,
+            device,
+            read_only,
+            _owner: owner,
+        }
+    }
+}
+
+/// A block of memory that tensors view.
+pub enum Storage {
+    /// Host memory tensorferry allocated, 64-byte aligned.
+    Owned(AlignedBuffer),
+    /// A read-only memory map of a file.
+    Mapped(Mmap),
+    /// Memory of another producer.
+    Foreign(ForeignMemory),
+}
+
+impl Storage {
+    /// The device the memory lives on.
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Owned(_) | Storage::Mapped(_) => Device::Cpu,
+            Storage::Foreign(f) => f.device,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Owned(b) => b.len(),
+            Storage::Mapped(m) => m.len(),
+            Storage::Foreign(f) => f.len,
+        }
+    }
+
+    /// True when the storage holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// True when the memory must not be written (a mapped file, a read-only array).
+    pub fn is_read_only(&self) -> bool {
+        match self {
+            Storage::Owned(_) => false,
+            Storage::Mapped(_) => true,
+            Storage::Foreign(f) => f.read_only,
+        }
+    }
+
+    /// The start address (a device address for device memory).
+    pub fn as_ptr(&self) -> *const u8 {
+        match self {
+            Storage::Owned(b) => b.as_slice().as_ptr(),
+            Storage::Mapped(m) => m.as_ptr(),
+            Storage::Foreign(f) => f.ptr,
+        }
+    }
+
+    /// The bytes, when the memory is on the host.
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        match self {
+            Storage::Owned(b) => Some(b.as_slice()),
+            Storage::Mapped(m) => Some(&m[..]),
+            Storage::Foreign(f) if f.device.is_host() => {
+                if f.len == 0 {
+                    return Some(&[]);
+                }
+                // SAFETY: `ForeignMemory::new`'s contract: `ptr` is valid for reads of `len`
+                // host bytes while `_owner` lives, which is at least as long as `&self`.
+                Some(unsafe { std::slice::from_raw_parts(f.ptr, f.len) })
+            }
+            Storage::Foreign(_) => None,
+        }
+    }
+}
+
+impl fmt::Debug for Storage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match self {
+            Storage::Owned(_) => "owned",
+            Storage::Mapped(_) => "mapped",
+            Storage::Foreign(_) => "foreign",
+        };
+        write!(
+            f,
+            "Storage({kind}, {} bytes on {})",
+            self.len(),
+            self.device()
+        )
+    }
+}

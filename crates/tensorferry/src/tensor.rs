@@ -1,0 +1,509 @@
+//! `Tensor`: shared storage + byte offset + dtype + shape + strides.
+//!
+//! Views share their storage (reference-counted); strided tensors are kept as they
+//! are and made contiguous only when a consumer needs it.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::memory::AlignedBuffer;
+use crate::storage::Storage;
+
+/// A typed, shaped view of device or host memory.
+#[derive(Clone)]
+pub struct Tensor {
+    storage: Arc<Storage>,
+    offset: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+    /// Strides in elements, C order for contiguous tensors; may be negative.
+    strides: Vec<isize>,
+}
+
+/// Rust types that are tensor elements.
+pub trait Element: Copy + Send + Sync + 'static {
+    /// The matching dtype.
+    const DTYPE: DType;
+    /// Appends the little-endian bytes of `self`.
+    fn extend_le(self, out: &mut Vec<u8>);
+    /// Reads one element from its little-endian bytes.
+    fn from_le(bytes: &[u8]) -> Self;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:expr),* $(,)?) => {$(
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            fn extend_le(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn from_le(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("element width"))
+            }
+        }
+    )*};
+}
+
+element!(
+    u8 => DType::U8, i8 => DType::I8, u16 => DType::U16, i16 => DType::I16,
+    u32 => DType::U32, i32 => DType::I32, u64 => DType::U64, i64 => DType::I64,
+    f32 => DType::F32, f64 => DType::F64,
+    half::f16 => DType::F16, half::bf16 => DType::BF16,
+);
+
+impl Element for bool {
+    const DTYPE: DType = DType::Bool;
+    fn extend_le(self, out: &mut Vec<u8>) {
+        out.push(self as u8);
+    }
+    fn from_le(bytes: &[u8]) -> Self {
+        bytes[0] != 0
+    }
+}
+
+/// C-order (row-major) strides, in elements, of `shape`.
+pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
+    let mut strides = vec![0isize; shape.len()];
+    let mut acc = 1isize;
+    for (s, &n) in strides.iter_mut().zip(shape).rev() {
+        *s = acc;
+        acc = acc.saturating_mul(n.max(1) as isize);
+    }
+    strides
+}
+
+/// The number of elements of `shape`, or `None` on overflow.
+pub fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &n| acc.checked_mul(n))
+}
+
+impl Tensor {
+    /// A view of `storage`: `offset` bytes in, with `shape` and element `strides`.
+    /// Fails when any element would fall outside the storage.
+    pub fn from_storage(
+        storage: Arc<Storage>,
+        offset: usize,
+        dtype: DType,
+        shape: Vec<usize>,
+        strides: Vec<isize>,
+    ) -> Result<Self> {
+        if strides.len() != shape.len() {
+            return Err(Error::Layout {
+                reason: format!("{} strides for {} dimensions", strides.len(), shape.len()),
+            });
+        }
+        let numel = checked_numel(&shape).ok_or_else(|| Error::Layout {
+            reason: format!("shape {shape:?} overflows"),
+        })?;
+        if numel > 0 {
+            let (lo, hi) = byte_span(offset, dtype, &shape, &strides).ok_or_else(|| {
+                Error::Layout {
+                    reason: format!(
+                        "shape {shape:?} with strides {strides:?} at offset {offset} leaves the storage"
+                    ),
+                }
+            })?;
+            if hi > storage.len() || lo > hi {
+                return Err(Error::Layout {
+                    reason: format!(
+                        "elements span bytes {lo}..{hi} but the storage holds {} bytes",
+                        storage.len()
+                    ),
+                });
+            }
+        }
+        Ok(Tensor {
+            storage,
+            offset,
+            dtype,
+            shape,
+            strides,
+        })
+    }
+
+    /// A contiguous host tensor holding a copy of `bytes` (little-endian elements).
+    pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Result<Self> {
+        let expected = checked_numel(&shape)
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .ok_or_else(|| Error::Layout {
+                reason: format!("shape {shape:?} overflows"),
+            })?;
+        if expected != bytes.len() {
+            return Err(Error::Layout {
+                reason: format!(
+                    "{dtype} tensor of shape {shape:?} needs {expected} bytes, got {}",
+                    bytes.len()
+                ),
+            });
+        }
+        let storage = Arc::new(Storage::Owned(AlignedBuffer::copy_from(bytes)?));
+        let strides = contiguous_strides(&shape);
+        Tensor::from_storage(storage, 0, dtype, shape, strides)
+    }
+
+    /// A contiguous host tensor of the given elements and shape.
+    pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Self> {
+        let mut bytes = Vec::with_capacity(std::mem::size_of_val(data));
+        for &x in data {
+            x.extend_le(&mut bytes);
+        }
+        Tensor::from_bytes(T::DTYPE, shape.to_vec(), &bytes)
+    }
+
+    /// A contiguous host tensor of zeros.
+    pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
+        let len = checked_numel(shape)
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .ok_or_else(|| Error::Layout {
+                reason: format!("shape {shape:?} overflows"),
+            })?;
+        let storage = Arc::new(Storage::Owned(AlignedBuffer::zeroed(len)?));
+        Tensor::from_storage(storage, 0, dtype, shape.to_vec(), contiguous_strides(shape))
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Strides in elements.
+    pub fn strides(&self) -> &[isize] {
+        &self.strides
+    }
+
+    /// Byte offset of element 0 into the storage.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The shared storage.
+    pub fn storage(&self) -> &Arc<Storage> {
+        &self.storage
+    }
+
+    /// Where the memory lives.
+    pub fn device(&self) -> Device {
+        self.storage.device()
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Bytes of the elements (not of the storage).
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size()
+    }
+
+    /// True when the memory must not be written.
+    pub fn is_read_only(&self) -> bool {
+        self.storage.is_read_only()
+    }
+
+    /// The address of element 0.
+    pub fn data_ptr(&self) -> *const u8 {
+        self.storage.as_ptr().wrapping_add(self.offset)
+    }
+
+    /// True when the elements lie in C order with no gaps (dimensions of size 1 ignored).
+    pub fn is_contiguous(&self) -> bool {
+        if self.numel() == 0 {
+            return true;
+        }
+        let mut expected = 1isize;
+        for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if n != 1 && s != expected {
+                return false;
+            }
+            expected *= n as isize;
+        }
+        true
+    }
+
+    /// The bytes of a contiguous host tensor; `None` when strided or not on the host.
+    pub fn contiguous_bytes(&self) -> Option<&[u8]> {
+        if !self.is_contiguous() {
+            return None;
+        }
+        let bytes = self.storage.host_bytes()?;
+        if self.numel() == 0 {
+            return Some(&[]);
+        }
+        bytes.get(self.offset..self.offset + self.nbytes())
+    }
+
+    /// Calls `f` on the bytes of the tensor in C order, as few runs as the layout allows.
+    /// Fails with `DeviceUnavailable` when the tensor is not on the host.
+    pub fn for_each_run(&self, mut f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+        if let Some(bytes) = self.contiguous_bytes() {
+            return f(bytes);
+        }
+        let all = self.host_bytes_or_err()?;
+        let size = self.dtype.size();
+        // Merge trailing dimensions that are contiguous into one run.
+        let mut run_elems = 1usize;
+        let mut outer = self.shape.len();
+        while outer > 0 {
+            let d = outer - 1;
+            if self.shape[d] == 1 || self.strides[d] == run_elems as isize {
+                run_elems *= self.shape[d];
+                outer = d;
+            } else {
+                break;
+            }
+        }
+        let run_bytes = run_elems * size;
+        let outer_shape = &self.shape[..outer];
+        let outer_strides = &self.strides[..outer];
+        let mut index = vec![0usize; outer];
+        loop {
+            let elem: isize = index
+                .iter()
+                .zip(outer_strides)
+                .map(|(&i, &s)| i as isize * s)
+                .sum();
+            let start = (self.offset as isize + elem * size as isize) as usize;
+            f(&all[start..start + run_bytes])?;
+            // Advance the outer index in C order.
+            let mut d = outer;
+            loop {
+                if d == 0 {
+                    return Ok(());
+                }
+                d -= 1;
+                index[d] += 1;
+                if index[d] < outer_shape[d] {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+    }
+
+    fn host_bytes_or_err(&self) -> Result<&[u8]> {
+        self.storage
+            .host_bytes()
+            .ok_or_else(|| Error::DeviceUnavailable {
+                device: self.device().to_string(),
+                reason:
+                    "the tensor's memory is not on the host; move it with to(Device::Cpu) first"
+                        .into(),
+            })
+    }
+
+    /// A new contiguous, owned host copy that shares nothing with `self`.
+    pub fn deep_copy(&self) -> Result<Tensor> {
+        let mut buf = AlignedBuffer::zeroed(self.nbytes())?;
+        let dst = buf.as_mut_slice();
+        let mut at = 0;
+        self.for_each_run(|run| {
+            dst[at..at + run.len()].copy_from_slice(run);
+            at += run.len();
+            Ok(())
+        })?;
+        let shape = self.shape.clone();
+        let strides = contiguous_strides(&shape);
+        Tensor::from_storage(Arc::new(Storage::Owned(buf)), 0, self.dtype, shape, strides)
+    }
+
+    /// `self` when contiguous, else a contiguous copy.
+    pub fn to_contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            Ok(self.clone())
+        } else {
+            self.deep_copy()
+        }
+    }
+
+    /// The tensor on `device`: the same tensor when it is already there (unless `copy`),
+    /// else a copy. A copy never shares memory with `self`.
+    pub fn to(&self, device: Device, copy: bool) -> Result<Tensor> {
+        device.ensure_available()?;
+        match (self.device(), device) {
+            (from, to) if from == to && !copy => Ok(self.clone()),
+            (Device::Cpu, Device::Cpu) => self.deep_copy(),
+            (from, _) => {
+                from.ensure_available()?;
+                Err(Error::DeviceUnavailable {
+                    device: from.to_string(),
+                    reason: "device transfers are not built into this version yet".into(),
+                })
+            }
+        }
+    }
+
+    /// The elements in C order, converted from their bytes; `T` must match the dtype.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::UnsupportedDType {
+                key: String::new(),
+                dtype: self.dtype.to_string(),
+                reason: format!("asked for elements of {}", T::DTYPE),
+            });
+        }
+        let size = self.dtype.size();
+        let mut out = Vec::with_capacity(self.numel());
+        self.for_each_run(|run| {
+            out.extend(run.chunks_exact(size).map(T::from_le));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// A view with dimensions `a` and `b` swapped (shares storage; usually strided).
+    pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
+        if a >= self.shape.len() || b >= self.shape.len() {
+            return Err(Error::Layout {
+                reason: format!(
+                    "cannot swap dims {a} and {b} of a {}-d tensor",
+                    self.shape.len()
+                ),
+            });
+        }
+        let mut t = self.clone();
+        t.shape.swap(a, b);
+        t.strides.swap(a, b);
+        Ok(t)
+    }
+
+    /// A view of every `step`-th element along dimension `dim` (shares storage).
+    pub fn step(&self, dim: usize, step: usize) -> Result<Tensor> {
+        if dim >= self.shape.len() || step == 0 {
+            return Err(Error::Layout {
+                reason: format!(
+                    "bad step {step} on dim {dim} of a {}-d tensor",
+                    self.shape.len()
+                ),
+            });
+        }
+        let mut t = self.clone();
+        t.shape[dim] = self.shape[dim].div_ceil(step);
+        t.strides[dim] = self.strides[dim] * step as isize;
+        Ok(t)
+    }
+}
+
+/// The [lowest, one-past-highest) byte touched by a non-empty tensor, or `None` on overflow.
+fn byte_span(
+    offset: usize,
+    dtype: DType,
+    shape: &[usize],
+    strides: &[isize],
+) -> Option<(usize, usize)> {
+    let size = dtype.size() as i128;
+    let mut lo = offset as i128;
+    let mut hi = offset as i128;
+    for (&n, &s) in shape.iter().zip(strides) {
+        let reach = (n as i128 - 1).checked_mul(s as i128)?.checked_mul(size)?;
+        if reach < 0 {
+            lo += reach;
+        } else {
+            hi += reach;
+        }
+    }
+    if lo < 0 {
+        return None;
+    }
+    let hi = hi.checked_add(size)?;
+    Some((usize::try_from(lo).ok()?, usize::try_from(hi).ok()?))
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Tensor({}, shape={:?}, device={}{})",
+            self.dtype,
+            self.shape,
+            self.device(),
+            if self.is_contiguous() {
+                ""
+            } else {
+                ", strided"
+            }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_slice_keeps_values_and_is_contiguous() {
+        let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
+        assert!(t.is_contiguous());
+        assert_eq!(t.nbytes(), 24);
+        assert_eq!(
+            t.to_vec::<f32>().unwrap(),
+            vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        );
+    }
+
+    #[test]
+    fn a_transposed_view_shares_storage_and_reads_in_c_order() {
+        let t = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
+        let v = t.transpose(0, 1).unwrap();
+        assert!(Arc::ptr_eq(t.storage(), v.storage()));
+        assert!(!v.is_contiguous());
+        assert_eq!(v.to_vec::<i64>().unwrap(), vec![1, 4, 2, 5, 3, 6]);
+        let c = v.to_contiguous().unwrap();
+        assert!(c.is_contiguous());
+        assert_eq!(c.to_vec::<i64>().unwrap(), vec![1, 4, 2, 5, 3, 6]);
+    }
+
+    #[test]
+    fn a_stepped_view_reads_every_other_element() {
+        let t = Tensor::from_slice(&[0u8, 1, 2, 3, 4], &[5]).unwrap();
+        assert_eq!(t.step(0, 2).unwrap().to_vec::<u8>().unwrap(), vec![0, 2, 4]);
+    }
+
+    #[test]
+    fn deep_copy_shares_nothing() {
+        let t = Tensor::from_slice(&[1u16, 2], &[2]).unwrap();
+        let c = t.deep_copy().unwrap();
+        assert!(!Arc::ptr_eq(t.storage(), c.storage()));
+        assert_eq!(c.to_vec::<u16>().unwrap(), vec![1, 2]);
+    }
+
+    #[test]
+    fn to_the_same_device_without_copy_shares_storage() {
+        let t = Tensor::from_slice(&[1u16, 2], &[2]).unwrap();
+        let same = t.to(Device::Cpu, false).unwrap();
+        assert!(Arc::ptr_eq(t.storage(), same.storage()));
+        let copied = t.to(Device::Cpu, true).unwrap();
+        assert!(!Arc::ptr_eq(t.storage(), copied.storage()));
+    }
+
+    #[test]
+    fn a_view_past_the_storage_is_rejected() {
+        let t = Tensor::from_slice(&[1u8, 2, 3], &[3]).unwrap();
+        let err = Tensor::from_storage(t.storage().clone(), 1, DType::U8, vec![3], vec![1]);
+        assert!(matches!(err, Err(Error::Layout { .. })));
+    }
+
+    #[test]
+    fn zero_dim_and_empty_tensors_are_fine() {
+        let scalar = Tensor::from_slice(&[7i32], &[]).unwrap();
+        assert_eq!(scalar.numel(), 1);
+        assert_eq!(scalar.to_vec::<i32>().unwrap(), vec![7]);
+        let empty = Tensor::zeros(DType::F32, &[0, 5]).unwrap();
+        assert_eq!(empty.nbytes(), 0);
+        assert_eq!(empty.to_vec::<f32>().unwrap(), Vec::<f32>::new());
+    }
+
+    #[test]
+    fn wrong_byte_count_is_a_layout_error() {
+        let err = Tensor::from_bytes(DType::F32, vec![2], &[0u8; 7]).unwrap_err();
+        assert!(err.to_string().contains("needs 8 bytes"));
+    }
+}

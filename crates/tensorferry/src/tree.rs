@@ -1,0 +1,487 @@
+//! `TensorDict`: an ordered, nested tree of tensors and plain values.
+//!
+//! Keys are any strings ("layer.0.weight" is one key); a node is a dict, a list or a
+//! tuple; a leaf is a tensor or a plain value. Paths address nested entries: list
+//! items by their index written as a string.
+
+use std::fmt;
+
+use indexmap::IndexMap;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+/// A non-tensor leaf: the values a safetensors header can record exactly.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// Python's `None`.
+    None,
+    /// A boolean.
+    Bool(bool),
+    /// An integer.
+    Int(i64),
+    /// A float, NaN and infinities included.
+    Float(f64),
+    /// A string.
+    Str(String),
+}
+
+/// One entry of a tree.
+#[derive(Clone, Debug)]
+pub enum Node {
+    /// A nested dictionary.
+    Dict(TensorDict),
+    /// A list.
+    List(Vec<Node>),
+    /// A tuple.
+    Tuple(Vec<Node>),
+    /// A tensor leaf.
+    Tensor(Tensor),
+    /// A plain-value leaf.
+    Value(Value),
+}
+
+/// The path of an entry: one key per level.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
+pub struct KeyPath(pub Vec<String>);
+
+impl KeyPath {
+    /// The path joined with ".", as tensor names in safetensors files are.
+    pub fn dotted(&self) -> String {
+        self.0.join(".")
+    }
+
+    fn child(&self, key: &str) -> KeyPath {
+        let mut p = self.0.clone();
+        p.push(key.to_string());
+        KeyPath(p)
+    }
+}
+
+impl fmt::Display for KeyPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.join("/"))
+    }
+}
+
+/// An ordered dictionary of string keys to [`Node`]s.
+#[derive(Clone, Debug, Default)]
+pub struct TensorDict {
+    entries: IndexMap<String, Node>,
+}
+
+impl From<Tensor> for Node {
+    fn from(t: Tensor) -> Self {
+        Node::Tensor(t)
+    }
+}
+impl From<TensorDict> for Node {
+    fn from(d: TensorDict) -> Self {
+        Node::Dict(d)
+    }
+}
+impl From<Value> for Node {
+    fn from(v: Value) -> Self {
+        Node::Value(v)
+    }
+}
+impl From<&str> for Node {
+    fn from(s: &str) -> Self {
+        Node::Value(Value::Str(s.to_string()))
+    }
+}
+impl From<String> for Node {
+    fn from(s: String) -> Self {
+        Node::Value(Value::Str(s))
+    }
+}
+impl From<i64> for Node {
+    fn from(i: i64) -> Self {
+        Node::Value(Value::Int(i))
+    }
+}
+impl From<f64> for Node {
+    fn from(x: f64) -> Self {
+        Node::Value(Value::Float(x))
+    }
+}
+impl From<bool> for Node {
+    fn from(b: bool) -> Self {
+        Node::Value(Value::Bool(b))
+    }
+}
+
+impl Node {
+    /// The tensor, if this node is one.
+    pub fn as_tensor(&self) -> Option<&Tensor> {
+        match self {
+            Node::Tensor(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The dictionary, if this node is one.
+    pub fn as_dict(&self) -> Option<&TensorDict> {
+        match self {
+            Node::Dict(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The child at `key`: a dict key, or a list/tuple index written as a string.
+    pub fn child(&self, key: &str) -> Option<&Node> {
+        match self {
+            Node::Dict(d) => d.entries.get(key),
+            Node::List(items) | Node::Tuple(items) => items.get(key.parse::<usize>().ok()?),
+            _ => None,
+        }
+    }
+
+    fn child_mut(&mut self, key: &str) -> Option<&mut Node> {
+        match self {
+            Node::Dict(d) => d.entries.get_mut(key),
+            Node::List(items) | Node::Tuple(items) => items.get_mut(key.parse::<usize>().ok()?),
+            _ => None,
+        }
+    }
+
+    /// Calls `f` on every tensor leaf with its path, in tree order.
+    pub fn visit_tensors<'a>(&'a self, f: &mut impl FnMut(&KeyPath, &'a Tensor)) {
+        self.visit_tensors_at(&KeyPath::default(), f);
+    }
+
+    fn visit_tensors_at<'a>(&'a self, path: &KeyPath, f: &mut impl FnMut(&KeyPath, &'a Tensor)) {
+        match self {
+            Node::Tensor(t) => f(path, t),
+            Node::Value(_) => {}
+            Node::Dict(d) => {
+                for (k, v) in &d.entries {
+                    v.visit_tensors_at(&path.child(k), f);
+                }
+            }
+            Node::List(items) | Node::Tuple(items) => {
+                for (i, v) in items.iter().enumerate() {
+                    v.visit_tensors_at(&path.child(&i.to_string()), f);
+                }
+            }
+        }
+    }
+
+    /// Every tensor leaf with its path, in tree order.
+    pub fn tensors(&self) -> Vec<(KeyPath, &Tensor)> {
+        let mut out = Vec::new();
+        self.visit_tensors(&mut |p, t| out.push((p.clone(), t)));
+        out
+    }
+
+    /// A new tree of the same shape whose tensors are `f(path, tensor)`; plain values are
+    /// cloned. The first error stops the map and is returned; `self` is never modified.
+    pub fn try_map_tensors(
+        &self,
+        f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
+    ) -> Result<Node> {
+        self.map_at(&KeyPath::default(), f)
+    }
+
+    fn map_at(
+        &self,
+        path: &KeyPath,
+        f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
+    ) -> Result<Node> {
+        Ok(match self {
+            Node::Tensor(t) => Node::Tensor(f(path, t)?),
+            Node::Value(v) => Node::Value(v.clone()),
+            Node::Dict(d) => {
+                let mut out = IndexMap::with_capacity(d.entries.len());
+                for (k, v) in &d.entries {
+                    out.insert(k.clone(), v.map_at(&path.child(k), f)?);
+                }
+                Node::Dict(TensorDict { entries: out })
+            }
+            Node::List(items) => Node::List(map_items(items, path, f)?),
+            Node::Tuple(items) => Node::Tuple(map_items(items, path, f)?),
+        })
+    }
+}
+
+fn map_items(
+    items: &[Node],
+    path: &KeyPath,
+    f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
+) -> Result<Vec<Node>> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v.map_at(&path.child(&i.to_string()), f))
+        .collect()
+}
+
+impl TensorDict {
+    /// An empty dictionary.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of top-level entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when there are no top-level entries.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Inserts at a top-level key, keeping the key's position if it existed; returns the old node.
+    pub fn insert(&mut self, key: impl Into<String>, node: impl Into<Node>) -> Option<Node> {
+        self.entries.insert(key.into(), node.into())
+    }
+
+    /// Inserts at a nested path, creating missing dictionaries on the way.
+    pub fn insert_path(&mut self, path: &[&str], node: impl Into<Node>) -> Result<Option<Node>> {
+        let (last, parents) = path.split_last().ok_or_else(|| Error::KeyNotFound {
+            path: String::new(),
+        })?;
+        let mut dict = self;
+        for (depth, key) in parents.iter().enumerate() {
+            let slot = dict
+                .entries
+                .entry(key.to_string())
+                .or_insert_with(|| Node::Dict(TensorDict::new()));
+            dict = match slot {
+                Node::Dict(d) => d,
+                _ => {
+                    return Err(Error::InvalidValue {
+                        key: path[..=depth].join("/"),
+                        reason: "is not a dictionary, cannot insert below it".into(),
+                    })
+                }
+            };
+        }
+        Ok(dict.insert(*last, node))
+    }
+
+    /// The node at a top-level key.
+    pub fn get(&self, key: &str) -> Option<&Node> {
+        self.entries.get(key)
+    }
+
+    /// The node at a nested path (`&["model", "layer.0.weight"]`).
+    pub fn get_path(&self, path: &[&str]) -> Option<&Node> {
+        let (first, rest) = path.split_first()?;
+        rest.iter()
+            .try_fold(self.entries.get(*first)?, |node, k| node.child(k))
+    }
+
+    /// The tensor at a nested path, or `None` when absent or not a tensor.
+    pub fn tensor(&self, path: &[&str]) -> Option<&Tensor> {
+        self.get_path(path)?.as_tensor()
+    }
+
+    /// Removes a top-level key, keeping the order of the others.
+    pub fn remove(&mut self, key: &str) -> Option<Node> {
+        self.entries.shift_remove(key)
+    }
+
+    /// Removes the entry at a nested path (dict entries only at the last level).
+    pub fn remove_path(&mut self, path: &[&str]) -> Result<Node> {
+        let not_found = || Error::KeyNotFound {
+            path: path.join("/"),
+        };
+        let (last, parents) = path.split_last().ok_or_else(not_found)?;
+        if parents.is_empty() {
+            return self.remove(last).ok_or_else(not_found);
+        }
+        let (first, rest) = parents.split_first().expect("non-empty");
+        let mut node = self.entries.get_mut(*first).ok_or_else(not_found)?;
+        for k in rest {
+            node = node.child_mut(k).ok_or_else(not_found)?;
+        }
+        match node {
+            Node::Dict(d) => d.remove(last).ok_or_else(not_found),
+            Node::List(items) => match last.parse::<usize>() {
+                Ok(i) if i < items.len() => Ok(items.remove(i)),
+                _ => Err(not_found()),
+            },
+            _ => Err(not_found()),
+        }
+    }
+
+    /// The top-level keys in order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.entries.keys().map(String::as_str)
+    }
+
+    /// The top-level entries in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Node)> {
+        self.entries.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// Every tensor leaf with its full path, in tree order.
+    pub fn tensors(&self) -> Vec<(KeyPath, &Tensor)> {
+        let mut out = Vec::new();
+        for (k, v) in &self.entries {
+            let base = KeyPath(vec![k.clone()]);
+            v.visit_tensors_at(&base, &mut |p, t| out.push((p.clone(), t)));
+        }
+        out
+    }
+
+    /// Number of tensor leaves at any depth.
+    pub fn tensor_count(&self) -> usize {
+        self.tensors().len()
+    }
+
+    /// Bytes of all tensor leaves.
+    pub fn nbytes(&self) -> usize {
+        self.tensors().iter().map(|(_, t)| t.nbytes()).sum()
+    }
+
+    /// The device all tensors share, or `None` when they are mixed or there are none.
+    pub fn device(&self) -> Option<Device> {
+        let tensors = self.tensors();
+        let first = tensors.first()?.1.device();
+        tensors
+            .iter()
+            .all(|(_, t)| t.device() == first)
+            .then_some(first)
+    }
+
+    /// A new dictionary whose tensors are `f(path, tensor)`; `self` is left as it is.
+    pub fn try_map_tensors(
+        &self,
+        mut f: impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
+    ) -> Result<TensorDict> {
+        let mut out = IndexMap::with_capacity(self.entries.len());
+        for (k, v) in &self.entries {
+            out.insert(k.clone(), v.map_at(&KeyPath(vec![k.clone()]), &mut f)?);
+        }
+        Ok(TensorDict { entries: out })
+    }
+
+    /// The dictionary with every tensor on `device`; tensors already there are shared
+    /// unless `copy`. The source is never modified; on error nothing half-built is returned.
+    pub fn to(&self, device: Device, copy: bool) -> Result<TensorDict> {
+        self.try_map_tensors(|_, t| t.to(device, copy))
+    }
+}
+
+impl FromIterator<(String, Node)> for TensorDict {
+    fn from_iter<I: IntoIterator<Item = (String, Node)>>(iter: I) -> Self {
+        TensorDict {
+            entries: iter.into_iter().collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: &[f32]) -> Tensor {
+        Tensor::from_slice(v, &[v.len()]).unwrap()
+    }
+
+    fn sample() -> TensorDict {
+        let mut d = TensorDict::new();
+        d.insert_path(&["model", "layer.0.weight"], t(&[1.0, 2.0]))
+            .unwrap();
+        d.insert_path(&["model", "layer.0.bias"], t(&[3.0]))
+            .unwrap();
+        d.insert("step", 10i64);
+        d.insert("name", "run-1");
+        d.insert(
+            "history",
+            Node::List(vec![
+                Node::Tensor(t(&[4.0])),
+                Node::Value(Value::Float(0.5)),
+            ]),
+        );
+        d
+    }
+
+    #[test]
+    fn dotted_keys_are_one_key() {
+        let d = sample();
+        assert!(d.tensor(&["model", "layer.0.weight"]).is_some());
+        assert!(d.get_path(&["model", "layer", "0", "weight"]).is_none());
+    }
+
+    #[test]
+    fn tensors_come_in_tree_order_with_their_paths() {
+        let d = sample();
+        let paths: Vec<String> = d.tensors().iter().map(|(p, _)| p.to_string()).collect();
+        assert_eq!(
+            paths,
+            ["model/layer.0.weight", "model/layer.0.bias", "history/0"]
+        );
+        assert_eq!(d.tensor_count(), 3);
+        assert_eq!(d.nbytes(), 16);
+    }
+
+    #[test]
+    fn list_items_are_addressed_by_index() {
+        let d = sample();
+        assert_eq!(
+            d.tensor(&["history", "0"])
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
+            vec![4.0]
+        );
+        assert!(d.get_path(&["history", "7"]).is_none());
+    }
+
+    #[test]
+    fn remove_keeps_the_order_of_the_rest() {
+        let mut d = sample();
+        d.remove_path(&["model", "layer.0.weight"]).unwrap();
+        assert!(d.remove("step").is_some());
+        assert_eq!(d.keys().collect::<Vec<_>>(), ["model", "name", "history"]);
+        assert!(matches!(
+            d.remove_path(&["nope"]),
+            Err(Error::KeyNotFound { .. })
+        ));
+    }
+
+    #[test]
+    fn insert_below_a_leaf_is_an_error() {
+        let mut d = sample();
+        assert!(d.insert_path(&["step", "x"], 1i64).is_err());
+    }
+
+    #[test]
+    fn map_builds_a_new_tree_and_leaves_the_source_alone() {
+        let d = sample();
+        let copied = d.to(Device::Cpu, true).unwrap();
+        let a = d.tensor(&["model", "layer.0.bias"]).unwrap();
+        let b = copied.tensor(&["model", "layer.0.bias"]).unwrap();
+        assert!(!std::sync::Arc::ptr_eq(a.storage(), b.storage()));
+        assert!(matches!(copied.get("name"), Some(Node::Value(Value::Str(s))) if s == "run-1"));
+    }
+
+    #[test]
+    fn a_failing_map_returns_the_error_and_no_tree() {
+        let d = sample();
+        let mut n = 0;
+        let res = d.try_map_tensors(|p, t| {
+            n += 1;
+            if n == 2 {
+                Err(Error::KeyNotFound {
+                    path: p.to_string(),
+                })
+            } else {
+                Ok(t.clone())
+            }
+        });
+        assert!(matches!(res, Err(Error::KeyNotFound { path }) if path == "model/layer.0.bias"));
+        assert_eq!(d.tensor_count(), 3);
+    }
+
+    #[test]
+    fn device_is_the_shared_one() {
+        assert_eq!(sample().device(), Some(Device::Cpu));
+        assert_eq!(TensorDict::new().device(), None);
+    }
+}

@@ -1,0 +1,58 @@
+//! Hostile and broken files: every one is a clear `Format` error, never a panic.
+
+use std::path::PathBuf;
+
+use tensorferry::{load_node, Error, LoadOptions};
+
+fn corpus() -> Vec<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 25, "the corpus is missing");
+    files
+}
+
+#[test]
+fn every_broken_file_is_a_format_error_in_both_modes() {
+    for path in corpus() {
+        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+        for mmap in [true, false] {
+            let result = load_node(&path, LoadOptions { mmap });
+            if name.starts_with("valid_") {
+                assert!(result.is_ok(), "{name} (mmap={mmap}): {:?}", result.err());
+            } else {
+                match result {
+                    Err(Error::Format { at, reason }) => {
+                        assert!(!at.is_empty() && !reason.is_empty(), "{name}")
+                    }
+                    other => panic!("{name} (mmap={mmap}) gave {other:?}"),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn errors_name_the_offset_or_the_tensor_at_fault() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
+    let msg = |f: &str| {
+        load_node(dir.join(f), LoadOptions::default())
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(msg("header_past_end.safetensors").contains("byte 0"));
+    assert!(msg("gap_between_tensors.safetensors").contains("gap of 2 bytes"));
+    assert!(msg("trailing_bytes.safetensors").contains("7 trailing bytes"));
+    assert!(msg("shape_times_dtype_mismatch.safetensors").contains("tensor \"a\""));
+    assert!(msg("overlapping_offsets.safetensors").contains("\"b\""));
+}
+
+#[test]
+fn a_missing_file_is_an_io_error_naming_it() {
+    let err = load_node("/nonexistent/x.safetensors", LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }));
+    assert!(err.to_string().contains("/nonexistent/x.safetensors"));
+}

@@ -1,0 +1,256 @@
+//! Saving and loading safetensors files: exact round trips and interoperability.
+
+use std::collections::BTreeMap;
+
+use tensorferry::{
+    load, load_node, save, save_node, DType, LoadOptions, Node, SaveOptions, Tensor, TensorDict,
+    Value,
+};
+
+fn f32s(v: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_slice(v, shape).unwrap()
+}
+
+fn sample() -> TensorDict {
+    let mut d = TensorDict::new();
+    d.insert_path(
+        &["model", "layer.0.weight"],
+        f32s(&[1.0, 2.0, 3.0, 4.0], &[2, 2]),
+    )
+    .unwrap();
+    d.insert_path(
+        &["model", "layer.0.bias"],
+        Tensor::from_slice(&[7i64, 8], &[2]).unwrap(),
+    )
+    .unwrap();
+    d.insert(
+        "mask",
+        Tensor::from_slice(&[true, false, true], &[3]).unwrap(),
+    );
+    d.insert("step", 12i64);
+    d.insert("lr", f64::NAN);
+    d.insert("name", "run");
+    d.insert("none", Node::Value(Value::None));
+    d.insert(
+        "history",
+        Node::Tuple(vec![
+            Node::Tensor(f32s(&[0.5], &[])),
+            Node::Value(Value::Float(f64::NEG_INFINITY)),
+        ]),
+    );
+    d
+}
+
+fn assert_same(a: &TensorDict, b: &TensorDict) {
+    let ta = a.tensors();
+    let tb = b.tensors();
+    assert_eq!(ta.len(), tb.len());
+    for ((pa, x), (pb, y)) in ta.iter().zip(&tb) {
+        assert_eq!(pa, pb);
+        assert_eq!(x.dtype(), y.dtype());
+        assert_eq!(x.shape(), y.shape());
+        assert_eq!(
+            x.deep_copy().unwrap().contiguous_bytes(),
+            y.deep_copy().unwrap().contiguous_bytes()
+        );
+    }
+}
+
+#[test]
+fn a_saved_tree_loads_back_exactly_with_and_without_mmap() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.safetensors");
+    let d = sample();
+    save(&d, &path, &SaveOptions::default()).unwrap();
+    for mmap in [true, false] {
+        let (back, meta) = load(&path, LoadOptions { mmap }).unwrap();
+        assert!(meta.is_empty());
+        assert_same(&d, &back);
+        assert_eq!(
+            back.keys().collect::<Vec<_>>(),
+            d.keys().collect::<Vec<_>>()
+        );
+        assert!(matches!(
+            back.get("step"),
+            Some(Node::Value(Value::Int(12)))
+        ));
+        assert!(matches!(back.get("lr"), Some(Node::Value(Value::Float(x))) if x.is_nan()));
+        assert!(matches!(back.get("none"), Some(Node::Value(Value::None))));
+        match back.get("history") {
+            Some(Node::Tuple(items)) => {
+                assert!(matches!(items[1], Node::Value(Value::Float(x)) if x == f64::NEG_INFINITY))
+            }
+            other => panic!("history came back as {other:?}"),
+        }
+        let w = back.tensor(&["model", "layer.0.weight"]).unwrap();
+        assert_eq!(w.is_read_only(), mmap);
+    }
+}
+
+#[test]
+fn user_metadata_is_kept_and_the_reserved_key_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    let mut opts = SaveOptions::default();
+    opts.metadata.insert("author".into(), "me".into());
+    save(&sample(), &path, &opts).unwrap();
+    let (_, meta) = load(&path, LoadOptions::default()).unwrap();
+    assert_eq!(
+        meta,
+        BTreeMap::from([("author".to_string(), "me".to_string())])
+    );
+    opts.metadata.insert("tensorferry".into(), "x".into());
+    assert!(save(&sample(), &path, &opts).is_err());
+}
+
+#[test]
+fn a_list_at_the_root_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l.safetensors");
+    let root = Node::List(vec![
+        Node::Tensor(f32s(&[1.0], &[1])),
+        Node::Value(Value::Str("x".into())),
+    ]);
+    save_node(&root, &path, &SaveOptions::default()).unwrap();
+    let back = load_node(&path, LoadOptions::default()).unwrap();
+    assert!(matches!(back.root, Node::List(ref items) if items.len() == 2));
+    assert!(load(&path, LoadOptions::default()).is_err());
+}
+
+#[test]
+fn files_are_valid_for_the_official_reader_with_dotted_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("o.safetensors");
+    save(&sample(), &path, &SaveOptions::default()).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names = st.names();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "history.0",
+            "mask",
+            "model.layer.0.bias",
+            "model.layer.0.weight"
+        ]
+    );
+    let w = st.tensor("model.layer.0.weight").unwrap();
+    assert_eq!(w.shape(), &[2, 2]);
+    let expected: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    assert_eq!(w.data(), &expected[..]);
+}
+
+#[test]
+fn files_of_the_official_writer_load_as_flat_dicts_keeping_dots() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("official.safetensors");
+    let data: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &data).unwrap();
+    safetensors::serialize_to_file([("a.b.c", view)], None, &path).unwrap();
+    let (d, _) = load(&path, LoadOptions::default()).unwrap();
+    assert_eq!(d.keys().collect::<Vec<_>>(), ["a.b.c"]);
+    assert_eq!(
+        d.tensor(&["a.b.c"]).unwrap().to_vec::<f32>().unwrap(),
+        vec![1.0, 2.0]
+    );
+}
+
+#[test]
+fn strided_tensors_are_written_in_c_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.safetensors");
+    let m = Tensor::from_slice(&[1u16, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
+    let mut d = TensorDict::new();
+    d.insert("t", m.transpose(0, 1).unwrap());
+    save(&d, &path, &SaveOptions::default()).unwrap();
+    let (back, _) = load(&path, LoadOptions::default()).unwrap();
+    assert_eq!(
+        back.tensor(&["t"]).unwrap().to_vec::<u16>().unwrap(),
+        vec![1, 4, 2, 5, 3, 6]
+    );
+}
+
+#[test]
+fn colliding_names_complex128_and_bad_roots_fail_before_touching_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.safetensors");
+    std::fs::write(&path, b"previous").unwrap();
+    let mut d = TensorDict::new();
+    d.insert("a.b", f32s(&[1.0], &[1]));
+    d.insert_path(&["a", "b"], f32s(&[2.0], &[1])).unwrap();
+    let err = save(&d, &path, &SaveOptions::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("a.b") && err.to_string().contains("a/b"),
+        "{err}"
+    );
+    let mut c = TensorDict::new();
+    c.insert("z", Tensor::zeros(DType::Complex128, &[1]).unwrap());
+    let err = save(&c, &path, &SaveOptions::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("complex128") && err.to_string().contains('z'),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), b"previous");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "no temporary file is left"
+    );
+}
+
+#[test]
+fn a_failed_write_leaves_the_previous_file_and_no_temporary() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keep.safetensors");
+    save(&sample(), &path, &SaveOptions::default()).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    // A view whose storage is foreign device memory cannot be written: the save fails.
+    let mut bad = sample();
+    let dev = unsafe {
+        tensorferry::storage::ForeignMemory::new(
+            std::ptr::null_mut(),
+            4,
+            tensorferry::Device::Cuda(0),
+            true,
+            Box::new(()),
+        )
+    };
+    let t = Tensor::from_storage(
+        std::sync::Arc::new(tensorferry::Storage::Foreign(dev)),
+        0,
+        DType::F32,
+        vec![1],
+        vec![1],
+    )
+    .unwrap();
+    bad.insert("gpu", t);
+    assert!(save(&bad, &path, &SaveOptions::default()).is_err());
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
+
+#[test]
+fn saving_over_a_folder_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(save(&sample(), dir.path(), &SaveOptions::default()).is_err());
+}
+
+#[test]
+fn empty_dicts_and_empty_tensors_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("e.safetensors");
+    let mut d = TensorDict::new();
+    d.insert("empty", Tensor::zeros(DType::F16, &[0, 3]).unwrap());
+    d.insert("sub", TensorDict::new());
+    save(&d, &path, &SaveOptions::default()).unwrap();
+    for mmap in [true, false] {
+        let (back, _) = load(&path, LoadOptions { mmap }).unwrap();
+        assert_eq!(back.tensor(&["empty"]).unwrap().shape(), &[0, 3]);
+        assert!(matches!(back.get("sub"), Some(Node::Dict(s)) if s.is_empty()));
+    }
+}
