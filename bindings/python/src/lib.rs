@@ -1,1 +1,140 @@
+//! The native core of the `tensorferry` Python package: a thin adapter that converts
+//! Python objects and errors; every behaviour lives in the `tensorferry` crate.
 
+mod dlpack;
+mod errors;
+mod tensor;
+mod tree;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use tensorferry::backend::cuda;
+use tensorferry::{Device, LoadOptions, Node, SaveOptions};
+
+use errors::{guard, IntoPy};
+use tensor::PyTensor;
+
+/// The canonical form of a device string; raises `InvalidDeviceError` for a bad one.
+#[pyfunction]
+fn parse_device(device: &str) -> PyResult<String> {
+    guard(|| device.parse::<Device>().py_err().map(|d| d.to_string()))
+}
+
+/// Raises `DeviceUnavailableError` (with the reason) when `device` cannot be used now.
+#[pyfunction]
+fn ensure_device(device: &str) -> PyResult<String> {
+    guard(|| {
+        let d: Device = device.parse().py_err()?;
+        d.ensure_available().py_err()?;
+        Ok(d.to_string())
+    })
+}
+
+/// The devices present, host first.
+#[pyfunction]
+fn devices() -> Vec<String> {
+    tensorferry::available_devices()
+        .iter()
+        .map(|d| d.to_string())
+        .collect()
+}
+
+/// What the CUDA driver offers: `{"available": bool, "driver_version": str, "gpus": [...],
+/// "reason": str}`.
+#[pyfunction]
+fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    match cuda::status() {
+        cuda::CudaStatus::Available {
+            driver_version,
+            gpus,
+        } => {
+            d.set_item("available", true)?;
+            d.set_item("driver_version", cuda::version_string(*driver_version))?;
+            d.set_item("gpus", gpus.clone())?;
+        }
+        cuda::CudaStatus::Unavailable { reason } => {
+            d.set_item("available", false)?;
+            d.set_item("reason", reason)?;
+            d.set_item("gpus", Vec::<String>::new())?;
+        }
+    }
+    Ok(d)
+}
+
+/// Packs host tensors into one 64-byte-aligned buffer (several threads, no GIL) and
+/// returns views of it, in order. The result shares no memory with the input.
+#[pyfunction]
+fn pack(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<Vec<PyTensor>> {
+    guard(|| {
+        let list = Node::List(
+            tensors
+                .iter()
+                .map(|t| Node::Tensor(t.get().inner.clone()))
+                .collect(),
+        );
+        let packed = py
+            .detach(|| tensorferry::consolidate_node(&list))
+            .py_err()?;
+        Ok(packed
+            .tensors()
+            .into_iter()
+            .map(|(_, t)| PyTensor::new(t.clone()))
+            .collect())
+    })
+}
+
+/// Writes a tree of dict/list/tuple, `Tensor` and plain values as a safetensors file.
+#[pyfunction]
+#[pyo3(signature = (tree, path, metadata=None, fsync=true))]
+fn save(
+    py: Python<'_>,
+    tree: &Bound<'_, PyAny>,
+    path: PathBuf,
+    metadata: Option<BTreeMap<String, String>>,
+    fsync: bool,
+) -> PyResult<()> {
+    guard(|| {
+        let root = tree::node_from_py(tree, &mut Vec::new())?;
+        let options = SaveOptions {
+            metadata: metadata.unwrap_or_default(),
+            fsync,
+        };
+        py.detach(|| tensorferry::save_node(&root, &path, &options))
+            .py_err()
+    })
+}
+
+/// Reads a safetensors file: `(tree, metadata)` with `Tensor` leaves.
+#[pyfunction]
+#[pyo3(signature = (path, mmap=true))]
+fn load(
+    py: Python<'_>,
+    path: PathBuf,
+    mmap: bool,
+) -> PyResult<(Py<PyAny>, BTreeMap<String, String>)> {
+    guard(|| {
+        let loaded = py
+            .detach(|| tensorferry::load_node(&path, LoadOptions { mmap }))
+            .py_err()?;
+        Ok((tree::node_to_py(py, loaded.root)?, loaded.metadata))
+    })
+}
+
+/// The native module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyTensor>()?;
+    m.add_function(wrap_pyfunction!(parse_device, m)?)?;
+    m.add_function(wrap_pyfunction!(ensure_device, m)?)?;
+    m.add_function(wrap_pyfunction!(devices, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
+    m.add_function(wrap_pyfunction!(pack, m)?)?;
+    m.add_function(wrap_pyfunction!(save, m)?)?;
+    m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

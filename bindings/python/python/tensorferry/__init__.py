@@ -1,0 +1,45 @@
+"""tensorferry: move whole dictionaries of tensors between GPU memory, host memory and
+safetensors files, fast, safely, whatever framework made the tensors.
+
+>>> import numpy as np, tensorferry as tf
+>>> state = {"model": {"layer.0.weight": np.ones((2, 2), np.float32)}, "step": 10, "tag": "run-1"}
+>>> host = tf.to_host(state, copy=True)
+>>> host["tag"] is state["tag"]
+True
+"""
+
+from . import _native
+from ._api import devices, load, metadata, save, to_device, to_host, to_numpy
+from ._errors import (
+    DeviceUnavailableError,
+    FormatError,
+    InvalidDeviceError,
+    OutOfMemoryError,
+    TensorferryError,
+    TensorferryIOError,
+    TensorferryKeyError,
+)
+from ._tensordict import TensorDict
+
+Tensor = _native.Tensor
+__version__ = _native.__version__
+
+__all__ = [
+    "DeviceUnavailableError",
+    "FormatError",
+    "InvalidDeviceError",
+    "OutOfMemoryError",
+    "Tensor",
+    "TensorDict",
+    "TensorferryError",
+    "TensorferryIOError",
+    "TensorferryKeyError",
+    "__version__",
+    "devices",
+    "load",
+    "metadata",
+    "save",
+    "to_device",
+    "to_host",
+    "to_numpy",
+]

@@ -1,0 +1,270 @@
+"""The public functions: moving, converting, saving and loading nested tensor trees."""
+
+import json
+import os
+
+import numpy as np
+
+from . import _frameworks as fw
+from . import _native
+from ._errors import FormatError
+from ._tree import collect, dotted, rebuild, shown, container_kind, _LIST, _TUPLE
+
+_FRAMEWORKS_KEY = "tensorferry.frameworks"
+_RESERVED_PREFIX = "tensorferry"
+
+
+def _is_tensor(obj, path):
+    return fw.kind_of(obj) is not None
+
+
+def _move(leaves, target, copy):
+    """Moves ``[(path, leaf)]`` to ``target``; returns ``{id(leaf): result}``.
+
+    Leaves already on the target stay as they are unless ``copy``. Everything that
+    must be copied goes through one native call: one buffer, one planned transfer.
+    """
+    pending = []
+    out = {}
+    for path, leaf in leaves:
+        kind = fw.kind_of(leaf)
+        if fw.device_of(leaf, kind) == target and not copy:
+            out[id(leaf)] = leaf
+            continue
+        pending.append((path, leaf, kind))
+    if not pending:
+        return out
+    if target != "cpu":
+        _native.ensure_device(target)
+    natives = [fw.to_native(leaf, kind) for _, leaf, kind in pending]
+    for (path, _, _), t in zip(pending, natives):
+        if t.device != "cpu":
+            # The device engine moves device memory; until it is present, say why not.
+            _native.ensure_device(t.device)
+    moved = _native.pack(natives)
+    for (path, leaf, kind), t in zip(pending, moved):
+        out[id(leaf)] = fw.from_native(t, kind, shown(path))
+    return out
+
+
+def to_host(obj, *, non_blocking=False, copy=False):
+    """Moves every tensor in ``obj`` to host memory, keeping the structure.
+
+    ``obj`` is any nesting of dicts (any Mapping), lists and tuples (namedtuples kept).
+    Tensor leaves (tensorferry, NumPy, PyTorch, JAX, CuPy, any DLPack exporter) come back
+    in their own framework (CuPy as NumPy); every other leaf is returned as the very same
+    object. Tensors already on the host are returned as they are unless ``copy=True``,
+    in which case no result shares memory with the input. The source is never modified.
+
+    >>> import numpy as np, tensorferry as tf
+    >>> out = tf.to_host({"w": np.ones(2, np.float32), "name": "run-1"}, copy=True)
+    >>> out["w"], out["name"]
+    (array([1., 1.], dtype=float32), 'run-1')
+    """
+    leaves = collect(obj, _is_tensor)
+    return rebuild(obj, _move(leaves, "cpu", copy))
+
+
+def to_numpy(obj):
+    """Like :func:`to_host`, then every tensor leaf becomes a ``numpy.ndarray``.
+
+    Host memory is shared, not copied (read-only arrays for read-only memory such as a
+    memory-mapped file). bfloat16 and float8 become ``ml_dtypes`` arrays.
+
+    >>> import tensorferry as tf
+    >>> tf.to_numpy({"t": tf.Tensor.from_numpy(np.arange(3))})["t"]
+    array([0, 1, 2])
+    """
+    leaves = collect(obj, _is_tensor)
+    out = {}
+    for path, leaf in leaves:
+        kind = fw.kind_of(leaf)
+        if kind == fw.NUMPY:
+            continue
+        out[id(leaf)] = _leaf_to_numpy(leaf, kind, path)
+    return rebuild(obj, out)
+
+
+def _leaf_to_numpy(leaf, kind, path):
+    if fw.device_of(leaf, kind) != "cpu":
+        leaf = _move([(path, leaf)], "cpu", False)[id(leaf)]
+    if kind == fw.TORCH and str(leaf.dtype) not in ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2"):
+        return leaf.detach().resolve_conj().resolve_neg().numpy()
+    if kind == fw.JAX:
+        return np.asarray(leaf)
+    return fw.from_native(fw.to_native(leaf, kind), fw.NUMPY, shown(path))
+
+
+def _is_number(x):
+    return type(x) in (int, float, bool) or isinstance(x, (int, float))
+
+
+def _numeric_data(obj):
+    """True for a non-empty list/tuple (not a namedtuple) holding only numbers and
+    such lists: data to become one tensor."""
+    kind = container_kind(obj)
+    if kind not in (_LIST, _TUPLE) or not obj:
+        return False
+    for x in obj:
+        if _is_number(x):
+            continue
+        if not _numeric_data(x):
+            return False
+    return True
+
+
+_STANDARD = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}
+
+
+def _data_to_tensor(data, path):
+    try:
+        arr = np.asarray(data)
+    except ValueError as e:
+        raise FormatError(f"ragged list at {shown(path)!r} cannot become a tensor: {e}") from None
+    if arr.dtype.kind not in _STANDARD:
+        raise FormatError(f"ragged list at {shown(path)!r} cannot become a tensor (rows differ in length)")
+    arr = np.ascontiguousarray(arr, dtype=_STANDARD[arr.dtype.kind])
+    return fw.Tensor.from_numpy(arr)
+
+
+def to_device(obj, device, *, non_blocking=False, copy=False):
+    """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1").
+
+    Lists and tuples of Python numbers (rectangular, nested) become ``tensorferry.Tensor``
+    leaves in a standard dtype: float -> float32, int -> int64, bool -> bool; a ragged
+    list is a :class:`FormatError` naming its key, and an empty list stays a list.
+    Tensors already on ``device`` are returned as they are unless ``copy=True``. A bad
+    device string raises :class:`InvalidDeviceError`; an absent device raises
+    :class:`DeviceUnavailableError` with the reason.
+
+    >>> import tensorferry as tf
+    >>> out = tf.to_device({"embedding_1": [1.0, 2.0, 3.0], "ids": [[1, 2], [3, 4]]}, "cpu")
+    >>> out["embedding_1"].dtype, out["ids"].dtype, out["ids"].shape
+    ('float32', 'int64', (2, 2))
+    """
+    target = _native.parse_device(device)
+    _native.ensure_device(target)
+
+    def select(x, path):
+        return fw.kind_of(x) is not None or _numeric_data(x)
+
+    leaves = collect(obj, select)
+    tensors = []
+    out = {}
+    for path, leaf in leaves:
+        if fw.kind_of(leaf) is None:
+            t = _data_to_tensor(leaf, path)
+            out[id(leaf)] = t if target == "cpu" else _move([(path, t)], target, False)[id(t)]
+        else:
+            tensors.append((path, leaf))
+    out.update(_move(tensors, target, copy))
+    return rebuild(obj, out)
+
+
+def _native_tree(obj, frameworks):
+    """The tree for the native writer: plain containers, native host tensors."""
+    leaves = collect(obj, _is_tensor)
+    natives = {}
+    for path, leaf in leaves:
+        kind = fw.kind_of(leaf)
+        if fw.device_of(leaf, kind) != "cpu":
+            leaf_host = _move([(path, leaf)], "cpu", False)[id(leaf)]
+            natives[id(leaf)] = fw.to_native(leaf_host, fw.kind_of(leaf_host))
+        else:
+            natives[id(leaf)] = fw.to_native(leaf, kind)
+        frameworks[dotted(path)] = fw.NUMPY if kind == fw.CUPY else kind
+    return rebuild(obj, natives, plain=True)
+
+
+def save(obj, path, *, metadata=None, fsync=True):
+    """Saves ``obj`` as a safetensors file at ``path``, atomically.
+
+    Nesting, container types, keys containing dots and plain values (str, int, float
+    including NaN and infinities, bool, None) are recorded, so :func:`load` returns the
+    same structure; other tools see tensors named by their key paths joined with ".".
+    ``metadata`` (str -> str) is stored beside. Anything else (an arbitrary object,
+    complex128) is a :class:`FormatError` naming its key: no pickle, ever. On failure the
+    previous file at ``path`` is left untouched.
+
+    >>> import os, tempfile, numpy as np, tensorferry as tf
+    >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
+    >>> tf.save({"model": {"layer.0.weight": np.ones((2, 2), np.float32)}, "step": 3}, p)
+    >>> tf.load(p)["step"]
+    3
+    """
+    if metadata is not None:
+        if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise FormatError("metadata must be a dict of str to str")
+        reserved = [k for k in metadata if k.startswith(_RESERVED_PREFIX)]
+        if reserved:
+            raise FormatError(f"metadata keys starting with 'tensorferry' are reserved: {reserved}")
+    frameworks = {}
+    tree = _native_tree(obj, frameworks)
+    meta = dict(metadata or {})
+    if frameworks:
+        meta[_FRAMEWORKS_KEY] = json.dumps(frameworks, separators=(",", ":"))
+    _native.save(tree, os.fspath(path), meta, fsync)
+
+
+_LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX)
+
+
+def load(path, *, device="cpu", mmap=True, like=None):
+    """Loads a safetensors file as plain containers (dict, list, tuple).
+
+    Files written by tensorferry come back in the structure that was saved, each tensor
+    in the framework it was saved from when that is importable; ``like="numpy" |
+    "torch" | "tensorferry" | "jax"`` overrides. Files of other tools load as a flat dict
+    whose keys keep their dots. Otherwise host tensors come back as NumPy arrays where
+    NumPy can hold the dtype (bfloat16/float8 through ml_dtypes), else as
+    ``tensorferry.Tensor``. With ``mmap=True`` tensors view the mapped file, read-only,
+    at a cost proportional to the header.
+
+    >>> import os, tempfile, numpy as np, tensorferry as tf
+    >>> p = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+    >>> tf.save({"x": np.arange(3)}, p)
+    >>> tf.load(p, like="tensorferry")["x"].dtype
+    'int64'
+    """
+    if like is not None and like not in _LIKE:
+        raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
+    tree, meta = _native.load(os.fspath(path), mmap)
+    try:
+        recorded = json.loads(meta.get(_FRAMEWORKS_KEY, "{}"))
+    except ValueError:
+        recorded = {}
+    leaves = collect(tree, _is_tensor)
+    out = {}
+    for p, t in leaves:
+        kind = like or recorded.get(dotted(p))
+        if kind is None or not fw.importable(kind) or kind not in _LIKE:
+            kind = fw.NUMPY if _numpy_can_hold(t.dtype) else fw.NATIVE
+        out[id(t)] = fw.from_native(t, kind, shown(p))
+    result = rebuild(tree, out)
+    if _native.parse_device(device) != "cpu":
+        result = to_device(result, device)
+    return result
+
+
+def _numpy_can_hold(dtype):
+    if dtype not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        return True
+    return fw.importable("ml_dtypes")
+
+
+def metadata(path):
+    """The user metadata (str -> str) stored in a safetensors file."""
+    _, meta = _native.load(os.fspath(path), True)
+    return {k: v for k, v in meta.items() if not k.startswith(_RESERVED_PREFIX)}
+
+
+def devices():
+    """The devices present, host first, e.g. ``["cpu"]`` or ``["cpu", "cuda:0"]``.
+
+    >>> import tensorferry as tf
+    >>> tf.devices()[0]
+    'cpu'
+    """
+    return _native.devices()

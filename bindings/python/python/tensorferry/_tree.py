@@ -1,0 +1,101 @@
+"""Walking nested containers: dicts (any Mapping), lists and tuples (namedtuples too).
+
+Two passes share one set of rules: ``collect`` finds the leaves an operation must
+change, and ``rebuild`` makes the new structure with the replacements, keeping every
+other leaf as the very same object and each container's own type where possible.
+"""
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+_DICT, _LIST, _TUPLE, _NAMEDTUPLE, _MAPPING, _LEAF = range(6)
+
+
+def container_kind(obj):
+    t = type(obj)
+    if t is dict:
+        return _DICT
+    if t is list:
+        return _LIST
+    if t is tuple:
+        return _TUPLE
+    if isinstance(obj, tuple):
+        return _NAMEDTUPLE if hasattr(t, "_fields") else _TUPLE
+    if isinstance(obj, list):
+        return _LIST
+    if isinstance(obj, Mapping):
+        return _MAPPING
+    return _LEAF
+
+
+def collect(obj, select, path=(), out=None):
+    """``[(path, leaf)]`` for every leaf (or data list) for which ``select(obj, path)``
+    is true, in traversal order. ``select`` sees containers too, so that it can claim a
+    list of numbers as one leaf."""
+    if out is None:
+        out = []
+    if select(obj, path):
+        out.append((path, obj))
+        return out
+    kind = container_kind(obj)
+    if kind == _DICT or kind == _MAPPING:
+        for k, v in obj.items():
+            collect(v, select, path + (k,), out)
+    elif kind != _LEAF:
+        for i, v in enumerate(obj):
+            collect(v, select, path + (i,), out)
+    return out
+
+
+def rebuild(obj, replacements, plain=False):
+    """A new structure like ``obj`` where each object whose ``id`` is in ``replacements``
+    is swapped for its replacement. With ``plain``, containers become dict/list/tuple."""
+    r = replacements.get(id(obj), _MISSING) if replacements else _MISSING
+    if r is not _MISSING:
+        return r
+    kind = container_kind(obj)
+    if kind == _LEAF:
+        return obj
+    if kind == _DICT:
+        return {k: rebuild(v, replacements, plain) for k, v in obj.items()}
+    if kind == _MAPPING:
+        items = {k: rebuild(v, replacements, plain) for k, v in obj.items()}
+        return items if plain else _same_mapping(obj, items)
+    items = [rebuild(v, replacements, plain) for v in obj]
+    t = type(obj)
+    if kind == _LIST:
+        return items if plain or t is list else _same_type(t, items, list)
+    if kind == _NAMEDTUPLE:
+        return tuple(items) if plain else t(*items)
+    return tuple(items) if plain or t is tuple else _same_type(t, items, tuple)
+
+
+_MISSING = object()
+
+
+def _same_mapping(obj, items):
+    """A mapping of ``obj``'s type holding ``items`` (a defaultdict keeps its factory);
+    a plain dict when the type cannot be built from items. Never touches ``obj``."""
+    try:
+        if isinstance(obj, defaultdict):
+            return type(obj)(obj.default_factory, items)
+        return type(obj)(items)
+    except Exception:
+        return items
+
+
+def _same_type(t, items, base):
+    try:
+        return t(items)
+    except Exception:
+        return base(items)
+
+
+def dotted(path):
+    """The file name of a key path: its parts joined with '.'."""
+    return ".".join(str(p) for p in path)
+
+
+def shown(path):
+    """A key path for messages: 'a/b/0'."""
+    return "/".join(str(p) for p in path) or "<root>"

@@ -1,0 +1,140 @@
+//! DLPack capsules: importing a producer's `__dlpack__` capsule without copying, and
+//! exporting tensorferry tensors as capsules. The C structures live in the core crate.
+
+use std::ffi::{c_void, CStr};
+
+use pyo3::exceptions::{PyBufferError, PyTypeError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use tensorferry::dlpack::{self, DLManagedTensor, DLManagedTensorVersioned, ManagedTensor};
+use tensorferry::Tensor;
+
+use crate::errors::IntoPy;
+
+const VERSIONED: &CStr = c"dltensor_versioned";
+const USED_VERSIONED: &CStr = c"used_dltensor_versioned";
+const LEGACY: &CStr = c"dltensor";
+const USED_LEGACY: &CStr = c"used_dltensor";
+
+/// Owns an imported managed tensor and releases it with the interpreter attached, since
+/// some producers' deleters (NumPy's) touch Python objects.
+struct ReleaseAttached(Option<ManagedTensor>);
+
+impl Drop for ReleaseAttached {
+    fn drop(&mut self) {
+        let mut slot = self.0.take();
+        if Python::try_attach(|_| drop(slot.take())).is_none() {
+            // The interpreter is gone: leaking is the only safe choice.
+            std::mem::forget(slot.take());
+        }
+    }
+}
+
+/// Imports a `dltensor_versioned` or `dltensor` capsule, marking it used.
+pub fn import_capsule(capsule: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let cap = capsule.as_ptr();
+    // SAFETY: `cap` is a live object (borrowed from `capsule`); `PyCapsule_IsValid` accepts
+    // any object and never raises.
+    let managed = unsafe {
+        if ffi::PyCapsule_IsValid(cap, VERSIONED.as_ptr()) == 1 {
+            let p =
+                ffi::PyCapsule_GetPointer(cap, VERSIONED.as_ptr()) as *mut DLManagedTensorVersioned;
+            if p.is_null() || ffi::PyCapsule_SetName(cap, USED_VERSIONED.as_ptr()) != 0 {
+                return Err(PyErr::fetch(capsule.py()));
+            }
+            ManagedTensor::Versioned(p)
+        } else if ffi::PyCapsule_IsValid(cap, LEGACY.as_ptr()) == 1 {
+            let p = ffi::PyCapsule_GetPointer(cap, LEGACY.as_ptr()) as *mut DLManagedTensor;
+            if p.is_null() || ffi::PyCapsule_SetName(cap, USED_LEGACY.as_ptr()) != 0 {
+                return Err(PyErr::fetch(capsule.py()));
+            }
+            ManagedTensor::Legacy(p)
+        } else {
+            return Err(PyTypeError::new_err(
+                "expected an unused DLPack capsule (\"dltensor\" or \"dltensor_versioned\")",
+            ));
+        }
+    };
+    // SAFETY: the capsule held an unconsumed managed tensor from a DLPack producer, and
+    // renaming it to "used_…" transferred ownership to us (the DLPack protocol).
+    unsafe { dlpack::import(managed, |m| Box::new(ReleaseAttached(Some(m)))) }.py_err()
+}
+
+/// Calls `obj.__dlpack__()`, asking for a versioned capsule first and retrying without
+/// `max_version` for producers that predate it (NumPy < 2, older PyTorch).
+pub fn import_object(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let py = obj.py();
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("max_version", (1, 1))?;
+    let capsule = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
+        Ok(c) => c,
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => obj.call_method0("__dlpack__")?,
+        Err(e) => return Err(e),
+    };
+    import_capsule(&capsule)
+}
+
+unsafe extern "C" fn destroy_versioned(cap: *mut ffi::PyObject) {
+    // SAFETY: called by Python once, when the capsule dies. Only an unconsumed capsule
+    // (still named "dltensor_versioned") owns its tensor; a consumer renamed it otherwise.
+    unsafe {
+        if ffi::PyCapsule_IsValid(cap, VERSIONED.as_ptr()) == 1 {
+            let p =
+                ffi::PyCapsule_GetPointer(cap, VERSIONED.as_ptr()) as *mut DLManagedTensorVersioned;
+            if let Some(d) = (*p).deleter {
+                d(p);
+            }
+        }
+    }
+}
+
+unsafe extern "C" fn destroy_legacy(cap: *mut ffi::PyObject) {
+    // SAFETY: as in `destroy_versioned`, for "dltensor".
+    unsafe {
+        if ffi::PyCapsule_IsValid(cap, LEGACY.as_ptr()) == 1 {
+            let p = ffi::PyCapsule_GetPointer(cap, LEGACY.as_ptr()) as *mut DLManagedTensor;
+            if let Some(d) = (*p).deleter {
+                d(p);
+            }
+        }
+    }
+}
+
+/// Wraps `t` in a DLPack capsule: versioned when the consumer asked for version ≥ 1,
+/// else the legacy form. Read-only memory cannot be flagged in the legacy form, so it
+/// is copied for such consumers unless `allow_copy` is false, which is an error.
+pub fn export_capsule(
+    py: Python<'_>,
+    t: &Tensor,
+    versioned: bool,
+    allow_copy: bool,
+) -> PyResult<Py<PyAny>> {
+    // SAFETY (both branches): the pointer comes from `export_*` and is owned by the new
+    // capsule, whose destructor releases it unless a consumer took it over.
+    unsafe {
+        let raw = if versioned {
+            let p = dlpack::export_versioned(t);
+            ffi::PyCapsule_New(
+                p as *mut c_void,
+                VERSIONED.as_ptr(),
+                Some(destroy_versioned),
+            )
+        } else {
+            let owned;
+            let src = if t.is_read_only() {
+                if !allow_copy {
+                    return Err(PyBufferError::new_err(
+                        "read-only memory cannot be exported through DLPack < 1.0 without a copy",
+                    ));
+                }
+                owned = py.detach(|| t.deep_copy()).py_err()?;
+                &owned
+            } else {
+                t
+            };
+            let p = dlpack::export_legacy(src);
+            ffi::PyCapsule_New(p as *mut c_void, LEGACY.as_ptr(), Some(destroy_legacy))
+        };
+        Bound::from_owned_ptr_or_err(py, raw).map(Bound::unbind)
+    }
+}
