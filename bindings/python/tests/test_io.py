@@ -1,0 +1,140 @@
+"""save/load: safetensors files, exact round trips, interop, atomicity, hostile files."""
+
+import glob
+import math
+import os
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+from conftest import CORPUS
+
+Pair = namedtuple("Pair", "a b")
+
+
+def test_a_nested_tree_round_trips_exactly(tmp_path, state):
+    p = tmp_path / "s.safetensors"
+    tf.save(state, p)
+    back = tf.load(p)
+    assert list(back) == list(state)
+    assert back["tag"] == "run-1" and back["none"] is None
+    assert back["optimizer"] == {"step": 7, "lr": 1e-3, "betas": (0.9, 0.999)}
+    assert type(back["optimizer"]["betas"]) is tuple
+    np.testing.assert_array_equal(back["model"]["layer.0.weight"], state["model"]["layer.0.weight"])
+    assert back["ids"].dtype == np.int64
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_special_floats_and_plain_values_round_trip(tmp_path, mmap):
+    p = tmp_path / "f.safetensors"
+    src = {"nan": float("nan"), "inf": float("inf"), "ninf": -math.inf, "b": True, "i": -3, "s": "é", "l": [1, [2.5, None]]}
+    tf.save(src, p)
+    back = tf.load(p, mmap=mmap)
+    assert math.isnan(back["nan"]) and back["inf"] == math.inf and back["ninf"] == -math.inf
+    assert back["b"] is True and back["i"] == -3 and back["s"] == "é" and back["l"] == [1, [2.5, None]]
+
+
+def test_other_mappings_and_namedtuples_come_back_as_their_base_type(tmp_path):
+    p = tmp_path / "m.safetensors"
+    tf.save({"od": OrderedDict(x=np.ones(1)), "nt": Pair(np.ones(1), 2)}, p)
+    back = tf.load(p)
+    assert type(back["od"]) is dict and type(back["nt"]) is tuple and back["nt"][1] == 2
+
+
+def test_the_official_package_reads_our_files_with_dotted_names(tmp_path, state):
+    st = pytest.importorskip("safetensors.numpy", reason="safetensors is not installed")
+    p = tmp_path / "o.safetensors"
+    tf.save(state, p)
+    flat = st.load_file(str(p))
+    assert set(flat) == {"model.layer.0.weight", "model.layer.0.bias", "ids"}
+    np.testing.assert_array_equal(flat["model.layer.0.weight"], state["model"]["layer.0.weight"])
+
+
+def test_files_of_the_official_package_load_flat_keeping_dots(tmp_path):
+    st = pytest.importorskip("safetensors.numpy", reason="safetensors is not installed")
+    p = tmp_path / "theirs.safetensors"
+    st.save_file({"a.b.c": np.arange(3, dtype=np.float32), "d": np.ones(2, np.int8)}, str(p), metadata={"k": "v"})
+    back = tf.load(p)
+    assert set(back) == {"a.b.c", "d"}
+    np.testing.assert_array_equal(back["a.b.c"], np.arange(3, dtype=np.float32))
+    assert tf.metadata(p) == {"k": "v"}
+
+
+def test_user_metadata_is_kept_and_reserved_keys_refused(tmp_path):
+    p = tmp_path / "meta.safetensors"
+    tf.save({"x": np.ones(1)}, p, metadata={"author": "me"})
+    assert tf.metadata(p) == {"author": "me"}
+    with pytest.raises(tf.FormatError, match="reserved"):
+        tf.save({"x": np.ones(1)}, p, metadata={"tensorferry": "x"})
+
+
+def test_colliding_names_are_an_error_naming_both(tmp_path):
+    with pytest.raises(tf.FormatError, match=r"a\.b.*a/b|a/b.*a\.b"):
+        tf.save({"a.b": np.ones(1), "a": {"b": np.ones(1)}}, tmp_path / "c.safetensors")
+
+
+def test_unsupported_values_are_errors_naming_key_and_type(tmp_path):
+    with pytest.raises(tf.FormatError, match=r"cfg/obj.*object"):
+        tf.save({"cfg": {"obj": object()}}, tmp_path / "x.safetensors")
+    with pytest.raises(tf.FormatError, match=r'complex128 at "z"'):
+        tf.save({"z": np.ones(2, np.complex128)}, tmp_path / "x.safetensors")
+    with pytest.raises(tf.FormatError, match="strings"):
+        tf.save({1: np.ones(1)}, tmp_path / "x.safetensors")
+
+
+def test_a_failed_save_leaves_the_previous_file_and_no_temporary(tmp_path):
+    p = tmp_path / "keep.safetensors"
+    tf.save({"x": np.arange(3)}, p)
+    before = p.read_bytes()
+    with pytest.raises(tf.FormatError):
+        tf.save({"x": np.arange(3), "bad": {1, 2}}, p)
+    assert p.read_bytes() == before
+    assert os.listdir(tmp_path) == ["keep.safetensors"]
+
+
+def test_framework_is_recorded_and_like_overrides(tmp_path, torch):
+    p = tmp_path / "t.safetensors"
+    tf.save({"t": torch.ones(2), "n": np.ones(2)}, p)
+    back = tf.load(p)
+    assert isinstance(back["t"], torch.Tensor) and isinstance(back["n"], np.ndarray)
+    assert isinstance(tf.load(p, like="numpy")["t"], np.ndarray)
+    assert isinstance(tf.load(p, like="tensorferry")["n"], tf.Tensor)
+
+
+def test_bfloat16_and_float8_round_trip_through_ml_dtypes(tmp_path, ml_dtypes):
+    p = tmp_path / "b.safetensors"
+    src = {
+        "bf": np.array([1.5, -2], dtype=ml_dtypes.bfloat16),
+        "e4": np.array([0.5, 1], dtype=ml_dtypes.float8_e4m3fn),
+        "e5": np.array([2, 4], dtype=ml_dtypes.float8_e5m2),
+    }
+    tf.save(src, p)
+    back = tf.load(p)
+    for k, v in src.items():
+        assert back[k].dtype == v.dtype
+        np.testing.assert_array_equal(back[k].astype(np.float32), v.astype(np.float32))
+
+
+def test_mmap_load_is_zero_copy_and_read_load_is_fresh_aligned_memory(tmp_path):
+    p = tmp_path / "z.safetensors"
+    tf.save({"x": np.arange(1000, dtype=np.float32)}, p)
+    mapped = tf.load(p, like="tensorferry")["x"]
+    read = tf.load(p, mmap=False, like="tensorferry")["x"]
+    assert mapped.is_read_only and not read.is_read_only
+    np.testing.assert_array_equal(mapped.numpy(), read.numpy())
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CORPUS, "*.safetensors"))), ids=os.path.basename)
+@pytest.mark.parametrize("mmap", [True, False])
+def test_hostile_files_raise_format_error(path, mmap):
+    if os.path.basename(path).startswith("valid_"):
+        tf.load(path, mmap=mmap)
+        return
+    with pytest.raises(tf.FormatError):
+        tf.load(path, mmap=mmap)
+
+
+def test_the_corpus_is_present():
+    assert len(glob.glob(os.path.join(CORPUS, "*.safetensors"))) >= 25

@@ -1,0 +1,78 @@
+"""Property tests: random nested trees of random dtypes and shapes survive save/load and
+to_host(copy=True) unchanged."""
+
+import math
+
+import numpy as np
+from hypothesis import given, settings, HealthCheck
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import tensorferry as tf
+
+DTYPES = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
+          np.float16, np.float32, np.float64, np.complex64]
+
+arrays = st.sampled_from(DTYPES).flatmap(
+    lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
+).flatmap(lambda a: st.sampled_from([a, a.T, a[::-1] if a.ndim else a]))
+
+plain = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text(max_size=5)
+keys = st.text(alphabet="ab.", min_size=1, max_size=3)
+
+trees = st.recursive(
+    arrays | plain,
+    lambda inner: st.lists(inner, max_size=3)
+    | st.tuples(inner, inner)
+    | st.dictionaries(keys, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def same(a, b):
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+    if isinstance(a, float):
+        return isinstance(b, float) and (a == b or (math.isnan(a) and math.isnan(b)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def collides(tree):
+    names = []
+
+    def walk(x, path):
+        if isinstance(x, np.ndarray):
+            names.append(".".join(path))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, path + [k])
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, path + [str(i)])
+
+    walk(tree, [])
+    return len(names) != len(set(names))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(keys, trees, max_size=4), st.booleans())
+def test_save_load_round_trip(tmp_path_factory, tree, mmap):
+    p = tmp_path_factory.mktemp("p") / "t.safetensors"
+    if collides(tree):
+        try:
+            tf.save(tree, p)
+        except tf.FormatError:
+            return
+        raise AssertionError("a name collision was not reported")
+    tf.save(tree, p, fsync=False)
+    assert same(tree, tf.load(p, mmap=mmap))
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees)
+def test_to_host_copy_keeps_values(tree):
+    assert same(tree, tf.to_host(tree, copy=True))

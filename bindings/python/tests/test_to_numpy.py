@@ -1,0 +1,62 @@
+"""to_numpy: every tensor leaf becomes a NumPy array, zero-copy for host memory."""
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+
+
+def test_native_tensors_become_arrays_sharing_memory():
+    t = tf.Tensor.from_numpy(np.arange(6, dtype=np.float64).reshape(2, 3))
+    arr = tf.to_numpy({"t": t})["t"]
+    assert isinstance(arr, np.ndarray) and arr.ctypes.data == t.data_ptr
+    np.testing.assert_array_equal(arr, np.arange(6).reshape(2, 3))
+
+
+def test_numpy_leaves_are_returned_as_is(state):
+    out = tf.to_numpy(state)
+    assert out["ids"] is state["ids"] and out["tag"] is state["tag"]
+
+
+def test_torch_tensors_become_arrays_sharing_memory(torch):
+    w = torch.arange(4, dtype=torch.float32)
+    arr = tf.to_numpy({"w": w})["w"]
+    assert isinstance(arr, np.ndarray) and arr.ctypes.data == w.data_ptr()
+
+
+def test_torch_bfloat16_becomes_an_ml_dtypes_array(torch, ml_dtypes):
+    w = torch.tensor([1.0, 2.5], dtype=torch.bfloat16)
+    arr = tf.to_numpy({"w": w})["w"]
+    assert arr.dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(arr.astype(np.float32), [1.0, 2.5])
+
+
+def test_jax_arrays_become_arrays(jax):
+    import jax.numpy as jnp
+
+    arr = tf.to_numpy({"x": jnp.ones(3)})["x"]
+    assert isinstance(arr, np.ndarray)
+
+
+def test_bfloat16_without_ml_dtypes_names_key_and_dtype(monkeypatch, ml_dtypes):
+    import sys
+
+    t = tf.Tensor.from_numpy(np.zeros(2, ml_dtypes.bfloat16), "bfloat16")
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+    with pytest.raises(tf.FormatError, match=r"bfloat16.*'layer/w'.*ml_dtypes"):
+        tf.to_numpy({"layer": {"w": t}})
+
+
+def test_read_only_memory_gives_read_only_arrays(tmp_path):
+    p = tmp_path / "r.safetensors"
+    tf.save({"a": np.ones(4, np.float32)}, p)
+    arr = tf.load(p, like="numpy")["a"]
+    assert not arr.flags.writeable
+    with pytest.raises(ValueError):
+        arr[0] = 2
+
+
+def test_array_protocol_and_dtype_argument():
+    t = tf.Tensor.from_numpy(np.arange(3, dtype=np.int32))
+    np.testing.assert_array_equal(np.asarray(t), [0, 1, 2])
+    assert np.asarray(t, dtype=np.float64).dtype == np.float64
