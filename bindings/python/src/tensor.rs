@@ -92,6 +92,7 @@ impl PyTensor {
     /// A NumPy array of the tensor: zero-copy for host memory (read-only when the memory
     /// is); bfloat16 and float8 come as `ml_dtypes` arrays.
     ///
+    /// >>> import numpy as np, tensorferry as tf
     /// >>> tf.Tensor.from_numpy(np.ones(2, np.int64)).numpy()
     /// array([1, 1])
     fn numpy(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
@@ -223,7 +224,7 @@ impl PyTensor {
 }
 
 fn dtype_of_typestr(typestr: &str) -> Option<DType> {
-    let t = typestr.replace('=', "<").replace('|', "<");
+    let t = typestr.replace(['=', '|'], "<");
     Some(match t.as_str() {
         "<b1" => DType::Bool,
         "<u1" => DType::U8,

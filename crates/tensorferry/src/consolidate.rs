@@ -50,13 +50,12 @@ struct Piece<'a> {
     src: Source<'a>,
 }
 
-/// Packs the tensors of `node` into one buffer; returns the tree with views into it.
-/// The source is left as it is. Every tensor must be on the host.
-pub fn consolidate_node(node: &Node) -> Result<Node> {
-    let tensors = node.tensors();
-    let layout = PackedLayout::plan(tensors.iter().map(|(_, t)| t.nbytes()));
-    let mut pieces = Vec::new();
-    for ((_, t), &dst) in tensors.iter().zip(&layout.offsets) {
+/// Copies `tensors` (host memory, any layout) into one new 64-byte-aligned buffer and
+/// returns contiguous views of it, in order. The result shares no memory with the input.
+pub fn pack(tensors: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let layout = PackedLayout::plan(tensors.iter().map(|t| t.nbytes()));
+    let mut pieces = Vec::with_capacity(tensors.len());
+    for (t, &dst) in tensors.iter().zip(&layout.offsets) {
         match t.contiguous_bytes() {
             Some(bytes) => {
                 for (i, chunk) in bytes.chunks(PIECE_BYTES).enumerate() {
@@ -77,24 +76,42 @@ pub fn consolidate_node(node: &Node) -> Result<Node> {
     let mut buffer = AlignedBuffer::zeroed(layout.total)?;
     copy_pieces(buffer.as_mut_slice(), &pieces, threads_for(layout.total))?;
     let storage = Arc::new(Storage::Owned(buffer));
-    let mut next = layout.offsets.iter();
-    node.try_map_tensors(&mut |_, t| {
-        let offset = *next.next().expect("one offset per tensor");
-        let shape = t.shape().to_vec();
-        let strides = contiguous_strides(&shape);
-        Tensor::from_storage(storage.clone(), offset, t.dtype(), shape, strides)
-    })
+    tensors
+        .iter()
+        .zip(&layout.offsets)
+        .map(|(t, &offset)| {
+            let shape = t.shape().to_vec();
+            let strides = contiguous_strides(&shape);
+            Tensor::from_storage(storage.clone(), offset, t.dtype(), shape, strides)
+        })
+        .collect()
+}
+
+/// Packs the tensors of `node` into one buffer; returns the tree with views into it.
+/// The source is left as it is. Every tensor must be on the host.
+pub fn consolidate_node(node: &Node) -> Result<Node> {
+    let mut packed = pack(&node.tensor_refs())?.into_iter();
+    node.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
 }
 
 /// Packs the tensors of `dict` into one buffer; see [`consolidate_node`].
 pub fn consolidate(dict: &TensorDict) -> Result<TensorDict> {
-    match consolidate_node(&Node::Dict(dict.clone()))? {
-        Node::Dict(d) => Ok(d),
-        _ => unreachable!("a dict maps to a dict"),
-    }
+    let mut packed = pack(&dict.tensor_refs())?.into_iter();
+    dict.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
 }
 
+/// Threads for a copy of `total` bytes: one below [`PARALLEL_THRESHOLD`], else one per
+/// core up to 8, or `TENSORFERRY_COPY_THREADS` when set.
 fn threads_for(total: usize) -> usize {
+    static CONFIGURED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let configured = *CONFIGURED.get_or_init(|| {
+        std::env::var("TENSORFERRY_COPY_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    if let Some(n) = configured {
+        return n.max(1);
+    }
     if total < PARALLEL_THRESHOLD {
         return 1;
     }

@@ -50,11 +50,17 @@ impl Device {
     }
 }
 
-/// The devices present on this machine, host first (e.g. `[cpu]`, or `[cpu, cuda:0]`).
+/// The devices tensorferry can use on this machine, host first (e.g. `[cpu]`, or
+/// `[cpu, cuda:0]`): a GPU the driver reports but tensorferry cannot use is left out
+/// (`Device::ensure_available` says why).
 pub fn available_devices() -> Vec<Device> {
     let mut found = vec![Device::Cpu];
     if let cuda::CudaStatus::Available { gpus, .. } = cuda::status() {
-        found.extend((0..gpus.len()).map(Device::Cuda));
+        found.extend(
+            (0..gpus.len())
+                .map(Device::Cuda)
+                .filter(|d| d.ensure_available().is_ok()),
+        );
     }
     found
 }

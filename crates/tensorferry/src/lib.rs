@@ -13,7 +13,7 @@ pub mod storage;
 pub mod tensor;
 pub mod tree;
 
-pub use consolidate::{consolidate, consolidate_node};
+pub use consolidate::{consolidate, consolidate_node, pack};
 pub use device::{available_devices, Device};
 pub use dtype::DType;
 pub use error::{Error, Result};

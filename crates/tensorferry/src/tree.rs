@@ -51,12 +51,6 @@ impl KeyPath {
     pub fn dotted(&self) -> String {
         self.0.join(".")
     }
-
-    fn child(&self, key: &str) -> KeyPath {
-        let mut p = self.0.clone();
-        p.push(key.to_string());
-        KeyPath(p)
-    }
 }
 
 impl fmt::Display for KeyPath {
@@ -148,21 +142,30 @@ impl Node {
 
     /// Calls `f` on every tensor leaf with its path, in tree order.
     pub fn visit_tensors<'a>(&'a self, f: &mut impl FnMut(&KeyPath, &'a Tensor)) {
-        self.visit_tensors_at(&KeyPath::default(), f);
+        self.visit_tensors_at(&mut KeyPath::default(), f);
     }
 
-    fn visit_tensors_at<'a>(&'a self, path: &KeyPath, f: &mut impl FnMut(&KeyPath, &'a Tensor)) {
+    /// Visits with one path stack, pushed and popped, so no path is cloned per node.
+    fn visit_tensors_at<'a>(
+        &'a self,
+        path: &mut KeyPath,
+        f: &mut impl FnMut(&KeyPath, &'a Tensor),
+    ) {
         match self {
             Node::Tensor(t) => f(path, t),
             Node::Value(_) => {}
             Node::Dict(d) => {
                 for (k, v) in &d.entries {
-                    v.visit_tensors_at(&path.child(k), f);
+                    path.0.push(k.clone());
+                    v.visit_tensors_at(path, f);
+                    path.0.pop();
                 }
             }
             Node::List(items) | Node::Tuple(items) => {
                 for (i, v) in items.iter().enumerate() {
-                    v.visit_tensors_at(&path.child(&i.to_string()), f);
+                    path.0.push(i.to_string());
+                    v.visit_tensors_at(path, f);
+                    path.0.pop();
                 }
             }
         }
@@ -175,18 +178,60 @@ impl Node {
         out
     }
 
+    /// Every tensor leaf in tree order, without paths (cheaper than [`Node::tensors`]).
+    pub fn tensor_refs(&self) -> Vec<&Tensor> {
+        let mut out = Vec::new();
+        self.for_each_tensor(&mut |t| out.push(t));
+        out
+    }
+
+    fn for_each_tensor<'a>(&'a self, f: &mut impl FnMut(&'a Tensor)) {
+        match self {
+            Node::Tensor(t) => f(t),
+            Node::Value(_) => {}
+            Node::Dict(d) => d.entries.values().for_each(|v| v.for_each_tensor(f)),
+            Node::List(items) | Node::Tuple(items) => {
+                items.iter().for_each(|v| v.for_each_tensor(f))
+            }
+        }
+    }
+
     /// A new tree of the same shape whose tensors are `f(path, tensor)`; plain values are
     /// cloned. The first error stops the map and is returned; `self` is never modified.
     pub fn try_map_tensors(
         &self,
         f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
     ) -> Result<Node> {
-        self.map_at(&KeyPath::default(), f)
+        self.map_at(&mut KeyPath::default(), f)
+    }
+
+    /// Like [`Node::try_map_tensors`] without paths, for maps that do not need them.
+    pub fn try_map_tensors_in_order(
+        &self,
+        f: &mut impl FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<Node> {
+        Ok(match self {
+            Node::Tensor(t) => Node::Tensor(f(t)?),
+            Node::Value(v) => Node::Value(v.clone()),
+            Node::Dict(d) => Node::Dict(d.try_map_tensors_in_order(f)?),
+            Node::List(items) => Node::List(
+                items
+                    .iter()
+                    .map(|v| v.try_map_tensors_in_order(f))
+                    .collect::<Result<_>>()?,
+            ),
+            Node::Tuple(items) => Node::Tuple(
+                items
+                    .iter()
+                    .map(|v| v.try_map_tensors_in_order(f))
+                    .collect::<Result<_>>()?,
+            ),
+        })
     }
 
     fn map_at(
         &self,
-        path: &KeyPath,
+        path: &mut KeyPath,
         f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
     ) -> Result<Node> {
         Ok(match self {
@@ -195,7 +240,10 @@ impl Node {
             Node::Dict(d) => {
                 let mut out = IndexMap::with_capacity(d.entries.len());
                 for (k, v) in &d.entries {
-                    out.insert(k.clone(), v.map_at(&path.child(k), f)?);
+                    path.0.push(k.clone());
+                    let mapped = v.map_at(path, f);
+                    path.0.pop();
+                    out.insert(k.clone(), mapped?);
                 }
                 Node::Dict(TensorDict { entries: out })
             }
@@ -207,14 +255,17 @@ impl Node {
 
 fn map_items(
     items: &[Node],
-    path: &KeyPath,
+    path: &mut KeyPath,
     f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
 ) -> Result<Vec<Node>> {
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, v)| v.map_at(&path.child(&i.to_string()), f))
-        .collect()
+    let mut out = Vec::with_capacity(items.len());
+    for (i, v) in items.iter().enumerate() {
+        path.0.push(i.to_string());
+        let mapped = v.map_at(path, f);
+        path.0.pop();
+        out.push(mapped?);
+    }
+    Ok(out)
 }
 
 impl TensorDict {
@@ -321,21 +372,32 @@ impl TensorDict {
     /// Every tensor leaf with its full path, in tree order.
     pub fn tensors(&self) -> Vec<(KeyPath, &Tensor)> {
         let mut out = Vec::new();
+        let mut path = KeyPath::default();
         for (k, v) in &self.entries {
-            let base = KeyPath(vec![k.clone()]);
-            v.visit_tensors_at(&base, &mut |p, t| out.push((p.clone(), t)));
+            path.0.push(k.clone());
+            v.visit_tensors_at(&mut path, &mut |p, t| out.push((p.clone(), t)));
+            path.0.pop();
+        }
+        out
+    }
+
+    /// Every tensor leaf in tree order, without paths.
+    pub fn tensor_refs(&self) -> Vec<&Tensor> {
+        let mut out = Vec::new();
+        for v in self.entries.values() {
+            v.for_each_tensor(&mut |t| out.push(t));
         }
         out
     }
 
     /// Number of tensor leaves at any depth.
     pub fn tensor_count(&self) -> usize {
-        self.tensors().len()
+        self.tensor_refs().len()
     }
 
     /// Bytes of all tensor leaves.
     pub fn nbytes(&self) -> usize {
-        self.tensors().iter().map(|(_, t)| t.nbytes()).sum()
+        self.tensor_refs().iter().map(|t| t.nbytes()).sum()
     }
 
     /// The device all tensors share, or `None` when they are mixed or there are none.
@@ -354,8 +416,24 @@ impl TensorDict {
         mut f: impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
     ) -> Result<TensorDict> {
         let mut out = IndexMap::with_capacity(self.entries.len());
+        let mut path = KeyPath::default();
         for (k, v) in &self.entries {
-            out.insert(k.clone(), v.map_at(&KeyPath(vec![k.clone()]), &mut f)?);
+            path.0.push(k.clone());
+            let mapped = v.map_at(&mut path, &mut f);
+            path.0.pop();
+            out.insert(k.clone(), mapped?);
+        }
+        Ok(TensorDict { entries: out })
+    }
+
+    /// Like [`TensorDict::try_map_tensors`] without paths.
+    pub fn try_map_tensors_in_order(
+        &self,
+        f: &mut impl FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<TensorDict> {
+        let mut out = IndexMap::with_capacity(self.entries.len());
+        for (k, v) in &self.entries {
+            out.insert(k.clone(), v.try_map_tensors_in_order(f)?);
         }
         Ok(TensorDict { entries: out })
     }

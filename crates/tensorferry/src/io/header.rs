@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
-use serde_json::Value as Json;
+use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -39,26 +39,55 @@ pub struct Header {
     pub data_start: u64,
 }
 
-/// The header's top-level object as ordered pairs, duplicates kept so they can be reported.
-struct Entries(Vec<(String, Json)>);
+/// One tensor entry as written in the header, before validation.
+#[derive(Deserialize)]
+struct RawEntry {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
 
-impl<'de> Deserialize<'de> for Entries {
+/// The header's top-level object: entries in order (duplicates kept, to be reported)
+/// and the metadata.
+#[derive(Default)]
+struct RawHeader {
+    entries: Vec<(String, RawEntry)>,
+    metadata: Option<BTreeMap<String, String>>,
+    duplicate: Option<String>,
+}
+
+impl<'de> Deserialize<'de> for RawHeader {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         struct V;
         impl<'de> Visitor<'de> for V {
-            type Value = Entries;
+            type Value = RawHeader;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a JSON object")
             }
             fn visit_map<A: MapAccess<'de>>(
                 self,
                 mut map: A,
-            ) -> std::result::Result<Entries, A::Error> {
-                let mut out = Vec::new();
-                while let Some((k, v)) = map.next_entry::<String, Json>()? {
-                    out.push((k, v));
+            ) -> std::result::Result<RawHeader, A::Error> {
+                use serde::de::Error as _;
+                let mut out = RawHeader::default();
+                while let Some(name) = map.next_key::<String>()? {
+                    if name == "__metadata__" {
+                        let m = map.next_value::<BTreeMap<String, String>>().map_err(|e| {
+                            A::Error::custom(format!(
+                                "__metadata__ must map strings to strings: {e}"
+                            ))
+                        })?;
+                        if out.metadata.replace(m).is_some() {
+                            out.duplicate.get_or_insert(name);
+                        }
+                        continue;
+                    }
+                    let entry = map
+                        .next_value::<RawEntry>()
+                        .map_err(|e| A::Error::custom(format!("tensor {name:?}: {e}")))?;
+                    out.entries.push((name, entry));
                 }
-                Ok(Entries(out))
+                Ok(out)
             }
         }
         d.deserialize_map(V)
@@ -101,88 +130,67 @@ pub fn parse_header(header: &[u8], data_len: u64) -> Result<Header> {
     let data_start = 8 + header.len() as u64;
     let text = std::str::from_utf8(header)
         .map_err(|e| Error::format_at(8 + e.valid_up_to() as u64, "header is not valid UTF-8"))?;
-    let Entries(entries) = serde_json::from_str(text)
-        .map_err(|e| Error::format_at(8, format!("header is not a valid JSON object: {e}")))?;
-    let mut seen = HashSet::with_capacity(entries.len());
-    let mut out = Header {
-        data_start,
-        ..Header::default()
-    };
-    for (name, value) in entries {
-        if !seen.insert(name.clone()) {
-            return Err(Error::format_in(&name, "name appears twice in the header"));
-        }
-        if name == "__metadata__" {
-            out.metadata = parse_metadata(value)?;
-            continue;
-        }
-        out.tensors.push(parse_entry(&name, &value)?);
+    let raw: RawHeader = serde_json::from_str(text).map_err(|e| {
+        Error::format_at(
+            8,
+            format!("header is not a valid safetensors JSON object: {e}"),
+        )
+    })?;
+    if let Some(name) = raw.duplicate {
+        return Err(Error::format_in(&name, "name appears twice in the header"));
     }
-    check_coverage(&out.tensors, data_start, data_len)?;
-    Ok(out)
+    let mut seen = HashSet::with_capacity(raw.entries.len());
+    for (name, _) in &raw.entries {
+        if !seen.insert(name.as_str()) {
+            return Err(Error::format_in(name, "name appears twice in the header"));
+        }
+    }
+    let tensors = raw
+        .entries
+        .into_iter()
+        .map(|(name, e)| validate_entry(name, e))
+        .collect::<Result<Vec<_>>>()?;
+    check_coverage(&tensors, data_start, data_len)?;
+    Ok(Header {
+        tensors,
+        metadata: raw.metadata.unwrap_or_default(),
+        data_start,
+    })
 }
 
-fn parse_metadata(value: Json) -> Result<BTreeMap<String, String>> {
-    let Json::Object(map) = value else {
-        return Err(Error::format_in(
-            "__metadata__",
-            "must be an object of strings",
-        ));
-    };
-    map.into_iter()
-        .map(|(k, v)| match v {
-            Json::String(s) => Ok((k, s)),
-            other => Err(Error::format_in(
-                "__metadata__",
-                format!("value of {k:?} must be a string, found {other}"),
-            )),
-        })
-        .collect()
-}
-
-fn parse_entry(name: &str, value: &Json) -> Result<TensorEntry> {
-    let obj = value
-        .as_object()
-        .ok_or_else(|| Error::format_in(name, "entry must be an object"))?;
-    let dtype_code = obj
-        .get("dtype")
-        .and_then(Json::as_str)
-        .ok_or_else(|| Error::format_in(name, "missing or non-string \"dtype\""))?;
-    let dtype = DType::from_safetensors_code(dtype_code)
-        .ok_or_else(|| Error::format_in(name, format!("unknown dtype {dtype_code:?}")))?;
-    let shape = obj
-        .get("shape")
-        .and_then(Json::as_array)
-        .ok_or_else(|| Error::format_in(name, "missing or non-array \"shape\""))?
+fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {
+    let dtype = DType::from_safetensors_code(&e.dtype)
+        .ok_or_else(|| Error::format_in(&name, format!("unknown dtype {:?}", e.dtype)))?;
+    let shape = e
+        .shape
         .iter()
-        .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+        .map(|&d| usize::try_from(d).ok())
         .collect::<Option<Vec<usize>>>()
-        .ok_or_else(|| Error::format_in(name, "shape must hold non-negative integers"))?;
-    let offsets = obj
-        .get("data_offsets")
-        .and_then(Json::as_array)
-        .filter(|a| a.len() == 2)
-        .and_then(|a| {
-            let b = usize::try_from(a[0].as_u64()?).ok()?;
-            let e = usize::try_from(a[1].as_u64()?).ok()?;
-            Some((b, e))
-        })
-        .ok_or_else(|| {
-            Error::format_in(name, "\"data_offsets\" must be two non-negative integers")
-        })?;
-    let (begin, end) = offsets;
+        .ok_or_else(|| Error::format_in(&name, "shape does not fit this machine"))?;
+    let (begin, end) = match (
+        usize::try_from(e.data_offsets.0),
+        usize::try_from(e.data_offsets.1),
+    ) {
+        (Ok(b), Ok(e)) => (b, e),
+        _ => {
+            return Err(Error::format_in(
+                &name,
+                "data_offsets do not fit this machine",
+            ))
+        }
+    };
     if begin > end {
         return Err(Error::format_in(
-            name,
+            &name,
             format!("data_offsets [{begin}, {end}] are reversed"),
         ));
     }
     let expected = checked_numel(&shape)
         .and_then(|n| n.checked_mul(dtype.size()))
-        .ok_or_else(|| Error::format_in(name, format!("shape {shape:?} overflows")))?;
+        .ok_or_else(|| Error::format_in(&name, format!("shape {shape:?} overflows")))?;
     if expected != end - begin {
         return Err(Error::format_in(
-            name,
+            &name,
             format!(
                 "{dtype} shape {shape:?} needs {expected} bytes but data_offsets [{begin}, {end}] span {}",
                 end - begin
@@ -190,7 +198,7 @@ fn parse_entry(name: &str, value: &Json) -> Result<TensorEntry> {
         ));
     }
     Ok(TensorEntry {
-        name: name.to_string(),
+        name,
         dtype,
         shape,
         begin,

@@ -11,7 +11,7 @@ mod tree_meta;
 mod write;
 
 pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
-pub use read::{load, load_node, LoadOptions, Loaded};
+pub use read::{load, load_bytes, load_node, read_header, LoadOptions, Loaded};
 pub use write::{save, save_node, SaveOptions};
 
 /// The `__metadata__` key under which tensorferry records a tree's structure.

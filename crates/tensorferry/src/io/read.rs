@@ -71,6 +71,36 @@ pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded>
     build(header, storage, base)
 }
 
+/// Reads and validates only the header of the file at `path` (cost proportional to it).
+pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
+    let path = path.as_ref();
+    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let file_len = file
+        .metadata()
+        .map_err(|e| Error::io("stat", path, e))?
+        .len();
+    let mut prefix = [0u8; 8];
+    if file_len >= 8 {
+        file.read_exact(&mut prefix)
+            .map_err(|e| Error::io("read", path, e))?;
+    }
+    let n = header_len(&prefix, file_len)?;
+    let mut header_bytes = vec![0u8; n as usize];
+    file.read_exact(&mut header_bytes)
+        .map_err(|e| Error::io("read", path, e))?;
+    parse_header(&header_bytes, file_len - 8 - n)
+}
+
+/// Loads from bytes in memory (copied into aligned memory first); the same validation
+/// as files. For data that never touched a disk, and for fuzzing the reader.
+pub fn load_bytes(bytes: &[u8]) -> Result<Loaded> {
+    let n = header_len(bytes, bytes.len() as u64)?;
+    let data_start = 8 + n as usize;
+    let header = parse_header(&bytes[8..data_start], (bytes.len() - data_start) as u64)?;
+    let data = AlignedBuffer::copy_from(&bytes[data_start..])?;
+    build(header, Arc::new(Storage::Owned(data)), 0)
+}
+
 /// Maps the file; tensors view the map at `data_start + begin`.
 fn map_file(file: &File, path: &Path, file_len: u64) -> Result<(Header, Arc<Storage>, usize)> {
     if file_len < 8 {

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use serde_json::{json, Value as Json};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -17,6 +17,9 @@ use crate::tree::{Node, TensorDict, Value};
 const FORMAT_VERSION: u64 = 1;
 const WHERE: &str = "__metadata__.tensorferry";
 
+/// Deepest tree recorded: deeper ones would exceed the JSON parser's nesting limit.
+pub(crate) const MAX_DEPTH: usize = 40;
+
 fn bad(reason: impl Into<String>) -> Error {
     Error::Format {
         at: WHERE.into(),
@@ -24,34 +27,72 @@ fn bad(reason: impl Into<String>) -> Error {
     }
 }
 
-/// Encodes `root`; `name_of` gives the file name of each tensor, in tree order.
-pub(crate) fn encode(root: &Node, names: &mut impl Iterator<Item = String>) -> String {
-    json!({"format": FORMAT_VERSION, "tree": encode_node(root, names)}).to_string()
+/// The recorded form of a node; serde's external tagging gives `{"kind": body}`.
+#[derive(Serialize, Deserialize)]
+enum Repr {
+    #[serde(rename = "dict")]
+    Dict(Vec<(String, Repr)>),
+    #[serde(rename = "list")]
+    List(Vec<Repr>),
+    #[serde(rename = "tuple")]
+    Tuple(Vec<Repr>),
+    #[serde(rename = "tensor")]
+    Tensor(String),
+    #[serde(rename = "none")]
+    None(()),
+    #[serde(rename = "bool")]
+    Bool(bool),
+    #[serde(rename = "int")]
+    Int(i64),
+    #[serde(rename = "float")]
+    Float(FloatRepr),
+    #[serde(rename = "str")]
+    Str(String),
 }
 
-fn encode_node(node: &Node, names: &mut impl Iterator<Item = String>) -> Json {
+/// A float: a JSON number when finite, else "nan", "inf" or "-inf".
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum FloatRepr {
+    Finite(f64),
+    Special(String),
+}
+
+#[derive(Serialize, Deserialize)]
+struct Doc {
+    format: u64,
+    tree: Repr,
+}
+
+/// Encodes `root`; `names` gives the file name of each tensor, in tree order.
+pub(crate) fn encode(root: &Node, names: &mut impl Iterator<Item = String>) -> String {
+    let doc = Doc {
+        format: FORMAT_VERSION,
+        tree: to_repr(root, names),
+    };
+    serde_json::to_string(&doc).expect("a tree always serialises")
+}
+
+fn to_repr(node: &Node, names: &mut impl Iterator<Item = String>) -> Repr {
     match node {
-        Node::Dict(d) => json!({"dict": d
-            .iter()
-            .map(|(k, v)| json!([k, encode_node(v, names)]))
-            .collect::<Vec<_>>()}),
-        Node::List(items) => {
-            json!({"list": items.iter().map(|v| encode_node(v, names)).collect::<Vec<_>>()})
-        }
-        Node::Tuple(items) => {
-            json!({"tuple": items.iter().map(|v| encode_node(v, names)).collect::<Vec<_>>()})
-        }
-        Node::Tensor(_) => json!({"tensor": names.next().expect("one name per tensor")}),
+        Node::Dict(d) => Repr::Dict(
+            d.iter()
+                .map(|(k, v)| (k.to_string(), to_repr(v, names)))
+                .collect(),
+        ),
+        Node::List(items) => Repr::List(items.iter().map(|v| to_repr(v, names)).collect()),
+        Node::Tuple(items) => Repr::Tuple(items.iter().map(|v| to_repr(v, names)).collect()),
+        Node::Tensor(_) => Repr::Tensor(names.next().expect("one name per tensor")),
         Node::Value(v) => match v {
-            Value::None => json!({"none": null}),
-            Value::Bool(b) => json!({"bool": b}),
-            Value::Int(i) => json!({"int": i}),
-            Value::Float(x) if x.is_nan() => json!({"float": "nan"}),
-            Value::Float(x) if x.is_infinite() => {
-                json!({"float": if *x > 0.0 { "inf" } else { "-inf" }})
-            }
-            Value::Float(x) => json!({"float": x}),
-            Value::Str(s) => json!({"str": s}),
+            Value::None => Repr::None(()),
+            Value::Bool(b) => Repr::Bool(*b),
+            Value::Int(i) => Repr::Int(*i),
+            Value::Float(x) if x.is_nan() => Repr::Float(FloatRepr::Special("nan".into())),
+            Value::Float(x) if x.is_infinite() => Repr::Float(FloatRepr::Special(
+                if *x > 0.0 { "inf" } else { "-inf" }.into(),
+            )),
+            Value::Float(x) => Repr::Float(FloatRepr::Finite(*x)),
+            Value::Str(s) => Repr::Str(s.clone()),
         },
     }
 }
@@ -59,13 +100,12 @@ fn encode_node(node: &Node, names: &mut impl Iterator<Item = String>) -> Json {
 /// Rebuilds the tree recorded in `text`, taking each referenced tensor out of `tensors`;
 /// every tensor must be referenced exactly once.
 pub(crate) fn decode(text: &str, mut tensors: HashMap<String, Tensor>) -> Result<Node> {
-    let doc: Json = serde_json::from_str(text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
-    match doc.get("format").and_then(Json::as_u64) {
-        Some(FORMAT_VERSION) => {}
-        other => return Err(bad(format!("unsupported format version {other:?}"))),
+    let doc: Doc =
+        serde_json::from_str(text).map_err(|e| bad(format!("not a valid tree record: {e}")))?;
+    if doc.format != FORMAT_VERSION {
+        return Err(bad(format!("unsupported format version {}", doc.format)));
     }
-    let tree = doc.get("tree").ok_or_else(|| bad("missing \"tree\""))?;
-    let root = decode_node(tree, &mut tensors, 0)?;
+    let root = from_repr(doc.tree, &mut tensors)?;
     if let Some(name) = tensors.keys().next() {
         return Err(bad(format!(
             "tensor {name:?} is in the file but not in the recorded tree"
@@ -74,76 +114,38 @@ pub(crate) fn decode(text: &str, mut tensors: HashMap<String, Tensor>) -> Result
     Ok(root)
 }
 
-/// Deepest tree recorded: deeper ones would exceed the JSON parser's nesting limit.
-pub(crate) const MAX_DEPTH: usize = 40;
-
-fn decode_node(node: &Json, tensors: &mut HashMap<String, Tensor>, depth: usize) -> Result<Node> {
-    if depth > MAX_DEPTH {
-        return Err(bad(format!("tree nested deeper than {MAX_DEPTH} levels")));
-    }
-    let obj = node
-        .as_object()
-        .filter(|o| o.len() == 1)
-        .ok_or_else(|| bad(format!("node {node} must be an object with one key")))?;
-    let (kind, body) = obj.iter().next().expect("one key");
-    Ok(match kind.as_str() {
-        "dict" => {
-            let pairs = body
-                .as_array()
-                .ok_or_else(|| bad("dict body must be an array"))?;
+fn from_repr(repr: Repr, tensors: &mut HashMap<String, Tensor>) -> Result<Node> {
+    let items = |v: Vec<Repr>, tensors: &mut HashMap<String, Tensor>| -> Result<Vec<Node>> {
+        v.into_iter().map(|r| from_repr(r, tensors)).collect()
+    };
+    Ok(match repr {
+        Repr::Dict(pairs) => {
             let mut d = TensorDict::new();
-            for pair in pairs {
-                let (k, v) = match pair.as_array().map(Vec::as_slice) {
-                    Some([Json::String(k), v]) => (k, v),
-                    _ => return Err(bad(format!("dict entry {pair} must be [key, node]"))),
-                };
-                if d.insert(k.clone(), decode_node(v, tensors, depth + 1)?)
-                    .is_some()
-                {
+            for (k, v) in pairs {
+                let node = from_repr(v, tensors)?;
+                if d.insert(k.clone(), node).is_some() {
                     return Err(bad(format!("dict key {k:?} appears twice")));
                 }
             }
             Node::Dict(d)
         }
-        "list" => Node::List(decode_items(kind, body, tensors, depth)?),
-        "tuple" => Node::Tuple(decode_items(kind, body, tensors, depth)?),
-        "tensor" => {
-            let name = body
-                .as_str()
-                .ok_or_else(|| bad("tensor reference must be a string"))?;
-            Node::Tensor(tensors.remove(name).ok_or_else(|| {
-                bad(format!(
-                    "tree refers to tensor {name:?}, which the file lacks or uses twice"
-                ))
-            })?)
-        }
-        "none" => Node::Value(Value::None),
-        "bool" => Node::Value(Value::Bool(body.as_bool().ok_or_else(|| bad("bad bool"))?)),
-        "int" => Node::Value(Value::Int(body.as_i64().ok_or_else(|| bad("bad int"))?)),
-        "str" => Node::Value(Value::Str(
-            body.as_str().ok_or_else(|| bad("bad str"))?.to_string(),
-        )),
-        "float" => Node::Value(Value::Float(match body {
-            Json::String(s) if s == "nan" => f64::NAN,
-            Json::String(s) if s == "inf" => f64::INFINITY,
-            Json::String(s) if s == "-inf" => f64::NEG_INFINITY,
-            other => other
-                .as_f64()
-                .ok_or_else(|| bad(format!("bad float {other}")))?,
+        Repr::List(v) => Node::List(items(v, tensors)?),
+        Repr::Tuple(v) => Node::Tuple(items(v, tensors)?),
+        Repr::Tensor(name) => Node::Tensor(tensors.remove(&name).ok_or_else(|| {
+            bad(format!(
+                "tree refers to tensor {name:?}, which the file lacks or uses twice"
+            ))
+        })?),
+        Repr::None(()) => Node::Value(Value::None),
+        Repr::Bool(b) => Node::Value(Value::Bool(b)),
+        Repr::Int(i) => Node::Value(Value::Int(i)),
+        Repr::Str(s) => Node::Value(Value::Str(s)),
+        Repr::Float(FloatRepr::Finite(x)) => Node::Value(Value::Float(x)),
+        Repr::Float(FloatRepr::Special(s)) => Node::Value(Value::Float(match s.as_str() {
+            "nan" => f64::NAN,
+            "inf" => f64::INFINITY,
+            "-inf" => f64::NEG_INFINITY,
+            other => return Err(bad(format!("bad float {other:?}"))),
         })),
-        other => return Err(bad(format!("unknown node kind {other:?}"))),
     })
-}
-
-fn decode_items(
-    kind: &str,
-    body: &Json,
-    tensors: &mut HashMap<String, Tensor>,
-    depth: usize,
-) -> Result<Vec<Node>> {
-    body.as_array()
-        .ok_or_else(|| bad(format!("{kind} body must be an array")))?
-        .iter()
-        .map(|n| decode_node(n, tensors, depth + 1))
-        .collect()
 }

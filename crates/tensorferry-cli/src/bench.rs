@@ -1,0 +1,306 @@
+//! `tensorferry bench`: every path available on this machine, timed on state-dict-like
+//! presets, each against the roof measured in the same run on the same bytes.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use tensorferry::memory::AlignedBuffer;
+use tensorferry::{consolidate, load, save, DType, LoadOptions, SaveOptions, Tensor, TensorDict};
+
+/// Options of `tensorferry bench`.
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Which dictionary to time.
+    #[arg(long, value_enum, default_value_t = Preset::Gpt2)]
+    preset: Preset,
+    /// Multiplies every tensor's size (not the count), e.g. 0.1 for a quick run.
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Runs of each measurement; the best is reported.
+    #[arg(long, default_value_t = 5)]
+    repeat: usize,
+    /// Folder for the files written (default: a temporary folder).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+}
+
+/// State-dict-like dictionaries.
+#[derive(Clone, Copy, ValueEnum)]
+enum Preset {
+    /// GPT-2 small in float32: 148 tensors, about 500 MB.
+    Gpt2,
+    /// 20,000 tensors of 4 KiB each (float32).
+    #[value(name = "tiny-20k")]
+    Tiny20k,
+}
+
+fn scaled(n: usize, scale: f64) -> usize {
+    ((n as f64 * scale).round() as usize).max(1)
+}
+
+/// A tensor of `shape` filled with non-zero bytes (untouched zero pages would flatter reads).
+fn filled(shape: &[usize], seed: usize) -> tensorferry::Result<Tensor> {
+    let t = Tensor::zeros(DType::F32, shape)?;
+    let mut buf = AlignedBuffer::zeroed(t.nbytes())?;
+    for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
+        *b = (i.wrapping_mul(31) ^ seed) as u8 | 1;
+    }
+    Tensor::from_bytes(DType::F32, shape.to_vec(), buf.as_slice())
+}
+
+fn build(preset: Preset, scale: f64) -> tensorferry::Result<TensorDict> {
+    let mut d = TensorDict::new();
+    match preset {
+        Preset::Gpt2 => {
+            let (e, ff) = (scaled(768, scale), scaled(3072, scale));
+            d.insert("wte.weight", filled(&[scaled(50257, 1.0), e], 1)?);
+            d.insert("wpe.weight", filled(&[1024, e], 2)?);
+            for layer in 0..12 {
+                let p = |s: &str| format!("h.{layer}.{s}");
+                let shapes: [(&str, Vec<usize>); 12] = [
+                    ("ln_1.weight", vec![e]),
+                    ("ln_1.bias", vec![e]),
+                    ("attn.c_attn.weight", vec![e, 3 * e]),
+                    ("attn.c_attn.bias", vec![3 * e]),
+                    ("attn.c_proj.weight", vec![e, e]),
+                    ("attn.c_proj.bias", vec![e]),
+                    ("ln_2.weight", vec![e]),
+                    ("ln_2.bias", vec![e]),
+                    ("mlp.c_fc.weight", vec![e, ff]),
+                    ("mlp.c_fc.bias", vec![ff]),
+                    ("mlp.c_proj.weight", vec![ff, e]),
+                    ("mlp.c_proj.bias", vec![e]),
+                ];
+                for (i, (name, shape)) in shapes.iter().enumerate() {
+                    d.insert(p(name), filled(shape, layer * 16 + i)?);
+                }
+            }
+            d.insert("ln_f.weight", filled(&[e], 3)?);
+            d.insert("ln_f.bias", filled(&[e], 4)?);
+        }
+        Preset::Tiny20k => {
+            let n = scaled(1024, scale);
+            for i in 0..20_000 {
+                d.insert(format!("t.{i}"), filled(&[n], i)?);
+            }
+        }
+    }
+    Ok(d)
+}
+
+fn best(
+    repeat: usize,
+    f: impl FnMut() -> tensorferry::Result<()>,
+) -> tensorferry::Result<Duration> {
+    best_after(repeat, || (), f)
+}
+
+/// The best time of `f`, each run after an untimed `setup`.
+fn best_after(
+    repeat: usize,
+    mut setup: impl FnMut(),
+    mut f: impl FnMut() -> tensorferry::Result<()>,
+) -> tensorferry::Result<Duration> {
+    let mut best = Duration::MAX;
+    for _ in 0..repeat.max(1) {
+        setup();
+        let start = Instant::now();
+        f()?;
+        best = best.min(start.elapsed());
+    }
+    Ok(best)
+}
+
+fn io_err<'a>(
+    op: &'static str,
+    path: &'a Path,
+) -> impl Fn(std::io::Error) -> tensorferry::Error + 'a {
+    move |e| tensorferry::Error::Io {
+        op,
+        path: path.to_path_buf(),
+        source: e,
+    }
+}
+
+struct Row {
+    path: &'static str,
+    time: Duration,
+    roof: Option<(&'static str, Duration)>,
+}
+
+/// Runs the benchmark and prints its table.
+pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
+    let tmp = tempfile::tempdir_in(args.dir.clone().unwrap_or_else(std::env::temp_dir))
+        .map_err(io_err("create a folder in", Path::new(".")))?;
+    let dir = tmp.path();
+    let steps = 9u64;
+    let bar = ProgressBar::new(steps).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
+    );
+    bar.set_message("building the dictionary");
+    let dict = build(args.preset, args.scale)?;
+    let total = dict.nbytes();
+    let count = dict.tensor_count();
+    let flat = consolidate(&dict)?;
+    let source = flat.tensors()[0].1.storage().clone();
+    let src_bytes = source.host_bytes().expect("host").to_vec();
+    bar.inc(1);
+
+    let r = args.repeat;
+    let mut rows = Vec::new();
+    bar.set_message("memcpy roof");
+    let memcpy = best(r, || {
+        let mut dst = AlignedBuffer::zeroed(src_bytes.len())?;
+        dst.as_mut_slice().copy_from_slice(&src_bytes);
+        std::hint::black_box(&dst);
+        Ok(())
+    })?;
+    bar.inc(1);
+    bar.set_message("consolidate");
+    let t = best(r, || consolidate(&dict).map(drop))?;
+    rows.push(Row {
+        path: "consolidate",
+        time: t,
+        roof: Some(("memcpy, fresh buffer", memcpy)),
+    });
+    bar.inc(1);
+
+    let raw_path = dir.join("raw.bin");
+    let file_path = dir.join("bench.safetensors");
+    for fsync in [false, true] {
+        bar.set_message(if fsync {
+            "writes with fsync"
+        } else {
+            "writes to page cache"
+        });
+        // Both the roof and save write a new file: removing the old one (and freeing its
+        // cached pages) happens outside the timed region for both.
+        let raw = best_after(
+            r,
+            || drop(std::fs::remove_file(&raw_path)),
+            || {
+                let mut f = File::create(&raw_path).map_err(io_err("create", &raw_path))?;
+                f.write_all(&src_bytes[..total.min(src_bytes.len())])
+                    .map_err(io_err("write", &raw_path))?;
+                if fsync {
+                    f.sync_all().map_err(io_err("sync", &raw_path))?;
+                }
+                Ok(())
+            },
+        )?;
+        bar.inc(1);
+        let opts = SaveOptions {
+            fsync,
+            ..Default::default()
+        };
+        let t = best_after(
+            r,
+            || drop(std::fs::remove_file(&file_path)),
+            || save(&dict, &file_path, &opts),
+        )?;
+        rows.push(Row {
+            path: if fsync {
+                "save (fsync)"
+            } else {
+                "save (page cache)"
+            },
+            time: t,
+            roof: Some((
+                if fsync {
+                    "raw write + fsync"
+                } else {
+                    "raw write"
+                },
+                raw,
+            )),
+        });
+        bar.inc(1);
+    }
+
+    bar.set_message("reads");
+    let file_len = std::fs::metadata(&file_path)
+        .map_err(io_err("stat", &file_path))?
+        .len() as usize;
+    let raw_read = best(r, || {
+        let mut f = File::open(&file_path).map_err(io_err("open", &file_path))?;
+        let mut buf = AlignedBuffer::zeroed(file_len)?;
+        f.read_exact(buf.as_mut_slice())
+            .map_err(io_err("read", &file_path))?;
+        std::hint::black_box(&buf);
+        Ok(())
+    })?;
+    let t = best(r, || {
+        load(&file_path, LoadOptions { mmap: false }).map(drop)
+    })?;
+    rows.push(Row {
+        path: "load (read, cached)",
+        time: t,
+        roof: Some(("raw read, cached", raw_read)),
+    });
+    bar.inc(1);
+    let t = best(r, || load(&file_path, LoadOptions { mmap: true }).map(drop))?;
+    rows.push(Row {
+        path: "load (mmap)",
+        time: t,
+        roof: None,
+    });
+    bar.inc(1);
+    bar.finish_and_clear();
+
+    print_table(args, total, count, &rows);
+    Ok(())
+}
+
+fn gbps(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn print_table(args: &BenchArgs, total: usize, count: usize, rows: &[Row]) {
+    let preset = args
+        .preset
+        .to_possible_value()
+        .expect("named")
+        .get_name()
+        .to_string();
+    println!(
+        "preset {preset} (scale {}): {count} tensors, {:.1} MB, best of {}",
+        args.scale,
+        total as f64 / 1e6,
+        args.repeat
+    );
+    println!(
+        "{:<22} {:>10} {:>8} {:>10}  {:<22} {:>8}",
+        "path", "time ms", "GB/s", "us/leaf", "roof", "% roof"
+    );
+    for row in rows {
+        let (roof_name, pct) = match row.roof {
+            Some((name, roof)) => (
+                name,
+                format!(
+                    "{:.0}%",
+                    100.0 * roof.as_secs_f64() / row.time.as_secs_f64()
+                ),
+            ),
+            None => ("-", "-".to_string()),
+        };
+        println!(
+            "{:<22} {:>10.2} {:>8.2} {:>10.3}  {:<22} {:>8}",
+            row.path,
+            row.time.as_secs_f64() * 1e3,
+            gbps(total, row.time),
+            row.time.as_secs_f64() * 1e6 / count as f64,
+            roof_name,
+            pct
+        );
+    }
+    let roofs: Vec<String> = rows
+        .iter()
+        .filter_map(|r| r.roof)
+        .map(|(name, d)| format!("{name} {:.2} GB/s", gbps(total, d)))
+        .collect();
+    println!("roofs measured in this run: {}", roofs.join("; "));
+}

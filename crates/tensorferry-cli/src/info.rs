@@ -1,0 +1,26 @@
+//! `tensorferry info`.
+
+use tensorferry::backend::cuda::{self, CudaStatus};
+
+/// Prints the version, the devices and the CUDA driver's state.
+pub fn run() -> tensorferry::Result<()> {
+    println!("tensorferry {}", env!("CARGO_PKG_VERSION"));
+    let devices: Vec<String> = tensorferry::available_devices()
+        .iter()
+        .map(|d| d.to_string())
+        .collect();
+    println!("devices: {}", devices.join(", "));
+    match cuda::status() {
+        CudaStatus::Available {
+            driver_version,
+            gpus,
+        } => {
+            println!("cuda: driver {}", cuda::version_string(*driver_version));
+            for (i, name) in gpus.iter().enumerate() {
+                println!("  cuda:{i}: {name}");
+            }
+        }
+        CudaStatus::Unavailable { reason } => println!("cuda: unavailable: {reason}"),
+    }
+    Ok(())
+}
