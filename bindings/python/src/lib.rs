@@ -3,6 +3,7 @@
 
 mod dlpack;
 mod errors;
+mod numpy_interop;
 mod tensor;
 mod tree;
 
@@ -108,19 +109,76 @@ fn save(
     })
 }
 
-/// Reads a safetensors file: `(tree, metadata)` with `Tensor` leaves.
+/// The metadata key under which the Python package records each tensor's framework.
+const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
+
+/// Reads a safetensors file: `(tree, metadata, pending)`. Each tensor becomes a NumPy
+/// array or a `Tensor`, by `like`, else by the framework recorded at save time, else NumPy
+/// where NumPy can hold its dtype. `pending` is true when some tensors were recorded
+/// from another framework (PyTorch, JAX) and stayed `Tensor` for Python to convert.
 #[pyfunction]
-#[pyo3(signature = (path, mmap=true))]
+#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false))]
 fn load(
     py: Python<'_>,
     path: PathBuf,
     mmap: bool,
-) -> PyResult<(Py<PyAny>, BTreeMap<String, String>)> {
+    like: Option<&str>,
+    ml_dtypes: bool,
+) -> PyResult<(Py<PyAny>, BTreeMap<String, String>, bool)> {
     guard(|| {
         let loaded = py
             .detach(|| tensorferry::load_node(&path, LoadOptions { mmap }))
             .py_err()?;
-        Ok((tree::node_to_py(py, loaded.root)?, loaded.metadata))
+        let mut out = tree::Output {
+            like,
+            default: None,
+            exceptions: Default::default(),
+            ml_dtypes,
+            pending: false,
+        };
+        if like.is_none() {
+            if let Some(text) = loaded.metadata.get(FRAMEWORKS_KEY) {
+                // A damaged record only loses the framework hint, never the data.
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(text) {
+                    out.default = v.get("default").and_then(|d| d.as_str()).map(String::from);
+                    if let Some(map) = v.get("except").and_then(|e| e.as_object()) {
+                        out.exceptions = map
+                            .iter()
+                            .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                            .collect();
+                    }
+                }
+            }
+        }
+        let tree = tree::node_to_py(py, loaded.root, &mut out, &mut Vec::new())?;
+        Ok((tree, loaded.metadata, out.pending))
+    })
+}
+
+/// NumPy arrays viewing each host tensor (zero-copy), in order.
+#[pyfunction]
+fn to_numpy_many<'py>(tensors: Vec<Bound<'py, PyTensor>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    guard(|| tensors.iter().map(numpy_interop::tensor_to_array).collect())
+}
+
+/// Tensors viewing each NumPy array (zero-copy where the layout allows), in order.
+#[pyfunction]
+fn from_numpy_many(arrays: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyTensor>> {
+    guard(|| {
+        arrays
+            .iter()
+            .map(|a| numpy_interop::import_or_convert(a).map(PyTensor::new))
+            .collect()
+    })
+}
+
+/// The `__metadata__` of a safetensors file, reading the header only.
+#[pyfunction]
+fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, String>> {
+    guard(|| {
+        py.detach(|| tensorferry::io::read_header(&path))
+            .py_err()
+            .map(|h| h.metadata)
     })
 }
 
@@ -133,8 +191,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(pack, m)?)?;
+    m.add_function(wrap_pyfunction!(to_numpy_many, m)?)?;
+    m.add_function(wrap_pyfunction!(from_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(read_metadata, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -92,31 +92,76 @@ fn items<'py>(
         .collect()
 }
 
-/// The Python containers of a tree: dict, list, tuple, `Tensor`, plain values.
-pub fn node_to_py(py: Python<'_>, node: Node) -> PyResult<Py<PyAny>> {
+/// How `node_to_py` turns tensors into Python objects.
+pub struct Output<'a> {
+    /// Give this kind to every tensor (the caller's `like`).
+    pub like: Option<&'a str>,
+    /// The kind each tensor was saved from: a default and exceptions by dotted name.
+    pub default: Option<String>,
+    /// Tensors whose recorded kind differs from `default`.
+    pub exceptions: std::collections::HashMap<String, String>,
+    /// ml_dtypes is importable (bfloat16/float8 can become NumPy arrays).
+    pub ml_dtypes: bool,
+    /// Set when some tensor stayed a `Tensor` for the Python side to convert (torch, jax).
+    pub pending: bool,
+}
+
+impl Output<'_> {
+    fn kind(&self, path: &[String]) -> &str {
+        if let Some(like) = self.like {
+            return like;
+        }
+        if !self.exceptions.is_empty() {
+            if let Some(k) = self.exceptions.get(&path.join(".")) {
+                return k;
+            }
+        }
+        self.default.as_deref().unwrap_or("numpy")
+    }
+}
+
+/// The Python containers of a tree: dict, list, tuple, plain values; tensors become NumPy
+/// arrays or `Tensor` objects as `out` says (other frameworks are left to Python).
+pub fn node_to_py(
+    py: Python<'_>,
+    node: Node,
+    out: &mut Output<'_>,
+    path: &mut Vec<String>,
+) -> PyResult<Py<PyAny>> {
     Ok(match node {
         Node::Dict(d) => {
-            let out = PyDict::new(py);
+            let dict = PyDict::new(py);
             for (k, v) in d.iter() {
-                out.set_item(k, node_to_py(py, v.clone())?)?;
+                path.push(k.to_string());
+                let value = node_to_py(py, v.clone(), out, path);
+                path.pop();
+                dict.set_item(k, value?)?;
             }
-            out.into_any().unbind()
+            dict.into_any().unbind()
         }
-        Node::List(items) => {
-            let v = items
-                .into_iter()
-                .map(|n| node_to_py(py, n))
-                .collect::<PyResult<Vec<_>>>()?;
-            PyList::new(py, v)?.into_any().unbind()
+        Node::List(items) => PyList::new(py, items_to_py(py, items, out, path)?)?
+            .into_any()
+            .unbind(),
+        Node::Tuple(items) => PyTuple::new(py, items_to_py(py, items, out, path)?)?
+            .into_any()
+            .unbind(),
+        Node::Tensor(t) => {
+            let kind = out.kind(path);
+            let numpy = match kind {
+                "numpy" => t.dtype().is_numpy_native() || out.ml_dtypes,
+                "tensorferry" => false,
+                _ => {
+                    out.pending = true;
+                    false
+                }
+            };
+            let obj = Bound::new(py, PyTensor::new(t))?;
+            if numpy {
+                crate::numpy_interop::tensor_to_array(&obj)?.unbind()
+            } else {
+                obj.into_any().unbind()
+            }
         }
-        Node::Tuple(items) => {
-            let v = items
-                .into_iter()
-                .map(|n| node_to_py(py, n))
-                .collect::<PyResult<Vec<_>>>()?;
-            PyTuple::new(py, v)?.into_any().unbind()
-        }
-        Node::Tensor(t) => Py::new(py, PyTensor::new(t))?.into_any(),
         Node::Value(v) => match v {
             Value::None => py.None(),
             Value::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
@@ -125,4 +170,20 @@ pub fn node_to_py(py: Python<'_>, node: Node) -> PyResult<Py<PyAny>> {
             Value::Str(s) => PyString::new(py, &s).into_any().unbind(),
         },
     })
+}
+
+fn items_to_py(
+    py: Python<'_>,
+    items: Vec<Node>,
+    out: &mut Output<'_>,
+    path: &mut Vec<String>,
+) -> PyResult<Vec<Py<PyAny>>> {
+    let mut v = Vec::with_capacity(items.len());
+    for (i, n) in items.into_iter().enumerate() {
+        path.push(i.to_string());
+        let r = node_to_py(py, n, out, path);
+        path.pop();
+        v.push(r?);
+    }
+    Ok(v)
 }

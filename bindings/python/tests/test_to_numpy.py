@@ -41,7 +41,7 @@ def test_jax_arrays_become_arrays(jax):
 def test_bfloat16_without_ml_dtypes_names_key_and_dtype(monkeypatch, ml_dtypes):
     import sys
 
-    t = tf.Tensor.from_numpy(np.zeros(2, ml_dtypes.bfloat16), "bfloat16")
+    t = tf.Tensor.from_numpy(np.zeros(2, ml_dtypes.bfloat16))
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)
     with pytest.raises(tf.FormatError, match=r"bfloat16.*'layer/w'.*ml_dtypes"):
         tf.to_numpy({"layer": {"w": t}})

@@ -24,26 +24,28 @@ def _move(leaves, target, copy):
     Leaves already on the target stay as they are unless ``copy``. Everything that
     must be copied goes through one native call: one buffer, one planned transfer.
     """
-    pending = []
     out = {}
+    paths, pending, kinds = [], [], []
     for path, leaf in leaves:
         kind = fw.kind_of(leaf)
-        if fw.device_of(leaf, kind) == target and not copy:
+        if not copy and fw.device_of(leaf, kind) == target:
             out[id(leaf)] = leaf
             continue
-        pending.append((path, leaf, kind))
+        paths.append(path)
+        pending.append(leaf)
+        kinds.append(kind)
     if not pending:
         return out
     if target != "cpu":
         _native.ensure_device(target)
-    natives = [fw.to_native(leaf, kind) for _, leaf, kind in pending]
-    for (path, _, _), t in zip(pending, natives):
+    natives = fw.to_native_many(pending, kinds)
+    for t in natives:
         if t.device != "cpu":
             # The device engine moves device memory; until it is present, say why not.
             _native.ensure_device(t.device)
     moved = _native.pack(natives)
-    for (path, leaf, kind), t in zip(pending, moved):
-        out[id(leaf)] = fw.from_native(t, kind, shown(path))
+    for leaf, result in zip(pending, fw.from_native_many(moved, kinds, paths)):
+        out[id(leaf)] = result
     return out
 
 
@@ -71,28 +73,40 @@ def to_numpy(obj):
     Host memory is shared, not copied (read-only arrays for read-only memory such as a
     memory-mapped file). bfloat16 and float8 become ``ml_dtypes`` arrays.
 
-    >>> import tensorferry as tf
+    >>> import numpy as np, tensorferry as tf
     >>> tf.to_numpy({"t": tf.Tensor.from_numpy(np.arange(3))})["t"]
     array([0, 1, 2])
     """
-    leaves = collect(obj, _is_tensor)
     out = {}
-    for path, leaf in leaves:
+    natives, paths, leaves = [], [], []
+    for path, leaf in collect(obj, _is_tensor):
         kind = fw.kind_of(leaf)
         if kind == fw.NUMPY:
             continue
-        out[id(leaf)] = _leaf_to_numpy(leaf, kind, path)
+        if fw.device_of(leaf, kind) != "cpu":
+            leaf_host = _move([(path, leaf)], "cpu", False)[id(leaf)]
+            kind_host = fw.kind_of(leaf_host)
+            if kind_host == fw.NUMPY:
+                out[id(leaf)] = leaf_host
+                continue
+        else:
+            leaf_host, kind_host = leaf, kind
+        if kind_host == fw.TORCH and str(leaf_host.dtype) not in _TORCH_NO_NUMPY:
+            out[id(leaf)] = leaf_host.detach().resolve_conj().resolve_neg().numpy()
+        elif kind_host == fw.JAX:
+            out[id(leaf)] = np.asarray(leaf_host)
+        else:
+            natives.append(fw.to_native(leaf_host, kind_host))
+            paths.append(path)
+            leaves.append(leaf)
+    if natives:
+        arrays = fw.tensors_to_numpy(natives, lambda i: shown(paths[i]))
+        for leaf, arr in zip(leaves, arrays):
+            out[id(leaf)] = arr
     return rebuild(obj, out)
 
 
-def _leaf_to_numpy(leaf, kind, path):
-    if fw.device_of(leaf, kind) != "cpu":
-        leaf = _move([(path, leaf)], "cpu", False)[id(leaf)]
-    if kind == fw.TORCH and str(leaf.dtype) not in ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2"):
-        return leaf.detach().resolve_conj().resolve_neg().numpy()
-    if kind == fw.JAX:
-        return np.asarray(leaf)
-    return fw.from_native(fw.to_native(leaf, kind), fw.NUMPY, shown(path))
+_TORCH_NO_NUMPY = ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2")
 
 
 def _is_number(x):
@@ -164,16 +178,18 @@ def to_device(obj, device, *, non_blocking=False, copy=False):
 def _native_tree(obj, frameworks):
     """The tree for the native writer: plain containers, native host tensors."""
     leaves = collect(obj, _is_tensor)
-    natives = {}
+    paths, hosted, kinds = [], [], []
     for path, leaf in leaves:
         kind = fw.kind_of(leaf)
+        host = leaf
         if fw.device_of(leaf, kind) != "cpu":
-            leaf_host = _move([(path, leaf)], "cpu", False)[id(leaf)]
-            natives[id(leaf)] = fw.to_native(leaf_host, fw.kind_of(leaf_host))
-        else:
-            natives[id(leaf)] = fw.to_native(leaf, kind)
+            host = _move([(path, leaf)], "cpu", False)[id(leaf)]
+        paths.append(path)
+        hosted.append(host)
+        kinds.append(fw.kind_of(host))
         frameworks[dotted(path)] = fw.NUMPY if kind == fw.CUPY else kind
-    return rebuild(obj, natives, plain=True)
+    natives = fw.to_native_many(hosted, kinds)
+    return rebuild(obj, {id(leaf): t for (_, leaf), t in zip(leaves, natives)}, plain=True)
 
 
 def save(obj, path, *, metadata=None, fsync=True):
@@ -204,7 +220,9 @@ def save(obj, path, *, metadata=None, fsync=True):
     tree = _native_tree(obj, frameworks)
     meta = dict(metadata or {})
     if frameworks:
-        meta[_FRAMEWORKS_KEY] = json.dumps(frameworks, separators=(",", ":"))
+        default = max(set(frameworks.values()), key=list(frameworks.values()).count)
+        record = {"default": default, "except": {k: v for k, v in frameworks.items() if v != default}}
+        meta[_FRAMEWORKS_KEY] = json.dumps(record, separators=(",", ":"))
     _native.save(tree, os.fspath(path), meta, fsync)
 
 
@@ -230,22 +248,39 @@ def load(path, *, device="cpu", mmap=True, like=None):
     """
     if like is not None and like not in _LIKE:
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
-    tree, meta = _native.load(os.fspath(path), mmap)
-    try:
-        recorded = json.loads(meta.get(_FRAMEWORKS_KEY, "{}"))
-    except ValueError:
-        recorded = {}
-    leaves = collect(tree, _is_tensor)
-    out = {}
-    for p, t in leaves:
-        kind = like or recorded.get(dotted(p))
-        if kind is None or not fw.importable(kind) or kind not in _LIKE:
-            kind = fw.NUMPY if _numpy_can_hold(t.dtype) else fw.NATIVE
-        out[id(t)] = fw.from_native(t, kind, shown(p))
-    result = rebuild(tree, out)
+    # NumPy (the common case) and tensorferry results are built natively in one pass;
+    # tensors recorded from other frameworks come back pending, converted here.
+    native_like = like if like in (None, fw.NUMPY, fw.NATIVE) else fw.NATIVE
+    tree, meta, pending = _native.load(os.fspath(path), mmap, native_like, fw.importable("ml_dtypes"))
+    result = tree
+    if pending or like not in (None, fw.NUMPY, fw.NATIVE):
+        recorded = _recorded_frameworks(meta)
+        leaves = collect(tree, lambda x, p: type(x) is fw.Tensor)
+        kinds, todo = [], []
+        for p, t in leaves:
+            kind = like or recorded(dotted(p))
+            if kind in (fw.TORCH, fw.JAX) and fw.importable(kind):
+                kinds.append(kind)
+                todo.append((p, t))
+            elif kind != fw.NATIVE and _numpy_can_hold(t.dtype):
+                kinds.append(fw.NUMPY)
+                todo.append((p, t))
+        results = fw.from_native_many([t for _, t in todo], kinds, [p for p, _ in todo])
+        result = rebuild(tree, {id(t): r for (_, t), r in zip(todo, results)})
     if _native.parse_device(device) != "cpu":
         result = to_device(result, device)
     return result
+
+
+def _recorded_frameworks(meta):
+    """name -> framework recorded at save time (a default and exceptions)."""
+    try:
+        record = json.loads(meta.get(_FRAMEWORKS_KEY, "{}"))
+    except ValueError:
+        record = {}
+    default = record.get("default")
+    exceptions = record.get("except", {})
+    return lambda name: exceptions.get(name, default)
 
 
 def _numpy_can_hold(dtype):
@@ -256,7 +291,7 @@ def _numpy_can_hold(dtype):
 
 def metadata(path):
     """The user metadata (str -> str) stored in a safetensors file."""
-    _, meta = _native.load(os.fspath(path), True)
+    meta = _native.read_metadata(os.fspath(path))
     return {k: v for k, v in meta.items() if not k.startswith(_RESERVED_PREFIX)}
 
 

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 
 from . import _native
-from ._numpy import numpy_dtype_name, tensor_to_numpy
+from ._numpy import tensor_to_numpy, tensors_to_numpy  # noqa: F401 (re-exported)
+from ._tree import shown
 
 Tensor = _native.Tensor
 
@@ -64,17 +65,11 @@ def device_of(obj, kind):
 
 
 def to_native(obj, kind):
-    """A native tensor viewing the leaf's memory (no copy)."""
+    """A native tensor viewing the leaf's memory (no copy where the layout allows)."""
     if kind == NATIVE:
         return obj
     if kind == NUMPY:
-        if not obj.dtype.isnative:
-            obj = obj.astype(obj.dtype.newbyteorder("="))
-        try:
-            return Tensor.from_numpy(obj, numpy_dtype_name(obj))
-        except ValueError:
-            # Byte strides that are no multiple of the element size: pack them first.
-            return Tensor.from_numpy(np.ascontiguousarray(obj), numpy_dtype_name(obj))
+        return Tensor.from_numpy(obj)
     if kind == TORCH:
         if obj.requires_grad:
             obj = obj.detach()
@@ -85,11 +80,28 @@ def to_native(obj, kind):
     return Tensor.from_dlpack(obj)
 
 
+def to_native_many(leaves, kinds):
+    """``to_native`` for many leaves; NumPy arrays go through one native call."""
+    out = [None] * len(leaves)
+    numpy_at = [i for i, k in enumerate(kinds) if k == NUMPY]
+    if numpy_at:
+        for i, t in zip(numpy_at, _native.from_numpy_many([leaves[i] for i in numpy_at])):
+            out[i] = t
+    for i, (leaf, kind) in enumerate(zip(leaves, kinds)):
+        if kind != NUMPY:
+            out[i] = to_native(leaf, kind)
+    return out
+
+
+def _host_numpy(kind, tensor):
+    return kind == NUMPY or (kind == CUPY and tensor.device == "cpu")
+
+
 def from_native(tensor, kind, key=""):
     """The tensor in the framework ``kind`` (host results of CuPy leaves become NumPy)."""
     if kind == NATIVE or kind == DLPACK:
         return tensor
-    if kind == NUMPY or (kind == CUPY and tensor.device == "cpu"):
+    if _host_numpy(kind, tensor):
         return tensor_to_numpy(tensor, key)
     if kind == TORCH:
         import torch
@@ -107,6 +119,20 @@ def from_native(tensor, kind, key=""):
 
         return cupy.from_dlpack(tensor)
     raise AssertionError(kind)
+
+
+def from_native_many(tensors, kinds, paths):
+    """``from_native`` for many tensors; NumPy results come from one native call."""
+    out = [None] * len(tensors)
+    numpy_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if _host_numpy(k, t)]
+    if numpy_at:
+        arrays = tensors_to_numpy([tensors[i] for i in numpy_at], lambda j: shown(paths[numpy_at[j]]))
+        for i, a in zip(numpy_at, arrays):
+            out[i] = a
+    for i, (t, k) in enumerate(zip(tensors, kinds)):
+        if out[i] is None:
+            out[i] = from_native(t, k, shown(paths[i]))
+    return out
 
 
 def importable(kind):

@@ -1,0 +1,211 @@
+//! NumPy arrays in and out without copying, through NumPy's C API (the `numpy` crate):
+//! reading an array's fields directly and making arrays whose base is the tensor.
+
+use std::ffi::c_int;
+
+use numpy::npyffi::{self, npy_intp, PY_ARRAY_API};
+use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
+use tensorferry::storage::ForeignMemory;
+use tensorferry::{DType, Device, Storage, Tensor};
+
+use crate::errors::{format_err, IntoPy};
+use crate::tensor::PyTensor;
+
+const NPY_ARRAY_WRITEABLE: c_int = 0x0400;
+
+/// The tensorferry dtype of a NumPy dtype, or `None` (byte-swapped, object, strings…).
+fn dtype_of(descr: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
+    if descr.is_native_byteorder() == Some(false) {
+        return Ok(None);
+    }
+    let size = descr.itemsize();
+    if matches!(descr.kind(), b'V' | b'f') && size <= 2 {
+        // ml_dtypes' types say who they are by name (float8_e5m2 even claims kind 'f').
+        match descr.typeobj().name()?.to_cow()?.as_ref() {
+            "bfloat16" => return Ok(Some(DType::BF16)),
+            "float8_e4m3fn" => return Ok(Some(DType::F8E4M3)),
+            "float8_e5m2" => return Ok(Some(DType::F8E5M2)),
+            _ => {}
+        }
+    }
+    Ok(match (descr.kind(), size) {
+        (b'b', 1) => Some(DType::Bool),
+        (b'u', 1) => Some(DType::U8),
+        (b'u', 2) => Some(DType::U16),
+        (b'u', 4) => Some(DType::U32),
+        (b'u', 8) => Some(DType::U64),
+        (b'i', 1) => Some(DType::I8),
+        (b'i', 2) => Some(DType::I16),
+        (b'i', 4) => Some(DType::I32),
+        (b'i', 8) => Some(DType::I64),
+        (b'f', 2) => Some(DType::F16),
+        (b'f', 4) => Some(DType::F32),
+        (b'f', 8) => Some(DType::F64),
+        (b'c', 8) => Some(DType::Complex64),
+        (b'c', 16) => Some(DType::Complex128),
+        _ => None,
+    })
+}
+
+/// A tensor viewing the array's memory (kept alive by the tensor), or `None` when the
+/// array's layout or dtype cannot be viewed (the caller converts it first).
+pub fn array_to_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
+    let arr = obj.cast::<PyUntypedArray>()?;
+    let Some(dtype) = dtype_of(&arr.dtype())? else {
+        return Ok(None);
+    };
+    // SAFETY: `arr` is a live NumPy array; its object struct is readable while we hold it.
+    let fields = unsafe { &(*arr.as_array_ptr()).fields };
+    let ndim = fields.nd as usize;
+    let (dims, byte_strides): (&[npy_intp], &[npy_intp]) = if ndim == 0 {
+        (&[], &[])
+    } else {
+        // SAFETY: NumPy keeps `nd` dimensions and strides behind these pointers.
+        unsafe {
+            (
+                std::slice::from_raw_parts(fields.dimensions, ndim),
+                std::slice::from_raw_parts(fields.strides, ndim),
+            )
+        }
+    };
+    let size = dtype.size() as isize;
+    if byte_strides.iter().any(|s| s % size != 0) {
+        return Ok(None);
+    }
+    let shape: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+    let strides: Vec<isize> = byte_strides.iter().map(|&s| s / size).collect();
+    let read_only = fields.flags & NPY_ARRAY_WRITEABLE == 0;
+    let numel: usize = shape.iter().product();
+    let (mut below, mut above) = (0isize, if numel == 0 { 0 } else { size });
+    if numel > 0 {
+        for (&n, &s) in shape.iter().zip(&strides) {
+            let reach = (n as isize - 1) * s * size;
+            if reach < 0 {
+                below += reach;
+            } else {
+                above += reach;
+            }
+        }
+    }
+    let lowest = (fields.data as *mut u8).wrapping_offset(below);
+    let owner: Py<PyAny> = obj.clone().unbind();
+    // SAFETY: the array's data holds the described elements while the array lives, which
+    // `owner` ensures; the span covers exactly the elements; read-only arrays stay read-only.
+    let memory = unsafe {
+        ForeignMemory::new(
+            lowest,
+            (above - below) as usize,
+            Device::Cpu,
+            read_only,
+            Box::new(owner),
+        )
+    };
+    Tensor::from_storage(
+        std::sync::Arc::new(Storage::Foreign(memory)),
+        (-below) as usize,
+        dtype,
+        shape,
+        strides,
+    )
+    .py_err()
+    .map(Some)
+}
+
+/// NumPy dtypes by tensorferry dtype, made once; bfloat16/float8 need ml_dtypes.
+fn descr_for<'py>(py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, PyArrayDescr>> {
+    static CACHE: [PyOnceLock<Py<PyArrayDescr>>; 17] = [const { PyOnceLock::new() }; 17];
+    let index = DType::ALL.iter().position(|d| *d == dtype).expect("listed");
+    let descr = CACHE[index].get_or_try_init(py, || -> PyResult<Py<PyArrayDescr>> {
+        let spec: Bound<'py, PyAny> = if dtype.is_numpy_native() {
+            dtype.name().into_pyobject(py)?.into_any()
+        } else {
+            let ml = py.import("ml_dtypes").map_err(|_| {
+                format_err(format!(
+                    "the {dtype} tensor needs ml_dtypes to become a NumPy array: pip install ml_dtypes \
+                     (or read its raw bits with .view() on a uint array)"
+                ))
+            })?;
+            ml.getattr(dtype.name())?
+        };
+        Ok(PyArrayDescr::new(py, &spec)?.unbind())
+    })?;
+    Ok(descr.bind(py).clone())
+}
+
+fn ndarray_type(py: Python<'_>) -> PyResult<*mut pyo3::ffi::PyTypeObject> {
+    static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    Ok(T.import(py, "numpy", "ndarray")?.as_type_ptr())
+}
+
+/// A NumPy array viewing a host tensor; its base is the tensor object, which keeps the
+/// memory alive. Read-only memory gives a read-only array.
+pub fn tensor_to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py, PyAny>> {
+    let py = tensor.py();
+    let t = &tensor.get().inner;
+    if !t.device().is_host() {
+        return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+            "the tensor is on {}: move it to the host first (tensorferry.to_host)",
+            t.device()
+        )));
+    }
+    let descr = descr_for(py, t.dtype())?;
+    let size = t.dtype().size() as isize;
+    let mut dims: Vec<npy_intp> = t.shape().iter().map(|&d| d as npy_intp).collect();
+    let mut strides: Vec<npy_intp> = t
+        .strides()
+        .iter()
+        .map(|&s| (s * size) as npy_intp)
+        .collect();
+    let flags = if t.is_read_only() {
+        0
+    } else {
+        NPY_ARRAY_WRITEABLE
+    };
+    // SAFETY: NewFromDescr steals one reference to `descr` (given by `into_ptr`); dims and
+    // strides have `ndim` entries and describe memory inside the tensor's storage, which the
+    // array's base (the tensor object, given its own reference, stolen by SetBaseObject)
+    // keeps alive for the array's lifetime.
+    unsafe {
+        let raw = PY_ARRAY_API.PyArray_NewFromDescr(
+            py,
+            ndarray_type(py)?,
+            descr.into_ptr() as *mut npyffi::PyArray_Descr,
+            dims.len() as c_int,
+            dims.as_mut_ptr(),
+            strides.as_mut_ptr(),
+            t.data_ptr() as *mut std::ffi::c_void,
+            flags,
+            std::ptr::null_mut(),
+        );
+        let arr = Bound::from_owned_ptr_or_err(py, raw)?;
+        let base = tensor.clone().into_any().into_ptr();
+        if PY_ARRAY_API.PyArray_SetBaseObject(py, arr.as_ptr() as *mut npyffi::PyArrayObject, base)
+            != 0
+        {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(arr)
+    }
+}
+
+/// A tensor viewing `array`; arrays that cannot be viewed as they are (byte-swapped,
+/// strides splitting elements) are converted to a native contiguous array first.
+pub fn import_or_convert(array: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    if let Some(t) = array_to_tensor(array)? {
+        return Ok(t);
+    }
+    let py = array.py();
+    let np = py.import("numpy")?;
+    let dtype = array.getattr("dtype")?;
+    let native = dtype.call_method1("newbyteorder", ("=",))?;
+    let converted = np.call_method1("ascontiguousarray", (array, native))?;
+    array_to_tensor(&converted)?.ok_or_else(|| {
+        format_err(format!(
+            "arrays of dtype {} cannot be tensors",
+            dtype.str().map(|s| s.to_string()).unwrap_or_default()
+        ))
+    })
+}
