@@ -160,12 +160,30 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
         Ok(())
     })?;
     bar.inc(1);
+    bar.set_message("memcpy per tensor");
+    let tensors = dict.tensor_refs();
+    let layout = tensorferry::consolidate::PackedLayout::plan(tensors.iter().map(|t| t.nbytes()));
+    let gather = best(r, || {
+        let mut dst = AlignedBuffer::zeroed(layout.total)?;
+        let out = dst.as_mut_slice();
+        for (t, &at) in tensors.iter().zip(&layout.offsets) {
+            let src = t.contiguous_bytes().expect("contiguous host tensors");
+            out[at..at + src.len()].copy_from_slice(src);
+        }
+        std::hint::black_box(&dst);
+        Ok(())
+    })?;
     bar.set_message("consolidate");
     let t = best(r, || consolidate(&dict).map(drop))?;
     rows.push(Row {
         path: "consolidate",
         time: t,
         roof: Some(("memcpy, fresh buffer", memcpy)),
+    });
+    rows.push(Row {
+        path: "consolidate",
+        time: t,
+        roof: Some(("memcpy per tensor", gather)),
     });
     bar.inc(1);
 

@@ -91,8 +91,11 @@ def to_numpy(obj):
                 continue
         else:
             leaf_host, kind_host = leaf, kind
-        if kind_host == fw.TORCH and str(leaf_host.dtype) not in _TORCH_NO_NUMPY:
-            out[id(leaf)] = leaf_host.detach().resolve_conj().resolve_neg().numpy()
+        if kind_host == fw.TORCH and leaf_host.dtype not in _torch_no_numpy():
+            try:
+                out[id(leaf)] = leaf_host.numpy()
+            except RuntimeError:  # requires grad, or a lazy conjugate/negative view
+                out[id(leaf)] = leaf_host.detach().resolve_conj().resolve_neg().numpy()
         elif kind_host == fw.JAX:
             out[id(leaf)] = np.asarray(leaf_host)
         else:
@@ -106,7 +109,11 @@ def to_numpy(obj):
     return rebuild(obj, out)
 
 
-_TORCH_NO_NUMPY = ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2")
+def _torch_no_numpy():
+    """PyTorch dtypes whose ``.numpy()`` fails: they go through ml_dtypes instead."""
+    import torch
+
+    return (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _is_number(x):
