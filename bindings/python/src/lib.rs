@@ -6,6 +6,7 @@ mod errors;
 mod numpy_interop;
 mod tensor;
 mod tree;
+mod walk;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -196,6 +197,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(walk::collect_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(walk::rebuild, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -53,7 +53,13 @@ fn dtype_of(descr: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
 /// A tensor viewing the array's memory (kept alive by the tensor), or `None` when the
 /// array's layout or dtype cannot be viewed (the caller converts it first).
 pub fn array_to_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
-    let arr = obj.cast::<PyUntypedArray>()?;
+    if !is_ndarray(obj)? {
+        return Err(pyo3::exceptions::PyTypeError::new_err(
+            "expected a numpy.ndarray",
+        ));
+    }
+    // SAFETY: checked just above that `obj` is a numpy.ndarray (or a subclass).
+    let arr = unsafe { obj.cast_unchecked::<PyUntypedArray>() };
     let Some(dtype) = dtype_of(&arr.dtype())? else {
         return Ok(None);
     };
@@ -138,6 +144,22 @@ fn descr_for<'py>(py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, PyArrayD
 fn ndarray_type(py: Python<'_>) -> PyResult<*mut pyo3::ffi::PyTypeObject> {
     static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     Ok(T.import(py, "numpy", "ndarray")?.as_type_ptr())
+}
+
+/// True when `obj` is exactly a `numpy.ndarray` (one pointer comparison; the numpy crate's
+/// own type check looks the type up each time, which costs microseconds).
+pub fn is_exact_ndarray(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(obj.get_type().as_type_ptr() == ndarray_type(obj.py())?)
+}
+
+/// True when `obj` is a `numpy.ndarray` or a subclass of it.
+pub fn is_ndarray(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let ty = obj.get_type();
+    if ty.as_type_ptr() == ndarray_type(obj.py())? {
+        return Ok(true);
+    }
+    static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    obj.is_instance(T.import(obj.py(), "numpy", "ndarray")?)
 }
 
 /// A NumPy array viewing a host tensor; its base is the tensor object, which keeps the

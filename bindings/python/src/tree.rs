@@ -131,10 +131,10 @@ pub fn node_to_py(
     Ok(match node {
         Node::Dict(d) => {
             let dict = PyDict::new(py);
-            for (k, v) in d.iter() {
-                path.push(k.to_string());
-                let value = node_to_py(py, v.clone(), out, path);
-                path.pop();
+            for (k, v) in d {
+                path.push(k);
+                let value = node_to_py(py, v, out, path);
+                let k = path.pop().expect("pushed above");
                 dict.set_item(k, value?)?;
             }
             dict.into_any().unbind()

@@ -445,6 +445,16 @@ impl TensorDict {
     }
 }
 
+impl IntoIterator for TensorDict {
+    type Item = (String, Node);
+    type IntoIter = indexmap::map::IntoIter<String, Node>;
+
+    /// The top-level entries in order, by value.
+    fn into_iter(self) -> Self::IntoIter {
+        self.entries.into_iter()
+    }
+}
+
 impl FromIterator<(String, Node)> for TensorDict {
     fn from_iter<I: IntoIterator<Item = (String, Node)>>(iter: I) -> Self {
         TensorDict {

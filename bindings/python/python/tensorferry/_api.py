@@ -63,8 +63,8 @@ def to_host(obj, *, non_blocking=False, copy=False):
     >>> out["w"], out["name"]
     (array([1., 1.], dtype=float32), 'run-1')
     """
-    leaves = collect(obj, _is_tensor)
-    return rebuild(obj, _move(leaves, "cpu", copy))
+    leaves = _native.collect_tensors(obj, fw.kind_of)
+    return _native.rebuild(obj, _move(leaves, "cpu", copy))
 
 
 def to_numpy(obj):
@@ -79,10 +79,8 @@ def to_numpy(obj):
     """
     out = {}
     natives, paths, leaves = [], [], []
-    for path, leaf in collect(obj, _is_tensor):
+    for path, leaf in _native.collect_tensors(obj, fw.kind_of, True):
         kind = fw.kind_of(leaf)
-        if kind == fw.NUMPY:
-            continue
         if fw.device_of(leaf, kind) != "cpu":
             leaf_host = _move([(path, leaf)], "cpu", False)[id(leaf)]
             kind_host = fw.kind_of(leaf_host)
@@ -106,7 +104,7 @@ def to_numpy(obj):
         arrays = fw.tensors_to_numpy(natives, lambda i: shown(paths[i]))
         for leaf, arr in zip(leaves, arrays):
             out[id(leaf)] = arr
-    return rebuild(obj, out)
+    return _native.rebuild(obj, out)
 
 
 def _torch_no_numpy():
@@ -184,7 +182,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False):
 
 def _native_tree(obj, frameworks):
     """The tree for the native writer: plain containers, native host tensors."""
-    leaves = collect(obj, _is_tensor)
+    leaves = _native.collect_tensors(obj, fw.kind_of)
     paths, hosted, kinds = [], [], []
     for path, leaf in leaves:
         kind = fw.kind_of(leaf)
@@ -196,7 +194,7 @@ def _native_tree(obj, frameworks):
         kinds.append(fw.kind_of(host))
         frameworks[dotted(path)] = fw.NUMPY if kind == fw.CUPY else kind
     natives = fw.to_native_many(hosted, kinds)
-    return rebuild(obj, {id(leaf): t for (_, leaf), t in zip(leaves, natives)}, plain=True)
+    return _native.rebuild(obj, {id(leaf): t for (_, leaf), t in zip(leaves, natives)}, True)
 
 
 def save(obj, path, *, metadata=None, fsync=True):

@@ -91,6 +91,14 @@ def _same_type(t, items, base):
         return base(items)
 
 
+def select_tensors(obj, path):
+    """``collect``'s selector for tensor leaves (the native walker hands subtrees of
+    unusual containers back to ``collect`` with it)."""
+    from ._frameworks import kind_of
+
+    return kind_of(obj) is not None
+
+
 def dotted(path):
     """The file name of a key path: its parts joined with '.'."""
     return ".".join(str(p) for p in path)

@@ -43,8 +43,8 @@ pub struct Header {
 #[derive(Deserialize)]
 struct RawEntry {
     dtype: String,
-    shape: Vec<u64>,
-    data_offsets: (u64, u64),
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
 }
 
 /// The header's top-level object: entries in order (duplicates kept, to be reported)

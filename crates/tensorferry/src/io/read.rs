@@ -138,24 +138,19 @@ fn read_file(file: &mut File, path: &Path, file_len: u64) -> Result<(Header, Arc
 fn build(header: Header, storage: Arc<Storage>, base: usize) -> Result<Loaded> {
     let mut metadata = header.metadata;
     let recorded = metadata.remove(TREE_METADATA_KEY);
-    let mut order = Vec::with_capacity(header.tensors.len());
-    let mut tensors = HashMap::with_capacity(header.tensors.len());
+    let mut views = Vec::with_capacity(header.tensors.len());
     for e in header.tensors {
         let strides = contiguous_strides(&e.shape);
         let t = Tensor::from_storage(storage.clone(), base + e.begin, e.dtype, e.shape, strides)
             .map_err(|err| Error::format_in(&e.name, err.to_string()))?;
-        order.push(e.name.clone());
-        tensors.insert(e.name, t);
+        views.push((e.name, t));
     }
     let root = match recorded {
-        Some(text) => tree_meta::decode(&text, tensors)?,
+        Some(text) => tree_meta::decode(&text, views.into_iter().collect::<HashMap<_, _>>())?,
         None => Node::Dict(
-            order
+            views
                 .into_iter()
-                .map(|name| {
-                    let t = tensors.remove(&name).expect("present");
-                    (name, Node::Tensor(t))
-                })
+                .map(|(name, t)| (name, Node::Tensor(t)))
                 .collect(),
         ),
     };

@@ -122,10 +122,11 @@ fn from_repr(repr: Repr, tensors: &mut HashMap<String, Tensor>) -> Result<Node> 
         Repr::Dict(pairs) => {
             let mut d = TensorDict::new();
             for (k, v) in pairs {
-                let node = from_repr(v, tensors)?;
-                if d.insert(k.clone(), node).is_some() {
+                if d.get(&k).is_some() {
                     return Err(bad(format!("dict key {k:?} appears twice")));
                 }
+                let node = from_repr(v, tensors)?;
+                d.insert(k, node);
             }
             Node::Dict(d)
         }
