@@ -161,24 +161,8 @@ pub fn parse_header(header: &[u8], data_len: u64) -> Result<Header> {
 fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {
     let dtype = DType::from_safetensors_code(&e.dtype)
         .ok_or_else(|| Error::format_in(&name, format!("unknown dtype {:?}", e.dtype)))?;
-    let shape = e
-        .shape
-        .iter()
-        .map(|&d| usize::try_from(d).ok())
-        .collect::<Option<Vec<usize>>>()
-        .ok_or_else(|| Error::format_in(&name, "shape does not fit this machine"))?;
-    let (begin, end) = match (
-        usize::try_from(e.data_offsets.0),
-        usize::try_from(e.data_offsets.1),
-    ) {
-        (Ok(b), Ok(e)) => (b, e),
-        _ => {
-            return Err(Error::format_in(
-                &name,
-                "data_offsets do not fit this machine",
-            ))
-        }
-    };
+    let shape = e.shape;
+    let (begin, end) = e.data_offsets;
     if begin > end {
         return Err(Error::format_in(
             &name,
