@@ -10,3 +10,14 @@ echo "== cargo test"; cargo test --workspace
 echo "== python package"; bash scripts/setup-python.sh
 echo "== pytest"
 .venv/bin/python -m pytest bindings/python/tests --doctest-modules --pyargs tensorferry -q -p no:cacheprovider
+
+# The oldest NumPy line the package supports (1.x; DLPack without max_version), with the
+# same wheel and the same tests (framework tests skip: no torch or JAX in this environment).
+echo "== pytest with NumPy 1.x"
+if [ ! -x .venv-np1/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv-np1
+fi
+.venv-np1/bin/python -m pip install -q --upgrade pip
+.venv-np1/bin/python -m pip install -q "numpy==1.23.5" pytest hypothesis ml_dtypes safetensors
+.venv-np1/bin/python -m pip install -q --force-reinstall --no-deps dist/tensorferry-*.whl
+.venv-np1/bin/python -m pytest bindings/python/tests -q -p no:cacheprovider

@@ -2,6 +2,7 @@
 
 import json
 import os
+import warnings
 
 import numpy as np
 
@@ -137,7 +138,10 @@ _STANDARD = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}
 
 def _data_to_tensor(data, path):
     try:
-        arr = np.asarray(data)
+        with warnings.catch_warnings():
+            # NumPy 1.x warns and makes an object array of a ragged list; 2.x raises.
+            warnings.simplefilter("ignore")
+            arr = np.asarray(data)
     except ValueError as e:
         raise FormatError(f"ragged list at {shown(path)!r} cannot become a tensor: {e}") from None
     if arr.dtype.kind not in _STANDARD:
