@@ -33,8 +33,11 @@ def build(device):
 
 def main():
     devices = tf.devices()
-    device = devices[-1]
-    print(f"devices usable by tensorferry: {devices}; building the dictionary on {device}")
+    gpus = [d for d in devices if d.startswith("cuda")]
+    # No GPU: the emulated device runs the same transfer engine in host memory.
+    device = gpus[0] if gpus else "emu:0"
+    print(f"devices usable by tensorferry: {devices}; building the dictionary on {device}"
+          + ("" if gpus else " (emulated: no GPU present)"))
     state = build(device)
     td = tf.TensorDict(state)
     print(f"  {len(td._tensors())} tensors, {td.nbytes / 1e6:.1f} MB, device {td.device}")

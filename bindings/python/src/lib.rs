@@ -89,6 +89,38 @@ fn pack(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<Vec<PyTensor>> {
     })
 }
 
+/// Moves tensors to `device` in one planned transfer (GIL released); see
+/// `tensorferry::move_tensors`. With `non_blocking` the copies may still run: every read
+/// of a result waits for its copy.
+#[pyfunction]
+#[pyo3(signature = (tensors, device, copy=false, non_blocking=false))]
+fn move_tensors(
+    py: Python<'_>,
+    tensors: Vec<Py<PyTensor>>,
+    device: &str,
+    copy: bool,
+    non_blocking: bool,
+) -> PyResult<Vec<PyTensor>> {
+    guard(|| {
+        let target: Device = device.parse().py_err()?;
+        let refs: Vec<&tensorferry::Tensor> = tensors.iter().map(|t| &t.get().inner).collect();
+        let options = tensorferry::MoveOptions { copy, non_blocking };
+        let moved = py
+            .detach(|| tensorferry::move_tensors(&refs, target, options))
+            .py_err()?;
+        Ok(moved.into_iter().map(PyTensor::new).collect())
+    })
+}
+
+/// Sets up emulated device `index` from `key=value,…` settings (see `TENSORFERRY_EMU`).
+#[pyfunction]
+fn configure_emulated(index: usize, settings: &str) -> PyResult<()> {
+    guard(|| {
+        let config = tensorferry::backend::emulated::EmuConfig::parse(settings).py_err()?;
+        tensorferry::backend::emulated::configure(index, config).py_err()
+    })
+}
+
 /// Writes a tree of dict/list/tuple, `Tensor` and plain values as a safetensors file.
 #[pyfunction]
 #[pyo3(signature = (tree, path, metadata=None, fsync=true))]
@@ -192,6 +224,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(pack, m)?)?;
+    m.add_function(wrap_pyfunction!(move_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(configure_emulated, m)?)?;
     m.add_function(wrap_pyfunction!(to_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(from_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;

@@ -168,10 +168,12 @@ pub fn tensor_to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py
     let py = tensor.py();
     let t = &tensor.get().inner;
     if !t.device().is_host() {
-        return Err(pyo3::exceptions::PyBufferError::new_err(format!(
-            "the tensor is on {}: move it to the host first (tensorferry.to_host)",
-            t.device()
-        )));
+        // Device memory: copy to the host (after the copies queued into it), then view that.
+        let host = py.detach(|| t.to(Device::Cpu, false)).py_err()?;
+        return tensor_to_array(&Bound::new(py, PyTensor::new(host))?);
+    }
+    if !t.is_ready() {
+        py.detach(|| t.wait()).py_err()?;
     }
     let descr = descr_for(py, t.dtype())?;
     let size = t.dtype().size() as isize;

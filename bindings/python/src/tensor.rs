@@ -83,8 +83,22 @@ impl PyTensor {
         self.inner.data_ptr() as usize
     }
 
+    /// Waits until every copy into this tensor's memory has finished (non-blocking moves
+    /// return before); raises the copy's error if it failed. Returns the tensor.
+    fn wait(slf: &Bound<'_, Self>) -> PyResult<Py<PyTensor>> {
+        let t = slf.get().inner.clone();
+        slf.py().detach(|| t.wait()).py_err()?;
+        Ok(slf.clone().unbind())
+    }
+
+    /// True when no copy into this tensor's memory is still running.
+    #[getter]
+    fn is_ready(&self) -> bool {
+        self.inner.is_ready()
+    }
+
     /// A NumPy array of the tensor: zero-copy for host memory (read-only when the memory
-    /// is); bfloat16 and float8 come as `ml_dtypes` arrays.
+    /// is), a copy for device memory; bfloat16 and float8 come as `ml_dtypes` arrays.
     ///
     /// >>> import numpy as np, tensorferry as tf
     /// >>> tf.Tensor.from_numpy(np.ones(2, np.int64)).numpy()
@@ -119,7 +133,14 @@ impl PyTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let _ = stream; // Host memory needs no stream ordering.
+        let _ = stream; // Host memory needs no stream ordering; pending copies are waited for.
+        if matches!(self.inner.device(), Device::Emulated(_)) {
+            return Err(PyBufferError::new_err(format!(
+                "{} memory has no DLPack device: move it to the host first",
+                self.inner.device()
+            )));
+        }
+        py.detach(|| self.inner.wait()).py_err()?;
         if let Some(dev) = dl_device {
             if dev != self.__dlpack_device__() {
                 return Err(PyBufferError::new_err(format!(

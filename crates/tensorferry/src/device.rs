@@ -4,11 +4,12 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::backend::cuda;
+use crate::backend::{cuda, emulated};
 use crate::error::{Error, Result};
 
 /// The forms [`Device::from_str`] accepts, for error messages.
-pub const ACCEPTED_DEVICE_FORMS: &str = "\"cpu\", \"cuda\", \"cuda:N\" (N = 0, 1, …)";
+pub const ACCEPTED_DEVICE_FORMS: &str =
+    "\"cpu\", \"cuda\", \"cuda:N\", \"emu\", \"emu:N\" (N = 0, 1, …)";
 
 /// A place a tensor's memory can live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -18,6 +19,9 @@ pub enum Device {
     Cpu,
     /// The memory of CUDA device N.
     Cuda(usize),
+    /// Emulated device N: a GPU stand-in in host memory, with its own stream (see
+    /// [`crate::backend::emulated`]).
+    Emulated(usize),
 }
 
 impl Device {
@@ -30,6 +34,7 @@ impl Device {
     pub fn ensure_available(self) -> Result<()> {
         match self {
             Device::Cpu => Ok(()),
+            Device::Emulated(index) => emulated::device(index).map(drop),
             Device::Cuda(index) => match cuda::status() {
                 cuda::CudaStatus::Unavailable { reason } => Err(Error::DeviceUnavailable {
                     device: self.to_string(),
@@ -62,6 +67,7 @@ pub fn available_devices() -> Vec<Device> {
                 .filter(|d| d.ensure_available().is_ok()),
         );
     }
+    found.extend((0..emulated::EMULATED_DEVICES).map(Device::Emulated));
     found
 }
 
@@ -70,6 +76,7 @@ impl fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(i) => write!(f, "cuda:{i}"),
+            Device::Emulated(i) => write!(f, "emu:{i}"),
         }
     }
 }
@@ -87,13 +94,21 @@ impl FromStr for Device {
         match trimmed {
             "cpu" => return Ok(Device::Cpu),
             "cuda" => return Ok(Device::Cuda(0)),
+            "emu" => return Ok(Device::Emulated(0)),
             _ => {}
         }
-        let index = trimmed.strip_prefix("cuda:").ok_or_else(invalid)?;
+        let (kind, index): (fn(usize) -> Device, &str) =
+            if let Some(i) = trimmed.strip_prefix("cuda:") {
+                (Device::Cuda, i)
+            } else if let Some(i) = trimmed.strip_prefix("emu:") {
+                (Device::Emulated, i)
+            } else {
+                return Err(invalid());
+            };
         if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
             return Err(invalid());
         }
-        index.parse().map(Device::Cuda).map_err(|_| invalid())
+        index.parse().map(kind).map_err(|_| invalid())
     }
 }
 
@@ -106,6 +121,9 @@ mod tests {
         assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
         assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
         assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+        assert_eq!("emu".parse::<Device>().unwrap(), Device::Emulated(0));
+        assert_eq!("emu:1".parse::<Device>().unwrap(), Device::Emulated(1));
+        assert_eq!(Device::Emulated(1).to_string(), "emu:1");
     }
 
     #[test]
@@ -116,7 +134,9 @@ mod tests {
 
     #[test]
     fn rejects_bad_strings_listing_the_accepted_forms() {
-        for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "CPU0", "", "cuda:1:2"] {
+        for bad in [
+            "gpu", "cuda:", "cuda:-1", "cuda:x", "CPU0", "", "cuda:1:2", "emu:",
+        ] {
             let err = bad.parse::<Device>().unwrap_err();
             let msg = err.to_string();
             assert!(msg.contains("cuda:N"), "{bad:?} gave {msg}");

@@ -86,6 +86,7 @@ const DL_CPU: i32 = 1;
 const DL_CUDA: i32 = 2;
 const DL_CUDA_HOST: i32 = 3;
 const DL_CUDA_MANAGED: i32 = 13;
+const DL_EXT_DEV: i32 = 12;
 
 /// The DLPack version tensorferry speaks.
 pub const VERSION: DLPackVersion = DLPackVersion { major: 1, minor: 1 };
@@ -99,6 +100,11 @@ pub fn dl_device(device: Device) -> DLDevice {
         },
         Device::Cuda(i) => DLDevice {
             device_type: DL_CUDA,
+            device_id: i as i32,
+        },
+        // No DLPack device type exists for it; consumers are refused before export.
+        Device::Emulated(i) => DLDevice {
+            device_type: DL_EXT_DEV,
             device_id: i as i32,
         },
     }

@@ -11,6 +11,7 @@ pub mod io;
 pub mod memory;
 pub mod storage;
 pub mod tensor;
+pub mod transfer;
 pub mod tree;
 
 pub use consolidate::{consolidate, consolidate_node, pack};
@@ -20,4 +21,5 @@ pub use error::{Error, Result};
 pub use io::{load, load_node, save, save_node, LoadOptions, Loaded, SaveOptions};
 pub use storage::Storage;
 pub use tensor::Tensor;
+pub use transfer::{move_tensors, MoveOptions};
 pub use tree::{KeyPath, Node, TensorDict, Value};

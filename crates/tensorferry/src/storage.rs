@@ -6,6 +6,8 @@ use std::fmt;
 
 use memmap2::Mmap;
 
+use crate::backend::emulated::DeviceBuffer;
+use crate::backend::Event;
 use crate::device::Device;
 use crate::memory::AlignedBuffer;
 
@@ -56,14 +58,24 @@ pub enum Storage {
     Mapped(Mmap),
     /// Memory of another producer.
     Foreign(ForeignMemory),
+    /// Memory of an emulated device.
+    Emulated(DeviceBuffer),
+    /// Host memory that a queued copy is filling: every read waits for `ready` first.
+    Incoming {
+        /// The memory being filled.
+        buffer: AlignedBuffer,
+        /// Completed when the copy into `buffer` has finished.
+        ready: Event,
+    },
 }
 
 impl Storage {
     /// The device the memory lives on.
     pub fn device(&self) -> Device {
         match self {
-            Storage::Owned(_) | Storage::Mapped(_) => Device::Cpu,
+            Storage::Owned(_) | Storage::Mapped(_) | Storage::Incoming { .. } => Device::Cpu,
             Storage::Foreign(f) => f.device,
+            Storage::Emulated(b) => b.device(),
         }
     }
 
@@ -73,6 +85,8 @@ impl Storage {
             Storage::Owned(b) => b.len(),
             Storage::Mapped(m) => m.len(),
             Storage::Foreign(f) => f.len,
+            Storage::Emulated(b) => b.len(),
+            Storage::Incoming { buffer, .. } => buffer.len(),
         }
     }
 
@@ -84,7 +98,7 @@ impl Storage {
     /// True when the memory must not be written (a mapped file, a read-only array).
     pub fn is_read_only(&self) -> bool {
         match self {
-            Storage::Owned(_) => false,
+            Storage::Owned(_) | Storage::Emulated(_) | Storage::Incoming { .. } => false,
             Storage::Mapped(_) => true,
             Storage::Foreign(f) => f.read_only,
         }
@@ -96,13 +110,43 @@ impl Storage {
             Storage::Owned(b) => b.as_slice().as_ptr(),
             Storage::Mapped(m) => m.as_ptr(),
             Storage::Foreign(f) => f.ptr,
+            Storage::Emulated(b) => b.as_ptr(),
+            Storage::Incoming { buffer, .. } => buffer.as_slice().as_ptr(),
         }
     }
 
-    /// The bytes, when the memory is on the host.
+    /// The event of the copy that fills this memory, if one may still be running.
+    pub fn pending(&self) -> Option<&Event> {
+        match self {
+            Storage::Emulated(b) => Some(b.written()),
+            Storage::Incoming { ready, .. } => Some(ready),
+            _ => None,
+        }
+    }
+
+    /// Waits until the memory holds its data; the failure of the copy that fills it, if any.
+    pub fn wait(&self) -> crate::Result<()> {
+        match self.pending() {
+            Some(e) => e.wait(&self.device().to_string()),
+            None => Ok(()),
+        }
+    }
+
+    /// True when no copy into this memory is still running.
+    pub fn is_ready(&self) -> bool {
+        self.pending().is_none_or(Event::is_ready)
+    }
+
+    /// The bytes, when the memory is on the host. Memory still being filled by a queued
+    /// copy is waited for; `None` if that copy failed (see [`Storage::wait`]).
     pub fn host_bytes(&self) -> Option<&[u8]> {
         match self {
             Storage::Owned(b) => Some(b.as_slice()),
+            Storage::Incoming { buffer, ready } => {
+                ready.wait("cpu").ok()?;
+                Some(buffer.as_slice())
+            }
+            Storage::Emulated(_) => None,
             Storage::Mapped(m) => Some(&m[..]),
             Storage::Foreign(f) if f.device.is_host() => {
                 if f.len == 0 {
@@ -123,6 +167,8 @@ impl fmt::Debug for Storage {
             Storage::Owned(_) => "owned",
             Storage::Mapped(_) => "mapped",
             Storage::Foreign(_) => "foreign",
+            Storage::Emulated(_) => "emulated device",
+            Storage::Incoming { .. } => "incoming",
         };
         write!(
             f,

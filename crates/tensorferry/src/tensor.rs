@@ -243,11 +243,23 @@ impl Tensor {
 
     /// Calls `f` on the bytes of the tensor in C order, as few runs as the layout allows.
     /// Fails with `DeviceUnavailable` when the tensor is not on the host.
-    pub fn for_each_run(&self, mut f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+    pub fn for_each_run(&self, f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
         if let Some(bytes) = self.contiguous_bytes() {
+            let mut f = f;
             return f(bytes);
         }
-        let all = self.host_bytes_or_err()?;
+        self.runs_in(self.host_bytes_or_err()?, f)
+    }
+
+    /// Calls `f` on the tensor's bytes in C order, reading them from `all`, the bytes of
+    /// its storage (host memory, or device memory a stream is allowed to read).
+    pub(crate) fn runs_in(&self, all: &[u8], mut f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+        if self.numel() == 0 {
+            return Ok(());
+        }
+        if self.is_contiguous() {
+            return f(&all[self.offset..self.offset + self.nbytes()]);
+        }
         let size = self.dtype.size();
         // Merge trailing dimensions that are contiguous into one run.
         let mut run_elems = 1usize;
@@ -289,6 +301,17 @@ impl Tensor {
         }
     }
 
+    /// Waits until the tensor's memory holds its data (a copy into it may be queued);
+    /// the failure of that copy, if any.
+    pub fn wait(&self) -> Result<()> {
+        self.storage.wait()
+    }
+
+    /// True when no copy into the tensor's memory is still running.
+    pub fn is_ready(&self) -> bool {
+        self.storage.is_ready()
+    }
+
     fn host_bytes_or_err(&self) -> Result<&[u8]> {
         self.storage
             .host_bytes()
@@ -325,20 +348,14 @@ impl Tensor {
     }
 
     /// The tensor on `device`: the same tensor when it is already there (unless `copy`),
-    /// else a copy. A copy never shares memory with `self`.
+    /// else a copy, finished before returning. A copy never shares memory with `self`.
     pub fn to(&self, device: Device, copy: bool) -> Result<Tensor> {
-        device.ensure_available()?;
-        match (self.device(), device) {
-            (from, to) if from == to && !copy => Ok(self.clone()),
-            (Device::Cpu, Device::Cpu) => self.deep_copy(),
-            (from, _) => {
-                from.ensure_available()?;
-                Err(Error::DeviceUnavailable {
-                    device: from.to_string(),
-                    reason: "device transfers are not built into this version yet".into(),
-                })
-            }
-        }
+        let options = crate::transfer::MoveOptions {
+            copy,
+            non_blocking: false,
+        };
+        let mut moved = crate::transfer::move_tensors(&[self], device, options)?;
+        Ok(moved.pop().expect("one tensor in, one out"))
     }
 
     /// The elements in C order, converted from their bytes; `T` must match the dtype.

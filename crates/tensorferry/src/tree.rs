@@ -441,7 +441,36 @@ impl TensorDict {
     /// The dictionary with every tensor on `device`; tensors already there are shared
     /// unless `copy`. The source is never modified; on error nothing half-built is returned.
     pub fn to(&self, device: Device, copy: bool) -> Result<TensorDict> {
-        self.try_map_tensors(|_, t| t.to(device, copy))
+        self.to_with(
+            device,
+            crate::transfer::MoveOptions {
+                copy,
+                non_blocking: false,
+            },
+        )
+    }
+
+    /// Like [`TensorDict::to`], with every option: one planned transfer for the whole
+    /// dictionary; with `non_blocking` the copies may still run when this returns, and
+    /// every read of a result waits for its copy ([`TensorDict::wait`] waits for all).
+    pub fn to_with(
+        &self,
+        device: Device,
+        options: crate::transfer::MoveOptions,
+    ) -> Result<TensorDict> {
+        let mut moved =
+            crate::transfer::move_tensors(&self.tensor_refs(), device, options)?.into_iter();
+        self.try_map_tensors_in_order(&mut |_| Ok(moved.next().expect("one result per tensor")))
+    }
+
+    /// Waits for every copy into this dictionary's tensors; the first failure, if any.
+    pub fn wait(&self) -> Result<()> {
+        self.tensor_refs().iter().try_for_each(|t| t.wait())
+    }
+
+    /// True when no copy into this dictionary's tensors is still running.
+    pub fn is_ready(&self) -> bool {
+        self.tensor_refs().iter().all(|t| t.is_ready())
     }
 }
 

@@ -9,7 +9,7 @@ True
 """
 
 from . import _native
-from ._api import devices, load, metadata, save, to_device, to_host, to_numpy
+from ._api import configure_emulated, devices, load, metadata, save, to_device, to_host, to_numpy
 from ._errors import (
     DeviceUnavailableError,
     FormatError,
@@ -35,6 +35,7 @@ __all__ = [
     "TensorferryIOError",
     "TensorferryKeyError",
     "__version__",
+    "configure_emulated",
     "devices",
     "load",
     "metadata",

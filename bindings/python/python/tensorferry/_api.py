@@ -19,11 +19,13 @@ def _is_tensor(obj, path):
     return fw.kind_of(obj) is not None
 
 
-def _move(leaves, target, copy):
+def _move(leaves, target, copy, non_blocking=False):
     """Moves ``[(path, leaf)]`` to ``target``; returns ``{id(leaf): result}``.
 
     Leaves already on the target stay as they are unless ``copy``. Everything that
-    must be copied goes through one native call: one buffer, one planned transfer.
+    must move goes through one native call: one plan, one buffer per source device.
+    Results on a device are ``tensorferry.Tensor``; on the host they follow the input's
+    framework (CuPy and device-only inputs come back as NumPy and ``tensorferry.Tensor``).
     """
     out = {}
     paths, pending, kinds = [], [], []
@@ -37,14 +39,10 @@ def _move(leaves, target, copy):
         kinds.append(kind)
     if not pending:
         return out
-    if target != "cpu":
-        _native.ensure_device(target)
     natives = fw.to_native_many(pending, kinds)
-    for t in natives:
-        if t.device != "cpu":
-            # The device engine moves device memory; until it is present, say why not.
-            _native.ensure_device(t.device)
-    moved = _native.pack(natives)
+    moved = _native.move_tensors(natives, target, copy, non_blocking)
+    if target != "cpu":
+        kinds = [fw.NATIVE] * len(kinds)
     for leaf, result in zip(pending, fw.from_native_many(moved, kinds, paths)):
         out[id(leaf)] = result
     return out
@@ -65,7 +63,7 @@ def to_host(obj, *, non_blocking=False, copy=False):
     (array([1., 1.], dtype=float32), 'run-1')
     """
     leaves = _native.collect_tensors(obj, fw.kind_of)
-    return _native.rebuild(obj, _move(leaves, "cpu", copy))
+    return _native.rebuild(obj, _move(leaves, "cpu", copy, non_blocking))
 
 
 def to_numpy(obj):
@@ -180,7 +178,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False):
             out[id(leaf)] = t if target == "cpu" else _move([(path, t)], target, False)[id(t)]
         else:
             tensors.append((path, leaf))
-    out.update(_move(tensors, target, copy))
+    out.update(_move(tensors, target, copy, non_blocking))
     return rebuild(obj, out)
 
 
@@ -304,11 +302,30 @@ def metadata(path):
     return {k: v for k, v in meta.items() if not k.startswith(_RESERVED_PREFIX)}
 
 
+def configure_emulated(index=0, **settings):
+    """Sets up the emulated device ``emu:index``, a GPU stand-in in host memory with its
+    own stream, for testing pipelines on machines without a GPU. Settings (all optional):
+    ``capacity_bytes``, ``bandwidth_gbps``, ``latency_us``, ``fail_alloc`` (the Nth
+    allocation from now fails), ``fail_copy`` (the Nth copy fails). The same keys are read
+    from ``TENSORFERRY_EMU`` ("latency_us=20000,capacity_bytes=1000000") on first use.
+
+    >>> import tensorferry as tf
+    >>> tf.configure_emulated(0, latency_us=0)
+    >>> tf.to_device({"x": [1.0, 2.0]}, "emu:0")["x"].device
+    'emu:0'
+    """
+    text = ",".join(f"{k}={v}" for k, v in settings.items())
+    _native.configure_emulated(int(index), text)
+
+
 def devices():
     """The devices present, host first, e.g. ``["cpu"]`` or ``["cpu", "cuda:0"]``.
 
     >>> import tensorferry as tf
     >>> tf.devices()[0]
     'cpu'
+
+    The emulated devices (``emu:0``, ``emu:1``) are always listed: they run the transfer
+    engine in host memory.
     """
     return _native.devices()

@@ -154,13 +154,16 @@ class TensorDict:
         return cls._wrap(_api.load(path, **kwargs))
 
     def wait(self):
-        """Waits for pending copies to finish; returns self. Host moves finish before
-        the call that started them returns, so there is nothing to wait for here."""
+        """Waits for every copy into this dictionary's tensors (``non_blocking`` moves
+        return before they finish); raises the first copy's error. Returns self."""
+        for t in self._tensors():
+            if type(t) is fw.Tensor:
+                t.wait()
         return self
 
     def is_ready(self):
-        """True when every copy has finished."""
-        return True
+        """True when no copy into this dictionary's tensors is still running."""
+        return all(t.is_ready for t in self._tensors() if type(t) is fw.Tensor)
 
     # -- facts ------------------------------------------------------------------
     def _tensors(self):

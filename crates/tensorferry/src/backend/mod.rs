@@ -1,4 +1,8 @@
-//! What a device offers. For now: the CUDA driver probe, loaded at run time, so that
-//! the library builds and runs with no CUDA toolkit and reports why a GPU is unusable.
+//! What a device offers: the CUDA driver (loaded at run time, probed for now) and the
+//! emulated device that runs the transfer engine on any machine; completion events.
 
 pub mod cuda;
+pub mod emulated;
+pub mod event;
+
+pub use event::Event;

@@ -1,0 +1,111 @@
+"""The emulated device emu:N runs the transfer engine without a GPU: moves, waits, faults."""
+
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+
+
+@pytest.fixture
+def emu1():
+    """emu:1 with clean settings before and after the test."""
+    tf.configure_emulated(1)
+    yield "emu:1"
+    tf.configure_emulated(1)
+
+
+def test_emulated_devices_are_listed():
+    assert "emu:0" in tf.devices() and "emu:1" in tf.devices()
+
+
+def test_a_dictionary_goes_to_the_device_and_back(state):
+    there = tf.to_device(state, "emu:0")
+    w = there["model"]["layer.0.weight"]
+    assert isinstance(w, tf.Tensor) and w.device == "emu:0"
+    assert there["tag"] is state["tag"] and there["optimizer"]["lr"] is state["optimizer"]["lr"]
+    back = tf.to_numpy(there)
+    np.testing.assert_array_equal(back["model"]["layer.0.weight"], state["model"]["layer.0.weight"])
+    np.testing.assert_array_equal(back["ids"], state["ids"])
+
+
+def test_data_lists_go_straight_to_the_device():
+    out = tf.to_device({"ids": [[1, 2], [3, 4]]}, "emu:0")
+    assert out["ids"].device == "emu:0" and out["ids"].dtype == "int64"
+    np.testing.assert_array_equal(out["ids"].numpy(), [[1, 2], [3, 4]])
+
+
+def test_numpy_of_a_device_tensor_copies_to_the_host():
+    t = tf.to_device({"x": np.arange(5.0)}, "emu:0")["x"]
+    arr = np.asarray(t)
+    np.testing.assert_array_equal(arr, np.arange(5.0))
+    with pytest.raises(BufferError):
+        t.__dlpack__()
+
+
+def test_tensordict_moves_and_waits(state):
+    td = tf.TensorDict(state).to("emu:0", non_blocking=True)
+    assert td.device == "emu:0"
+    assert td.wait() is td and td.is_ready()
+    np.testing.assert_array_equal(td.cpu().numpy()["ids"], state["ids"])
+
+
+def test_non_blocking_returns_early_and_reads_wait(emu1, state):
+    tf.configure_emulated(1, latency_us=300_000)
+    td = tf.TensorDict(tf.to_device(state, emu1, non_blocking=True))
+    assert not td.is_ready()
+    back = tf.to_numpy(td.to_dict())
+    np.testing.assert_array_equal(back["model"]["layer.0.weight"], state["model"]["layer.0.weight"])
+
+
+def test_a_source_dropped_at_once_is_still_copied(emu1):
+    tf.configure_emulated(1, latency_us=100_000)
+    src = {"x": np.arange(1000, dtype=np.int32)}
+    out = tf.to_device(src, emu1, non_blocking=True)
+    del src
+    gc.collect()
+    np.testing.assert_array_equal(out["x"].numpy(), np.arange(1000, dtype=np.int32))
+
+
+def test_a_failing_allocation_is_out_of_memory_and_the_source_is_intact(emu1, state):
+    tf.configure_emulated(1, fail_alloc=1)
+    before = state["model"]["layer.0.weight"].copy()
+    with pytest.raises(tf.OutOfMemoryError, match=r"emu:1.*asked for \d+ bytes") as info:
+        tf.to_device(state, emu1)
+    assert isinstance(info.value, MemoryError)
+    np.testing.assert_array_equal(state["model"]["layer.0.weight"], before)
+
+
+def test_a_failing_copy_raises_and_returns_nothing(emu1, state):
+    tf.configure_emulated(1, fail_copy=1)
+    with pytest.raises(tf.TensorferryError, match="injected fault"):
+        tf.to_device(state, emu1)
+    assert tf.to_device(state, emu1)["ids"].device == emu1  # the next copy works
+
+
+def test_bad_settings_are_a_value_error():
+    with pytest.raises(ValueError, match="unknown key"):
+        tf.configure_emulated(0, speed=3)
+
+
+def test_the_environment_variable_configures_the_device():
+    code = (
+        "import numpy as np, tensorferry as tf\n"
+        "try:\n"
+        "    tf.to_device({'x': np.ones(100)}, 'emu:0')\n"
+        "except tf.OutOfMemoryError as e:\n"
+        "    print('OOM', e)\n"
+    )
+    env = dict(os.environ, TENSORFERRY_EMU="capacity_bytes=64")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("OOM") and "64" in out.stdout
+
+
+def test_torch_tensors_go_to_the_device_and_back(torch):
+    src = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).t()}
+    there = tf.to_device(src, "emu:0")
+    np.testing.assert_array_equal(tf.to_numpy(there)["w"], src["w"].numpy())

@@ -1,0 +1,369 @@
+//! The emulated device `emu:N`: device memory is a separate host allocation, its one
+//! stream is a worker thread that runs copies in order, and events complete as CUDA's
+//! do. Capacity, bandwidth and per-copy latency are configurable, and faults can be
+//! injected (fail the Nth allocation or the Nth copy).
+//!
+//! It exists so that machines without a GPU (CI among them) run the very same transfer
+//! engine, and so that users can test their pipelines on CPU-only machines.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use super::event::Event;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::memory::AlignedBuffer;
+
+/// How many emulated devices exist (`emu:0` … `emu:{EMULATED_DEVICES - 1}`).
+pub const EMULATED_DEVICES: usize = 2;
+
+/// The environment variable read when an emulated device is first used.
+pub const ENV_VAR: &str = "TENSORFERRY_EMU";
+
+const KEYS: &str = "capacity_bytes, bandwidth_gbps, latency_us, fail_alloc, fail_copy";
+
+/// Settings of an emulated device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EmuConfig {
+    /// Bytes of device memory (default 8 GiB; memory is only taken when allocated).
+    pub capacity_bytes: usize,
+    /// Copy bandwidth in GB/s; `None` copies at host speed.
+    pub bandwidth_gbps: Option<f64>,
+    /// Added to every copy, in microseconds.
+    pub latency_us: u64,
+    /// The Nth allocation from now fails with out-of-memory (1-based).
+    pub fail_alloc: Option<u64>,
+    /// The Nth copy from now fails (1-based).
+    pub fail_copy: Option<u64>,
+}
+
+impl Default for EmuConfig {
+    fn default() -> Self {
+        EmuConfig {
+            capacity_bytes: 8 << 30,
+            bandwidth_gbps: None,
+            latency_us: 0,
+            fail_alloc: None,
+            fail_copy: None,
+        }
+    }
+}
+
+impl EmuConfig {
+    /// Parses comma-separated `key=value` pairs, e.g. `latency_us=20000,capacity_bytes=1000000`.
+    pub fn parse(text: &str) -> Result<EmuConfig> {
+        let mut c = EmuConfig::default();
+        for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let bad = |why: &str| Error::InvalidValue {
+                key: ENV_VAR.into(),
+                reason: format!("{pair:?}: {why} (keys: {KEYS})"),
+            };
+            let (k, v) = pair
+                .split_once('=')
+                .ok_or_else(|| bad("expected key=value"))?;
+            let int = || {
+                v.trim()
+                    .parse::<u64>()
+                    .map_err(|_| bad("expected an integer"))
+            };
+            match k.trim() {
+                "capacity_bytes" => c.capacity_bytes = int()? as usize,
+                "latency_us" => c.latency_us = int()?,
+                "fail_alloc" => c.fail_alloc = Some(int()?),
+                "fail_copy" => c.fail_copy = Some(int()?),
+                "bandwidth_gbps" => {
+                    let g: f64 = v.trim().parse().map_err(|_| bad("expected a number"))?;
+                    if g.is_nan() || g <= 0.0 {
+                        return Err(bad("must be positive"));
+                    }
+                    c.bandwidth_gbps = Some(g);
+                }
+                _ => return Err(bad("unknown key")),
+            }
+        }
+        Ok(c)
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// One emulated device: its memory accounting, its settings and its stream.
+pub struct EmulatedDevice {
+    index: usize,
+    config: Mutex<EmuConfig>,
+    used: AtomicUsize,
+    allocations: AtomicU64,
+    copies: AtomicU64,
+    stream: Mutex<Sender<Job>>,
+}
+
+impl std::fmt::Debug for EmulatedDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "EmulatedDevice(emu:{}, {} bytes used)",
+            self.index,
+            self.used()
+        )
+    }
+}
+
+fn registry() -> &'static Mutex<HashMap<usize, Arc<EmulatedDevice>>> {
+    static R: OnceLock<Mutex<HashMap<usize, Arc<EmulatedDevice>>>> = OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// The emulated device `emu:index`, created (reading `TENSORFERRY_EMU`) on first use.
+pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
+    if index >= EMULATED_DEVICES {
+        return Err(Error::DeviceUnavailable {
+            device: Device::Emulated(index).to_string(),
+            reason: format!(
+                "only {EMULATED_DEVICES} emulated devices exist (emu:0 … emu:{})",
+                EMULATED_DEVICES - 1
+            ),
+        });
+    }
+    let mut devices = registry().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(d) = devices.get(&index) {
+        return Ok(d.clone());
+    }
+    let config = match std::env::var(ENV_VAR) {
+        Ok(text) => EmuConfig::parse(&text)?,
+        Err(_) => EmuConfig::default(),
+    };
+    let (tx, rx) = mpsc::channel::<Job>();
+    std::thread::Builder::new()
+        .name(format!("tensorferry-emu{index}-stream"))
+        .spawn(move || {
+            for job in rx {
+                job();
+            }
+        })
+        .map_err(|e| Error::DeviceUnavailable {
+            device: Device::Emulated(index).to_string(),
+            reason: format!("cannot start its stream thread: {e}"),
+        })?;
+    let d = Arc::new(EmulatedDevice {
+        index,
+        config: Mutex::new(config),
+        used: AtomicUsize::new(0),
+        allocations: AtomicU64::new(0),
+        copies: AtomicU64::new(0),
+        stream: Mutex::new(tx),
+    });
+    devices.insert(index, d.clone());
+    Ok(d)
+}
+
+/// Replaces the settings of `emu:index`; fault counters start again from zero.
+pub fn configure(index: usize, config: EmuConfig) -> Result<()> {
+    let d = device(index)?;
+    *d.config.lock().unwrap_or_else(|p| p.into_inner()) = config;
+    d.allocations.store(0, Ordering::SeqCst);
+    d.copies.store(0, Ordering::SeqCst);
+    Ok(())
+}
+
+impl EmulatedDevice {
+    /// The device's name.
+    pub fn device(&self) -> Device {
+        Device::Emulated(self.index)
+    }
+
+    /// Bytes allocated now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::SeqCst)
+    }
+
+    fn config(&self) -> EmuConfig {
+        self.config
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Allocates `len` bytes of device memory, or fails with out-of-memory (capacity
+    /// exceeded, or an injected failure) giving the bytes asked, free and total.
+    pub fn alloc(self: &Arc<Self>, len: usize) -> Result<DeviceBuffer> {
+        let config = self.config();
+        let n = self.allocations.fetch_add(1, Ordering::SeqCst) + 1;
+        let oom = |free| Error::OutOfMemory {
+            device: self.device().to_string(),
+            requested: len,
+            free,
+            total: config.capacity_bytes,
+        };
+        let used = self.used.fetch_add(len, Ordering::SeqCst);
+        let free = config.capacity_bytes.saturating_sub(used);
+        if config.fail_alloc == Some(n) || len > free {
+            self.used.fetch_sub(len, Ordering::SeqCst);
+            return Err(oom(free));
+        }
+        let mut memory = match AlignedBuffer::zeroed(len) {
+            Ok(m) => m,
+            Err(e) => {
+                self.used.fetch_sub(len, Ordering::SeqCst);
+                return Err(e);
+            }
+        };
+        let ptr = memory.as_mut_slice().as_mut_ptr();
+        Ok(DeviceBuffer {
+            device: self.clone(),
+            memory,
+            ptr,
+            written: Event::ready(),
+        })
+    }
+
+    /// Queues `copy` (moving `bytes`) on the stream, completing `event` when done. The
+    /// copy runs after everything queued before it, with the configured latency and
+    /// bandwidth; an injected fault completes the event with an error instead.
+    pub fn enqueue(
+        &self,
+        event: &Event,
+        bytes: usize,
+        copy: impl FnOnce() -> Result<()> + Send + 'static,
+    ) {
+        let done = event.clone();
+        let config = self.config();
+        let n = self.copies.fetch_add(1, Ordering::SeqCst) + 1;
+        let job: Job = Box::new(move || {
+            let mut delay = Duration::from_micros(config.latency_us);
+            if let Some(g) = config.bandwidth_gbps {
+                delay += Duration::from_secs_f64(bytes as f64 / (g * 1e9));
+            }
+            if !delay.is_zero() {
+                std::thread::sleep(delay);
+            }
+            if config.fail_copy == Some(n) {
+                done.complete(Err(format!(
+                    "injected fault: copy {n} fails (fail_copy={n})"
+                )));
+                return;
+            }
+            done.complete(copy().map_err(|e| e.to_string()));
+        });
+        let sent = self
+            .stream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(job);
+        if sent.is_err() {
+            event.complete(Err("the stream thread has stopped".into()));
+        }
+    }
+}
+
+/// Memory of an emulated device. Freed (returned to the capacity) when dropped, which
+/// happens only after every queued copy that uses it has finished: the copies hold it.
+pub struct DeviceBuffer {
+    device: Arc<EmulatedDevice>,
+    memory: AlignedBuffer,
+    ptr: *mut u8,
+    written: Event,
+}
+
+// SAFETY: the buffer owns its memory; the raw pointer only addresses it. Writes happen on
+// the device's stream thread before `written` completes, and every reader waits for
+// `written` first, so no access races.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: see `Send`.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// The device the memory belongs to.
+    pub fn device(&self) -> Device {
+        self.device.device()
+    }
+
+    /// The emulated device itself.
+    pub fn emulated(&self) -> &Arc<EmulatedDevice> {
+        &self.device
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.memory.len()
+    }
+
+    /// True when the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.memory.is_empty()
+    }
+
+    /// The device address.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// The event completed when the copy filling this buffer finished.
+    pub fn written(&self) -> &Event {
+        &self.written
+    }
+
+    /// Sets the event of the copy that fills this buffer (before the buffer is shared).
+    pub(crate) fn set_written(&mut self, event: Event) {
+        self.written = event;
+    }
+
+    /// The bytes, for copies running on a stream after waiting for `written`.
+    ///
+    /// # Safety
+    /// The caller must have waited for `written()` and must not hold the slice across a
+    /// later copy into this buffer.
+    pub(crate) unsafe fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` addresses `len` bytes of `memory`, alive as long as `self`; the
+        // caller guarantees the last write to them has finished.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.memory.len()) }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        self.device
+            .used
+            .fetch_sub(self.memory.len(), Ordering::SeqCst);
+    }
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer({} bytes on {})", self.len(), self.device())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_parses_every_key_and_rejects_unknown_ones() {
+        let c = EmuConfig::parse(
+            "latency_us=20000, capacity_bytes=1000000,bandwidth_gbps=12.5,fail_alloc=2,fail_copy=3",
+        )
+        .unwrap();
+        assert_eq!(c.latency_us, 20000);
+        assert_eq!(c.capacity_bytes, 1_000_000);
+        assert_eq!(c.bandwidth_gbps, Some(12.5));
+        assert_eq!((c.fail_alloc, c.fail_copy), (Some(2), Some(3)));
+        let err = EmuConfig::parse("speed=3").unwrap_err().to_string();
+        assert!(
+            err.contains("unknown key") && err.contains("latency_us"),
+            "{err}"
+        );
+        assert!(EmuConfig::parse("latency_us=x").is_err());
+        assert_eq!(EmuConfig::parse("").unwrap(), EmuConfig::default());
+    }
+
+    #[test]
+    fn an_unknown_index_is_unavailable() {
+        assert!(matches!(
+            device(EMULATED_DEVICES),
+            Err(Error::DeviceUnavailable { .. })
+        ));
+    }
+}

@@ -1,0 +1,246 @@
+//! The transfer engine's suite: one body per behaviour, run on every available device
+//! (candle's `test_device!` pattern): `cpu` and `emu` everywhere, `cuda` when a GPU is
+//! present (and the engine supports it; until then those variants report why they skip).
+
+use std::sync::{Arc, Mutex};
+
+use tensorferry::backend::emulated::{self, EmuConfig};
+use tensorferry::{Device, Error, MoveOptions, Node, Tensor, TensorDict};
+
+macro_rules! test_device {
+    ($name:ident, $body:ident) => {
+        mod $name {
+            use super::*;
+            #[test]
+            fn cpu() {
+                $body(Device::Cpu);
+            }
+            #[test]
+            fn emu() {
+                $body(Device::Emulated(0));
+            }
+            #[test]
+            fn cuda() {
+                if let Err(e) = Device::Cuda(0).ensure_available() {
+                    eprintln!("skipped: {e}");
+                    return;
+                }
+                $body(Device::Cuda(0));
+            }
+        }
+    };
+}
+
+fn sample() -> TensorDict {
+    let mut d = TensorDict::new();
+    let m = Tensor::from_slice(&(0..12).map(|x| x as f32).collect::<Vec<_>>(), &[3, 4]).unwrap();
+    d.insert_path(&["model", "layer.0.weight"], m.clone())
+        .unwrap();
+    d.insert_path(&["model", "t"], m.transpose(0, 1).unwrap())
+        .unwrap();
+    d.insert("ids", Tensor::from_slice(&[1i64, 2, 3], &[3]).unwrap());
+    d.insert(
+        "empty",
+        Tensor::zeros(tensorferry::DType::F16, &[0, 2]).unwrap(),
+    );
+    d.insert("scalar", Tensor::from_slice(&[7u8], &[]).unwrap());
+    d.insert("tag", "run-1");
+    d
+}
+
+fn host_values(d: &TensorDict) -> Vec<(String, Vec<u8>)> {
+    d.tensors()
+        .into_iter()
+        .map(|(p, t)| {
+            let h = t.to(Device::Cpu, false).unwrap();
+            (
+                p.to_string(),
+                h.deep_copy().unwrap().contiguous_bytes().unwrap().to_vec(),
+            )
+        })
+        .collect()
+}
+
+fn round_trip_keeps_every_value(dev: Device) {
+    let d = sample();
+    let there = d.to(dev, false).unwrap();
+    assert_eq!(there.device(), Some(dev));
+    let back = there.to(Device::Cpu, false).unwrap();
+    assert_eq!(host_values(&back), host_values(&d));
+    assert!(matches!(back.get("tag"), Some(Node::Value(_))));
+}
+test_device!(round_trip, round_trip_keeps_every_value);
+
+fn same_device_shares_unless_copy(dev: Device) {
+    let there = sample().to(dev, false).unwrap();
+    let again = there.to(dev, false).unwrap();
+    let a = there.tensor(&["ids"]).unwrap();
+    assert!(Arc::ptr_eq(
+        a.storage(),
+        again.tensor(&["ids"]).unwrap().storage()
+    ));
+    let copied = there.to(dev, true).unwrap();
+    assert!(!Arc::ptr_eq(
+        a.storage(),
+        copied.tensor(&["ids"]).unwrap().storage()
+    ));
+    assert_eq!(host_values(&copied), host_values(&there));
+}
+test_device!(no_copy_on_the_same_device, same_device_shares_unless_copy);
+
+fn one_plan_per_dictionary(dev: Device) {
+    let d = sample();
+    let there = d.to(dev, true).unwrap();
+    let storages: Vec<_> = there
+        .tensors()
+        .iter()
+        .map(|(_, t)| Arc::as_ptr(t.storage()))
+        .collect();
+    assert!(
+        storages.windows(2).all(|w| w[0] == w[1]),
+        "every tensor in one buffer"
+    );
+    for (_, t) in there.tensors() {
+        assert_eq!(t.offset() % 64, 0);
+        assert!(t.is_contiguous());
+    }
+}
+test_device!(one_buffer, one_plan_per_dictionary);
+
+fn non_blocking_results_read_correctly(dev: Device) {
+    let d = sample();
+    let opts = MoveOptions {
+        copy: true,
+        non_blocking: true,
+    };
+    let there = d.to_with(dev, opts).unwrap();
+    let back = there.to_with(Device::Cpu, opts).unwrap();
+    // No wait() call: reading must wait by itself.
+    assert_eq!(host_values(&back), host_values(&d));
+    back.wait().unwrap();
+    assert!(back.is_ready());
+}
+test_device!(non_blocking, non_blocking_results_read_correctly);
+
+// Fault injection and timing on emu:1, one test at a time (its settings are global).
+static EMU1: Mutex<()> = Mutex::new(());
+
+fn with_emu1(config: &str, f: impl FnOnce()) {
+    let _guard = EMU1.lock().unwrap_or_else(|p| p.into_inner());
+    emulated::configure(1, EmuConfig::parse(config).unwrap()).unwrap();
+    f();
+    emulated::configure(1, EmuConfig::default()).unwrap();
+}
+
+const EMU1_DEV: Device = Device::Emulated(1);
+
+fn used() -> usize {
+    emulated::device(1).unwrap().used()
+}
+
+#[test]
+fn a_failing_allocation_is_out_of_memory_and_leaves_the_source_intact() {
+    with_emu1("fail_alloc=1", || {
+        let d = sample();
+        let before = host_values(&d);
+        let err = d.to(EMU1_DEV, false).unwrap_err();
+        assert!(
+            matches!(err, Error::OutOfMemory { requested, .. } if requested > 0),
+            "{err}"
+        );
+        assert_eq!(host_values(&d), before);
+        assert_eq!(used(), 0);
+    });
+}
+
+#[test]
+fn exceeding_capacity_reports_bytes_asked_free_and_total() {
+    with_emu1("capacity_bytes=100", || {
+        let err = sample().to(EMU1_DEV, false).unwrap_err().to_string();
+        assert!(err.contains("emu:1") && err.contains("100"), "{err}");
+    });
+}
+
+#[test]
+fn a_failing_copy_mid_transfer_returns_the_error_and_frees_everything() {
+    with_emu1("fail_copy=2", || {
+        let d = sample();
+        let mut first = TensorDict::new();
+        first.insert("x", Tensor::from_slice(&[1.0f32], &[1]).unwrap());
+        let kept = first.to(EMU1_DEV, false).unwrap(); // copy 1 succeeds
+        let err = d.to(EMU1_DEV, false).unwrap_err(); // copy 2 fails
+        assert!(err.to_string().contains("injected fault"), "{err}");
+        assert_eq!(used(), kept.nbytes().next_multiple_of(64));
+        assert_eq!(host_values(&d), host_values(&sample()));
+    });
+}
+
+#[test]
+fn non_blocking_returns_before_the_copy_and_reads_wait_for_it() {
+    with_emu1("latency_us=300000", || {
+        let d = sample();
+        let opts = MoveOptions {
+            copy: false,
+            non_blocking: true,
+        };
+        let there = d.to_with(EMU1_DEV, opts).unwrap();
+        assert!(
+            !there.is_ready(),
+            "a 300 ms copy cannot have finished already"
+        );
+        let back = there.to(Device::Cpu, false).unwrap();
+        assert_eq!(host_values(&back), host_values(&d));
+        assert!(there.is_ready());
+    });
+}
+
+#[test]
+fn sources_dropped_at_once_stay_alive_until_copied() {
+    with_emu1("latency_us=100000", || {
+        let src = Tensor::from_slice(&[5u32, 6, 7], &[3]).unwrap();
+        let opts = MoveOptions {
+            copy: false,
+            non_blocking: true,
+        };
+        let moved = tensorferry::move_tensors(&[&src], EMU1_DEV, opts).unwrap();
+        drop(src);
+        let back = moved[0].to(Device::Cpu, false).unwrap();
+        assert_eq!(back.to_vec::<u32>().unwrap(), vec![5, 6, 7]);
+    });
+}
+
+#[test]
+fn results_dropped_before_their_copy_runs_are_freed_safely() {
+    with_emu1("latency_us=50000", || {
+        let opts = MoveOptions {
+            copy: false,
+            non_blocking: true,
+        };
+        drop(sample().to_with(EMU1_DEV, opts).unwrap());
+        emulated::device(1).unwrap(); // the stream keeps running
+        let again = sample().to(EMU1_DEV, false).unwrap();
+        assert_eq!(host_values(&again), host_values(&sample()));
+    });
+}
+
+#[test]
+fn moving_between_emulated_devices_keeps_values() {
+    let _guard = EMU1.lock().unwrap_or_else(|p| p.into_inner());
+    let d = sample();
+    let a = d.to(Device::Emulated(0), false).unwrap();
+    let b = a.to(EMU1_DEV, false).unwrap();
+    assert_eq!(b.device(), Some(EMU1_DEV));
+    assert_eq!(host_values(&b), host_values(&d));
+}
+
+#[test]
+fn cuda_without_a_driver_is_unavailable_with_the_reason() {
+    if Device::Cuda(0).ensure_available().is_ok() {
+        return;
+    }
+    let err = sample().to(Device::Cuda(0), false).unwrap_err();
+    assert!(
+        matches!(err, Error::DeviceUnavailable { ref reason, .. } if !reason.is_empty()),
+        "{err}"
+    );
+}
