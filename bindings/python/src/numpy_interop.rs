@@ -84,18 +84,7 @@ pub fn array_to_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
     let shape: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
     let strides: Vec<isize> = byte_strides.iter().map(|&s| s / size).collect();
     let read_only = fields.flags & NPY_ARRAY_WRITEABLE == 0;
-    let numel: usize = shape.iter().product();
-    let (mut below, mut above) = (0isize, if numel == 0 { 0 } else { size });
-    if numel > 0 {
-        for (&n, &s) in shape.iter().zip(&strides) {
-            let reach = (n as isize - 1) * s * size;
-            if reach < 0 {
-                below += reach;
-            } else {
-                above += reach;
-            }
-        }
-    }
+    let (below, above) = tensorferry::tensor::byte_extent(&shape, &strides, size as usize);
     let lowest = (fields.data as *mut u8).wrapping_offset(below);
     let owner: Py<PyAny> = obj.clone().unbind();
     // SAFETY: the array's data holds the described elements while the array lives, which

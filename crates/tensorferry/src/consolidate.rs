@@ -75,11 +75,21 @@ pub fn pack(tensors: &[&Tensor]) -> Result<Vec<Tensor>> {
     }
     let mut buffer = AlignedBuffer::zeroed(layout.total)?;
     copy_pieces(buffer.as_mut_slice(), &pieces, threads_for(layout.total))?;
-    let storage = Arc::new(Storage::Owned(buffer));
+    views(&Arc::new(Storage::Owned(buffer)), tensors, &layout)
+}
+
+/// Contiguous views of `storage`, one per tensor (same dtype and shape) at the layout's
+/// offsets: the results of a packed copy.
+pub fn views<T: std::borrow::Borrow<Tensor>>(
+    storage: &Arc<Storage>,
+    tensors: &[T],
+    layout: &PackedLayout,
+) -> Result<Vec<Tensor>> {
     tensors
         .iter()
         .zip(&layout.offsets)
         .map(|(t, &offset)| {
+            let t = t.borrow();
             let shape = t.shape().to_vec();
             let strides = contiguous_strides(&shape);
             Tensor::from_storage(storage.clone(), offset, t.dtype(), shape, strides)

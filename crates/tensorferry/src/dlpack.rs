@@ -9,7 +9,7 @@ use crate::device::Device;
 use crate::dtype::{DLDataType, DType};
 use crate::error::{Error, Result};
 use crate::storage::{ForeignMemory, Storage};
-use crate::tensor::{checked_numel, contiguous_strides, Tensor};
+use crate::tensor::{byte_extent, checked_numel, contiguous_strides, Tensor};
 
 /// `DLDevice`.
 #[repr(C)]
@@ -252,23 +252,11 @@ fn describe(t: &DLTensor) -> Result<Described> {
             .map(|&s| s as isize)
             .collect()
     };
-    let numel = checked_numel(&shape).ok_or_else(|| Error::Layout {
+    checked_numel(&shape).ok_or_else(|| Error::Layout {
         reason: format!("DLPack shape {shape:?} overflows"),
     })?;
     let elem0 = (t.data as *mut u8).wrapping_add(t.byte_offset as usize);
-    if numel == 0 {
-        return Ok((device, dtype, shape, strides, (elem0, 0), 0));
-    }
-    let size = dtype.size() as isize;
-    let (mut below, mut above) = (0isize, size);
-    for (&n, &s) in shape.iter().zip(&strides) {
-        let reach = (n as isize - 1) * s * size;
-        if reach < 0 {
-            below += reach;
-        } else {
-            above += reach;
-        }
-    }
+    let (below, above) = byte_extent(&shape, &strides, dtype.size());
     let lowest = elem0.wrapping_offset(below);
     let span = (above - below) as usize;
     Ok((

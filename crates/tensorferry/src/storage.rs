@@ -6,8 +6,7 @@ use std::fmt;
 
 use memmap2::Mmap;
 
-use crate::backend::emulated::DeviceBuffer;
-use crate::backend::Event;
+use crate::backend::{DeviceMemory, Event};
 use crate::device::Device;
 use crate::memory::AlignedBuffer;
 
@@ -58,8 +57,8 @@ pub enum Storage {
     Mapped(Mmap),
     /// Memory of another producer.
     Foreign(ForeignMemory),
-    /// Memory of an emulated device.
-    Emulated(DeviceBuffer),
+    /// Memory of a device that tensorferry allocated (through the device's backend).
+    Device(DeviceMemory),
     /// Host memory that a queued copy is filling: every read waits for `ready` first.
     Incoming {
         /// The memory being filled.
@@ -75,7 +74,7 @@ impl Storage {
         match self {
             Storage::Owned(_) | Storage::Mapped(_) | Storage::Incoming { .. } => Device::Cpu,
             Storage::Foreign(f) => f.device,
-            Storage::Emulated(b) => b.device(),
+            Storage::Device(b) => b.device(),
         }
     }
 
@@ -85,7 +84,7 @@ impl Storage {
             Storage::Owned(b) => b.len(),
             Storage::Mapped(m) => m.len(),
             Storage::Foreign(f) => f.len,
-            Storage::Emulated(b) => b.len(),
+            Storage::Device(b) => b.len(),
             Storage::Incoming { buffer, .. } => buffer.len(),
         }
     }
@@ -98,7 +97,7 @@ impl Storage {
     /// True when the memory must not be written (a mapped file, a read-only array).
     pub fn is_read_only(&self) -> bool {
         match self {
-            Storage::Owned(_) | Storage::Emulated(_) | Storage::Incoming { .. } => false,
+            Storage::Owned(_) | Storage::Device(_) | Storage::Incoming { .. } => false,
             Storage::Mapped(_) => true,
             Storage::Foreign(f) => f.read_only,
         }
@@ -110,7 +109,7 @@ impl Storage {
             Storage::Owned(b) => b.as_slice().as_ptr(),
             Storage::Mapped(m) => m.as_ptr(),
             Storage::Foreign(f) => f.ptr,
-            Storage::Emulated(b) => b.as_ptr(),
+            Storage::Device(b) => b.as_ptr(),
             Storage::Incoming { buffer, .. } => buffer.as_slice().as_ptr(),
         }
     }
@@ -118,7 +117,7 @@ impl Storage {
     /// The event of the copy that fills this memory, if one may still be running.
     pub fn pending(&self) -> Option<&Event> {
         match self {
-            Storage::Emulated(b) => Some(b.written()),
+            Storage::Device(b) => Some(b.written()),
             Storage::Incoming { ready, .. } => Some(ready),
             _ => None,
         }
@@ -146,7 +145,7 @@ impl Storage {
                 ready.wait("cpu").ok()?;
                 Some(buffer.as_slice())
             }
-            Storage::Emulated(_) => None,
+            Storage::Device(_) => None,
             Storage::Mapped(m) => Some(&m[..]),
             Storage::Foreign(f) if f.device.is_host() => {
                 if f.len == 0 {
@@ -167,7 +166,7 @@ impl fmt::Debug for Storage {
             Storage::Owned(_) => "owned",
             Storage::Mapped(_) => "mapped",
             Storage::Foreign(_) => "foreign",
-            Storage::Emulated(_) => "emulated device",
+            Storage::Device(_) => "device",
             Storage::Incoming { .. } => "incoming",
         };
         write!(

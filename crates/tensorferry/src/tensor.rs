@@ -75,6 +75,27 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
     strides
 }
 
+/// Where the elements of a layout lie around element 0, in bytes: `(below, above)` with
+/// `below <= 0` the lowest byte touched and `above` one past the highest (0, 0 when empty).
+/// Foreign producers (NumPy, DLPack) may use negative strides, so element 0 need not be
+/// the lowest.
+pub fn byte_extent(shape: &[usize], strides: &[isize], size: usize) -> (isize, isize) {
+    if shape.contains(&0) {
+        return (0, 0);
+    }
+    let size = size as isize;
+    let (mut below, mut above) = (0isize, size);
+    for (&n, &s) in shape.iter().zip(strides) {
+        let reach = (n as isize - 1) * s * size;
+        if reach < 0 {
+            below += reach;
+        } else {
+            above += reach;
+        }
+    }
+    (below, above)
+}
+
 /// The number of elements of `shape`, or `None` on overflow.
 pub fn checked_numel(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |acc, &n| acc.checked_mul(n))
@@ -252,13 +273,20 @@ impl Tensor {
     }
 
     /// Calls `f` on the tensor's bytes in C order, reading them from `all`, the bytes of
-    /// its storage (host memory, or device memory a stream is allowed to read).
+    /// its storage.
     pub(crate) fn runs_in(&self, all: &[u8], mut f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+        self.run_offsets(|at, len| f(&all[at..at + len]))
+    }
+
+    /// Calls `f(offset, len)` for each run of the tensor's bytes in C order: byte ranges
+    /// of its storage, as few as the layout allows. Touches no memory, so it serves
+    /// device tensors as well (copies are planned from these ranges).
+    pub fn run_offsets(&self, mut f: impl FnMut(usize, usize) -> Result<()>) -> Result<()> {
         if self.numel() == 0 {
             return Ok(());
         }
         if self.is_contiguous() {
-            return f(&all[self.offset..self.offset + self.nbytes()]);
+            return f(self.offset, self.nbytes());
         }
         let size = self.dtype.size();
         // Merge trailing dimensions that are contiguous into one run.
@@ -283,8 +311,10 @@ impl Tensor {
                 .zip(outer_strides)
                 .map(|(&i, &s)| i as isize * s)
                 .sum();
-            let start = (self.offset as isize + elem * size as isize) as usize;
-            f(&all[start..start + run_bytes])?;
+            f(
+                (self.offset as isize + elem * size as isize) as usize,
+                run_bytes,
+            )?;
             // Advance the outer index in C order.
             let mut d = outer;
             loop {

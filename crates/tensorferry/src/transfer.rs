@@ -1,22 +1,25 @@
 //! The transfer engine: one plan per dictionary, not one copy per tensor.
 //!
-//! Every tensor that must move to a device is given a 64-byte-aligned slot in one
-//! destination buffer (the plan), and the copies of a whole group (one source device
-//! to one target) run as one queued operation on the target's stream — or the source's,
-//! for copies to the host. Each destination carries the event of that operation, so any
-//! host read waits for it: reading too early is impossible, not just documented. The
-//! queued operation holds the sources, so they stay alive until they have been read.
+//! Every tensor that must move to or from a device gets a 64-byte-aligned slot in one
+//! destination buffer (the plan), and the copies of a whole group (one source device to
+//! one target) are submitted as one batch to a device's stream: the target's, or the
+//! source's for copies to the host. Each destination carries the event of that batch,
+//! so any read waits for it: reading too early is impossible, not just documented. The
+//! batch holds its sources and its destination, so neither is freed before it has run.
+//!
+//! The engine knows devices only through [`Backend`]: the emulated device today, CUDA
+//! next, with the same plans.
 
+use std::any::Any;
 use std::sync::Arc;
 
-use crate::backend::emulated::{self, DeviceBuffer};
-use crate::backend::Event;
-use crate::consolidate::{pack, PackedLayout};
+use crate::backend::{backend_for, Backend, CopyBatch, CopyOp, Direction, Event};
+use crate::consolidate::{pack, views, PackedLayout};
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
-use crate::tensor::{contiguous_strides, Tensor};
+use crate::tensor::Tensor;
 
 /// How to move.
 #[derive(Clone, Copy, Debug, Default)]
@@ -55,21 +58,23 @@ pub fn move_tensors(
     let mut events = Vec::new();
     for (from, idx) in groups {
         let sources: Vec<Tensor> = idx.iter().map(|&i| tensors[i].clone()).collect();
-        let (moved, event) = match (from, target) {
-            (Device::Cpu, Device::Cpu) => {
-                let refs: Vec<&Tensor> = sources.iter().collect();
-                (pack(&refs)?, None)
-            }
-            (Device::Emulated(d), Device::Cpu) => to_host(emulated::device(d)?, sources)?,
-            (_, Device::Emulated(d)) => to_emulated(&emulated::device(d)?, sources)?,
-            (from, to) => {
-                return Err(Error::DeviceUnavailable {
-                    device: if from == Device::Cpu { to } else { from }.to_string(),
-                    reason: "CUDA transfers are not built into this version yet".into(),
-                })
-            }
+        let moved = if from.is_host() && target.is_host() {
+            let refs: Vec<&Tensor> = sources.iter().collect();
+            pack(&refs)?
+        } else if target.is_host() {
+            let (moved, event) = to_host(&*backend_for(from)?, sources)?;
+            events.push(event);
+            moved
+        } else {
+            let direction = if from.is_host() {
+                Direction::HostToDevice
+            } else {
+                Direction::DeviceToDevice
+            };
+            let (moved, event) = to_device(&*backend_for(target)?, direction, sources)?;
+            events.push(event);
+            moved
         };
-        events.extend(event);
         for (i, t) in idx.into_iter().zip(moved) {
             results[i] = Some(t);
         }
@@ -85,95 +90,87 @@ pub fn move_tensors(
         .collect())
 }
 
-/// Views of one destination storage, one per source, at the plan's offsets.
-fn views(storage: &Arc<Storage>, sources: &[Tensor], layout: &PackedLayout) -> Result<Vec<Tensor>> {
-    sources
-        .iter()
-        .zip(&layout.offsets)
-        .map(|(t, &offset)| {
-            let shape = t.shape().to_vec();
-            let strides = contiguous_strides(&shape);
-            Tensor::from_storage(storage.clone(), offset, t.dtype(), shape, strides)
-        })
-        .collect()
-}
-
-/// Copies every source's bytes (C order) into `dst` at the plan's offsets. Runs on a
-/// stream: waits for each source's own pending copy first.
-fn gather(sources: &[Tensor], layout: &PackedLayout, dst: &mut [u8]) -> Result<()> {
-    for (t, &at) in sources.iter().zip(&layout.offsets) {
-        t.wait()?;
-        let mut i = at;
-        let mut copy_run = |run: &[u8]| {
-            dst[i..i + run.len()].copy_from_slice(run);
-            i += run.len();
-            Ok(())
-        };
-        match t.storage().as_ref() {
-            // SAFETY: waited for the copy that wrote this device memory just above, and
-            // the slice is used only within this copy.
-            Storage::Emulated(b) => t.runs_in(unsafe { b.bytes() }, &mut copy_run)?,
-            _ => t.for_each_run(&mut copy_run)?,
-        }
-    }
-    Ok(())
-}
-
-/// Device → host: one host buffer for the group, filled by one operation on the source's
-/// stream; the results wait for it when read.
-fn to_host(
-    device: Arc<emulated::EmulatedDevice>,
-    sources: Vec<Tensor>,
-) -> Result<(Vec<Tensor>, Option<Event>)> {
-    let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
-    let event = Event::pending();
-    let storage = Arc::new(Storage::Incoming {
-        buffer: AlignedBuffer::zeroed(layout.total)?,
-        ready: event.clone(),
-    });
-    queue_gather(&device, &event, &storage, &sources, &layout);
-    Ok((views(&storage, &sources, &layout)?, Some(event)))
-}
-
-/// Anything (host or device) → an emulated device: one device allocation for the group,
-/// filled by one operation on the target's stream.
-fn to_emulated(
-    device: &Arc<emulated::EmulatedDevice>,
-    sources: Vec<Tensor>,
-) -> Result<(Vec<Tensor>, Option<Event>)> {
-    let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
-    let mut buffer: DeviceBuffer = device.alloc(layout.total)?;
-    let event = Event::pending();
-    buffer.set_written(event.clone());
-    let storage = Arc::new(Storage::Emulated(buffer));
-    queue_gather(device, &event, &storage, &sources, &layout);
-    Ok((views(&storage, &sources, &layout)?, Some(event)))
-}
-
-/// Queues, on `device`'s stream, the copy of every source into `storage` at the plan's
-/// offsets, completing `event`. The queued copy holds the sources and the destination,
-/// so neither can be freed before it has run, whatever the caller drops.
-fn queue_gather(
-    device: &emulated::EmulatedDevice,
-    event: &Event,
-    storage: &Arc<Storage>,
+/// The batch copying each source's runs (C order) to `dst_base` at the plan's offsets,
+/// waiting first for the copies that still fill any source.
+fn plan(
+    direction: Direction,
     sources: &[Tensor],
     layout: &PackedLayout,
+    dst_base: *mut u8,
+) -> Result<CopyBatch> {
+    let mut batch = CopyBatch {
+        direction,
+        ops: Vec::with_capacity(sources.len()),
+        waits: Vec::new(),
+    };
+    for (t, &at) in sources.iter().zip(&layout.offsets) {
+        if let Some(e) = t.storage().pending() {
+            if !e.is_ready() {
+                batch.waits.push(e.clone());
+            }
+        }
+        let base = t.storage().as_ptr();
+        let mut i = at;
+        t.run_offsets(|offset, len| {
+            batch.ops.push(CopyOp {
+                src: base.wrapping_add(offset),
+                dst: dst_base.wrapping_add(i),
+                len,
+            });
+            i += len;
+            Ok(())
+        })?;
+    }
+    Ok(batch)
+}
+
+/// Submits `batch` with everything it touches held until it completes.
+fn submit(
+    backend: &dyn Backend,
+    batch: CopyBatch,
+    sources: Vec<Tensor>,
+    dst: Arc<Storage>,
+    event: &Event,
 ) {
-    let held = sources.to_vec();
-    let plan = layout.clone();
-    let dst = storage.clone();
-    device.enqueue(event, layout.total, move || {
-        let len = dst.len();
-        let out: &mut [u8] = if len == 0 {
-            &mut []
-        } else {
-            // SAFETY: `dst` is a new storage owning `len` bytes at `as_ptr()` (a buffer
-            // tensorferry allocated), kept alive by this closure. Its event is the one this
-            // copy completes and every reader waits for it, so this copy is the only one
-            // touching the memory while the slice lives.
-            unsafe { std::slice::from_raw_parts_mut(dst.as_ptr() as *mut u8, len) }
-        };
-        gather(&held, &plan, out)
+    let keep: Box<dyn Any + Send> = Box::new((sources, dst));
+    // SAFETY: the ops address the sources' elements (inside their storages, by
+    // `run_offsets`) and the new destination storage (inside its length, by the plan);
+    // `keep` holds all of them until the event completes. The destination is new: nothing
+    // else writes it, and every reader waits for its event, which is `event`.
+    unsafe { backend.submit(batch, keep, event) };
+}
+
+/// Device → host: one host buffer for the group, filled by one batch on the source's
+/// stream; the results wait for it when read.
+fn to_host(backend: &dyn Backend, sources: Vec<Tensor>) -> Result<(Vec<Tensor>, Event)> {
+    let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
+    let event = Event::pending();
+    let mut buffer = AlignedBuffer::zeroed(layout.total)?;
+    let dst_base = buffer.as_mut_slice().as_mut_ptr();
+    let batch = plan(Direction::DeviceToHost, &sources, &layout, dst_base)?;
+    let storage = Arc::new(Storage::Incoming {
+        buffer,
+        ready: event.clone(),
     });
+    let results = views(&storage, &sources, &layout)?;
+    submit(backend, batch, sources, storage, &event);
+    Ok((results, event))
+}
+
+/// Host or device → a device: one allocation for the group, filled by one batch on the
+/// target's stream.
+fn to_device(
+    backend: &dyn Backend,
+    direction: Direction,
+    sources: Vec<Tensor>,
+) -> Result<(Vec<Tensor>, Event)> {
+    let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
+    let mut memory = backend.alloc(layout.total)?;
+    let event = Event::pending();
+    memory.set_written(event.clone());
+    let batch = plan(direction, &sources, &layout, memory.as_ptr() as *mut u8)?;
+    let storage = Arc::new(Storage::Device(memory));
+    let results = views(&storage, &sources, &layout)?;
+    submit(backend, batch, sources, storage, &event);
+    Ok((results, event))
 }

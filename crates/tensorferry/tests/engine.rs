@@ -224,6 +224,17 @@ fn results_dropped_before_their_copy_runs_are_freed_safely() {
 }
 
 #[test]
+fn a_whole_dictionary_is_one_batch_each_way() {
+    with_emu1("", || {
+        let d = sample();
+        let there = d.to(EMU1_DEV, false).unwrap();
+        assert_eq!(emulated::device(1).unwrap().batches(), 1);
+        there.to(Device::Cpu, false).unwrap();
+        assert_eq!(emulated::device(1).unwrap().batches(), 2);
+    });
+}
+
+#[test]
 fn moving_between_emulated_devices_keeps_values() {
     let _guard = EMU1.lock().unwrap_or_else(|p| p.into_inner());
     let d = sample();

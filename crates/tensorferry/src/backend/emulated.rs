@@ -12,7 +12,9 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use super::event::Event;
+use std::any::Any;
+
+use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
@@ -94,7 +96,7 @@ type Job = Box<dyn FnOnce() + Send>;
 pub struct EmulatedDevice {
     index: usize,
     config: Mutex<EmuConfig>,
-    used: AtomicUsize,
+    used: Arc<AtomicUsize>,
     allocations: AtomicU64,
     copies: AtomicU64,
     stream: Mutex<Sender<Job>>,
@@ -150,7 +152,7 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
     let d = Arc::new(EmulatedDevice {
         index,
         config: Mutex::new(config),
-        used: AtomicUsize::new(0),
+        used: Arc::new(AtomicUsize::new(0)),
         allocations: AtomicU64::new(0),
         copies: AtomicU64::new(0),
         stream: Mutex::new(tx),
@@ -168,15 +170,29 @@ pub fn configure(index: usize, config: EmuConfig) -> Result<()> {
     Ok(())
 }
 
-impl EmulatedDevice {
-    /// The device's name.
-    pub fn device(&self) -> Device {
-        Device::Emulated(self.index)
-    }
+/// The host allocation standing in for device memory; returns its bytes to the device's
+/// capacity when dropped.
+struct Allocation {
+    _memory: AlignedBuffer,
+    len: usize,
+    used: Arc<AtomicUsize>,
+}
 
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        self.used.fetch_sub(self.len, Ordering::SeqCst);
+    }
+}
+
+impl EmulatedDevice {
     /// Bytes allocated now.
     pub fn used(&self) -> usize {
         self.used.load(Ordering::SeqCst)
+    }
+
+    /// Batches submitted since the device was created or last configured.
+    pub fn batches(&self) -> u64 {
+        self.copies.load(Ordering::SeqCst)
     }
 
     fn config(&self) -> EmuConfig {
@@ -185,23 +201,28 @@ impl EmulatedDevice {
             .unwrap_or_else(|p| p.into_inner())
             .clone()
     }
+}
 
-    /// Allocates `len` bytes of device memory, or fails with out-of-memory (capacity
-    /// exceeded, or an injected failure) giving the bytes asked, free and total.
-    pub fn alloc(self: &Arc<Self>, len: usize) -> Result<DeviceBuffer> {
+impl Backend for EmulatedDevice {
+    fn device(&self) -> Device {
+        Device::Emulated(self.index)
+    }
+
+    /// Fails with out-of-memory past the capacity, or on the injected `fail_alloc`.
+    fn alloc(&self, len: usize) -> Result<DeviceMemory> {
         let config = self.config();
         let n = self.allocations.fetch_add(1, Ordering::SeqCst) + 1;
-        let oom = |free| Error::OutOfMemory {
-            device: self.device().to_string(),
+        let used = self.used.fetch_add(len, Ordering::SeqCst);
+        let free = config.capacity_bytes.saturating_sub(used);
+        let oom = Error::OutOfMemory {
+            device: Backend::device(self).to_string(),
             requested: len,
             free,
             total: config.capacity_bytes,
         };
-        let used = self.used.fetch_add(len, Ordering::SeqCst);
-        let free = config.capacity_bytes.saturating_sub(used);
         if config.fail_alloc == Some(n) || len > free {
             self.used.fetch_sub(len, Ordering::SeqCst);
-            return Err(oom(free));
+            return Err(oom);
         }
         let mut memory = match AlignedBuffer::zeroed(len) {
             Ok(m) => m,
@@ -210,129 +231,64 @@ impl EmulatedDevice {
                 return Err(e);
             }
         };
-        let ptr = memory.as_mut_slice().as_mut_ptr();
-        Ok(DeviceBuffer {
-            device: self.clone(),
-            memory,
-            ptr,
-            written: Event::ready(),
-        })
+        let address = memory.as_mut_slice().as_mut_ptr();
+        let release = Allocation {
+            _memory: memory,
+            len,
+            used: self.used.clone(),
+        };
+        Ok(DeviceMemory::new(
+            Backend::device(self),
+            address,
+            len,
+            Box::new(release),
+        ))
     }
 
-    /// Queues `copy` (moving `bytes`) on the stream, completing `event` when done. The
-    /// copy runs after everything queued before it, with the configured latency and
-    /// bandwidth; an injected fault completes the event with an error instead.
-    pub fn enqueue(
-        &self,
-        event: &Event,
-        bytes: usize,
-        copy: impl FnOnce() -> Result<()> + Send + 'static,
-    ) {
+    /// Runs on the stream thread, in order: waits, then the configured latency and
+    /// bandwidth, then the copies; `fail_copy` completes the event with an error instead.
+    unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
         let done = event.clone();
         let config = self.config();
         let n = self.copies.fetch_add(1, Ordering::SeqCst) + 1;
+        let name = Backend::device(self).to_string();
         let job: Job = Box::new(move || {
-            let mut delay = Duration::from_micros(config.latency_us);
-            if let Some(g) = config.bandwidth_gbps {
-                delay += Duration::from_secs_f64(bytes as f64 / (g * 1e9));
-            }
-            if !delay.is_zero() {
-                std::thread::sleep(delay);
-            }
-            if config.fail_copy == Some(n) {
-                done.complete(Err(format!(
-                    "injected fault: copy {n} fails (fail_copy={n})"
-                )));
-                return;
-            }
-            done.complete(copy().map_err(|e| e.to_string()));
+            let result = (|| {
+                for e in &batch.waits {
+                    e.wait(&name).map_err(|e| e.to_string())?;
+                }
+                let mut delay = Duration::from_micros(config.latency_us);
+                if let Some(g) = config.bandwidth_gbps {
+                    delay += Duration::from_secs_f64(batch.bytes() as f64 / (g * 1e9));
+                }
+                if !delay.is_zero() {
+                    std::thread::sleep(delay);
+                }
+                if config.fail_copy == Some(n) {
+                    return Err(format!("injected fault: copy {n} fails (fail_copy={n})"));
+                }
+                for op in &batch.ops {
+                    // SAFETY: `submit`'s contract: both ranges are valid for `len` bytes
+                    // until the event completes (`keep` holds their owners), emulated
+                    // device memory is host memory, and the destination is written by
+                    // this batch alone.
+                    unsafe { std::ptr::copy_nonoverlapping(op.src, op.dst, op.len) };
+                }
+                Ok(())
+            })();
+            done.complete(result);
+            drop(keep);
         });
         let sent = self
             .stream
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .send(job);
-        if sent.is_err() {
+        if let Err(unsent) = sent {
+            // The job (and what it keeps) is dropped here, after the event says why.
             event.complete(Err("the stream thread has stopped".into()));
+            drop(unsent);
         }
-    }
-}
-
-/// Memory of an emulated device. Freed (returned to the capacity) when dropped, which
-/// happens only after every queued copy that uses it has finished: the copies hold it.
-pub struct DeviceBuffer {
-    device: Arc<EmulatedDevice>,
-    memory: AlignedBuffer,
-    ptr: *mut u8,
-    written: Event,
-}
-
-// SAFETY: the buffer owns its memory; the raw pointer only addresses it. Writes happen on
-// the device's stream thread before `written` completes, and every reader waits for
-// `written` first, so no access races.
-unsafe impl Send for DeviceBuffer {}
-// SAFETY: see `Send`.
-unsafe impl Sync for DeviceBuffer {}
-
-impl DeviceBuffer {
-    /// The device the memory belongs to.
-    pub fn device(&self) -> Device {
-        self.device.device()
-    }
-
-    /// The emulated device itself.
-    pub fn emulated(&self) -> &Arc<EmulatedDevice> {
-        &self.device
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.memory.len()
-    }
-
-    /// True when the buffer holds no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.memory.is_empty()
-    }
-
-    /// The device address.
-    pub fn as_ptr(&self) -> *const u8 {
-        self.ptr
-    }
-
-    /// The event completed when the copy filling this buffer finished.
-    pub fn written(&self) -> &Event {
-        &self.written
-    }
-
-    /// Sets the event of the copy that fills this buffer (before the buffer is shared).
-    pub(crate) fn set_written(&mut self, event: Event) {
-        self.written = event;
-    }
-
-    /// The bytes, for copies running on a stream after waiting for `written`.
-    ///
-    /// # Safety
-    /// The caller must have waited for `written()` and must not hold the slice across a
-    /// later copy into this buffer.
-    pub(crate) unsafe fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr` addresses `len` bytes of `memory`, alive as long as `self`; the
-        // caller guarantees the last write to them has finished.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.memory.len()) }
-    }
-}
-
-impl Drop for DeviceBuffer {
-    fn drop(&mut self) {
-        self.device
-            .used
-            .fetch_sub(self.memory.len(), Ordering::SeqCst);
-    }
-}
-
-impl std::fmt::Debug for DeviceBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceBuffer({} bytes on {})", self.len(), self.device())
     }
 }
 

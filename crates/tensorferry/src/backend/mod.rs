@@ -1,8 +1,172 @@
-//! What a device offers: the CUDA driver (loaded at run time, probed for now) and the
-//! emulated device that runs the transfer engine on any machine; completion events.
+//! What a device offers, as one trait the transfer engine is written against: device
+//! memory, and batches of copies run in stream order that complete an [`Event`].
+//!
+//! Implementations: the emulated device ([`emulated`]), which runs everywhere, and CUDA
+//! ([`cuda`], loaded at run time; today only its probe).
+
+use std::any::Any;
+use std::fmt;
+
+use crate::device::Device;
+use crate::error::Result;
 
 pub mod cuda;
 pub mod emulated;
 pub mod event;
 
 pub use event::Event;
+
+/// One contiguous copy of `len` bytes from `src` to `dst` (host or device addresses,
+/// as the batch's [`Direction`] says).
+#[derive(Clone, Copy, Debug)]
+pub struct CopyOp {
+    /// Source address.
+    pub src: *const u8,
+    /// Destination address.
+    pub dst: *mut u8,
+    /// Bytes to copy.
+    pub len: usize,
+}
+
+/// Which memories a batch copies between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Host memory to device memory.
+    HostToDevice,
+    /// Device memory to host memory.
+    DeviceToHost,
+    /// Device memory to device memory (the same device, or a peer).
+    DeviceToDevice,
+}
+
+/// Copies queued together: one operation on a stream for a whole dictionary's share.
+#[derive(Debug)]
+pub struct CopyBatch {
+    /// Which memories the copies go between.
+    pub direction: Direction,
+    /// The copies, run in order.
+    pub ops: Vec<CopyOp>,
+    /// Events the batch must wait for first (copies that fill its sources).
+    pub waits: Vec<Event>,
+}
+
+// SAFETY: a batch is plain data; the addresses are only dereferenced by `Backend::submit`,
+// whose contract makes them valid until the batch's event completes.
+unsafe impl Send for CopyBatch {}
+
+impl CopyBatch {
+    /// Total bytes the batch moves.
+    pub fn bytes(&self) -> usize {
+        self.ops.iter().map(|op| op.len).sum()
+    }
+}
+
+/// A device's memory and stream, as the transfer engine needs them.
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// The device this backend drives.
+    fn device(&self) -> Device;
+
+    /// Allocates `len` bytes of device memory; out-of-memory gives bytes asked, free, total.
+    fn alloc(&self, len: usize) -> Result<DeviceMemory>;
+
+    /// Queues `batch` on the device's stream after everything queued before it (and after
+    /// its `waits`), completing `event` when every copy is done, or with the error of the
+    /// first failure. `keep` is held until then and dropped afterwards.
+    ///
+    /// # Safety
+    /// Every op's `src` must be readable and `dst` writable for `len` bytes, in the
+    /// memories the direction names, until `event` completes (`keep` is how the caller
+    /// ensures that), and nothing else may write the destinations or read them before
+    /// `event` completes.
+    unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event);
+}
+
+/// Memory of a device, freed through its backend's `release` when dropped — which the
+/// engine arranges to happen only after every queued copy using it has completed (the
+/// copies hold it).
+pub struct DeviceMemory {
+    device: Device,
+    address: *mut u8,
+    len: usize,
+    written: Event,
+    /// Frees the memory when dropped.
+    _release: Box<dyn Any + Send + Sync>,
+}
+
+// SAFETY: the address only names memory owned through `_release`; writes to it happen in
+// copies that complete `written`, which every reader waits for.
+unsafe impl Send for DeviceMemory {}
+// SAFETY: see `Send`.
+unsafe impl Sync for DeviceMemory {}
+
+impl DeviceMemory {
+    /// Wraps `len` bytes at `address` on `device`; dropping `release` frees them.
+    pub fn new(
+        device: Device,
+        address: *mut u8,
+        len: usize,
+        release: Box<dyn Any + Send + Sync>,
+    ) -> Self {
+        DeviceMemory {
+            device,
+            address,
+            len,
+            written: Event::ready(),
+            _release: release,
+        }
+    }
+
+    /// The device the memory belongs to.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The device address.
+    pub fn as_ptr(&self) -> *const u8 {
+        self.address
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the memory holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The event completed when the copy filling this memory finished.
+    pub fn written(&self) -> &Event {
+        &self.written
+    }
+
+    /// Sets the event of the copy that fills this memory (before the memory is shared).
+    pub fn set_written(&mut self, event: Event) {
+        self.written = event;
+    }
+}
+
+impl fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DeviceMemory({} bytes on {})", self.len, self.device)
+    }
+}
+
+/// The backend of a device (host memory has none).
+pub fn backend_for(device: Device) -> Result<std::sync::Arc<dyn Backend>> {
+    match device {
+        Device::Emulated(i) => Ok(emulated::device(i)?),
+        Device::Cpu => Err(crate::error::Error::InvalidValue {
+            key: String::new(),
+            reason: "host memory has no device backend".into(),
+        }),
+        other => {
+            other.ensure_available()?;
+            Err(crate::error::Error::DeviceUnavailable {
+                device: other.to_string(),
+                reason: "the CUDA backend is not built into this version yet".into(),
+            })
+        }
+    }
+}

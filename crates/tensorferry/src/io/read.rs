@@ -79,6 +79,12 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
         .metadata()
         .map_err(|e| Error::io("stat", path, e))?
         .len();
+    header_of(&mut file, path, file_len)
+}
+
+/// Reads and validates the header at the start of `file`, leaving the file positioned at
+/// the data section.
+fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Header> {
     let mut prefix = [0u8; 8];
     if file_len >= 8 {
         file.read_exact(&mut prefix)
@@ -118,17 +124,8 @@ fn map_file(file: &File, path: &Path, file_len: u64) -> Result<(Header, Arc<Stor
 
 /// Reads the header, then the data section in one read into aligned memory.
 fn read_file(file: &mut File, path: &Path, file_len: u64) -> Result<(Header, Arc<Storage>, usize)> {
-    let mut prefix = [0u8; 8];
-    if file_len >= 8 {
-        file.read_exact(&mut prefix)
-            .map_err(|e| Error::io("read", path, e))?;
-    }
-    let n = header_len(&prefix, file_len)?;
-    let mut header_bytes = vec![0u8; n as usize];
-    file.read_exact(&mut header_bytes)
-        .map_err(|e| Error::io("read", path, e))?;
-    let data_len = file_len - 8 - n;
-    let header = parse_header(&header_bytes, data_len)?;
+    let header = header_of(file, path, file_len)?;
+    let data_len = file_len - header.data_start;
     let mut data = AlignedBuffer::zeroed(data_len as usize)?;
     file.read_exact(data.as_mut_slice())
         .map_err(|e| Error::io("read", path, e))?;
