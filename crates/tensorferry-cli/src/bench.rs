@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tensorferry::memory::AlignedBuffer;
-use tensorferry::{consolidate, load, save, DType, LoadOptions, SaveOptions, Tensor, TensorDict};
+use tensorferry::{
+    consolidate, load, save, DType, Device, LoadOptions, SaveOptions, Tensor, TensorDict,
+};
 
 /// Options of `tensorferry bench`.
 #[derive(Args)]
@@ -26,6 +28,10 @@ pub struct BenchArgs {
     /// Folder for the files written (default: a temporary folder).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Also time moves to this device and back ("emu:0", "cuda:0"): one planned transfer
+    /// per dictionary, against a loop of one transfer per tensor.
+    #[arg(long)]
+    device: Option<String>,
 }
 
 /// State-dict-like dictionaries.
@@ -267,9 +273,61 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
         roof: None,
     });
     bar.inc(1);
+    if let Some(name) = &args.device {
+        bar.set_message("device moves");
+        device_rows(name, &dict, r, memcpy, &mut rows)?;
+    }
     bar.finish_and_clear();
 
     print_table(args, total, count, &rows);
+    Ok(())
+}
+
+/// Moves to `device` and back: the whole dictionary in one plan, and a loop of one move
+/// per tensor (what a Python loop of `.to()` does), each against the memcpy roof.
+fn device_rows(
+    name: &str,
+    dict: &TensorDict,
+    r: usize,
+    memcpy: Duration,
+    rows: &mut Vec<Row>,
+) -> tensorferry::Result<()> {
+    let device: Device = name.parse()?;
+    let there = dict.to(device, false)?;
+    let t = best(r, || dict.to(device, true).map(drop))?;
+    rows.push(Row {
+        path: "to device, one plan",
+        time: t,
+        roof: Some(("memcpy, fresh buffer", memcpy)),
+    });
+    let t = best(r, || {
+        for t in dict.tensor_refs() {
+            t.to(device, true)?;
+        }
+        Ok(())
+    })?;
+    rows.push(Row {
+        path: "to device, per tensor",
+        time: t,
+        roof: Some(("memcpy, fresh buffer", memcpy)),
+    });
+    let t = best(r, || there.to(Device::Cpu, false).map(drop))?;
+    rows.push(Row {
+        path: "to host, one plan",
+        time: t,
+        roof: Some(("memcpy, fresh buffer", memcpy)),
+    });
+    let t = best(r, || {
+        for t in there.tensor_refs() {
+            t.to(Device::Cpu, false)?;
+        }
+        Ok(())
+    })?;
+    rows.push(Row {
+        path: "to host, per tensor",
+        time: t,
+        roof: Some(("memcpy, fresh buffer", memcpy)),
+    });
     Ok(())
 }
 
@@ -315,10 +373,12 @@ fn print_table(args: &BenchArgs, total: usize, count: usize, rows: &[Row]) {
             pct
         );
     }
-    let roofs: Vec<String> = rows
-        .iter()
-        .filter_map(|r| r.roof)
-        .map(|(name, d)| format!("{name} {:.2} GB/s", gbps(total, d)))
-        .collect();
+    let mut roofs: Vec<String> = Vec::new();
+    for (name, d) in rows.iter().filter_map(|r| r.roof) {
+        let line = format!("{name} {:.2} GB/s", gbps(total, d));
+        if !roofs.contains(&line) {
+            roofs.push(line);
+        }
+    }
     println!("roofs measured in this run: {}", roofs.join("; "));
 }
