@@ -178,6 +178,10 @@ def per_leaf(repeat):
         add("peer loop {k: v.numpy()}: torch CPU leaves", best(lambda: {k: v.numpy() for k, v in tt.items()}, repeat))
         add("to_host(copy=True): torch CPU leaves", best(lambda: tf.to_host(tt, copy=True), repeat))
         add("peer loop {k: v.clone()}: torch CPU leaves", best(lambda: {k: v.clone() for k, v in tt.items()}, repeat))
+    add("to_device(emu:0): NumPy leaves, one call", best(lambda: tf.to_device(arrays, "emu:0"), repeat))
+    add("loop {k: tf.to_device(v, 'emu:0')}: NumPy leaves", best(lambda: {k: tf.to_device(v, "emu:0") for k, v in arrays.items()}, repeat))
+    on_emu = tf.to_device(arrays, "emu:0")
+    add("to_host: emu:0 leaves, one call", best(lambda: tf.to_host(on_emu), repeat))
     with tempfile.TemporaryDirectory() as folder:
         p = os.path.join(folder, "tiny.safetensors")
         tf.save(arrays, p)
