@@ -41,8 +41,12 @@ def _move(leaves, target, copy, non_blocking=False):
         return out
     natives = fw.to_native_many(pending, kinds)
     moved = _native.move_tensors(natives, target, copy, non_blocking)
-    if target != "cpu":
+    if target.startswith("emu"):
+        # No framework holds emulated memory.
         kinds = [fw.NATIVE] * len(kinds)
+    elif target != "cpu":
+        # Frameworks that hold GPU memory get their tensors back; NumPy cannot.
+        kinds = [fw.NATIVE if k in (fw.NUMPY, fw.DLPACK) else k for k in kinds]
     for leaf, result in zip(pending, fw.from_native_many(moved, kinds, paths)):
         out[id(leaf)] = result
     return out

@@ -2,7 +2,7 @@
 //! memory, and batches of copies run in stream order that complete an [`Event`].
 //!
 //! Implementations: the emulated device ([`emulated`]), which runs everywhere, and CUDA
-//! ([`cuda`], loaded at run time; today only its probe).
+//! ([`cuda_device`], through the driver loaded at run time; [`cuda`] probes for it).
 
 use std::any::Any;
 use std::fmt;
@@ -11,6 +11,7 @@ use crate::device::Device;
 use crate::error::Result;
 
 pub mod cuda;
+pub mod cuda_device;
 pub mod emulated;
 pub mod event;
 
@@ -161,12 +162,6 @@ pub fn backend_for(device: Device) -> Result<std::sync::Arc<dyn Backend>> {
             key: String::new(),
             reason: "host memory has no device backend".into(),
         }),
-        other => {
-            other.ensure_available()?;
-            Err(crate::error::Error::DeviceUnavailable {
-                device: other.to_string(),
-                reason: "the CUDA backend is not built into this version yet".into(),
-            })
-        }
+        Device::Cuda(i) => Ok(cuda_device::device(i)?),
     }
 }

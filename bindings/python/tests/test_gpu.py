@@ -1,0 +1,75 @@
+"""CUDA moves with real frameworks. Skipped, with the reason, where no usable GPU is present;
+on a GPU machine `bash scripts/test.sh` runs them with everything else."""
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+from tensorferry import _native
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def cuda():
+    if "cuda:0" not in tf.devices():
+        info = _native.cuda_info()
+        pytest.skip(f"no usable CUDA device: {info.get('reason', 'none listed')}")
+    return "cuda:0"
+
+
+@pytest.fixture
+def torch_cuda(cuda):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA support here")
+    return torch
+
+
+def test_a_torch_gpu_dict_comes_to_the_host_as_torch(torch_cuda):
+    torch = torch_cuda
+    src = {
+        "w": torch.randn(64, 32, device="cuda"),
+        "t": torch.randn(32, 64, device="cuda").t(),
+        "b": torch.randn(7, device="cuda", dtype=torch.bfloat16),
+        "step": 3,
+        "tag": "x",
+    }
+    out = tf.to_host(src)
+    for k in ("w", "t", "b"):
+        assert out[k].device.type == "cpu" and out[k].dtype == src[k].dtype
+        assert torch.equal(out[k], src[k].cpu())
+    assert out["tag"] is src["tag"]
+
+
+def test_non_blocking_results_are_read_only_after_the_copy(torch_cuda):
+    torch = torch_cuda
+    src = {f"t{i}": torch.full((1024,), float(i), device="cuda") for i in range(100)}
+    out = tf.to_host(src, non_blocking=True)
+    for i in range(100):
+        assert out[f"t{i}"][0].item() == float(i)
+
+
+def test_numpy_goes_to_the_gpu_and_back(cuda):
+    src = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "ids": [[1, 2], [3, 4]]}
+    there = tf.to_device(src, cuda)
+    assert there["a"].device == cuda and there["ids"].dtype == "int64"
+    back = tf.to_numpy(there)
+    np.testing.assert_array_equal(back["a"], src["a"])
+    np.testing.assert_array_equal(back["ids"], [[1, 2], [3, 4]])
+
+
+def test_torch_cpu_tensors_go_to_the_gpu_as_torch(torch_cuda):
+    torch = torch_cuda
+    src = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    out = tf.to_device(src, "cuda:0")
+    assert isinstance(out["w"], torch.Tensor) and out["w"].is_cuda
+    assert torch.equal(out["w"].cpu(), src["w"])
+
+
+def test_cupy_arrays_come_to_the_host_as_numpy(cuda):
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    src = {"x": cupy.arange(10, dtype=cupy.float32)}
+    out = tf.to_host(src)
+    assert isinstance(out["x"], np.ndarray)
+    np.testing.assert_array_equal(out["x"], np.arange(10, dtype=np.float32))

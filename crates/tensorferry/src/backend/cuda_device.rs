@@ -1,0 +1,247 @@
+//! The CUDA backend: device memory and copies through the driver API (cudarc's `sys`
+//! layer, loaded at run time), in each GPU's primary context so that pointers from
+//! PyTorch, JAX and CuPy in the same process are valid here.
+//!
+//! This first version runs each batch on a worker thread with the driver's synchronous
+//! copies (ordered after the legacy default stream, which DLPack producers synchronise
+//! with when no stream is passed). Pinned staging, asynchronous streams and batched
+//! copies (`cuMemcpyBatchAsync`) are the next steps. NOTE: written and compiled without a
+//! GPU; it has not run on one yet.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::{self, CUresult};
+
+use super::cuda::{status, CudaStatus};
+use super::{Backend, CopyBatch, DeviceMemory, Direction, Event};
+use crate::device::Device;
+use crate::error::{Error, Result};
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// A primary context handle, shared between threads (the driver allows that).
+#[derive(Clone, Copy)]
+struct Context(sys::CUcontext);
+// SAFETY: a CUDA context handle may be made current on any thread; it is never freed
+// while the process runs (the primary context is retained once and kept).
+unsafe impl Send for Context {}
+// SAFETY: see `Send`.
+unsafe impl Sync for Context {}
+
+impl Context {
+    fn make_current(self, device: Device) -> Result<()> {
+        // SAFETY: the handle came from `cuDevicePrimaryCtxRetain` and stays retained.
+        check(
+            unsafe { sys::cuCtxSetCurrent(self.0) },
+            device,
+            "cuCtxSetCurrent",
+        )
+    }
+}
+
+fn check(code: CUresult, device: Device, what: &str) -> Result<()> {
+    if code == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::DeviceUnavailable {
+            device: device.to_string(),
+            reason: format!("{what} failed: {code:?}"),
+        })
+    }
+}
+
+/// One GPU: its primary context and the thread that runs its batches in order.
+pub struct CudaDevice {
+    ordinal: usize,
+    context: Context,
+    stream: Mutex<Sender<Job>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaDevice(cuda:{})", self.ordinal)
+    }
+}
+
+/// The backend of `cuda:ordinal`, set up on first use.
+pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+    let name = Device::Cuda(ordinal);
+    match status() {
+        CudaStatus::Unavailable { reason } => {
+            return Err(Error::DeviceUnavailable {
+                device: name.to_string(),
+                reason: reason.clone(),
+            })
+        }
+        CudaStatus::Available { gpus, .. } if ordinal >= gpus.len() => {
+            return Err(Error::DeviceUnavailable {
+                device: name.to_string(),
+                reason: format!("only {} CUDA device(s) present", gpus.len()),
+            })
+        }
+        CudaStatus::Available { .. } => {}
+    }
+    let mut devices = REGISTRY
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(d) = devices.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let mut dev: sys::CUdevice = 0;
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the driver is loaded and initialised (`status()` is Available); the out
+    // pointers are live locals of the right types.
+    unsafe {
+        check(
+            sys::cuDeviceGet(&mut dev, ordinal as i32),
+            name,
+            "cuDeviceGet",
+        )?;
+        check(
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            name,
+            "cuDevicePrimaryCtxRetain",
+        )?;
+    }
+    let context = Context(ctx);
+    let (tx, rx) = mpsc::channel::<Job>();
+    std::thread::Builder::new()
+        .name(format!("tensorferry-cuda{ordinal}-stream"))
+        .spawn(move || {
+            let _ = context.make_current(name);
+            for job in rx {
+                job();
+            }
+        })
+        .map_err(|e| Error::DeviceUnavailable {
+            device: name.to_string(),
+            reason: format!("cannot start its stream thread: {e}"),
+        })?;
+    let d = Arc::new(CudaDevice {
+        ordinal,
+        context,
+        stream: Mutex::new(tx),
+    });
+    devices.insert(ordinal, d.clone());
+    Ok(d)
+}
+
+/// Device memory from `cuMemAlloc`, freed with `cuMemFree` (which waits for the device).
+struct Allocation {
+    address: sys::CUdeviceptr,
+    context: Context,
+    device: Device,
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        if self.context.make_current(self.device).is_ok() {
+            // SAFETY: `address` came from `cuMemAlloc_v2` in this context and is freed once;
+            // the engine drops it only after every batch using it has completed.
+            unsafe {
+                sys::cuMemFree_v2(self.address);
+            }
+        }
+    }
+}
+
+impl Backend for CudaDevice {
+    fn device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    fn alloc(&self, len: usize) -> Result<DeviceMemory> {
+        let name = Backend::device(self);
+        if len == 0 {
+            return Ok(DeviceMemory::new(
+                name,
+                std::ptr::null_mut(),
+                0,
+                Box::new(()),
+            ));
+        }
+        self.context.make_current(name)?;
+        let mut address: sys::CUdeviceptr = 0;
+        // SAFETY: the context is current; `address` is a live out pointer.
+        let code = unsafe { sys::cuMemAlloc_v2(&mut address, len) };
+        if code == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            let (mut free, mut total) = (0usize, 0usize);
+            // SAFETY: live out pointers; the context is current.
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+            return Err(Error::OutOfMemory {
+                device: name.to_string(),
+                requested: len,
+                free,
+                total,
+            });
+        }
+        check(code, name, "cuMemAlloc")?;
+        let release = Allocation {
+            address,
+            context: self.context,
+            device: name,
+        };
+        Ok(DeviceMemory::new(
+            name,
+            address as *mut u8,
+            len,
+            Box::new(release),
+        ))
+    }
+
+    unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
+        let done = event.clone();
+        let name = Backend::device(self);
+        let job: Job = Box::new(move || {
+            let batch = batch; // the whole batch (it is `Send`), not its fields
+            let result = (|| -> Result<()> {
+                for e in &batch.waits {
+                    e.wait(&name.to_string())?;
+                }
+                for op in &batch.ops {
+                    // SAFETY: `submit`'s contract: the addresses are valid for `len` bytes in
+                    // the memories the direction names until the event completes, and the
+                    // stream thread has the device's primary context current.
+                    let code = unsafe {
+                        match batch.direction {
+                            Direction::HostToDevice => sys::cuMemcpyHtoD_v2(
+                                op.dst as sys::CUdeviceptr,
+                                op.src as *const c_void,
+                                op.len,
+                            ),
+                            Direction::DeviceToHost => sys::cuMemcpyDtoH_v2(
+                                op.dst as *mut c_void,
+                                op.src as sys::CUdeviceptr,
+                                op.len,
+                            ),
+                            Direction::DeviceToDevice => sys::cuMemcpyDtoD_v2(
+                                op.dst as sys::CUdeviceptr,
+                                op.src as sys::CUdeviceptr,
+                                op.len,
+                            ),
+                        }
+                    };
+                    check(code, name, "cuMemcpy")?;
+                }
+                Ok(())
+            })();
+            done.complete(result.map_err(|e| e.to_string()));
+            drop(keep);
+        });
+        let sent = self
+            .stream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(job);
+        if let Err(unsent) = sent {
+            event.complete(Err("the stream thread has stopped".into()));
+            drop(unsent);
+        }
+    }
+}
