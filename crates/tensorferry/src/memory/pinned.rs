@@ -1,0 +1,265 @@
+//! A pool of page-locked ("pinned") host buffers: pinning costs 0.1–0.25 s per GB, so
+//! buffers are kept by size class and reused, and a repeated transfer pins nothing new.
+//!
+//! The pool is written against [`PinnedAllocator`], so its bookkeeping (size classes,
+//! reuse, the cap, statistics) is the same whatever pins the memory: CUDA's
+//! `cuMemHostAlloc` (flags 0 or PORTABLE, never write-combined, which makes CPU reads slow)
+//! on a GPU machine, a plain allocator in tests.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use crate::error::Result;
+
+/// Page-locked memory from an allocator; dropping `release` frees it.
+pub struct HostBlock {
+    /// Start address.
+    pub ptr: *mut u8,
+    /// Length in bytes (the size class).
+    pub len: usize,
+    /// Frees the memory when dropped.
+    pub release: Box<dyn Any + Send + Sync>,
+}
+
+// SAFETY: the block owns its memory through `release`; the pointer only addresses it.
+unsafe impl Send for HostBlock {}
+// SAFETY: see `Send`; shared access only reads the address.
+unsafe impl Sync for HostBlock {}
+
+/// Something that pins host memory.
+pub trait PinnedAllocator: Send + Sync {
+    /// Allocates `len` bytes of pinned host memory.
+    fn alloc(&self, len: usize) -> Result<HostBlock>;
+}
+
+/// What the pool holds and how it has served requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes pinned now (in use and cached).
+    pub pinned_bytes: usize,
+    /// Bytes cached for reuse.
+    pub cached_bytes: usize,
+    /// Requests served from the cache.
+    pub hits: u64,
+    /// Requests that had to pin new memory.
+    pub misses: u64,
+}
+
+struct State {
+    free: BTreeMap<usize, Vec<HostBlock>>,
+    stats: PoolStats,
+}
+
+/// Pinned buffers by size class (powers of two from 64 KiB), reused, within a cap.
+pub struct PinnedPool {
+    allocator: Box<dyn PinnedAllocator>,
+    cap: usize,
+    state: Mutex<State>,
+}
+
+/// The smallest size class.
+pub const MIN_CLASS: usize = 64 << 10;
+
+/// The size class serving `len` bytes.
+pub fn size_class(len: usize) -> usize {
+    len.max(MIN_CLASS).next_power_of_two()
+}
+
+impl PinnedPool {
+    /// A pool that keeps at most `cap` bytes pinned once buffers come back.
+    pub fn new(allocator: Box<dyn PinnedAllocator>, cap: usize) -> Arc<PinnedPool> {
+        Arc::new(PinnedPool {
+            allocator,
+            cap,
+            state: Mutex::new(State {
+                free: BTreeMap::new(),
+                stats: PoolStats::default(),
+            }),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The statistics now.
+    pub fn stats(&self) -> PoolStats {
+        self.state().stats
+    }
+
+    /// A buffer of at least `len` bytes: a cached one of its size class when there is
+    /// one, else newly pinned (cached buffers are unpinned first to stay within the cap).
+    pub fn take(self: &Arc<Self>, len: usize) -> Result<PinnedBuffer> {
+        let class = size_class(len);
+        let evicted = {
+            let mut s = self.state();
+            if let Some(block) = s.free.get_mut(&class).and_then(Vec::pop) {
+                s.stats.hits += 1;
+                s.stats.cached_bytes -= class;
+                return Ok(PinnedBuffer {
+                    block: Some(block),
+                    len,
+                    pool: self.clone(),
+                });
+            }
+            s.stats.misses += 1;
+            let mut evicted = Vec::new();
+            while s.stats.pinned_bytes + class > self.cap && s.stats.cached_bytes > 0 {
+                let largest = *s
+                    .free
+                    .keys()
+                    .next_back()
+                    .expect("cached bytes imply a block");
+                let blocks = s.free.get_mut(&largest).expect("present");
+                let block = blocks.pop().expect("non-empty lists only");
+                if blocks.is_empty() {
+                    s.free.remove(&largest);
+                }
+                s.stats.cached_bytes -= block.len;
+                s.stats.pinned_bytes -= block.len;
+                evicted.push(block);
+            }
+            evicted
+        };
+        drop(evicted); // unpinned outside the lock
+        let block = self.allocator.alloc(class)?;
+        self.state().stats.pinned_bytes += class;
+        Ok(PinnedBuffer {
+            block: Some(block),
+            len,
+            pool: self.clone(),
+        })
+    }
+
+    fn give_back(&self, block: HostBlock) {
+        let mut s = self.state();
+        if s.stats.pinned_bytes > self.cap {
+            s.stats.pinned_bytes -= block.len;
+            drop(s);
+            drop(block); // over the cap: unpin instead of caching
+            return;
+        }
+        s.stats.cached_bytes += block.len;
+        s.free.entry(block.len).or_default().push(block);
+    }
+}
+
+/// A pinned buffer from the pool; goes back to it when dropped.
+pub struct PinnedBuffer {
+    block: Option<HostBlock>,
+    len: usize,
+    pool: Arc<PinnedPool>,
+}
+
+impl PinnedBuffer {
+    /// Bytes asked for (the block may be larger).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when no bytes were asked for.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The start address.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.block.as_ref().expect("held until drop").ptr
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if let Some(block) = self.block.take() {
+            self.pool.give_back(block);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::AlignedBuffer;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Stands in for cuMemHostAlloc: counts what it "pins" and what is still alive.
+    struct Counting {
+        pinned: Arc<AtomicUsize>,
+        live: Arc<AtomicUsize>,
+    }
+
+    struct Release(AlignedBuffer, Arc<AtomicUsize>);
+    impl Drop for Release {
+        fn drop(&mut self) {
+            self.1.fetch_sub(self.0.len(), Ordering::SeqCst);
+        }
+    }
+
+    impl PinnedAllocator for Counting {
+        fn alloc(&self, len: usize) -> Result<HostBlock> {
+            self.pinned.fetch_add(len, Ordering::SeqCst);
+            self.live.fetch_add(len, Ordering::SeqCst);
+            let mut buf = AlignedBuffer::zeroed(len)?;
+            let ptr = buf.as_mut_slice().as_mut_ptr();
+            Ok(HostBlock {
+                ptr,
+                len,
+                release: Box::new(Release(buf, self.live.clone())),
+            })
+        }
+    }
+
+    fn pool(cap: usize) -> (Arc<PinnedPool>, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+        let pinned = Arc::new(AtomicUsize::new(0));
+        let live = Arc::new(AtomicUsize::new(0));
+        let alloc = Counting {
+            pinned: pinned.clone(),
+            live: live.clone(),
+        };
+        (PinnedPool::new(Box::new(alloc), cap), pinned, live)
+    }
+
+    #[test]
+    fn a_repeated_transfer_pins_nothing_new() {
+        let (p, pinned, _) = pool(1 << 30);
+        for _ in 0..5 {
+            let a = p.take(3 << 20).unwrap();
+            let b = p.take(100).unwrap();
+            assert!(a.len() == 3 << 20 && b.len() == 100);
+        }
+        assert_eq!(pinned.load(Ordering::SeqCst), (4 << 20) + MIN_CLASS);
+        let s = p.stats();
+        assert_eq!((s.misses, s.hits), (2, 8));
+        assert_eq!(s.cached_bytes, s.pinned_bytes);
+    }
+
+    #[test]
+    fn size_classes_are_powers_of_two_from_64_kib() {
+        assert_eq!(size_class(1), MIN_CLASS);
+        assert_eq!(size_class(MIN_CLASS + 1), 2 * MIN_CLASS);
+        assert_eq!(size_class(3 << 20), 4 << 20);
+    }
+
+    #[test]
+    fn the_cap_unpins_cached_buffers_first() {
+        let (p, _, live) = pool(4 << 20);
+        drop(p.take(4 << 20).unwrap());
+        assert_eq!(p.stats().cached_bytes, 4 << 20);
+        let b = p.take(2 << 20).unwrap(); // a different class: the cached 4 MiB goes
+        assert_eq!(live.load(Ordering::SeqCst), 2 << 20);
+        assert_eq!(p.stats().pinned_bytes, 2 << 20);
+        drop(b);
+    }
+
+    #[test]
+    fn buffers_over_the_cap_are_unpinned_when_returned() {
+        let (p, _, live) = pool(1 << 20);
+        let a = p.take(1 << 20).unwrap();
+        let b = p.take(1 << 20).unwrap(); // over the cap while both are in use
+        drop(a);
+        drop(b);
+        assert!(live.load(Ordering::SeqCst) <= 1 << 20);
+        assert!(p.stats().pinned_bytes <= 1 << 20);
+    }
+}
