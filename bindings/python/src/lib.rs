@@ -93,18 +93,23 @@ fn pack(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<Vec<PyTensor>> {
 /// `tensorferry::move_tensors`. With `non_blocking` the copies may still run: every read
 /// of a result waits for its copy.
 #[pyfunction]
-#[pyo3(signature = (tensors, device, copy=false, non_blocking=false))]
+#[pyo3(signature = (tensors, device, copy=false, non_blocking=false, pinned=false))]
 fn move_tensors(
     py: Python<'_>,
     tensors: Vec<Py<PyTensor>>,
     device: &str,
     copy: bool,
     non_blocking: bool,
+    pinned: bool,
 ) -> PyResult<Vec<PyTensor>> {
     guard(|| {
         let target: Device = device.parse().py_err()?;
         let refs: Vec<&tensorferry::Tensor> = tensors.iter().map(|t| &t.get().inner).collect();
-        let options = tensorferry::MoveOptions { copy, non_blocking };
+        let options = tensorferry::MoveOptions {
+            copy,
+            non_blocking,
+            pinned,
+        };
         let moved = py
             .detach(|| tensorferry::move_tensors(&refs, target, options))
             .py_err()?;
@@ -118,6 +123,26 @@ fn configure_emulated(index: usize, settings: &str) -> PyResult<()> {
     guard(|| {
         let config = tensorferry::backend::emulated::EmuConfig::parse(settings).py_err()?;
         tensorferry::backend::emulated::configure(index, config).py_err()
+    })
+}
+
+/// Statistics of `device`'s pinned host pool: `{"pinned_bytes", "cached_bytes", "hits",
+/// "misses"}`.
+#[pyfunction]
+fn pinned_pool_stats<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, PyDict>> {
+    guard(|| {
+        let d: Device = device.parse().py_err()?;
+        let s = tensorferry::backend::backend_for(d)
+            .py_err()?
+            .pinned_pool()
+            .py_err()?
+            .stats();
+        let out = PyDict::new(py);
+        out.set_item("pinned_bytes", s.pinned_bytes)?;
+        out.set_item("cached_bytes", s.cached_bytes)?;
+        out.set_item("hits", s.hits)?;
+        out.set_item("misses", s.misses)?;
+        Ok(out)
     })
 }
 
@@ -226,6 +251,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pack, m)?)?;
     m.add_function(wrap_pyfunction!(move_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(configure_emulated, m)?)?;
+    m.add_function(wrap_pyfunction!(pinned_pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(to_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(from_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;

@@ -109,3 +109,17 @@ def test_torch_tensors_go_to_the_device_and_back(torch):
     src = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).t()}
     there = tf.to_device(src, "emu:0")
     np.testing.assert_array_equal(tf.to_numpy(there)["w"], src["w"].numpy())
+
+
+def test_pinned_results_reuse_the_pool(emu1, state):
+    there = tf.to_device(state, emu1)
+    first = tf.to_host(there, pinned=True)
+    np.testing.assert_array_equal(tf.to_numpy(first)["ids"], state["ids"])
+    stats = tf.pinned_pool_stats(emu1)
+    del first
+    gc.collect()
+    second = tf.to_numpy(tf.to_host(there, pinned=True))
+    np.testing.assert_array_equal(second["model"]["layer.0.weight"], state["model"]["layer.0.weight"])
+    again = tf.pinned_pool_stats(emu1)
+    assert again["misses"] == stats["misses"] and again["hits"] == stats["hits"] + 1
+    assert again["pinned_bytes"] == stats["pinned_bytes"]

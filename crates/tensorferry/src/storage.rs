@@ -8,7 +8,7 @@ use memmap2::Mmap;
 
 use crate::backend::{DeviceMemory, Event};
 use crate::device::Device;
-use crate::memory::AlignedBuffer;
+use crate::memory::{AlignedBuffer, HostBuffer};
 
 /// Memory owned by someone else, kept alive by `owner` for as long as this value lives.
 pub struct ForeignMemory {
@@ -61,8 +61,8 @@ pub enum Storage {
     Device(DeviceMemory),
     /// Host memory that a queued copy is filling: every read waits for `ready` first.
     Incoming {
-        /// The memory being filled.
-        buffer: AlignedBuffer,
+        /// The memory being filled (pageable, or from the pinned pool).
+        buffer: HostBuffer,
         /// Completed when the copy into `buffer` has finished.
         ready: Event,
     },

@@ -383,6 +383,7 @@ impl Tensor {
         let options = crate::transfer::MoveOptions {
             copy,
             non_blocking: false,
+            ..Default::default()
         };
         let mut moved = crate::transfer::move_tensors(&[self], device, options)?;
         Ok(moved.pop().expect("one tensor in, one out"))

@@ -17,7 +17,7 @@ use crate::backend::{backend_for, Backend, CopyBatch, CopyOp, Direction, Event};
 use crate::consolidate::{pack, views, PackedLayout};
 use crate::device::Device;
 use crate::error::Result;
-use crate::memory::AlignedBuffer;
+use crate::memory::{AlignedBuffer, HostBuffer};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
@@ -29,6 +29,9 @@ pub struct MoveOptions {
     pub copy: bool,
     /// Return as soon as the copies are queued; results wait for them when read.
     pub non_blocking: bool,
+    /// Results on the host live in the device's pinned pool (reused between transfers)
+    /// instead of ordinary memory.
+    pub pinned: bool,
 }
 
 /// Moves `tensors` to `target`, returning them in order. Tensors already there are
@@ -62,7 +65,7 @@ pub fn move_tensors(
             let refs: Vec<&Tensor> = sources.iter().collect();
             pack(&refs)?
         } else if target.is_host() {
-            let (moved, event) = to_host(&*backend_for(from)?, sources)?;
+            let (moved, event) = to_host(&*backend_for(from)?, sources, options.pinned)?;
             events.push(event);
             moved
         } else {
@@ -140,13 +143,22 @@ fn submit(
     unsafe { backend.submit(batch, keep, event) };
 }
 
-/// Device → host: one host buffer for the group, filled by one batch on the source's
-/// stream; the results wait for it when read.
-fn to_host(backend: &dyn Backend, sources: Vec<Tensor>) -> Result<(Vec<Tensor>, Event)> {
+/// Device → host: one host buffer for the group (ordinary memory, or a buffer of the
+/// device's pinned pool), filled by one batch on the source's stream; the results wait for
+/// it when read.
+fn to_host(
+    backend: &dyn Backend,
+    sources: Vec<Tensor>,
+    pinned: bool,
+) -> Result<(Vec<Tensor>, Event)> {
     let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
     let event = Event::pending();
-    let mut buffer = AlignedBuffer::zeroed(layout.total)?;
-    let dst_base = buffer.as_mut_slice().as_mut_ptr();
+    let mut buffer = if pinned {
+        HostBuffer::Pinned(backend.pinned_pool()?.take(layout.total)?)
+    } else {
+        HostBuffer::Pageable(AlignedBuffer::zeroed(layout.total)?)
+    };
+    let dst_base = buffer.as_mut_ptr();
     let batch = plan(Direction::DeviceToHost, &sources, &layout, dst_base)?;
     let storage = Arc::new(Storage::Incoming {
         buffer,

@@ -446,6 +446,7 @@ impl TensorDict {
             crate::transfer::MoveOptions {
                 copy,
                 non_blocking: false,
+                ..Default::default()
             },
         )
     }

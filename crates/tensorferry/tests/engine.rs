@@ -112,6 +112,7 @@ fn non_blocking_results_read_correctly(dev: Device) {
     let opts = MoveOptions {
         copy: true,
         non_blocking: true,
+        ..Default::default()
     };
     let there = d.to_with(dev, opts).unwrap();
     let back = there.to_with(Device::Cpu, opts).unwrap();
@@ -182,6 +183,7 @@ fn non_blocking_returns_before_the_copy_and_reads_wait_for_it() {
         let opts = MoveOptions {
             copy: false,
             non_blocking: true,
+            ..Default::default()
         };
         let there = d.to_with(EMU1_DEV, opts).unwrap();
         assert!(
@@ -201,6 +203,7 @@ fn sources_dropped_at_once_stay_alive_until_copied() {
         let opts = MoveOptions {
             copy: false,
             non_blocking: true,
+            ..Default::default()
         };
         let moved = tensorferry::move_tensors(&[&src], EMU1_DEV, opts).unwrap();
         drop(src);
@@ -215,6 +218,7 @@ fn results_dropped_before_their_copy_runs_are_freed_safely() {
         let opts = MoveOptions {
             copy: false,
             non_blocking: true,
+            ..Default::default()
         };
         drop(sample().to_with(EMU1_DEV, opts).unwrap());
         emulated::device(1).unwrap(); // the stream keeps running
@@ -254,4 +258,32 @@ fn cuda_without_a_driver_is_unavailable_with_the_reason() {
         matches!(err, Error::DeviceUnavailable { ref reason, .. } if !reason.is_empty()),
         "{err}"
     );
+}
+
+#[test]
+fn pinned_results_come_from_the_pool_and_a_repeat_pins_nothing_new() {
+    use tensorferry::backend::Backend;
+    with_emu1("", || {
+        let there = sample().to(EMU1_DEV, false).unwrap();
+        let pool = emulated::device(1).unwrap().pinned_pool().unwrap();
+        let before = pool.stats();
+        let opts = MoveOptions {
+            pinned: true,
+            ..Default::default()
+        };
+        let first = there.to_with(Device::Cpu, opts).unwrap();
+        assert_eq!(host_values(&first), host_values(&sample()));
+        let after_first = pool.stats();
+        assert_eq!(after_first.misses, before.misses + 1);
+        drop(first);
+        let second = there.to_with(Device::Cpu, opts).unwrap();
+        assert_eq!(host_values(&second), host_values(&sample()));
+        let after_second = pool.stats();
+        assert_eq!(
+            after_second.misses, after_first.misses,
+            "nothing new pinned"
+        );
+        assert_eq!(after_second.hits, after_first.hits + 1);
+        assert_eq!(after_second.pinned_bytes, after_first.pinned_bytes);
+    });
 }

@@ -9,7 +9,17 @@ True
 """
 
 from . import _native
-from ._api import configure_emulated, devices, load, metadata, save, to_device, to_host, to_numpy
+from ._api import (
+    configure_emulated,
+    devices,
+    load,
+    metadata,
+    pinned_pool_stats,
+    save,
+    to_device,
+    to_host,
+    to_numpy,
+)
 from ._errors import (
     DeviceUnavailableError,
     FormatError,
@@ -39,6 +49,7 @@ __all__ = [
     "devices",
     "load",
     "metadata",
+    "pinned_pool_stats",
     "save",
     "to_device",
     "to_host",

@@ -19,7 +19,7 @@ def _is_tensor(obj, path):
     return fw.kind_of(obj) is not None
 
 
-def _move(leaves, target, copy, non_blocking=False):
+def _move(leaves, target, copy, non_blocking=False, pinned=False):
     """Moves ``[(path, leaf)]`` to ``target``; returns ``{id(leaf): result}``.
 
     Leaves already on the target stay as they are unless ``copy``. Everything that
@@ -40,7 +40,7 @@ def _move(leaves, target, copy, non_blocking=False):
     if not pending:
         return out
     natives = fw.to_native_many(pending, kinds)
-    moved = _native.move_tensors(natives, target, copy, non_blocking)
+    moved = _native.move_tensors(natives, target, copy, non_blocking, pinned)
     if target.startswith("emu"):
         # No framework holds emulated memory.
         kinds = [fw.NATIVE] * len(kinds)
@@ -52,7 +52,7 @@ def _move(leaves, target, copy, non_blocking=False):
     return out
 
 
-def to_host(obj, *, non_blocking=False, copy=False):
+def to_host(obj, *, non_blocking=False, copy=False, pinned=False):
     """Moves every tensor in ``obj`` to host memory, keeping the structure.
 
     ``obj`` is any nesting of dicts (any Mapping), lists and tuples (namedtuples kept).
@@ -60,6 +60,8 @@ def to_host(obj, *, non_blocking=False, copy=False):
     in their own framework (CuPy as NumPy); every other leaf is returned as the very same
     object. Tensors already on the host are returned as they are unless ``copy=True``,
     in which case no result shares memory with the input. The source is never modified.
+    With ``pinned=True`` results copied from a device live in the device's pinned pool,
+    reused by the next transfer, instead of fresh ordinary memory.
 
     >>> import numpy as np, tensorferry as tf
     >>> out = tf.to_host({"w": np.ones(2, np.float32), "name": "run-1"}, copy=True)
@@ -67,7 +69,7 @@ def to_host(obj, *, non_blocking=False, copy=False):
     (array([1., 1.], dtype=float32), 'run-1')
     """
     leaves = _native.collect_tensors(obj, fw.kind_of)
-    return _native.rebuild(obj, _move(leaves, "cpu", copy, non_blocking))
+    return _native.rebuild(obj, _move(leaves, "cpu", copy, non_blocking, pinned))
 
 
 def to_numpy(obj):
@@ -304,6 +306,12 @@ def metadata(path):
     """The user metadata (str -> str) stored in a safetensors file."""
     meta = _native.read_metadata(os.fspath(path))
     return {k: v for k, v in meta.items() if not k.startswith(_RESERVED_PREFIX)}
+
+
+def pinned_pool_stats(device):
+    """Statistics of the pinned host pool that copies from ``device`` land in with
+    ``pinned=True``: ``{"pinned_bytes", "cached_bytes", "hits", "misses"}``."""
+    return _native.pinned_pool_stats(device)
 
 
 def configure_emulated(index=0, **settings):

@@ -122,9 +122,9 @@ class TensorDict:
         """A new TensorDict with every tensor on ``device``."""
         return TensorDict._wrap(_api.to_device(self._data, device, non_blocking=non_blocking, copy=copy))
 
-    def cpu(self, *, non_blocking=False):
-        """A new TensorDict with every tensor in host memory."""
-        return TensorDict._wrap(_api.to_host(self._data, non_blocking=non_blocking))
+    def cpu(self, *, non_blocking=False, pinned=False):
+        """A new TensorDict with every tensor in host memory (``pinned``: in the pool)."""
+        return TensorDict._wrap(_api.to_host(self._data, non_blocking=non_blocking, pinned=pinned))
 
     def cuda(self, index=0, *, non_blocking=False):
         """A new TensorDict with every tensor on CUDA device ``index``."""

@@ -20,6 +20,10 @@ use super::cuda::{status, CudaStatus};
 use super::{Backend, CopyBatch, DeviceMemory, Direction, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::memory::PinnedPool;
+
+/// Most bytes the pinned pool keeps pinned (pinning is slow; so is holding too much).
+const PINNED_POOL_CAP: usize = 8 << 30;
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -154,6 +158,18 @@ impl Drop for Allocation {
 impl Backend for CudaDevice {
     fn device(&self) -> Device {
         Device::Cuda(self.ordinal)
+    }
+
+    /// One process-wide pool: PORTABLE pinned memory serves every GPU.
+    fn pinned_pool(&self) -> Result<Arc<PinnedPool>> {
+        static POOL: OnceLock<Arc<PinnedPool>> = OnceLock::new();
+        if let Some(p) = POOL.get() {
+            return Ok(p.clone());
+        }
+        let allocator = CudaPinnedAllocator::new(self.ordinal)?;
+        Ok(POOL
+            .get_or_init(|| PinnedPool::new(Box::new(allocator), PINNED_POOL_CAP))
+            .clone())
     }
 
     fn alloc(&self, len: usize) -> Result<DeviceMemory> {

@@ -17,7 +17,11 @@ use std::any::Any;
 use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::memory::AlignedBuffer;
+use crate::memory::pinned::PageableAllocator;
+use crate::memory::{AlignedBuffer, PinnedPool};
+
+/// Most bytes the pinned pool of an emulated device keeps.
+const PINNED_POOL_CAP: usize = 4 << 30;
 
 /// How many emulated devices exist (`emu:0` … `emu:{EMULATED_DEVICES - 1}`).
 pub const EMULATED_DEVICES: usize = 2;
@@ -100,6 +104,7 @@ pub struct EmulatedDevice {
     allocations: AtomicU64,
     copies: AtomicU64,
     stream: Mutex<Sender<Job>>,
+    pool: Arc<PinnedPool>,
 }
 
 impl std::fmt::Debug for EmulatedDevice {
@@ -156,6 +161,7 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         allocations: AtomicU64::new(0),
         copies: AtomicU64::new(0),
         stream: Mutex::new(tx),
+        pool: PinnedPool::new(Box::new(PageableAllocator), PINNED_POOL_CAP),
     });
     devices.insert(index, d.clone());
     Ok(d)
@@ -206,6 +212,11 @@ impl EmulatedDevice {
 impl Backend for EmulatedDevice {
     fn device(&self) -> Device {
         Device::Emulated(self.index)
+    }
+
+    /// The pool's bookkeeping with ordinary memory: nothing needs pinning here.
+    fn pinned_pool(&self) -> Result<Arc<PinnedPool>> {
+        Ok(self.pool.clone())
     }
 
     /// Fails with out-of-memory past the capacity, or on the injected `fail_alloc`.

@@ -70,6 +70,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Allocates `len` bytes of device memory; out-of-memory gives bytes asked, free, total.
     fn alloc(&self, len: usize) -> Result<DeviceMemory>;
 
+    /// The pool of pinned host buffers that copies to the host can land in.
+    fn pinned_pool(&self) -> Result<std::sync::Arc<crate::memory::PinnedPool>>;
+
     /// Queues `batch` on the device's stream after everything queued before it (and after
     /// its `waits`), completing `event` when every copy is done, or with the error of the
     /// first failure. `keep` is held until then and dropped afterwards.

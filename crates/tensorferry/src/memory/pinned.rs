@@ -167,6 +167,17 @@ impl PinnedBuffer {
     pub fn as_ptr(&self) -> *mut u8 {
         self.block.as_ref().expect("held until drop").ptr
     }
+
+    /// The bytes asked for.
+    pub fn as_slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the block holds at least `len` bytes (its size class is ≥ len), owned by
+        // this buffer until it is dropped; allocators hand out initialised memory (zeroed
+        // host memory, or pinned memory tensorferry fills before anyone reads it).
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len) }
+    }
 }
 
 impl Drop for PinnedBuffer {
@@ -261,5 +272,21 @@ mod tests {
         drop(b);
         assert!(live.load(Ordering::SeqCst) <= 1 << 20);
         assert!(p.stats().pinned_bytes <= 1 << 20);
+    }
+}
+
+/// Host memory standing in for pinned memory where nothing needs pinning (the emulated
+/// device): ordinary 64-byte-aligned buffers, so the pool's bookkeeping runs the same.
+pub struct PageableAllocator;
+
+impl PinnedAllocator for PageableAllocator {
+    fn alloc(&self, len: usize) -> Result<HostBlock> {
+        let mut buffer = crate::memory::AlignedBuffer::zeroed(len)?;
+        let ptr = buffer.as_mut_slice().as_mut_ptr();
+        Ok(HostBlock {
+            ptr,
+            len,
+            release: Box::new(buffer),
+        })
     }
 }
