@@ -188,6 +188,22 @@ impl Drop for PinnedBuffer {
     }
 }
 
+/// Host memory standing in for pinned memory where nothing needs pinning (the emulated
+/// device): ordinary 64-byte-aligned buffers, so the pool's bookkeeping runs the same.
+pub struct PageableAllocator;
+
+impl PinnedAllocator for PageableAllocator {
+    fn alloc(&self, len: usize) -> Result<HostBlock> {
+        let mut buffer = crate::memory::AlignedBuffer::zeroed(len)?;
+        let ptr = buffer.as_mut_slice().as_mut_ptr();
+        Ok(HostBlock {
+            ptr,
+            len,
+            release: Box::new(buffer),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,21 +288,5 @@ mod tests {
         drop(b);
         assert!(live.load(Ordering::SeqCst) <= 1 << 20);
         assert!(p.stats().pinned_bytes <= 1 << 20);
-    }
-}
-
-/// Host memory standing in for pinned memory where nothing needs pinning (the emulated
-/// device): ordinary 64-byte-aligned buffers, so the pool's bookkeeping runs the same.
-pub struct PageableAllocator;
-
-impl PinnedAllocator for PageableAllocator {
-    fn alloc(&self, len: usize) -> Result<HostBlock> {
-        let mut buffer = crate::memory::AlignedBuffer::zeroed(len)?;
-        let ptr = buffer.as_mut_slice().as_mut_ptr();
-        Ok(HostBlock {
-            ptr,
-            len,
-            release: Box::new(buffer),
-        })
     }
 }
