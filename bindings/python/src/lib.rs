@@ -146,6 +146,15 @@ fn pinned_pool_stats<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, 
     })
 }
 
+/// Waits for a raw CUDA stream handle's queued work (the producer's stream).
+#[pyfunction]
+fn cuda_stream_synchronize(py: Python<'_>, handle: usize) -> PyResult<()> {
+    guard(|| {
+        py.detach(|| tensorferry::backend::cuda_device::stream_synchronize(handle))
+            .py_err()
+    })
+}
+
 /// Writes a tree of dict/list/tuple, `Tensor` and plain values as a safetensors file.
 #[pyfunction]
 #[pyo3(signature = (tree, path, metadata=None, fsync=true))]
@@ -252,6 +261,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(move_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(configure_emulated, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_pool_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_stream_synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(to_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(from_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;

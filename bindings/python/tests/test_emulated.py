@@ -123,3 +123,34 @@ def test_pinned_results_reuse_the_pool(emu1, state):
     again = tf.pinned_pool_stats(emu1)
     assert again["misses"] == stats["misses"] and again["hits"] == stats["hits"] + 1
     assert again["pinned_bytes"] == stats["pinned_bytes"]
+
+
+class _RecordingStream:
+    """A producer stream as the protocol sees it: something with synchronize()."""
+
+    def __init__(self):
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def test_the_producers_stream_is_synchronized_before_reading(state):
+    s = _RecordingStream()
+    tf.to_device(state, "emu:0", stream=s)
+    tf.to_host(state, stream=s)
+    assert s.synchronized == 2
+
+
+def test_a_raw_stream_handle_without_a_driver_says_why(state):
+    if any(d.startswith("cuda") for d in tf.devices()):
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(tf.DeviceUnavailableError, match="driver"):
+        tf.to_host(state, stream=12345)
+
+
+def test_a_mixed_device_dictionary_comes_home_in_one_call(state):
+    mixed = {"a": tf.to_device(state, "emu:0")["ids"], "b": tf.to_device(state, "emu:1")["ids"], "c": state["ids"]}
+    out = tf.to_numpy(tf.to_host(mixed))
+    for k in "abc":
+        np.testing.assert_array_equal(out[k], state["ids"])

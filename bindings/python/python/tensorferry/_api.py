@@ -52,7 +52,23 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False):
     return out
 
 
-def to_host(obj, *, non_blocking=False, copy=False, pinned=False):
+def _sync_producer(stream):
+    """Makes work queued on the caller's stream finish before tensorferry reads.
+
+    ``stream`` is a framework stream (``torch.cuda.Stream``, ``cupy.cuda.Stream``:
+    anything with ``synchronize()``) or a raw CUDA stream handle (an int).
+    """
+    if stream is None:
+        return
+    if hasattr(stream, "synchronize"):
+        stream.synchronize()
+    elif isinstance(stream, int):
+        _native.cuda_stream_synchronize(stream)
+    else:
+        raise TypeError(f"stream must be a framework stream or a CUDA stream handle, not {type(stream).__name__}")
+
+
+def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None):
     """Moves every tensor in ``obj`` to host memory, keeping the structure.
 
     ``obj`` is any nesting of dicts (any Mapping), lists and tuples (namedtuples kept).
@@ -61,13 +77,16 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False):
     object. Tensors already on the host are returned as they are unless ``copy=True``,
     in which case no result shares memory with the input. The source is never modified.
     With ``pinned=True`` results copied from a device live in the device's pinned pool,
-    reused by the next transfer, instead of fresh ordinary memory.
+    reused by the next transfer, instead of fresh ordinary memory. ``stream`` is the
+    producer's stream (a torch/CuPy stream or a raw handle): its queued work finishes before
+    the tensors are read.
 
     >>> import numpy as np, tensorferry as tf
     >>> out = tf.to_host({"w": np.ones(2, np.float32), "name": "run-1"}, copy=True)
     >>> out["w"], out["name"]
     (array([1., 1.], dtype=float32), 'run-1')
     """
+    _sync_producer(stream)
     leaves = _native.collect_tensors(obj, fw.kind_of)
     return _native.rebuild(obj, _move(leaves, "cpu", copy, non_blocking, pinned))
 
@@ -154,7 +173,7 @@ def _data_to_tensor(data, path):
     return fw.Tensor.from_numpy(arr)
 
 
-def to_device(obj, device, *, non_blocking=False, copy=False):
+def to_device(obj, device, *, non_blocking=False, copy=False, stream=None):
     """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1").
 
     Lists and tuples of Python numbers (rectangular, nested) become ``tensorferry.Tensor``
@@ -162,7 +181,8 @@ def to_device(obj, device, *, non_blocking=False, copy=False):
     list is a :class:`FormatError` naming its key, and an empty list stays a list.
     Tensors already on ``device`` are returned as they are unless ``copy=True``. A bad
     device string raises :class:`InvalidDeviceError`; an absent device raises
-    :class:`DeviceUnavailableError` with the reason.
+    :class:`DeviceUnavailableError` with the reason. ``stream`` is the producer's stream, as
+    for :func:`to_host`.
 
     >>> import tensorferry as tf
     >>> out = tf.to_device({"embedding_1": [1.0, 2.0, 3.0], "ids": [[1, 2], [3, 4]]}, "cpu")
@@ -171,6 +191,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False):
     """
     target = _native.parse_device(device)
     _native.ensure_device(target)
+    _sync_producer(stream)
 
     def select(x, path):
         return fw.kind_of(x) is not None or _numeric_data(x)

@@ -329,3 +329,22 @@ impl crate::memory::PinnedAllocator for CudaPinnedAllocator {
         })
     }
 }
+
+/// Blocks until the work queued on a producer's CUDA stream (a raw `CUstream` handle from
+/// PyTorch, CuPy or JAX) has finished, so tensorferry reads what it computed.
+pub fn stream_synchronize(handle: usize) -> Result<()> {
+    if let CudaStatus::Unavailable { reason } = status() {
+        return Err(Error::DeviceUnavailable {
+            device: "cuda".into(),
+            reason: reason.clone(),
+        });
+    }
+    // SAFETY: the driver is loaded and initialised; the handle is the caller's stream, which
+    // the driver validates (an invalid handle is an error code, not undefined behaviour, for
+    // handles that came from a CUDA runtime in this process).
+    check(
+        unsafe { sys::cuStreamSynchronize(handle as sys::CUstream) },
+        Device::Cuda(0),
+        "cuStreamSynchronize",
+    )
+}
