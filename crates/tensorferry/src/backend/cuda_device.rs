@@ -11,12 +11,12 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cuda::{status, CudaStatus};
+use super::stream::{Job, StreamThread};
 use super::{Backend, CopyBatch, DeviceMemory, Direction, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -24,8 +24,6 @@ use crate::memory::PinnedPool;
 
 /// Most bytes the pinned pool keeps pinned (pinning is slow; so is holding too much).
 const PINNED_POOL_CAP: usize = 8 << 30;
-
-type Job = Box<dyn FnOnce() + Send>;
 
 /// A primary context handle, shared between threads (the driver allows that).
 #[derive(Clone, Copy)]
@@ -62,7 +60,7 @@ fn check(code: CUresult, device: Device, what: &str) -> Result<()> {
 pub struct CudaDevice {
     ordinal: usize,
     context: Context,
-    stream: Mutex<Sender<Job>>,
+    stream: StreamThread,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -114,23 +112,13 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         )?;
     }
     let context = Context(ctx);
-    let (tx, rx) = mpsc::channel::<Job>();
-    std::thread::Builder::new()
-        .name(format!("tensorferry-cuda{ordinal}-stream"))
-        .spawn(move || {
-            let _ = context.make_current(name);
-            for job in rx {
-                job();
-            }
-        })
-        .map_err(|e| Error::DeviceUnavailable {
-            device: name.to_string(),
-            reason: format!("cannot start its stream thread: {e}"),
-        })?;
+    let stream = StreamThread::spawn(name, move || {
+        let _ = context.make_current(name);
+    })?;
     let d = Arc::new(CudaDevice {
         ordinal,
         context,
-        stream: Mutex::new(tx),
+        stream,
     });
     devices.insert(ordinal, d.clone());
     Ok(d)
@@ -250,15 +238,7 @@ impl Backend for CudaDevice {
             done.complete(result.map_err(|e| e.to_string()));
             drop(keep);
         });
-        let sent = self
-            .stream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send(job);
-        if let Err(unsent) = sent {
-            event.complete(Err("the stream thread has stopped".into()));
-            drop(unsent);
-        }
+        self.stream.queue(job, event);
     }
 }
 

@@ -8,12 +8,12 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use std::any::Any;
 
+use super::stream::{Job, StreamThread};
 use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -94,8 +94,6 @@ impl EmuConfig {
     }
 }
 
-type Job = Box<dyn FnOnce() + Send>;
-
 /// One emulated device: its memory accounting, its settings and its stream.
 pub struct EmulatedDevice {
     index: usize,
@@ -103,7 +101,7 @@ pub struct EmulatedDevice {
     used: Arc<AtomicUsize>,
     allocations: AtomicU64,
     copies: AtomicU64,
-    stream: Mutex<Sender<Job>>,
+    stream: StreamThread,
     pool: Arc<PinnedPool>,
 }
 
@@ -142,25 +140,14 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         Ok(text) => EmuConfig::parse(&text)?,
         Err(_) => EmuConfig::default(),
     };
-    let (tx, rx) = mpsc::channel::<Job>();
-    std::thread::Builder::new()
-        .name(format!("tensorferry-emu{index}-stream"))
-        .spawn(move || {
-            for job in rx {
-                job();
-            }
-        })
-        .map_err(|e| Error::DeviceUnavailable {
-            device: Device::Emulated(index).to_string(),
-            reason: format!("cannot start its stream thread: {e}"),
-        })?;
+    let stream = StreamThread::spawn(Device::Emulated(index), || {})?;
     let d = Arc::new(EmulatedDevice {
         index,
         config: Mutex::new(config),
         used: Arc::new(AtomicUsize::new(0)),
         allocations: AtomicU64::new(0),
         copies: AtomicU64::new(0),
-        stream: Mutex::new(tx),
+        stream,
         pool: PinnedPool::new(Box::new(PageableAllocator), PINNED_POOL_CAP),
     });
     devices.insert(index, d.clone());
@@ -290,16 +277,7 @@ impl Backend for EmulatedDevice {
             done.complete(result);
             drop(keep);
         });
-        let sent = self
-            .stream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send(job);
-        if let Err(unsent) = sent {
-            // The job (and what it keeps) is dropped here, after the event says why.
-            event.complete(Err("the stream thread has stopped".into()));
-            drop(unsent);
-        }
+        self.stream.queue(job, event);
     }
 }
 

@@ -14,6 +14,7 @@ pub mod cuda;
 pub mod cuda_device;
 pub mod emulated;
 pub mod event;
+pub mod stream;
 
 pub use event::Event;
 

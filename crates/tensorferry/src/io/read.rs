@@ -58,11 +58,7 @@ pub fn load(
 /// Loads the tree saved in the file at `path`.
 pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
     let path = path.as_ref();
-    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    let file_len = file
-        .metadata()
-        .map_err(|e| Error::io("stat", path, e))?
-        .len();
+    let (mut file, file_len) = open(path)?;
     let (header, storage, base) = if options.mmap {
         map_file(&file, path, file_len)?
     } else {
@@ -74,12 +70,18 @@ pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded>
 /// Reads and validates only the header of the file at `path` (cost proportional to it).
 pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
     let path = path.as_ref();
-    let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    let file_len = file
+    let (mut file, file_len) = open(path)?;
+    header_of(&mut file, path, file_len)
+}
+
+/// The file and its length.
+fn open(path: &Path) -> Result<(File, u64)> {
+    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let len = file
         .metadata()
         .map_err(|e| Error::io("stat", path, e))?
         .len();
-    header_of(&mut file, path, file_len)
+    Ok((file, len))
 }
 
 /// Reads and validates the header at the start of `file`, leaving the file positioned at
