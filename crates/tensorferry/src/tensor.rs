@@ -265,6 +265,8 @@ impl Tensor {
     /// Calls `f` on the bytes of the tensor in C order, as few runs as the layout allows.
     /// Fails with `DeviceUnavailable` when the tensor is not on the host.
     pub fn for_each_run(&self, f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+        // A copy into this memory may still be queued: wait, and report its failure as such.
+        self.storage.wait()?;
         if let Some(bytes) = self.contiguous_bytes() {
             let mut f = f;
             return f(bytes);
