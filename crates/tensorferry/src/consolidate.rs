@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::error::Result;
 use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
 use crate::storage::Storage;
-use crate::tensor::{contiguous_strides, Tensor};
+use crate::tensor::Tensor;
 use crate::tree::{Node, TensorDict};
 
 /// Contiguous sources are split into pieces of at most this many bytes, so that one huge
@@ -90,9 +90,7 @@ pub fn views<T: std::borrow::Borrow<Tensor>>(
         .zip(&layout.offsets)
         .map(|(t, &offset)| {
             let t = t.borrow();
-            let shape = t.shape().to_vec();
-            let strides = contiguous_strides(&shape);
-            Tensor::from_storage(storage.clone(), offset, t.dtype(), shape, strides)
+            Tensor::contiguous_view(storage.clone(), offset, t.dtype(), t.shape().to_vec())
         })
         .collect()
 }

@@ -145,6 +145,36 @@ impl Tensor {
         })
     }
 
+    /// A C-contiguous view of `storage` at byte `offset` (the results of a packed copy):
+    /// the cheap form of [`Tensor::from_storage`] for a layout known to be contiguous.
+    pub fn contiguous_view(
+        storage: Arc<Storage>,
+        offset: usize,
+        dtype: DType,
+        shape: Vec<usize>,
+    ) -> Result<Self> {
+        let nbytes = checked_numel(&shape).and_then(|n| n.checked_mul(dtype.size()));
+        match nbytes.and_then(|n| n.checked_add(offset)) {
+            Some(end) if end <= storage.len() || nbytes == Some(0) => {}
+            _ => {
+                return Err(Error::Layout {
+                    reason: format!(
+                        "{dtype} shape {shape:?} at offset {offset} leaves a storage of {} bytes",
+                        storage.len()
+                    ),
+                })
+            }
+        }
+        let strides = contiguous_strides(&shape);
+        Ok(Tensor {
+            storage,
+            offset,
+            dtype,
+            shape,
+            strides,
+        })
+    }
+
     /// A contiguous host tensor holding a copy of `bytes` (little-endian elements).
     pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Result<Self> {
         let expected = checked_numel(&shape)

@@ -14,7 +14,7 @@ use super::{tree_meta, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
-use crate::tensor::{contiguous_strides, Tensor};
+use crate::tensor::Tensor;
 use crate::tree::{Node, TensorDict};
 
 /// How to load.
@@ -139,8 +139,7 @@ fn build(header: Header, storage: Arc<Storage>, base: usize) -> Result<Loaded> {
     let recorded = metadata.remove(TREE_METADATA_KEY);
     let mut views = Vec::with_capacity(header.tensors.len());
     for e in header.tensors {
-        let strides = contiguous_strides(&e.shape);
-        let t = Tensor::from_storage(storage.clone(), base + e.begin, e.dtype, e.shape, strides)
+        let t = Tensor::contiguous_view(storage.clone(), base + e.begin, e.dtype, e.shape)
             .map_err(|err| Error::format_in(&e.name, err.to_string()))?;
         views.push((e.name, t));
     }
