@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use tensorferry::backend::cuda;
-use tensorferry::{Device, LoadOptions, Node, SaveOptions};
+use tensorferry::{Device, LoadOptions, SaveOptions};
 
 use errors::{guard, IntoPy};
 use tensor::PyTensor;
@@ -65,28 +65,6 @@ fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         }
     }
     Ok(d)
-}
-
-/// Packs host tensors into one 64-byte-aligned buffer (several threads, no GIL) and
-/// returns views of it, in order. The result shares no memory with the input.
-#[pyfunction]
-fn pack(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<Vec<PyTensor>> {
-    guard(|| {
-        let list = Node::List(
-            tensors
-                .iter()
-                .map(|t| Node::Tensor(t.get().inner.clone()))
-                .collect(),
-        );
-        let packed = py
-            .detach(|| tensorferry::consolidate_node(&list))
-            .py_err()?;
-        Ok(packed
-            .tensors()
-            .into_iter()
-            .map(|(_, t)| PyTensor::new(t.clone()))
-            .collect())
-    })
 }
 
 /// Moves tensors to `device` in one planned transfer (GIL released); see
@@ -257,7 +235,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ensure_device, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
-    m.add_function(wrap_pyfunction!(pack, m)?)?;
     m.add_function(wrap_pyfunction!(move_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(configure_emulated, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_pool_stats, m)?)?;

@@ -189,27 +189,6 @@ impl DType {
         DType::ALL.into_iter().find(|d| d.dlpack() == dl)
     }
 
-    /// The NumPy array-interface type string (`"<f4"`, `"|b1"`, …); bfloat16 and float8
-    /// have none in NumPy itself and give raw unsigned bits (`"<u2"`, `"|u1"`).
-    pub const fn numpy_typestr(self) -> &'static str {
-        match self {
-            DType::Bool => "|b1",
-            DType::U8 | DType::F8E4M3 | DType::F8E5M2 => "|u1",
-            DType::I8 => "|i1",
-            DType::U16 | DType::BF16 => "<u2",
-            DType::I16 => "<i2",
-            DType::U32 => "<u4",
-            DType::I32 => "<i4",
-            DType::U64 => "<u8",
-            DType::I64 => "<i8",
-            DType::F16 => "<f2",
-            DType::F32 => "<f4",
-            DType::F64 => "<f8",
-            DType::Complex64 => "<c8",
-            DType::Complex128 => "<c16",
-        }
-    }
-
     /// True for types NumPy holds natively (everything but bfloat16 and float8).
     pub const fn is_numpy_native(self) -> bool {
         !matches!(self, DType::BF16 | DType::F8E4M3 | DType::F8E5M2)

@@ -101,6 +101,11 @@ pub fn checked_numel(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |acc, &n| acc.checked_mul(n))
 }
 
+/// The bytes of a contiguous `dtype` tensor of `shape`, or `None` on overflow.
+pub fn checked_nbytes(dtype: DType, shape: &[usize]) -> Option<usize> {
+    checked_numel(shape)?.checked_mul(dtype.size())
+}
+
 impl Tensor {
     /// A view of `storage`: `offset` bytes in, with `shape` and element `strides`.
     /// Fails when any element would fall outside the storage.
@@ -153,7 +158,7 @@ impl Tensor {
         dtype: DType,
         shape: Vec<usize>,
     ) -> Result<Self> {
-        let nbytes = checked_numel(&shape).and_then(|n| n.checked_mul(dtype.size()));
+        let nbytes = checked_nbytes(dtype, &shape);
         match nbytes.and_then(|n| n.checked_add(offset)) {
             Some(end) if end <= storage.len() || nbytes == Some(0) => {}
             _ => {
@@ -177,11 +182,9 @@ impl Tensor {
 
     /// A contiguous host tensor holding a copy of `bytes` (little-endian elements).
     pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Result<Self> {
-        let expected = checked_numel(&shape)
-            .and_then(|n| n.checked_mul(dtype.size()))
-            .ok_or_else(|| Error::Layout {
-                reason: format!("shape {shape:?} overflows"),
-            })?;
+        let expected = checked_nbytes(dtype, &shape).ok_or_else(|| Error::Layout {
+            reason: format!("shape {shape:?} overflows"),
+        })?;
         if expected != bytes.len() {
             return Err(Error::Layout {
                 reason: format!(
@@ -191,8 +194,7 @@ impl Tensor {
             });
         }
         let storage = Arc::new(Storage::Owned(AlignedBuffer::copy_from(bytes)?));
-        let strides = contiguous_strides(&shape);
-        Tensor::from_storage(storage, 0, dtype, shape, strides)
+        Tensor::contiguous_view(storage, 0, dtype, shape)
     }
 
     /// A contiguous host tensor of the given elements and shape.
@@ -206,13 +208,11 @@ impl Tensor {
 
     /// A contiguous host tensor of zeros.
     pub fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
-        let len = checked_numel(shape)
-            .and_then(|n| n.checked_mul(dtype.size()))
-            .ok_or_else(|| Error::Layout {
-                reason: format!("shape {shape:?} overflows"),
-            })?;
+        let len = checked_nbytes(dtype, shape).ok_or_else(|| Error::Layout {
+            reason: format!("shape {shape:?} overflows"),
+        })?;
         let storage = Arc::new(Storage::Owned(AlignedBuffer::zeroed(len)?));
-        Tensor::from_storage(storage, 0, dtype, shape.to_vec(), contiguous_strides(shape))
+        Tensor::contiguous_view(storage, 0, dtype, shape.to_vec())
     }
 
     /// The element type.

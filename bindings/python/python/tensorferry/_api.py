@@ -15,10 +15,6 @@ _FRAMEWORKS_KEY = "tensorferry.frameworks"
 _RESERVED_PREFIX = "tensorferry"
 
 
-def _is_tensor(obj, path):
-    return fw.kind_of(obj) is not None
-
-
 def _move(leaves, target, copy, non_blocking=False, pinned=False):
     """Moves ``[(path, leaf)]`` to ``target``; returns ``{id(leaf): result}``.
 

@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::checked_numel;
+use crate::tensor::checked_nbytes;
 
 /// Largest header accepted, in bytes (as the official implementation).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -169,8 +169,7 @@ fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {
             format!("data_offsets [{begin}, {end}] are reversed"),
         ));
     }
-    let expected = checked_numel(&shape)
-        .and_then(|n| n.checked_mul(dtype.size()))
+    let expected = checked_nbytes(dtype, &shape)
         .ok_or_else(|| Error::format_in(&name, format!("shape {shape:?} overflows")))?;
     if expected != end - begin {
         return Err(Error::format_in(
