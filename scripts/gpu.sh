@@ -9,6 +9,12 @@ out="bench/results/$(date -u +%Y-%m-%d)-gpu.txt"
   echo "# $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
   echo '$ bash scripts/test.sh'; bash scripts/test.sh
+  # The engine suite on the real driver, a missing GPU being a failure; both copy paths.
+  for path in auto per-copy; do
+    echo "\$ TENSORFERRY_EXPECT_CUDA=1 TENSORFERRY_CUDA_COPY=$path cargo test -p tensorferry --test engine"
+    TENSORFERRY_EXPECT_CUDA=1 TENSORFERRY_CUDA_COPY=$path cargo test -q -p tensorferry --test engine
+  done
+  ./target/debug/tensorferry info
   cargo build -q --release -p tensorferry-cli
   for p in gpt2 tiny-20k; do
     echo "\$ tensorferry bench --preset $p --device cuda:0"

@@ -17,7 +17,10 @@ pub fn run() -> tensorferry::Result<()> {
         } => {
             println!("cuda: driver {}", cuda::version_string(*driver_version));
             for (i, name) in gpus.iter().enumerate() {
-                println!("  cuda:{i}: {name}");
+                match tensorferry::backend::cuda_device::device(i) {
+                    Ok(d) => println!("  cuda:{i}: {name}; copies: {}", d.copy_path()),
+                    Err(e) => println!("  cuda:{i}: {name}; unusable: {e}"),
+                }
             }
         }
         CudaStatus::Unavailable { reason } => println!("cuda: unavailable: {reason}"),

@@ -1,6 +1,8 @@
 //! The transfer engine's suite: one body per behaviour, run on every available device
-//! (candle's `test_device!` pattern): `cpu` and `emu` everywhere, `cuda` when a GPU is
-//! present (and the engine supports it; until then those variants report why they skip).
+//! (candle's `test_device!` pattern): `cpu` and `emu` everywhere, `cuda` when a driver is
+//! present — a real GPU, or the fake driver of `crates/fake-cuda` that `scripts/test.sh`
+//! runs this suite against. Without one the `cuda` variants say why they skip, unless
+//! `TENSORFERRY_EXPECT_CUDA=1`, which makes a missing driver a failure.
 
 use std::sync::{Arc, Mutex};
 
@@ -21,14 +23,28 @@ macro_rules! test_device {
             }
             #[test]
             fn cuda() {
-                if let Err(e) = Device::Cuda(0).ensure_available() {
-                    eprintln!("skipped: {e}");
+                if cuda_missing() {
                     return;
                 }
                 $body(Device::Cuda(0));
             }
         }
     };
+}
+
+/// True (after saying why) when no CUDA driver is present; panics instead when
+/// `TENSORFERRY_EXPECT_CUDA=1`, so that a run meant for a GPU cannot pass by skipping.
+fn cuda_missing() -> bool {
+    match Device::Cuda(0).ensure_available() {
+        Ok(()) => false,
+        Err(e) if std::env::var("TENSORFERRY_EXPECT_CUDA").as_deref() == Ok("1") => {
+            panic!("TENSORFERRY_EXPECT_CUDA=1 but {e}")
+        }
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            true
+        }
+    }
 }
 
 fn sample() -> TensorDict {
@@ -122,6 +138,128 @@ fn non_blocking_results_read_correctly(dev: Device) {
     assert!(back.is_ready());
 }
 test_device!(non_blocking, non_blocking_results_read_correctly);
+
+fn many_tensors(count: usize) -> TensorDict {
+    let mut d = TensorDict::new();
+    for i in 0..count {
+        let n = 1 + (i * 37) % 300;
+        let data: Vec<f32> = (0..n * 2).map(|x| (x + i) as f32).collect();
+        let t = Tensor::from_slice(&data, &[n, 2]).unwrap();
+        // Every third tensor strided: several runs per tensor.
+        let t = if i % 3 == 0 {
+            t.transpose(0, 1).unwrap()
+        } else {
+            t
+        };
+        d.insert(format!("t{i}"), t);
+    }
+    d
+}
+
+fn many_tensors_keep_their_values_both_ways(dev: Device) {
+    let d = many_tensors(500);
+    let opts = MoveOptions {
+        copy: true,
+        non_blocking: true,
+        ..Default::default()
+    };
+    let there = d.to_with(dev, opts).unwrap();
+    let back = there.to_with(Device::Cpu, opts).unwrap();
+    assert_eq!(host_values(&back), host_values(&d));
+}
+test_device!(many_tensors_move, many_tensors_keep_their_values_both_ways);
+
+fn asking_too_much_is_out_of_memory_with_the_numbers(dev: Device) {
+    if dev.is_host() {
+        return; // host memory has no device backend
+    }
+    let backend = tensorferry::backend::backend_for(dev).unwrap();
+    let asked = 1usize << 50;
+    match backend.alloc(asked) {
+        Err(Error::OutOfMemory {
+            requested, total, ..
+        }) => {
+            assert_eq!(requested, asked);
+            assert!(total > 0 && total < asked);
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    // Nothing was lost: an ordinary move still works.
+    let back = sample()
+        .to(dev, false)
+        .unwrap()
+        .to(Device::Cpu, false)
+        .unwrap();
+    assert_eq!(host_values(&back), host_values(&sample()));
+}
+test_device!(
+    out_of_memory,
+    asking_too_much_is_out_of_memory_with_the_numbers
+);
+
+fn a_repeated_pinned_transfer_pins_nothing_new(dev: Device) {
+    if dev.is_host() {
+        return; // pinned results come from a device's pool
+    }
+    let pool = tensorferry::backend::backend_for(dev)
+        .unwrap()
+        .pinned_pool()
+        .unwrap();
+    let opts = MoveOptions {
+        pinned: true,
+        ..Default::default()
+    };
+    let there = many_tensors(64).to(dev, false).unwrap();
+    drop(there.to_with(Device::Cpu, opts).unwrap());
+    let before = pool.stats();
+    let again = there.to_with(Device::Cpu, opts).unwrap();
+    assert_eq!(host_values(&again), host_values(&many_tensors(64)));
+    let after = pool.stats();
+    assert_eq!(after.misses, before.misses, "nothing new pinned");
+    assert_eq!(after.pinned_bytes, before.pinned_bytes);
+    assert!(after.hits > before.hits);
+}
+test_device!(
+    pinned_pool_reuse,
+    a_repeated_pinned_transfer_pins_nothing_new
+);
+
+fn a_mixed_dictionary_comes_home_whole(dev: Device) {
+    let mut d = sample();
+    let on_device = many_tensors(5).to(dev, false).unwrap();
+    let on_emu = many_tensors(3).to(Device::Emulated(0), false).unwrap();
+    d.insert("dev", on_device);
+    d.insert("emu", on_emu);
+    let home = d.to(Device::Cpu, false).unwrap();
+    assert_eq!(home.device(), Some(Device::Cpu));
+    let mut expected = sample();
+    expected.insert("dev", many_tensors(5));
+    expected.insert("emu", many_tensors(3));
+    assert_eq!(host_values(&home), host_values(&expected));
+}
+test_device!(mixed_devices, a_mixed_dictionary_comes_home_whole);
+
+#[test]
+fn cuda_batches_use_the_batched_copy_where_the_driver_has_it() {
+    use tensorferry::backend::cuda::{status, CudaStatus};
+    use tensorferry::backend::cuda_copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
+    if cuda_missing() || std::env::var(COPY_PATH_VAR).is_ok_and(|v| v != "auto") {
+        return;
+    }
+    let CudaStatus::Available { driver_version, .. } = status() else {
+        unreachable!("cuda is available")
+    };
+    let dev = tensorferry::backend::cuda_device::device(0).unwrap();
+    let expected = if *driver_version >= BATCHED_COPY_DRIVER {
+        CopyPath::Batched
+    } else {
+        CopyPath::PerCopy
+    };
+    assert_eq!(dev.copy_path(), expected, "driver {driver_version}");
+    // A many-tensor batch keeps the path (no fallback happened).
+    many_tensors_keep_their_values_both_ways(Device::Cuda(0));
+    assert_eq!(dev.copy_path(), expected);
+}
 
 // Fault injection and timing on emu:1, one test at a time (its settings are global).
 static EMU1: Mutex<()> = Mutex::new(());

@@ -2,22 +2,28 @@
 //! layer, loaded at run time), in each GPU's primary context so that pointers from
 //! PyTorch, JAX and CuPy in the same process are valid here.
 //!
-//! This first version runs each batch on a worker thread with the driver's synchronous
-//! copies (ordered after the legacy default stream, which DLPack producers synchronise
-//! with when no stream is passed). Pinned staging, asynchronous streams and batched
-//! copies (`cuMemcpyBatchAsync`) are the next steps. NOTE: written and compiled without a
-//! GPU; it has not run on one yet.
+//! Each GPU has one CUDA stream of its own, created *blocking* (flags 0) so that it runs
+//! after work on the legacy default stream, which DLPack producers synchronise with when no
+//! stream is passed. A worker thread per GPU takes batches in order: it waits for the
+//! host-side events the batch depends on, queues every copy of the batch on the stream
+//! without waiting in between ([`super::cuda_copy`]: one `cuMemcpyBatchAsync` where the
+//! driver has it, else one `cuMemcpy*Async` per copy), synchronises the stream once, and
+//! completes the batch's event.
+//!
+//! NOTE: exercised in CI against the fake driver in `crates/fake-cuda` (which checks
+//! contexts, address ranges and stream order); it has not run on a real GPU yet.
 
 use std::any::Any;
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cuda::{status, CudaStatus};
+use super::cuda_copy::{CopyPath, CopyQueue};
+use super::cuda_pinned::CudaPinnedAllocator;
 use super::stream::{Job, StreamThread};
-use super::{Backend, CopyBatch, DeviceMemory, Direction, Event};
+use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::PinnedPool;
@@ -27,7 +33,7 @@ const PINNED_POOL_CAP: usize = 8 << 30;
 
 /// A primary context handle, shared between threads (the driver allows that).
 #[derive(Clone, Copy)]
-struct Context(sys::CUcontext);
+pub(crate) struct Context(sys::CUcontext);
 // SAFETY: a CUDA context handle may be made current on any thread; it is never freed
 // while the process runs (the primary context is retained once and kept).
 unsafe impl Send for Context {}
@@ -35,7 +41,8 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
-    fn make_current(self, device: Device) -> Result<()> {
+    /// Makes the context current on the calling thread.
+    pub(crate) fn make_current(self, device: Device) -> Result<()> {
         // SAFETY: the handle came from `cuDevicePrimaryCtxRetain` and stays retained.
         check(
             unsafe { sys::cuCtxSetCurrent(self.0) },
@@ -45,7 +52,8 @@ impl Context {
     }
 }
 
-fn check(code: CUresult, device: Device, what: &str) -> Result<()> {
+/// Turns a driver result into ours, naming the call that failed.
+pub(crate) fn check(code: CUresult, device: Device, what: &str) -> Result<()> {
     if code == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -59,7 +67,8 @@ fn check(code: CUresult, device: Device, what: &str) -> Result<()> {
 /// One GPU: its primary context and the thread that runs its batches in order.
 pub struct CudaDevice {
     ordinal: usize,
-    context: Context,
+    pub(crate) context: Context,
+    queue: Arc<CopyQueue>,
     stream: StreamThread,
 }
 
@@ -112,12 +121,15 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         )?;
     }
     let context = Context(ctx);
+    context.make_current(name)?;
+    let queue = Arc::new(CopyQueue::new(name, driver_version_of(status()))?);
     let stream = StreamThread::spawn(name, move || {
         let _ = context.make_current(name);
     })?;
     let d = Arc::new(CudaDevice {
         ordinal,
         context,
+        queue,
         stream,
     });
     devices.insert(ordinal, d.clone());
@@ -202,111 +214,39 @@ impl Backend for CudaDevice {
     unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
         let done = event.clone();
         let name = Backend::device(self);
+        let queue = self.queue.clone();
         let job: Job = Box::new(move || {
             let batch = batch; // the whole batch (it is `Send`), not its fields
             let result = (|| -> Result<()> {
                 for e in &batch.waits {
                     e.wait(&name.to_string())?;
                 }
-                for op in &batch.ops {
-                    // SAFETY: `submit`'s contract: the addresses are valid for `len` bytes in
-                    // the memories the direction names until the event completes, and the
-                    // stream thread has the device's primary context current.
-                    let code = unsafe {
-                        match batch.direction {
-                            Direction::HostToDevice => sys::cuMemcpyHtoD_v2(
-                                op.dst as sys::CUdeviceptr,
-                                op.src as *const c_void,
-                                op.len,
-                            ),
-                            Direction::DeviceToHost => sys::cuMemcpyDtoH_v2(
-                                op.dst as *mut c_void,
-                                op.src as sys::CUdeviceptr,
-                                op.len,
-                            ),
-                            Direction::DeviceToDevice => sys::cuMemcpyDtoD_v2(
-                                op.dst as sys::CUdeviceptr,
-                                op.src as sys::CUdeviceptr,
-                                op.len,
-                            ),
-                        }
-                    };
-                    check(code, name, "cuMemcpy")?;
-                }
-                Ok(())
+                // SAFETY: `submit`'s contract: the addresses are valid for `len` bytes in
+                // the memories the direction names until the event completes, which is
+                // after `run` has synchronised the stream; this thread has the device's
+                // primary context current.
+                unsafe { queue.run(&batch) }
             })();
-            done.complete(result.map_err(|e| e.to_string()));
+            // What the batch held goes first (buffers back to their pool), so that anyone
+            // woken by the event finds the pool as the batch left it.
             drop(keep);
+            done.complete(result.map_err(|e| e.to_string()));
         });
         self.stream.queue(job, event);
     }
 }
 
-/// Pins host memory with `cuMemHostAlloc(PORTABLE)` — never write-combined, which would
-/// make CPU reads slow — for the pinned pool. Like the rest of this module it has not run
-/// on a GPU yet.
-pub struct CudaPinnedAllocator {
-    device: Arc<CudaDevice>,
-}
-
-impl CudaPinnedAllocator {
-    /// An allocator pinning through `cuda:ordinal`'s primary context (usable by every GPU).
-    pub fn new(ordinal: usize) -> Result<CudaPinnedAllocator> {
-        Ok(CudaPinnedAllocator {
-            device: device(ordinal)?,
-        })
+impl CudaDevice {
+    /// How this GPU's batches are queued: batched where the driver allows it.
+    pub fn copy_path(&self) -> CopyPath {
+        self.queue.path()
     }
 }
 
-/// Memory from `cuMemHostAlloc`, freed with `cuMemFreeHost`.
-struct PinnedRelease {
-    ptr: *mut c_void,
-    context: Context,
-    device: Device,
-}
-
-// SAFETY: the pointer only names the pinned block this value frees once.
-unsafe impl Send for PinnedRelease {}
-// SAFETY: see `Send`.
-unsafe impl Sync for PinnedRelease {}
-
-impl Drop for PinnedRelease {
-    fn drop(&mut self) {
-        if self.context.make_current(self.device).is_ok() {
-            // SAFETY: `ptr` came from `cuMemHostAlloc` and is freed once, after the pool
-            // has given the block up.
-            unsafe {
-                sys::cuMemFreeHost(self.ptr);
-            }
-        }
-    }
-}
-
-impl crate::memory::PinnedAllocator for CudaPinnedAllocator {
-    fn alloc(&self, len: usize) -> Result<crate::memory::pinned::HostBlock> {
-        let name = Backend::device(&*self.device);
-        self.device.context.make_current(name)?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: the context is current; `ptr` is a live out pointer.
-        let code = unsafe { sys::cuMemHostAlloc(&mut ptr, len, sys::CU_MEMHOSTALLOC_PORTABLE) };
-        if code == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-            return Err(Error::OutOfMemory {
-                device: "cpu (pinned)".into(),
-                requested: len,
-                free: 0,
-                total: 0,
-            });
-        }
-        check(code, name, "cuMemHostAlloc")?;
-        Ok(crate::memory::pinned::HostBlock {
-            ptr: ptr as *mut u8,
-            len,
-            release: Box::new(PinnedRelease {
-                ptr,
-                context: self.device.context,
-                device: name,
-            }),
-        })
+fn driver_version_of(s: &CudaStatus) -> i32 {
+    match s {
+        CudaStatus::Available { driver_version, .. } => *driver_version,
+        CudaStatus::Unavailable { .. } => 0,
     }
 }
 

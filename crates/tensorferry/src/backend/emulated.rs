@@ -274,8 +274,10 @@ impl Backend for EmulatedDevice {
                 }
                 Ok(())
             })();
-            done.complete(result);
+            // What the batch held goes first (buffers back to their pool), so that anyone
+            // woken by the event finds the pool as the batch left it.
             drop(keep);
+            done.complete(result);
         });
         self.stream.queue(job, event);
     }

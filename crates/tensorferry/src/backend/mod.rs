@@ -11,7 +11,9 @@ use crate::device::Device;
 use crate::error::Result;
 
 pub mod cuda;
+pub mod cuda_copy;
 pub mod cuda_device;
+pub mod cuda_pinned;
 pub mod emulated;
 pub mod event;
 pub mod stream;
@@ -76,7 +78,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// Queues `batch` on the device's stream after everything queued before it (and after
     /// its `waits`), completing `event` when every copy is done, or with the error of the
-    /// first failure. `keep` is held until then and dropped afterwards.
+    /// first failure. `keep` is held until the copies are done, and dropped before `event`
+    /// completes.
     ///
     /// # Safety
     /// Every op's `src` must be readable and `dst` writable for `len` bytes, in the

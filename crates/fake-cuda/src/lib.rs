@@ -1,0 +1,811 @@
+//! A fake CUDA driver: the subset of `libcuda`'s driver API that tensorferry calls,
+//! implemented on host memory, so that the CUDA backend's code runs in CI on machines
+//! without a GPU.
+//!
+//! It is stricter than a real driver where that finds bugs, and no faster:
+//! - calls before `cuInit`, or without a current context, fail as the driver's do;
+//! - every device range a copy names must lie inside one live `cuMemAlloc` allocation, and
+//!   no host range may overlap device memory — checked when the copy is queued *and* when
+//!   it runs, so memory freed while a copy is still queued is caught (as a sticky
+//!   `CUDA_ERROR_ILLEGAL_ADDRESS` that fails every later call, like a real fault);
+//! - asynchronous copies run later, on a thread per stream, after a delay
+//!   (`TF_FAKE_CUDA_DELAY_US`, default 20 µs per copy): reading a destination before
+//!   synchronising reads stale bytes, as on a GPU;
+//! - `cuMemcpyBatchAsync` exists only when the configured driver version is 12.8 or newer;
+//!   calling it on an older "driver" is fatal (sticky error), as a missing entry point is.
+//!
+//! Configuration, read once: `TF_FAKE_CUDA_DEVICES` (default 1), `TF_FAKE_CUDA_VERSION`
+//! (default 12080), `TF_FAKE_CUDA_CAPACITY` (bytes per device, default 1 GiB),
+//! `TF_FAKE_CUDA_DELAY_US`.
+//!
+//! Not a model of performance, of the legacy default stream's implicit synchronisation
+//! beyond "the null stream runs copies at once", or of anything tensorferry does not call.
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+type CUresult = c_uint;
+const SUCCESS: CUresult = 0;
+const INVALID_VALUE: CUresult = 1;
+const OUT_OF_MEMORY: CUresult = 2;
+const NOT_INITIALIZED: CUresult = 3;
+const INVALID_DEVICE: CUresult = 101;
+const INVALID_CONTEXT: CUresult = 201;
+const INVALID_HANDLE: CUresult = 400;
+const NOT_READY: CUresult = 600;
+const ILLEGAL_ADDRESS: CUresult = 700;
+
+/// Device allocations are aligned like the driver's.
+const DEVICE_ALIGNMENT: usize = 256;
+
+struct Config {
+    devices: usize,
+    version: c_int,
+    capacity: usize,
+    delay: Duration,
+}
+
+fn config() -> &'static Config {
+    static C: OnceLock<Config> = OnceLock::new();
+    C.get_or_init(|| {
+        let var = |k: &str, d: u64| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d)
+        };
+        Config {
+            devices: var("TF_FAKE_CUDA_DEVICES", 1) as usize,
+            version: var("TF_FAKE_CUDA_VERSION", 12080) as c_int,
+            capacity: var("TF_FAKE_CUDA_CAPACITY", 1 << 30) as usize,
+            delay: Duration::from_micros(var("TF_FAKE_CUDA_DELAY_US", 20)),
+        }
+    })
+}
+
+struct DeviceAlloc {
+    len: usize,
+    device: usize,
+    _backing: Vec<u8>,
+}
+
+#[derive(Default)]
+struct State {
+    initialised: bool,
+    /// Live device allocations by start address.
+    device: BTreeMap<usize, DeviceAlloc>,
+    used: BTreeMap<usize, usize>,
+    /// Pinned host memory: from `cuMemHostAlloc` (owned) or registered.
+    pinned: BTreeMap<usize, (usize, Option<Vec<u8>>)>,
+    streams: HashSet<usize>,
+    sticky: Option<CUresult>,
+}
+
+fn state() -> MutexGuard<'static, State> {
+    static S: OnceLock<Mutex<State>> = OnceLock::new();
+    S.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+thread_local! {
+    /// The current context: device ordinal + 1, or 0 for none.
+    static CURRENT: Cell<usize> = const { Cell::new(0) };
+}
+
+fn context_handle(ordinal: usize) -> *mut c_void {
+    (0x1000 * (ordinal + 1)) as *mut c_void
+}
+
+/// The checks every call starts with: the sticky error, `cuInit`, and (when `needs_ctx`)
+/// a current context, whose device ordinal is returned.
+fn enter(s: &State, needs_ctx: bool) -> Result<usize, CUresult> {
+    if let Some(e) = s.sticky {
+        return Err(e);
+    }
+    if !s.initialised {
+        return Err(NOT_INITIALIZED);
+    }
+    let current = CURRENT.with(Cell::get);
+    if needs_ctx && current == 0 {
+        return Err(INVALID_CONTEXT);
+    }
+    Ok(current.saturating_sub(1))
+}
+
+macro_rules! try_cu {
+    ($e:expr) => {
+        match $e {
+            Ok(v) => v,
+            Err(code) => return code,
+        }
+    };
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Side {
+    Device,
+    Host,
+    /// Either (batched copies infer it from the address).
+    Any,
+}
+
+/// Checks that `[addr, addr + len)` is inside one live allocation (device side), or
+/// overlaps no device memory (host side).
+fn check_range(s: &State, addr: usize, len: usize, side: Side) -> Result<(), CUresult> {
+    if len == 0 {
+        return Ok(());
+    }
+    let end = addr.checked_add(len).ok_or(INVALID_VALUE)?;
+    let containing = s
+        .device
+        .range(..=addr)
+        .next_back()
+        .filter(|(&start, a)| addr < start + a.len.max(1));
+    let overlaps_device = containing.is_some() || s.device.range(addr..end).next().is_some();
+    match (side, containing) {
+        (Side::Device, Some((&start, a))) | (Side::Any, Some((&start, a))) => {
+            if end <= start + a.len {
+                Ok(())
+            } else {
+                Err(INVALID_VALUE)
+            }
+        }
+        (Side::Device, None) => Err(INVALID_VALUE),
+        (Side::Host, _) | (Side::Any, None) => {
+            if overlaps_device {
+                Err(INVALID_VALUE)
+            } else {
+                Ok(())
+            }
+        }
+    }
+}
+
+/// One copy, checked against the state, then done.
+///
+/// # Safety
+/// Host ranges must be valid memory of the calling process (the driver's contract).
+unsafe fn copy_now(
+    s: &State,
+    dst: usize,
+    dst_side: Side,
+    src: usize,
+    src_side: Side,
+    len: usize,
+) -> Result<(), CUresult> {
+    check_range(s, src, len, src_side)?;
+    check_range(s, dst, len, dst_side)?;
+    if len > 0 {
+        // SAFETY: device ranges were checked to lie inside live allocations this library
+        // owns; host ranges are the caller's, valid by the driver API's contract.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- events and streams
+
+#[derive(Default)]
+struct Event {
+    /// (generation recorded, generation completed)
+    gens: Mutex<(u64, u64)>,
+    cv: Condvar,
+}
+
+impl Event {
+    fn complete(&self, generation: u64) {
+        let mut g = self.gens.lock().unwrap_or_else(|p| p.into_inner());
+        g.1 = g.1.max(generation);
+        self.cv.notify_all();
+    }
+
+    fn wait_for(&self, generation: u64) {
+        let mut g = self.gens.lock().unwrap_or_else(|p| p.into_inner());
+        while g.1 < generation {
+            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+enum Op {
+    Copy {
+        dst: usize,
+        dst_side: Side,
+        src: usize,
+        src_side: Side,
+        len: usize,
+    },
+    Record(Arc<Event>, u64),
+    Wait(Arc<Event>, u64),
+}
+
+struct Stream {
+    ops: Mutex<Sender<Op>>,
+}
+
+impl Stream {
+    fn spawn() -> Stream {
+        let (tx, rx) = channel::<Op>();
+        std::thread::spawn(move || {
+            for op in rx {
+                match op {
+                    Op::Copy {
+                        dst,
+                        dst_side,
+                        src,
+                        src_side,
+                        len,
+                    } => {
+                        std::thread::sleep(config().delay);
+                        let mut s = state();
+                        if s.sticky.is_none() {
+                            // SAFETY: host ranges are valid until the stream passes this
+                            // copy (the caller's contract for asynchronous copies).
+                            if unsafe { copy_now(&s, dst, dst_side, src, src_side, len) }.is_err() {
+                                s.sticky = Some(ILLEGAL_ADDRESS);
+                            }
+                        }
+                    }
+                    Op::Record(e, g) => e.complete(g),
+                    Op::Wait(e, g) => e.wait_for(g),
+                }
+            }
+        });
+        Stream {
+            ops: Mutex::new(tx),
+        }
+    }
+
+    fn push(&self, op: Op) {
+        let _ = self.ops.lock().unwrap_or_else(|p| p.into_inner()).send(op);
+    }
+
+    fn synchronize(&self) {
+        let e = Arc::new(Event::default());
+        self.push(Op::Record(e.clone(), 1));
+        e.wait_for(1);
+    }
+}
+
+/// The stream behind a handle, if it is one of ours (null is the legacy stream: `None`).
+fn stream_of(s: &State, handle: *mut c_void) -> Result<Option<&'static Stream>, CUresult> {
+    if handle.is_null() {
+        return Ok(None);
+    }
+    if !s.streams.contains(&(handle as usize)) {
+        return Err(INVALID_HANDLE);
+    }
+    // SAFETY: the handle is in the registry: it came from `Box::into_raw` in
+    // `cuStreamCreate` and has not been destroyed (destroying removes it first).
+    Ok(Some(unsafe { &*(handle as *const Stream) }))
+}
+
+/// Queues a copy on `stream` (checked now and again when it runs), or runs it at once on
+/// the null stream.
+unsafe fn copy_async(
+    dst: usize,
+    dst_side: Side,
+    src: usize,
+    src_side: Side,
+    len: usize,
+    stream: *mut c_void,
+) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, true));
+    try_cu!(check_range(&s, src, len, src_side));
+    try_cu!(check_range(&s, dst, len, dst_side));
+    match try_cu!(stream_of(&s, stream)) {
+        None => {
+            // SAFETY: forwarded contract of the driver API.
+            try_cu!(unsafe { copy_now(&s, dst, dst_side, src, src_side, len) });
+        }
+        Some(st) => st.push(Op::Copy {
+            dst,
+            dst_side,
+            src,
+            src_side,
+            len,
+        }),
+    }
+    SUCCESS
+}
+
+// ---------------------------------------------------------------- the exported API
+
+#[no_mangle]
+pub extern "C" fn cuInit(_flags: c_uint) -> CUresult {
+    state().initialised = true;
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CUresult {
+    // SAFETY: the caller passes a valid out pointer (driver API contract).
+    unsafe { *v = config().version };
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CUresult {
+    try_cu!(enter(&state(), false));
+    // SAFETY: valid out pointer (driver API contract).
+    unsafe { *n = config().devices as c_int };
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGet(dev: *mut c_int, ordinal: c_int) -> CUresult {
+    try_cu!(enter(&state(), false));
+    if ordinal < 0 || ordinal as usize >= config().devices {
+        return INVALID_DEVICE;
+    }
+    // SAFETY: valid out pointer (driver API contract).
+    unsafe { *dev = ordinal };
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: c_int) -> CUresult {
+    try_cu!(enter(&state(), false));
+    if dev < 0 || dev as usize >= config().devices {
+        return INVALID_DEVICE;
+    }
+    let text = format!("tensorferry fake CUDA device {dev}\0");
+    let n = text.len().min(len.max(0) as usize);
+    // SAFETY: `name` holds `len` bytes (driver API contract); at most that many are written.
+    unsafe { std::ptr::copy_nonoverlapping(text.as_ptr() as *const c_char, name, n) };
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, dev: c_int) -> CUresult {
+    try_cu!(enter(&state(), false));
+    if dev < 0 || dev as usize >= config().devices {
+        return INVALID_DEVICE;
+    }
+    // SAFETY: valid out pointer (driver API contract).
+    unsafe { *ctx = context_handle(dev as usize) };
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxSetCurrent(ctx: *mut c_void) -> CUresult {
+    try_cu!(enter(&state(), false));
+    if ctx.is_null() {
+        CURRENT.with(|c| c.set(0));
+        return SUCCESS;
+    }
+    match (0..config().devices).find(|&d| context_handle(d) == ctx) {
+        Some(d) => {
+            CURRENT.with(|c| c.set(d + 1));
+            SUCCESS
+        }
+        None => INVALID_CONTEXT,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, len: usize) -> CUresult {
+    let mut s = state();
+    let dev = try_cu!(enter(&s, true));
+    if len == 0 {
+        return INVALID_VALUE;
+    }
+    let used = s.used.get(&dev).copied().unwrap_or(0);
+    if len > config().capacity.saturating_sub(used) {
+        return OUT_OF_MEMORY;
+    }
+    let backing = vec![0xA5u8; len + DEVICE_ALIGNMENT];
+    let address = (backing.as_ptr() as usize).next_multiple_of(DEVICE_ALIGNMENT);
+    s.device.insert(
+        address,
+        DeviceAlloc {
+            len,
+            device: dev,
+            _backing: backing,
+        },
+    );
+    *s.used.entry(dev).or_default() += len;
+    // SAFETY: valid out pointer (driver API contract).
+    unsafe { *out = address as u64 };
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFree_v2(address: u64) -> CUresult {
+    let mut s = state();
+    try_cu!(enter(&s, false));
+    match s.device.remove(&(address as usize)) {
+        Some(a) => {
+            *s.used.entry(a.device).or_default() -= a.len;
+            SUCCESS
+        }
+        None => INVALID_VALUE,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    let s = state();
+    let dev = try_cu!(enter(&s, true));
+    let used = s.used.get(&dev).copied().unwrap_or(0);
+    // SAFETY: valid out pointers (driver API contract).
+    unsafe {
+        *free = config().capacity - used;
+        *total = config().capacity;
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostAlloc(
+    out: *mut *mut c_void,
+    len: usize,
+    _flags: c_uint,
+) -> CUresult {
+    let mut s = state();
+    try_cu!(enter(&s, true));
+    let mut backing = vec![0u8; len.max(1)];
+    let ptr = backing.as_mut_ptr();
+    s.pinned.insert(ptr as usize, (len, Some(backing)));
+    // SAFETY: valid out pointer (driver API contract).
+    unsafe { *out = ptr as *mut c_void };
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFreeHost(ptr: *mut c_void) -> CUresult {
+    let mut s = state();
+    try_cu!(enter(&s, false));
+    match s.pinned.get(&(ptr as usize)) {
+        Some((_, Some(_))) => {
+            s.pinned.remove(&(ptr as usize));
+            SUCCESS
+        }
+        _ => INVALID_VALUE,
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemHostRegister_v2(ptr: *mut c_void, len: usize, _flags: c_uint) -> CUresult {
+    let mut s = state();
+    try_cu!(enter(&s, true));
+    if len == 0 || check_range(&s, ptr as usize, len, Side::Host).is_err() {
+        return INVALID_VALUE;
+    }
+    s.pinned.insert(ptr as usize, (len, None));
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemHostUnregister(ptr: *mut c_void) -> CUresult {
+    let mut s = state();
+    try_cu!(enter(&s, false));
+    match s.pinned.get(&(ptr as usize)) {
+        Some((_, None)) => {
+            s.pinned.remove(&(ptr as usize));
+            SUCCESS
+        }
+        _ => INVALID_VALUE,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, true));
+    // SAFETY: forwarded contract of the driver API.
+    try_cu!(unsafe {
+        copy_now(
+            &s,
+            dst as usize,
+            Side::Device,
+            src as usize,
+            Side::Host,
+            len,
+        )
+    });
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, true));
+    // SAFETY: forwarded contract of the driver API.
+    try_cu!(unsafe {
+        copy_now(
+            &s,
+            dst as usize,
+            Side::Host,
+            src as usize,
+            Side::Device,
+            len,
+        )
+    });
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, len: usize) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, true));
+    // SAFETY: forwarded contract of the driver API.
+    try_cu!(unsafe {
+        copy_now(
+            &s,
+            dst as usize,
+            Side::Device,
+            src as usize,
+            Side::Device,
+            len,
+        )
+    });
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
+    dst: u64,
+    src: *const c_void,
+    len: usize,
+    stream: *mut c_void,
+) -> CUresult {
+    // SAFETY: forwarded contract of the driver API.
+    unsafe {
+        copy_async(
+            dst as usize,
+            Side::Device,
+            src as usize,
+            Side::Host,
+            len,
+            stream,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
+    dst: *mut c_void,
+    src: u64,
+    len: usize,
+    stream: *mut c_void,
+) -> CUresult {
+    // SAFETY: forwarded contract of the driver API.
+    unsafe {
+        copy_async(
+            dst as usize,
+            Side::Host,
+            src as usize,
+            Side::Device,
+            len,
+            stream,
+        )
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(
+    dst: u64,
+    src: u64,
+    len: usize,
+    stream: *mut c_void,
+) -> CUresult {
+    // SAFETY: forwarded contract of the driver API.
+    unsafe {
+        copy_async(
+            dst as usize,
+            Side::Device,
+            src as usize,
+            Side::Device,
+            len,
+            stream,
+        )
+    }
+}
+
+/// `CUmemcpyAttributes` as CUDA 12.8 lays it out.
+#[repr(C)]
+pub struct MemcpyAttributes {
+    src_access_order: c_uint,
+    src_loc: [c_int; 2],
+    dst_loc: [c_int; 2],
+    flags: c_uint,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyBatchAsync(
+    dsts: *mut u64,
+    srcs: *mut u64,
+    sizes: *mut usize,
+    count: usize,
+    attrs: *mut MemcpyAttributes,
+    attr_idxs: *mut usize,
+    num_attrs: usize,
+    fail_idx: *mut usize,
+    stream: *mut c_void,
+) -> CUresult {
+    let mut s = state();
+    try_cu!(enter(&s, true));
+    if config().version < 12080 {
+        // A driver older than 12.8 has no such entry point: calling it is fatal.
+        s.sticky = Some(ILLEGAL_ADDRESS);
+        return ILLEGAL_ADDRESS;
+    }
+    if count == 0 || num_attrs == 0 || attrs.is_null() || attr_idxs.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: the caller passes arrays of `count` and `num_attrs` elements (driver API
+    // contract).
+    let (dsts, srcs, sizes, attrs, idxs) = unsafe {
+        (
+            std::slice::from_raw_parts(dsts, count),
+            std::slice::from_raw_parts(srcs, count),
+            std::slice::from_raw_parts(sizes, count),
+            std::slice::from_raw_parts(attrs, num_attrs),
+            std::slice::from_raw_parts(attr_idxs, num_attrs),
+        )
+    };
+    if idxs[0] != 0 || attrs.iter().any(|a| !(1..=3).contains(&a.src_access_order)) {
+        return INVALID_VALUE;
+    }
+    let Some(st) = try_cu!(stream_of(&s, stream)) else {
+        return INVALID_VALUE; // the legacy stream is not allowed for batched copies
+    };
+    for i in 0..count {
+        let ok = check_range(&s, srcs[i] as usize, sizes[i], Side::Any)
+            .and_then(|_| check_range(&s, dsts[i] as usize, sizes[i], Side::Any));
+        if let Err(e) = ok {
+            if !fail_idx.is_null() {
+                // SAFETY: valid out pointer when not null (driver API contract).
+                unsafe { *fail_idx = i };
+            }
+            return e;
+        }
+    }
+    for i in 0..count {
+        st.push(Op::Copy {
+            dst: dsts[i] as usize,
+            dst_side: Side::Any,
+            src: srcs[i] as usize,
+            src_side: Side::Any,
+            len: sizes[i],
+        });
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreate(out: *mut *mut c_void, _flags: c_uint) -> CUresult {
+    let mut s = state();
+    try_cu!(enter(&s, true));
+    let handle = Box::into_raw(Box::new(Stream::spawn())) as *mut c_void;
+    s.streams.insert(handle as usize);
+    // SAFETY: valid out pointer (driver API contract).
+    unsafe { *out = handle };
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamDestroy_v2(stream: *mut c_void) -> CUresult {
+    let mut s = state();
+    try_cu!(enter(&s, false));
+    if stream.is_null() || !s.streams.remove(&(stream as usize)) {
+        return INVALID_HANDLE;
+    }
+    drop(s);
+    // SAFETY: the handle was in the registry (from `Box::into_raw`), and is removed from it
+    // first, so it is freed once. Its thread ends when the sender drops.
+    let st = unsafe { Box::from_raw(stream as *mut Stream) };
+    st.synchronize();
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamSynchronize(stream: *mut c_void) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, false));
+    let st = try_cu!(stream_of(&s, stream));
+    drop(s);
+    if let Some(st) = st {
+        st.synchronize();
+    }
+    let s = state();
+    s.sticky.unwrap_or(SUCCESS)
+}
+
+fn event_of(handle: *mut c_void) -> Result<&'static Arc<Event>, CUresult> {
+    if handle.is_null() {
+        return Err(INVALID_HANDLE);
+    }
+    // SAFETY: non-null event handles come from `Box::into_raw` in `cuEventCreate` and are
+    // valid until `cuEventDestroy_v2` (the driver API's contract for callers).
+    Ok(unsafe { &*(handle as *const Arc<Event>) })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventCreate(out: *mut *mut c_void, _flags: c_uint) -> CUresult {
+    try_cu!(enter(&state(), true));
+    let handle = Box::into_raw(Box::new(Arc::new(Event::default()))) as *mut c_void;
+    // SAFETY: valid out pointer (driver API contract).
+    unsafe { *out = handle };
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventDestroy_v2(event: *mut c_void) -> CUresult {
+    try_cu!(enter(&state(), false));
+    if event.is_null() {
+        return INVALID_HANDLE;
+    }
+    // SAFETY: see `event_of`; destroyed once (the caller's contract).
+    drop(unsafe { Box::from_raw(event as *mut Arc<Event>) });
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, false));
+    let e = try_cu!(event_of(event));
+    let generation = {
+        let mut g = e.gens.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += 1;
+        g.0
+    };
+    match try_cu!(stream_of(&s, stream)) {
+        Some(st) => st.push(Op::Record(e.clone(), generation)),
+        None => e.complete(generation),
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, false));
+    let e = try_cu!(event_of(event));
+    let g = e.gens.lock().unwrap_or_else(|p| p.into_inner());
+    if g.1 >= g.0 {
+        SUCCESS
+    } else {
+        NOT_READY
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventSynchronize(event: *mut c_void) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, false));
+    let e = try_cu!(event_of(event));
+    drop(s);
+    let target = e.gens.lock().unwrap_or_else(|p| p.into_inner()).0;
+    e.wait_for(target);
+    state().sticky.unwrap_or(SUCCESS)
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamWaitEvent(
+    stream: *mut c_void,
+    event: *mut c_void,
+    _flags: c_uint,
+) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, false));
+    let e = try_cu!(event_of(event));
+    let target = e.gens.lock().unwrap_or_else(|p| p.into_inner()).0;
+    match try_cu!(stream_of(&s, stream)) {
+        Some(st) => st.push(Op::Wait(e.clone(), target)),
+        None => {
+            drop(s);
+            e.wait_for(target);
+        }
+    }
+    SUCCESS
+}
