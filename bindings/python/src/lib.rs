@@ -87,6 +87,7 @@ fn move_tensors(
             copy,
             non_blocking,
             pinned,
+            ..Default::default()
         };
         let moved = py
             .detach(|| tensorferry::move_tensors(&refs, target, options))

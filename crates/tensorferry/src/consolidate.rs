@@ -110,7 +110,7 @@ pub fn consolidate(dict: &TensorDict) -> Result<TensorDict> {
 
 /// Threads for a copy of `total` bytes: one below [`PARALLEL_THRESHOLD`], else one per
 /// core up to 8, or `TENSORFERRY_COPY_THREADS` when set.
-fn threads_for(total: usize) -> usize {
+pub(crate) fn threads_for(total: usize) -> usize {
     static CONFIGURED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let configured = *CONFIGURED.get_or_init(|| {
         std::env::var("TENSORFERRY_COPY_THREADS")

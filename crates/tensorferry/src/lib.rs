@@ -21,5 +21,5 @@ pub use error::{Error, Result};
 pub use io::{load, load_node, save, save_node, LoadOptions, Loaded, SaveOptions};
 pub use storage::Storage;
 pub use tensor::Tensor;
-pub use transfer::{move_tensors, MoveOptions};
+pub use transfer::{move_tensors, MoveOptions, Staging};
 pub use tree::{KeyPath, Node, TensorDict, Value};

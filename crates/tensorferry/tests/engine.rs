@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 
 use tensorferry::backend::emulated::{self, EmuConfig};
-use tensorferry::{Device, Error, MoveOptions, Node, Tensor, TensorDict};
+use tensorferry::{Device, Error, MoveOptions, Node, Staging, Tensor, TensorDict};
 
 macro_rules! test_device {
     ($name:ident, $body:ident) => {
@@ -239,6 +239,90 @@ fn a_mixed_dictionary_comes_home_whole(dev: Device) {
 }
 test_device!(mixed_devices, a_mixed_dictionary_comes_home_whole);
 
+/// A ring small enough that a test dictionary spans many chunks and reuses every buffer.
+const SMALL_RING: Staging = Staging::Ring {
+    chunk_bytes: 4096,
+    depth: 2,
+};
+
+fn staged(non_blocking: bool) -> MoveOptions {
+    MoveOptions {
+        copy: true,
+        non_blocking,
+        staging: SMALL_RING,
+        ..Default::default()
+    }
+}
+
+fn the_staging_ring_keeps_every_value_both_ways(dev: Device) {
+    let d = many_tensors(300);
+    let there = d.to_with(dev, staged(false)).unwrap();
+    let back = there.to_with(Device::Cpu, staged(false)).unwrap();
+    assert_eq!(host_values(&back), host_values(&d));
+}
+test_device!(staging_ring, the_staging_ring_keeps_every_value_both_ways);
+
+fn chained_non_blocking_transfers_wait_for_each_other(dev: Device) {
+    // Each transfer depends on the one before; none may block a stream the previous one
+    // still needs (staged and direct, in both orders).
+    let d = many_tensors(200);
+    let direct = MoveOptions {
+        copy: true,
+        non_blocking: true,
+        ..Default::default()
+    };
+    let a = d.to_with(dev, staged(true)).unwrap();
+    let b = a.to_with(Device::Cpu, direct).unwrap();
+    let c = b.to_with(dev, direct).unwrap();
+    let e = c.to_with(Device::Cpu, staged(true)).unwrap();
+    assert_eq!(host_values(&e), host_values(&d));
+}
+test_device!(
+    chained_non_blocking,
+    chained_non_blocking_transfers_wait_for_each_other
+);
+
+fn staged_sources_dropped_at_once_are_still_copied(dev: Device) {
+    let there = many_tensors(100).to_with(dev, staged(true)).unwrap();
+    let back = there.to_with(Device::Cpu, staged(true)).unwrap();
+    drop(there);
+    assert_eq!(host_values(&back), host_values(&many_tensors(100)));
+}
+test_device!(
+    staged_sources_dropped,
+    staged_sources_dropped_at_once_are_still_copied
+);
+
+#[test]
+fn a_failing_chunk_fails_the_staged_transfer_and_frees_everything() {
+    use tensorferry::backend::Backend;
+    with_emu1("fail_copy=3", || {
+        let pool = emulated::device(1).unwrap().pinned_pool().unwrap();
+        let before_used = used();
+        let d = many_tensors(100);
+        let err = d.to_with(EMU1_DEV, staged(false)).unwrap_err();
+        assert!(err.to_string().contains("injected fault"), "{err}");
+        assert_eq!(host_values(&d), host_values(&many_tensors(100)));
+        // The ring's buffers are back in the pool and the device memory is released once
+        // the chunks already queued have run.
+        for _ in 0..200 {
+            if used() == before_used && pool.stats().cached_bytes == pool.stats().pinned_bytes {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(used(), before_used);
+        let stats = pool.stats();
+        assert_eq!(stats.cached_bytes, stats.pinned_bytes, "{stats:?}");
+        // The next staged transfer works and pins nothing new.
+        let misses = stats.misses;
+        let there = d.to_with(EMU1_DEV, staged(false)).unwrap();
+        let back = there.to_with(Device::Cpu, staged(false)).unwrap();
+        assert_eq!(host_values(&back), host_values(&d));
+        assert_eq!(pool.stats().misses, misses);
+    });
+}
+
 #[test]
 fn cuda_batches_use_the_batched_copy_where_the_driver_has_it() {
     use tensorferry::backend::cuda::{status, CudaStatus};
@@ -396,32 +480,4 @@ fn cuda_without_a_driver_is_unavailable_with_the_reason() {
         matches!(err, Error::DeviceUnavailable { ref reason, .. } if !reason.is_empty()),
         "{err}"
     );
-}
-
-#[test]
-fn pinned_results_come_from_the_pool_and_a_repeat_pins_nothing_new() {
-    use tensorferry::backend::Backend;
-    with_emu1("", || {
-        let there = sample().to(EMU1_DEV, false).unwrap();
-        let pool = emulated::device(1).unwrap().pinned_pool().unwrap();
-        let before = pool.stats();
-        let opts = MoveOptions {
-            pinned: true,
-            ..Default::default()
-        };
-        let first = there.to_with(Device::Cpu, opts).unwrap();
-        assert_eq!(host_values(&first), host_values(&sample()));
-        let after_first = pool.stats();
-        assert_eq!(after_first.misses, before.misses + 1);
-        drop(first);
-        let second = there.to_with(Device::Cpu, opts).unwrap();
-        assert_eq!(host_values(&second), host_values(&sample()));
-        let after_second = pool.stats();
-        assert_eq!(
-            after_second.misses, after_first.misses,
-            "nothing new pinned"
-        );
-        assert_eq!(after_second.hits, after_first.hits + 1);
-        assert_eq!(after_second.pinned_bytes, after_first.pinned_bytes);
-    });
 }

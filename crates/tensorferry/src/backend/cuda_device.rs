@@ -172,6 +172,12 @@ impl Backend for CudaDevice {
             .clone())
     }
 
+    /// The driver copies ordinary host memory through its own small pinned buffers, one
+    /// synchronous piece at a time: the engine's ring overlaps that with host copies.
+    fn prefers_pinned_staging(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, len: usize) -> Result<DeviceMemory> {
         let name = Backend::device(self);
         if len == 0 {

@@ -1,15 +1,34 @@
 //! Completion events: recorded when work is queued, completed by the stream that runs it,
 //! waited on by every reader. A failed copy completes its event with the error, which
-//! every waiter then sees.
+//! every waiter then sees. Work that depends on an event can also be chained to it
+//! ([`Event::on_complete`]) instead of blocking a thread until it completes.
 
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::error::{Error, Result};
 
-#[derive(Debug, Default)]
+/// What an event completes with: success, or the reason of the failure.
+pub type Outcome = std::result::Result<(), String>;
+
+type Callback = Box<dyn FnOnce(&Outcome) + Send>;
+
+#[derive(Default)]
+struct Inner {
+    outcome: Option<Outcome>,
+    callbacks: Vec<Callback>,
+}
+
+#[derive(Default)]
 struct State {
-    done: Mutex<Option<std::result::Result<(), String>>>,
+    done: Mutex<Inner>,
     cv: Condvar,
+}
+
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        write!(f, "Event({:?})", inner.outcome)
+    }
 }
 
 /// The completion of queued work, shared by the producer and every waiter.
@@ -30,12 +49,34 @@ impl Event {
     }
 
     /// Marks the work done (or failed with a reason) and wakes every waiter.
-    pub fn complete(&self, result: std::result::Result<(), String>) {
+    /// Callbacks chained with [`Event::on_complete`] run on this thread, after the waiters
+    /// are woken. Completing twice keeps the first outcome.
+    pub fn complete(&self, result: Outcome) {
         let mut done = self.0.done.lock().unwrap_or_else(|p| p.into_inner());
-        if done.is_none() {
-            *done = Some(result);
+        if done.outcome.is_some() {
+            return;
         }
+        let callbacks = std::mem::take(&mut done.callbacks);
+        done.outcome = Some(result.clone());
         self.0.cv.notify_all();
+        drop(done);
+        for f in callbacks {
+            f(&result);
+        }
+    }
+
+    /// Runs `f` with the outcome once the event completes: at once (on this thread) if it
+    /// has, else on the thread that completes it — so `f` must be quick and must not wait
+    /// for work queued after it.
+    pub fn on_complete(&self, f: impl FnOnce(&Outcome) + Send + 'static) {
+        let mut done = self.0.done.lock().unwrap_or_else(|p| p.into_inner());
+        match done.outcome.clone() {
+            Some(outcome) => {
+                drop(done);
+                f(&outcome);
+            }
+            None => done.callbacks.push(Box::new(f)),
+        }
     }
 
     /// True when the work has finished (successfully or not).
@@ -44,16 +85,17 @@ impl Event {
             .done
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .outcome
             .is_some()
     }
 
     /// Blocks until the work finishes; its failure, if any, as an error naming `device`.
     pub fn wait(&self, device: &str) -> Result<()> {
         let mut done = self.0.done.lock().unwrap_or_else(|p| p.into_inner());
-        while done.is_none() {
+        while done.outcome.is_none() {
             done = self.0.cv.wait(done).unwrap_or_else(|p| p.into_inner());
         }
-        match done.as_ref().expect("set") {
+        match done.outcome.as_ref().expect("set") {
             Ok(()) => Ok(()),
             Err(reason) => Err(Error::DeviceUnavailable {
                 device: device.to_string(),
@@ -76,6 +118,31 @@ mod tests {
         e.wait("emu:0").unwrap();
         assert!(e.is_ready());
         t.join().unwrap();
+    }
+
+    #[test]
+    fn chained_work_runs_once_on_completion_or_at_once_when_already_complete() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let e = Event::pending();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let r = runs.clone();
+        e.on_complete(move |o| {
+            assert!(o.is_err());
+            r.fetch_add(1, Ordering::SeqCst);
+        });
+        assert_eq!(runs.load(Ordering::SeqCst), 0);
+        e.complete(Err("failed".into()));
+        e.complete(Ok(()));
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "once, with the first outcome"
+        );
+        let r = runs.clone();
+        e.on_complete(move |_| {
+            r.fetch_add(1, Ordering::SeqCst);
+        });
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
     }
 
     #[test]

@@ -76,6 +76,12 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// The pool of pinned host buffers that copies to the host can land in.
     fn pinned_pool(&self) -> Result<std::sync::Arc<crate::memory::PinnedPool>>;
 
+    /// True when copies between this device and ordinary host memory go faster through
+    /// pinned staging buffers (the transfer engine's ring) than directly.
+    fn prefers_pinned_staging(&self) -> bool {
+        false
+    }
+
     /// Queues `batch` on the device's stream after everything queued before it (and after
     /// its `waits`), completing `event` when every copy is done, or with the error of the
     /// first failure. `keep` is held until the copies are done, and dropped before `event`

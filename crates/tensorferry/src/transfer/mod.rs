@@ -7,11 +7,15 @@
 //! so any read waits for it: reading too early is impossible, not just documented. The
 //! batch holds its sources and its destination, so neither is freed before it has run.
 //!
-//! The engine knows devices only through [`Backend`]: the emulated device today, CUDA
-//! next, with the same plans.
+//! Between a device and ordinary (pageable) host memory, large transfers go through a
+//! ring of pinned staging buffers ([`staging`]) where the device benefits from it.
+//!
+//! The engine knows devices only through [`Backend`]: the emulated device and CUDA, with
+//! the same plans.
 
 use std::any::Any;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use crate::backend::{backend_for, Backend, CopyBatch, CopyOp, Direction, Event};
 use crate::consolidate::{pack, views, PackedLayout};
@@ -20,6 +24,10 @@ use crate::error::Result;
 use crate::memory::{AlignedBuffer, HostBuffer};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
+
+pub mod staging;
+
+pub use staging::Staging;
 
 /// How to move.
 #[derive(Clone, Copy, Debug, Default)]
@@ -32,6 +40,9 @@ pub struct MoveOptions {
     /// Results on the host live in the device's pinned pool (reused between transfers)
     /// instead of ordinary memory.
     pub pinned: bool,
+    /// Whether copies between a device and ordinary host memory go through pinned
+    /// staging buffers.
+    pub staging: Staging,
 }
 
 /// Moves `tensors` to `target`, returning them in order. Tensors already there are
@@ -65,7 +76,7 @@ pub fn move_tensors(
             let refs: Vec<&Tensor> = sources.iter().collect();
             pack(&refs)?
         } else if target.is_host() {
-            let (moved, event) = to_host(&*backend_for(from)?, sources, options.pinned)?;
+            let (moved, event) = to_host(&backend_for(from)?, sources, options)?;
             events.push(event);
             moved
         } else {
@@ -74,7 +85,7 @@ pub fn move_tensors(
             } else {
                 Direction::DeviceToDevice
             };
-            let (moved, event) = to_device(&*backend_for(target)?, direction, sources)?;
+            let (moved, event) = to_device(&backend_for(target)?, direction, sources, options)?;
             events.push(event);
             moved
         };
@@ -93,6 +104,40 @@ pub fn move_tensors(
         .collect())
 }
 
+/// One contiguous run of a source, and where it goes in the packed layout.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Run {
+    pub src: *const u8,
+    pub dst_offset: usize,
+    pub len: usize,
+}
+
+/// Every source's runs in C order with their offsets in `layout`, and the events still
+/// filling any source.
+pub(crate) fn runs(sources: &[Tensor], layout: &PackedLayout) -> Result<(Vec<Run>, Vec<Event>)> {
+    let mut out = Vec::with_capacity(sources.len());
+    let mut waits = Vec::new();
+    for (t, &at) in sources.iter().zip(&layout.offsets) {
+        if let Some(e) = t.storage().pending() {
+            if !e.is_ready() {
+                waits.push(e.clone());
+            }
+        }
+        let base = t.storage().as_ptr();
+        let mut i = at;
+        t.run_offsets(|offset, len| {
+            out.push(Run {
+                src: base.wrapping_add(offset),
+                dst_offset: i,
+                len,
+            });
+            i += len;
+            Ok(())
+        })?;
+    }
+    Ok((out, waits))
+}
+
 /// The batch copying each source's runs (C order) to `dst_base` at the plan's offsets,
 /// waiting first for the copies that still fill any source.
 fn plan(
@@ -101,35 +146,68 @@ fn plan(
     layout: &PackedLayout,
     dst_base: *mut u8,
 ) -> Result<CopyBatch> {
-    let mut batch = CopyBatch {
+    let (runs, waits) = runs(sources, layout)?;
+    Ok(CopyBatch {
         direction,
-        ops: Vec::with_capacity(sources.len()),
-        waits: Vec::new(),
-    };
-    for (t, &at) in sources.iter().zip(&layout.offsets) {
-        if let Some(e) = t.storage().pending() {
-            if !e.is_ready() {
-                batch.waits.push(e.clone());
-            }
-        }
-        let base = t.storage().as_ptr();
-        let mut i = at;
-        t.run_offsets(|offset, len| {
-            batch.ops.push(CopyOp {
-                src: base.wrapping_add(offset),
-                dst: dst_base.wrapping_add(i),
-                len,
-            });
-            i += len;
-            Ok(())
-        })?;
+        ops: runs
+            .iter()
+            .map(|r| CopyOp {
+                src: r.src,
+                dst: dst_base.wrapping_add(r.dst_offset),
+                len: r.len,
+            })
+            .collect(),
+        waits,
+    })
+}
+
+/// Queues `batch` once every event it waits for has completed: at once when they have,
+/// else from the thread completing the last of them. No stream thread ever blocks on
+/// another transfer, so chained non-blocking transfers (and staging rings, which feed a
+/// stream over time) cannot deadlock it.
+///
+/// # Safety
+/// As [`Backend::submit`]: `keep` must hold everything the ops address until `event`
+/// completes.
+pub(crate) unsafe fn submit_when_ready(
+    backend: Arc<dyn Backend>,
+    batch: CopyBatch,
+    keep: Box<dyn Any + Send>,
+    event: Event,
+) {
+    let pending: Vec<Event> = batch
+        .waits
+        .iter()
+        .filter(|e| !e.is_ready())
+        .cloned()
+        .collect();
+    if pending.is_empty() {
+        // SAFETY: forwarded contract.
+        unsafe { backend.submit(batch, keep, &event) };
+        return;
     }
-    Ok(batch)
+    let held = Arc::new(Mutex::new(Some((batch, keep))));
+    let left = Arc::new(AtomicUsize::new(pending.len()));
+    for wait in pending {
+        let (held, left, backend, event) =
+            (held.clone(), left.clone(), backend.clone(), event.clone());
+        wait.on_complete(move |_| {
+            if left.fetch_sub(1, Ordering::SeqCst) != 1 {
+                return;
+            }
+            let taken = held.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some((batch, keep)) = taken {
+                // SAFETY: forwarded contract; the batch still checks its waits (now all
+                // complete) and reports any that failed.
+                unsafe { backend.submit(batch, keep, &event) };
+            }
+        });
+    }
 }
 
 /// Submits `batch` with everything it touches held until it completes.
 fn submit(
-    backend: &dyn Backend,
+    backend: &Arc<dyn Backend>,
     batch: CopyBatch,
     sources: Vec<Tensor>,
     dst: Arc<Storage>,
@@ -140,25 +218,46 @@ fn submit(
     // `run_offsets`) and the new destination storage (inside its length, by the plan);
     // `keep` holds all of them until the event completes. The destination is new: nothing
     // else writes it, and every reader waits for its event, which is `event`.
-    unsafe { backend.submit(batch, keep, event) };
+    unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone()) };
 }
 
 /// Device → host: one host buffer for the group (ordinary memory, or a buffer of the
-/// device's pinned pool), filled by one batch on the source's stream; the results wait for
+/// device's pinned pool), filled by one batch on the source's stream — or through the
+/// staging ring when the buffer is ordinary memory and staging pays; the results wait for
 /// it when read.
 fn to_host(
-    backend: &dyn Backend,
+    backend: &Arc<dyn Backend>,
     sources: Vec<Tensor>,
-    pinned: bool,
+    options: MoveOptions,
 ) -> Result<(Vec<Tensor>, Event)> {
     let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
     let event = Event::pending();
-    let mut buffer = if pinned {
+    let ring = (!options.pinned)
+        .then(|| options.staging.ring_for(&**backend, layout.total))
+        .flatten();
+    let mut buffer = if options.pinned {
         HostBuffer::Pinned(backend.pinned_pool()?.take(layout.total)?)
     } else {
         HostBuffer::Pageable(AlignedBuffer::zeroed(layout.total)?)
     };
     let dst_base = buffer.as_mut_ptr();
+    if let Some(ring) = ring {
+        let storage = Arc::new(Storage::Incoming {
+            buffer,
+            ready: event.clone(),
+        });
+        let results = views(&storage, &sources, &layout)?;
+        staging::to_host(
+            backend.clone(),
+            ring,
+            sources,
+            &layout,
+            storage,
+            dst_base,
+            &event,
+        )?;
+        return Ok((results, event));
+    }
     let batch = plan(Direction::DeviceToHost, &sources, &layout, dst_base)?;
     let storage = Arc::new(Storage::Incoming {
         buffer,
@@ -170,19 +269,36 @@ fn to_host(
 }
 
 /// Host or device → a device: one allocation for the group, filled by one batch on the
-/// target's stream.
+/// target's stream (or, from host memory, through the staging ring when it pays).
 fn to_device(
-    backend: &dyn Backend,
+    backend: &Arc<dyn Backend>,
     direction: Direction,
     sources: Vec<Tensor>,
+    options: MoveOptions,
 ) -> Result<(Vec<Tensor>, Event)> {
     let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
+    let ring = (direction == Direction::HostToDevice)
+        .then(|| options.staging.ring_for(&**backend, layout.total))
+        .flatten();
     let mut memory = backend.alloc(layout.total)?;
     let event = Event::pending();
     memory.set_written(event.clone());
-    let batch = plan(direction, &sources, &layout, memory.as_ptr() as *mut u8)?;
+    let dst_base = memory.as_ptr() as *mut u8;
     let storage = Arc::new(Storage::Device(memory));
     let results = views(&storage, &sources, &layout)?;
+    if let Some(ring) = ring {
+        staging::to_device(
+            backend.clone(),
+            ring,
+            sources,
+            &layout,
+            storage,
+            dst_base,
+            &event,
+        )?;
+        return Ok((results, event));
+    }
+    let batch = plan(direction, &sources, &layout, dst_base)?;
     submit(backend, batch, sources, storage, &event);
     Ok((results, event))
 }
