@@ -71,7 +71,7 @@ fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// `tensorferry::move_tensors`. With `non_blocking` the copies may still run: every read
 /// of a result waits for its copy.
 #[pyfunction]
-#[pyo3(signature = (tensors, device, copy=false, non_blocking=false, pinned=false))]
+#[pyo3(signature = (tensors, device, copy=false, non_blocking=false, pinned=false, staging=None))]
 fn move_tensors(
     py: Python<'_>,
     tensors: Vec<Py<PyTensor>>,
@@ -79,6 +79,7 @@ fn move_tensors(
     copy: bool,
     non_blocking: bool,
     pinned: bool,
+    staging: Option<Bound<'_, PyAny>>,
 ) -> PyResult<Vec<PyTensor>> {
     guard(|| {
         let target: Device = device.parse().py_err()?;
@@ -87,13 +88,44 @@ fn move_tensors(
             copy,
             non_blocking,
             pinned,
-            ..Default::default()
+            staging: parse_staging(staging.as_ref())?,
         };
         let moved = py
             .detach(|| tensorferry::move_tensors(&refs, target, options))
             .py_err()?;
         Ok(moved.into_iter().map(PyTensor::new).collect())
     })
+}
+
+/// `staging=`: None or "auto", "off", "on" (the automatic ring, whatever the device and
+/// size), or `(chunk_bytes, depth)`.
+fn parse_staging(value: Option<&Bound<'_, PyAny>>) -> PyResult<tensorferry::Staging> {
+    use tensorferry::transfer::staging::{AUTO_CHUNK_BYTES, AUTO_DEPTH};
+    use tensorferry::Staging;
+    let Some(v) = value.filter(|v| !v.is_none()) else {
+        return Ok(Staging::Auto);
+    };
+    if let Ok(text) = v.extract::<String>() {
+        return match text.as_str() {
+            "auto" => Ok(Staging::Auto),
+            "off" => Ok(Staging::Off),
+            "on" => Ok(Staging::Ring {
+                chunk_bytes: AUTO_CHUNK_BYTES,
+                depth: AUTO_DEPTH,
+            }),
+            other => Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "staging={other:?}: expected \"auto\", \"off\", \"on\" or (chunk_bytes, depth)"
+            ))),
+        };
+    }
+    match v.extract::<(usize, usize)>() {
+        Ok((chunk_bytes, depth)) if chunk_bytes > 0 && depth > 0 => {
+            Ok(Staging::Ring { chunk_bytes, depth })
+        }
+        _ => Err(pyo3::exceptions::PyValueError::new_err(
+            "staging must be \"auto\", \"off\", \"on\" or (chunk_bytes, depth) with both positive",
+        )),
+    }
 }
 
 /// Sets up emulated device `index` from `key=value,…` settings (see `TENSORFERRY_EMU`).

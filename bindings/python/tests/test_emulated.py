@@ -154,3 +154,26 @@ def test_a_mixed_device_dictionary_comes_home_in_one_call(state):
     out = tf.to_numpy(tf.to_host(mixed))
     for k in "abc":
         np.testing.assert_array_equal(out[k], state["ids"])
+
+
+@pytest.mark.parametrize("staging", ["on", "off", "auto", (4096, 2)])
+def test_every_staging_choice_keeps_the_values(state, staging):
+    there = tf.to_device(state, "emu:0", staging=staging, copy=True)
+    back = tf.to_host(there, staging=staging)
+    np.testing.assert_array_equal(back["model"]["layer.0.weight"].numpy(), state["model"]["layer.0.weight"])
+    np.testing.assert_array_equal(back["ids"].numpy(), state["ids"])
+
+
+@pytest.mark.parametrize("bad", ["fast", (0, 2), (4096,), 3])
+def test_a_bad_staging_choice_is_a_value_error(state, bad):
+    with pytest.raises(ValueError, match="staging"):
+        tf.to_device(state, "emu:0", staging=bad)
+
+
+def test_a_staged_non_blocking_chain_reads_correctly(emu1):
+    tf.configure_emulated(1, latency_us=2000)
+    src = {f"t{i}": np.full((1000,), i, np.float32) for i in range(50)}
+    there = tf.to_device(src, emu1, non_blocking=True, staging=(8192, 2))
+    back = tf.to_numpy(tf.to_host(there, non_blocking=True, staging=(8192, 3)))
+    for i in range(50):
+        np.testing.assert_array_equal(back[f"t{i}"], src[f"t{i}"])

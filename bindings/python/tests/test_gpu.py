@@ -73,3 +73,37 @@ def test_cupy_arrays_come_to_the_host_as_numpy(cuda):
     out = tf.to_host(src)
     assert isinstance(out["x"], np.ndarray)
     np.testing.assert_array_equal(out["x"], np.arange(10, dtype=np.float32))
+
+
+def test_a_large_dictionary_round_trips_through_the_staging_ring(cuda):
+    src = {f"layer{i}": np.random.default_rng(i).standard_normal((300, 257), np.float32) for i in range(40)}
+    src["ids"] = np.arange(1001, dtype=np.int64)[::3]  # strided
+    for staging in ("on", "off", (1 << 16, 2)):
+        there = tf.to_device(src, cuda, staging=staging, non_blocking=True)
+        back = tf.to_numpy(tf.to_host(there, staging=staging, non_blocking=True))
+        for k, v in src.items():
+            np.testing.assert_array_equal(back[k], v)
+
+
+def test_a_repeated_pinned_transfer_pins_nothing_new_on_the_gpu(cuda):
+    src = tf.to_device({f"t{i}": np.full((4096,), i, np.float32) for i in range(32)}, cuda)
+    tf.to_host(src, pinned=True)
+    before = tf.pinned_pool_stats(cuda)
+    out = tf.to_numpy(tf.to_host(src, pinned=True))
+    after = tf.pinned_pool_stats(cuda)
+    assert after["misses"] == before["misses"] and after["pinned_bytes"] == before["pinned_bytes"]
+    assert after["hits"] > before["hits"]
+    np.testing.assert_array_equal(out["t7"], np.full((4096,), 7, np.float32))
+
+
+def test_a_gpu_dictionary_saves_and_loads(cuda, tmp_path):
+    src = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": 7, "nested": {"b": np.ones(5, np.int64)}}
+    there = tf.to_device(src, cuda, non_blocking=True)
+    tf.save(there, tmp_path / "ckpt.safetensors")
+    back = tf.load(tmp_path / "ckpt.safetensors", like="numpy")
+    np.testing.assert_array_equal(back["w"], src["w"])
+    np.testing.assert_array_equal(back["nested"]["b"], src["nested"]["b"])
+    assert back["step"] == 7
+    on_gpu = tf.load(tmp_path / "ckpt.safetensors", device=cuda)
+    assert on_gpu["w"].device == cuda
+    np.testing.assert_array_equal(on_gpu["w"].numpy(), src["w"])

@@ -63,13 +63,27 @@ class Tensor:
     @staticmethod
     def from_numpy(array: np.ndarray) -> Tensor: ...
 
+Staging = Union[Literal["auto", "off", "on"], tuple[int, int]]
+
 def to_host(
-    obj: T, *, non_blocking: bool = False, copy: bool = False, pinned: bool = False, stream: Any = None
+    obj: T,
+    *,
+    non_blocking: bool = False,
+    copy: bool = False,
+    pinned: bool = False,
+    stream: Any = None,
+    staging: Staging = "auto",
 ) -> T: ...
 def pinned_pool_stats(device: Device) -> dict[str, int]: ...
 def to_numpy(obj: T) -> T: ...
 def to_device(
-    obj: T, device: Device, *, non_blocking: bool = False, copy: bool = False, stream: Any = None
+    obj: T,
+    device: Device,
+    *,
+    non_blocking: bool = False,
+    copy: bool = False,
+    stream: Any = None,
+    staging: Staging = "auto",
 ) -> T: ...
 def save(obj: Any, path: Path, *, metadata: Optional[dict[str, str]] = None, fsync: bool = True) -> None: ...
 def load(

@@ -15,7 +15,7 @@ _FRAMEWORKS_KEY = "tensorferry.frameworks"
 _RESERVED_PREFIX = "tensorferry"
 
 
-def _move(leaves, target, copy, non_blocking=False, pinned=False):
+def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
     """Moves ``[(path, leaf)]`` to ``target``; returns ``{id(leaf): result}``.
 
     Leaves already on the target stay as they are unless ``copy``. Everything that
@@ -36,7 +36,7 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False):
     if not pending:
         return out
     natives = fw.to_native_many(pending, kinds)
-    moved = _native.move_tensors(natives, target, copy, non_blocking, pinned)
+    moved = _native.move_tensors(natives, target, copy, non_blocking, pinned, staging)
     if target.startswith("emu"):
         # No framework holds emulated memory.
         kinds = [fw.NATIVE] * len(kinds)
@@ -64,7 +64,14 @@ def _sync_producer(stream):
         raise TypeError(f"stream must be a framework stream or a CUDA stream handle, not {type(stream).__name__}")
 
 
-def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None):
+def _to_host_many(leaves):
+    """``{id(leaf): host tensor}`` for the leaves of ``[(path, leaf)]`` on a device: one
+    planned transfer for all of them, not one per leaf."""
+    on_device = [(p, x) for p, x in leaves if fw.device_of(x, fw.kind_of(x)) != "cpu"]
+    return _move(on_device, "cpu", False) if on_device else {}
+
+
+def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, staging="auto"):
     """Moves every tensor in ``obj`` to host memory, keeping the structure.
 
     ``obj`` is any nesting of dicts (any Mapping), lists and tuples (namedtuples kept).
@@ -75,7 +82,9 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None):
     With ``pinned=True`` results copied from a device live in the device's pinned pool,
     reused by the next transfer, instead of fresh ordinary memory. ``stream`` is the
     producer's stream (a torch/CuPy stream or a raw handle): its queued work finishes before
-    the tensors are read.
+    the tensors are read. ``staging`` says whether copies into ordinary memory go through a
+    ring of pinned buffers: ``"auto"`` (on CUDA, for 64 MB and more), ``"off"``, ``"on"``,
+    or ``(chunk_bytes, depth)``.
 
     >>> import numpy as np, tensorferry as tf
     >>> out = tf.to_host({"w": np.ones(2, np.float32), "name": "run-1"}, copy=True)
@@ -84,7 +93,7 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None):
     """
     _sync_producer(stream)
     leaves = _native.collect_tensors(obj, fw.kind_of)
-    return _native.rebuild(obj, _move(leaves, "cpu", copy, non_blocking, pinned))
+    return _native.rebuild(obj, _move(leaves, "cpu", copy, non_blocking, pinned, staging))
 
 
 def to_numpy(obj):
@@ -99,10 +108,12 @@ def to_numpy(obj):
     """
     out = {}
     natives, paths, leaves = [], [], []
-    for path, leaf in _native.collect_tensors(obj, fw.kind_of, True):
+    collected = _native.collect_tensors(obj, fw.kind_of, True)
+    hosted = _to_host_many(collected)
+    for path, leaf in collected:
         kind = fw.kind_of(leaf)
-        if fw.device_of(leaf, kind) != "cpu":
-            leaf_host = _move([(path, leaf)], "cpu", False)[id(leaf)]
+        if id(leaf) in hosted:
+            leaf_host = hosted[id(leaf)]
             kind_host = fw.kind_of(leaf_host)
             if kind_host == fw.NUMPY:
                 out[id(leaf)] = leaf_host
@@ -169,7 +180,7 @@ def _data_to_tensor(data, path):
     return fw.Tensor.from_numpy(arr)
 
 
-def to_device(obj, device, *, non_blocking=False, copy=False, stream=None):
+def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, staging="auto"):
     """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1").
 
     Lists and tuples of Python numbers (rectangular, nested) become ``tensorferry.Tensor``
@@ -177,8 +188,9 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None):
     list is a :class:`FormatError` naming its key, and an empty list stays a list.
     Tensors already on ``device`` are returned as they are unless ``copy=True``. A bad
     device string raises :class:`InvalidDeviceError`; an absent device raises
-    :class:`DeviceUnavailableError` with the reason. ``stream`` is the producer's stream, as
-    for :func:`to_host`.
+    :class:`DeviceUnavailableError` with the reason. ``stream`` is the producer's stream, and
+    ``staging`` the choice of pinned staging for copies from ordinary memory, as for
+    :func:`to_host`.
 
     >>> import tensorferry as tf
     >>> out = tf.to_device({"embedding_1": [1.0, 2.0, 3.0], "ids": [[1, 2], [3, 4]]}, "cpu")
@@ -195,25 +207,31 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None):
     leaves = collect(obj, select)
     tensors = []
     out = {}
+    made = {}  # id(new tensor) -> the list it was made from
     for path, leaf in leaves:
         if fw.kind_of(leaf) is None:
             t = _data_to_tensor(leaf, path)
-            out[id(leaf)] = t if target == "cpu" else _move([(path, t)], target, False)[id(t)]
+            if target == "cpu":
+                out[id(leaf)] = t  # already a fresh host tensor
+                continue
+            made[id(t)] = leaf
+            tensors.append((path, t))
         else:
             tensors.append((path, leaf))
-    out.update(_move(tensors, target, copy, non_blocking))
+    # One planned transfer for everything, tensors made from lists included.
+    for key, result in _move(tensors, target, copy, non_blocking, False, staging).items():
+        out[id(made[key]) if key in made else key] = result
     return rebuild(obj, out)
 
 
 def _native_tree(obj, frameworks):
     """The tree for the native writer: plain containers, native host tensors."""
     leaves = _native.collect_tensors(obj, fw.kind_of)
+    on_host = _to_host_many(leaves)
     paths, hosted, kinds = [], [], []
     for path, leaf in leaves:
         kind = fw.kind_of(leaf)
-        host = leaf
-        if fw.device_of(leaf, kind) != "cpu":
-            host = _move([(path, leaf)], "cpu", False)[id(leaf)]
+        host = on_host.get(id(leaf), leaf)
         paths.append(path)
         hosted.append(host)
         kinds.append(fw.kind_of(host))
