@@ -61,17 +61,41 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>) -> PyResult<Tensor> {
 }
 
 /// Calls `obj.__dlpack__()`, asking for a versioned capsule first and retrying without
-/// `max_version` for producers that predate it (NumPy < 2, older PyTorch).
+/// `max_version` for producers that predate it (NumPy < 2, older PyTorch). For CUDA
+/// memory it passes the stream tensorferry's copies on that GPU run on, so the producer
+/// orders its queued work before them (on the GPU, without blocking the host).
 pub fn import_object(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let py = obj.py();
     let kwargs = pyo3::types::PyDict::new(py);
+    if let Some(stream) = consumer_stream(obj) {
+        kwargs.set_item("stream", stream)?;
+    }
     kwargs.set_item("max_version", (1, 1))?;
     let capsule = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
         Ok(c) => c,
-        Err(e) if e.is_instance_of::<PyTypeError>(py) => obj.call_method0("__dlpack__")?,
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => {
+            kwargs.del_item("max_version")?;
+            obj.call_method("__dlpack__", (), Some(&kwargs))?
+        }
         Err(e) => return Err(e),
     };
     import_capsule(&capsule)
+}
+
+/// The stream to pass to a producer of CUDA memory (DLPack device types 2 and 13), when
+/// tensorferry can drive that GPU; `None` otherwise (host memory needs none).
+fn consumer_stream(obj: &Bound<'_, PyAny>) -> Option<usize> {
+    let (kind, id): (i32, i32) = obj
+        .call_method0("__dlpack_device__")
+        .ok()?
+        .extract()
+        .ok()?;
+    if !matches!(kind, 2 | 13) || id < 0 {
+        return None;
+    }
+    tensorferry::backend::cuda_device::device(id as usize)
+        .ok()
+        .map(|d| d.stream_handle())
 }
 
 unsafe extern "C" fn destroy_versioned(cap: *mut ffi::PyObject) {

@@ -133,7 +133,9 @@ impl PyTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let _ = stream; // Host memory needs no stream ordering; pending copies are waited for.
+        // Every copy filling this tensor has finished before the capsule exists (the host
+        // waits for it just below), so whatever stream the consumer names may use it at once.
+        let _ = stream;
         if matches!(self.inner.device(), Device::Emulated(_)) {
             return Err(PyBufferError::new_err(format!(
                 "{} memory has no DLPack device: move it to the host first",

@@ -107,3 +107,28 @@ def test_a_gpu_dictionary_saves_and_loads(cuda, tmp_path):
     on_gpu = tf.load(tmp_path / "ckpt.safetensors", device=cuda)
     assert on_gpu["w"].device == cuda
     np.testing.assert_array_equal(on_gpu["w"].numpy(), src["w"])
+
+
+class _RecordingProducer:
+    """A DLPack producer of CUDA memory that records the stream its consumer passes."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.streams = []
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.streams.append(stream)
+        return self.tensor.__dlpack__(stream=stream, max_version=max_version)
+
+
+def test_cuda_producers_are_given_the_stream_the_copies_run_on(cuda):
+    data = np.arange(10, dtype=np.float32)
+    producer = _RecordingProducer(tf.to_device({"x": data}, cuda)["x"])
+    out = tf.to_numpy(tf.to_host({"x": producer}))
+    np.testing.assert_array_equal(out["x"], data)
+    (stream,) = producer.streams
+    # DLPack: an int naming a CUDA stream; 0 is not allowed, 1 and 2 are default streams.
+    assert isinstance(stream, int) and stream > 2

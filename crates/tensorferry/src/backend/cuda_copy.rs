@@ -110,6 +110,12 @@ impl CopyQueue {
         })
     }
 
+    /// The raw `CUstream` handle copies run on, for producers that order their work
+    /// before ours (DLPack's `__dlpack__(stream=…)`).
+    pub fn stream_handle(&self) -> usize {
+        self.stream.0 as usize
+    }
+
     /// The path batches take now.
     pub fn path(&self) -> CopyPath {
         self.path.lock().unwrap_or_else(|p| p.into_inner()).0

@@ -243,6 +243,13 @@ impl Backend for CudaDevice {
 }
 
 impl CudaDevice {
+    /// The raw `CUstream` handle this GPU's copies run on: a producer that makes it wait
+    /// for its own stream (DLPack's `__dlpack__(stream=handle)`) needs no host
+    /// synchronisation before tensorferry reads its tensors.
+    pub fn stream_handle(&self) -> usize {
+        self.queue.stream_handle()
+    }
+
     /// How this GPU's batches are queued: batched where the driver allows it.
     pub fn copy_path(&self) -> CopyPath {
         self.queue.path()
