@@ -16,7 +16,7 @@ out="bench/results/$(date -u +%Y-%m-%d)-gpu.txt"
   done
   ./target/debug/tensorferry info
   cargo build -q --release -p tensorferry-cli
-  for p in gpt2 tiny-20k; do
+  for p in gpt2 llama-like tiny-10k tiny-1k; do
     echo "\$ tensorferry bench --preset $p --device cuda:0"
     ./target/release/tensorferry bench --preset "$p" --device cuda:0
   done

@@ -10,15 +10,16 @@ echo "== cargo test"; cargo test --workspace
 
 # The CUDA backend's code, run against the fake driver of crates/fake-cuda (host memory
 # behind the driver API, stricter than a GPU about contexts, ranges and stream order):
-# once as a 12.8 driver (batched copies), once as a 12.2 driver (one copy call each).
+# once as a 12.8 driver (batched copies), once as a 12.2 driver (one copy call each), with
+# two GPUs.
 # On a GPU machine, scripts/gpu.sh runs the same suite on the real driver instead.
 echo "== engine suite on the fake CUDA driver"
 cargo build -q -p tensorferry-fake-cuda
 mkdir -p target/fake-cuda
 cp target/debug/libtensorferry_fake_cuda.so target/fake-cuda/libcuda.so
 for version in 12080 12020; do
-  LD_LIBRARY_PATH="$PWD/target/fake-cuda" TF_FAKE_CUDA_VERSION=$version TENSORFERRY_EXPECT_CUDA=1 \
-    cargo test -q -p tensorferry --test engine
+  LD_LIBRARY_PATH="$PWD/target/fake-cuda" TF_FAKE_CUDA_VERSION=$version TF_FAKE_CUDA_DEVICES=2 \
+    TENSORFERRY_EXPECT_CUDA=1 cargo test -q -p tensorferry --test engine
   LD_LIBRARY_PATH="$PWD/target/fake-cuda" TF_FAKE_CUDA_VERSION=$version target/debug/tensorferry info
 done
 echo "== python package"; bash scripts/setup-python.sh

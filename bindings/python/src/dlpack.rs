@@ -85,11 +85,7 @@ pub fn import_object(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
 /// The stream to pass to a producer of CUDA memory (DLPack device types 2 and 13), when
 /// tensorferry can drive that GPU; `None` otherwise (host memory needs none).
 fn consumer_stream(obj: &Bound<'_, PyAny>) -> Option<usize> {
-    let (kind, id): (i32, i32) = obj
-        .call_method0("__dlpack_device__")
-        .ok()?
-        .extract()
-        .ok()?;
+    let (kind, id): (i32, i32) = obj.call_method0("__dlpack_device__").ok()?.extract().ok()?;
     if !matches!(kind, 2 | 13) || id < 0 {
         return None;
     }

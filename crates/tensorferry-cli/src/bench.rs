@@ -10,7 +10,8 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tensorferry::memory::AlignedBuffer;
 use tensorferry::{
-    consolidate, load, save, DType, Device, LoadOptions, SaveOptions, Tensor, TensorDict,
+    consolidate, load, save, DType, Device, LoadOptions, MoveOptions, SaveOptions, Staging, Tensor,
+    TensorDict,
 };
 
 /// Options of `tensorferry bench`.
@@ -42,20 +43,36 @@ enum Preset {
     /// 20,000 tensors of 4 KiB each (float32).
     #[value(name = "tiny-20k")]
     Tiny20k,
+    /// 10,000 tensors of 4 KiB each (float32).
+    #[value(name = "tiny-10k")]
+    Tiny10k,
+    /// 1000 tensors of 64 x 64 float32 (16 KiB each).
+    #[value(name = "tiny-1k")]
+    Tiny1k,
+    /// A 7B-parameter LLaMA-shaped state dict in bfloat16: 291 tensors, about 13.5 GB
+    /// (use --scale to shrink it).
+    #[value(name = "llama-like")]
+    LlamaLike,
 }
 
 fn scaled(n: usize, scale: f64) -> usize {
     ((n as f64 * scale).round() as usize).max(1)
 }
 
-/// A tensor of `shape` filled with non-zero bytes (untouched zero pages would flatter reads).
+/// A float32 tensor of `shape` filled with non-zero bytes (untouched zero pages would
+/// flatter reads).
 fn filled(shape: &[usize], seed: usize) -> tensorferry::Result<Tensor> {
-    let t = Tensor::zeros(DType::F32, shape)?;
+    filled_as(DType::F32, shape, seed)
+}
+
+/// A tensor of `dtype` and `shape` filled with non-zero bytes.
+fn filled_as(dtype: DType, shape: &[usize], seed: usize) -> tensorferry::Result<Tensor> {
+    let t = Tensor::zeros(dtype, shape)?;
     let mut buf = AlignedBuffer::zeroed(t.nbytes())?;
     for (i, b) in buf.as_mut_slice().iter_mut().enumerate() {
         *b = (i.wrapping_mul(31) ^ seed) as u8 | 1;
     }
-    Tensor::from_bytes(DType::F32, shape.to_vec(), buf.as_slice())
+    Tensor::from_bytes(dtype, shape.to_vec(), buf.as_slice())
 }
 
 fn build(preset: Preset, scale: f64) -> tensorferry::Result<TensorDict> {
@@ -88,11 +105,46 @@ fn build(preset: Preset, scale: f64) -> tensorferry::Result<TensorDict> {
             d.insert("ln_f.weight", filled(&[e], 3)?);
             d.insert("ln_f.bias", filled(&[e], 4)?);
         }
-        Preset::Tiny20k => {
+        Preset::Tiny20k | Preset::Tiny10k => {
             let n = scaled(1024, scale);
-            for i in 0..20_000 {
+            let count = if matches!(preset, Preset::Tiny20k) {
+                20_000
+            } else {
+                10_000
+            };
+            for i in 0..count {
                 d.insert(format!("t.{i}"), filled(&[n], i)?);
             }
+        }
+        Preset::Tiny1k => {
+            let n = scaled(64, scale);
+            for i in 0..1000 {
+                d.insert(format!("t.{i}"), filled(&[n, 64], i)?);
+            }
+        }
+        Preset::LlamaLike => {
+            let bf = |shape: &[usize], seed| filled_as(DType::BF16, shape, seed);
+            let (h, ff, vocab) = (scaled(4096, scale), scaled(11008, scale), 32000);
+            d.insert("model.embed_tokens.weight", bf(&[vocab, h], 1)?);
+            for layer in 0..32 {
+                let p = |s: &str| format!("model.layers.{layer}.{s}");
+                let shapes: [(&str, Vec<usize>); 9] = [
+                    ("self_attn.q_proj.weight", vec![h, h]),
+                    ("self_attn.k_proj.weight", vec![h, h]),
+                    ("self_attn.v_proj.weight", vec![h, h]),
+                    ("self_attn.o_proj.weight", vec![h, h]),
+                    ("mlp.gate_proj.weight", vec![ff, h]),
+                    ("mlp.up_proj.weight", vec![ff, h]),
+                    ("mlp.down_proj.weight", vec![h, ff]),
+                    ("input_layernorm.weight", vec![h]),
+                    ("post_attention_layernorm.weight", vec![h]),
+                ];
+                for (i, (name, shape)) in shapes.iter().enumerate() {
+                    d.insert(p(name), bf(shape, layer * 16 + i)?);
+                }
+            }
+            d.insert("model.norm.weight", bf(&[h], 2)?);
+            d.insert("lm_head.weight", bf(&[vocab, h], 3)?);
         }
     }
     Ok(d)
@@ -275,7 +327,7 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
     bar.inc(1);
     if let Some(name) = &args.device {
         bar.set_message("device moves");
-        device_rows(name, &dict, r, memcpy, &mut rows)?;
+        device_rows(name, &dict, r, &mut rows)?;
     }
     bar.finish_and_clear();
 
@@ -283,22 +335,107 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
     Ok(())
 }
 
-/// Moves to `device` and back: the whole dictionary in one plan, and a loop of one move
-/// per tensor (what a Python loop of `.to()` does), each against the memcpy roof.
+/// One timed move: its name, source, target, options and roof.
+type Plan<'a> = (
+    &'static str,
+    &'a TensorDict,
+    Device,
+    MoveOptions,
+    Option<(&'static str, Duration)>,
+);
+
+/// Moves to `device` and back, each direction against its roof measured in the same run
+/// on the same number of bytes: one copy of one buffer of the dictionary's size between
+/// the device and pinned host memory. Then: the whole dictionary in one plan into pinned
+/// memory, into fresh ordinary memory through the staging ring and directly, and a loop
+/// of one move per tensor (what a Python loop of `.to()` does).
 fn device_rows(
     name: &str,
     dict: &TensorDict,
     r: usize,
-    memcpy: Duration,
     rows: &mut Vec<Row>,
 ) -> tensorferry::Result<()> {
     let device: Device = name.parse()?;
+    let with = |pinned: bool, staging: Staging| MoveOptions {
+        copy: true,
+        pinned,
+        staging,
+        ..Default::default()
+    };
+    let ring = Staging::Ring {
+        chunk_bytes: tensorferry::transfer::staging::AUTO_CHUNK_BYTES,
+        depth: tensorferry::transfer::staging::AUTO_DEPTH,
+    };
+    // The roofs: one buffer of the same bytes, device -> pinned host, pinned host -> device.
+    let total: usize = dict.tensor_refs().iter().map(|t| t.nbytes()).sum();
+    let blob = filled_as(DType::U8, &[total.max(1)], 7)?.to(device, false)?;
+    let move_one = |t: &Tensor, target: Device, options: MoveOptions| {
+        tensorferry::move_tensors(&[t], target, options).map(|mut v| v.remove(0))
+    };
+    let d2h = best(r, || {
+        move_one(&blob, Device::Cpu, with(true, Staging::Off)).map(drop)
+    })?;
+    let pinned_blob = move_one(&blob, Device::Cpu, with(true, Staging::Off))?;
+    let h2d = best(r, || {
+        move_one(&pinned_blob, device, with(false, Staging::Off)).map(drop)
+    })?;
+    let to_dev = Some(("1 copy from pinned", h2d));
+    let to_host = Some(("1 copy into pinned", d2h));
+
     let there = dict.to(device, false)?;
-    let t = best(r, || dict.to(device, true).map(drop))?;
+    let pinned_host = there.to_with(Device::Cpu, with(true, Staging::Off))?;
+    let plans: [Plan<'_>; 6] = [
+        (
+            "to host, pinned",
+            &there,
+            Device::Cpu,
+            with(true, Staging::Off),
+            to_host,
+        ),
+        (
+            "to host, staged",
+            &there,
+            Device::Cpu,
+            with(false, ring),
+            to_host,
+        ),
+        (
+            "to host, direct",
+            &there,
+            Device::Cpu,
+            with(false, Staging::Off),
+            to_host,
+        ),
+        (
+            "to device, from pinned",
+            &pinned_host,
+            device,
+            with(false, Staging::Off),
+            to_dev,
+        ),
+        ("to device, staged", dict, device, with(false, ring), to_dev),
+        (
+            "to device, direct",
+            dict,
+            device,
+            with(false, Staging::Off),
+            to_dev,
+        ),
+    ];
+    for (path, from, target, options, roof) in plans {
+        let time = best(r, || from.to_with(target, options).map(drop))?;
+        rows.push(Row { path, time, roof });
+    }
+    let t = best(r, || {
+        for t in there.tensor_refs() {
+            t.to(Device::Cpu, true)?;
+        }
+        Ok(())
+    })?;
     rows.push(Row {
-        path: "to device, one plan",
+        path: "to host, per tensor",
         time: t,
-        roof: Some(("memcpy, fresh buffer", memcpy)),
+        roof: to_host,
     });
     let t = best(r, || {
         for t in dict.tensor_refs() {
@@ -309,24 +446,7 @@ fn device_rows(
     rows.push(Row {
         path: "to device, per tensor",
         time: t,
-        roof: Some(("memcpy, fresh buffer", memcpy)),
-    });
-    let t = best(r, || there.to(Device::Cpu, false).map(drop))?;
-    rows.push(Row {
-        path: "to host, one plan",
-        time: t,
-        roof: Some(("memcpy, fresh buffer", memcpy)),
-    });
-    let t = best(r, || {
-        for t in there.tensor_refs() {
-            t.to(Device::Cpu, false)?;
-        }
-        Ok(())
-    })?;
-    rows.push(Row {
-        path: "to host, per tensor",
-        time: t,
-        roof: Some(("memcpy, fresh buffer", memcpy)),
+        roof: to_dev,
     });
     Ok(())
 }

@@ -94,6 +94,17 @@ impl Storage {
         self.len() == 0
     }
 
+    /// True for host memory of a pinned pool (the device copies it at the bus's speed).
+    pub fn is_pinned(&self) -> bool {
+        matches!(
+            self,
+            Storage::Incoming {
+                buffer: crate::memory::HostBuffer::Pinned(_),
+                ..
+            }
+        )
+    }
+
     /// True when the memory must not be written (a mapped file, a read-only array).
     pub fn is_read_only(&self) -> bool {
         match self {

@@ -324,6 +324,23 @@ fn a_failing_chunk_fails_the_staged_transfer_and_frees_everything() {
 }
 
 #[test]
+fn a_dictionary_moves_between_two_gpus() {
+    if cuda_missing() {
+        return;
+    }
+    if let Err(e) = Device::Cuda(1).ensure_available() {
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let d = many_tensors(50);
+    let on0 = d.to(Device::Cuda(0), false).unwrap();
+    let on1 = on0.to(Device::Cuda(1), false).unwrap();
+    assert_eq!(on1.device(), Some(Device::Cuda(1)));
+    let back = on1.to(Device::Cpu, false).unwrap();
+    assert_eq!(host_values(&back), host_values(&d));
+}
+
+#[test]
 fn cuda_batches_use_the_batched_copy_where_the_driver_has_it() {
     use tensorferry::backend::cuda::{status, CudaStatus};
     use tensorferry::backend::cuda_copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};

@@ -277,7 +277,9 @@ fn to_device(
     options: MoveOptions,
 ) -> Result<(Vec<Tensor>, Event)> {
     let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
-    let ring = (direction == Direction::HostToDevice)
+    // Sources already in pinned memory go straight to the device.
+    let pageable = sources.iter().any(|t| !t.storage().is_pinned());
+    let ring = (direction == Direction::HostToDevice && pageable)
         .then(|| options.staging.ring_for(&**backend, layout.total))
         .flatten();
     let mut memory = backend.alloc(layout.total)?;

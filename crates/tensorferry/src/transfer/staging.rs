@@ -40,7 +40,8 @@ pub enum Staging {
     Auto,
     /// Never: the device copies straight to or from ordinary memory.
     Off,
-    /// Always, through `depth` pinned buffers of `chunk_bytes` each.
+    /// Always (for host memory that is not pinned already), through `depth` pinned
+    /// buffers of `chunk_bytes` each.
     Ring {
         /// Bytes per chunk (and per pinned buffer).
         chunk_bytes: usize,
@@ -241,8 +242,10 @@ impl Transfer {
         let (runs, waits) = runs(&sources, layout)?;
         let chunks = chunks(&runs, ring.chunk_bytes);
         let pool = backend.pinned_pool()?;
+        // A transfer smaller than a chunk needs no more than its own size.
+        let buffer_bytes = ring.chunk_bytes.min(layout.total);
         let buffers = (0..ring.depth.min(chunks.len()))
-            .map(|_| pool.take(ring.chunk_bytes).map(Arc::new))
+            .map(|_| pool.take(buffer_bytes).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
         Ok(Transfer {
             backend,
