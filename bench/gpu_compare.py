@@ -121,10 +121,15 @@ def main():
     except ImportError:
         print("accelerate not installed: its row is left out")
     rows.append(("tensorferry to_host (torch out, pageable)", best(lambda: tf.to_host(d))))
+    rows.append(("tensorferry to_host staging='on'", best(lambda: tf.to_host(d, staging="on"))))
+    rows.append(("tensorferry to_host staging='off'", best(lambda: tf.to_host(d, staging="off"))))
+    rows.append(("tensorferry to_host pinned=True", best(lambda: tf.to_host(d, pinned=True))))
     rows.append(("tensorferry to_numpy", best(lambda: tf.to_numpy(d))))
     host = {k: v.cpu() for k, v in d.items()}
     rows.append(("H2D: torch loop {k: v.cuda()}", best(lambda: {k: v.cuda() for k, v in host.items()})))
     rows.append(("H2D: tensorferry to_device", best(lambda: tf.to_device(host, "cuda:0"))))
+    rows.append(("H2D: tensorferry staging='on'", best(lambda: tf.to_device(host, "cuda:0", staging="on"))))
+    rows.append(("H2D: tensorferry staging='off'", best(lambda: tf.to_device(host, "cuda:0", staging="off"))))
     print(f"{'path':<46} {'ms':>9} {'GB/s':>7} {'% roof':>7} {'us/leaf':>8}")
     for name, t in rows:
         print(f"{name:<46} {t * 1e3:>9.2f} {total / t / 1e9:>7.2f} {roof / t * 100:>6.0f}% "
