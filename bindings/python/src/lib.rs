@@ -250,6 +250,43 @@ fn from_numpy_many(arrays: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyTensor>> {
     })
 }
 
+/// Tensors viewing the memory of each DLPack capsule (`dltensor` or `dltensor_versioned`,
+/// e.g. from `torch.utils.dlpack.to_dlpack`), in order: one call for many leaves, without
+/// the per-leaf cost of a producer's `__dlpack__` method.
+#[pyfunction]
+fn from_dlpack_capsules(capsules: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyTensor>> {
+    guard(|| {
+        capsules
+            .iter()
+            .map(|c| dlpack::import_capsule(c).map(PyTensor::new))
+            .collect()
+    })
+}
+
+/// A legacy (`dltensor`) DLPack capsule for each tensor, in order, after its pending copy
+/// has finished (every consumer stream may use it at once). Read-only memory is copied:
+/// the legacy form cannot flag it.
+#[pyfunction]
+fn to_dlpack_capsules(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<Vec<Py<PyAny>>> {
+    guard(|| {
+        let inner: Vec<&tensorferry::Tensor> = tensors.iter().map(|t| &t.get().inner).collect();
+        py.detach(|| inner.iter().try_for_each(|t| t.wait()))
+            .py_err()?;
+        inner
+            .iter()
+            .map(|t| {
+                if matches!(t.device(), Device::Emulated(_)) {
+                    return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+                        "{} memory has no DLPack device: move it to the host first",
+                        t.device()
+                    )));
+                }
+                dlpack::export_capsule(py, t, false, true)
+            })
+            .collect()
+    })
+}
+
 /// The `__metadata__` of a safetensors file, reading the header only.
 #[pyfunction]
 fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, String>> {
@@ -274,6 +311,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_stream_synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(to_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(from_numpy_many, m)?)?;
+    m.add_function(wrap_pyfunction!(from_dlpack_capsules, m)?)?;
+    m.add_function(wrap_pyfunction!(to_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;
