@@ -809,3 +809,55 @@ pub extern "C" fn cuStreamWaitEvent(
     }
     SUCCESS
 }
+
+#[cfg(test)]
+mod tests {
+    //! The fake must catch what it claims to catch, or the suite run against it proves
+    //! nothing. One test: the sticky error it ends with is process-wide.
+    use super::*;
+
+    #[test]
+    fn the_fake_catches_bad_ranges_early_reads_and_use_after_free() {
+        unsafe {
+            assert_eq!(cuMemAlloc_v2(&mut 0, 16), NOT_INITIALIZED);
+            assert_eq!(cuInit(0), SUCCESS);
+            let mut ctx = std::ptr::null_mut();
+            assert_eq!(cuDevicePrimaryCtxRetain(&mut ctx, 0), SUCCESS);
+            assert_eq!(
+                cuMemAlloc_v2(&mut 0, 16),
+                INVALID_CONTEXT,
+                "no current context"
+            );
+            assert_eq!(cuCtxSetCurrent(ctx), SUCCESS);
+            let mut dev = 0u64;
+            assert_eq!(cuMemAlloc_v2(&mut dev, 4096), SUCCESS);
+            let host = vec![7u8; 4096];
+            // A device range past the allocation is refused.
+            assert_eq!(
+                cuMemcpyHtoD_v2(dev + 1, host.as_ptr().cast(), 4096),
+                INVALID_VALUE
+            );
+            // Asynchronous copies land late: reading before synchronising sees old bytes.
+            let mut stream = std::ptr::null_mut();
+            assert_eq!(cuStreamCreate(&mut stream, 0), SUCCESS);
+            let mut back = vec![0u8; 4096];
+            assert_eq!(cuMemcpyHtoD_v2(dev, host.as_ptr().cast(), 4096), SUCCESS);
+            for _ in 0..50 {
+                assert_eq!(
+                    cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), dev, 4096, stream),
+                    SUCCESS
+                );
+            }
+            assert_eq!(back[0], 0, "50 queued copies cannot all have run yet");
+            assert_eq!(cuStreamSynchronize(stream), SUCCESS);
+            assert_eq!(back, host);
+            // Freeing memory that queued copies still read is caught when they run.
+            for _ in 0..50 {
+                cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), dev, 4096, stream);
+            }
+            assert_eq!(cuMemFree_v2(dev), SUCCESS);
+            assert_eq!(cuStreamSynchronize(stream), ILLEGAL_ADDRESS);
+            assert_eq!(cuMemAlloc_v2(&mut 0, 16), ILLEGAL_ADDRESS, "sticky");
+        }
+    }
+}
