@@ -12,7 +12,7 @@ out="bench/results/$(date -u +%Y-%m-%d)-gpu.txt"
   # The engine suite on the real driver, a missing GPU being a failure; both copy paths.
   for path in auto per-copy; do
     echo "\$ TENSORFERRY_EXPECT_CUDA=1 TENSORFERRY_CUDA_COPY=$path cargo test -p tensorferry --test engine"
-    TENSORFERRY_EXPECT_CUDA=1 TENSORFERRY_CUDA_COPY=$path cargo test -q -p tensorferry --test engine
+    TENSORFERRY_EXPECT_CUDA=1 TENSORFERRY_CUDA_COPY=$path cargo test -q -p tensorferry --lib --test engine
   done
   ./target/debug/tensorferry info
   cargo build -q --release -p tensorferry-cli

@@ -19,7 +19,7 @@ mkdir -p target/fake-cuda
 cp target/debug/libtensorferry_fake_cuda.so target/fake-cuda/libcuda.so
 for version in 12080 12020; do
   LD_LIBRARY_PATH="$PWD/target/fake-cuda" TF_FAKE_CUDA_VERSION=$version TF_FAKE_CUDA_DEVICES=2 \
-    TENSORFERRY_EXPECT_CUDA=1 cargo test -q -p tensorferry --test engine
+    TENSORFERRY_EXPECT_CUDA=1 cargo test -q -p tensorferry --lib --test engine
   LD_LIBRARY_PATH="$PWD/target/fake-cuda" TF_FAKE_CUDA_VERSION=$version target/debug/tensorferry info
 done
 echo "== python package"; bash scripts/setup-python.sh

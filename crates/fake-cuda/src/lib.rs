@@ -96,6 +96,8 @@ fn state() -> MutexGuard<'static, State> {
 thread_local! {
     /// The current context: device ordinal + 1, or 0 for none.
     static CURRENT: Cell<usize> = const { Cell::new(0) };
+    /// Contexts under the current one, pushed by `cuCtxPushCurrent_v2`.
+    static STACK: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 fn context_handle(ordinal: usize) -> *mut c_void {
@@ -388,6 +390,51 @@ pub extern "C" fn cuCtxSetCurrent(ctx: *mut c_void) -> CUresult {
         }
         None => INVALID_CONTEXT,
     }
+}
+
+fn context_of(ctx: *mut c_void) -> Option<usize> {
+    (0..config().devices).find(|&d| context_handle(d) == ctx)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetCurrent(out: *mut *mut c_void) -> CUresult {
+    try_cu!(enter(&state(), false));
+    let current = CURRENT.with(Cell::get);
+    let handle = if current == 0 {
+        std::ptr::null_mut()
+    } else {
+        context_handle(current - 1)
+    };
+    // SAFETY: valid out pointer (driver API contract).
+    unsafe { *out = handle };
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxPushCurrent_v2(ctx: *mut c_void) -> CUresult {
+    try_cu!(enter(&state(), false));
+    let Some(d) = context_of(ctx) else {
+        return INVALID_CONTEXT;
+    };
+    STACK.with(|s| s.borrow_mut().push(CURRENT.with(Cell::get)));
+    CURRENT.with(|c| c.set(d + 1));
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxPopCurrent_v2(out: *mut *mut c_void) -> CUresult {
+    try_cu!(enter(&state(), false));
+    let current = CURRENT.with(Cell::get);
+    if current == 0 {
+        return INVALID_CONTEXT;
+    }
+    let below = STACK.with(|s| s.borrow_mut().pop()).unwrap_or(0);
+    CURRENT.with(|c| c.set(below));
+    if !out.is_null() {
+        // SAFETY: valid out pointer when not null (driver API contract).
+        unsafe { *out = context_handle(current - 1) };
+    }
+    SUCCESS
 }
 
 #[no_mangle]

@@ -41,7 +41,23 @@ unsafe impl Send for Context {}
 unsafe impl Sync for Context {}
 
 impl Context {
-    /// Makes the context current on the calling thread.
+    /// Makes the context current on the calling thread until the guard drops, then
+    /// restores the thread's previous context — so a user's thread (and what PyTorch
+    /// takes for its current device) is left as tensorferry found it.
+    pub(crate) fn enter(self, device: Device) -> Result<Current> {
+        // SAFETY: the handle came from `cuDevicePrimaryCtxRetain` and stays retained.
+        check(
+            unsafe { sys::cuCtxPushCurrent_v2(self.0) },
+            device,
+            "cuCtxPushCurrent",
+        )?;
+        Ok(Current {
+            _not_send: std::marker::PhantomData,
+        })
+    }
+
+    /// Makes the context current on the calling thread for good (tensorferry's own
+    /// threads only).
     pub(crate) fn make_current(self, device: Device) -> Result<()> {
         // SAFETY: the handle came from `cuDevicePrimaryCtxRetain` and stays retained.
         check(
@@ -49,6 +65,23 @@ impl Context {
             device,
             "cuCtxSetCurrent",
         )
+    }
+}
+
+/// A context pushed on the calling thread by [`Context::enter`]; popped when dropped, on
+/// the same thread (the guard cannot move to another).
+pub(crate) struct Current {
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        let mut previous: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `enter` pushed a context on this thread (the guard is not `Send`), so
+        // there is one to pop; `previous` is a live out pointer.
+        unsafe {
+            sys::cuCtxPopCurrent_v2(&mut previous);
+        }
     }
 }
 
@@ -121,8 +154,10 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         )?;
     }
     let context = Context(ctx);
-    context.make_current(name)?;
-    let queue = Arc::new(CopyQueue::new(name, driver_version_of(status()))?);
+    let queue = {
+        let _current = context.enter(name)?;
+        Arc::new(CopyQueue::new(name, driver_version_of(status()))?)
+    };
     let stream = StreamThread::spawn(name, move || {
         let _ = context.make_current(name);
     })?;
@@ -145,7 +180,7 @@ struct Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        if self.context.make_current(self.device).is_ok() {
+        if let Ok(_current) = self.context.enter(self.device) {
             // SAFETY: `address` came from `cuMemAlloc_v2` in this context and is freed once;
             // the engine drops it only after every batch using it has completed.
             unsafe {
@@ -188,7 +223,7 @@ impl Backend for CudaDevice {
                 Box::new(()),
             ));
         }
-        self.context.make_current(name)?;
+        let _current = self.context.enter(name)?;
         let mut address: sys::CUdeviceptr = 0;
         // SAFETY: the context is current; `address` is a live out pointer.
         let code = unsafe { sys::cuMemAlloc_v2(&mut address, len) };
@@ -280,4 +315,36 @@ pub fn stream_synchronize(handle: usize) -> Result<()> {
         Device::Cuda(0),
         "cuStreamSynchronize",
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn current() -> sys::CUcontext {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: the driver is loaded (the caller checked); live out pointer.
+        unsafe { sys::cuCtxGetCurrent(&mut ctx) };
+        ctx
+    }
+
+    #[test]
+    fn a_users_thread_keeps_its_current_context() {
+        if device(0).is_err() {
+            eprintln!("skipped: no CUDA driver");
+            return;
+        }
+        // A thread with no context, as PyTorch leaves its workers until they touch a GPU.
+        std::thread::spawn(|| {
+            assert!(current().is_null());
+            let host = crate::Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap();
+            let there = host.to(Device::Cuda(0), false).unwrap();
+            let back = there.to(Device::Cpu, false).unwrap();
+            drop(there);
+            assert_eq!(back.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+            assert!(current().is_null(), "tensorferry left a context current");
+        })
+        .join()
+        .unwrap();
+    }
 }

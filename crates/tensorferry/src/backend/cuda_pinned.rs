@@ -41,7 +41,7 @@ unsafe impl Sync for PinnedRelease {}
 
 impl Drop for PinnedRelease {
     fn drop(&mut self) {
-        if self.context.make_current(self.device).is_ok() {
+        if let Ok(_current) = self.context.enter(self.device) {
             // SAFETY: `ptr` came from `cuMemHostAlloc` and is freed once, after the pool
             // has given the block up.
             unsafe {
@@ -54,7 +54,7 @@ impl Drop for PinnedRelease {
 impl crate::memory::PinnedAllocator for CudaPinnedAllocator {
     fn alloc(&self, len: usize) -> Result<crate::memory::pinned::HostBlock> {
         let name = Backend::device(&*self.device);
-        self.device.context.make_current(name)?;
+        let _current = self.device.context.enter(name)?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: the context is current; `ptr` is a live out pointer.
         let code = unsafe { sys::cuMemHostAlloc(&mut ptr, len, sys::CU_MEMHOSTALLOC_PORTABLE) };
