@@ -657,6 +657,27 @@ pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(
     }
 }
 
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyAsync(
+    dst: u64,
+    src: u64,
+    len: usize,
+    stream: *mut c_void,
+) -> CUresult {
+    // SAFETY: forwarded contract of the driver API (unified addressing: either side may be
+    // host or device memory).
+    unsafe {
+        copy_async(
+            dst as usize,
+            Side::Any,
+            src as usize,
+            Side::Any,
+            len,
+            stream,
+        )
+    }
+}
+
 /// `CUmemcpyAttributes` as CUDA 12.8 lays it out.
 #[repr(C)]
 pub struct MemcpyAttributes {

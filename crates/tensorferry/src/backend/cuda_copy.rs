@@ -189,7 +189,10 @@ impl CopyQueue {
                     op.len,
                     s,
                 ),
-                Direction::DeviceToDevice => sys::cuMemcpyDtoDAsync_v2(
+                // The generic copy: under unified addressing the driver finds each side's
+                // GPU, so a source on another GPU is a peer copy (direct where the GPUs can
+                // reach each other, else through the host).
+                Direction::DeviceToDevice => sys::cuMemcpyAsync(
                     op.dst as sys::CUdeviceptr,
                     op.src as sys::CUdeviceptr,
                     op.len,
