@@ -293,6 +293,30 @@ test_device!(
     staged_sources_dropped_at_once_are_still_copied
 );
 
+fn large_staged_transfers_keep_every_value(dev: Device) {
+    // Chunks of 16 MiB: large enough that several host threads share each chunk's copy.
+    let mut d = TensorDict::new();
+    for i in 0..5 {
+        let data: Vec<u32> = (0..2_000_000u32).map(|x| x ^ (i << 24)).collect();
+        d.insert(
+            format!("big{i}"),
+            Tensor::from_slice(&data, &[2000, 1000]).unwrap(),
+        );
+    }
+    d.insert("strided", many_tensors(3));
+    let options = MoveOptions {
+        staging: Staging::Ring {
+            chunk_bytes: 16 << 20,
+            depth: 2,
+        },
+        ..Default::default()
+    };
+    let there = d.to_with(dev, options).unwrap();
+    let back = there.to_with(Device::Cpu, options).unwrap();
+    assert_eq!(host_values(&back), host_values(&d));
+}
+test_device!(large_staged, large_staged_transfers_keep_every_value);
+
 #[test]
 fn a_failing_chunk_fails_the_staged_transfer_and_frees_everything() {
     use tensorferry::backend::Backend;
