@@ -317,6 +317,58 @@ fn large_staged_transfers_keep_every_value(dev: Device) {
 }
 test_device!(large_staged, large_staged_transfers_keep_every_value);
 
+fn transposed_tensors_keep_their_values_both_ways(dev: Device) {
+    let data: Vec<f32> = (0..300 * 200).map(|x| x as f32).collect();
+    let m = Tensor::from_slice(&data, &[300, 200]).unwrap();
+    let mut d = TensorDict::new();
+    d.insert("t", m.transpose(0, 1).unwrap()); // 60,000 runs of 4 bytes
+    d.insert("every_other_row", m.step(0, 2).unwrap()); // 150 runs of 800 bytes
+    let expected = host_values(&d);
+    let there = d.to(dev, false).unwrap();
+    assert_eq!(host_values(&there), expected);
+    // A strided view of device memory back to the host.
+    let mut on_dev = TensorDict::new();
+    let whole = m.to(dev, false).unwrap();
+    on_dev.insert("t", whole.transpose(0, 1).unwrap());
+    on_dev.insert("every_other_row", whole.step(0, 2).unwrap());
+    let back = on_dev.to(Device::Cpu, false).unwrap();
+    assert_eq!(host_values(&back), expected);
+}
+test_device!(transposed, transposed_tensors_keep_their_values_both_ways);
+
+#[test]
+fn a_transposed_matrix_is_not_one_device_copy_per_element() {
+    with_emu1("", || {
+        let emu = emulated::device(1).unwrap();
+        let data: Vec<f32> = (0..300 * 200).map(|x| x as f32).collect();
+        let m = Tensor::from_slice(&data, &[300, 200]).unwrap();
+        let before = emu.ops();
+        let there = m.transpose(0, 1).unwrap().to(EMU1_DEV, false).unwrap();
+        assert_eq!(emu.ops() - before, 1, "packed on the host first");
+        let before = emu.ops();
+        let back = m
+            .to(EMU1_DEV, false)
+            .unwrap()
+            .transpose(0, 1)
+            .unwrap()
+            .to(Device::Cpu, false)
+            .unwrap();
+        assert_eq!(
+            emu.ops() - before,
+            2,
+            "one copy there, one of the span back"
+        );
+        assert_eq!(
+            back.to_vec::<f32>().unwrap(),
+            there
+                .to(Device::Cpu, false)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+        );
+    });
+}
+
 #[test]
 fn a_failing_chunk_fails_the_staged_transfer_and_frees_everything() {
     use tensorferry::backend::Backend;

@@ -101,6 +101,7 @@ pub struct EmulatedDevice {
     used: Arc<AtomicUsize>,
     allocations: AtomicU64,
     copies: AtomicU64,
+    ops: AtomicU64,
     stream: StreamThread,
     pool: Arc<PinnedPool>,
 }
@@ -147,6 +148,7 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         used: Arc::new(AtomicUsize::new(0)),
         allocations: AtomicU64::new(0),
         copies: AtomicU64::new(0),
+        ops: AtomicU64::new(0),
         stream,
         pool: PinnedPool::new(Box::new(PageableAllocator), PINNED_POOL_CAP),
     });
@@ -186,6 +188,11 @@ impl EmulatedDevice {
     /// Batches submitted since the device was created or last configured.
     pub fn batches(&self) -> u64 {
         self.copies.load(Ordering::SeqCst)
+    }
+
+    /// Copy operations submitted since the device was created (never reset).
+    pub fn ops(&self) -> u64 {
+        self.ops.load(Ordering::SeqCst)
     }
 
     fn config(&self) -> EmuConfig {
@@ -249,6 +256,7 @@ impl Backend for EmulatedDevice {
         let done = event.clone();
         let config = self.config();
         let n = self.copies.fetch_add(1, Ordering::SeqCst) + 1;
+        self.ops.fetch_add(batch.ops.len() as u64, Ordering::SeqCst);
         let name = Backend::device(self).to_string();
         let job: Job = Box::new(move || {
             let result = (|| {

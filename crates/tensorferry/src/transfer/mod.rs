@@ -25,6 +25,7 @@ use crate::memory::{AlignedBuffer, HostBuffer};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
+pub mod fragmented;
 pub mod staging;
 
 pub use staging::Staging;
@@ -69,9 +70,29 @@ pub fn move_tensors(
             None => groups.push((from, vec![i])),
         }
     }
+    // Fragmented sources are gathered on the host first; they may change group.
+    let mut prepared: Vec<Option<Tensor>> = vec![None; tensors.len()];
+    for (_, idx) in &groups {
+        for &i in idx {
+            prepared[i] = fragmented::prepare(tensors[i], target)?;
+        }
+    }
+    let mut regrouped: Vec<(Device, Vec<usize>)> = Vec::new();
+    for (_, idx) in groups {
+        for i in idx {
+            let from = prepared[i].as_ref().unwrap_or(tensors[i]).device();
+            match regrouped.iter_mut().find(|(d, _)| *d == from) {
+                Some((_, v)) => v.push(i),
+                None => regrouped.push((from, vec![i])),
+            }
+        }
+    }
     let mut events = Vec::new();
-    for (from, idx) in groups {
-        let sources: Vec<Tensor> = idx.iter().map(|&i| tensors[i].clone()).collect();
+    for (from, idx) in regrouped {
+        let sources: Vec<Tensor> = idx
+            .iter()
+            .map(|&i| prepared[i].clone().unwrap_or_else(|| tensors[i].clone()))
+            .collect();
         let moved = if from.is_host() && target.is_host() {
             let refs: Vec<&Tensor> = sources.iter().collect();
             pack(&refs)?
