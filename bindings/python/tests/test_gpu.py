@@ -132,3 +132,11 @@ def test_cuda_producers_are_given_the_stream_the_copies_run_on(cuda):
     (stream,) = producer.streams
     # DLPack: an int naming a CUDA stream; 0 is not allowed, 1 and 2 are default streams.
     assert isinstance(stream, int) and stream > 2
+
+
+def test_transposed_arrays_round_trip_through_the_gpu(cuda):
+    m = np.arange(300 * 200, dtype=np.float32).reshape(300, 200)
+    src = {"t": m.T, "rows": m[::2], "col": m[:, 7]}
+    back = tf.to_numpy(tf.to_host(tf.to_device(src, cuda, non_blocking=True), non_blocking=True))
+    for k, v in src.items():
+        np.testing.assert_array_equal(back[k], v)
