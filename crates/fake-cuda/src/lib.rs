@@ -906,24 +906,32 @@ mod tests {
                 INVALID_VALUE
             );
             // Asynchronous copies land late: reading before synchronising sees old bytes.
+            // A gate holds the stream so that nothing here depends on timing.
             let mut stream = std::ptr::null_mut();
             assert_eq!(cuStreamCreate(&mut stream, 0), SUCCESS);
+            let gate = || {
+                let gate = Arc::new(Event::default());
+                let s = state();
+                let st = stream_of(&s, stream).unwrap().unwrap();
+                st.push(Op::Wait(gate.clone(), 1));
+                gate
+            };
             let mut back = vec![0u8; 4096];
             assert_eq!(cuMemcpyHtoD_v2(dev, host.as_ptr().cast(), 4096), SUCCESS);
-            for _ in 0..50 {
-                assert_eq!(
-                    cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), dev, 4096, stream),
-                    SUCCESS
-                );
-            }
-            assert_eq!(back[0], 0, "50 queued copies cannot all have run yet");
+            let held = gate();
+            assert_eq!(
+                cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), dev, 4096, stream),
+                SUCCESS
+            );
+            assert_eq!(back[0], 0, "the copy is still queued");
+            held.complete(1);
             assert_eq!(cuStreamSynchronize(stream), SUCCESS);
             assert_eq!(back, host);
-            // Freeing memory that queued copies still read is caught when they run.
-            for _ in 0..50 {
-                cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), dev, 4096, stream);
-            }
+            // Freeing memory that a queued copy still reads is caught when it runs.
+            let held = gate();
+            cuMemcpyDtoHAsync_v2(back.as_mut_ptr().cast(), dev, 4096, stream);
             assert_eq!(cuMemFree_v2(dev), SUCCESS);
+            held.complete(1);
             assert_eq!(cuStreamSynchronize(stream), ILLEGAL_ADDRESS);
             assert_eq!(cuMemAlloc_v2(&mut 0, 16), ILLEGAL_ADDRESS, "sticky");
         }
