@@ -349,6 +349,23 @@ fn transposed_tensors_keep_their_values_both_ways(dev: Device) {
 }
 test_device!(transposed, transposed_tensors_keep_their_values_both_ways);
 
+fn a_device_dictionary_saves_and_loads(dev: Device) {
+    let d = sample();
+    let opts = MoveOptions {
+        copy: true,
+        non_blocking: true,
+        ..Default::default()
+    };
+    let there = d.to_with(dev, opts).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ckpt.safetensors");
+    tensorferry::save(&there, &path, &Default::default()).unwrap();
+    let (back, _) = tensorferry::load(&path, Default::default()).unwrap();
+    assert_eq!(host_values(&back), host_values(&d));
+    assert!(matches!(back.get("tag"), Some(Node::Value(_))));
+}
+test_device!(save_from_device, a_device_dictionary_saves_and_loads);
+
 #[test]
 fn a_transposed_matrix_is_not_one_device_copy_per_element() {
     with_emu1("", || {

@@ -41,9 +41,9 @@ pub fn save(dict: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) ->
 
 /// Saves a tree (dict, list or tuple at the root) as a safetensors file at `path`.
 ///
-/// Tensor names are the key paths joined with "."; two paths giving one name, a dtype
-/// the format cannot hold, or a tensor not on the host are errors, raised before the
-/// file is touched.
+/// Tensor names are the key paths joined with "."; two paths giving one name or a dtype
+/// the format cannot hold are errors, raised before the file is touched. Tensors on a
+/// device are copied to the host first, all in one planned transfer.
 pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
     let path = path.as_ref();
     if matches!(root, Node::Tensor(_) | Node::Value(_)) {
@@ -62,6 +62,13 @@ pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> 
     let tensors = root.tensors();
     let names = checked_names(&tensors)?;
     let header = build_header(root, &tensors, &names, &options.metadata);
+    // Same paths, dtypes and shapes: the header holds for the host copies.
+    let hosted = on_host(&tensors)?;
+    let tensors: Vec<(KeyPath, &Tensor)> = tensors
+        .iter()
+        .zip(&hosted)
+        .map(|((p, _), t)| (p.clone(), t))
+        .collect();
     write_atomically(path, options.fsync, |out| {
         out.write_all(&header)
             .map_err(|e| Error::io("write", path, e))?;
@@ -88,7 +95,17 @@ fn check_depth(node: &Node, depth: usize) -> Result<()> {
     }
 }
 
-/// The dotted name of each tensor; collisions, unsupported dtypes and device tensors fail.
+/// The tensors with those on a device copied to the host, in one planned transfer (host
+/// tensors are shared, not copied).
+fn on_host(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<Tensor>> {
+    let all: Vec<&Tensor> = tensors.iter().map(|(_, t)| *t).collect();
+    if all.iter().all(|t| t.device().is_host()) {
+        return Ok(all.into_iter().cloned().collect());
+    }
+    crate::transfer::move_tensors(&all, crate::Device::Cpu, Default::default())
+}
+
+/// The dotted name of each tensor; collisions and unsupported dtypes fail.
 fn checked_names(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<String>> {
     let mut seen: HashMap<String, &KeyPath> = HashMap::with_capacity(tensors.len());
     let mut names = Vec::with_capacity(tensors.len());
@@ -98,12 +115,6 @@ fn checked_names(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<String>> {
                 key: path.to_string(),
                 dtype: t.dtype().to_string(),
                 reason: "the safetensors format has no code for it".into(),
-            });
-        }
-        if !t.device().is_host() {
-            return Err(Error::DeviceUnavailable {
-                device: t.device().to_string(),
-                reason: format!("tensor {path} must be moved to the host before saving"),
             });
         }
         let name = path.dotted();
