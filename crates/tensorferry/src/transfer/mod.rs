@@ -242,6 +242,38 @@ fn submit(
     unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone()) };
 }
 
+/// Queues the copies of `sources` into `storage` (at `dst_base`, by `layout`): through
+/// the staging ring when there is one, else as one batch; `event` completes when done.
+#[allow(clippy::too_many_arguments)]
+fn fill(
+    backend: &Arc<dyn Backend>,
+    ring: Option<staging::Ring>,
+    direction: Direction,
+    sources: Vec<Tensor>,
+    layout: &PackedLayout,
+    storage: Arc<Storage>,
+    dst_base: *mut u8,
+    event: &Event,
+) -> Result<()> {
+    match ring {
+        Some(ring) => staging::start(
+            backend.clone(),
+            ring,
+            direction,
+            sources,
+            layout,
+            storage,
+            dst_base,
+            event,
+        ),
+        None => {
+            let batch = plan(direction, &sources, layout, dst_base)?;
+            submit(backend, batch, sources, storage, event);
+            Ok(())
+        }
+    }
+}
+
 /// Device → host: one host buffer for the group (ordinary memory, or a buffer of the
 /// device's pinned pool), filled by one batch on the source's stream — or through the
 /// staging ring when the buffer is ordinary memory and staging pays; the results wait for
@@ -262,30 +294,21 @@ fn to_host(
         HostBuffer::Pageable(AlignedBuffer::zeroed(layout.total)?)
     };
     let dst_base = buffer.as_mut_ptr();
-    if let Some(ring) = ring {
-        let storage = Arc::new(Storage::Incoming {
-            buffer,
-            ready: event.clone(),
-        });
-        let results = views(&storage, &sources, &layout)?;
-        staging::to_host(
-            backend.clone(),
-            ring,
-            sources,
-            &layout,
-            storage,
-            dst_base,
-            &event,
-        )?;
-        return Ok((results, event));
-    }
-    let batch = plan(Direction::DeviceToHost, &sources, &layout, dst_base)?;
     let storage = Arc::new(Storage::Incoming {
         buffer,
         ready: event.clone(),
     });
     let results = views(&storage, &sources, &layout)?;
-    submit(backend, batch, sources, storage, &event);
+    fill(
+        backend,
+        ring,
+        Direction::DeviceToHost,
+        sources,
+        &layout,
+        storage,
+        dst_base,
+        &event,
+    )?;
     Ok((results, event))
 }
 
@@ -309,19 +332,8 @@ fn to_device(
     let dst_base = memory.as_ptr() as *mut u8;
     let storage = Arc::new(Storage::Device(memory));
     let results = views(&storage, &sources, &layout)?;
-    if let Some(ring) = ring {
-        staging::to_device(
-            backend.clone(),
-            ring,
-            sources,
-            &layout,
-            storage,
-            dst_base,
-            &event,
-        )?;
-        return Ok((results, event));
-    }
-    let batch = plan(direction, &sources, &layout, dst_base)?;
-    submit(backend, batch, sources, storage, &event);
+    fill(
+        backend, ring, direction, sources, &layout, storage, dst_base, &event,
+    )?;
     Ok((results, event))
 }

@@ -365,15 +365,23 @@ impl Transfer {
     }
 }
 
-/// Starts the staging thread of one transfer, which completes `event` when done.
-fn start(
-    transfer: Transfer,
+/// Runs one transfer through `ring` on a staging thread of its own, which completes
+/// `event` when done: device → ordinary host memory, or ordinary host memory → a device,
+/// as `direction` says, into the memory at `base` (inside `dest`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start(
+    backend: Arc<dyn Backend>,
+    ring: Ring,
     direction: Direction,
-    chunk_bytes: usize,
+    sources: Vec<Tensor>,
+    layout: &PackedLayout,
+    dest: Arc<Storage>,
+    base: *mut u8,
     event: &Event,
 ) -> Result<()> {
+    let transfer = Transfer::prepare(backend, ring, sources, layout, dest, base)?;
     let event = event.clone();
-    let threads = crate::consolidate::threads_for(chunk_bytes);
+    let threads = crate::consolidate::threads_for(ring.chunk_bytes);
     std::thread::Builder::new()
         .name("tensorferry-staging".into())
         .spawn(move || {
@@ -389,34 +397,6 @@ fn start(
             device: "cpu".into(),
             reason: format!("cannot start a staging thread: {e}"),
         })
-}
-
-/// Device → ordinary host memory at `base` (inside `dest`) through `ring`.
-pub(crate) fn to_host(
-    backend: Arc<dyn Backend>,
-    ring: Ring,
-    sources: Vec<Tensor>,
-    layout: &PackedLayout,
-    dest: Arc<Storage>,
-    base: *mut u8,
-    event: &Event,
-) -> Result<()> {
-    let t = Transfer::prepare(backend, ring, sources, layout, dest, base)?;
-    start(t, Direction::DeviceToHost, ring.chunk_bytes, event)
-}
-
-/// Ordinary host memory → the device memory at `base` (inside `dest`) through `ring`.
-pub(crate) fn to_device(
-    backend: Arc<dyn Backend>,
-    ring: Ring,
-    sources: Vec<Tensor>,
-    layout: &PackedLayout,
-    dest: Arc<Storage>,
-    base: *mut u8,
-    event: &Event,
-) -> Result<()> {
-    let t = Transfer::prepare(backend, ring, sources, layout, dest, base)?;
-    start(t, Direction::HostToDevice, ring.chunk_bytes, event)
 }
 
 #[cfg(test)]
