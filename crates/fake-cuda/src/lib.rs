@@ -288,6 +288,21 @@ fn stream_of(s: &State, handle: *mut c_void) -> Result<Option<&'static Stream>, 
     Ok(Some(unsafe { &*(handle as *const Stream) }))
 }
 
+/// A synchronous copy: checked, then done at once.
+unsafe fn copy_sync(
+    dst: usize,
+    dst_side: Side,
+    src: usize,
+    src_side: Side,
+    len: usize,
+) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, true));
+    // SAFETY: forwarded contract of the driver API.
+    try_cu!(unsafe { copy_now(&s, dst, dst_side, src, src_side, len) });
+    SUCCESS
+}
+
 /// Queues a copy on `stream` (checked now and again when it runs), or runs it at once on
 /// the null stream.
 unsafe fn copy_async(
@@ -545,56 +560,20 @@ pub extern "C" fn cuMemHostUnregister(ptr: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> CUresult {
-    let s = state();
-    try_cu!(enter(&s, true));
     // SAFETY: forwarded contract of the driver API.
-    try_cu!(unsafe {
-        copy_now(
-            &s,
-            dst as usize,
-            Side::Device,
-            src as usize,
-            Side::Host,
-            len,
-        )
-    });
-    SUCCESS
+    unsafe { copy_sync(dst as usize, Side::Device, src as usize, Side::Host, len) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CUresult {
-    let s = state();
-    try_cu!(enter(&s, true));
     // SAFETY: forwarded contract of the driver API.
-    try_cu!(unsafe {
-        copy_now(
-            &s,
-            dst as usize,
-            Side::Host,
-            src as usize,
-            Side::Device,
-            len,
-        )
-    });
-    SUCCESS
+    unsafe { copy_sync(dst as usize, Side::Host, src as usize, Side::Device, len) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoD_v2(dst: u64, src: u64, len: usize) -> CUresult {
-    let s = state();
-    try_cu!(enter(&s, true));
     // SAFETY: forwarded contract of the driver API.
-    try_cu!(unsafe {
-        copy_now(
-            &s,
-            dst as usize,
-            Side::Device,
-            src as usize,
-            Side::Device,
-            len,
-        )
-    });
-    SUCCESS
+    unsafe { copy_sync(dst as usize, Side::Device, src as usize, Side::Device, len) }
 }
 
 #[no_mangle]

@@ -18,7 +18,12 @@ pub fn run() -> tensorferry::Result<()> {
             println!("cuda: driver {}", cuda::version_string(*driver_version));
             for (i, name) in gpus.iter().enumerate() {
                 match tensorferry::backend::cuda_device::device(i) {
-                    Ok(d) => println!("  cuda:{i}: {name}; copies: {}", d.copy_path()),
+                    Ok(d) => {
+                        println!("  cuda:{i}: {name}; copies: {}", d.copy_path());
+                        if let Some(reason) = d.copy_fallback() {
+                            println!("    batched copies given up: {reason}");
+                        }
+                    }
                     Err(e) => println!("  cuda:{i}: {name}; unusable: {e}"),
                 }
             }

@@ -47,6 +47,15 @@ fn cuda_missing() -> bool {
     }
 }
 
+/// Always copy, and return before the copies run.
+fn copy_non_blocking() -> MoveOptions {
+    MoveOptions {
+        copy: true,
+        non_blocking: true,
+        ..Default::default()
+    }
+}
+
 fn sample() -> TensorDict {
     let mut d = TensorDict::new();
     let m = Tensor::from_slice(&(0..12).map(|x| x as f32).collect::<Vec<_>>(), &[3, 4]).unwrap();
@@ -125,11 +134,7 @@ test_device!(one_buffer, one_plan_per_dictionary);
 
 fn non_blocking_results_read_correctly(dev: Device) {
     let d = sample();
-    let opts = MoveOptions {
-        copy: true,
-        non_blocking: true,
-        ..Default::default()
-    };
+    let opts = copy_non_blocking();
     let there = d.to_with(dev, opts).unwrap();
     let back = there.to_with(Device::Cpu, opts).unwrap();
     // No wait() call: reading must wait by itself.
@@ -166,11 +171,7 @@ fn many_tensors(count: usize) -> TensorDict {
 
 fn many_tensors_keep_their_values_both_ways(dev: Device) {
     let d = many_tensors(500);
-    let opts = MoveOptions {
-        copy: true,
-        non_blocking: true,
-        ..Default::default()
-    };
+    let opts = copy_non_blocking();
     let there = d.to_with(dev, opts).unwrap();
     let back = there.to_with(Device::Cpu, opts).unwrap();
     assert_eq!(host_values(&back), host_values(&d));
@@ -277,11 +278,7 @@ fn chained_non_blocking_transfers_wait_for_each_other(dev: Device) {
     // Each transfer depends on the one before; none may block a stream the previous one
     // still needs (staged and direct, in both orders).
     let d = many_tensors(200);
-    let direct = MoveOptions {
-        copy: true,
-        non_blocking: true,
-        ..Default::default()
-    };
+    let direct = copy_non_blocking();
     let a = d.to_with(dev, staged(true)).unwrap();
     let b = a.to_with(Device::Cpu, direct).unwrap();
     let c = b.to_with(dev, direct).unwrap();
@@ -351,11 +348,7 @@ test_device!(transposed, transposed_tensors_keep_their_values_both_ways);
 
 fn a_device_dictionary_saves_and_loads(dev: Device) {
     let d = sample();
-    let opts = MoveOptions {
-        copy: true,
-        non_blocking: true,
-        ..Default::default()
-    };
+    let opts = copy_non_blocking();
     let there = d.to_with(dev, opts).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ckpt.safetensors");

@@ -145,12 +145,7 @@ def from_native(tensor, kind, key=""):
     if _host_numpy(kind, tensor):
         return tensor_to_numpy(tensor, key)
     if kind == TORCH:
-        import torch
-
-        if tensor.is_read_only:
-            # PyTorch tensors are always writable: give it memory it may write.
-            tensor = tensor.copy()
-        return torch.from_dlpack(tensor)
+        return _torch_from_native_many([tensor])[0]
     if kind == JAX:
         import jax
 

@@ -285,6 +285,11 @@ impl CudaDevice {
         self.queue.stream_handle()
     }
 
+    /// Why this GPU gave up batched copies, if a batched call failed.
+    pub fn copy_fallback(&self) -> Option<String> {
+        self.queue.fallback_reason()
+    }
+
     /// How this GPU's batches are queued: batched where the driver allows it.
     pub fn copy_path(&self) -> CopyPath {
         self.queue.path()
