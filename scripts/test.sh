@@ -33,6 +33,17 @@ if target/debug/tensorferry info | grep -q "^cuda: unavailable"; then
   LD_LIBRARY_PATH="$PWD/target/fake-cuda" .venv/bin/python -m pytest bindings/python/tests -q -p no:cacheprovider
 fi
 
+# TensorFlow in an environment and a process of its own: TensorFlow and PyTorch can crash
+# when imported into one process.
+echo "== pytest with TensorFlow"
+if [ ! -x .venv-tf/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv-tf
+fi
+.venv-tf/bin/python -m pip install -q --upgrade pip
+.venv-tf/bin/python -m pip install -q "tensorflow-cpu==2.21.0" pytest hypothesis safetensors
+.venv-tf/bin/python -m pip install -q --force-reinstall --no-deps dist/tensorferry-*.whl
+.venv-tf/bin/python -m pytest bindings/python/tests-tensorflow -q -p no:cacheprovider
+
 # The oldest NumPy line the package supports (1.x; DLPack without max_version), with the
 # same wheel and the same tests (framework tests skip: no torch or JAX in this environment).
 echo "== pytest with NumPy 1.x"

@@ -24,7 +24,7 @@ exception_class!(device_error, "DeviceUnavailableError");
 exception_class!(oom_error, "OutOfMemoryError");
 exception_class!(invalid_device_error, "InvalidDeviceError");
 exception_class!(key_error, "TensorferryKeyError");
-exception_class!(io_error, "TensorferryIOError");
+exception_class!(overflow_error, "TensorferryOverflowError");
 
 /// Converts a library error into the matching Python exception.
 pub fn to_py(err: Error) -> PyErr {
@@ -40,15 +40,8 @@ pub fn to_py(err: Error) -> PyErr {
             Error::OutOfMemory { .. } => oom_error(py),
             Error::InvalidDevice { .. } => invalid_device_error(py),
             Error::KeyNotFound { .. } => key_error(py),
-            Error::Io { source, path, .. } => {
-                let errno = source.raw_os_error().unwrap_or(0);
-                return match io_error(py) {
-                    Ok(cls) => PyErr::from_type(
-                        cls.clone(),
-                        (errno, message, path.to_string_lossy().into_owned()),
-                    ),
-                    Err(e) => e,
-                };
+            Error::Io { op, source, path } => {
+                return io_err(py, op, source, path).unwrap_or_else(|e| e);
             }
             _ => base_error(py),
         };
@@ -56,6 +49,33 @@ pub fn to_py(err: Error) -> PyErr {
             Ok(cls) => PyErr::from_type(cls.clone(), message),
             Err(e) => e,
         }
+    })
+}
+
+/// The `OSError` subclass Python picks for the errno (`FileNotFoundError`, …), made a
+/// `TensorferryIOError` too by `tensorferry._errors.io_error`, with errno, text and path.
+fn io_err(
+    py: Python<'_>,
+    op: &str,
+    source: &std::io::Error,
+    path: &std::path::Path,
+) -> PyResult<PyErr> {
+    static MAKE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let make = MAKE.import(py, "tensorferry._errors", "io_error")?;
+    let errno = source.raw_os_error().unwrap_or(0);
+    let text = source.to_string();
+    let text = text
+        .strip_suffix(&format!(" (os error {errno})"))
+        .unwrap_or(&text);
+    let exc = make.call1((errno, format!("{op}: {text}"), path.as_os_str()))?;
+    Ok(PyErr::from_value(exc))
+}
+
+/// A `TensorferryOverflowError` (also an `OverflowError`) with a message.
+pub fn overflow_err(message: String) -> PyErr {
+    Python::attach(|py| match overflow_error(py) {
+        Ok(cls) => PyErr::from_type(cls.clone(), message),
+        Err(e) => e,
     })
 }
 

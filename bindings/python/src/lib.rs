@@ -1,11 +1,13 @@
 //! The native core of the `tensorferry` Python package: a thin adapter that converts
 //! Python objects and errors; every behaviour lives in the `tensorferry` crate.
 
+mod cai;
 mod dlpack;
 mod errors;
 mod numpy_interop;
 mod tensor;
 mod tree;
+mod wait;
 mod walk;
 
 use std::collections::BTreeMap;
@@ -90,9 +92,7 @@ fn move_tensors(
             pinned,
             staging: parse_staging(staging.as_ref())?,
         };
-        let moved = py
-            .detach(|| tensorferry::move_tensors(&refs, target, options))
-            .py_err()?;
+        let moved = wait::move_tensors(py, &refs, target, options)?;
         Ok(moved.into_iter().map(PyTensor::new).collect())
     })
 }
@@ -178,6 +178,10 @@ fn save(
 ) -> PyResult<()> {
     guard(|| {
         let root = tree::node_from_py(tree, &mut Vec::new())?;
+        // Wait here, interruptibly, for copies still filling the tensors: the writer
+        // would wait for them without checking for signals.
+        let tensors = root.tensors();
+        wait::wait_all(py, tensors.iter().map(|(_, t)| *t))?;
         let options = SaveOptions {
             metadata: metadata.unwrap_or_default(),
             fsync,
@@ -270,8 +274,7 @@ fn from_dlpack_capsules(capsules: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyTenso
 fn to_dlpack_capsules(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<Vec<Py<PyAny>>> {
     guard(|| {
         let inner: Vec<&tensorferry::Tensor> = tensors.iter().map(|t| &t.get().inner).collect();
-        py.detach(|| inner.iter().try_for_each(|t| t.wait()))
-            .py_err()?;
+        wait::wait_all(py, inner.iter().copied())?;
         inner
             .iter()
             .map(|t| {
@@ -284,6 +287,27 @@ fn to_dlpack_capsules(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<Ve
                 dlpack::export_capsule(py, t, false, true)
             })
             .collect()
+    })
+}
+
+/// A tensor viewing the CUDA memory an object describes with `__cuda_array_interface__`
+/// (Numba, CuPy, …), after synchronising on the producer's stream if it names one.
+#[pyfunction]
+fn from_cuda_array_interface(obj: &Bound<'_, PyAny>) -> PyResult<PyTensor> {
+    guard(|| cai::import(obj).map(PyTensor::new))
+}
+
+/// The device ("cuda:N") of the memory an object describes with `__cuda_array_interface__`.
+#[pyfunction]
+fn cuda_array_interface_device(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    guard(|| {
+        let iface = obj.getattr("__cuda_array_interface__")?;
+        let (address, _): (usize, bool) = iface.get_item("data")?.extract()?;
+        if address == 0 {
+            return Ok("cuda:0".into());
+        }
+        let dev = tensorferry::backend::cuda_device::pointer_device(address).py_err()?;
+        Ok(Device::Cuda(dev).to_string())
     })
 }
 
@@ -316,8 +340,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_array_interface_device, m)?)?;
     m.add_function(wrap_pyfunction!(walk::collect_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(walk::rebuild, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("MAX_DEPTH", walk::MAX_DEPTH)?;
     Ok(())
 }

@@ -158,12 +158,12 @@ pub fn tensor_to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py
     let t = &tensor.get().inner;
     if !t.device().is_host() {
         // Device memory: copy to the host (after the copies queued into it), then view that.
-        let host = py.detach(|| t.to(Device::Cpu, false)).py_err()?;
+        let host = crate::wait::move_tensors(py, &[t], Device::Cpu, Default::default())?;
+        let host = host.into_iter().next().expect("one result per source");
         return tensor_to_array(&Bound::new(py, PyTensor::new(host))?);
     }
-    if !t.is_ready() {
-        py.detach(|| t.wait()).py_err()?;
-    }
+    // Always: a failed copy is "ready" too, and must raise, never show its buffer.
+    crate::wait::wait_all(py, [t])?;
     let descr = descr_for(py, t.dtype())?;
     let size = t.dtype().size() as isize;
     let mut dims: Vec<npy_intp> = t.shape().iter().map(|&d| d as npy_intp).collect();

@@ -86,8 +86,7 @@ impl PyTensor {
     /// Waits until every copy into this tensor's memory has finished (non-blocking moves
     /// return before); raises the copy's error if it failed. Returns the tensor.
     fn wait(slf: &Bound<'_, Self>) -> PyResult<Py<PyTensor>> {
-        let t = slf.get().inner.clone();
-        slf.py().detach(|| t.wait()).py_err()?;
+        crate::wait::wait_all(slf.py(), [&slf.get().inner])?;
         Ok(slf.clone().unbind())
     }
 
@@ -142,7 +141,7 @@ impl PyTensor {
                 self.inner.device()
             )));
         }
-        py.detach(|| self.inner.wait()).py_err()?;
+        crate::wait::wait_all(py, [&self.inner])?;
         if let Some(dev) = dl_device {
             if dev != self.__dlpack_device__() {
                 return Err(PyBufferError::new_err(format!(
@@ -160,6 +159,17 @@ impl PyTensor {
         dlpack::export_capsule(py, &source, versioned, copy != Some(false))
     }
 
+    /// The CUDA Array Interface (version 3) of a tensor in CUDA memory, for consumers such
+    /// as Numba (`numba.cuda.as_cuda_array(t)`), after every pending copy into it has
+    /// finished. Tensors elsewhere have none (`hasattr` is false).
+    #[getter]
+    fn __cuda_array_interface__<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        crate::cai::export(py, &self.inner)
+    }
+
     /// The DLPack device: (1, 0) for the host, (2, N) for CUDA device N.
     fn __dlpack_device__(&self) -> (i32, i32) {
         let d = tensorferry::dlpack::dl_device(self.inner.device());
@@ -168,6 +178,7 @@ impl PyTensor {
 
     /// A copy that shares no memory with this tensor (contiguous).
     fn copy(&self, py: Python<'_>) -> PyResult<PyTensor> {
+        crate::wait::wait_all(py, [&self.inner])?;
         py.detach(|| self.inner.deep_copy())
             .py_err()
             .map(PyTensor::new)
@@ -177,9 +188,14 @@ impl PyTensor {
     #[pyo3(signature = (device, *, copy=false))]
     fn to(&self, py: Python<'_>, device: &str, copy: bool) -> PyResult<PyTensor> {
         let device: Device = device.parse().py_err()?;
-        py.detach(|| self.inner.to(device, copy))
-            .py_err()
-            .map(PyTensor::new)
+        let options = tensorferry::MoveOptions {
+            copy,
+            ..Default::default()
+        };
+        let moved = crate::wait::move_tensors(py, &[&self.inner], device, options)?;
+        Ok(PyTensor::new(
+            moved.into_iter().next().expect("one result per source"),
+        ))
     }
 
     /// Imports any object exporting DLPack (PyTorch, JAX, CuPy, NumPy) without copying.

@@ -18,8 +18,33 @@ fn invalid(path: &[String], reason: String) -> PyErr {
     })
 }
 
+/// Text of a key or value as UTF-8; a string that cannot be (a lone surrogate, as
+/// `os.fsdecode` makes of undecodable bytes) is a `FormatError` naming the key.
+fn utf8(s: &Bound<'_, PyString>, path: &[String], what: &str) -> PyResult<String> {
+    match s.to_cow() {
+        Ok(text) => Ok(text.into_owned()),
+        Err(_) => Err(invalid(
+            path,
+            format!(
+                "{what} {} is not valid Unicode (it holds a lone surrogate) and cannot be \
+                 stored in a file",
+                s.repr().map(|r| r.to_string()).unwrap_or_default()
+            ),
+        )),
+    }
+}
+
 /// The tree of a Python object; `path` is the key path so far, for error messages.
 pub fn node_from_py(obj: &Bound<'_, PyAny>, path: &mut Vec<String>) -> PyResult<Node> {
+    if path.len() > crate::walk::MAX_DEPTH {
+        return Err(invalid(
+            path,
+            format!(
+                "nested deeper than {} levels, the most tensorferry walks",
+                crate::walk::MAX_DEPTH
+            ),
+        ));
+    }
     if let Ok(t) = obj.cast::<PyTensor>() {
         return Ok(Node::Tensor(t.get().inner.clone()));
     }
@@ -27,7 +52,7 @@ pub fn node_from_py(obj: &Bound<'_, PyAny>, path: &mut Vec<String>) -> PyResult<
         let mut out = TensorDict::new();
         for (k, v) in d.iter() {
             let key: String = match k.cast::<PyString>() {
-                Ok(s) => s.to_cow()?.into_owned(),
+                Ok(s) => utf8(s, path, "the key")?,
                 Err(_) => {
                     return Err(invalid(
                         path,
@@ -61,13 +86,19 @@ pub fn node_from_py(obj: &Bound<'_, PyAny>, path: &mut Vec<String>) -> PyResult<
         return obj
             .extract::<i64>()
             .map(|i| Node::Value(Value::Int(i)))
-            .map_err(|_| invalid(path, "integer does not fit in 64 bits".into()));
+            .map_err(|_| {
+                crate::errors::overflow_err(format!(
+                    "cannot handle the value at {:?}: the integer {} does not fit in 64 bits",
+                    path.join("/"),
+                    obj.repr().map(|r| r.to_string()).unwrap_or_default()
+                ))
+            });
     }
     if let Ok(f) = obj.cast::<PyFloat>() {
         return Ok(Node::Value(Value::Float(f.value())));
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(Node::Value(Value::Str(s.to_cow()?.into_owned())));
+        return Ok(Node::Value(Value::Str(utf8(s, path, "the string")?)));
     }
     Err(invalid(
         path,

@@ -2,13 +2,23 @@
 //! up nearly every tree (exact dict, list and tuple); any other container (a Mapping
 //! subclass, a namedtuple) is handed back to the Python implementation for its subtree,
 //! so the rules stay in one place: `tensorferry._tree`.
+//!
+//! Both passes are bounded: a structure nested deeper than [`MAX_DEPTH`] levels, or one
+//! that contains itself, is a `FormatError` naming where, never a stack overflow. A dict
+//! is walked from a snapshot (`dict.copy()`), so another thread changing it while Python
+//! code runs (`kind_of`, a Mapping's methods) cannot break the iteration.
 
 use crate::numpy_interop::{is_exact_ndarray, is_ndarray};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
+use crate::errors::to_py;
 use crate::tensor::PyTensor;
+
+/// The deepest nesting of containers the walkers accept (the Python rules in
+/// `tensorferry._tree` use the same number, read from `_native.MAX_DEPTH`).
+pub const MAX_DEPTH: usize = 200;
 
 fn python_tree(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
     static M: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
@@ -27,6 +37,60 @@ fn is_plain(obj: &Bound<'_, PyAny>) -> bool {
         || obj.is_exact_instance_of::<PyBool>()
 }
 
+/// A key path for messages, "a/b/0", shortened in the middle when very deep.
+pub fn shown_path(path: &[Bound<'_, PyAny>]) -> String {
+    let part = |p: &Bound<'_, PyAny>| p.str().map(|s| s.to_string()).unwrap_or_default();
+    if path.len() <= 12 {
+        return path.iter().map(part).collect::<Vec<_>>().join("/");
+    }
+    let head: Vec<String> = path[..5].iter().map(part).collect();
+    let tail: Vec<String> = path[path.len() - 5..].iter().map(part).collect();
+    format!(
+        "{}/…({} more)…/{}",
+        head.join("/"),
+        path.len() - 10,
+        tail.join("/")
+    )
+}
+
+fn invalid(path: &[Bound<'_, PyAny>], reason: String) -> PyErr {
+    to_py(tensorferry::Error::InvalidValue {
+        key: shown_path(path),
+        reason,
+    })
+}
+
+/// The ids of the containers enclosing the current position, to refuse cycles and depth.
+#[derive(Default)]
+struct Ancestors(Vec<usize>);
+
+impl Ancestors {
+    /// Enters `obj` (a container) at `path`: an error if it encloses itself or is too deep.
+    fn enter(&mut self, obj: &Bound<'_, PyAny>, path: &[Bound<'_, PyAny>]) -> PyResult<()> {
+        let id = obj.as_ptr() as usize;
+        if self.0.contains(&id) {
+            return Err(invalid(
+                path,
+                "the structure contains itself here (a container inside itself); \
+                 tensorferry needs a tree"
+                    .into(),
+            ));
+        }
+        if self.0.len() >= MAX_DEPTH {
+            return Err(invalid(
+                path,
+                format!("nested deeper than {MAX_DEPTH} levels, the most tensorferry walks"),
+            ));
+        }
+        self.0.push(id);
+        Ok(())
+    }
+
+    fn leave(&mut self) {
+        self.0.pop();
+    }
+}
+
 /// `[(path, leaf)]` for every tensor leaf (as `kind_of` says) in traversal order; NumPy
 /// arrays are left out when `skip_numpy` (for callers that have nothing to do on them).
 #[pyfunction]
@@ -38,9 +102,10 @@ pub fn collect_tensors<'py>(
 ) -> PyResult<Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>> {
     let mut out = Vec::new();
     let mut path: Vec<Bound<'py, PyAny>> = Vec::new();
-    let walker = Walker {
+    let mut walker = Walker {
         kind_of,
         skip_numpy,
+        ancestors: Ancestors::default(),
     };
     walker.collect(obj, &mut path, &mut out)?;
     Ok(out)
@@ -49,30 +114,37 @@ pub fn collect_tensors<'py>(
 struct Walker<'a, 'py> {
     kind_of: &'a Bound<'py, PyAny>,
     skip_numpy: bool,
+    ancestors: Ancestors,
 }
 
 impl<'py> Walker<'_, 'py> {
     fn collect(
-        &self,
+        &mut self,
         obj: &Bound<'py, PyAny>,
         path: &mut Vec<Bound<'py, PyAny>>,
         out: &mut Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
     ) -> PyResult<()> {
         let py = obj.py();
         if let Ok(d) = obj.cast_exact::<PyDict>() {
-            for (k, v) in d.iter() {
+            self.ancestors.enter(obj, path)?;
+            for (k, v) in d.copy()?.iter() {
                 path.push(k);
                 self.collect(&v, path, out)?;
                 path.pop();
             }
+            self.ancestors.leave();
             return Ok(());
         }
         if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
+            self.ancestors.enter(obj, path)?;
+            // A list is read by index against its length at each step: safe whatever
+            // another thread does to it meanwhile.
             for (i, v) in obj.try_iter()?.enumerate() {
                 path.push(i.into_pyobject(py)?.into_any());
                 self.collect(&v?, path, out)?;
                 path.pop();
             }
+            self.ancestors.leave();
             return Ok(());
         }
         if obj.is_exact_instance_of::<PyTensor>() {
@@ -92,10 +164,13 @@ impl<'py> Walker<'_, 'py> {
             out.push((PyTuple::new(py, path.iter())?, obj.clone()));
             return Ok(());
         }
-        // Some other container (or an unknown leaf): the Python rules decide.
+        // Some other container (or an unknown leaf): the Python rules decide, with the
+        // depth left and the ancestors so far.
         let select = python_tree(py)?.getattr("select_tensors")?;
         let prefix = PyTuple::new(py, path.iter())?;
-        let found = python_tree(py)?.call_method1("collect", (obj, select, prefix))?;
+        let ancestors = PyTuple::new(py, self.ancestors.0.iter())?;
+        let found = python_tree(py)?
+            .call_method1("collect", (obj, select, prefix, py.None(), ancestors))?;
         for item in found.try_iter()? {
             let (p, leaf): (Bound<'py, PyTuple>, Bound<'py, PyAny>) = item?.extract()?;
             if !(self.skip_numpy && is_ndarray(&leaf)?) {
@@ -108,44 +183,116 @@ impl<'py> Walker<'_, 'py> {
 
 /// A new structure like `obj` with each object whose `id` is a key of `replacements`
 /// swapped for its value; every other leaf is the very same object.
-/// With `plain`, every container becomes a dict, list or tuple.
+/// With `plain`, every container becomes a dict, list or tuple. With `strict` (the
+/// `kind_of` of the call), a tensor leaf that has no replacement is an error: it appeared
+/// after the leaves were collected, so another thread changed the structure meanwhile
+/// (NumPy arrays are exempt when `skip_numpy`, as in `collect_tensors`).
 #[pyfunction]
-#[pyo3(signature = (obj, replacements, plain=false))]
+#[pyo3(signature = (obj, replacements, plain=false, strict=None, skip_numpy=false))]
 pub fn rebuild<'py>(
     obj: &Bound<'py, PyAny>,
     replacements: &Bound<'py, PyDict>,
     plain: bool,
+    strict: Option<Bound<'py, PyAny>>,
+    skip_numpy: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let py = obj.py();
-    if !replacements.is_empty() {
-        let id = obj.as_ptr() as usize;
-        if let Some(r) = replacements.get_item(id)? {
-            return Ok(r);
+    let mut r = Rebuilder {
+        replacements,
+        plain,
+        strict,
+        skip_numpy,
+        ancestors: Ancestors::default(),
+        path: Vec::new(),
+    };
+    r.rebuild(obj)
+}
+
+struct Rebuilder<'a, 'py> {
+    replacements: &'a Bound<'py, PyDict>,
+    plain: bool,
+    strict: Option<Bound<'py, PyAny>>,
+    skip_numpy: bool,
+    ancestors: Ancestors,
+    path: Vec<Bound<'py, PyAny>>,
+}
+
+impl<'py> Rebuilder<'_, 'py> {
+    fn rebuild(&mut self, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let py = obj.py();
+        if !self.replacements.is_empty() {
+            let id = obj.as_ptr() as usize;
+            if let Some(r) = self.replacements.get_item(id)? {
+                return Ok(r);
+            }
         }
-    }
-    if let Ok(d) = obj.cast_exact::<PyDict>() {
-        let out = PyDict::new(py);
-        for (k, v) in d.iter() {
-            out.set_item(k, rebuild(&v, replacements, plain)?)?;
+        if let Ok(d) = obj.cast_exact::<PyDict>() {
+            self.ancestors.enter(obj, &self.path)?;
+            let out = PyDict::new(py);
+            for (k, v) in d.copy()?.iter() {
+                self.path.push(k.clone());
+                let value = self.rebuild(&v)?;
+                self.path.pop();
+                out.set_item(k, value)?;
+            }
+            self.ancestors.leave();
+            return Ok(out.into_any());
         }
-        return Ok(out.into_any());
+        let exact_list = obj.is_exact_instance_of::<PyList>();
+        if exact_list || obj.is_exact_instance_of::<PyTuple>() {
+            self.ancestors.enter(obj, &self.path)?;
+            let mut items = Vec::new();
+            for (i, v) in obj.try_iter()?.enumerate() {
+                self.path.push(i.into_pyobject(py)?.into_any());
+                items.push(self.rebuild(&v?)?);
+                self.path.pop();
+            }
+            self.ancestors.leave();
+            return Ok(if exact_list {
+                PyList::new(py, items)?.into_any()
+            } else {
+                PyTuple::new(py, items)?.into_any()
+            });
+        }
+        if is_plain(obj) {
+            return Ok(obj.clone());
+        }
+        let native = obj.is_exact_instance_of::<PyTensor>();
+        let ndarray = !native && is_exact_ndarray(obj)?;
+        if native || ndarray {
+            if self.strict.is_some() && (native || !self.skip_numpy) {
+                return Err(self.changed());
+            }
+            return Ok(obj.clone());
+        }
+        if let Some(kind_of) = &self.strict {
+            if !kind_of.call1((obj,))?.is_none() {
+                if self.skip_numpy && is_ndarray(obj)? {
+                    return Ok(obj.clone());
+                }
+                return Err(self.changed());
+            }
+        }
+        let ancestors = PyTuple::new(py, self.ancestors.0.iter())?;
+        let prefix = PyTuple::new(py, self.path.iter())?;
+        python_tree(py)?.call_method1(
+            "rebuild",
+            (
+                obj,
+                self.replacements,
+                self.plain,
+                ancestors,
+                prefix,
+                self.strict.clone(),
+                self.skip_numpy,
+            ),
+        )
     }
-    if let Ok(l) = obj.cast_exact::<PyList>() {
-        let items = l
-            .iter()
-            .map(|v| rebuild(&v, replacements, plain))
-            .collect::<PyResult<Vec<_>>>()?;
-        return Ok(PyList::new(py, items)?.into_any());
+
+    fn changed(&self) -> PyErr {
+        pyo3::exceptions::PyRuntimeError::new_err(format!(
+            "the structure changed during the call at {:?}: a tensor appeared that was not \
+             there when its leaves were collected (another thread modified it?)",
+            shown_path(&self.path)
+        ))
     }
-    if let Ok(t) = obj.cast_exact::<PyTuple>() {
-        let items = t
-            .iter()
-            .map(|v| rebuild(&v, replacements, plain))
-            .collect::<PyResult<Vec<_>>>()?;
-        return Ok(PyTuple::new(py, items)?.into_any());
-    }
-    if is_plain(obj) || obj.is_exact_instance_of::<PyTensor>() || is_exact_ndarray(obj)? {
-        return Ok(obj.clone());
-    }
-    python_tree(py)?.call_method1("rebuild", (obj, replacements, plain))
 }

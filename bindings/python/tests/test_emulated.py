@@ -177,3 +177,84 @@ def test_a_staged_non_blocking_chain_reads_correctly(emu1):
     back = tf.to_numpy(tf.to_host(there, non_blocking=True, staging=(8192, 3)))
     for i in range(50):
         np.testing.assert_array_equal(back[f"t{i}"], src[f"t{i}"])
+
+
+def _failed_non_blocking_result(direction):
+    """A result whose non-blocking copy failed: device to host, or host to device."""
+    src = np.arange(1000, dtype=np.float32)
+    if direction == "to_host":
+        on_device = tf.to_device({"x": src}, "emu:1")["x"]
+        tf.configure_emulated(1, fail_copy=1, latency_us=20_000)
+        return tf.to_host({"x": on_device}, non_blocking=True)["x"]
+    tf.configure_emulated(1, fail_copy=1, latency_us=20_000)
+    return tf.to_device({"x": src}, "emu:1", non_blocking=True)["x"]
+
+
+READS = {
+    "numpy()": lambda t, p: t.numpy(),
+    "np.asarray": lambda t, p: np.asarray(t),
+    "to_numpy": lambda t, p: tf.to_numpy({"x": t}),
+    "dlpack": lambda t, p: np.from_dlpack(t),
+    "save": lambda t, p: tf.save({"x": t}, p),
+    "wait": lambda t, p: t.wait(),
+    "to_host": lambda t, p: tf.to_host({"x": t}, copy=True),
+    "copy": lambda t, p: t.copy(),
+}
+
+
+@pytest.mark.parametrize("when", ["still running", "already failed"])
+@pytest.mark.parametrize("direction", ["to_host", "to_device"])
+@pytest.mark.parametrize("read", READS)
+def test_every_read_of_a_failed_non_blocking_copy_raises_its_error(emu1, direction, read, when, tmp_path):
+    import time
+
+    if direction == "to_device" and read in ("dlpack",):
+        pytest.skip("emulated memory has no DLPack device")
+    result = _failed_non_blocking_result(direction)
+    if when == "already failed":
+        deadline = time.monotonic() + 10
+        while not result.is_ready and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert result.is_ready
+    else:
+        assert not result.is_ready
+    p = tmp_path / "f.safetensors"
+    with pytest.raises(tf.TensorferryError, match="emu:1") as info:
+        READS[read](result, p)
+    assert "fail" in str(info.value)
+    assert not p.exists()
+
+
+def _interrupt_soon(seconds=0.2):
+    import _thread
+    import threading
+
+    timer = threading.Timer(seconds, _thread.interrupt_main)
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("wait", ["wait", "numpy", "blocking to_host", "blocking to_device"])
+def test_ctrl_c_interrupts_a_wait_and_reaches_the_user_as_itself(emu1, wait):
+    import time
+
+    tf.configure_emulated(1, latency_us=1_500_000)
+    src = {"x": np.arange(4.0)}
+    pending = tf.to_device(src, "emu:1", non_blocking=True)["x"]
+    calls = {
+        "wait": lambda: pending.wait(),
+        "numpy": lambda: pending.numpy(),
+        "blocking to_host": lambda: tf.to_host({"x": pending}),
+        "blocking to_device": lambda: tf.to_device(src, "emu:1"),
+    }
+    timer = _interrupt_soon()
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            calls[wait]()
+        assert not isinstance(info.value, tf.TensorferryError)
+        assert time.monotonic() - start < 1.2, "interrupted well before the copy ended"
+    finally:
+        timer.cancel()
+    # The copy went on in the background and completes correctly.
+    np.testing.assert_array_equal(pending.numpy(), src["x"])

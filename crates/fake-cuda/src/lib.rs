@@ -16,7 +16,12 @@
 //!
 //! Configuration, read once: `TF_FAKE_CUDA_DEVICES` (default 1), `TF_FAKE_CUDA_VERSION`
 //! (default 12080), `TF_FAKE_CUDA_CAPACITY` (bytes per device, default 1 GiB),
-//! `TF_FAKE_CUDA_DELAY_US`.
+//! `TF_FAKE_CUDA_DELAY_US`, and for fault injection `TF_FAKE_CUDA_FAIL_COPY`: a list of
+//! call numbers (`3` or `3,14`, counted from 1 over every copy call of the process:
+//! `cuMemcpy*`, `cuMemcpy*Async`, `cuMemcpyBatchAsync`) that fail with
+//! `CUDA_ERROR_UNKNOWN`, not sticky. A failing `cuMemcpyBatchAsync` first queues the
+//! first half of its copies and reports the middle one as `fail_idx`, as a driver failing
+//! part-way through a batch may.
 //!
 //! Not a model of performance, of the legacy default stream's implicit synchronisation
 //! beyond "the null stream runs copies at once", or of anything tensorferry does not call.
@@ -25,6 +30,7 @@
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
@@ -39,6 +45,7 @@ const INVALID_CONTEXT: CUresult = 201;
 const INVALID_HANDLE: CUresult = 400;
 const NOT_READY: CUresult = 600;
 const ILLEGAL_ADDRESS: CUresult = 700;
+const UNKNOWN: CUresult = 999;
 
 /// Device allocations are aligned like the driver's.
 const DEVICE_ALIGNMENT: usize = 256;
@@ -48,6 +55,8 @@ struct Config {
     version: c_int,
     capacity: usize,
     delay: Duration,
+    /// Copy calls (1-based) that fail.
+    fail_copy: Vec<u64>,
 }
 
 fn config() -> &'static Config {
@@ -64,8 +73,23 @@ fn config() -> &'static Config {
             version: var("TF_FAKE_CUDA_VERSION", 12080) as c_int,
             capacity: var("TF_FAKE_CUDA_CAPACITY", 1 << 30) as usize,
             delay: Duration::from_micros(var("TF_FAKE_CUDA_DELAY_US", 20)),
+            fail_copy: fail_list(&std::env::var("TF_FAKE_CUDA_FAIL_COPY").unwrap_or_default()),
         }
     })
+}
+
+/// The call numbers of `TF_FAKE_CUDA_FAIL_COPY` (`"3,14"`); what does not parse is left out.
+fn fail_list(text: &str) -> Vec<u64> {
+    text.split(',')
+        .filter_map(|n| n.trim().parse().ok())
+        .collect()
+}
+
+/// Counts a copy call; true when it is one that `TF_FAKE_CUDA_FAIL_COPY` makes fail.
+fn injected_copy_failure() -> bool {
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, Ordering::SeqCst) + 1;
+    config().fail_copy.contains(&n)
 }
 
 struct DeviceAlloc {
@@ -277,7 +301,8 @@ impl Stream {
 
 /// The stream behind a handle, if it is one of ours (null is the legacy stream: `None`).
 fn stream_of(s: &State, handle: *mut c_void) -> Result<Option<&'static Stream>, CUresult> {
-    if handle.is_null() {
+    // The default stream: null, CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2).
+    if (handle as usize) <= 2 {
         return Ok(None);
     }
     if !s.streams.contains(&(handle as usize)) {
@@ -298,6 +323,9 @@ unsafe fn copy_sync(
 ) -> CUresult {
     let s = state();
     try_cu!(enter(&s, true));
+    if injected_copy_failure() {
+        return UNKNOWN;
+    }
     // SAFETY: forwarded contract of the driver API.
     try_cu!(unsafe { copy_now(&s, dst, dst_side, src, src_side, len) });
     SUCCESS
@@ -315,6 +343,9 @@ unsafe fn copy_async(
 ) -> CUresult {
     let s = state();
     try_cu!(enter(&s, true));
+    if injected_copy_failure() {
+        return UNKNOWN;
+    }
     try_cu!(check_range(&s, src, len, src_side));
     try_cu!(check_range(&s, dst, len, dst_side));
     match try_cu!(stream_of(&s, stream)) {
@@ -477,6 +508,39 @@ pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, len: usize) -> CUresult {
     // SAFETY: valid out pointer (driver API contract).
     unsafe { *out = address as u64 };
     SUCCESS
+}
+
+/// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`: the GPU that owns an address.
+const POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+
+/// Only the device ordinal is known: an address inside a live allocation gives its GPU;
+/// any other address is `CUDA_ERROR_INVALID_VALUE`, as the driver answers for host memory
+/// it does not know.
+#[no_mangle]
+pub unsafe extern "C" fn cuPointerGetAttribute(
+    out: *mut c_void,
+    attribute: c_int,
+    address: u64,
+) -> CUresult {
+    let s = state();
+    try_cu!(enter(&s, false));
+    if attribute != POINTER_ATTRIBUTE_DEVICE_ORDINAL {
+        return INVALID_VALUE;
+    }
+    let address = address as usize;
+    let owner = s
+        .device
+        .range(..=address)
+        .next_back()
+        .filter(|(start, a)| address < *start + a.len);
+    match owner {
+        Some((_, a)) => {
+            // SAFETY: the attribute is an int; valid out pointer (driver API contract).
+            unsafe { *(out as *mut c_int) = a.device as c_int };
+            SUCCESS
+        }
+        None => INVALID_VALUE,
+    }
 }
 
 #[no_mangle]
@@ -705,6 +769,8 @@ pub unsafe extern "C" fn cuMemcpyBatchAsync(
     let Some(st) = try_cu!(stream_of(&s, stream)) else {
         return INVALID_VALUE; // the legacy stream is not allowed for batched copies
     };
+    // An injected failure part-way through: the first half is queued already.
+    let fails_at = injected_copy_failure().then_some(count / 2);
     for i in 0..count {
         let ok = check_range(&s, srcs[i] as usize, sizes[i], Side::Any)
             .and_then(|_| check_range(&s, dsts[i] as usize, sizes[i], Side::Any));
@@ -716,7 +782,7 @@ pub unsafe extern "C" fn cuMemcpyBatchAsync(
             return e;
         }
     }
-    for i in 0..count {
+    for i in 0..fails_at.unwrap_or(count) {
         st.push(Op::Copy {
             dst: dsts[i] as usize,
             dst_side: Side::Any,
@@ -724,6 +790,13 @@ pub unsafe extern "C" fn cuMemcpyBatchAsync(
             src_side: Side::Any,
             len: sizes[i],
         });
+    }
+    if let Some(i) = fails_at {
+        if !fail_idx.is_null() {
+            // SAFETY: valid out pointer when not null (driver API contract).
+            unsafe { *fail_idx = i };
+        }
+        return UNKNOWN;
     }
     SUCCESS
 }
@@ -860,8 +933,17 @@ pub extern "C" fn cuStreamWaitEvent(
 #[cfg(test)]
 mod tests {
     //! The fake must catch what it claims to catch, or the suite run against it proves
-    //! nothing. One test: the sticky error it ends with is process-wide.
+    //! nothing. One test of the driver calls: the sticky error it ends with is
+    //! process-wide.
     use super::*;
+
+    #[test]
+    fn the_copy_calls_to_fail_are_a_list_of_call_numbers() {
+        assert_eq!(fail_list("3"), [3]);
+        assert_eq!(fail_list(" 3, 14 "), [3, 14]);
+        assert_eq!(fail_list(""), Vec::<u64>::new());
+        assert_eq!(fail_list("x,2"), [2]);
+    }
 
     #[test]
     fn the_fake_catches_bad_ranges_early_reads_and_use_after_free() {

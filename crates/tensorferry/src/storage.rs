@@ -3,6 +3,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::time::Duration;
 
 use memmap2::Mmap;
 
@@ -134,11 +135,21 @@ impl Storage {
         }
     }
 
-    /// Waits until the memory holds its data; the failure of the copy that fills it, if any.
+    /// Waits until the memory holds its data; the failure of the copy that fills it, if
+    /// any, naming the device whose copy failed.
     pub fn wait(&self) -> crate::Result<()> {
         match self.pending() {
-            Some(e) => e.wait(&self.device().to_string()),
+            Some(e) => e.wait(),
             None => Ok(()),
+        }
+    }
+
+    /// Waits at most `timeout` for the memory to hold its data: `Ok(true)` when it does,
+    /// `Ok(false)` when the copy filling it is still running, the copy's failure otherwise.
+    pub fn wait_timeout(&self, timeout: Duration) -> crate::Result<bool> {
+        match self.pending() {
+            Some(e) => e.wait_timeout(timeout),
+            None => Ok(true),
         }
     }
 
@@ -147,27 +158,34 @@ impl Storage {
         self.pending().is_none_or(Event::is_ready)
     }
 
-    /// The bytes, when the memory is on the host. Memory still being filled by a queued
-    /// copy is waited for; `None` if that copy failed (see [`Storage::wait`]).
-    pub fn host_bytes(&self) -> Option<&[u8]> {
-        match self {
+    /// The bytes, when the memory is on the host (`None` for device memory). Memory still
+    /// being filled by a queued copy is waited for; the failure of that copy is an error.
+    pub fn try_host_bytes(&self) -> crate::Result<Option<&[u8]>> {
+        Ok(match self {
             Storage::Owned(b) => Some(b.as_slice()),
             Storage::Incoming { buffer, ready } => {
-                ready.wait("cpu").ok()?;
+                ready.wait()?;
                 Some(buffer.as_slice())
             }
             Storage::Device(_) => None,
             Storage::Mapped(m) => Some(&m[..]),
             Storage::Foreign(f) if f.device.is_host() => {
                 if f.len == 0 {
-                    return Some(&[]);
+                    return Ok(Some(&[]));
                 }
                 // SAFETY: `ForeignMemory::new`'s contract: `ptr` is valid for reads of `len`
                 // host bytes while `_owner` lives, which is at least as long as `&self`.
                 Some(unsafe { std::slice::from_raw_parts(f.ptr, f.len) })
             }
             Storage::Foreign(_) => None,
-        }
+        })
+    }
+
+    /// The bytes, when the memory is on the host. Memory still being filled by a queued
+    /// copy is waited for; `None` also when that copy failed: [`Storage::try_host_bytes`]
+    /// tells the failure apart.
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        self.try_host_bytes().ok().flatten()
     }
 }
 

@@ -260,7 +260,9 @@ impl Tensor {
         self.storage.is_read_only()
     }
 
-    /// The address of element 0.
+    /// The address of element 0. It does not wait: before reading through it, call
+    /// [`Tensor::wait`] (also when [`Tensor::is_ready`] is true — a failed copy is ready
+    /// too, and its memory holds no data).
     pub fn data_ptr(&self) -> *const u8 {
         self.storage.as_ptr().wrapping_add(self.offset)
     }
@@ -280,24 +282,33 @@ impl Tensor {
         true
     }
 
-    /// The bytes of a contiguous host tensor; `None` when strided or not on the host.
+    /// The bytes of a contiguous host tensor; `None` when strided, not on the host, or
+    /// when the copy filling it failed ([`Tensor::try_contiguous_bytes`] tells that apart).
+    /// Waits for a copy still filling it.
     pub fn contiguous_bytes(&self) -> Option<&[u8]> {
+        self.try_contiguous_bytes().ok().flatten()
+    }
+
+    /// The bytes of a contiguous host tensor, after any copy still filling it; `Ok(None)`
+    /// when strided or not on the host, the copy's failure as an error.
+    pub fn try_contiguous_bytes(&self) -> Result<Option<&[u8]>> {
         if !self.is_contiguous() {
-            return None;
+            return Ok(None);
         }
-        let bytes = self.storage.host_bytes()?;
+        let Some(bytes) = self.storage.try_host_bytes()? else {
+            return Ok(None);
+        };
         if self.numel() == 0 {
-            return Some(&[]);
+            return Ok(Some(&[]));
         }
-        bytes.get(self.offset..self.offset + self.nbytes())
+        Ok(bytes.get(self.offset..self.offset + self.nbytes()))
     }
 
     /// Calls `f` on the bytes of the tensor in C order, as few runs as the layout allows.
-    /// Fails with `DeviceUnavailable` when the tensor is not on the host.
+    /// Waits for a copy still filling them, and fails with its error if it failed; fails
+    /// with `DeviceUnavailable` when the tensor is not on the host.
     pub fn for_each_run(&self, f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
-        // A copy into this memory may still be queued: wait, and report its failure as such.
-        self.storage.wait()?;
-        if let Some(bytes) = self.contiguous_bytes() {
+        if let Some(bytes) = self.try_contiguous_bytes()? {
             let mut f = f;
             return f(bytes);
         }
@@ -363,20 +374,53 @@ impl Tensor {
         }
     }
 
-    /// Waits until the tensor's memory holds its data (a copy into it may be queued);
-    /// the failure of that copy, if any.
+    /// Waits until the tensor's memory holds its data (a non-blocking move returns before
+    /// its copies have run); the failure of that copy, if any, naming the device whose
+    /// copy failed. Blocks for as long as the copy takes: a caller that must stay
+    /// responsive (to Ctrl-C, say) uses [`Tensor::wait_timeout`] in slices.
+    ///
+    /// ```
+    /// # use tensorferry::{Device, MoveOptions, Tensor};
+    /// let t = Tensor::from_slice(&[1.0f32, 2.0], &[2])?;
+    /// let options = MoveOptions { non_blocking: true, ..Default::default() };
+    /// let moved = tensorferry::move_tensors(&[&t], Device::Emulated(0), options)?;
+    /// moved[0].wait()?;
+    /// assert!(moved[0].is_ready());
+    /// # Ok::<(), tensorferry::Error>(())
+    /// ```
     pub fn wait(&self) -> Result<()> {
         self.storage.wait()
     }
 
-    /// True when no copy into the tensor's memory is still running.
+    /// Waits at most `timeout` for the copy filling the tensor's memory: `Ok(true)` when
+    /// the data is there, `Ok(false)` when the copy is still running, the copy's failure
+    /// (as [`Tensor::wait`] gives it) when it failed. A tensor no copy fills is ready at
+    /// once.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use tensorferry::{Device, MoveOptions, Tensor};
+    /// let t = Tensor::from_slice(&[1u8, 2, 3], &[3])?;
+    /// let options = MoveOptions { non_blocking: true, ..Default::default() };
+    /// let moved = tensorferry::move_tensors(&[&t], Device::Emulated(0), options)?;
+    /// while !moved[0].wait_timeout(Duration::from_millis(50))? {
+    ///     // check for an interruption here
+    /// }
+    /// # Ok::<(), tensorferry::Error>(())
+    /// ```
+    pub fn wait_timeout(&self, timeout: std::time::Duration) -> Result<bool> {
+        self.storage.wait_timeout(timeout)
+    }
+
+    /// True when no copy into the tensor's memory is still running — also when it has
+    /// failed: [`Tensor::wait`] tells which.
     pub fn is_ready(&self) -> bool {
         self.storage.is_ready()
     }
 
     fn host_bytes_or_err(&self) -> Result<&[u8]> {
         self.storage
-            .host_bytes()
+            .try_host_bytes()?
             .ok_or_else(|| Error::DeviceUnavailable {
                 device: self.device().to_string(),
                 reason:

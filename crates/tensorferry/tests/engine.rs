@@ -5,6 +5,7 @@
 //! `TENSORFERRY_EXPECT_CUDA=1`, which makes a missing driver a failure.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tensorferry::backend::emulated::{self, EmuConfig};
 use tensorferry::{Device, Error, MoveOptions, Node, Staging, Tensor, TensorDict};
@@ -596,4 +597,432 @@ fn cuda_without_a_driver_is_unavailable_with_the_reason() {
         matches!(err, Error::DeviceUnavailable { ref reason, .. } if !reason.is_empty()),
         "{err}"
     );
+}
+
+// ------------------------------------------------------------------ failures and waits
+
+/// A 12×8 host matrix, every value distinct and non-zero (a read of zeros is wrong).
+fn matrix() -> Tensor {
+    let data: Vec<f32> = (0..96).map(|x| x as f32 + 1.0).collect();
+    Tensor::from_slice(&data, &[12, 8]).unwrap()
+}
+
+/// The result of a non-blocking move from emu:1 to the host whose copy failed: call
+/// inside `with_emu1("fail_copy=2")` (copy 1 fills emu:1, copy 2 fails).
+fn failed_host_result() -> Tensor {
+    let there = matrix().to(EMU1_DEV, false).unwrap();
+    let opts = copy_non_blocking();
+    let back = tensorferry::move_tensors(&[&there], Device::Cpu, opts).unwrap();
+    back.into_iter().next().unwrap()
+}
+
+/// Checks that `result` is the injected failure of emu:1, named as such (not as the host
+/// the result was meant for).
+#[track_caller]
+fn assert_emu1_failure<T: std::fmt::Debug>(what: &str, result: tensorferry::Result<T>) {
+    let err = result.expect_err(what).to_string();
+    assert!(
+        err.contains("device emu:1") && err.contains("injected fault"),
+        "{what}: {err}"
+    );
+}
+
+/// Every way of reading `t` fails with emu:1's injected fault (never gives zeros).
+#[track_caller]
+fn assert_every_host_read_fails(what: &str, t: &Tensor) {
+    assert_emu1_failure(&format!("{what}: wait"), t.wait());
+    assert_emu1_failure(
+        &format!("{what}: wait_timeout"),
+        t.wait_timeout(Duration::from_secs(30)),
+    );
+    assert!(t.is_ready(), "{what}: a failed copy is finished");
+    assert_emu1_failure(&format!("{what}: to_vec"), t.to_vec::<f32>());
+    assert_emu1_failure(&format!("{what}: deep_copy"), t.deep_copy());
+    assert_emu1_failure(&format!("{what}: for_each_run"), t.for_each_run(|_| Ok(())));
+    if t.is_contiguous() {
+        assert_emu1_failure(
+            &format!("{what}: try_contiguous_bytes"),
+            t.try_contiguous_bytes(),
+        );
+        assert!(t.contiguous_bytes().is_none(), "{what}: no bytes");
+    } else {
+        assert_emu1_failure(&format!("{what}: to_contiguous"), t.to_contiguous());
+    }
+    assert_emu1_failure(&format!("{what}: pack"), tensorferry::pack(&[t]));
+    let mut d = TensorDict::new();
+    d.insert("x", t.clone());
+    assert_emu1_failure(
+        &format!("{what}: consolidate"),
+        tensorferry::consolidate(&d),
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("failed.safetensors");
+    assert_emu1_failure(
+        &format!("{what}: save"),
+        tensorferry::save(&d, &path, &Default::default()),
+    );
+    assert!(!path.exists(), "{what}: nothing saved");
+}
+
+/// `t` moved to `dev` (copied): blocking, non-blocking, and staged, every one fails.
+#[track_caller]
+fn assert_every_move_fails(what: &str, t: &Tensor, dev: Device) {
+    assert_emu1_failure(&format!("{what}: to {dev}"), t.to(dev, true));
+    let moved = tensorferry::move_tensors(&[t], dev, copy_non_blocking());
+    // Known to have failed already: the move may say so at once, or its result when read.
+    if let Ok(moved) = moved {
+        assert_emu1_failure(&format!("{what}: non-blocking to {dev}"), moved[0].wait());
+        assert_emu1_failure(
+            &format!("{what}: read after a non-blocking move to {dev}"),
+            moved[0]
+                .to(Device::Cpu, false)
+                .and_then(|h| h.to_vec::<f32>()),
+        );
+        let again = moved[0].to(Device::Emulated(0), true);
+        assert_emu1_failure(&format!("{what}: a move of that result"), again);
+    }
+    let mut d = TensorDict::new();
+    d.insert("x", t.clone());
+    d.insert("ok", matrix());
+    assert_emu1_failure(
+        &format!("{what}: staged to {dev}"),
+        d.to_with(dev, staged(false)),
+    );
+}
+
+fn every_read_of_a_failed_non_blocking_result_fails(dev: Device) {
+    let _pool = pool_lock();
+    with_emu1("fail_copy=2", || {
+        let failed = failed_host_result();
+        let views = [
+            ("the result", failed.clone()),
+            ("its transpose", failed.transpose(0, 1).unwrap()),
+            ("every other row", failed.step(0, 2).unwrap()),
+        ];
+        for (what, t) in &views {
+            assert_every_host_read_fails(what, t);
+            assert_every_move_fails(what, t, dev);
+        }
+    });
+}
+test_device!(
+    failed_result_reads,
+    every_read_of_a_failed_non_blocking_result_fails
+);
+
+fn a_device_result_whose_copy_failed_fails_every_move(dev: Device) {
+    let _pool = pool_lock();
+    with_emu1("fail_copy=1", || {
+        let there = tensorferry::move_tensors(&[&matrix()], EMU1_DEV, copy_non_blocking())
+            .unwrap()
+            .remove(0);
+        assert_emu1_failure("wait", there.wait());
+        for (what, t) in [
+            ("the result", there.clone()),
+            // Fragmented: its device span is fetched and gathered on the host.
+            ("its transpose", there.transpose(0, 1).unwrap()),
+        ] {
+            assert_every_move_fails(what, &t, dev);
+            assert_every_move_fails(what, &t, Device::Cpu);
+        }
+    });
+}
+test_device!(
+    failed_device_result_moves,
+    a_device_result_whose_copy_failed_fails_every_move
+);
+
+#[test]
+fn a_failed_copy_names_the_device_that_failed_in_every_direction() {
+    let _pool = pool_lock();
+    let d = sample();
+    // Host → emu:1.
+    with_emu1("fail_copy=1", || {
+        assert_emu1_failure("host to emu:1", d.to(EMU1_DEV, false));
+    });
+    // emu:1 → host, blocking, non-blocking and staged.
+    with_emu1("fail_copy=2", || {
+        let there = d.to(EMU1_DEV, false).unwrap();
+        assert_emu1_failure("emu:1 to host", there.to(Device::Cpu, true));
+    });
+    with_emu1("fail_copy=2", || {
+        let there = d.to(EMU1_DEV, false).unwrap();
+        let back = there.to_with(Device::Cpu, copy_non_blocking()).unwrap();
+        assert_emu1_failure("emu:1 to host, non-blocking", back.wait());
+    });
+    with_emu1("fail_copy=2", || {
+        let there = d.to(EMU1_DEV, false).unwrap();
+        assert_emu1_failure(
+            "emu:1 to host, staged",
+            there.to_with(Device::Cpu, staged(false)),
+        );
+    });
+    // emu:0 → emu:1 (the copy runs on emu:1), and on from a failed emu:1 result to emu:0.
+    with_emu1("fail_copy=1", || {
+        let on0 = d.to(Device::Emulated(0), false).unwrap();
+        assert_emu1_failure("emu:0 to emu:1", on0.to(EMU1_DEV, true));
+    });
+    with_emu1("fail_copy=1", || {
+        let failed = d.to_with(EMU1_DEV, copy_non_blocking()).unwrap();
+        assert_emu1_failure("emu:1 to emu:0", failed.to(Device::Emulated(0), true));
+    });
+}
+
+#[test]
+fn a_panicking_copy_fails_its_waiters_and_the_device_keeps_working() {
+    let _pool = pool_lock();
+    let d = many_tensors(20);
+    let internal = |what: &str, r: tensorferry::Result<TensorDict>| {
+        let err = r.expect_err(what).to_string();
+        assert!(
+            err.contains("emu:1") && err.contains("internal error: injected panic"),
+            "{what}: {err}"
+        );
+    };
+    with_emu1("panic_copy=1", || {
+        internal("blocking", d.to(EMU1_DEV, false));
+        let there = d.to(EMU1_DEV, false).unwrap();
+        assert_eq!(host_values(&there), host_values(&d));
+    });
+    with_emu1("panic_copy=2", || {
+        let there = d.to(EMU1_DEV, false).unwrap();
+        let back = there.to_with(Device::Cpu, copy_non_blocking()).unwrap();
+        internal("non-blocking", back.wait().map(|()| back.clone()));
+        assert_eq!(host_values(&there), host_values(&d));
+    });
+    with_emu1("panic_copy=2", || {
+        // A staged transfer whose second chunk panics.
+        internal("staged", d.to_with(EMU1_DEV, staged(false)));
+        let there = d.to_with(EMU1_DEV, staged(false)).unwrap();
+        assert_eq!(host_values(&there), host_values(&d));
+    });
+}
+
+#[test]
+fn a_bandwidth_too_small_for_any_copy_is_refused_naming_the_key() {
+    let _guard = EMU1.lock().unwrap_or_else(|p| p.into_inner());
+    let err = EmuConfig::parse("bandwidth_gbps=1e-300").unwrap_err();
+    assert!(err.to_string().contains("bandwidth_gbps=1e-300"), "{err}");
+    let tiny = EmuConfig {
+        bandwidth_gbps: Some(1e-300),
+        ..EmuConfig::default()
+    };
+    let err = emulated::configure(1, tiny).unwrap_err();
+    assert!(err.to_string().contains("bandwidth_gbps"), "{err}");
+    // Refused, so the device keeps its settings and works.
+    let there = sample().to(EMU1_DEV, false).unwrap();
+    assert_eq!(host_values(&there), host_values(&sample()));
+}
+
+/// Waits for every result of `d` in slices of `slice`; how many slices timed out.
+fn wait_in_slices(d: &TensorDict, slice: Duration) -> tensorferry::Result<usize> {
+    let mut timeouts = 0;
+    for (_, t) in d.tensors() {
+        while !t.wait_timeout(slice)? {
+            timeouts += 1;
+        }
+    }
+    Ok(timeouts)
+}
+
+#[test]
+fn a_non_blocking_move_can_be_waited_for_in_slices_and_abandoned() {
+    let _pool = pool_lock();
+    let d = many_tensors(5); // one chunk of the small ring
+    for options in [copy_non_blocking(), staged(true)] {
+        with_emu1("latency_us=100000", || {
+            let there = d.to_with(EMU1_DEV, options).unwrap();
+            let timeouts = wait_in_slices(&there, Duration::from_millis(5)).unwrap();
+            assert!(timeouts > 0, "a 100 ms copy outlasts a 5 ms slice");
+            let back = there.to_with(Device::Cpu, options).unwrap();
+            wait_in_slices(&back, Duration::from_millis(5)).unwrap();
+            assert_eq!(host_values(&back), host_values(&d));
+            // Interrupted: the results are dropped while their copies still run.
+            let before = used();
+            let abandoned = d.to_with(EMU1_DEV, options).unwrap();
+            let t = abandoned.tensors()[0].1.clone();
+            assert!(!t.wait_timeout(Duration::from_millis(1)).unwrap());
+            drop((abandoned, t));
+            for _ in 0..400 {
+                if used() == before {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(used(), before, "released once the copy has run");
+        });
+        with_emu1("fail_copy=1,latency_us=20000", || {
+            let there = d.to_with(EMU1_DEV, options).unwrap();
+            assert_emu1_failure(
+                "sliced wait",
+                wait_in_slices(&there, Duration::from_millis(2)),
+            );
+        });
+    }
+}
+
+#[test]
+fn non_blocking_moves_of_sources_still_being_filled_return_at_once() {
+    with_emu1("latency_us=300000", || {
+        let data: Vec<f32> = (0..300 * 200).map(|x| x as f32).collect();
+        let m = Tensor::from_slice(&data, &[300, 200]).unwrap();
+        let expected = m.transpose(0, 1).unwrap().to_vec::<f32>().unwrap();
+        let opts = copy_non_blocking();
+        let move_one =
+            |t: &Tensor, to: Device| tensorferry::move_tensors(&[t], to, opts).unwrap().remove(0);
+        // Device → host of a fragmented view: its span is fetched, then gathered.
+        let on_dev = move_one(&m, EMU1_DEV);
+        let gathered = move_one(&on_dev.transpose(0, 1).unwrap(), Device::Cpu);
+        assert!(!gathered.is_ready(), "the gather waits for the fetch");
+        // Host → host of a pending result, and host → device of a fragmented view of it.
+        let pending = move_one(&on_dev, Device::Cpu);
+        let copied = move_one(&pending, Device::Cpu);
+        assert!(!copied.is_ready(), "the host copy waits for its source");
+        let packed = move_one(&pending.transpose(0, 1).unwrap(), Device::Emulated(0));
+        assert!(!packed.is_ready(), "the host pack waits for its source");
+        assert_eq!(gathered.to_vec::<f32>().unwrap(), expected);
+        assert_eq!(copied.to_vec::<f32>().unwrap(), data);
+        let back = packed.to(Device::Cpu, false).unwrap();
+        assert_eq!(back.to_vec::<f32>().unwrap(), expected);
+    });
+}
+
+// ------------------------------------------------ CUDA copy faults, in a child process
+
+/// Set in the child processes that run the fake driver's fault-injection tests.
+const CHILD_VAR: &str = "TENSORFERRY_ENGINE_CHILD";
+/// What a child test prints once it has run to the end.
+const CHILD_RAN: &str = "child test ran to the end";
+
+/// True inside a child started by [`run_in_child`].
+fn in_child() -> bool {
+    std::env::var(CHILD_VAR).as_deref() == Ok("1")
+}
+
+/// True when cuda:0 is the fake driver of `crates/fake-cuda` (whose faults can be
+/// injected), after saying why not otherwise.
+fn fake_cuda_present() -> bool {
+    use tensorferry::backend::cuda::{status, CudaStatus};
+    if cuda_missing() {
+        return false;
+    }
+    let fake = matches!(status(), CudaStatus::Available { gpus, .. }
+        if gpus[0].starts_with("tensorferry fake CUDA device"));
+    if !fake {
+        eprintln!("skipped: needs the fake CUDA driver (faults are injected into it)");
+    }
+    fake
+}
+
+/// Runs the test `name` of this file alone in a child process with `env` set (the fake
+/// driver reads its settings once per process), and checks that it ran to the end.
+fn run_in_child(name: &str, env: &[(&str, &str)]) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_VAR, "1")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains(CHILD_RAN),
+        "child {name}:\n{text}"
+    );
+}
+
+/// `n` contiguous tensors: one copy each, so copy calls can be counted.
+fn contiguous_tensors(n: usize) -> TensorDict {
+    let mut d = TensorDict::new();
+    for i in 0..n {
+        let data: Vec<u32> = (0..1000).map(|x| x * 31 + i as u32 + 1).collect();
+        d.insert(format!("c{i}"), Tensor::from_slice(&data, &[1000]).unwrap());
+    }
+    d
+}
+
+#[test]
+fn a_cuda_copy_failing_mid_batch_frees_nothing_a_queued_copy_still_uses() {
+    if !fake_cuda_present() {
+        return;
+    }
+    // One driver call per copy, each queued copy taking 20 ms: memory released before
+    // they run is caught by the fake driver (a sticky illegal-address error).
+    run_in_child(
+        "child_cuda_copy_calls_3_and_14_fail",
+        &[
+            ("TENSORFERRY_CUDA_COPY", "per-copy"),
+            ("TF_FAKE_CUDA_FAIL_COPY", "3,14"),
+            ("TF_FAKE_CUDA_DELAY_US", "20000"),
+        ],
+    );
+}
+
+#[test]
+fn child_cuda_copy_calls_3_and_14_fail() {
+    if !in_child() {
+        return;
+    }
+    let d = contiguous_tensors(8);
+    let cuda = Device::Cuda(0);
+    // Calls 1 and 2 are queued when call 3 fails.
+    let err = d.to(cuda, false).unwrap_err().to_string();
+    assert!(
+        err.contains("device cuda:0")
+            && err.contains("copy 3 of 8")
+            && err.contains("CUDA_ERROR_UNKNOWN"),
+        "{err}"
+    );
+    // Calls 4 to 11: the device still works (no queued copy met freed memory).
+    let there = d.to(cuda, false).unwrap();
+    // Calls 12 to 14, back to the host: the error names the GPU, not the host.
+    let err = there.to(Device::Cpu, false).unwrap_err().to_string();
+    assert!(
+        err.contains("device cuda:0") && err.contains("copy 3 of 8"),
+        "{err}"
+    );
+    let back = there.to(Device::Cpu, false).unwrap();
+    assert_eq!(host_values(&back), host_values(&d));
+    println!("{CHILD_RAN}");
+}
+
+#[test]
+fn a_batched_cuda_copy_failing_part_way_is_queued_again_copy_by_copy() {
+    if !fake_cuda_present() {
+        return;
+    }
+    run_in_child(
+        "child_cuda_copy_call_1_fails",
+        &[("TF_FAKE_CUDA_FAIL_COPY", "1")],
+    );
+}
+
+#[test]
+fn child_cuda_copy_call_1_fails() {
+    use tensorferry::backend::cuda_copy::CopyPath;
+    if !in_child() {
+        return;
+    }
+    let gpu = tensorferry::backend::cuda_device::device(0).unwrap();
+    let d = contiguous_tensors(8);
+    if gpu.copy_path() == CopyPath::Batched {
+        // Half the batch was queued when the call failed: it is queued again, one call
+        // per copy, and the GPU stays on that path.
+        let there = d.to(Device::Cuda(0), false).unwrap();
+        assert_eq!(gpu.copy_path(), CopyPath::PerCopy);
+        let reason = gpu.copy_fallback().unwrap();
+        assert!(reason.contains("CUDA_ERROR_UNKNOWN"), "{reason}");
+        let back = there.to(Device::Cpu, false).unwrap();
+        assert_eq!(host_values(&back), host_values(&d));
+    } else {
+        let err = d.to(Device::Cuda(0), false).unwrap_err().to_string();
+        assert!(
+            err.contains("device cuda:0") && err.contains("copy 1 of 8"),
+            "{err}"
+        );
+    }
+    println!("{CHILD_RAN}");
 }

@@ -28,6 +28,7 @@ from ._errors import (
     TensorferryError,
     TensorferryIOError,
     TensorferryKeyError,
+    TensorferryOverflowError,
 )
 from ._tensordict import TensorDict
 
@@ -44,6 +45,7 @@ __all__ = [
     "TensorferryError",
     "TensorferryIOError",
     "TensorferryKeyError",
+    "TensorferryOverflowError",
     "__version__",
     "configure_emulated",
     "devices",

@@ -8,8 +8,8 @@ import numpy as np
 
 from . import _frameworks as fw
 from . import _native
-from ._errors import FormatError
-from ._tree import collect, dotted, rebuild, shown, container_kind, _LIST, _TUPLE
+from ._errors import FormatError, TensorferryOverflowError
+from ._tree import MAX_DEPTH, collect, dotted, rebuild, shown, container_kind, _LIST, _TUPLE
 
 _FRAMEWORKS_KEY = "tensorferry.frameworks"
 _RESERVED_PREFIX = "tensorferry"
@@ -35,14 +35,14 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
         kinds.append(kind)
     if not pending:
         return out
-    natives = fw.to_native_many(pending, kinds)
+    natives = fw.to_native_many(pending, kinds, paths)
     moved = _native.move_tensors(natives, target, copy, non_blocking, pinned, staging)
     if target.startswith("emu"):
         # No framework holds emulated memory.
         kinds = [fw.NATIVE] * len(kinds)
     elif target != "cpu":
         # Frameworks that hold GPU memory get their tensors back; NumPy cannot.
-        kinds = [fw.NATIVE if k in (fw.NUMPY, fw.DLPACK) else k for k in kinds]
+        kinds = [fw.NATIVE if k in (fw.NUMPY, fw.DLPACK, fw.CAI) else k for k in kinds]
     for leaf, result in zip(pending, fw.from_native_many(moved, kinds, paths)):
         out[id(leaf)] = result
     return out
@@ -93,7 +93,7 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     """
     _sync_producer(stream)
     leaves = _native.collect_tensors(obj, fw.kind_of)
-    return _native.rebuild(obj, _move(leaves, "cpu", copy, non_blocking, pinned, staging))
+    return _native.rebuild(obj, _move(leaves, "cpu", copy, non_blocking, pinned, staging), False, fw.kind_of)
 
 
 def to_numpy(obj):
@@ -121,21 +121,26 @@ def to_numpy(obj):
         else:
             leaf_host, kind_host = leaf, kind
         if kind_host == fw.TORCH and leaf_host.dtype not in _torch_no_numpy():
-            try:
-                out[id(leaf)] = leaf_host.numpy()
-            except RuntimeError:  # requires grad, or a lazy conjugate/negative view
-                out[id(leaf)] = leaf_host.detach().resolve_conj().resolve_neg().numpy()
+            out[id(leaf)] = fw._exported(shown(path), lambda: _torch_numpy(leaf_host))
         elif kind_host == fw.JAX:
             out[id(leaf)] = np.asarray(leaf_host)
         else:
-            natives.append(fw.to_native(leaf_host, kind_host))
+            natives.append(fw.to_native(leaf_host, kind_host, shown(path)))
             paths.append(path)
             leaves.append(leaf)
     if natives:
         arrays = fw.tensors_to_numpy(natives, lambda i: shown(paths[i]))
         for leaf, arr in zip(leaves, arrays):
             out[id(leaf)] = arr
-    return _native.rebuild(obj, out)
+    return _native.rebuild(obj, out, False, fw.kind_of, True)
+
+
+def _torch_numpy(t):
+    """A host PyTorch tensor as NumPy, sharing memory where PyTorch allows."""
+    try:
+        return t.numpy()
+    except RuntimeError:  # requires grad, or a lazy conjugate/negative view
+        return t.detach().resolve_conj().resolve_neg().numpy()
 
 
 def _torch_no_numpy():
@@ -149,16 +154,17 @@ def _is_number(x):
     return type(x) in (int, float, bool) or isinstance(x, (int, float))
 
 
-def _numeric_data(obj):
+def _numeric_data(obj, depth=0):
     """True for a non-empty list/tuple (not a namedtuple) holding only numbers and
-    such lists: data to become one tensor."""
+    such lists: data to become one tensor. Lists nested deeper than a walk goes are not
+    data (the walk then refuses them with the depth)."""
     kind = container_kind(obj)
-    if kind not in (_LIST, _TUPLE) or not obj:
+    if kind not in (_LIST, _TUPLE) or not obj or depth >= MAX_DEPTH:
         return False
     for x in obj:
         if _is_number(x):
             continue
-        if not _numeric_data(x):
+        if not _numeric_data(x, depth + 1):
             return False
     return True
 
@@ -174,18 +180,48 @@ def _data_to_tensor(data, path):
             arr = np.asarray(data)
     except ValueError as e:
         raise FormatError(f"ragged list at {shown(path)!r} cannot become a tensor: {e}") from None
+    huge = arr.dtype.kind in "uf" or (arr.dtype.kind == "O" and all(type(x) is int for x in arr.flat))
+    if huge and _all_ints(data):
+        # NumPy makes uint64, float64 or objects of lists holding integers beyond int64.
+        raise TensorferryOverflowError(
+            f"cannot handle the value at {shown(path)!r}: an integer does not fit in int64"
+        )
     if arr.dtype.kind not in _STANDARD:
         raise FormatError(f"ragged list at {shown(path)!r} cannot become a tensor (rows differ in length)")
+    if arr.dtype.kind == "f":
+        with np.errstate(over="ignore"):
+            narrow = arr.astype(np.float32)
+        if np.isinf(narrow).any() and not np.array_equal(np.isinf(narrow), np.isinf(arr)):
+            raise TensorferryOverflowError(
+                f"cannot handle the value at {shown(path)!r}: a finite number exceeds float32's range "
+                f"(±{float(np.finfo(np.float32).max):.4g}); pass a float64 NumPy array to keep it"
+            )
+        arr = narrow
     arr = np.ascontiguousarray(arr, dtype=_STANDARD[arr.dtype.kind])
     return fw.Tensor.from_numpy(arr)
 
 
-def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, staging="auto"):
+def _all_ints(data):
+    """True when every number in the nested list ``data`` is an int (bools included)."""
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if container_kind(x) in (_LIST, _TUPLE):
+            stack.extend(x)
+        elif not isinstance(x, int):
+            return False
+    return True
+
+
+def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, staging="auto", like=None):
     """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1").
 
     Lists and tuples of Python numbers (rectangular, nested) become ``tensorferry.Tensor``
     leaves in a standard dtype: float -> float32, int -> int64, bool -> bool; a ragged
-    list is a :class:`FormatError` naming its key, and an empty list stays a list.
+    list is a :class:`FormatError` naming its key, and an empty list stays a list; integers
+    beyond int64 and finite floats beyond float32 are a :class:`TensorferryOverflowError`.
+    ``like="torch" | "jax" | "tensorflow" | "numpy"`` gives the tensors made from lists in
+    that framework (NumPy on the host only).
     Tensors already on ``device`` are returned as they are unless ``copy=True``. A bad
     device string raises :class:`InvalidDeviceError`; an absent device raises
     :class:`DeviceUnavailableError` with the reason. ``stream`` is the producer's stream, and
@@ -199,6 +235,10 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     """
     target = _native.parse_device(device)
     _native.ensure_device(target)
+    if like is not None and like not in _LIKE:
+        raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
+    if like not in (None, fw.NATIVE) and (target.startswith("emu") or (like == fw.NUMPY and target != "cpu")):
+        raise ValueError(f"like={like!r} cannot hold memory of {target}")
     _sync_producer(stream)
 
     def select(x, path):
@@ -221,7 +261,12 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     # One planned transfer for everything, tensors made from lists included.
     for key, result in _move(tensors, target, copy, non_blocking, False, staging).items():
         out[id(made[key]) if key in made else key] = result
-    return rebuild(obj, out)
+    if like not in (None, fw.NATIVE):
+        lists = [(p, leaf) for p, leaf in leaves if fw.kind_of(leaf) is None]
+        converted = fw.from_native_many([out[id(x)] for _, x in lists], [like] * len(lists), [p for p, _ in lists])
+        for (_, leaf), result in zip(lists, converted):
+            out[id(leaf)] = result
+    return rebuild(obj, out, strict=fw.kind_of)
 
 
 def _native_tree(obj, frameworks):
@@ -235,9 +280,9 @@ def _native_tree(obj, frameworks):
         paths.append(path)
         hosted.append(host)
         kinds.append(fw.kind_of(host))
-        frameworks[dotted(path)] = fw.NUMPY if kind == fw.CUPY else kind
-    natives = fw.to_native_many(hosted, kinds)
-    return _native.rebuild(obj, {id(leaf): t for (_, leaf), t in zip(leaves, natives)}, True)
+        frameworks[dotted(path)] = fw.NUMPY if kind in (fw.CUPY, fw.NUMBA, fw.CAI) else kind
+    natives = fw.to_native_many(hosted, kinds, paths)
+    return _native.rebuild(obj, {id(leaf): t for (_, leaf), t in zip(leaves, natives)}, True, fw.kind_of)
 
 
 def save(obj, path, *, metadata=None, fsync=True):
@@ -261,6 +306,13 @@ def save(obj, path, *, metadata=None, fsync=True):
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
         ):
             raise FormatError("metadata must be a dict of str to str")
+        for text in (t for kv in metadata.items() for t in kv):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise FormatError(
+                    f"metadata {text!r} is not valid Unicode (it holds a lone surrogate) and cannot be stored"
+                ) from None
         reserved = [k for k in metadata if k.startswith(_RESERVED_PREFIX)]
         if reserved:
             raise FormatError(f"metadata keys starting with 'tensorferry' are reserved: {reserved}")
@@ -274,7 +326,7 @@ def save(obj, path, *, metadata=None, fsync=True):
     _native.save(tree, os.fspath(path), meta, fsync)
 
 
-_LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX)
+_LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
 
 
 def load(path, *, device="cpu", mmap=True, like=None):
@@ -282,7 +334,7 @@ def load(path, *, device="cpu", mmap=True, like=None):
 
     Files written by tensorferry come back in the structure that was saved, each tensor
     in the framework it was saved from when that is importable; ``like="numpy" |
-    "torch" | "tensorferry" | "jax"`` overrides. Files of other tools load as a flat dict
+    "torch" | "tensorferry" | "jax" | "tensorflow"`` overrides. Files of other tools load as a flat dict
     whose keys keep their dots. Otherwise host tensors come back as NumPy arrays where
     NumPy can hold the dtype (bfloat16/float8 through ml_dtypes), else as
     ``tensorferry.Tensor``. With ``mmap=True`` tensors view the mapped file, read-only,
@@ -307,7 +359,7 @@ def load(path, *, device="cpu", mmap=True, like=None):
         kinds, todo = [], []
         for p, t in leaves:
             kind = like or recorded(dotted(p))
-            if kind in (fw.TORCH, fw.JAX) and fw.importable(kind):
+            if kind in (fw.TORCH, fw.JAX, fw.TENSORFLOW) and fw.importable(kind):
                 kinds.append(kind)
                 todo.append((p, t))
             elif kind != fw.NATIVE and _numpy_can_hold(t.dtype):
@@ -324,11 +376,22 @@ def _recorded_frameworks(meta):
     """name -> framework recorded at save time (a default and exceptions)."""
     try:
         record = json.loads(meta.get(_FRAMEWORKS_KEY, "{}"))
-    except ValueError:
+    except (ValueError, RecursionError):
+        record = {}
+    # A damaged or foreign record only loses the framework hint, never the data.
+    if not isinstance(record, dict):
         record = {}
     default = record.get("default")
-    exceptions = record.get("except", {})
-    return lambda name: exceptions.get(name, default)
+    default = default if isinstance(default, str) else None
+    exceptions = record.get("except")
+    if not isinstance(exceptions, dict):
+        exceptions = {}
+
+    def recorded(name):
+        kind = exceptions.get(name, default)
+        return kind if isinstance(kind, str) else default
+
+    return recorded
 
 
 def _numpy_can_hold(dtype):

@@ -32,3 +32,37 @@ class TensorferryKeyError(TensorferryError, KeyError):
 
 class TensorferryIOError(TensorferryError, OSError):
     """An operating-system error while reading or writing a file."""
+
+
+class TensorferryOverflowError(TensorferryError, OverflowError):
+    """A number that does not fit the type it must become: an integer beyond int64, a
+    finite float beyond float32's range."""
+
+
+_IO_CLASSES = {}
+
+
+def io_error(errno, strerror, filename):
+    """The exception for an operating-system error: a :class:`TensorferryIOError` that is
+    also the built-in ``OSError`` subclass Python picks for ``errno``
+    (``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError``, …), with
+    ``errno``, ``strerror`` and ``filename`` set.
+
+    >>> from tensorferry._errors import io_error
+    >>> e = io_error(2, "open: No such file or directory", "/nowhere")
+    >>> isinstance(e, FileNotFoundError), isinstance(e, TensorferryError), e.errno, e.filename
+    (True, True, 2, '/nowhere')
+    """
+    builtin = type(OSError(errno, strerror)) if errno else OSError
+    cls = _IO_CLASSES.get(builtin)
+    if cls is None:
+        if builtin is OSError:
+            cls = TensorferryIOError
+        else:
+            cls = type(
+                f"Tensorferry{builtin.__name__}",
+                (TensorferryIOError, builtin),
+                {"__doc__": f"A {builtin.__name__} raised by tensorferry.", "__module__": __name__},
+            )
+        _IO_CLASSES[builtin] = cls
+    return cls(errno, strerror, filename) if errno else cls(strerror, filename)

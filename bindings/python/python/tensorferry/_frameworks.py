@@ -1,7 +1,10 @@
 """Which framework a tensor leaf belongs to, and crossing between it and native tensors.
 
-Leaves that count as tensors: ``tensorferry.Tensor``, NumPy arrays, and anything that
-exports DLPack (PyTorch, JAX, CuPy). Results follow the input's framework.
+Leaves that count as tensors: ``tensorferry.Tensor``, NumPy arrays, TensorFlow tensors and
+variables, anything that exports DLPack (PyTorch, JAX, CuPy), and CUDA memory described by
+``__cuda_array_interface__`` (Numba device arrays, others). Results follow the
+input's framework. A leaf that its framework cannot export (a quantized or meta PyTorch
+tensor, a TensorFlow string tensor) is a :class:`FormatError` naming its key.
 """
 
 import sys
@@ -9,6 +12,7 @@ import sys
 import numpy as np
 
 from . import _native
+from ._errors import FormatError
 from ._numpy import tensor_to_numpy, tensors_to_numpy  # noqa: F401 (re-exported)
 from ._tree import shown
 
@@ -19,6 +23,9 @@ NUMPY = "numpy"
 TORCH = "torch"
 JAX = "jax"
 CUPY = "cupy"
+TENSORFLOW = "tensorflow"
+NUMBA = "numba"
+CAI = "cuda_array_interface"
 DLPACK = "dlpack"
 
 _kind_cache = {}
@@ -30,13 +37,28 @@ def _classify(t):
     if issubclass(t, np.ndarray):
         return NUMPY
     module = getattr(t, "__module__", "") or ""
+    if module.startswith("tensorflow") and _is_tf_tensor_type(t):
+        # Before the DLPack test: variables have no __dlpack__, and TensorFlow's DLPack
+        # export aborts the process on string tensors, so TensorFlow leaves take their own path.
+        return TENSORFLOW
     has_dlpack = hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__")
+    if hasattr(t, "__cuda_array_interface__") and (module.startswith("numba") or not has_dlpack):
+        # Numba's device arrays (and producers without DLPack) are read through the CUDA
+        # Array Interface, with its stream rule.
+        return NUMBA if module.startswith("numba") else CAI
     if not has_dlpack:
         return None
     for prefix, kind in (("torch", TORCH), ("jax", JAX), ("cupy", CUPY)):
         if module.startswith(prefix):
             return kind
     return DLPACK
+
+
+def _is_tf_tensor_type(t):
+    tf = sys.modules.get("tensorflow")
+    if tf is None:
+        return False
+    return issubclass(t, (tf.Tensor, tf.Variable)) and hasattr(t, "numpy")
 
 
 def kind_of(obj):
@@ -55,6 +77,10 @@ def device_of(obj, kind):
         return "cpu"
     if kind == NATIVE:
         return obj.device
+    if kind == TENSORFLOW:
+        return _tf_device(obj.device)
+    if kind in (NUMBA, CAI):
+        return _native.cuda_array_interface_device(obj)
     if kind == TORCH:
         # is_cpu / is_cuda / get_device cost a fifth of torch.device.type.
         if obj.is_cpu:
@@ -65,6 +91,36 @@ def device_of(obj, kind):
         return f"{dev.type}:{dev.index or 0}"
     dev_type, dev_id = obj.__dlpack_device__()
     return {1: "cpu", 3: "cpu", 2: f"cuda:{dev_id}", 13: f"cuda:{dev_id}"}.get(int(dev_type), f"dlpack:{dev_type}")
+
+
+def _tf_device(name):
+    """"/job:localhost/replica:0/task:0/device:GPU:1" -> "cuda:1"."""
+    tail = name.rsplit("device:", 1)[-1]
+    kind, _, index = tail.partition(":")
+    return f"cuda:{index or 0}" if kind == "GPU" else "cpu"
+
+
+def _plain_tf(obj, key):
+    """A TensorFlow tensor whose memory DLPack can export: a variable's value is read, and
+    dtypes without a flat buffer (string, variant, resource, quantized) are refused."""
+    dt = obj.dtype
+    if not (dt.is_floating or dt.is_integer or dt.is_bool or dt.is_complex) or dt.is_quantized:
+        raise FormatError(
+            f"cannot handle the value at {key!r}: TensorFlow dtype {dt.name} has no flat buffer "
+            "to move (only numeric and bool tensors can)"
+        )
+    if not hasattr(obj, "__dlpack__"):  # a tf.Variable
+        obj = obj.read_value()
+    return obj
+
+
+def _tf_sync(tensors):
+    """Waits for TensorFlow's queued GPU work before its memory is read: TensorFlow's DLPack
+    export takes no stream."""
+    if any(_tf_device(t.device) != "cpu" for t in tensors):
+        import tensorflow as tf
+
+        tf.test.experimental.sync_devices()
 
 
 def _plain_torch(obj):
@@ -78,18 +134,38 @@ def _plain_torch(obj):
     return obj
 
 
-def to_native(obj, kind):
-    """A native tensor viewing the leaf's memory (no copy where the layout allows)."""
+def to_native(obj, kind, key=""):
+    """A native tensor viewing the leaf's memory (no copy where the layout allows); a leaf
+    its framework cannot export is a :class:`FormatError` naming ``key``."""
     if kind == NATIVE:
         return obj
     if kind == NUMPY:
         return Tensor.from_numpy(obj)
+    if kind == TENSORFLOW:
+        obj = _plain_tf(obj, key)
+        _tf_sync([obj])
+        import tensorflow as tf
+
+        return _exported(key, lambda: _native.from_dlpack_capsules([tf.experimental.dlpack.to_dlpack(obj)])[0])
     if kind == TORCH:
-        obj = _plain_torch(obj)
-    return Tensor.from_dlpack(obj)
+        return _exported(key, lambda: Tensor.from_dlpack(_plain_torch(obj)))
+    if kind in (NUMBA, CAI):
+        return _exported(key, lambda: _native.from_cuda_array_interface(obj))
+    return _exported(key, lambda: Tensor.from_dlpack(obj))
 
 
-def _torch_to_native_many(tensors):
+def _exported(key, export):
+    """``export()``, with a producer's refusal (quantized, meta, sparse or nested tensors,
+    odd dtypes) turned into a :class:`FormatError` naming ``key``."""
+    try:
+        return export()
+    except FormatError:
+        raise
+    except (RuntimeError, BufferError, TypeError, ValueError, NotImplementedError, AttributeError) as e:
+        raise FormatError(f"cannot handle the value at {key!r}: its framework cannot export it ({e})") from e
+
+
+def _torch_to_native_many(tensors, paths):
     """Native tensors for many PyTorch tensors, at about a microsecond each.
 
     PyTorch's ``__dlpack__`` costs several microseconds a call; ``to_dlpack`` under one.
@@ -104,21 +180,22 @@ def _torch_to_native_many(tensors):
     ordered = set()
     capsules, at = [], []
     for i, t in enumerate(tensors):
-        t = _plain_torch(t)
+        key = shown(paths[i])
+        t = _exported(key, lambda: _plain_torch(tensors[i]))
         if t.is_cuda and t.device.index not in ordered:
             ordered.add(t.device.index)
-            out[i] = Tensor.from_dlpack(t)
+            out[i] = to_native(t, TORCH, key)
             continue
-        capsules.append(to_dlpack(t))
+        capsules.append(_exported(key, lambda: to_dlpack(t)))
         at.append(i)
     for i, native in zip(at, _native.from_dlpack_capsules(capsules)):
         out[i] = native
     return out
 
 
-def to_native_many(leaves, kinds):
-    """``to_native`` for many leaves; NumPy arrays and PyTorch tensors each go through one
-    native call."""
+def to_native_many(leaves, kinds, paths):
+    """``to_native`` for many leaves (``paths`` name them in errors); NumPy arrays and
+    PyTorch tensors each go through one native call."""
     out = [None] * len(leaves)
     numpy_at = [i for i, k in enumerate(kinds) if k == NUMPY]
     if numpy_at:
@@ -126,21 +203,30 @@ def to_native_many(leaves, kinds):
             out[i] = t
     torch_at = [i for i, k in enumerate(kinds) if k == TORCH]
     if torch_at:
-        for i, t in zip(torch_at, _torch_to_native_many([leaves[i] for i in torch_at])):
+        for i, t in zip(torch_at, _torch_to_native_many([leaves[i] for i in torch_at], [paths[i] for i in torch_at])):
+            out[i] = t
+    tf_at = [i for i, k in enumerate(kinds) if k == TENSORFLOW]
+    if tf_at:
+        plain = [_plain_tf(leaves[i], shown(paths[i])) for i in tf_at]
+        _tf_sync(plain)
+        import tensorflow as tf
+
+        capsules = [_exported(shown(paths[i]), lambda: tf.experimental.dlpack.to_dlpack(t)) for i, t in zip(tf_at, plain)]
+        for i, t in zip(tf_at, _native.from_dlpack_capsules(capsules)):
             out[i] = t
     for i, (leaf, kind) in enumerate(zip(leaves, kinds)):
         if out[i] is None:
-            out[i] = to_native(leaf, kind)
+            out[i] = to_native(leaf, kind, shown(paths[i]))
     return out
 
 
 def _host_numpy(kind, tensor):
-    return kind == NUMPY or (kind == CUPY and tensor.device == "cpu")
+    return kind == NUMPY or (kind in (CUPY, NUMBA, CAI) and tensor.device == "cpu")
 
 
 def from_native(tensor, kind, key=""):
     """The tensor in the framework ``kind`` (host results of CuPy leaves become NumPy)."""
-    if kind == NATIVE or kind == DLPACK:
+    if kind in (NATIVE, DLPACK, CAI):
         return tensor
     if _host_numpy(kind, tensor):
         return tensor_to_numpy(tensor, key)
@@ -154,6 +240,12 @@ def from_native(tensor, kind, key=""):
         import cupy
 
         return cupy.from_dlpack(tensor)
+    if kind == TENSORFLOW:
+        return _tf_from_native_many([tensor])[0]
+    if kind == NUMBA:
+        from numba import cuda
+
+        return cuda.as_cuda_array(tensor)
     raise AssertionError(kind)
 
 
@@ -169,10 +261,25 @@ def from_native_many(tensors, kinds, paths):
     if torch_at:
         for i, t in zip(torch_at, _torch_from_native_many([tensors[i] for i in torch_at])):
             out[i] = t
+    tf_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if k == TENSORFLOW and out[i] is None]
+    if tf_at:
+        for i, t in zip(tf_at, _tf_from_native_many([tensors[i] for i in tf_at])):
+            out[i] = t
     for i, (t, k) in enumerate(zip(tensors, kinds)):
         if out[i] is None:
             out[i] = from_native(t, k, shown(paths[i]))
     return out
+
+
+def _tf_from_native_many(tensors):
+    """TensorFlow tensors for native tensors through TensorFlow's DLPack import. Read-only
+    memory (a mapped file) is copied first: TensorFlow may reuse an input's buffer for an
+    op's output, writing into it. Emulated memory has no DLPack device: it stays native."""
+    import tensorflow as tf
+
+    take = tf.experimental.dlpack.from_dlpack
+    tensors = [t.copy() if t.is_read_only else t for t in tensors]
+    return [take(c) for c in _native.to_dlpack_capsules(tensors)]
 
 
 def _torch_from_native_many(tensors):

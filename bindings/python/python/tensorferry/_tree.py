@@ -8,7 +8,12 @@ other leaf as the very same object and each container's own type where possible.
 from collections import defaultdict
 from collections.abc import Mapping
 
+from . import _native
+
 _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _MAPPING, _LEAF = range(6)
+
+MAX_DEPTH = _native.MAX_DEPTH
+"""The deepest nesting of containers a walk accepts; deeper is a ``FormatError``."""
 
 
 def container_kind(obj):
@@ -28,40 +33,76 @@ def container_kind(obj):
     return _LEAF
 
 
-def collect(obj, select, path=(), out=None):
+def _enter(obj, path, ancestors):
+    """``ancestors`` with ``obj`` (a container at ``path``) added; a :class:`FormatError`
+    when ``obj`` encloses itself or lies deeper than ``MAX_DEPTH`` levels."""
+    from ._errors import FormatError
+
+    if id(obj) in ancestors:
+        raise FormatError(
+            f"cannot handle the value at {shown(path)!r}: the structure contains itself here "
+            "(a container inside itself); tensorferry needs a tree"
+        )
+    if len(ancestors) >= MAX_DEPTH:
+        raise FormatError(
+            f"cannot handle the value at {shown(path)!r}: nested deeper than {MAX_DEPTH} levels, "
+            "the most tensorferry walks"
+        )
+    return ancestors + (id(obj),)
+
+
+def collect(obj, select, path=(), out=None, ancestors=()):
     """``[(path, leaf)]`` for every leaf (or data list) for which ``select(obj, path)``
     is true, in traversal order. ``select`` sees containers too, so that it can claim a
-    list of numbers as one leaf."""
+    list of numbers as one leaf. ``ancestors`` are the ids of the enclosing containers
+    (for a walk that starts inside a tree)."""
     if out is None:
         out = []
     if select(obj, path):
         out.append((path, obj))
         return out
     kind = container_kind(obj)
+    if kind == _LEAF:
+        return out
+    ancestors = _enter(obj, path, ancestors)
     if kind == _DICT or kind == _MAPPING:
-        for k, v in obj.items():
-            collect(v, select, path + (k,), out)
-    elif kind != _LEAF:
-        for i, v in enumerate(obj):
-            collect(v, select, path + (i,), out)
+        for k, v in list(obj.items()):
+            collect(v, select, path + (k,), out, ancestors)
+    else:
+        for i, v in enumerate(list(obj)):
+            collect(v, select, path + (i,), out, ancestors)
     return out
 
 
-def rebuild(obj, replacements, plain=False):
+def rebuild(obj, replacements, plain=False, ancestors=(), path=(), strict=None, skip_numpy=False):
     """A new structure like ``obj`` where each object whose ``id`` is in ``replacements``
-    is swapped for its replacement. With ``plain``, containers become dict/list/tuple."""
+    is swapped for its replacement. With ``plain``, containers become dict/list/tuple.
+    With ``strict`` (a ``kind_of``), a tensor leaf without a replacement is an error: the
+    structure changed after its leaves were collected (NumPy arrays exempt with
+    ``skip_numpy``)."""
     r = replacements.get(id(obj), _MISSING) if replacements else _MISSING
     if r is not _MISSING:
         return r
     kind = container_kind(obj)
     if kind == _LEAF:
+        if strict is not None and strict(obj) is not None:
+            if not (skip_numpy and strict(obj) == "numpy"):
+                raise RuntimeError(
+                    f"the structure changed during the call at {shown(path)!r}: a tensor appeared that "
+                    "was not there when its leaves were collected (another thread modified it?)"
+                )
         return obj
-    if kind == _DICT:
-        return {k: rebuild(v, replacements, plain) for k, v in obj.items()}
-    if kind == _MAPPING:
-        items = {k: rebuild(v, replacements, plain) for k, v in obj.items()}
-        return items if plain else _same_mapping(obj, items)
-    items = [rebuild(v, replacements, plain) for v in obj]
+    ancestors = _enter(obj, path, ancestors)
+    if kind == _DICT or kind == _MAPPING:
+        items = {}
+        for k, v in list(obj.items()):
+            items[k] = rebuild(v, replacements, plain, ancestors, path + (k,), strict, skip_numpy)
+        if kind == _DICT or plain:
+            return items
+        return _same_mapping(obj, items)
+    items = []
+    for i, v in enumerate(list(obj)):
+        items.append(rebuild(v, replacements, plain, ancestors, path + (i,), strict, skip_numpy))
     t = type(obj)
     if kind == _LIST:
         return items if plain or t is list else _same_type(t, items, list)

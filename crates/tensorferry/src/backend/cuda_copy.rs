@@ -154,10 +154,21 @@ impl CopyQueue {
             }
         }
         if !queued {
-            for op in &ops {
+            for (i, op) in ops.iter().enumerate() {
                 // SAFETY: forwarded contract.
                 let code = unsafe { self.queue_one(batch.direction, op) };
-                check(code, self.device, "cuMemcpyAsync")?;
+                if code != CUresult::CUDA_SUCCESS {
+                    // The copies queued before this one still read and write the batch's
+                    // memory: they must be done before the caller releases it.
+                    self.synchronize();
+                    let what = format!(
+                        "cuMemcpyAsync of copy {} of {} ({} bytes)",
+                        i + 1,
+                        ops.len(),
+                        op.len
+                    );
+                    return check(code, self.device, &what);
+                }
             }
         }
         // SAFETY: the stream is this queue's, created in the current context.
@@ -166,6 +177,14 @@ impl CopyQueue {
             self.device,
             "cuStreamSynchronize",
         )
+    }
+
+    /// Waits for everything queued on the stream, ignoring the outcome: after a failure,
+    /// so that no queued copy outlives the memory it uses. The device's context must be
+    /// current on this thread.
+    pub(crate) fn synchronize(&self) {
+        // SAFETY: the stream is this queue's; a sticky error comes back as a code.
+        let _ = unsafe { sys::cuStreamSynchronize(self.stream.0) };
     }
 
     /// One `cuMemcpy*Async`.

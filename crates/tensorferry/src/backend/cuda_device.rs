@@ -15,6 +15,7 @@
 
 use std::any::Any;
 use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
@@ -22,6 +23,7 @@ use cudarc::driver::sys::{self, CUresult};
 use super::cuda::{status, CudaStatus};
 use super::cuda_copy::{CopyPath, CopyQueue};
 use super::cuda_pinned::CudaPinnedAllocator;
+use super::event::{Failure, Outcome};
 use super::stream::{Job, StreamThread};
 use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
@@ -257,23 +259,39 @@ impl Backend for CudaDevice {
         let name = Backend::device(self);
         let queue = self.queue.clone();
         let job: Job = Box::new(move || {
-            let batch = batch; // the whole batch (it is `Send`), not its fields
-            let result = (|| -> Result<()> {
-                for e in &batch.waits {
-                    e.wait(&name.to_string())?;
-                }
-                // SAFETY: `submit`'s contract: the addresses are valid for `len` bytes in
-                // the memories the direction names until the event completes, which is
-                // after `run` has synchronised the stream; this thread has the device's
-                // primary context current.
-                unsafe { queue.run(&batch) }
-            })();
+            // The whole batch (it is `Send`), not its fields.
+            let batch = batch;
+            // SAFETY: `submit`'s contract: the addresses are valid for `len` bytes in the
+            // memories the direction names until the event completes, which is after
+            // `run_batch` has returned (with the stream synchronised, whatever happened);
+            // this thread has the device's primary context current.
+            let outcome = unsafe { run_batch(&queue, &batch, name) };
             // What the batch held goes first (buffers back to their pool), so that anyone
             // woken by the event finds the pool as the batch left it.
             drop(keep);
-            done.complete(result.map_err(|e| e.to_string()));
+            done.complete(outcome);
         });
         self.stream.queue(job, event);
+    }
+}
+
+/// One batch on the stream thread of `device`: its waits, then its copies. When anything
+/// fails or panics, the stream is synchronised before this returns, so that no copy
+/// already queued still runs once the batch's memory is released.
+///
+/// # Safety
+/// As [`CopyQueue::run`].
+unsafe fn run_batch(queue: &CopyQueue, batch: &CopyBatch, device: Device) -> Outcome {
+    for e in &batch.waits {
+        e.wait_outcome()?;
+    }
+    // SAFETY: forwarded contract.
+    match catch_unwind(AssertUnwindSafe(|| unsafe { queue.run(batch) })) {
+        Ok(result) => result.map_err(|e| Failure::from_error(device, &e)),
+        Err(panic) => {
+            queue.synchronize();
+            Err(Failure::internal(device, &*panic))
+        }
     }
 }
 
@@ -320,6 +338,35 @@ pub fn stream_synchronize(handle: usize) -> Result<()> {
         Device::Cuda(0),
         "cuStreamSynchronize",
     )
+}
+
+/// The GPU that owns device memory at `address` — a pointer handed over by another
+/// producer (the CUDA Array Interface names no device) — as the driver reports it.
+pub fn pointer_device(address: usize) -> Result<usize> {
+    if let CudaStatus::Unavailable { reason } = status() {
+        return Err(Error::DeviceUnavailable {
+            device: "cuda".into(),
+            reason: reason.clone(),
+        });
+    }
+    let mut ordinal: std::ffi::c_int = -1;
+    // SAFETY: the driver is loaded and initialised; the out pointer is a live int, the size
+    // the device-ordinal attribute writes; an unknown address is an error code.
+    check(
+        unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut std::ffi::c_int).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                address as sys::CUdeviceptr,
+            )
+        },
+        Device::Cuda(0),
+        "cuPointerGetAttribute (the device of a foreign pointer)",
+    )?;
+    usize::try_from(ordinal).map_err(|_| Error::DeviceUnavailable {
+        device: "cuda".into(),
+        reason: format!("the driver gave device ordinal {ordinal} for address {address:#x}"),
+    })
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! The emulated device `emu:N`: device memory is a separate host allocation, its one
 //! stream is a worker thread that runs copies in order, and events complete as CUDA's
 //! do. Capacity, bandwidth and per-copy latency are configurable, and faults can be
-//! injected (fail the Nth allocation or the Nth copy).
+//! injected (fail the Nth allocation or the Nth copy, or make the Nth copy panic on the
+//! stream thread).
 //!
 //! It exists so that machines without a GPU (CI among them) run the very same transfer
 //! engine, and so that users can test their pipelines on CPU-only machines.
@@ -13,6 +14,7 @@ use std::time::Duration;
 
 use std::any::Any;
 
+use super::event::{Failure, Outcome};
 use super::stream::{Job, StreamThread};
 use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
@@ -29,21 +31,32 @@ pub const EMULATED_DEVICES: usize = 2;
 /// The environment variable read when an emulated device is first used.
 pub const ENV_VAR: &str = "TENSORFERRY_EMU";
 
-const KEYS: &str = "capacity_bytes, bandwidth_gbps, latency_us, fail_alloc, fail_copy";
+/// The slowest bandwidth accepted, in GB/s (1 kB/s): even a copy of `usize::MAX` bytes
+/// then takes a delay that a `Duration` holds.
+pub const MIN_BANDWIDTH_GBPS: f64 = 1e-6;
+
+/// The longest latency accepted, in microseconds (one minute).
+pub const MAX_LATENCY_US: u64 = 60_000_000;
+
+const KEYS: &str = "capacity_bytes, bandwidth_gbps, latency_us, fail_alloc, fail_copy, panic_copy";
 
 /// Settings of an emulated device.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EmuConfig {
     /// Bytes of device memory (default 8 GiB; memory is only taken when allocated).
     pub capacity_bytes: usize,
-    /// Copy bandwidth in GB/s; `None` copies at host speed.
+    /// Copy bandwidth in GB/s, at least [`MIN_BANDWIDTH_GBPS`]; `None` copies at host
+    /// speed.
     pub bandwidth_gbps: Option<f64>,
-    /// Added to every copy, in microseconds.
+    /// Added to every copy, in microseconds (at most [`MAX_LATENCY_US`]).
     pub latency_us: u64,
-    /// The Nth allocation from now fails with out-of-memory (1-based).
+    /// Fault injection: the Nth allocation from now fails with out-of-memory (1-based).
     pub fail_alloc: Option<u64>,
-    /// The Nth copy from now fails (1-based).
+    /// Fault injection: the Nth copy from now fails (1-based).
     pub fail_copy: Option<u64>,
+    /// Fault injection: the Nth copy from now panics on the stream thread (1-based), to
+    /// test that a bug in a job becomes an error for its waiters, not a hang.
+    pub panic_copy: Option<u64>,
 }
 
 impl Default for EmuConfig {
@@ -54,43 +67,107 @@ impl Default for EmuConfig {
             latency_us: 0,
             fail_alloc: None,
             fail_copy: None,
+            panic_copy: None,
         }
+    }
+}
+
+/// The error for a bad setting: it names the key and the value.
+fn bad_setting(key: &str, value: impl std::fmt::Display, why: &str) -> Error {
+    Error::InvalidValue {
+        key: ENV_VAR.into(),
+        reason: format!("{key}={value}: {why} (keys: {KEYS})"),
     }
 }
 
 impl EmuConfig {
     /// Parses comma-separated `key=value` pairs, e.g. `latency_us=20000,capacity_bytes=1000000`.
+    /// Keys: `capacity_bytes`, `bandwidth_gbps`, `latency_us`, and the fault-injection keys
+    /// `fail_alloc`, `fail_copy` and `panic_copy`. An unknown key or a value out of range
+    /// (see [`EmuConfig::validate`]) is refused, naming the key.
     pub fn parse(text: &str) -> Result<EmuConfig> {
         let mut c = EmuConfig::default();
         for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let bad = |why: &str| Error::InvalidValue {
+            let (k, v) = pair.split_once('=').ok_or_else(|| Error::InvalidValue {
                 key: ENV_VAR.into(),
-                reason: format!("{pair:?}: {why} (keys: {KEYS})"),
-            };
-            let (k, v) = pair
-                .split_once('=')
-                .ok_or_else(|| bad("expected key=value"))?;
+                reason: format!("{pair:?}: expected key=value (keys: {KEYS})"),
+            })?;
+            let (k, v) = (k.trim(), v.trim());
             let int = || {
-                v.trim()
-                    .parse::<u64>()
-                    .map_err(|_| bad("expected an integer"))
+                v.parse::<u64>()
+                    .map_err(|_| bad_setting(k, v, "expected a whole number"))
             };
-            match k.trim() {
-                "capacity_bytes" => c.capacity_bytes = int()? as usize,
+            match k {
+                "capacity_bytes" => {
+                    c.capacity_bytes = usize::try_from(int()?)
+                        .map_err(|_| bad_setting(k, v, "does not fit in this machine's memory"))?
+                }
                 "latency_us" => c.latency_us = int()?,
                 "fail_alloc" => c.fail_alloc = Some(int()?),
                 "fail_copy" => c.fail_copy = Some(int()?),
+                "panic_copy" => c.panic_copy = Some(int()?),
                 "bandwidth_gbps" => {
-                    let g: f64 = v.trim().parse().map_err(|_| bad("expected a number"))?;
-                    if g.is_nan() || g <= 0.0 {
-                        return Err(bad("must be positive"));
-                    }
-                    c.bandwidth_gbps = Some(g);
+                    c.bandwidth_gbps = Some(
+                        v.parse()
+                            .map_err(|_| bad_setting(k, v, "expected a number"))?,
+                    )
                 }
-                _ => return Err(bad("unknown key")),
+                _ => {
+                    return Err(Error::InvalidValue {
+                        key: ENV_VAR.into(),
+                        reason: format!("unknown key {k:?} in {pair:?} (keys: {KEYS})"),
+                    })
+                }
             }
         }
+        c.validate()?;
         Ok(c)
+    }
+
+    /// Checks every setting is in range: a finite bandwidth of at least
+    /// [`MIN_BANDWIDTH_GBPS`], a latency of at most [`MAX_LATENCY_US`], fault counts of
+    /// at least 1 (they are 1-based). The error names the key.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(g) = self.bandwidth_gbps {
+            if !g.is_finite() || g < MIN_BANDWIDTH_GBPS {
+                return Err(bad_setting(
+                    "bandwidth_gbps",
+                    format!("{g:?}"),
+                    &format!("must be a finite number of at least {MIN_BANDWIDTH_GBPS} (GB/s)"),
+                ));
+            }
+        }
+        if self.latency_us > MAX_LATENCY_US {
+            return Err(bad_setting(
+                "latency_us",
+                self.latency_us,
+                &format!("must be at most {MAX_LATENCY_US} (one minute)"),
+            ));
+        }
+        for (key, count) in [
+            ("fail_alloc", self.fail_alloc),
+            ("fail_copy", self.fail_copy),
+            ("panic_copy", self.panic_copy),
+        ] {
+            if count == Some(0) {
+                return Err(bad_setting(key, 0, "counts from 1 (the first is 1)"));
+            }
+        }
+        Ok(())
+    }
+
+    /// How long a copy of `bytes` takes: the latency plus the bytes at the bandwidth,
+    /// saturating (a valid setting never comes near `Duration::MAX`).
+    fn delay(&self, bytes: usize) -> Duration {
+        let latency = Duration::from_micros(self.latency_us);
+        match self.bandwidth_gbps {
+            Some(g) => {
+                let transfer =
+                    Duration::try_from_secs_f64(bytes as f64 / (g * 1e9)).unwrap_or(Duration::MAX);
+                latency.saturating_add(transfer)
+            }
+            None => latency,
+        }
     }
 }
 
@@ -156,8 +233,10 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
     Ok(d)
 }
 
-/// Replaces the settings of `emu:index`; fault counters start again from zero.
+/// Replaces the settings of `emu:index`; fault counters start again from zero. Settings
+/// out of range are refused ([`EmuConfig::validate`]).
 pub fn configure(index: usize, config: EmuConfig) -> Result<()> {
+    config.validate()?;
     let d = device(index)?;
     *d.config.lock().unwrap_or_else(|p| p.into_inner()) = config;
     d.allocations.store(0, Ordering::SeqCst);
@@ -251,44 +330,58 @@ impl Backend for EmulatedDevice {
     }
 
     /// Runs on the stream thread, in order: waits, then the configured latency and
-    /// bandwidth, then the copies; `fail_copy` completes the event with an error instead.
+    /// bandwidth, then the copies; `fail_copy` completes the event with an error instead,
+    /// and `panic_copy` panics on the stream thread.
     unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
         let done = event.clone();
         let config = self.config();
         let n = self.copies.fetch_add(1, Ordering::SeqCst) + 1;
         self.ops.fetch_add(batch.ops.len() as u64, Ordering::SeqCst);
-        let name = Backend::device(self).to_string();
+        let device = Backend::device(self);
         let job: Job = Box::new(move || {
-            let result = (|| {
-                for e in &batch.waits {
-                    e.wait(&name).map_err(|e| e.to_string())?;
-                }
-                let mut delay = Duration::from_micros(config.latency_us);
-                if let Some(g) = config.bandwidth_gbps {
-                    delay += Duration::from_secs_f64(batch.bytes() as f64 / (g * 1e9));
-                }
-                if !delay.is_zero() {
-                    std::thread::sleep(delay);
-                }
-                if config.fail_copy == Some(n) {
-                    return Err(format!("injected fault: copy {n} fails (fail_copy={n})"));
-                }
-                for op in &batch.ops {
-                    // SAFETY: `submit`'s contract: both ranges are valid for `len` bytes
-                    // until the event completes (`keep` holds their owners), emulated
-                    // device memory is host memory, and the destination is written by
-                    // this batch alone.
-                    unsafe { std::ptr::copy_nonoverlapping(op.src, op.dst, op.len) };
-                }
-                Ok(())
-            })();
+            // SAFETY: `submit`'s contract, passed on: `keep` holds what the ops address
+            // until after `run`.
+            let outcome = unsafe { run(&batch, &config, n, device) };
             // What the batch held goes first (buffers back to their pool), so that anyone
             // woken by the event finds the pool as the batch left it.
             drop(keep);
-            done.complete(result);
+            done.complete(outcome);
         });
         self.stream.queue(job, event);
     }
+}
+
+/// One batch on the stream thread of `device`, the `n`th since the settings were made.
+///
+/// # Safety
+/// As [`Backend::submit`]: every op's ranges are valid host memory (emulated device memory
+/// is host memory) for `len` bytes, and nothing else touches the destinations.
+unsafe fn run(batch: &CopyBatch, config: &EmuConfig, n: u64, device: Device) -> Outcome {
+    for e in &batch.waits {
+        e.wait_outcome()?;
+    }
+    let delay = config.delay(batch.bytes());
+    if !delay.is_zero() {
+        std::thread::sleep(delay);
+    }
+    if config.panic_copy == Some(n) {
+        panic!("injected panic: copy {n} panics (panic_copy={n})");
+    }
+    if config.fail_copy == Some(n) {
+        return Err(Failure::new(
+            device,
+            format!(
+                "injected fault: copy {n} fails (fail_copy={n}), {} bytes not copied",
+                batch.bytes()
+            ),
+        ));
+    }
+    for op in &batch.ops {
+        // SAFETY: the caller's contract: both ranges are valid for `len` bytes and the
+        // destination is written by this batch alone.
+        unsafe { std::ptr::copy_nonoverlapping(op.src, op.dst, op.len) };
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -298,20 +391,67 @@ mod tests {
     #[test]
     fn config_parses_every_key_and_rejects_unknown_ones() {
         let c = EmuConfig::parse(
-            "latency_us=20000, capacity_bytes=1000000,bandwidth_gbps=12.5,fail_alloc=2,fail_copy=3",
+            "latency_us=20000, capacity_bytes=1000000,bandwidth_gbps=12.5,fail_alloc=2,fail_copy=3,panic_copy=4",
         )
         .unwrap();
         assert_eq!(c.latency_us, 20000);
         assert_eq!(c.capacity_bytes, 1_000_000);
         assert_eq!(c.bandwidth_gbps, Some(12.5));
         assert_eq!((c.fail_alloc, c.fail_copy), (Some(2), Some(3)));
+        assert_eq!(c.panic_copy, Some(4));
         let err = EmuConfig::parse("speed=3").unwrap_err().to_string();
         assert!(
-            err.contains("unknown key") && err.contains("latency_us"),
+            err.contains("unknown key \"speed\"") && err.contains("latency_us"),
             "{err}"
         );
         assert!(EmuConfig::parse("latency_us=x").is_err());
         assert_eq!(EmuConfig::parse("").unwrap(), EmuConfig::default());
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_naming_the_key() {
+        for (text, key) in [
+            ("bandwidth_gbps=1e-300", "bandwidth_gbps"),
+            ("bandwidth_gbps=0", "bandwidth_gbps"),
+            ("bandwidth_gbps=-1", "bandwidth_gbps"),
+            ("bandwidth_gbps=nan", "bandwidth_gbps"),
+            ("bandwidth_gbps=inf", "bandwidth_gbps"),
+            ("latency_us=18446744073709551615", "latency_us"),
+            ("latency_us=60000001", "latency_us"),
+            ("capacity_bytes=18446744073709551616", "capacity_bytes"),
+            ("capacity_bytes=-1", "capacity_bytes"),
+            ("fail_alloc=0", "fail_alloc"),
+            ("fail_copy=0", "fail_copy"),
+            ("panic_copy=0", "panic_copy"),
+        ] {
+            let err = EmuConfig::parse(text).unwrap_err().to_string();
+            assert!(err.contains(&format!("{key}=")), "{text}: {err}");
+        }
+        let bad = EmuConfig {
+            bandwidth_gbps: Some(1e-300),
+            ..EmuConfig::default()
+        };
+        let err = configure(0, bad).unwrap_err().to_string();
+        assert!(err.contains("bandwidth_gbps"), "{err}");
+    }
+
+    #[test]
+    fn the_slowest_valid_settings_give_a_finite_delay_for_any_copy() {
+        let slowest = EmuConfig::parse(&format!(
+            "bandwidth_gbps={MIN_BANDWIDTH_GBPS},latency_us={MAX_LATENCY_US}"
+        ))
+        .unwrap();
+        let delay = slowest.delay(usize::MAX);
+        assert!(delay < Duration::MAX && delay > Duration::from_secs(1 << 50));
+        let quick = EmuConfig::parse("bandwidth_gbps=1").unwrap();
+        assert_eq!(quick.delay(1_000_000), Duration::from_millis(1));
+        // Even a setting that bypassed validation saturates instead of panicking.
+        let broken = EmuConfig {
+            bandwidth_gbps: Some(1e-300),
+            latency_us: u64::MAX,
+            ..EmuConfig::default()
+        };
+        assert_eq!(broken.delay(usize::MAX), Duration::MAX);
     }
 
     #[test]

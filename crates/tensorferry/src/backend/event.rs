@@ -1,14 +1,86 @@
 //! Completion events: recorded when work is queued, completed by the stream that runs it,
-//! waited on by every reader. A failed copy completes its event with the error, which
-//! every waiter then sees. Work that depends on an event can also be chained to it
-//! ([`Event::on_complete`]) instead of blocking a thread until it completes.
+//! waited on by every reader. A failed copy completes its event with a [`Failure`] naming
+//! the device whose work failed, which every waiter then sees. Work that depends on an
+//! event can also be chained to it ([`Event::on_complete`]) instead of blocking a thread
+//! until it completes; a waiter that must stay responsive (to Ctrl-C, say) waits in slices
+//! with [`Event::wait_timeout`].
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::any::Any;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
-/// What an event completes with: success, or the reason of the failure.
-pub type Outcome = std::result::Result<(), String>;
+/// Why queued work failed: the device whose work it was, and what went wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// The device that ran (or was to run) the failed work, e.g. `emu:0` or `cuda:1`;
+    /// never the host a result was meant for.
+    pub device: String,
+    /// What went wrong.
+    pub reason: String,
+}
+
+impl Failure {
+    /// A failure of `device`'s work.
+    pub fn new(device: impl fmt::Display, reason: impl Into<String>) -> Failure {
+        Failure {
+            device: device.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    /// A panic caught on a worker thread doing `device`'s work:
+    /// `internal error: <panic message>`.
+    pub fn internal(device: impl fmt::Display, panic: &(dyn Any + Send)) -> Failure {
+        Failure::new(device, format!("internal error: {}", panic_message(panic)))
+    }
+
+    /// `error` as a failure of `device`'s work; an error that names a device already
+    /// ([`Error::DeviceUnavailable`], as driver calls give) keeps its own.
+    pub fn from_error(device: impl fmt::Display, error: &Error) -> Failure {
+        match error {
+            Error::DeviceUnavailable { device, reason } => Failure::new(device, reason.clone()),
+            other => Failure::new(device, other.to_string()),
+        }
+    }
+
+    /// The error a reader of the work's results gets.
+    pub fn to_error(&self) -> Error {
+        Error::DeviceUnavailable {
+            device: self.device.clone(),
+            reason: format!("a queued copy failed: {}", self.reason),
+        }
+    }
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.device, self.reason)
+    }
+}
+
+/// The message of a caught panic (`panic!`'s text, when it has one).
+pub(crate) fn panic_message(panic: &(dyn Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}
+
+/// Runs `work` for `device`, turning a panic in it into a [`Failure::internal`], so that
+/// a worker thread completes its event whatever happens.
+pub(crate) fn guarded(device: impl fmt::Display, work: impl FnOnce() -> Outcome) -> Outcome {
+    catch_unwind(AssertUnwindSafe(work)).unwrap_or_else(|p| Err(Failure::internal(device, &*p)))
+}
+
+/// What an event completes with: success, or the failure.
+pub type Outcome = std::result::Result<(), Failure>;
 
 type Callback = Box<dyn FnOnce(&Outcome) + Send>;
 
@@ -24,10 +96,15 @@ struct State {
     cv: Condvar,
 }
 
+impl State {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.done.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 impl std::fmt::Debug for State {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let inner = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        write!(f, "Event({:?})", inner.outcome)
+        write!(f, "Event({:?})", self.lock().outcome)
     }
 }
 
@@ -48,11 +125,12 @@ impl Event {
         e
     }
 
-    /// Marks the work done (or failed with a reason) and wakes every waiter.
-    /// Callbacks chained with [`Event::on_complete`] run on this thread, after the waiters
-    /// are woken. Completing twice keeps the first outcome.
+    /// Marks the work done (or failed) and wakes every waiter. Callbacks chained with
+    /// [`Event::on_complete`] run on this thread, after the waiters are woken, each on
+    /// its own: one that panics neither stops the others nor reaches the caller.
+    /// Completing twice keeps the first outcome.
     pub fn complete(&self, result: Outcome) {
-        let mut done = self.0.done.lock().unwrap_or_else(|p| p.into_inner());
+        let mut done = self.0.lock();
         if done.outcome.is_some() {
             return;
         }
@@ -61,7 +139,9 @@ impl Event {
         self.0.cv.notify_all();
         drop(done);
         for f in callbacks {
-            f(&result);
+            // A panicking callback is its own failure (callbacks that complete other
+            // events catch their panics themselves); the others still run.
+            let _ = catch_unwind(AssertUnwindSafe(|| f(&result)));
         }
     }
 
@@ -69,7 +149,7 @@ impl Event {
     /// has, else on the thread that completes it — so `f` must be quick and must not wait
     /// for work queued after it.
     pub fn on_complete(&self, f: impl FnOnce(&Outcome) + Send + 'static) {
-        let mut done = self.0.done.lock().unwrap_or_else(|p| p.into_inner());
+        let mut done = self.0.lock();
         match done.outcome.clone() {
             Some(outcome) => {
                 drop(done);
@@ -81,26 +161,56 @@ impl Event {
 
     /// True when the work has finished (successfully or not).
     pub fn is_ready(&self) -> bool {
-        self.0
-            .done
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .outcome
-            .is_some()
+        self.0.lock().outcome.is_some()
     }
 
-    /// Blocks until the work finishes; its failure, if any, as an error naming `device`.
-    pub fn wait(&self, device: &str) -> Result<()> {
-        let mut done = self.0.done.lock().unwrap_or_else(|p| p.into_inner());
-        while done.outcome.is_none() {
+    /// The outcome if the work has finished, without waiting.
+    pub fn peek(&self) -> Option<Outcome> {
+        self.0.lock().outcome.clone()
+    }
+
+    /// Blocks until the work finishes; its outcome.
+    pub fn wait_outcome(&self) -> Outcome {
+        let mut done = self.0.lock();
+        loop {
+            if let Some(outcome) = &done.outcome {
+                return outcome.clone();
+            }
             done = self.0.cv.wait(done).unwrap_or_else(|p| p.into_inner());
         }
-        match done.outcome.as_ref().expect("set") {
-            Ok(()) => Ok(()),
-            Err(reason) => Err(Error::DeviceUnavailable {
-                device: device.to_string(),
-                reason: format!("a queued copy failed: {reason}"),
-            }),
+    }
+
+    /// Blocks until the work finishes; its failure, if any, as an error naming the device
+    /// whose work failed.
+    pub fn wait(&self) -> Result<()> {
+        self.wait_outcome().map_err(|f| f.to_error())
+    }
+
+    /// Blocks until the work finishes or `timeout` has passed, whichever comes first:
+    /// `Ok(true)` when it finished, `Ok(false)` on timeout, the failure (as in
+    /// [`Event::wait`]) when it failed. A caller that must stay responsive waits in slices.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<bool> {
+        // A timeout too long for the clock waits as long as it takes.
+        let Some(deadline) = Instant::now().checked_add(timeout) else {
+            return self.wait().map(|()| true);
+        };
+        let mut done = self.0.lock();
+        loop {
+            match &done.outcome {
+                Some(Ok(())) => return Ok(true),
+                Some(Err(f)) => return Err(f.to_error()),
+                None => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            done = self
+                .0
+                .cv
+                .wait_timeout(done, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
@@ -108,6 +218,7 @@ impl Event {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     #[test]
     fn waiters_see_completion_from_another_thread() {
@@ -115,14 +226,13 @@ mod tests {
         assert!(!e.is_ready());
         let done = e.clone();
         let t = std::thread::spawn(move || done.complete(Ok(())));
-        e.wait("emu:0").unwrap();
+        e.wait().unwrap();
         assert!(e.is_ready());
         t.join().unwrap();
     }
 
     #[test]
     fn chained_work_runs_once_on_completion_or_at_once_when_already_complete() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
         let e = Event::pending();
         let runs = Arc::new(AtomicUsize::new(0));
         let r = runs.clone();
@@ -131,7 +241,7 @@ mod tests {
             r.fetch_add(1, Ordering::SeqCst);
         });
         assert_eq!(runs.load(Ordering::SeqCst), 0);
-        e.complete(Err("failed".into()));
+        e.complete(Err(Failure::new("emu:0", "failed")));
         e.complete(Ok(()));
         assert_eq!(
             runs.load(Ordering::SeqCst),
@@ -146,14 +256,63 @@ mod tests {
     }
 
     #[test]
-    fn a_failure_reaches_every_waiter() {
+    fn a_failure_reaches_every_waiter_naming_the_device_that_failed() {
         let e = Event::pending();
-        e.complete(Err("injected".into()));
-        assert!(e
-            .wait("emu:0")
-            .unwrap_err()
-            .to_string()
-            .contains("injected"));
-        assert!(e.clone().wait("emu:0").is_err());
+        e.complete(Err(Failure::new("emu:1", "injected")));
+        let err = e.wait().unwrap_err().to_string();
+        assert!(err.contains("injected") && err.contains("emu:1"), "{err}");
+        assert!(e.clone().wait().is_err());
+        assert!(e.wait_timeout(Duration::ZERO).is_err());
+        assert_eq!(e.peek(), Some(Err(Failure::new("emu:1", "injected"))));
+    }
+
+    #[test]
+    fn a_timed_wait_returns_false_until_the_work_is_done() {
+        let e = Event::pending();
+        let started = Instant::now();
+        assert!(!e.wait_timeout(Duration::from_millis(20)).unwrap());
+        assert!(started.elapsed() >= Duration::from_millis(20));
+        let done = e.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            done.complete(Ok(()));
+        });
+        while !e.wait_timeout(Duration::from_millis(5)).unwrap() {}
+        assert!(e.wait_timeout(Duration::MAX).unwrap(), "no overflow");
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn a_panicking_callback_skips_no_other_and_stays_on_its_thread() {
+        let e = Event::pending();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (before, after) = (runs.clone(), runs.clone());
+        let chained = Event::pending();
+        let c = chained.clone();
+        e.on_complete(move |_| {
+            before.fetch_add(1, Ordering::SeqCst);
+        });
+        e.on_complete(|_| panic!("a callback fails"));
+        e.on_complete(move |o| {
+            after.fetch_add(1, Ordering::SeqCst);
+            c.complete(o.clone());
+        });
+        e.complete(Ok(()));
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+        assert!(chained.wait_timeout(Duration::ZERO).unwrap());
+        // The event still works for later waiters and callbacks.
+        e.wait().unwrap();
+        e.on_complete(move |_| {
+            runs.fetch_add(1, Ordering::SeqCst);
+        });
+    }
+
+    #[test]
+    fn guarded_work_turns_a_panic_into_an_internal_error() {
+        let outcome = guarded("emu:0", || panic!("boom {}", 7));
+        let failure = outcome.unwrap_err();
+        assert_eq!(failure.device, "emu:0");
+        assert_eq!(failure.reason, "internal error: boom 7");
+        assert_eq!(guarded("cpu", || Ok(())), Ok(()));
     }
 }

@@ -17,8 +17,9 @@ pub mod cuda_pinned;
 pub mod emulated;
 pub mod event;
 pub mod stream;
+pub(crate) mod worker;
 
-pub use event::Event;
+pub use event::{Event, Failure};
 
 /// One contiguous copy of `len` bytes from `src` to `dst` (host or device addresses,
 /// as the batch's [`Direction`] says).
@@ -83,9 +84,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
     }
 
     /// Queues `batch` on the device's stream after everything queued before it (and after
-    /// its `waits`), completing `event` when every copy is done, or with the error of the
-    /// first failure. `keep` is held until the copies are done, and dropped before `event`
-    /// completes.
+    /// its `waits`), completing `event` when every copy is done, or with the first failure:
+    /// a wait's own failure as it is, else one naming this device. `keep` is held until
+    /// the copies are done, and dropped before `event` completes.
     ///
     /// # Safety
     /// Every op's `src` must be readable and `dst` writable for `len` bytes, in the

@@ -1,9 +1,13 @@
 //! A stream as both backends run it: one worker thread per device that runs queued jobs
-//! in order, each completing its event.
+//! in order, each completing its event. A job that panics completes its event with the
+//! panic as an internal error, and the thread goes on with the next job: no waiter is
+//! left blocked by a bug or a bad setting.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Sender};
 use std::sync::Mutex;
 
+use super::event::Failure;
 use super::Event;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -13,14 +17,15 @@ pub type Job = Box<dyn FnOnce() + Send>;
 
 /// The worker thread of one device, fed in order.
 pub struct StreamThread {
-    jobs: Mutex<Sender<Job>>,
+    device: Device,
+    jobs: Mutex<Sender<(Job, Event)>>,
 }
 
 impl StreamThread {
     /// Starts the thread for `device`; `init` runs on it first (e.g. to make a context
     /// current).
     pub fn spawn(device: Device, init: impl FnOnce() + Send + 'static) -> Result<StreamThread> {
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<(Job, Event)>();
         std::thread::Builder::new()
             .name(format!(
                 "tensorferry-{}-stream",
@@ -28,8 +33,13 @@ impl StreamThread {
             ))
             .spawn(move || {
                 init();
-                for job in rx {
-                    job();
+                for (job, event) in rx {
+                    // What the job holds is dropped as the panic unwinds, before the event
+                    // completes; a job that completed its event before panicking keeps
+                    // that outcome.
+                    if let Err(panic) = catch_unwind(AssertUnwindSafe(job)) {
+                        event.complete(Err(Failure::internal(device, &*panic)));
+                    }
                 }
             })
             .map_err(|e| Error::DeviceUnavailable {
@@ -37,21 +47,47 @@ impl StreamThread {
                 reason: format!("cannot start its stream thread: {e}"),
             })?;
         Ok(StreamThread {
+            device,
             jobs: Mutex::new(tx),
         })
     }
 
     /// Queues `job`, which completes `event`; if the thread is gone, completes `event` with
-    /// that error instead (dropping the job, and what it holds, afterwards).
+    /// that error instead (dropping the job, and what it holds, first).
     pub fn queue(&self, job: Job, event: &Event) {
         let sent = self
             .jobs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .send(job);
+            .send((job, event.clone()));
         if let Err(unsent) = sent {
-            event.complete(Err("the stream thread has stopped".into()));
             drop(unsent);
+            event.complete(Err(Failure::new(
+                self.device,
+                "the stream thread has stopped",
+            )));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn a_panicking_job_fails_its_event_and_the_thread_runs_the_next() {
+        let stream = StreamThread::spawn(Device::Emulated(0), || {}).unwrap();
+        let first = Event::pending();
+        stream.queue(Box::new(|| panic!("a job fails")), &first);
+        let second = Event::pending();
+        let done = second.clone();
+        stream.queue(Box::new(move || done.complete(Ok(()))), &second);
+        let err = first.wait().unwrap_err().to_string();
+        assert!(
+            err.contains("emu:0") && err.contains("internal error: a job fails"),
+            "{err}"
+        );
+        assert!(second.wait_timeout(Duration::from_secs(10)).unwrap());
     }
 }

@@ -1,11 +1,18 @@
 //! Parsing and validating a safetensors header, trusting nothing in it.
+//!
+//! Two passes: [`super::census`] counts what the header describes and
+//! [`super::budget`] refuses it if loading would take too much memory; then the parse
+//! that builds allocates exactly what was counted.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 
-use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 
+use super::budget;
+use super::census::{count_header, HeaderCensus};
+use super::tree_meta::shorten;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::checked_nbytes;
@@ -42,55 +49,95 @@ pub struct Header {
 /// One tensor entry as written in the header, before validation.
 #[derive(Deserialize)]
 struct RawEntry {
-    dtype: String,
+    dtype: DTypeCode,
+    #[serde(deserialize_with = "exact_shape")]
     shape: Vec<usize>,
     data_offsets: (usize, usize),
 }
 
-/// The header's top-level object: entries in order (duplicates kept, to be reported)
-/// and the metadata.
-#[derive(Default)]
-struct RawHeader {
-    entries: Vec<(String, RawEntry)>,
-    metadata: Option<BTreeMap<String, String>>,
-    duplicate: Option<String>,
-}
+/// A dtype code: the dtype, or the (shortened) unknown code.
+struct DTypeCode(std::result::Result<DType, String>);
 
-impl<'de> Deserialize<'de> for RawHeader {
+impl<'de> Deserialize<'de> for DTypeCode {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = RawHeader;
+        impl Visitor<'_> for V {
+            type Value = DTypeCode;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a JSON object")
+                f.write_str("a dtype code")
             }
-            fn visit_map<A: MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> std::result::Result<RawHeader, A::Error> {
-                use serde::de::Error as _;
-                let mut out = RawHeader::default();
-                while let Some(name) = map.next_key::<String>()? {
-                    if name == "__metadata__" {
-                        let m = map.next_value::<BTreeMap<String, String>>().map_err(|e| {
-                            A::Error::custom(format!(
-                                "__metadata__ must map strings to strings: {e}"
-                            ))
-                        })?;
-                        if out.metadata.replace(m).is_some() {
-                            out.duplicate.get_or_insert(name);
-                        }
-                        continue;
-                    }
-                    let entry = map
-                        .next_value::<RawEntry>()
-                        .map_err(|e| A::Error::custom(format!("tensor {name:?}: {e}")))?;
-                    out.entries.push((name, entry));
-                }
-                Ok(out)
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<DTypeCode, E> {
+                Ok(DTypeCode(
+                    DType::from_safetensors_code(v).ok_or_else(|| shorten(v)),
+                ))
             }
         }
-        d.deserialize_map(V)
+        d.deserialize_str(V)
+    }
+}
+
+/// A shape, its vector no longer than its length (the census counted one word per dim).
+fn exact_shape<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Vec<usize>, D::Error> {
+    let mut shape = Vec::<usize>::deserialize(d)?;
+    shape.shrink_to_fit();
+    Ok(shape)
+}
+
+/// The header's top-level object: validated entries in order and the metadata.
+#[derive(Default)]
+struct RawHeader {
+    entries: Vec<TensorEntry>,
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+/// Builds a [`RawHeader`] with room for `entries`; a fault of ours goes to `failure`.
+struct HeaderSeed<'a> {
+    entries: usize,
+    failure: &'a mut Option<Error>,
+}
+
+impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
+    type Value = RawHeader;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<RawHeader, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for HeaderSeed<'_> {
+    type Value = RawHeader;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<RawHeader, A::Error> {
+        use serde::de::Error as _;
+        let mut out = RawHeader {
+            entries: Vec::with_capacity(self.entries),
+            metadata: None,
+        };
+        let mut fail = |e: Error| {
+            *self.failure = Some(e);
+            A::Error::custom("invalid entry")
+        };
+        while let Some(name) = map.next_key::<String>()? {
+            if name == "__metadata__" {
+                let m = map.next_value::<BTreeMap<String, String>>().map_err(|e| {
+                    A::Error::custom(format!("__metadata__ must map strings to strings: {e}"))
+                })?;
+                if out.metadata.replace(m).is_some() {
+                    return Err(fail(Error::format_in(
+                        &name,
+                        "name appears twice in the header",
+                    )));
+                }
+                continue;
+            }
+            let entry = map
+                .next_value::<RawEntry>()
+                .map_err(|e| A::Error::custom(format!("tensor {:?}: {e}", shorten(&name))))?;
+            out.entries
+                .push(validate_entry(name, entry).map_err(&mut fail)?);
+        }
+        Ok(out)
     }
 }
 
@@ -125,57 +172,82 @@ pub(crate) fn header_len(prefix: &[u8], file_len: u64) -> Result<u64> {
 }
 
 /// Parses and validates `header` (the JSON bytes) of a file whose data section holds
-/// `data_len` bytes: every tensor must fit exactly, with no gap, overlap or trailing byte.
+/// `data_len` bytes: every tensor must fit exactly, with no gap, overlap or trailing byte,
+/// and loading the file must not take more memory than four times its size plus 4 MiB.
 pub fn parse_header(header: &[u8], data_len: u64) -> Result<Header> {
+    parse_counted(header, data_len).map(|(header, _)| header)
+}
+
+/// [`parse_header`], also returning the census taken on the way (it carries the counts of
+/// the recorded tree, which a load needs).
+pub(crate) fn parse_counted(header: &[u8], data_len: u64) -> Result<(Header, HeaderCensus)> {
     let data_start = 8 + header.len() as u64;
     let text = std::str::from_utf8(header)
         .map_err(|e| Error::format_at(8 + e.valid_up_to() as u64, "header is not valid UTF-8"))?;
-    let raw: RawHeader = serde_json::from_str(text).map_err(|e| {
-        Error::format_at(
-            8,
-            format!("header is not a valid safetensors JSON object: {e}"),
-        )
-    })?;
-    if let Some(name) = raw.duplicate {
-        return Err(Error::format_in(&name, "name appears twice in the header"));
+    let census = count_header(text)?;
+    budget::check(&census, data_len)?;
+    let mut failure = None;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let parsed = HeaderSeed {
+        entries: census.entries as usize,
+        failure: &mut failure,
     }
-    let mut seen = HashSet::with_capacity(raw.entries.len());
-    for (name, _) in &raw.entries {
-        if !seen.insert(name.as_str()) {
-            return Err(Error::format_in(name, "name appears twice in the header"));
+    .deserialize(&mut de)
+    .and_then(|raw| de.end().map(|()| raw));
+    let raw = match (parsed, failure) {
+        (_, Some(fault)) => return Err(fault),
+        (Ok(raw), None) => raw,
+        (Err(e), None) => {
+            return Err(Error::format_at(
+                8,
+                format!("header is not a valid safetensors JSON object: {e}"),
+            ))
         }
+    };
+    if let Some(name) = first_duplicate(&raw.entries) {
+        return Err(Error::format_in(
+            &shorten(name),
+            "name appears twice in the header",
+        ));
     }
-    let tensors = raw
-        .entries
-        .into_iter()
-        .map(|(name, e)| validate_entry(name, e))
-        .collect::<Result<Vec<_>>>()?;
-    check_coverage(&tensors, data_start, data_len)?;
-    Ok(Header {
-        tensors,
+    check_coverage(&raw.entries, data_start, data_len)?;
+    let header = Header {
+        tensors: raw.entries,
         metadata: raw.metadata.unwrap_or_default(),
         data_start,
-    })
+    };
+    Ok((header, census))
+}
+
+/// A name two entries share, if any (sorting references: one word per entry).
+fn first_duplicate(entries: &[TensorEntry]) -> Option<&str> {
+    let mut names: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
+    names.sort_unstable();
+    names.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
 }
 
 fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {
-    let dtype = DType::from_safetensors_code(&e.dtype)
-        .ok_or_else(|| Error::format_in(&name, format!("unknown dtype {:?}", e.dtype)))?;
+    let at = shorten(&name);
+    let dtype = e
+        .dtype
+        .0
+        .map_err(|code| Error::format_in(&at, format!("unknown dtype {code:?}")))?;
     let shape = e.shape;
     let (begin, end) = e.data_offsets;
     if begin > end {
         return Err(Error::format_in(
-            &name,
+            &at,
             format!("data_offsets [{begin}, {end}] are reversed"),
         ));
     }
     let expected = checked_nbytes(dtype, &shape)
-        .ok_or_else(|| Error::format_in(&name, format!("shape {shape:?} overflows")))?;
+        .ok_or_else(|| Error::format_in(&at, format!("shape {} overflows", shape_text(&shape))))?;
     if expected != end - begin {
         return Err(Error::format_in(
-            &name,
+            &at,
             format!(
-                "{dtype} shape {shape:?} needs {expected} bytes but data_offsets [{begin}, {end}] span {}",
+                "{dtype} shape {} needs {expected} bytes but data_offsets [{begin}, {end}] span {}",
+                shape_text(&shape),
                 end - begin
             ),
         ));
@@ -189,15 +261,29 @@ fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {
     })
 }
 
+/// A shape for a message: in full when short, else its first dims and its length.
+fn shape_text(shape: &[usize]) -> String {
+    const SHOWN: usize = 8;
+    if shape.len() <= SHOWN {
+        return format!("{shape:?}");
+    }
+    let head: Vec<String> = shape[..SHOWN].iter().map(|d| d.to_string()).collect();
+    format!("[{}, … ({} dims)]", head.join(", "), shape.len())
+}
+
 /// The tensors must tile the data section exactly: start at 0, no gap, no overlap, no tail.
 fn check_coverage(tensors: &[TensorEntry], data_start: u64, data_len: u64) -> Result<()> {
     let mut order: Vec<&TensorEntry> = tensors.iter().collect();
-    order.sort_by_key(|t| (t.begin, t.end));
+    order.sort_unstable_by_key(|t| (t.begin, t.end));
     let mut at = 0usize;
     for t in order {
         if t.end as u64 > data_len {
             return Err(Error::Format {
-                at: format!("tensor {:?} (byte {})", t.name, data_start + t.begin as u64),
+                at: format!(
+                    "tensor {:?} (byte {})",
+                    shorten(&t.name),
+                    data_start + t.begin as u64
+                ),
                 reason: format!(
                     "data_offsets [{}, {}] run past the end of the data section ({data_len} bytes)",
                     t.begin, t.end
@@ -206,7 +292,11 @@ fn check_coverage(tensors: &[TensorEntry], data_start: u64, data_len: u64) -> Re
         }
         if t.begin < at {
             return Err(Error::Format {
-                at: format!("tensor {:?} (byte {})", t.name, data_start + t.begin as u64),
+                at: format!(
+                    "tensor {:?} (byte {})",
+                    shorten(&t.name),
+                    data_start + t.begin as u64
+                ),
                 reason: format!("overlaps the tensor before it, which ends at data offset {at}"),
             });
         }
@@ -216,7 +306,7 @@ fn check_coverage(tensors: &[TensorEntry], data_start: u64, data_len: u64) -> Re
                 reason: format!(
                     "gap of {} bytes before tensor {:?} in the data section",
                     t.begin - at,
-                    t.name
+                    shorten(&t.name)
                 ),
             });
         }
@@ -252,6 +342,32 @@ mod tests {
         assert_eq!(h.tensors[0].name, "b");
         assert_eq!(h.tensors[1].shape, Vec::<usize>::new());
         assert_eq!(h.metadata["k"], "v");
+    }
+
+    #[test]
+    fn an_entry_in_array_form_parses_as_serde_allows_it() {
+        let h = hdr(r#"{"a":["U8",[1,2],[0,2]]}"#, 2).unwrap();
+        assert_eq!(h.tensors[0].shape, [1, 2]);
+    }
+
+    #[test]
+    fn a_header_costing_more_memory_than_the_budget_is_refused() {
+        let dims = vec!["1"; 400_000].join(",");
+        let json = format!(r#"{{"a":{{"dtype":"U8","shape":[{dims}],"data_offsets":[0,1]}}}}"#);
+        let Err(refused) = hdr(&json, 1) else {
+            panic!("a header of 400,000 dims before 1 byte of data was accepted");
+        };
+        let message = refused.to_string();
+        assert!(
+            message.contains("400000 dimensions"),
+            "{}",
+            shorten(&message)
+        );
+        // The same header before 100 MB of data: a cost in proportion, accepted.
+        let big = json
+            .replace("[0,1]", "[0,100000000]")
+            .replacen("[1,", "[100000000,", 1);
+        assert!(hdr(&big, 100_000_000).is_ok());
     }
 
     #[test]

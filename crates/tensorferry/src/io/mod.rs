@@ -4,9 +4,22 @@
 //! package reads what tensorferry writes and the other way round. The nesting of a
 //! tree and its plain values are recorded in `__metadata__` under one reserved key,
 //! [`TREE_METADATA_KEY`], so that tensorferry reads back exactly what it wrote.
+//!
+//! Reading trusts nothing in a file, and allocates at most four times the file's size
+//! plus 4 MiB: a header describing more (many tiny tensors, dimensions, metadata entries
+//! or plain values for the bytes the file holds) is refused before anything is built,
+//! and the writer refuses to write such a file. Only regular files are read or replaced.
 
+mod budget;
+mod census;
+mod file_kind;
 mod header;
+mod pool;
 mod read;
+mod replace;
+mod temp_files;
+mod tree_census;
+mod tree_decode;
 mod tree_meta;
 mod write;
 

@@ -1,7 +1,8 @@
 //! Reading safetensors files: validated headers, then zero-copy views of a memory map
-//! or one read into fresh aligned memory. Never allocates more than the file's size.
+//! or one read into fresh aligned memory. Only regular files are read, and a load never
+//! allocates more than [`super::budget`] allows: four times the file's size plus 4 MiB.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
@@ -9,12 +10,14 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use super::header::{header_len, parse_header, Header};
-use super::{tree_meta, TREE_METADATA_KEY};
+use super::census::HeaderCensus;
+use super::file_kind::open_regular;
+use super::header::{header_len, parse_counted, Header};
+use super::pool::{flat_dict, Pool};
+use super::{tree_census, tree_decode, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
-use crate::tensor::Tensor;
 use crate::tree::{Node, TensorDict};
 
 /// How to load.
@@ -22,6 +25,12 @@ use crate::tree::{Node, TensorDict};
 pub struct LoadOptions {
     /// Map the file and hand out read-only views of it (cost proportional to the header),
     /// instead of reading it into fresh memory. Default true.
+    ///
+    /// As with NumPy's `memmap`, the tensors then read the file itself: if another
+    /// process truncates or rewrites the file in place while they are alive, reading them
+    /// may see the new bytes or raise `SIGBUS` (a crash, not an error). Use `mmap: false`
+    /// where files may change underneath. tensorferry's own saves replace a file by
+    /// rename, which leaves existing maps of the old file intact.
     pub mmap: bool,
 }
 
@@ -41,6 +50,12 @@ pub struct Loaded {
 }
 
 /// Loads a file whose root is a dictionary (every file of other tools is).
+///
+/// Only regular files are read: a folder is an [`Error::Io`] with `EISDIR`, a FIFO or a
+/// device an [`Error::Io`] naming its kind, both before any read. With the default
+/// [`LoadOptions::mmap`], tensors view a memory map of the file: a file truncated or
+/// rewritten in place while they live may crash the process with `SIGBUS` on access
+/// (see [`LoadOptions::mmap`]).
 pub fn load(
     path: impl AsRef<Path>,
     options: LoadOptions,
@@ -55,38 +70,33 @@ pub fn load(
     }
 }
 
-/// Loads the tree saved in the file at `path`.
+/// Loads the tree saved in the file at `path`; see [`load`] for what is refused and
+/// what a memory map implies.
 pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
     let path = path.as_ref();
-    let (mut file, file_len) = open(path)?;
-    let (header, storage, base) = if options.mmap {
+    let (mut file, file_len) = open_regular(path)?;
+    let (parsed, storage, base) = if options.mmap {
         map_file(&file, path, file_len)?
     } else {
         read_file(&mut file, path, file_len)?
     };
-    build(header, storage, base)
+    build(parsed, storage, base)
 }
 
 /// Reads and validates only the header of the file at `path` (cost proportional to it).
+/// Refuses what [`load`] refuses, before reading anything from the file.
 pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
     let path = path.as_ref();
-    let (mut file, file_len) = open(path)?;
-    header_of(&mut file, path, file_len)
+    let (mut file, file_len) = open_regular(path)?;
+    header_of(&mut file, path, file_len).map(|(header, _)| header)
 }
 
-/// The file and its length.
-fn open(path: &Path) -> Result<(File, u64)> {
-    let file = File::open(path).map_err(|e| Error::io("open", path, e))?;
-    let len = file
-        .metadata()
-        .map_err(|e| Error::io("stat", path, e))?
-        .len();
-    Ok((file, len))
-}
+/// A header and what its census counted.
+type Parsed = (Header, HeaderCensus);
 
 /// Reads and validates the header at the start of `file`, leaving the file positioned at
 /// the data section.
-fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Header> {
+fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Parsed> {
     let mut prefix = [0u8; 8];
     if file_len >= 8 {
         file.read_exact(&mut prefix)
@@ -96,7 +106,7 @@ fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Header> {
     let mut header_bytes = vec![0u8; n as usize];
     file.read_exact(&mut header_bytes)
         .map_err(|e| Error::io("read", path, e))?;
-    parse_header(&header_bytes, file_len - 8 - n)
+    parse_counted(&header_bytes, file_len - 8 - n)
 }
 
 /// Loads from bytes in memory (copied into aligned memory first); the same validation
@@ -104,13 +114,13 @@ fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Header> {
 pub fn load_bytes(bytes: &[u8]) -> Result<Loaded> {
     let n = header_len(bytes, bytes.len() as u64)?;
     let data_start = 8 + n as usize;
-    let header = parse_header(&bytes[8..data_start], (bytes.len() - data_start) as u64)?;
+    let parsed = parse_counted(&bytes[8..data_start], (bytes.len() - data_start) as u64)?;
     let data = AlignedBuffer::copy_from(&bytes[data_start..])?;
-    build(header, Arc::new(Storage::Owned(data)), 0)
+    build(parsed, Arc::new(Storage::Owned(data)), 0)
 }
 
 /// Maps the file; tensors view the map at `data_start + begin`.
-fn map_file(file: &File, path: &Path, file_len: u64) -> Result<(Header, Arc<Storage>, usize)> {
+fn map_file(file: &File, path: &Path, file_len: u64) -> Result<(Parsed, Arc<Storage>, usize)> {
     if file_len < 8 {
         header_len(&[], file_len)?;
     }
@@ -120,37 +130,35 @@ fn map_file(file: &File, path: &Path, file_len: u64) -> Result<(Header, Arc<Stor
     let map = unsafe { Mmap::map(file) }.map_err(|e| Error::io("map", path, e))?;
     let n = header_len(&map[..8], map.len() as u64)?;
     let data_start = 8 + n as usize;
-    let header = parse_header(&map[8..data_start], (map.len() - data_start) as u64)?;
-    Ok((header, Arc::new(Storage::Mapped(map)), data_start))
+    let parsed = parse_counted(&map[8..data_start], (map.len() - data_start) as u64)?;
+    Ok((parsed, Arc::new(Storage::Mapped(map)), data_start))
 }
 
 /// Reads the header, then the data section in one read into aligned memory.
-fn read_file(file: &mut File, path: &Path, file_len: u64) -> Result<(Header, Arc<Storage>, usize)> {
-    let header = header_of(file, path, file_len)?;
-    let data_len = file_len - header.data_start;
+fn read_file(file: &mut File, path: &Path, file_len: u64) -> Result<(Parsed, Arc<Storage>, usize)> {
+    let parsed = header_of(file, path, file_len)?;
+    let data_len = file_len - parsed.0.data_start;
     let mut data = AlignedBuffer::zeroed(data_len as usize)?;
     file.read_exact(data.as_mut_slice())
         .map_err(|e| Error::io("read", path, e))?;
-    Ok((header, Arc::new(Storage::Owned(data)), 0))
+    Ok((parsed, Arc::new(Storage::Owned(data)), 0))
 }
 
-fn build(header: Header, storage: Arc<Storage>, base: usize) -> Result<Loaded> {
+/// The tree: the recorded one, or a flat dict of the tensors in header order.
+fn build((header, census): Parsed, storage: Arc<Storage>, base: usize) -> Result<Loaded> {
     let mut metadata = header.metadata;
-    let recorded = metadata.remove(TREE_METADATA_KEY);
-    let mut views = Vec::with_capacity(header.tensors.len());
-    for e in header.tensors {
-        let t = Tensor::contiguous_view(storage.clone(), base + e.begin, e.dtype, e.shape)
-            .map_err(|err| Error::format_in(&e.name, err.to_string()))?;
-        views.push((e.name, t));
-    }
-    let root = match recorded {
-        Some(text) => tree_meta::decode(&text, views.into_iter().collect::<HashMap<_, _>>())?,
-        None => Node::Dict(
-            views
-                .into_iter()
-                .map(|(name, t)| (name, Node::Tensor(t)))
-                .collect(),
-        ),
+    let root = match metadata.remove(TREE_METADATA_KEY) {
+        None => Node::Dict(flat_dict(header.tensors, &storage, base)?),
+        Some(text) => {
+            let tree = match census.tree {
+                Some(counted) => counted?,
+                None => tree_census::count_tree(&text)?,
+            };
+            let mut pool = Pool::new(header.tensors, storage, base);
+            let root = tree_decode::decode(&text, &tree, &mut pool)?;
+            pool.check_all_taken()?;
+            root
+        }
     };
     Ok(Loaded { root, metadata })
 }

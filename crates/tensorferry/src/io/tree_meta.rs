@@ -1,26 +1,30 @@
-//! Recording a tree's nesting and plain values in a header's `__metadata__`, and
-//! reading them back with every reference checked.
+//! Recording a tree's nesting and plain values in a header's `__metadata__`: the format,
+//! the encoder, and the pieces its two readers share ([`super::tree_census`] counts a
+//! record and checks it, [`super::tree_decode`] builds the tree from it).
 //!
 //! Encoding (JSON): `{"format": 1, "tree": NODE}` where NODE is one of
 //! `{"dict": [[key, NODE], …]}`, `{"list": [NODE, …]}`, `{"tuple": [NODE, …]}`,
 //! `{"tensor": name}`, `{"none": null}`, `{"bool": b}`, `{"int": i}`,
 //! `{"float": x | "nan" | "inf" | "-inf"}`, `{"str": s}`.
 
-use std::collections::HashMap;
+use std::fmt;
 
-use serde::{Deserialize, Serialize};
+use serde::de::{DeserializeSeed, Deserializer, Visitor};
+use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::tensor::Tensor;
-use crate::tree::{Node, TensorDict, Value};
+use crate::error::Error;
+use crate::tree::{Node, Value};
 
-const FORMAT_VERSION: u64 = 1;
+/// The version of the record written and understood.
+pub(crate) const FORMAT_VERSION: u64 = 1;
 const WHERE: &str = "__metadata__.tensorferry";
 
-/// Deepest tree recorded: deeper ones would exceed the JSON parser's nesting limit.
+/// Deepest tree recorded (the root is at depth 0): deeper ones would exceed the JSON
+/// parser's nesting limit (128; a dict level takes three).
 pub(crate) const MAX_DEPTH: usize = 40;
 
-fn bad(reason: impl Into<String>) -> Error {
+/// A [`Error::Format`] about the tree record.
+pub(crate) fn bad(reason: impl Into<String>) -> Error {
     Error::Format {
         at: WHERE.into(),
         reason: reason.into(),
@@ -28,7 +32,7 @@ fn bad(reason: impl Into<String>) -> Error {
 }
 
 /// The recorded form of a node; serde's external tagging gives `{"kind": body}`.
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize)]
 enum Repr {
     #[serde(rename = "dict")]
     Dict(Vec<(String, Repr)>),
@@ -51,14 +55,14 @@ enum Repr {
 }
 
 /// A float: a JSON number when finite, else "nan", "inf" or "-inf".
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize)]
 #[serde(untagged)]
 enum FloatRepr {
     Finite(f64),
     Special(String),
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize)]
 struct Doc {
     format: u64,
     tree: Repr,
@@ -97,56 +101,93 @@ fn to_repr(node: &Node, names: &mut impl Iterator<Item = String>) -> Repr {
     }
 }
 
-/// Rebuilds the tree recorded in `text`, taking each referenced tensor out of `tensors`;
-/// every tensor must be referenced exactly once.
-pub(crate) fn decode(text: &str, mut tensors: HashMap<String, Tensor>) -> Result<Node> {
-    let doc: Doc =
-        serde_json::from_str(text).map_err(|e| bad(format!("not a valid tree record: {e}")))?;
-    if doc.format != FORMAT_VERSION {
-        return Err(bad(format!("unsupported format version {}", doc.format)));
-    }
-    let root = from_repr(doc.tree, &mut tensors)?;
-    if let Some(name) = tensors.keys().next() {
-        return Err(bad(format!(
-            "tensor {name:?} is in the file but not in the recorded tree"
-        )));
-    }
-    Ok(root)
+/// The kind of a node: the one key of its JSON object.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Kind {
+    Dict,
+    List,
+    Tuple,
+    Tensor,
+    None,
+    Bool,
+    Int,
+    Float,
+    Str,
 }
 
-fn from_repr(repr: Repr, tensors: &mut HashMap<String, Tensor>) -> Result<Node> {
-    let items = |v: Vec<Repr>, tensors: &mut HashMap<String, Tensor>| -> Result<Vec<Node>> {
-        v.into_iter().map(|r| from_repr(r, tensors)).collect()
-    };
-    Ok(match repr {
-        Repr::Dict(pairs) => {
-            let mut d = TensorDict::new();
-            for (k, v) in pairs {
-                if d.get(&k).is_some() {
-                    return Err(bad(format!("dict key {k:?} appears twice")));
-                }
-                let node = from_repr(v, tensors)?;
-                d.insert(k, node);
-            }
-            Node::Dict(d)
+const KINDS: &[&str] = &[
+    "dict", "list", "tuple", "tensor", "none", "bool", "int", "float", "str",
+];
+
+/// Reads a node's kind.
+pub(crate) struct KindSeed;
+
+impl<'de> DeserializeSeed<'de> for KindSeed {
+    type Value = Kind;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Kind, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KindSeed {
+    type Value = Kind;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a node kind")
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Kind, E> {
+        Ok(match v {
+            "dict" => Kind::Dict,
+            "list" => Kind::List,
+            "tuple" => Kind::Tuple,
+            "tensor" => Kind::Tensor,
+            "none" => Kind::None,
+            "bool" => Kind::Bool,
+            "int" => Kind::Int,
+            "float" => Kind::Float,
+            "str" => Kind::Str,
+            other => return Err(E::unknown_variant(&shorten(other), KINDS)),
+        })
+    }
+}
+
+/// Reads a float: a JSON number, or "nan", "inf", "-inf".
+pub(crate) struct FloatSeed;
+
+impl<'de> DeserializeSeed<'de> for FloatSeed {
+    type Value = f64;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<f64, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for FloatSeed {
+    type Value = f64;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(r#"a number, "nan", "inf" or "-inf""#)
+    }
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<f64, E> {
+        Ok(v)
+    }
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<f64, E> {
+        Ok(v as f64)
+    }
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<f64, E> {
+        Ok(v as f64)
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<f64, E> {
+        match v {
+            "nan" => Ok(f64::NAN),
+            "inf" => Ok(f64::INFINITY),
+            "-inf" => Ok(f64::NEG_INFINITY),
+            other => Err(E::custom(format!("bad float {:?}", shorten(other)))),
         }
-        Repr::List(v) => Node::List(items(v, tensors)?),
-        Repr::Tuple(v) => Node::Tuple(items(v, tensors)?),
-        Repr::Tensor(name) => Node::Tensor(tensors.remove(&name).ok_or_else(|| {
-            bad(format!(
-                "tree refers to tensor {name:?}, which the file lacks or uses twice"
-            ))
-        })?),
-        Repr::None(()) => Node::Value(Value::None),
-        Repr::Bool(b) => Node::Value(Value::Bool(b)),
-        Repr::Int(i) => Node::Value(Value::Int(i)),
-        Repr::Str(s) => Node::Value(Value::Str(s)),
-        Repr::Float(FloatRepr::Finite(x)) => Node::Value(Value::Float(x)),
-        Repr::Float(FloatRepr::Special(s)) => Node::Value(Value::Float(match s.as_str() {
-            "nan" => f64::NAN,
-            "inf" => f64::INFINITY,
-            "-inf" => f64::NEG_INFINITY,
-            other => return Err(bad(format!("bad float {other:?}"))),
-        })),
-    })
+    }
+}
+
+/// At most the first 64 characters of `s`, for error messages about hostile input.
+pub(crate) fn shorten(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        Some((at, _)) => format!("{}…", &s[..at]),
+        None => s.to_string(),
+    }
 }

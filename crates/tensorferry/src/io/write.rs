@@ -1,16 +1,19 @@
-//! Writing safetensors files: straight from the tensors' memory, atomically.
+//! Writing safetensors files: straight from the tensors' memory, atomically (see
+//! [`super::replace`]).
 //!
-//! The file is written to a temporary file in the same folder, synced, and renamed
-//! over the target, so a failure at any point leaves the previous file untouched and
-//! no temporary file behind.
+//! Everything tensorferry's reader or the official one would refuse is refused here,
+//! before the file is touched: a tensor named `__metadata__`, two paths giving one name,
+//! a dtype the format lacks, a tree nested too deep, a header over the format's size
+//! limit, or one that would take a load more memory than [`super::budget`] allows.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File, OpenOptions};
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::io::Write;
+use std::path::Path;
 
-use super::{tree_meta, TREE_METADATA_KEY};
+use super::census::count_header;
+use super::header::MAX_HEADER_BYTES;
+use super::replace::write_atomically;
+use super::{budget, tree_meta, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::memory::HOST_ALIGNMENT;
 use crate::tensor::Tensor;
@@ -41,9 +44,15 @@ pub fn save(dict: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) ->
 
 /// Saves a tree (dict, list or tuple at the root) as a safetensors file at `path`.
 ///
-/// Tensor names are the key paths joined with "."; two paths giving one name or a dtype
-/// the format cannot hold are errors, raised before the file is touched. Tensors on a
-/// device are copied to the host first, all in one planned transfer.
+/// Tensor names are the key paths joined with "."; a file no reader would read back (two
+/// paths giving one name, a tensor named `__metadata__`, a dtype the format cannot hold,
+/// a header over 100 MB, or too many values for the bytes the file holds: see
+/// [`crate::io`]) is an error raised before the file is touched. Tensors on a device are
+/// copied to the host first, all in one planned transfer.
+///
+/// The file is replaced atomically and keeps its permission bits; a symbolic link at
+/// `path` stays a link to the replaced file. A folder, FIFO or device at `path` is an
+/// [`Error::Io`].
 pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
     let path = path.as_ref();
     if matches!(root, Node::Tensor(_) | Node::Value(_)) {
@@ -62,6 +71,8 @@ pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> 
     let tensors = root.tensors();
     let names = checked_names(&tensors)?;
     let header = build_header(root, &tensors, &names, &options.metadata);
+    let data_len = tensors.iter().map(|(_, t)| t.nbytes() as u64).sum();
+    check_readable(&header[8..], data_len)?;
     // Same paths, dtypes and shapes: the header holds for the host copies.
     let hosted = on_host(&tensors)?;
     let tensors: Vec<(KeyPath, &Tensor)> = tensors
@@ -118,6 +129,14 @@ fn checked_names(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<String>> {
             });
         }
         let name = path.dotted();
+        if name == "__metadata__" {
+            return Err(Error::InvalidValue {
+                key: path.to_string(),
+                reason: "a tensor named \"__metadata__\" cannot be stored: safetensors \
+                         reserves the name for the metadata, and no reader would read the file"
+                    .into(),
+            });
+        }
         if let Some(first) = seen.insert(name.clone(), path) {
             return Err(Error::NameCollision {
                 name,
@@ -173,66 +192,30 @@ fn build_header(
     out
 }
 
-static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
-
-fn temp_path(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "tensors".into());
-    let unique = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-    path.with_file_name(format!(".{name}.tf-tmp-{}-{unique}", std::process::id()))
-}
-
-/// Runs `write` into a temporary file beside `path`, then syncs and renames it over
-/// `path`; on any failure the temporary file is removed and `path` left as it was.
-pub(crate) fn write_atomically(
-    path: &Path,
-    fsync: bool,
-    write: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
-) -> Result<()> {
-    if path.is_dir() {
-        return Err(Error::io(
-            "save to",
-            path,
-            std::io::Error::new(std::io::ErrorKind::IsADirectory, "the path is a folder"),
-        ));
+/// Refuses a header (the JSON after the 8-byte length) that a reader would refuse for its
+/// size alone, given the `data_len` bytes after it.
+fn check_readable(json: &[u8], data_len: u64) -> Result<()> {
+    let refused = |reason: String| Error::InvalidValue {
+        key: String::new(),
+        reason,
+    };
+    if json.len() as u64 > MAX_HEADER_BYTES {
+        return Err(refused(format!(
+            "the header would be {} bytes, over the format's limit of {MAX_HEADER_BYTES}: \
+             store long lists and strings as tensors",
+            json.len()
+        )));
     }
-    let tmp = temp_path(path);
-    let file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)
-        .map_err(|e| Error::io("create", &tmp, e))?;
-    let result = (|| {
-        let mut out = BufWriter::with_capacity(1 << 20, file);
-        write(&mut out)?;
-        let file = out
-            .into_inner()
-            .map_err(|e| Error::io("write", path, e.into_error()))?;
-        if fsync {
-            file.sync_all().map_err(|e| Error::io("sync", &tmp, e))?;
-        }
-        drop(file);
-        fs::rename(&tmp, path).map_err(|e| Error::io("rename into", path, e))?;
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-        return result;
-    }
-    if fsync {
-        sync_parent(path)?;
+    let text = std::str::from_utf8(json).expect("the header is built from strings");
+    let census = count_header(text)?;
+    let file_len = 8 + json.len() as u64 + data_len;
+    let cost = budget::load_cost(&census, data_len);
+    if cost > budget::allowed(file_len) {
+        return Err(refused(format!(
+            "tensorferry would refuse to read the file back: {}; store many small values \
+             as one tensor",
+            budget::over_budget(&census, cost, file_len)
+        )));
     }
     Ok(())
-}
-
-fn sync_parent(path: &Path) -> Result<()> {
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    File::open(parent)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io("sync folder", parent, e))
 }

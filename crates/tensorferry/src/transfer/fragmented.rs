@@ -6,11 +6,13 @@
 //!   fetched in one copy, and the elements are gathered from it on the host — when that
 //!   span is not much larger than the tensor (else the runs are copied as they are).
 //!
-//! Both happen before the transfer is queued, so for these tensors a non-blocking move
-//! waits for their bytes. Between devices, runs are copied as they are (no gather kernel).
+//! Neither blocks a non-blocking move: a source still being filled is packed, and a
+//! fetched span gathered, on a host worker thread once its copy has run
+//! ([`super::host_copy`]). Between devices, runs are copied as they are (no gather kernel).
 
 use std::sync::Arc;
 
+use super::host_copy::pack_when_ready;
 use super::{move_tensors, MoveOptions};
 use crate::device::Device;
 use crate::dtype::DType;
@@ -56,14 +58,16 @@ pub fn is_fragmented(t: &Tensor) -> bool {
 
 /// The source to plan instead of `t` for a move to `target`, when `t` is fragmented and
 /// a host gather serves it: a contiguous host copy (host → device), or a strided view of
-/// a host copy of its device span (device → host). `None`: plan `t` as it is.
+/// a host copy of its device span (device → host). `None`: plan `t` as it is. Neither
+/// waits for copies still filling `t`: the result depends on them instead.
 pub fn prepare(t: &Tensor, target: Device) -> Result<Option<Tensor>> {
     let from = t.device();
     if from.is_host() == target.is_host() || !is_fragmented(t) {
         return Ok(None);
     }
     if from.is_host() {
-        return t.deep_copy().map(Some);
+        let (mut packed, _) = pack_when_ready(vec![t.clone()])?;
+        return Ok(packed.pop());
     }
     let size = t.dtype().size() as isize;
     let (below, above) = byte_extent(t.shape(), t.strides(), size as usize);
@@ -76,10 +80,10 @@ pub fn prepare(t: &Tensor, target: Device) -> Result<Option<Tensor>> {
         Tensor::contiguous_view(t.storage().clone(), start as usize, DType::U8, vec![span])?;
     let options = MoveOptions {
         copy: true,
+        non_blocking: true,
         ..Default::default()
     };
     let on_host = move_tensors(&[&whole], Device::Cpu, options)?.remove(0);
-    on_host.wait()?;
     let offset = on_host.offset() + (t.offset() as isize - start) as usize;
     Tensor::from_storage(
         Arc::clone(on_host.storage()),

@@ -10,15 +10,23 @@
 //! Between a device and ordinary (pageable) host memory, large transfers go through a
 //! ring of pinned staging buffers ([`staging`]) where the device benefits from it.
 //!
+//! A non-blocking move never blocks its caller: copies from sources that earlier copies
+//! still fill are queued after them, on the device or on a host worker thread
+//! ([`host_copy`]). A blocking move is a non-blocking one followed by a wait for its
+//! copies; a caller that must stay responsive can do the same with
+//! [`Tensor::wait_timeout`] on every result. A copy that fails fails every result that
+//! depends on it, with an error naming the device whose copy failed.
+//!
 //! The engine knows devices only through [`Backend`]: the emulated device and CUDA, with
 //! the same plans.
 
 use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{backend_for, Backend, CopyBatch, CopyOp, Direction, Event};
-use crate::consolidate::{pack, views, PackedLayout};
+use crate::backend::{backend_for, Backend, CopyBatch, CopyOp, Direction, Event, Failure};
+use crate::consolidate::{views, PackedLayout};
 use crate::device::Device;
 use crate::error::Result;
 use crate::memory::{AlignedBuffer, HostBuffer};
@@ -26,6 +34,7 @@ use crate::storage::Storage;
 use crate::tensor::Tensor;
 
 pub mod fragmented;
+mod host_copy;
 pub mod staging;
 
 pub use staging::Staging;
@@ -48,7 +57,14 @@ pub struct MoveOptions {
 
 /// Moves `tensors` to `target`, returning them in order. Tensors already there are
 /// shared unless `copy`. On error nothing is returned, the sources are untouched, and
-/// the memory allocated for the results is released.
+/// the memory allocated for the results is released (once the copies already queued
+/// have run).
+///
+/// With `non_blocking`, returns once the copies are queued; every read of a result waits
+/// for them and fails with the error of a copy that failed. Without it, waits for the
+/// copies before returning (uninterruptibly: a caller that must react to Ctrl-C moves
+/// non-blocking and waits with [`Tensor::wait_timeout`] on each result instead, which is
+/// equivalent).
 pub fn move_tensors(
     tensors: &[&Tensor],
     target: Device,
@@ -94,8 +110,9 @@ pub fn move_tensors(
             .map(|&i| prepared[i].clone().unwrap_or_else(|| tensors[i].clone()))
             .collect();
         let moved = if from.is_host() && target.is_host() {
-            let refs: Vec<&Tensor> = sources.iter().collect();
-            pack(&refs)?
+            let (moved, event) = host_copy::pack_when_ready(sources)?;
+            events.extend(event);
+            moved
         } else if target.is_host() {
             let (moved, event) = to_host(&backend_for(from)?, sources, options)?;
             events.push(event);
@@ -116,7 +133,7 @@ pub fn move_tensors(
     }
     if !options.non_blocking {
         for e in &events {
-            e.wait(&target.to_string())?;
+            e.wait()?;
         }
     }
     Ok(results
@@ -133,14 +150,15 @@ pub(crate) struct Run {
     pub len: usize,
 }
 
-/// Every source's runs in C order with their offsets in `layout`, and the events still
-/// filling any source.
+/// Every source's runs in C order with their offsets in `layout`, and the events of the
+/// copies filling any source that are still running or have failed (a copy from a
+/// source whose copy failed must fail too, not copy what the failed copy left).
 pub(crate) fn runs(sources: &[Tensor], layout: &PackedLayout) -> Result<(Vec<Run>, Vec<Event>)> {
     let mut out = Vec::with_capacity(sources.len());
     let mut waits = Vec::new();
     for (t, &at) in sources.iter().zip(&layout.offsets) {
         if let Some(e) = t.storage().pending() {
-            if !e.is_ready() {
+            if e.peek() != Some(Ok(())) {
                 waits.push(e.clone());
             }
         }
@@ -218,9 +236,17 @@ pub(crate) unsafe fn submit_when_ready(
             }
             let taken = held.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some((batch, keep)) = taken {
+                // Runs on the thread completing the wait: a panic must neither leave
+                // `event` pending nor reach that thread.
+                let device = backend.device();
                 // SAFETY: forwarded contract; the batch still checks its waits (now all
                 // complete) and reports any that failed.
-                unsafe { backend.submit(batch, keep, &event) };
+                let submitted = catch_unwind(AssertUnwindSafe(|| unsafe {
+                    backend.submit(batch, keep, &event)
+                }));
+                if let Err(panic) = submitted {
+                    event.complete(Err(Failure::internal(device, &*panic)));
+                }
             }
         });
     }

@@ -8,17 +8,21 @@
 //! completes, the host copies it out and queues the chunk that reuses its buffer. Host →
 //! device: the host fills a buffer, queues its chunk, and moves on to the next buffer,
 //! waiting only when it comes back to one whose chunk has not finished. A staging thread
-//! drives each transfer and completes the transfer's event after the last chunk;
-//! every queued chunk holds its pinned buffer and its sources, so nothing it touches can
-//! be freed or reused before it has run, whatever happens to the staging thread.
+//! drives each transfer and completes the transfer's event after the last chunk (or with
+//! the first failure, a panic included); every queued chunk holds its pinned buffer and
+//! its sources, so nothing it touches can be freed or reused before it has run, whatever
+//! happens to the staging thread.
 
-use std::sync::mpsc::{channel, Sender};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 use super::{runs, submit_when_ready, Run};
-use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event};
+use crate::backend::event::{panic_message, Outcome};
+use crate::backend::worker::spawn_worker;
+use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event, Failure};
 use crate::consolidate::PackedLayout;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::memory::PinnedBuffer;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
@@ -29,6 +33,8 @@ pub const AUTO_CHUNK_BYTES: usize = 32 << 20;
 pub const AUTO_DEPTH: usize = 3;
 /// Smallest transfer the automatic ring is used for.
 pub const AUTO_MIN_BYTES: usize = 64 << 20;
+/// Most host threads copying a chunk, whatever `TENSORFERRY_COPY_THREADS` asks.
+const MAX_CREW_THREADS: usize = 64;
 
 /// Whether copies between a device and ordinary host memory go through pinned staging
 /// buffers.
@@ -131,19 +137,28 @@ struct Span {
 // SAFETY: plain addresses; `Crew::copy`'s contract says when they may be used.
 unsafe impl Send for Span {}
 
+/// How a crew copies one share of spans (the real copy, or a stand-in in tests).
+///
+/// # Safety
+/// As [`Crew::copy`].
+type CopyShare = unsafe fn(&[Span]);
+
 /// Host threads that copy the spans of a chunk together, started once per transfer.
 struct Crew {
     workers: Vec<Sender<Vec<Span>>>,
-    done: std::sync::mpsc::Receiver<()>,
+    done: Receiver<std::result::Result<(), String>>,
+    copy_share: CopyShare,
 }
 
 impl Crew {
-    /// Copies `spans`, split into about equal shares, one per thread (this one included).
+    /// Copies every span, the calling thread taking one share. Returns only when every
+    /// share is done (or its thread has gone); a panic while copying comes back as its
+    /// message.
     ///
     /// # Safety
     /// Every span's source must be readable and destination writable for `len` bytes, and
     /// no destination may overlap another span or any source.
-    unsafe fn copy(&self, spans: &[Span]) {
+    unsafe fn copy(&self, spans: &[Span]) -> std::result::Result<(), String> {
         let shares = split(spans, self.workers.len() + 1);
         let mut sent = 0;
         for (worker, share) in self.workers.iter().zip(shares.iter().skip(1)) {
@@ -151,11 +166,20 @@ impl Crew {
                 sent += 1;
             }
         }
+        let copy_share = self.copy_share;
         // SAFETY: forwarded contract.
-        unsafe { copy_spans(&shares[0]) };
+        let mut outcome = catch_unwind(AssertUnwindSafe(|| unsafe { copy_share(&shares[0]) }))
+            .map_err(|p| panic_message(&*p));
+        // Every share sent is waited for, whatever happened here: the spans address memory
+        // the caller may release once this returns.
         for _ in 0..sent {
-            let _ = self.done.recv();
+            let reply = self
+                .done
+                .recv()
+                .unwrap_or_else(|_| Err("a copy thread has stopped".into()));
+            outcome = outcome.and(reply);
         }
+        outcome
     }
 }
 
@@ -193,8 +217,9 @@ fn split(spans: &[Span], n: usize) -> Vec<Vec<Span>> {
     out
 }
 
-/// Runs `f` with a crew of `threads` (the calling thread is one of them).
-fn with_crew<R>(threads: usize, f: impl FnOnce(&Crew) -> R) -> R {
+/// Runs `f` with a crew of `threads` (the calling thread is one of them) that copies
+/// shares with `copy_share`. A worker that panics reports it and goes on serving.
+fn with_crew<R>(threads: usize, copy_share: CopyShare, f: impl FnOnce(&Crew) -> R) -> R {
     std::thread::scope(|scope| {
         let (done_tx, done) = channel();
         let workers = (1..threads.max(1))
@@ -204,14 +229,22 @@ fn with_crew<R>(threads: usize, f: impl FnOnce(&Crew) -> R) -> R {
                 scope.spawn(move || {
                     for share in rx {
                         // SAFETY: `Crew::copy`'s contract, passed on with the share.
-                        unsafe { copy_spans(&share) };
-                        let _ = done_tx.send(());
+                        let copied =
+                            catch_unwind(AssertUnwindSafe(|| unsafe { copy_share(&share) }));
+                        let _ = done_tx.send(copied.map_err(|p| panic_message(&*p)));
                     }
                 });
                 tx
             })
             .collect();
-        f(&Crew { workers, done })
+        // Only the workers hold senders now: should they all be gone, `recv` says so
+        // instead of blocking.
+        drop(done_tx);
+        f(&Crew {
+            workers,
+            done,
+            copy_share,
+        })
     })
 }
 
@@ -276,12 +309,19 @@ impl Transfer {
         event
     }
 
-    fn device_name(&self) -> String {
-        self.backend.device().to_string()
+    /// A crew's copy, with a panic in it as an internal failure of this transfer's device.
+    ///
+    /// # Safety
+    /// As [`Crew::copy`].
+    unsafe fn copy(&self, crew: &Crew, spans: &[Span]) -> Outcome {
+        // SAFETY: forwarded contract.
+        unsafe { crew.copy(spans) }.map_err(|panic| {
+            Failure::new(self.backend.device(), format!("internal error: {panic}"))
+        })
     }
 
     /// Device → host.
-    fn run_to_host(&self, crew: &Crew) -> Result<()> {
+    fn run_to_host(&self, crew: &Crew) -> Outcome {
         let n = self.chunks.len();
         let depth = self.buffers.len();
         let queue_chunk = |j: usize| {
@@ -300,7 +340,7 @@ impl Transfer {
         };
         let mut events: Vec<Event> = (0..depth.min(n)).map(queue_chunk).collect();
         for j in 0..n {
-            events[j].wait(&self.device_name())?;
+            events[j].wait_outcome()?;
             let c = &self.chunks[j];
             let staging = self.buffers[j % depth].as_ptr();
             let spans: Vec<Span> = covered(c)
@@ -315,7 +355,7 @@ impl Transfer {
             // the bytes and nothing writes it until this thread queues its next chunk;
             // the spans cover disjoint ranges of the destination, which `self.dest` holds
             // and nobody reads before the transfer's event.
-            unsafe { crew.copy(&spans) };
+            unsafe { self.copy(crew, &spans) }?;
             if j + depth < n {
                 events.push(queue_chunk(j + depth));
             }
@@ -324,15 +364,15 @@ impl Transfer {
     }
 
     /// Host → device.
-    fn run_to_device(&self, crew: &Crew) -> Result<()> {
+    fn run_to_device(&self, crew: &Crew) -> Outcome {
         for w in &self.waits {
-            w.wait(&self.device_name())?;
+            w.wait_outcome()?;
         }
         let depth = self.buffers.len();
         let mut events: Vec<Event> = Vec::with_capacity(self.chunks.len());
         for (j, c) in self.chunks.iter().enumerate() {
             if j >= depth {
-                events[j - depth].wait(&self.device_name())?;
+                events[j - depth].wait_outcome()?;
             }
             let staging = self.buffers[j % depth].as_ptr();
             let spans: Vec<Span> = c
@@ -347,7 +387,7 @@ impl Transfer {
             // SAFETY: the sources are filled (their events waited for above) and held by
             // `self.sources`; the pinned buffer is free (the chunk that used it last has
             // completed); pieces of one chunk land on disjoint ranges of it.
-            unsafe { crew.copy(&spans) };
+            unsafe { self.copy(crew, &spans) }?;
             let ops = covered(c)
                 .into_iter()
                 .map(|(at, len)| CopyOp {
@@ -359,7 +399,7 @@ impl Transfer {
             events.push(self.queue(j, Direction::HostToDevice, ops));
         }
         for e in &events {
-            e.wait(&self.device_name())?;
+            e.wait_outcome()?;
         }
         Ok(())
     }
@@ -380,23 +420,16 @@ pub(crate) fn start(
     event: &Event,
 ) -> Result<()> {
     let transfer = Transfer::prepare(backend, ring, sources, layout, dest, base)?;
-    let event = event.clone();
-    let threads = crate::consolidate::threads_for(ring.chunk_bytes);
-    std::thread::Builder::new()
-        .name("tensorferry-staging".into())
-        .spawn(move || {
-            let outcome = with_crew(threads, |crew| match direction {
-                Direction::DeviceToHost => transfer.run_to_host(crew),
-                _ => transfer.run_to_device(crew),
-            });
-            drop(transfer); // buffers back to the pool before anyone is woken
-            event.complete(outcome.map_err(|e| e.to_string()));
-        })
-        .map(|_| ())
-        .map_err(|e| Error::DeviceUnavailable {
-            device: "cpu".into(),
-            reason: format!("cannot start a staging thread: {e}"),
-        })
+    let device = transfer.backend.device();
+    let threads = crate::consolidate::threads_for(ring.chunk_bytes).min(MAX_CREW_THREADS);
+    spawn_worker("tensorferry-staging", device, event.clone(), move || {
+        let outcome = with_crew(threads, copy_spans, |crew| match direction {
+            Direction::DeviceToHost => transfer.run_to_host(crew),
+            _ => transfer.run_to_device(crew),
+        });
+        drop(transfer); // buffers back to the pool before anyone is woken
+        outcome
+    })
 }
 
 #[cfg(test)]
@@ -432,6 +465,40 @@ mod tests {
             ]
         );
         assert_eq!(covered(&cs[0]), [(0, 10)]);
+    }
+
+    /// A stand-in for the real copy: panics on shares whose first span is 13 bytes long.
+    unsafe fn copy_or_panic(spans: &[Span]) {
+        if spans.first().is_some_and(|s| s.len == 13) {
+            panic!("a copy thread fails");
+        }
+        // SAFETY: forwarded contract.
+        unsafe { copy_spans(spans) }
+    }
+
+    #[test]
+    fn a_panicking_copy_thread_is_an_error_not_a_hang_and_the_crew_goes_on() {
+        let src = [7u8; 26];
+        let mut dst = [0u8; 26];
+        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+        let spans = |len: usize| {
+            vec![Span {
+                src: s,
+                dst: d,
+                len,
+            }]
+        };
+        let (failed, then) = with_crew(2, copy_or_panic, |crew| {
+            // Two shares of 13 bytes: the worker's and the caller's both panic.
+            // SAFETY: both arrays hold 26 bytes and do not overlap.
+            let failed = unsafe { crew.copy(&spans(26)) };
+            // SAFETY: as above.
+            let then = unsafe { crew.copy(&spans(24)) };
+            (failed, then)
+        });
+        assert_eq!(failed.unwrap_err(), "a copy thread fails");
+        then.unwrap();
+        assert_eq!(dst[..24], src[..24]);
     }
 
     #[test]

@@ -1,0 +1,249 @@
+//! The CUDA Array Interface (`__cuda_array_interface__`, version 3): importing device
+//! memory from producers such as Numba and CuPy without a copy, and exposing tensorferry's
+//! CUDA tensors to consumers (a Numba kernel can take them as they are).
+//!
+//! Import follows the interface's stream rule: when the producer names a stream, tensorferry
+//! synchronises on it before reading. Export waits for tensorferry's own pending copies
+//! first, so it names no stream and any consumer may read at once.
+
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use tensorferry::storage::ForeignMemory;
+use tensorferry::{DType, Device, Storage, Tensor};
+
+use crate::errors::IntoPy;
+
+/// Keeps the producer object alive while tensorferry views its memory; released with the
+/// interpreter attached (or leaked if it is gone, the only safe choice then).
+struct Producer(Option<Py<PyAny>>);
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        let mut obj = self.0.take();
+        if Python::try_attach(|_| drop(obj.take())).is_none() {
+            std::mem::forget(obj.take());
+        }
+    }
+}
+
+/// The element type of a typestr such as `"<f4"`, `"|b1"` or `"<c8"`.
+fn dtype_of(typestr: &str) -> PyResult<DType> {
+    let bad = || {
+        PyTypeError::new_err(format!(
+            "unsupported CUDA Array Interface typestr {typestr:?}"
+        ))
+    };
+    let mut chars = typestr.chars();
+    let order = chars.next().ok_or_else(bad)?;
+    let kind = chars.next().ok_or_else(bad)?;
+    let size: usize = chars.as_str().parse().map_err(|_| bad())?;
+    let native = cfg!(target_endian = "little");
+    match order {
+        '<' | '=' if native => {}
+        '|' => {}
+        '>' if size == 1 => {}
+        _ => {
+            return Err(PyTypeError::new_err(format!(
+                "typestr {typestr:?}: byte-swapped device data is not supported"
+            )))
+        }
+    }
+    Ok(match (kind, size) {
+        ('b', 1) => DType::Bool,
+        ('i', 1) => DType::I8,
+        ('i', 2) => DType::I16,
+        ('i', 4) => DType::I32,
+        ('i', 8) => DType::I64,
+        ('u', 1) => DType::U8,
+        ('u', 2) => DType::U16,
+        ('u', 4) => DType::U32,
+        ('u', 8) => DType::U64,
+        ('f', 2) => DType::F16,
+        ('f', 4) => DType::F32,
+        ('f', 8) => DType::F64,
+        ('c', 8) => DType::Complex64,
+        ('c', 16) => DType::Complex128,
+        _ => return Err(bad()),
+    })
+}
+
+/// The typestr of an element type; `None` for types the interface cannot name (bfloat16,
+/// float8).
+fn typestr_of(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::Bool => "|b1",
+        DType::I8 => "|i1",
+        DType::I16 => "<i2",
+        DType::I32 => "<i4",
+        DType::I64 => "<i8",
+        DType::U8 => "|u1",
+        DType::U16 => "<u2",
+        DType::U32 => "<u4",
+        DType::U64 => "<u8",
+        DType::F16 => "<f2",
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+        DType::Complex64 => "<c8",
+        DType::Complex128 => "<c16",
+        _ => return None,
+    })
+}
+
+fn invalid(what: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("invalid __cuda_array_interface__: {what}"))
+}
+
+/// Where the elements lie around element 0, in bytes, `(below, above)`, with overflow
+/// checked: a producer's description is not trusted.
+fn extent(shape: &[usize], strides: &[isize], size: usize) -> PyResult<(isize, isize)> {
+    if shape.contains(&0) {
+        return Ok((0, 0));
+    }
+    let overflow = || invalid("shape and strides overflow the address space");
+    let size = isize::try_from(size).map_err(|_| overflow())?;
+    let (mut below, mut above) = (0isize, size);
+    for (&n, &s) in shape.iter().zip(strides) {
+        let n = isize::try_from(n).map_err(|_| overflow())?;
+        let reach = (n - 1)
+            .checked_mul(s)
+            .and_then(|r| r.checked_mul(size))
+            .ok_or_else(overflow)?;
+        if reach < 0 {
+            below = below.checked_add(reach).ok_or_else(overflow)?;
+        } else {
+            above = above.checked_add(reach).ok_or_else(overflow)?;
+        }
+    }
+    Ok((below, above))
+}
+
+/// Imports the memory an object describes with `__cuda_array_interface__` (no copy),
+/// after synchronising on the producer's stream when it names one.
+pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
+    let py = obj.py();
+    let iface = obj.getattr("__cuda_array_interface__")?;
+    let iface = iface.cast::<PyDict>().map_err(|_| invalid("not a dict"))?;
+    let get = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+        Ok(iface.get_item(key)?.filter(|v| !v.is_none()))
+    };
+    if get("mask")?.is_some() {
+        return Err(invalid("masked arrays are not supported"));
+    }
+    let shape: Vec<usize> = get("shape")?
+        .ok_or_else(|| invalid("no shape"))?
+        .extract()
+        .map_err(|_| invalid("shape must be a tuple of non-negative ints"))?;
+    let typestr: String = get("typestr")?
+        .ok_or_else(|| invalid("no typestr"))?
+        .extract()
+        .map_err(|_| invalid("typestr must be a str"))?;
+    let dtype = dtype_of(&typestr)?;
+    let (address, read_only): (usize, bool) = get("data")?
+        .ok_or_else(|| invalid("no data"))?
+        .extract()
+        .map_err(|_| invalid("data must be (pointer, read_only)"))?;
+    let size = dtype.size();
+    let strides: Vec<isize> = match get("strides")? {
+        None => tensorferry::tensor::contiguous_strides(&shape),
+        Some(s) => {
+            let bytes: Vec<isize> = s
+                .extract()
+                .map_err(|_| invalid("strides must be a tuple of ints"))?;
+            if bytes.len() != shape.len() {
+                return Err(invalid(format!(
+                    "{} strides for {} dimensions",
+                    bytes.len(),
+                    shape.len()
+                )));
+            }
+            bytes
+                .iter()
+                .map(|&b| {
+                    if b % size as isize == 0 {
+                        Ok(b / size as isize)
+                    } else {
+                        Err(invalid(format!(
+                            "stride {b} is not a multiple of the element size {size}"
+                        )))
+                    }
+                })
+                .collect::<PyResult<_>>()?
+        }
+    };
+    tensorferry::tensor::checked_nbytes(dtype, &shape).ok_or_else(|| invalid("shape overflows"))?;
+    let (below, above) = extent(&shape, &strides, size)?;
+    if address == 0 && above > below {
+        return Err(invalid("null data pointer for a non-empty array"));
+    }
+    // Version 3: the consumer synchronises on the producer's stream before reading.
+    match get("stream")? {
+        None => {}
+        Some(s) => {
+            let handle: usize = s.extract().map_err(|_| invalid("stream must be an int"))?;
+            if handle == 0 {
+                return Err(invalid("stream 0 is disallowed (ambiguous); use 1 or 2"));
+            }
+            py.detach(|| tensorferry::backend::cuda_device::stream_synchronize(handle))
+                .py_err()?;
+        }
+    }
+    let device = if address == 0 {
+        0
+    } else {
+        tensorferry::backend::cuda_device::pointer_device(address).py_err()?
+    };
+    let lowest = address.wrapping_add_signed(below) as *mut u8;
+    let span = (above - below) as usize;
+    let owner = Box::new(Producer(Some(obj.clone().unbind())));
+    // SAFETY: the producer promises, by the interface, that `span` bytes from the lowest
+    // element are device memory valid while the object lives; `owner` keeps it alive for
+    // as long as the storage, and the extent was computed with overflow checks.
+    let memory =
+        unsafe { ForeignMemory::new(lowest, span, Device::Cuda(device), read_only, owner) };
+    Tensor::from_storage(
+        Arc::new(Storage::Foreign(memory)),
+        (-below) as usize,
+        dtype,
+        shape,
+        strides,
+    )
+    .py_err()
+}
+
+/// The `__cuda_array_interface__` of a tensor in CUDA memory, after its pending copies;
+/// an `AttributeError` for any other tensor (so that `hasattr` says no).
+pub fn export<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyDict>> {
+    if !matches!(t.device(), Device::Cuda(_)) {
+        return Err(PyAttributeError::new_err(format!(
+            "__cuda_array_interface__: the tensor lives on {}, not on a CUDA device",
+            t.device()
+        )));
+    }
+    let typestr = typestr_of(t.dtype()).ok_or_else(|| {
+        PyAttributeError::new_err(format!(
+            "__cuda_array_interface__: {} has no typestr in the interface",
+            t.dtype()
+        ))
+    })?;
+    crate::wait::wait_all(py, [t])?;
+    let d = PyDict::new(py);
+    d.set_item("shape", PyTuple::new(py, t.shape())?)?;
+    d.set_item("typestr", typestr)?;
+    d.set_item("data", (t.data_ptr() as usize, t.is_read_only()))?;
+    let strides = if t.is_contiguous() {
+        py.None()
+    } else {
+        let size = t.dtype().size() as isize;
+        PyTuple::new(py, t.strides().iter().map(|s| s * size))?
+            .into_any()
+            .unbind()
+    };
+    d.set_item("strides", strides)?;
+    // Every copy into the memory has finished: the consumer need not wait on any stream.
+    d.set_item("stream", py.None())?;
+    d.set_item("version", 3)?;
+    Ok(d)
+}

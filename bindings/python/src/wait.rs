@@ -1,0 +1,45 @@
+//! Waiting for copies from Python: in short slices with the GIL released, checking for
+//! signals between them, so that Ctrl-C interrupts any wait and reaches the user as
+//! `KeyboardInterrupt` (the copies themselves go on in the background, holding what they
+//! read and write until they finish).
+
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use tensorferry::Tensor;
+
+use crate::errors::IntoPy;
+
+/// How long one slice of a wait lasts before signals are checked.
+const SLICE: Duration = Duration::from_millis(50);
+
+/// Waits until every copy into `tensors` has finished; the first failure as its error;
+/// an interruption (a signal handler that raises) as that exception.
+pub fn wait_all<'a>(py: Python<'_>, tensors: impl IntoIterator<Item = &'a Tensor>) -> PyResult<()> {
+    for t in tensors {
+        // A failed copy is ready too: `wait_timeout` reports its error either way.
+        while !py.detach(|| t.wait_timeout(SLICE)).py_err()? {
+            py.check_signals()?;
+        }
+    }
+    Ok(())
+}
+
+/// Moves `tensors` to `target` and waits for the copies in slices (see [`wait_all`]): a
+/// blocking move that Ctrl-C can interrupt. With `non_blocking` it returns at once.
+pub fn move_tensors(
+    py: Python<'_>,
+    tensors: &[&Tensor],
+    target: tensorferry::Device,
+    mut options: tensorferry::MoveOptions,
+) -> PyResult<Vec<Tensor>> {
+    let blocking = !options.non_blocking;
+    options.non_blocking = true;
+    let moved = py
+        .detach(|| tensorferry::move_tensors(tensors, target, options))
+        .py_err()?;
+    if blocking {
+        wait_all(py, &moved)?;
+    }
+    Ok(moved)
+}

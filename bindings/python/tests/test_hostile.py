@@ -1,0 +1,261 @@
+"""Inputs that must never crash, hang or return wrong data: each is an ordinary exception
+that names the key (or the depth, or the cycle), and nothing of the source is lost."""
+
+import collections
+import errno
+import json
+import os
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+
+MOVES = {
+    "to_host": lambda d, p: tf.to_host(d, copy=True),
+    "to_numpy": lambda d, p: tf.to_numpy(d),
+    "to_device": lambda d, p: tf.to_device(d, "cpu", copy=True),
+    "to_device_emu": lambda d, p: tf.to_device(d, "emu:0"),
+    "save": lambda d, p: tf.save(d, p),
+    "TensorDict.cpu": lambda d, p: tf.TensorDict(d).cpu(),
+}
+
+
+def _deep(levels, leaf):
+    root = node = {}
+    for _ in range(levels - 1):
+        node["a"] = {}
+        node = node["a"]
+    node["a"] = leaf
+    return root
+
+
+@pytest.mark.parametrize("call", MOVES)
+def test_a_dictionary_that_contains_itself_is_an_error_naming_where(call, tmp_path):
+    d = {"w": np.ones(2, np.float32), "inner": {"x": np.zeros(1)}}
+    d["inner"]["loop"] = d
+    with pytest.raises(tf.FormatError, match=r"contains itself.*|inner/loop"):
+        MOVES[call](d, tmp_path / "f.safetensors")
+    assert not (tmp_path / "f.safetensors").exists()
+
+
+@pytest.mark.parametrize("call", MOVES)
+def test_nesting_50000_levels_deep_is_an_error_naming_the_depth(call, tmp_path):
+    d = _deep(50_000, np.ones(2, np.float32))
+    with pytest.raises(tf.FormatError, match=r"deeper than \d+ levels"):
+        MOVES[call](d, tmp_path / "f.safetensors")
+
+
+def test_a_list_nested_50000_levels_deep_is_an_error_not_a_crash():
+    data = [1.0]
+    for _ in range(50_000):
+        data = [data]
+    with pytest.raises(tf.FormatError, match=r"deeper than \d+ levels"):
+        tf.to_device({"x": data}, "cpu")
+
+
+def test_a_mapping_subclass_that_contains_itself_is_an_error():
+    d = collections.OrderedDict(w=np.ones(2))
+    d["self"] = d
+    with pytest.raises(tf.FormatError, match="contains itself"):
+        tf.to_host({"outer": d}, copy=True)
+
+
+def test_the_same_subtree_twice_is_not_a_cycle():
+    shared = {"w": np.arange(3.0)}
+    out = tf.to_host({"a": shared, "b": shared}, copy=True)
+    np.testing.assert_array_equal(out["a"]["w"], out["b"]["w"])
+
+
+def test_nesting_within_the_limit_works():
+    out = tf.to_host(_deep(tf._tree.MAX_DEPTH - 1, np.arange(3.0)), copy=True)
+    node = out
+    while isinstance(node, dict):
+        node = node["a"]
+    np.testing.assert_array_equal(node, np.arange(3.0))
+
+
+class _AddsATensorWhenAsked:
+    """A DLPack leaf whose device query adds a tensor to the dictionary it lives in, as
+    another thread could between collecting the leaves and rebuilding the result."""
+
+    def __init__(self, parent):
+        self.parent = parent
+        self.array = np.ones(2, np.float32)
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        self.parent["late"] = np.zeros(3)
+        return (1, 0)
+
+
+def test_a_tensor_added_during_a_move_is_an_error_naming_its_key():
+    d = {}
+    d["sneaky"] = _AddsATensorWhenAsked(d)
+    with pytest.raises(RuntimeError, match="late"):
+        tf.to_host(d, copy=True)
+
+
+class _ClearsItsParent(collections.abc.Mapping):
+    def __init__(self, parent):
+        self.parent = parent
+
+    def __getitem__(self, key):
+        raise KeyError(key)
+
+    def __iter__(self):
+        self.parent.clear()
+        return iter(())
+
+    def __len__(self):
+        return 0
+
+
+def test_a_dictionary_emptied_during_the_walk_is_no_internal_error():
+    d = {"a": np.ones(2), "b": np.ones(2)}
+    d["m"] = _ClearsItsParent(d)
+    try:
+        tf.to_host(d, copy=True)
+    except RuntimeError as e:
+        assert "internal error" not in str(e)
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 + 1, -(2**63) - 1, 10**40])
+def test_integers_beyond_int64_are_an_overflow_error_naming_the_key(value):
+    with pytest.raises(OverflowError, match="ids"):
+        tf.to_device({"batch": {"ids": [1, value]}}, "cpu")
+    with pytest.raises(tf.TensorferryOverflowError):
+        tf.to_device({"ids": [[1], [value]]}, "cpu")
+
+
+def test_int64_limits_are_kept_exactly():
+    out = tf.to_device({"ids": [2**63 - 1, -(2**63)]}, "cpu")
+    assert out["ids"].numpy().tolist() == [2**63 - 1, -(2**63)]
+
+
+def test_finite_floats_beyond_float32_are_an_overflow_error_naming_the_key():
+    with pytest.raises(OverflowError, match="emb"):
+        tf.to_device({"emb": [1.0, 1e39]}, "cpu")
+
+
+def test_infinities_and_nans_in_float_lists_stay_as_they_are():
+    out = tf.to_device({"x": [float("inf"), float("-inf"), float("nan"), 3.0e38]}, "cpu")
+    got = out["x"].numpy()
+    assert np.isposinf(got[0]) and np.isneginf(got[1]) and np.isnan(got[2]) and np.isfinite(got[3])
+
+
+def test_saving_an_integer_beyond_int64_is_an_overflow_error(tmp_path):
+    with pytest.raises(tf.TensorferryOverflowError, match="step"):
+        tf.save({"step": 2**70}, tmp_path / "f.safetensors")
+
+
+def test_keys_that_are_not_valid_unicode_are_an_error_naming_them(tmp_path):
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")  # as os.fsdecode makes it
+    p = tmp_path / "f.safetensors"
+    tf.save({"ok": np.ones(1)}, p)
+    with pytest.raises(tf.FormatError, match="not valid Unicode"):
+        tf.save({bad: np.ones(2)}, p)
+    with pytest.raises(tf.FormatError, match="not valid Unicode"):
+        tf.save({"name": bad}, p)
+    with pytest.raises(tf.FormatError, match="not valid Unicode"):
+        tf.save({"ok": np.ones(1)}, p, metadata={"author": bad})
+    assert list(tf.load(p)) == ["ok"], "the previous file is intact"
+    # Moves never need the key as text.
+    assert list(tf.to_host({bad: np.ones(2)}, copy=True)) == [bad]
+
+
+@pytest.mark.parametrize(
+    "record",
+    ["[1, 2]", '{"default": 5}', '{"except": []}', '{"except": {"w": 3}}', "not json", '"torch"', "[" * 100_000],
+)
+def test_a_malformed_framework_record_only_loses_the_hint(record, tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    p = str(tmp_path / "f.safetensors")
+    st.save_file({"w": np.arange(3.0)}, p, metadata={"tensorferry.frameworks": record})
+    out = tf.load(p)
+    np.testing.assert_array_equal(out["w"], np.arange(3.0))
+
+
+def test_a_tensor_named_metadata_is_refused_before_the_file_is_touched(tmp_path):
+    p = tmp_path / "f.safetensors"
+    tf.save({"w": np.ones(1)}, p)
+    before = p.read_bytes()
+    with pytest.raises(tf.FormatError, match="__metadata__"):
+        tf.save({"__metadata__": np.ones(2)}, p)
+    assert p.read_bytes() == before
+
+
+def _unexportable_torch(torch):
+    yield "meta", torch.empty(3, device="meta")
+    yield "quantized", torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    yield "sparse", torch.ones(3, 3).to_sparse()
+    yield "nested", torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+
+@pytest.mark.parametrize("call", ["to_host", "to_numpy", "save", "to_device"])
+def test_torch_tensors_that_cannot_be_exported_are_an_error_naming_the_key(torch, call, tmp_path):
+    for name, t in _unexportable_torch(torch):
+        d = {"model": {name: t}, "ok": torch.ones(2)}
+        with pytest.raises((tf.FormatError, tf.DeviceUnavailableError)) as info:
+            MOVES[call](d, tmp_path / "f.safetensors")
+        assert f"model/{name}" in str(info.value), (name, str(info.value))
+        assert "internal error" not in str(info.value)
+
+
+def test_a_missing_file_is_a_file_not_found_error_with_errno_and_path(tmp_path):
+    p = str(tmp_path / "missing.safetensors")
+    with pytest.raises(FileNotFoundError) as info:
+        tf.load(p)
+    assert isinstance(info.value, tf.TensorferryError)
+    assert isinstance(info.value, tf.TensorferryIOError)
+    assert info.value.errno == errno.ENOENT and info.value.filename == p
+
+
+def test_a_directory_is_an_is_a_directory_error(tmp_path):
+    with pytest.raises(IsADirectoryError) as info:
+        tf.load(tmp_path)
+    assert isinstance(info.value, tf.TensorferryError)
+    assert info.value.errno == errno.EISDIR
+
+
+def test_saving_into_a_missing_folder_is_a_file_not_found_error(tmp_path):
+    with pytest.raises(FileNotFoundError) as info:
+        tf.save({"w": np.ones(1)}, tmp_path / "no" / "such" / "f.safetensors")
+    assert isinstance(info.value, tf.TensorferryError)
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root bypasses permission bits")
+def test_an_unreadable_file_is_a_permission_error(tmp_path):
+    p = tmp_path / "f.safetensors"
+    tf.save({"w": np.ones(1)}, p)
+    p.chmod(0)
+    with pytest.raises(PermissionError) as info:
+        tf.load(p)
+    assert isinstance(info.value, tf.TensorferryError)
+
+
+def test_a_fifo_is_refused_at_once_not_read(tmp_path):
+    p = tmp_path / "pipe"
+    os.mkfifo(p)
+    with pytest.raises((tf.FormatError, tf.TensorferryIOError), match="regular file|FIFO|fifo"):
+        tf.load(p)
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "/proc/self/status"])
+def test_devices_and_procfs_files_are_refused(path):
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is absent here")
+    with pytest.raises(tf.TensorferryError, match="regular file"):
+        tf.load(path)
+
+
+def test_json_of_the_record_is_kept_compact_and_loadable(tmp_path):
+    # The record the package writes reads back through the official reader's metadata.
+    st = pytest.importorskip("safetensors")
+    p = str(tmp_path / "f.safetensors")
+    tf.save({"w": np.ones(2, np.float32)}, p)
+    with st.safe_open(p, "np") as f:
+        record = json.loads(f.metadata()["tensorferry.frameworks"])
+    assert record["default"] == "numpy"

@@ -1,0 +1,124 @@
+//! Turning a header's entries into tensors viewing one storage: all of them as a flat
+//! dict, or one at a time by name, each once, for a recorded tree.
+
+use std::sync::Arc;
+
+use super::header::TensorEntry;
+use super::tree_decode::TensorSource;
+use super::tree_meta::{bad, shorten};
+use crate::error::{Error, Result};
+use crate::storage::Storage;
+use crate::tensor::Tensor;
+use crate::tree::{Node, TensorDict};
+
+/// The tensor an entry describes (`shape` taken out of it), viewing `storage` at
+/// `base + begin`.
+fn view(
+    storage: &Arc<Storage>,
+    base: usize,
+    entry: &TensorEntry,
+    shape: Vec<usize>,
+) -> Result<Tensor> {
+    Tensor::contiguous_view(storage.clone(), base + entry.begin, entry.dtype, shape)
+        .map_err(|err| Error::format_in(&shorten(&entry.name), err.to_string()))
+}
+
+/// The entries as a dict of tensors in header order (names are unique: the header was
+/// validated), reserved once at its exact size.
+pub(crate) fn flat_dict(
+    entries: Vec<TensorEntry>,
+    storage: &Arc<Storage>,
+    base: usize,
+) -> Result<TensorDict> {
+    let mut views = Views {
+        entries: entries.into_iter(),
+        storage,
+        base,
+        failure: None,
+    };
+    let dict: TensorDict = views.by_ref().collect();
+    match views.failure {
+        Some(e) => Err(e),
+        None => Ok(dict),
+    }
+}
+
+/// The entries as `(name, tensor node)` pairs; the first error ends it and is kept.
+struct Views<'a> {
+    entries: std::vec::IntoIter<TensorEntry>,
+    storage: &'a Arc<Storage>,
+    base: usize,
+    failure: Option<Error>,
+}
+
+impl Iterator for Views<'_> {
+    type Item = (String, Node);
+    fn next(&mut self) -> Option<(String, Node)> {
+        if self.failure.is_some() {
+            return None;
+        }
+        let mut entry = self.entries.next()?;
+        let shape = std::mem::take(&mut entry.shape);
+        match view(self.storage, self.base, &entry, shape) {
+            Ok(t) => Some((entry.name, Node::Tensor(t))),
+            Err(e) => {
+                self.failure = Some(e);
+                None
+            }
+        }
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.entries.size_hint()
+    }
+}
+
+/// The entries, sorted by name, handed out as tensors by name, each once.
+pub(crate) struct Pool {
+    entries: Vec<TensorEntry>,
+    taken: Vec<bool>,
+    storage: Arc<Storage>,
+    base: usize,
+}
+
+impl Pool {
+    /// A pool of `entries` (unique names) viewing `storage` at `base`.
+    pub(crate) fn new(mut entries: Vec<TensorEntry>, storage: Arc<Storage>, base: usize) -> Self {
+        entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+        Pool {
+            taken: vec![false; entries.len()],
+            entries,
+            storage,
+            base,
+        }
+    }
+
+    /// Fails when a tensor was never taken: a file's tensors must all be in its tree.
+    pub(crate) fn check_all_taken(&self) -> Result<()> {
+        match self.taken.iter().position(|t| !t) {
+            None => Ok(()),
+            Some(i) => Err(bad(format!(
+                "tensor {:?} is in the file but not in the recorded tree",
+                shorten(&self.entries[i].name)
+            ))),
+        }
+    }
+}
+
+impl TensorSource for Pool {
+    fn take(&mut self, name: &str) -> Result<Tensor> {
+        let found = self
+            .entries
+            .binary_search_by(|e| e.name.as_str().cmp(name))
+            .ok()
+            .filter(|&i| !self.taken[i]);
+        let Some(i) = found else {
+            return Err(bad(format!(
+                "tree refers to tensor {:?}, which the file lacks or uses twice",
+                shorten(name)
+            )));
+        };
+        self.taken[i] = true;
+        let shape = std::mem::take(&mut self.entries[i].shape);
+        view(&self.storage, self.base, &self.entries[i], shape)
+    }
+}

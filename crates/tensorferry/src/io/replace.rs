@@ -1,0 +1,160 @@
+//! Replacing a file atomically: a temporary file in the target's folder is written,
+//! synced and renamed over the target, so a failure at any point leaves the previous
+//! file as it was and no temporary file behind.
+//!
+//! What a user expects of the replaced file is kept: its permission bits (and its owner
+//! and group, as far as the process may set them); a new file gets what `open` would give
+//! it (0o666 less the umask). A symbolic link stays a link: the file it points to is the
+//! one replaced, through a temporary file in that file's folder. Only a regular file is
+//! replaced: a folder, a FIFO or a device node at the path is an error.
+
+use std::fs::{self, File, Metadata};
+use std::io::{self, BufWriter};
+use std::path::{Path, PathBuf};
+
+use super::file_kind::require_regular;
+use super::temp_files;
+use crate::error::{Error, Result};
+
+/// Links followed at most (as Linux's `MAXSYMLINKS`).
+const MAX_LINKS: usize = 40;
+
+/// Runs `write` into a temporary file beside the file `path` names, then syncs and renames
+/// it over that file; on any failure the temporary file is removed and the file left as
+/// it was.
+pub(crate) fn write_atomically(
+    path: &Path,
+    fsync: bool,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
+) -> Result<()> {
+    let target = resolve_links(path)?;
+    let existing = match fs::metadata(&target) {
+        Ok(meta) => {
+            require_regular("save to", path, &meta)?;
+            Some(meta)
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+        Err(e) => return Err(Error::io("save to", path, e)),
+    };
+    let folder = folder_of(&target);
+    let (tmp, file) = temp_files::create_in(folder)
+        .map_err(|e| Error::io("create a temporary file for", path, e))?;
+    temp_files::remove_stale(folder, &tmp);
+    let result = (|| {
+        if let Some(meta) = &existing {
+            keep_owner_and_mode(&file, meta)
+                .map_err(|e| Error::io("keep the permissions of", path, e))?;
+        }
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        write(&mut out)?;
+        let file = out
+            .into_inner()
+            .map_err(|e| Error::io("write", path, e.into_error()))?;
+        if fsync {
+            file.sync_all().map_err(|e| Error::io("sync", path, e))?;
+        }
+        drop(file);
+        fs::rename(&tmp, &target).map_err(|e| Error::io("rename into", path, e))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+        return result;
+    }
+    if fsync {
+        File::open(folder)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| Error::io("sync folder", folder, e))?;
+    }
+    Ok(())
+}
+
+/// The file a save to `path` replaces: `path` with the symbolic links at its end followed
+/// (a link to a link too, relative targets from the link's folder); `path` itself when it
+/// is not a link or does not exist.
+fn resolve_links(path: &Path) -> Result<PathBuf> {
+    let mut current = path.to_path_buf();
+    for _ in 0..MAX_LINKS {
+        match fs::symlink_metadata(&current) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let target =
+                    fs::read_link(&current).map_err(|e| Error::io("read the link", &current, e))?;
+                // An absolute target replaces the folder in `join`.
+                current = match current.parent() {
+                    Some(folder) => folder.join(target),
+                    None => target,
+                };
+            }
+            _ => return Ok(current),
+        }
+    }
+    // A loop, or a chain too long: the system's own error says which.
+    let e = fs::metadata(path).err().unwrap_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "too many levels of symbolic links",
+        )
+    });
+    Err(Error::io("save to", path, e))
+}
+
+/// The folder a file lies in (`.` for a bare name).
+fn folder_of(file: &Path) -> &Path {
+    match file.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+/// Gives `file` the permission bits of `old`, and its owner and group where allowed
+/// (root may set both; others their own groups); what is not allowed stays as created.
+#[cfg(unix)]
+fn keep_owner_and_mode(file: &File, old: &Metadata) -> io::Result<()> {
+    use std::os::unix::fs::{fchown, MetadataExt, PermissionsExt};
+    let now = file.metadata()?;
+    if (now.uid(), now.gid()) != (old.uid(), old.gid())
+        && fchown(file, Some(old.uid()), Some(old.gid())).is_err()
+    {
+        let _ = fchown(file, None, Some(old.gid()));
+    }
+    // After the owner: a change of owner may clear mode bits.
+    file.set_permissions(fs::Permissions::from_mode(old.mode() & 0o777))
+}
+
+#[cfg(not(unix))]
+fn keep_owner_and_mode(file: &File, old: &Metadata) -> io::Result<()> {
+    file.set_permissions(old.permissions())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_save_removes_what_a_dead_process_left_in_the_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = dir.path().join(temp_files::temp_name(dead, 7));
+        fs::write(&stale, b"half a file").unwrap();
+        let live = dir
+            .path()
+            .join(temp_files::temp_name(std::process::id(), u64::MAX));
+        fs::write(&live, b"being written").unwrap();
+        let path = dir.path().join("x.safetensors");
+        write_atomically(&path, false, |out| {
+            use std::io::Write;
+            out.write_all(b"new")
+                .map_err(|e| Error::io("write", &path, e))
+        })
+        .unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"new");
+        assert!(live.exists(), "a live process's temporary file stays");
+        if cfg!(target_os = "linux") {
+            assert!(
+                !stale.exists(),
+                "a dead process's temporary file is removed"
+            );
+        }
+    }
+}
