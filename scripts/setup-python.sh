@@ -12,7 +12,7 @@ fi
 .venv/bin/python -m pip install -q "maturin>=1.7,<2" pytest hypothesis numpy ml_dtypes safetensors
 if [ "${1:-}" != "--no-frameworks" ]; then
   # Real frameworks for the interop tests (torch from PyPI runs on CPU without a GPU).
-  .venv/bin/python -m pip install -q "jax[cpu]" torch
+  .venv/bin/python -m pip install -q "jax[cpu]" torch transformers
 fi
 rm -rf dist
 .venv/bin/maturin build -q --release -m bindings/python/Cargo.toml -o dist

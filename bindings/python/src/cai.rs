@@ -186,7 +186,12 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             if handle == 0 {
                 return Err(invalid("stream 0 is disallowed (ambiguous); use 1 or 2"));
             }
-            py.detach(|| tensorferry::backend::cuda_device::stream_synchronize(handle))
+            // SAFETY: the handle comes from the producer's `__cuda_array_interface__`
+            // (version 3 "stream"), which the protocol defines as a CUstream of this process
+            // or 1/2 for the default streams; 0 is refused above. We cannot check it: the
+            // driver validates handles it knows of, so a producer lying with an arbitrary
+            // integer is only as safe as that validation.
+            py.detach(|| unsafe { tensorferry::backend::cuda_device::stream_synchronize(handle) })
                 .py_err()?;
         }
     }
@@ -204,7 +209,7 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let memory =
         unsafe { ForeignMemory::new(lowest, span, Device::Cuda(device), read_only, owner) };
     Tensor::from_storage(
-        Arc::new(Storage::Foreign(memory)),
+        Arc::new(Storage::foreign(memory)),
         (-below) as usize,
         dtype,
         shape,

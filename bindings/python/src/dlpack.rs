@@ -42,13 +42,16 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             if p.is_null() || ffi::PyCapsule_SetName(cap, USED_VERSIONED.as_ptr()) != 0 {
                 return Err(PyErr::fetch(capsule.py()));
             }
-            ManagedTensor::Versioned(p)
+            // The capsule held an unconsumed managed tensor and renaming it "used_…"
+            // transferred its ownership to us (the DLPack protocol).
+            ManagedTensor::versioned(p)
         } else if ffi::PyCapsule_IsValid(cap, LEGACY.as_ptr()) == 1 {
             let p = ffi::PyCapsule_GetPointer(cap, LEGACY.as_ptr()) as *mut DLManagedTensor;
             if p.is_null() || ffi::PyCapsule_SetName(cap, USED_LEGACY.as_ptr()) != 0 {
                 return Err(PyErr::fetch(capsule.py()));
             }
-            ManagedTensor::Legacy(p)
+            // As above, for a legacy capsule.
+            ManagedTensor::legacy(p)
         } else {
             return Err(PyTypeError::new_err(
                 "expected an unused DLPack capsule (\"dltensor\" or \"dltensor_versioned\")",

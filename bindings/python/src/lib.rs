@@ -161,21 +161,29 @@ fn pinned_pool_stats<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, 
 #[pyfunction]
 fn cuda_stream_synchronize(py: Python<'_>, handle: usize) -> PyResult<()> {
     guard(|| {
-        py.detach(|| tensorferry::backend::cuda_device::stream_synchronize(handle))
+        // SAFETY: the handle comes from the user (the `stream=` argument of the Python API:
+        // a producer's raw `CUstream`, e.g. `torch.cuda.current_stream().cuda_stream`, or
+        // 1/2 for the default streams), trusted as PyTorch's `ExternalStream` trusts its
+        // integer. We cannot check it: the driver validates handles it knows of, so an
+        // arbitrary integer is only as safe as that validation.
+        py.detach(|| unsafe { tensorferry::backend::cuda_device::stream_synchronize(handle) })
             .py_err()
     })
 }
 
-/// Writes a tree of dict/list/tuple, `Tensor` and plain values as a safetensors file.
+/// Writes a tree of dict/list/tuple, `Tensor` and plain values as a safetensors file, or
+/// with `max_shard_bytes` as shards of at most that much data plus their index (one file
+/// when it all fits). Returns the files written.
 #[pyfunction]
-#[pyo3(signature = (tree, path, metadata=None, fsync=true))]
+#[pyo3(signature = (tree, path, metadata=None, fsync=true, max_shard_bytes=None))]
 fn save(
     py: Python<'_>,
     tree: &Bound<'_, PyAny>,
     path: PathBuf,
     metadata: Option<BTreeMap<String, String>>,
     fsync: bool,
-) -> PyResult<()> {
+    max_shard_bytes: Option<u64>,
+) -> PyResult<Vec<PathBuf>> {
     guard(|| {
         let root = tree::node_from_py(tree, &mut Vec::new())?;
         // Wait here, interruptibly, for copies still filling the tensors: the writer
@@ -186,8 +194,11 @@ fn save(
             metadata: metadata.unwrap_or_default(),
             fsync,
         };
-        py.detach(|| tensorferry::save_node(&root, &path, &options))
-            .py_err()
+        py.detach(|| match max_shard_bytes {
+            None => tensorferry::save_node(&root, &path, &options).map(|()| vec![path.clone()]),
+            Some(n) => tensorferry::io::save_sharded(&root, &path, &options, n),
+        })
+        .py_err()
     })
 }
 
@@ -230,11 +241,29 @@ fn load(
                             .collect();
                     }
                 }
+            } else {
+                // Files of other tools: the Hugging Face convention names the framework.
+                out.default = loaded
+                    .metadata
+                    .get("format")
+                    .and_then(|f| framework_of_format(f))
+                    .map(String::from);
             }
         }
         let tree = tree::node_to_py(py, loaded.root, &mut out, &mut Vec::new())?;
         Ok((tree, loaded.metadata, out.pending))
     })
+}
+
+/// The framework a Hugging Face `__metadata__["format"]` names ("pt" → "torch", …).
+fn framework_of_format(format: &str) -> Option<&'static str> {
+    match format {
+        "pt" => Some("torch"),
+        "tf" => Some("tensorflow"),
+        "flax" | "jax" => Some("jax"),
+        "np" | "numpy" => Some("numpy"),
+        _ => None,
+    }
 }
 
 /// NumPy arrays viewing each host tensor (zero-copy), in order.
@@ -311,6 +340,31 @@ fn cuda_array_interface_device(obj: &Bound<'_, PyAny>) -> PyResult<String> {
     })
 }
 
+/// Waits for every copy into `tensors` (interruptibly); with `timeout` (seconds), gives up
+/// then and returns False. A failed copy raises its error.
+#[pyfunction]
+#[pyo3(signature = (tensors, timeout=None))]
+fn wait_tensors(
+    py: Python<'_>,
+    tensors: Vec<Py<PyTensor>>,
+    timeout: Option<f64>,
+) -> PyResult<bool> {
+    guard(|| {
+        let inner = tensors.iter().map(|t| &t.get().inner);
+        match timeout {
+            None => wait::wait_all(py, inner).map(|()| true),
+            Some(s) if s.is_finite() && s >= 0.0 => {
+                let deadline =
+                    std::time::Instant::now() + std::time::Duration::from_secs_f64(s.min(1e9));
+                wait::wait_until(py, inner, deadline)
+            }
+            Some(s) => Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "timeout must be a non-negative number of seconds, not {s}"
+            ))),
+        }
+    })
+}
+
 /// The `__metadata__` of a safetensors file, reading the header only.
 #[pyfunction]
 fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, String>> {
@@ -340,6 +394,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_array_interface_device, m)?)?;
     m.add_function(wrap_pyfunction!(walk::collect_tensors, m)?)?;

@@ -99,7 +99,7 @@ pub fn array_to_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
         )
     };
     Tensor::from_storage(
-        std::sync::Arc::new(Storage::Foreign(memory)),
+        std::sync::Arc::new(Storage::foreign(memory)),
         (-below) as usize,
         dtype,
         shape,

@@ -3,7 +3,7 @@
 //! `KeyboardInterrupt` (the copies themselves go on in the background, holding what they
 //! read and write until they finish).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use tensorferry::Tensor;
@@ -23,6 +23,28 @@ pub fn wait_all<'a>(py: Python<'_>, tensors: impl IntoIterator<Item = &'a Tensor
         }
     }
     Ok(())
+}
+
+/// Like [`wait_all`], giving up at `deadline`: `Ok(false)` when some copy is still running
+/// then (nothing is cancelled).
+pub fn wait_until<'a>(
+    py: Python<'_>,
+    tensors: impl IntoIterator<Item = &'a Tensor>,
+    deadline: Instant,
+) -> PyResult<bool> {
+    for t in tensors {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if py.detach(|| t.wait_timeout(left.min(SLICE))).py_err()? {
+                break;
+            }
+            if left <= SLICE {
+                return Ok(false);
+            }
+            py.check_signals()?;
+        }
+    }
+    Ok(true)
 }
 
 /// Moves `tensors` to `target` and waits for the copies in slices (see [`wait_all`]): a

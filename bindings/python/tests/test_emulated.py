@@ -258,3 +258,101 @@ def test_ctrl_c_interrupts_a_wait_and_reaches_the_user_as_itself(emu1, wait):
         timer.cancel()
     # The copy went on in the background and completes correctly.
     np.testing.assert_array_equal(pending.numpy(), src["x"])
+
+
+# -- non-blocking results that cannot wait by themselves: the Transfer handle ------------
+
+
+def _slow_device_dict(emu1, latency_us=300_000):
+    src = {"w": np.arange(1000, dtype=np.float32), "b": np.ones(3), "step": 7, "tag": "x"}
+    on_device = tf.to_device(src, emu1)
+    tf.configure_emulated(1, latency_us=latency_us)
+    return src, on_device
+
+
+def test_non_blocking_to_numpy_returns_a_transfer_at_once_and_its_result_after(emu1):
+    import time
+
+    src, on_device = _slow_device_dict(emu1)
+    start = time.monotonic()
+    pending = tf.to_numpy(on_device, non_blocking=True)
+    assert time.monotonic() - start < 0.15, "returned before the 300 ms copy"
+    assert isinstance(pending, tf.Transfer) and not pending.done()
+    out = pending.result()
+    assert pending.done()
+    np.testing.assert_array_equal(out["w"], src["w"])
+    np.testing.assert_array_equal(out["b"], src["b"])
+    assert out["step"] == 7 and out["tag"] is src["tag"]
+    assert pending.result() is out, "the result is made once"
+
+
+def test_a_transfer_can_be_awaited(emu1):
+    import asyncio
+
+    src, on_device = _slow_device_dict(emu1, latency_us=100_000)
+
+    async def main():
+        pending = tf.to_numpy(on_device, non_blocking=True)
+        ticks = 0
+        task = asyncio.ensure_future(_await(pending))
+        while not task.done():
+            ticks += 1
+            await asyncio.sleep(0.01)
+        return task.result(), ticks
+
+    async def _await(p):
+        return await p
+
+    out, ticks = asyncio.run(main())
+    np.testing.assert_array_equal(out["w"], src["w"])
+    assert ticks > 3, "the event loop ran while the copy was in flight"
+
+
+def test_a_transfer_times_out_without_losing_the_copy(emu1):
+    src, on_device = _slow_device_dict(emu1)
+    pending = tf.to_numpy(on_device, non_blocking=True)
+    assert pending.wait(timeout=0.01) is False
+    with pytest.raises(TimeoutError):
+        pending.result(timeout=0.01)
+    np.testing.assert_array_equal(pending.result()["w"], src["w"])
+
+
+def test_a_failed_transfer_raises_its_error_every_time(emu1):
+    on_device = tf.to_device({"w": np.arange(10.0)}, emu1)
+    tf.configure_emulated(1, fail_copy=1, latency_us=50_000)
+    pending = tf.to_numpy(on_device, non_blocking=True)
+    with pytest.raises(tf.TensorferryError, match="emu:1"):
+        pending.result()
+    assert isinstance(pending.exception(), tf.TensorferryError)
+    with pytest.raises(tf.TensorferryError, match="emu:1"):
+        pending.result()
+
+
+def test_ctrl_c_interrupts_a_transfers_wait(emu1):
+    src, on_device = _slow_device_dict(emu1, latency_us=1_500_000)
+    pending = tf.to_numpy(on_device, non_blocking=True)
+    timer = _interrupt_soon()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pending.result()
+    finally:
+        timer.cancel()
+    np.testing.assert_array_equal(pending.result()["w"], src["w"])
+
+
+def test_non_blocking_moves_to_tensorferry_tensors_return_the_structure(emu1):
+    src, on_device = _slow_device_dict(emu1)
+    out = tf.to_host(on_device, non_blocking=True)
+    assert isinstance(out, dict), "tensorferry tensors wait by themselves: no handle needed"
+    assert not out["w"].is_ready
+    np.testing.assert_array_equal(out["w"].numpy(), src["w"])
+
+
+def test_non_blocking_to_host_of_numpy_sources_is_a_transfer_of_numpy(emu1):
+    # Host to host copies of NumPy leaves give NumPy arrays: a handle, whatever the speed.
+    src = {"w": np.arange(5.0)}
+    pending = tf.to_host(src, copy=True, non_blocking=True)
+    assert isinstance(pending, tf.Transfer)
+    out = pending.result()
+    np.testing.assert_array_equal(out["w"], src["w"])
+    assert not np.shares_memory(out["w"], src["w"])

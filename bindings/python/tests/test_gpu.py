@@ -140,3 +140,15 @@ def test_transposed_arrays_round_trip_through_the_gpu(cuda):
     back = tf.to_numpy(tf.to_host(tf.to_device(src, cuda, non_blocking=True), non_blocking=True))
     for k, v in src.items():
         np.testing.assert_array_equal(back[k], v)
+
+
+def test_non_blocking_to_host_of_torch_gpu_tensors_is_a_transfer(torch_cuda):
+    torch = torch_cuda
+    src = {"w": torch.randn(4096, 1024, device="cuda"), "b": torch.randn(7, device="cuda"), "step": 3}
+    expected = {k: v.cpu() for k, v in src.items() if torch.is_tensor(v)}
+    pending = tf.to_host(src, non_blocking=True, pinned=True)
+    assert isinstance(pending, tf.Transfer)
+    out = pending.result()
+    assert out["step"] == 3 and pending.done()
+    for k, v in expected.items():
+        assert out[k].device.type == "cpu" and torch.equal(out[k], v)

@@ -75,7 +75,7 @@ pub fn pack(tensors: &[&Tensor]) -> Result<Vec<Tensor>> {
     }
     let mut buffer = AlignedBuffer::zeroed(layout.total)?;
     copy_pieces(buffer.as_mut_slice(), &pieces, threads_for(layout.total))?;
-    views(&Arc::new(Storage::Owned(buffer)), tensors, &layout)
+    views(&Arc::new(Storage::owned(buffer)), tensors, &layout)
 }
 
 /// Contiguous views of `storage`, one per tensor (same dtype and shape) at the layout's

@@ -123,7 +123,25 @@ pub fn device_of(dl: DLDevice) -> Result<Device> {
 }
 
 /// A producer's tensor that tensorferry now owns: dropping it calls the producer's deleter.
-pub enum ManagedTensor {
+/// Made from a raw pointer with [`ManagedTensor::versioned`] or [`ManagedTensor::legacy`].
+///
+/// ```
+/// use tensorferry::dlpack::{export_versioned, import, ManagedTensor};
+/// use tensorferry::Tensor;
+///
+/// let t = Tensor::from_slice(&[1i32, 2, 3], &[3])?;
+/// let p = export_versioned(&t);
+/// // SAFETY: `p` was just exported, is released by nobody else, and is handed over whole.
+/// let managed = unsafe { ManagedTensor::versioned(p) };
+/// // SAFETY: `managed` comes from a DLPack producer (ours) and has a valid descriptor.
+/// let back = unsafe { import(managed, |m| Box::new(m)) }?;
+/// assert_eq!(back.to_vec::<i32>()?, vec![1, 2, 3]);
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
+pub struct ManagedTensor(Managed);
+
+/// The two forms of managed tensor; private, so only the `unsafe` constructors make one.
+enum Managed {
     /// A DLPack 1.x tensor.
     Versioned(*mut DLManagedTensorVersioned),
     /// A pre-1.0 tensor.
@@ -138,22 +156,41 @@ unsafe impl Send for ManagedTensor {}
 unsafe impl Sync for ManagedTensor {}
 
 impl ManagedTensor {
+    /// Takes ownership of a DLPack 1.x managed tensor (a `"dltensor_versioned"` capsule's).
+    ///
+    /// # Safety
+    /// `p` must point to a managed tensor from a DLPack producer that has not been released,
+    /// whose descriptor and memory stay valid until its deleter runs, and whose ownership
+    /// passes to the value returned: nobody else may call its deleter, which dropping the
+    /// value calls (exactly once, from any thread).
+    pub unsafe fn versioned(p: *mut DLManagedTensorVersioned) -> ManagedTensor {
+        ManagedTensor(Managed::Versioned(p))
+    }
+
+    /// Takes ownership of a pre-1.0 managed tensor (a `"dltensor"` capsule's).
+    ///
+    /// # Safety
+    /// As for [`ManagedTensor::versioned`].
+    pub unsafe fn legacy(p: *mut DLManagedTensor) -> ManagedTensor {
+        ManagedTensor(Managed::Legacy(p))
+    }
+
     fn tensor(&self) -> &DLTensor {
         // SAFETY: the pointer was non-null and valid when the value was made (`import`'s
         // contract) and stays valid until the deleter runs in `drop`.
         unsafe {
-            match *self {
-                ManagedTensor::Versioned(p) => &(*p).dl_tensor,
-                ManagedTensor::Legacy(p) => &(*p).dl_tensor,
+            match self.0 {
+                Managed::Versioned(p) => &(*p).dl_tensor,
+                Managed::Legacy(p) => &(*p).dl_tensor,
             }
         }
     }
 
     fn read_only(&self) -> bool {
-        match *self {
+        match self.0 {
             // SAFETY: as in `tensor`.
-            ManagedTensor::Versioned(p) => unsafe { (*p).flags & FLAG_READ_ONLY != 0 },
-            ManagedTensor::Legacy(_) => false,
+            Managed::Versioned(p) => unsafe { (*p).flags & FLAG_READ_ONLY != 0 },
+            Managed::Legacy(_) => false,
         }
     }
 }
@@ -164,13 +201,13 @@ impl Drop for ManagedTensor {
         // `self` is dropped once and nothing reads the memory afterwards (the storage that
         // owns this value is gone).
         unsafe {
-            match *self {
-                ManagedTensor::Versioned(p) => {
+            match self.0 {
+                Managed::Versioned(p) => {
                     if let Some(d) = (*p).deleter {
                         d(p)
                     }
                 }
-                ManagedTensor::Legacy(p) => {
+                Managed::Legacy(p) => {
                     if let Some(d) = (*p).deleter {
                         d(p)
                     }
@@ -200,7 +237,7 @@ pub unsafe fn import(
     // managed tensor lives, which `owner` ensures; `lowest..lowest+span` covers exactly them.
     let storage = unsafe { ForeignMemory::new(lowest, span, device, read_only, owner) };
     Tensor::from_storage(
-        Arc::new(Storage::Foreign(storage)),
+        Arc::new(Storage::foreign(storage)),
         elem0_offset,
         dtype,
         shape,
@@ -370,7 +407,7 @@ mod tests {
         let v = t.transpose(0, 1).unwrap();
         let p = export_versioned(&v);
         // SAFETY: `p` was just exported and is released by the imported tensor's owner.
-        let back = unsafe { import(ManagedTensor::Versioned(p), |m| Box::new(m)) }.unwrap();
+        let back = unsafe { import(ManagedTensor::versioned(p), |m| Box::new(m)) }.unwrap();
         assert_eq!(back.shape(), &[3, 2]);
         assert_eq!(back.data_ptr(), t.data_ptr());
         assert_eq!(back.to_vec::<i32>().unwrap(), vec![1, 4, 2, 5, 3, 6]);
@@ -381,7 +418,7 @@ mod tests {
         let t = Tensor::from_slice(&[1.5f64], &[]).unwrap();
         let p = export_legacy(&t);
         // SAFETY: as above.
-        let back = unsafe { import(ManagedTensor::Legacy(p), |m| Box::new(m)) }.unwrap();
+        let back = unsafe { import(ManagedTensor::legacy(p), |m| Box::new(m)) }.unwrap();
         assert_eq!(back.to_vec::<f64>().unwrap(), vec![1.5]);
         assert!(!back.is_read_only());
     }
@@ -393,7 +430,7 @@ mod tests {
             export_versioned(&t)
         };
         // SAFETY: as above.
-        let back = unsafe { import(ManagedTensor::Versioned(p), |m| Box::new(m)) }.unwrap();
+        let back = unsafe { import(ManagedTensor::versioned(p), |m| Box::new(m)) }.unwrap();
         assert_eq!(back.to_vec::<u8>().unwrap(), vec![9, 9, 9]);
     }
 }

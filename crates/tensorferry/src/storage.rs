@@ -30,9 +30,11 @@ impl ForeignMemory {
     /// Wraps `len` bytes at `ptr` on `device`, alive while `owner` lives.
     ///
     /// # Safety
-    /// `ptr` must be valid for reads of `len` bytes on `device` (and for writes unless
-    /// `read_only`) for as long as `owner` is alive, and nobody may write to it while
-    /// tensorferry reads it.
+    /// `ptr` must be valid for reads of `len` initialised bytes on `device` (and for
+    /// writes unless `read_only`), from any thread, for as long as `owner` is alive, and
+    /// nobody may write to them while tensorferry reads them — including while a slice of
+    /// them that [`Storage::try_host_bytes`] (or a tensor's byte accessors) handed out is
+    /// alive. `owner` is dropped exactly once, after the last use of `ptr`.
     pub unsafe fn new(
         ptr: *mut u8,
         len: usize,
@@ -50,8 +52,29 @@ impl ForeignMemory {
     }
 }
 
-/// A block of memory that tensors view.
-pub enum Storage {
+/// A block of memory that tensors view: host memory tensorferry owns, a file mapped into
+/// memory, memory borrowed from another producer, or device memory.
+///
+/// Opaque: the bytes are reachable only through accessors that wait for any copy still
+/// filling them ([`Storage::try_host_bytes`]), and device memory is never handed out as a
+/// slice.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tensorferry::memory::AlignedBuffer;
+/// use tensorferry::{DType, Storage, Tensor};
+///
+/// let storage = Arc::new(Storage::owned(AlignedBuffer::copy_from(&[1, 0, 2, 0])?));
+/// let t = Tensor::contiguous_view(storage.clone(), 0, DType::U16, vec![2])?;
+/// assert_eq!(t.to_vec::<u16>()?, vec![1, 2]);
+/// assert_eq!(storage.try_host_bytes()?, Some(&[1u8, 0, 2, 0][..]));
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
+pub struct Storage(Inner);
+
+/// What a [`Storage`] holds; private, so no safe code outside the crate can reach memory a
+/// queued copy may still be writing.
+enum Inner {
     /// Host memory tensorferry allocated, 64-byte aligned.
     Owned(AlignedBuffer),
     /// A read-only memory map of a file.
@@ -70,23 +93,64 @@ pub enum Storage {
 }
 
 impl Storage {
+    /// Host memory tensorferry owns: `buffer`, which the storage keeps.
+    pub fn owned(buffer: AlignedBuffer) -> Storage {
+        Storage(Inner::Owned(buffer))
+    }
+
+    /// Memory of another producer (a NumPy array, a DLPack or CUDA Array Interface
+    /// import), on the host or a device. Making the [`ForeignMemory`] is where the
+    /// producer's promises are taken (it is `unsafe`); wrapping it is not.
+    ///
+    /// ```
+    /// use tensorferry::storage::ForeignMemory;
+    /// use tensorferry::{Device, Storage};
+    ///
+    /// let data: Box<[u8]> = vec![1, 2, 3, 4].into_boxed_slice();
+    /// let ptr = data.as_ptr() as *mut u8;
+    /// // SAFETY: `data` owns the 4 initialised bytes at `ptr` (a boxed slice does not move
+    /// // its heap memory), lives as long as the storage, and nobody writes it.
+    /// let memory = unsafe { ForeignMemory::new(ptr, 4, Device::Cpu, true, Box::new(data)) };
+    /// let storage = Storage::foreign(memory);
+    /// assert!(storage.is_read_only());
+    /// assert_eq!(storage.host_bytes(), Some(&[1u8, 2, 3, 4][..]));
+    /// ```
+    pub fn foreign(memory: ForeignMemory) -> Storage {
+        Storage(Inner::Foreign(memory))
+    }
+
+    /// A read-only map of a file.
+    pub(crate) fn mapped(map: Mmap) -> Storage {
+        Storage(Inner::Mapped(map))
+    }
+
+    /// Device memory that the copy completing `memory.written()` fills.
+    pub(crate) fn device_memory(memory: DeviceMemory) -> Storage {
+        Storage(Inner::Device(memory))
+    }
+
+    /// Host memory that a queued copy is filling; `ready` completes when it is done.
+    pub(crate) fn incoming(buffer: HostBuffer, ready: Event) -> Storage {
+        Storage(Inner::Incoming { buffer, ready })
+    }
+
     /// The device the memory lives on.
     pub fn device(&self) -> Device {
-        match self {
-            Storage::Owned(_) | Storage::Mapped(_) | Storage::Incoming { .. } => Device::Cpu,
-            Storage::Foreign(f) => f.device,
-            Storage::Device(b) => b.device(),
+        match &self.0 {
+            Inner::Owned(_) | Inner::Mapped(_) | Inner::Incoming { .. } => Device::Cpu,
+            Inner::Foreign(f) => f.device,
+            Inner::Device(b) => b.device(),
         }
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        match self {
-            Storage::Owned(b) => b.len(),
-            Storage::Mapped(m) => m.len(),
-            Storage::Foreign(f) => f.len,
-            Storage::Device(b) => b.len(),
-            Storage::Incoming { buffer, .. } => buffer.len(),
+        match &self.0 {
+            Inner::Owned(b) => b.len(),
+            Inner::Mapped(m) => m.len(),
+            Inner::Foreign(f) => f.len,
+            Inner::Device(b) => b.len(),
+            Inner::Incoming { buffer, .. } => buffer.len(),
         }
     }
 
@@ -98,9 +162,9 @@ impl Storage {
     /// True for host memory of a pinned pool (the device copies it at the bus's speed).
     pub fn is_pinned(&self) -> bool {
         matches!(
-            self,
-            Storage::Incoming {
-                buffer: crate::memory::HostBuffer::Pinned(_),
+            self.0,
+            Inner::Incoming {
+                buffer: HostBuffer::Pinned(_),
                 ..
             }
         )
@@ -108,29 +172,30 @@ impl Storage {
 
     /// True when the memory must not be written (a mapped file, a read-only array).
     pub fn is_read_only(&self) -> bool {
-        match self {
-            Storage::Owned(_) | Storage::Device(_) | Storage::Incoming { .. } => false,
-            Storage::Mapped(_) => true,
-            Storage::Foreign(f) => f.read_only,
+        match &self.0 {
+            Inner::Owned(_) | Inner::Device(_) | Inner::Incoming { .. } => false,
+            Inner::Mapped(_) => true,
+            Inner::Foreign(f) => f.read_only,
         }
     }
 
-    /// The start address (a device address for device memory).
+    /// The start address (a device address for device memory). It does not wait: the
+    /// memory may still be being filled until [`Storage::wait`] returns `Ok`.
     pub fn as_ptr(&self) -> *const u8 {
-        match self {
-            Storage::Owned(b) => b.as_slice().as_ptr(),
-            Storage::Mapped(m) => m.as_ptr(),
-            Storage::Foreign(f) => f.ptr,
-            Storage::Device(b) => b.as_ptr(),
-            Storage::Incoming { buffer, .. } => buffer.as_slice().as_ptr(),
+        match &self.0 {
+            Inner::Owned(b) => b.as_slice().as_ptr(),
+            Inner::Mapped(m) => m.as_ptr(),
+            Inner::Foreign(f) => f.ptr,
+            Inner::Device(b) => b.as_ptr(),
+            Inner::Incoming { buffer, .. } => buffer.as_ptr(),
         }
     }
 
     /// The event of the copy that fills this memory, if one may still be running.
-    pub fn pending(&self) -> Option<&Event> {
-        match self {
-            Storage::Device(b) => Some(b.written()),
-            Storage::Incoming { ready, .. } => Some(ready),
+    pub(crate) fn pending(&self) -> Option<&Event> {
+        match &self.0 {
+            Inner::Device(b) => Some(b.written()),
+            Inner::Incoming { ready, .. } => Some(ready),
             _ => None,
         }
     }
@@ -159,17 +224,21 @@ impl Storage {
     }
 
     /// The bytes, when the memory is on the host (`None` for device memory). Memory still
-    /// being filled by a queued copy is waited for; the failure of that copy is an error.
+    /// being filled by a queued copy is waited for; the failure of that copy is an error
+    /// (and no bytes are handed out).
     pub fn try_host_bytes(&self) -> crate::Result<Option<&[u8]>> {
-        Ok(match self {
-            Storage::Owned(b) => Some(b.as_slice()),
-            Storage::Incoming { buffer, ready } => {
+        Ok(match &self.0 {
+            Inner::Owned(b) => Some(b.as_slice()),
+            Inner::Incoming { buffer, ready } => {
+                // Only once the copy has completed (and with it every write to `buffer`:
+                // backends drop what the copy uses before completing its event) may the
+                // bytes be shared.
                 ready.wait()?;
                 Some(buffer.as_slice())
             }
-            Storage::Device(_) => None,
-            Storage::Mapped(m) => Some(&m[..]),
-            Storage::Foreign(f) if f.device.is_host() => {
+            Inner::Device(_) => None,
+            Inner::Mapped(m) => Some(&m[..]),
+            Inner::Foreign(f) if f.device.is_host() => {
                 if f.len == 0 {
                     return Ok(Some(&[]));
                 }
@@ -177,7 +246,7 @@ impl Storage {
                 // host bytes while `_owner` lives, which is at least as long as `&self`.
                 Some(unsafe { std::slice::from_raw_parts(f.ptr, f.len) })
             }
-            Storage::Foreign(_) => None,
+            Inner::Foreign(_) => None,
         })
     }
 
@@ -191,12 +260,12 @@ impl Storage {
 
 impl fmt::Debug for Storage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = match self {
-            Storage::Owned(_) => "owned",
-            Storage::Mapped(_) => "mapped",
-            Storage::Foreign(_) => "foreign",
-            Storage::Device(_) => "device",
-            Storage::Incoming { .. } => "incoming",
+        let kind = match self.0 {
+            Inner::Owned(_) => "owned",
+            Inner::Mapped(_) => "mapped",
+            Inner::Foreign(_) => "foreign",
+            Inner::Device(_) => "device",
+            Inner::Incoming { .. } => "incoming",
         };
         write!(
             f,

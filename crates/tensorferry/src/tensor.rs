@@ -193,7 +193,7 @@ impl Tensor {
                 ),
             });
         }
-        let storage = Arc::new(Storage::Owned(AlignedBuffer::copy_from(bytes)?));
+        let storage = Arc::new(Storage::owned(AlignedBuffer::copy_from(bytes)?));
         Tensor::contiguous_view(storage, 0, dtype, shape)
     }
 
@@ -211,7 +211,7 @@ impl Tensor {
         let len = checked_nbytes(dtype, shape).ok_or_else(|| Error::Layout {
             reason: format!("shape {shape:?} overflows"),
         })?;
-        let storage = Arc::new(Storage::Owned(AlignedBuffer::zeroed(len)?));
+        let storage = Arc::new(Storage::owned(AlignedBuffer::zeroed(len)?));
         Tensor::contiguous_view(storage, 0, dtype, shape.to_vec())
     }
 
@@ -441,7 +441,7 @@ impl Tensor {
         })?;
         let shape = self.shape.clone();
         let strides = contiguous_strides(&shape);
-        Tensor::from_storage(Arc::new(Storage::Owned(buf)), 0, self.dtype, shape, strides)
+        Tensor::from_storage(Arc::new(Storage::owned(buf)), 0, self.dtype, shape, strides)
     }
 
     /// `self` when contiguous, else a contiguous copy.

@@ -443,7 +443,7 @@ fn a_dictionary_moves_between_two_gpus() {
 #[test]
 fn cuda_batches_use_the_batched_copy_where_the_driver_has_it() {
     use tensorferry::backend::cuda::{status, CudaStatus};
-    use tensorferry::backend::cuda_copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
+    use tensorferry::backend::cuda_device::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
     if cuda_missing() || std::env::var(COPY_PATH_VAR).is_ok_and(|v| v != "auto") {
         return;
     }
@@ -1002,7 +1002,7 @@ fn a_batched_cuda_copy_failing_part_way_is_queued_again_copy_by_copy() {
 
 #[test]
 fn child_cuda_copy_call_1_fails() {
-    use tensorferry::backend::cuda_copy::CopyPath;
+    use tensorferry::backend::cuda_device::CopyPath;
     if !in_child() {
         return;
     }

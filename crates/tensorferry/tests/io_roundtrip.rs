@@ -221,7 +221,7 @@ fn a_failed_write_leaves_the_previous_file_and_no_temporary() {
         )
     };
     let t = Tensor::from_storage(
-        std::sync::Arc::new(tensorferry::Storage::Foreign(dev)),
+        std::sync::Arc::new(tensorferry::Storage::foreign(dev)),
         0,
         DType::F32,
         vec![1],

@@ -31,6 +31,7 @@ from ._errors import (
     TensorferryOverflowError,
 )
 from ._tensordict import TensorDict
+from ._transfer import Transfer
 
 Tensor = _native.Tensor
 __version__ = _native.__version__
@@ -46,6 +47,7 @@ __all__ = [
     "TensorferryIOError",
     "TensorferryKeyError",
     "TensorferryOverflowError",
+    "Transfer",
     "__version__",
     "configure_emulated",
     "devices",

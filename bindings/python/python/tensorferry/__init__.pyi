@@ -2,7 +2,7 @@
 
 from collections.abc import Iterator, KeysView, Mapping
 from os import PathLike
-from typing import Any, Literal, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Generator, Generic, Literal, Optional, TypeVar, Union, overload
 
 import numpy as np
 
@@ -66,17 +66,39 @@ class Tensor:
 
 Staging = Union[Literal["auto", "off", "on"], tuple[int, int]]
 
+class Transfer(Generic[T]):
+    def done(self) -> bool: ...
+    def wait(self, timeout: Optional[float] = None) -> bool: ...
+    def result(self, timeout: Optional[float] = None) -> T: ...
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]: ...
+    def then(self, fn: Callable[[T], Any]) -> Transfer[Any]: ...
+    def __await__(self) -> Generator[Any, None, T]: ...
+
+@overload
 def to_host(
     obj: T,
     *,
-    non_blocking: bool = False,
+    non_blocking: Literal[False] = False,
     copy: bool = False,
     pinned: bool = False,
     stream: Any = None,
     staging: Staging = "auto",
 ) -> T: ...
+@overload
+def to_host(
+    obj: T,
+    *,
+    non_blocking: bool,
+    copy: bool = False,
+    pinned: bool = False,
+    stream: Any = None,
+    staging: Staging = "auto",
+) -> Union[T, Transfer[T]]: ...
 def pinned_pool_stats(device: Device) -> dict[str, int]: ...
-def to_numpy(obj: T) -> T: ...
+@overload
+def to_numpy(obj: T, *, non_blocking: Literal[False] = False) -> T: ...
+@overload
+def to_numpy(obj: T, *, non_blocking: Literal[True]) -> Transfer[T]: ...
 def to_device(
     obj: T,
     device: Device,
@@ -87,7 +109,14 @@ def to_device(
     staging: Staging = "auto",
     like: Optional[Literal["numpy", "torch", "tensorferry", "jax", "tensorflow"]] = None,
 ) -> T: ...
-def save(obj: Any, path: Path, *, metadata: Optional[dict[str, str]] = None, fsync: bool = True) -> None: ...
+def save(
+    obj: Any,
+    path: Path,
+    *,
+    metadata: Optional[dict[str, str]] = None,
+    fsync: bool = True,
+    max_shard_size: Union[int, str, None] = None,
+) -> None: ...
 def load(
     path: Path,
     *,

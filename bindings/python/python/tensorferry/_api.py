@@ -9,6 +9,7 @@ import numpy as np
 from . import _frameworks as fw
 from . import _native
 from ._errors import FormatError, TensorferryOverflowError
+from ._transfer import Transfer
 from ._tree import MAX_DEPTH, collect, dotted, rebuild, shown, container_kind, _LIST, _TUPLE
 
 _FRAMEWORKS_KEY = "tensorferry.frameworks"
@@ -23,6 +24,18 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
     Results on a device are ``tensorferry.Tensor``; on the host they follow the input's
     framework (CuPy and device-only inputs come back as NumPy and ``tensorferry.Tensor``).
     """
+    out, queued = _start(leaves, target, copy, non_blocking, pinned, staging)
+    _finish(out, queued)
+    return out
+
+
+# Kinds whose results are tensorferry tensors, which wait for their copies by themselves.
+_WAITING_KINDS = (fw.NATIVE, fw.DLPACK, fw.CAI)
+
+
+def _start(leaves, target, copy, non_blocking, pinned, staging):
+    """Queues the copies of a move: ``({id(leaf): leaf kept as is}, queued)``, where
+    ``queued`` is ``(leaves, native results, result kinds, paths)`` or None."""
     out = {}
     paths, pending, kinds = [], [], []
     for path, leaf in leaves:
@@ -34,7 +47,7 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
         pending.append(leaf)
         kinds.append(kind)
     if not pending:
-        return out
+        return out, None
     natives = fw.to_native_many(pending, kinds, paths)
     moved = _native.move_tensors(natives, target, copy, non_blocking, pinned, staging)
     if target.startswith("emu"):
@@ -43,9 +56,22 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
     elif target != "cpu":
         # Frameworks that hold GPU memory get their tensors back; NumPy cannot.
         kinds = [fw.NATIVE if k in (fw.NUMPY, fw.DLPACK, fw.CAI) else k for k in kinds]
+    return out, (pending, moved, kinds, paths)
+
+
+def _finish(out, queued):
+    """Fills ``out`` with the queued results in their frameworks (waiting for the copies
+    where a framework's tensors cannot wait by themselves)."""
+    if queued is None:
+        return
+    pending, moved, kinds, paths = queued
     for leaf, result in zip(pending, fw.from_native_many(moved, kinds, paths)):
         out[id(leaf)] = result
-    return out
+
+
+def _can_wait(queued):
+    """True when every result of ``queued`` waits for its copy by itself."""
+    return queued is None or all(k in _WAITING_KINDS for k in queued[2])
 
 
 def _sync_producer(stream):
@@ -86,6 +112,12 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     ring of pinned buffers: ``"auto"`` (on CUDA, for 64 MB and more), ``"off"``, ``"on"``,
     or ``(chunk_bytes, depth)``.
 
+    With ``non_blocking=True`` the call returns before the copies finish, and no result can
+    be read early: results that are ``tensorferry.Tensor`` wait on every read, so the
+    structure comes back at once; results of frameworks whose tensors cannot wait
+    (PyTorch, NumPy, JAX, TensorFlow) come as a :class:`Transfer` — ``.result()``,
+    ``.wait()``, ``.done()``, ``await`` — that gives the structure once they have.
+
     >>> import numpy as np, tensorferry as tf
     >>> out = tf.to_host({"w": np.ones(2, np.float32), "name": "run-1"}, copy=True)
     >>> out["w"], out["name"]
@@ -93,19 +125,41 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     """
     _sync_producer(stream)
     leaves = _native.collect_tensors(obj, fw.kind_of)
-    return _native.rebuild(obj, _move(leaves, "cpu", copy, non_blocking, pinned, staging), False, fw.kind_of)
+    out, queued = _start(leaves, "cpu", copy, non_blocking, pinned, staging)
+    if not non_blocking or _can_wait(queued):
+        _finish(out, queued)
+        return _native.rebuild(obj, out, False, fw.kind_of)
+    # Results that cannot wait (PyTorch, NumPy, JAX, TensorFlow): the structure is taken
+    # now, with tensorferry tensors in their places, and converted once the copies finish.
+    pending_leaves, moved = queued[0], queued[1]
+    skeleton = _native.rebuild(obj, {**out, **{id(x): t for x, t in zip(pending_leaves, moved)}}, False, fw.kind_of)
+
+    def finish():
+        converted = {}
+        _finish(converted, queued)
+        return _native.rebuild(skeleton, {id(t): converted[id(x)] for x, t in zip(pending_leaves, moved)})
+
+    return Transfer(moved, finish)
 
 
-def to_numpy(obj):
+def to_numpy(obj, *, non_blocking=False):
     """Like :func:`to_host`, then every tensor leaf becomes a ``numpy.ndarray``.
 
     Host memory is shared, not copied (read-only arrays for read-only memory such as a
-    memory-mapped file). bfloat16 and float8 become ``ml_dtypes`` arrays.
+    memory-mapped file). bfloat16 and float8 become ``ml_dtypes`` arrays. With
+    ``non_blocking=True`` it returns at once a :class:`Transfer` whose ``.result()`` is the
+    structure of arrays, once every copy from a device has finished.
 
     >>> import numpy as np, tensorferry as tf
     >>> tf.to_numpy({"t": tf.Tensor.from_numpy(np.arange(3))})["t"]
     array([0, 1, 2])
     """
+    if non_blocking:
+        first = to_host(obj, non_blocking=True)
+        if isinstance(first, Transfer):
+            return first.then(to_numpy)
+        pending = [t for _, t in _native.collect_tensors(first, fw.kind_of, True) if type(t) is fw.Tensor]
+        return Transfer(pending, lambda: to_numpy(first))
     out = {}
     natives, paths, leaves = [], [], []
     collected = _native.collect_tensors(obj, fw.kind_of, True)
@@ -285,7 +339,30 @@ def _native_tree(obj, frameworks):
     return _native.rebuild(obj, {id(leaf): t for (_, leaf), t in zip(leaves, natives)}, True, fw.kind_of)
 
 
-def save(obj, path, *, metadata=None, fsync=True):
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_size(size):
+    """Bytes of ``5_000_000``, ``"5GB"`` (decimal, as transformers reads it) or ``"2GiB"``."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    elif isinstance(size, str):
+        text = size.strip().upper().replace(" ", "")
+        digits = text.rstrip("KMGTIB")
+        unit = text[len(digits):]
+        try:
+            n = int(float(digits) * _SIZE_UNITS[unit])
+        except (KeyError, ValueError):
+            raise ValueError(f"max_shard_size={size!r}: expected bytes or a size such as '5GB' or '2GiB'") from None
+    else:
+        raise TypeError(f"max_shard_size must be an int or a str such as '5GB', not {type(size).__name__}")
+    if n <= 0:
+        raise ValueError(f"max_shard_size={size!r} must be positive")
+    return n
+
+
+def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None):
     """Saves ``obj`` as a safetensors file at ``path``, atomically.
 
     Nesting, container types, keys containing dots and plain values (str, int, float
@@ -294,6 +371,13 @@ def save(obj, path, *, metadata=None, fsync=True):
     ``metadata`` (str -> str) is stored beside. Anything else (an arbitrary object,
     complex128) is a :class:`FormatError` naming its key: no pickle, ever. On failure the
     previous file at ``path`` is left untouched.
+
+    With ``max_shard_size`` (bytes, or ``"5GB"``, ``"500MB"``, ``"2GiB"``) a larger tree is
+    written as Hugging Face writes checkpoints: ``model-00001-of-0000N.safetensors`` shards
+    beside ``path`` plus ``model.safetensors.index.json`` (``metadata.total_size``,
+    ``weight_map``), which ``transformers.from_pretrained`` reads; every file is atomic,
+    the index is written last, and each shard's metadata says ``"format": "pt"`` unless
+    ``metadata`` names a format. A tree that fits one shard is written as ``path`` itself.
 
     >>> import os, tempfile, numpy as np, tensorferry as tf
     >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
@@ -323,7 +407,8 @@ def save(obj, path, *, metadata=None, fsync=True):
         default = max(set(frameworks.values()), key=list(frameworks.values()).count)
         record = {"default": default, "except": {k: v for k, v in frameworks.items() if v != default}}
         meta[_FRAMEWORKS_KEY] = json.dumps(record, separators=(",", ":"))
-    _native.save(tree, os.fspath(path), meta, fsync)
+    shard_bytes = None if max_shard_size is None else _parse_size(max_shard_size)
+    _native.save(tree, os.fspath(path), meta, fsync, shard_bytes)
 
 
 _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
@@ -332,10 +417,16 @@ _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
 def load(path, *, device="cpu", mmap=True, like=None):
     """Loads a safetensors file as plain containers (dict, list, tuple).
 
+    ``path`` may also be a sharded checkpoint's ``*.safetensors.index.json``, or a folder
+    holding one (or holding a single ``.safetensors`` file): every shard is read, in
+    parallel, into one dictionary.
+
     Files written by tensorferry come back in the structure that was saved, each tensor
     in the framework it was saved from when that is importable; ``like="numpy" |
-    "torch" | "tensorferry" | "jax" | "tensorflow"`` overrides. Files of other tools load as a flat dict
-    whose keys keep their dots. Otherwise host tensors come back as NumPy arrays where
+    "torch" | "tensorferry" | "jax" | "tensorflow"`` overrides. Files of other tools load as a
+    flat dict whose keys keep their dots, in the framework their ``__metadata__["format"]``
+    names by the Hugging Face convention ("pt": PyTorch, "tf", "flax", "np") when that is
+    importable. Otherwise host tensors come back as NumPy arrays where
     NumPy can hold the dtype (bfloat16/float8 through ml_dtypes), else as
     ``tensorferry.Tensor``. With ``mmap=True`` tensors view the mapped file, read-only,
     at a cost proportional to the header.
@@ -372,8 +463,15 @@ def load(path, *, device="cpu", mmap=True, like=None):
     return result
 
 
+_FORMATS = {"pt": fw.TORCH, "tf": fw.TENSORFLOW, "flax": fw.JAX, "jax": fw.JAX, "np": fw.NUMPY, "numpy": fw.NUMPY}
+
+
 def _recorded_frameworks(meta):
     """name -> framework recorded at save time (a default and exceptions)."""
+    if _FRAMEWORKS_KEY not in meta:
+        # Files of other tools: the Hugging Face convention names the framework.
+        hinted = _FORMATS.get(meta.get("format"))
+        return lambda name: hinted
     try:
         record = json.loads(meta.get(_FRAMEWORKS_KEY, "{}"))
     except (ValueError, RecursionError):

@@ -46,7 +46,11 @@ impl fmt::Display for CopyPath {
 /// The path for a driver of `version`: batched when the driver has it, unless
 /// `forced` (the value of [`COPY_PATH_VAR`]) says otherwise. `has_symbol` tells whether
 /// the loaded library exports the entry point (CUDA 13 renamed it).
-pub fn choose_path(version: i32, has_symbol: bool, forced: Option<&str>) -> Result<CopyPath> {
+pub(crate) fn choose_path(
+    version: i32,
+    has_symbol: bool,
+    forced: Option<&str>,
+) -> Result<CopyPath> {
     let available = version >= BATCHED_COPY_DRIVER && has_symbol;
     match forced.map(str::trim) {
         None | Some("") | Some("auto") => Ok(if available {
@@ -76,7 +80,7 @@ unsafe impl Send for Stream {}
 unsafe impl Sync for Stream {}
 
 /// A GPU's stream and the path its batches take.
-pub struct CopyQueue {
+pub(crate) struct CopyQueue {
     device: Device,
     stream: Stream,
     path: Mutex<(CopyPath, Option<String>)>,
@@ -85,7 +89,7 @@ pub struct CopyQueue {
 impl CopyQueue {
     /// Creates the stream of `device` (its context must be current on this thread), with
     /// the path for a driver of `driver_version`.
-    pub fn new(device: Device, driver_version: i32) -> Result<CopyQueue> {
+    pub(crate) fn new(device: Device, driver_version: i32) -> Result<CopyQueue> {
         let mut stream: sys::CUstream = std::ptr::null_mut();
         // SAFETY: the context is current (caller's contract); `stream` is a live out
         // pointer. Flags 0: a blocking stream, ordered after the legacy default stream.
@@ -112,17 +116,17 @@ impl CopyQueue {
 
     /// The raw `CUstream` handle copies run on, for producers that order their work
     /// before ours (DLPack's `__dlpack__(stream=…)`).
-    pub fn stream_handle(&self) -> usize {
+    pub(crate) fn stream_handle(&self) -> usize {
         self.stream.0 as usize
     }
 
     /// The path batches take now.
-    pub fn path(&self) -> CopyPath {
+    pub(crate) fn path(&self) -> CopyPath {
         self.path.lock().unwrap_or_else(|p| p.into_inner()).0
     }
 
     /// Why the batched path was given up, if it was.
-    pub fn fallback_reason(&self) -> Option<String> {
+    pub(crate) fn fallback_reason(&self) -> Option<String> {
         self.path
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -135,7 +139,7 @@ impl CopyQueue {
     /// # Safety
     /// Every op's ranges must be valid in the memories the direction names until this
     /// returns, and the device's context must be current on this thread.
-    pub unsafe fn run(&self, batch: &CopyBatch) -> Result<()> {
+    pub(crate) unsafe fn run(&self, batch: &CopyBatch) -> Result<()> {
         let ops: Vec<&CopyOp> = batch.ops.iter().filter(|op| op.len > 0).collect();
         if ops.is_empty() {
             return Ok(());

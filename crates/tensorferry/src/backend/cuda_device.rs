@@ -6,7 +6,7 @@
 //! after work on the legacy default stream, which DLPack producers synchronise with when no
 //! stream is passed. A worker thread per GPU takes batches in order: it waits for the
 //! host-side events the batch depends on, queues every copy of the batch on the stream
-//! without waiting in between ([`super::cuda_copy`]: one `cuMemcpyBatchAsync` where the
+//! without waiting in between (`cuda_copy`: one `cuMemcpyBatchAsync` where the
 //! driver has it, else one `cuMemcpy*Async` per copy), synchronises the stream once, and
 //! completes the batch's event.
 //!
@@ -21,7 +21,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cuda::{status, CudaStatus};
-use super::cuda_copy::{CopyPath, CopyQueue};
+use super::cuda_copy::CopyQueue;
+pub use super::cuda_copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
 use super::cuda_pinned::CudaPinnedAllocator;
 use super::event::{Failure, Outcome};
 use super::stream::{Job, StreamThread};
@@ -218,12 +219,8 @@ impl Backend for CudaDevice {
     fn alloc(&self, len: usize) -> Result<DeviceMemory> {
         let name = Backend::device(self);
         if len == 0 {
-            return Ok(DeviceMemory::new(
-                name,
-                std::ptr::null_mut(),
-                0,
-                Box::new(()),
-            ));
+            // SAFETY: zero bytes: nothing is ever read or written at the null address.
+            return Ok(unsafe { DeviceMemory::new(name, std::ptr::null_mut(), 0, Box::new(())) });
         }
         let _current = self.context.enter(name)?;
         let mut address: sys::CUdeviceptr = 0;
@@ -246,12 +243,9 @@ impl Backend for CudaDevice {
             context: self.context,
             device: name,
         };
-        Ok(DeviceMemory::new(
-            name,
-            address as *mut u8,
-            len,
-            Box::new(release),
-        ))
+        // SAFETY: `cuMemAlloc` succeeded: `address` is `len` bytes of this device's memory,
+        // freed once, by `release`'s drop.
+        Ok(unsafe { DeviceMemory::new(name, address as *mut u8, len, Box::new(release)) })
     }
 
     unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
@@ -322,17 +316,24 @@ fn driver_version_of(s: &CudaStatus) -> i32 {
 }
 
 /// Blocks until the work queued on a producer's CUDA stream (a raw `CUstream` handle from
-/// PyTorch, CuPy or JAX) has finished, so tensorferry reads what it computed.
-pub fn stream_synchronize(handle: usize) -> Result<()> {
+/// PyTorch, CuPy or JAX) has finished, so tensorferry reads what it computed. Without a
+/// CUDA driver it fails with `DeviceUnavailable` and touches nothing.
+///
+/// # Safety
+/// `handle` must be a live `CUstream` of this process (created in a context of this
+/// process and not yet destroyed), or 1 (`CU_STREAM_LEGACY`) or 2 (`CU_STREAM_PER_THREAD`).
+/// The driver rejects some bad handles with an error code, but it does not validate every
+/// integer: one that names no stream may be read as a stream object, which is undefined
+/// behaviour.
+pub unsafe fn stream_synchronize(handle: usize) -> Result<()> {
     if let CudaStatus::Unavailable { reason } = status() {
         return Err(Error::DeviceUnavailable {
             device: "cuda".into(),
             reason: reason.clone(),
         });
     }
-    // SAFETY: the driver is loaded and initialised; the handle is the caller's stream, which
-    // the driver validates (an invalid handle is an error code, not undefined behaviour, for
-    // handles that came from a CUDA runtime in this process).
+    // SAFETY: the driver is loaded and initialised; the handle is a live stream of this
+    // process or a default-stream constant (this function's contract).
     check(
         unsafe { sys::cuStreamSynchronize(handle as sys::CUstream) },
         Device::Cuda(0),

@@ -14,13 +14,13 @@ use crate::error::{Error, Result};
 /// Pins host memory with `cuMemHostAlloc(PORTABLE)` — never write-combined, which would
 /// make CPU reads slow — for the pinned pool. Like the rest of this module it has not run
 /// on a GPU yet.
-pub struct CudaPinnedAllocator {
+pub(crate) struct CudaPinnedAllocator {
     device: Arc<CudaDevice>,
 }
 
 impl CudaPinnedAllocator {
     /// An allocator pinning through `cuda:ordinal`'s primary context (usable by every GPU).
-    pub fn new(ordinal: usize) -> Result<CudaPinnedAllocator> {
+    pub(crate) fn new(ordinal: usize) -> Result<CudaPinnedAllocator> {
         Ok(CudaPinnedAllocator {
             device: device(ordinal)?,
         })
@@ -51,7 +51,10 @@ impl Drop for PinnedRelease {
     }
 }
 
-impl crate::memory::PinnedAllocator for CudaPinnedAllocator {
+// SAFETY: each block is a fresh `cuMemHostAlloc` allocation of exactly `len` bytes (host
+// memory, readable and writable from any thread of the process), freed once by its release
+// (`cuMemFreeHost` in `PinnedRelease::drop`) when the block is dropped.
+unsafe impl crate::memory::pinned::PinnedAllocator for CudaPinnedAllocator {
     fn alloc(&self, len: usize) -> Result<crate::memory::pinned::HostBlock> {
         let name = Backend::device(&*self.device);
         let _current = self.device.context.enter(name)?;
@@ -67,14 +70,13 @@ impl crate::memory::PinnedAllocator for CudaPinnedAllocator {
             });
         }
         check(code, name, "cuMemHostAlloc")?;
-        Ok(crate::memory::pinned::HostBlock {
-            ptr: ptr as *mut u8,
-            len,
-            release: Box::new(PinnedRelease {
-                ptr,
-                context: self.device.context,
-                device: name,
-            }),
-        })
+        let release = Box::new(PinnedRelease {
+            ptr,
+            context: self.device.context,
+            device: name,
+        });
+        // SAFETY: `cuMemHostAlloc` succeeded: `ptr` is `len` bytes of pinned host memory,
+        // freed once by `release`.
+        Ok(unsafe { crate::memory::pinned::HostBlock::new(ptr as *mut u8, len, release) })
     }
 }

@@ -321,12 +321,9 @@ impl Backend for EmulatedDevice {
             len,
             used: self.used.clone(),
         };
-        Ok(DeviceMemory::new(
-            Backend::device(self),
-            address,
-            len,
-            Box::new(release),
-        ))
+        // SAFETY: `address` is the start of `memory`'s `len` bytes, which `release` owns and
+        // frees (once) when dropped; nothing else holds them.
+        Ok(unsafe { DeviceMemory::new(Backend::device(self), address, len, Box::new(release)) })
     }
 
     /// Runs on the stream thread, in order: waits, then the configured latency and

@@ -128,8 +128,10 @@ impl Event {
     /// Marks the work done (or failed) and wakes every waiter. Callbacks chained with
     /// [`Event::on_complete`] run on this thread, after the waiters are woken, each on
     /// its own: one that panics neither stops the others nor reaches the caller.
-    /// Completing twice keeps the first outcome.
-    pub fn complete(&self, result: Outcome) {
+    /// Completing twice keeps the first outcome. Crate-private: memory behind an event
+    /// is handed out once the event completes, so only the work it stands for may
+    /// complete it.
+    pub(crate) fn complete(&self, result: Outcome) {
         let mut done = self.0.lock();
         if done.outcome.is_some() {
             return;

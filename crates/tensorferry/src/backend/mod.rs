@@ -11,15 +11,15 @@ use crate::device::Device;
 use crate::error::Result;
 
 pub mod cuda;
-pub mod cuda_copy;
+pub(crate) mod cuda_copy;
 pub mod cuda_device;
-pub mod cuda_pinned;
+pub(crate) mod cuda_pinned;
 pub mod emulated;
-pub mod event;
-pub mod stream;
+pub(crate) mod event;
+pub(crate) mod stream;
 pub(crate) mod worker;
 
-pub use event::{Event, Failure};
+pub use event::{Event, Failure, Outcome};
 
 /// One contiguous copy of `len` bytes from `src` to `dst` (host or device addresses,
 /// as the batch's [`Direction`] says).
@@ -116,7 +116,12 @@ unsafe impl Sync for DeviceMemory {}
 
 impl DeviceMemory {
     /// Wraps `len` bytes at `address` on `device`; dropping `release` frees them.
-    pub fn new(
+    ///
+    /// # Safety
+    /// `address` must be the start of `len` bytes of `device`'s memory that stay allocated
+    /// (and are used by nothing else) until `release` is dropped; dropping `release` must
+    /// free them exactly once. The transfer engine copies into and out of that memory.
+    pub unsafe fn new(
         device: Device,
         address: *mut u8,
         len: usize,
@@ -157,7 +162,7 @@ impl DeviceMemory {
     }
 
     /// Sets the event of the copy that fills this memory (before the memory is shared).
-    pub fn set_written(&mut self, event: Event) {
+    pub(crate) fn set_written(&mut self, event: Event) {
         self.written = event;
     }
 }

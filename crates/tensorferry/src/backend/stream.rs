@@ -13,10 +13,10 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 
 /// A job on the stream.
-pub type Job = Box<dyn FnOnce() + Send>;
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
 
 /// The worker thread of one device, fed in order.
-pub struct StreamThread {
+pub(crate) struct StreamThread {
     device: Device,
     jobs: Mutex<Sender<(Job, Event)>>,
 }
@@ -24,7 +24,10 @@ pub struct StreamThread {
 impl StreamThread {
     /// Starts the thread for `device`; `init` runs on it first (e.g. to make a context
     /// current).
-    pub fn spawn(device: Device, init: impl FnOnce() + Send + 'static) -> Result<StreamThread> {
+    pub(crate) fn spawn(
+        device: Device,
+        init: impl FnOnce() + Send + 'static,
+    ) -> Result<StreamThread> {
         let (tx, rx) = mpsc::channel::<(Job, Event)>();
         std::thread::Builder::new()
             .name(format!(
@@ -54,7 +57,7 @@ impl StreamThread {
 
     /// Queues `job`, which completes `event`; if the thread is gone, completes `event` with
     /// that error instead (dropping the job, and what it holds, first).
-    pub fn queue(&self, job: Job, event: &Event) {
+    pub(crate) fn queue(&self, job: Job, event: &Event) {
         let sent = self
             .jobs
             .lock()

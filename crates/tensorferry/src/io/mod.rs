@@ -9,6 +9,9 @@
 //! plus 4 MiB: a header describing more (many tiny tensors, dimensions, metadata entries
 //! or plain values for the bytes the file holds) is refused before anything is built,
 //! and the writer refuses to write such a file. Only regular files are read or replaced.
+//!
+//! Large trees can be saved as Hugging Face style shards with an index
+//! ([`save_sharded`]); [`load_node`] reads an index, or a folder holding one, as one tree.
 
 mod budget;
 mod census;
@@ -17,6 +20,7 @@ mod header;
 mod pool;
 mod read;
 mod replace;
+mod sharded;
 mod temp_files;
 mod tree_census;
 mod tree_decode;
@@ -25,6 +29,7 @@ mod write;
 
 pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
 pub use read::{load, load_bytes, load_node, read_header, LoadOptions, Loaded};
+pub use sharded::{load_sharded, save_sharded, INDEX_SUFFIX};
 pub use write::{save, save_node, SaveOptions};
 
 /// The `__metadata__` key under which tensorferry records a tree's structure.

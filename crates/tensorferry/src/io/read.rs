@@ -70,10 +70,17 @@ pub fn load(
     }
 }
 
-/// Loads the tree saved in the file at `path`; see [`load`] for what is refused and
+/// Loads the tree saved in the file at `path` (an index of shards, or a folder holding
+/// one index or one file, too); see [`load`] for what is refused and
 /// what a memory map implies.
 pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
-    let path = path.as_ref();
+    let path = match super::sharded::resolve(path.as_ref())? {
+        super::sharded::Target::Index(index) => {
+            return super::sharded::load_sharded(index, options)
+        }
+        super::sharded::Target::File(file) => file,
+    };
+    let path = path.as_path();
     let (mut file, file_len) = open_regular(path)?;
     let (parsed, storage, base) = if options.mmap {
         map_file(&file, path, file_len)?
@@ -116,7 +123,7 @@ pub fn load_bytes(bytes: &[u8]) -> Result<Loaded> {
     let data_start = 8 + n as usize;
     let parsed = parse_counted(&bytes[8..data_start], (bytes.len() - data_start) as u64)?;
     let data = AlignedBuffer::copy_from(&bytes[data_start..])?;
-    build(parsed, Arc::new(Storage::Owned(data)), 0)
+    build(parsed, Arc::new(Storage::owned(data)), 0)
 }
 
 /// Maps the file; tensors view the map at `data_start + begin`.
@@ -131,7 +138,7 @@ fn map_file(file: &File, path: &Path, file_len: u64) -> Result<(Parsed, Arc<Stor
     let n = header_len(&map[..8], map.len() as u64)?;
     let data_start = 8 + n as usize;
     let parsed = parse_counted(&map[8..data_start], (map.len() - data_start) as u64)?;
-    Ok((parsed, Arc::new(Storage::Mapped(map)), data_start))
+    Ok((parsed, Arc::new(Storage::mapped(map)), data_start))
 }
 
 /// Reads the header, then the data section in one read into aligned memory.
@@ -141,7 +148,7 @@ fn read_file(file: &mut File, path: &Path, file_len: u64) -> Result<(Parsed, Arc
     let mut data = AlignedBuffer::zeroed(data_len as usize)?;
     file.read_exact(data.as_mut_slice())
         .map_err(|e| Error::io("read", path, e))?;
-    Ok((parsed, Arc::new(Storage::Owned(data)), 0))
+    Ok((parsed, Arc::new(Storage::owned(data)), 0))
 }
 
 /// The tree: the recorded one, or a flat dict of the tensors in header order.

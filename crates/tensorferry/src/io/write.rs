@@ -90,7 +90,7 @@ pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> 
     })
 }
 
-fn check_depth(node: &Node, depth: usize) -> Result<()> {
+pub(crate) fn check_depth(node: &Node, depth: usize) -> Result<()> {
     if depth > tree_meta::MAX_DEPTH {
         return Err(Error::InvalidValue {
             key: String::new(),
@@ -117,7 +117,7 @@ fn on_host(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<Tensor>> {
 }
 
 /// The dotted name of each tensor; collisions and unsupported dtypes fail.
-fn checked_names(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<String>> {
+pub(crate) fn checked_names(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<String>> {
     let mut seen: HashMap<String, &KeyPath> = HashMap::with_capacity(tensors.len());
     let mut names = Vec::with_capacity(tensors.len());
     for (path, t) in tensors {

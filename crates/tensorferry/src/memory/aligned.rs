@@ -101,6 +101,18 @@ impl AlignedBuffer {
         self.len == 0
     }
 
+    /// The start address (64-byte aligned; dangling but aligned when empty).
+    ///
+    /// ```
+    /// use tensorferry::memory::{AlignedBuffer, HOST_ALIGNMENT};
+    /// let b = AlignedBuffer::zeroed(100)?;
+    /// assert_eq!(b.as_ptr() as usize % HOST_ALIGNMENT, 0);
+    /// # Ok::<(), tensorferry::Error>(())
+    /// ```
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `ptr` is valid for `len` initialised bytes (zeroed at allocation, by the

@@ -1,14 +1,15 @@
 //! Host memory that tensorferry owns: aligned pageable buffers, and the pinned pool.
 
 mod aligned;
-pub mod pinned;
+pub(crate) mod pinned;
 
 pub use aligned::{AlignedBuffer, HOST_ALIGNMENT};
-pub use pinned::{PinnedAllocator, PinnedBuffer, PinnedPool, PoolStats};
+pub(crate) use pinned::PinnedBuffer;
+pub use pinned::{PinnedPool, PoolStats};
 
 /// Host memory that results of a transfer land in: ordinary (pageable) memory, or a
 /// buffer of the pinned pool.
-pub enum HostBuffer {
+pub(crate) enum HostBuffer {
     /// Ordinary memory, 64-byte aligned.
     Pageable(AlignedBuffer),
     /// A pinned buffer, returned to its pool when dropped.
@@ -17,28 +18,31 @@ pub enum HostBuffer {
 
 impl HostBuffer {
     /// Length in bytes.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             HostBuffer::Pageable(b) => b.len(),
             HostBuffer::Pinned(b) => b.len(),
         }
     }
 
-    /// True when the buffer holds no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
+    pub(crate) fn as_slice(&self) -> &[u8] {
         match self {
             HostBuffer::Pageable(b) => b.as_slice(),
             HostBuffer::Pinned(b) => b.as_slice(),
         }
     }
 
+    /// The start address, without making a slice (a copy may be writing the bytes).
+    pub(crate) fn as_ptr(&self) -> *const u8 {
+        match self {
+            HostBuffer::Pageable(b) => b.as_ptr(),
+            HostBuffer::Pinned(b) => b.as_ptr(),
+        }
+    }
+
     /// The start address, for the one copy that fills the buffer.
-    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
         match self {
             HostBuffer::Pageable(b) => b.as_mut_slice().as_mut_ptr(),
             HostBuffer::Pinned(b) => b.as_ptr(),

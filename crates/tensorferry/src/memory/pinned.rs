@@ -12,23 +12,44 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
 
-/// Page-locked memory from an allocator; dropping `release` frees it.
-pub struct HostBlock {
-    /// Start address.
-    pub ptr: *mut u8,
-    /// Length in bytes (the size class).
-    pub len: usize,
-    /// Frees the memory when dropped.
-    pub release: Box<dyn Any + Send + Sync>,
+/// Page-locked memory from an allocator; dropping it frees the memory (through `release`).
+pub(crate) struct HostBlock {
+    ptr: *mut u8,
+    len: usize,
+    _release: Box<dyn Any + Send + Sync>,
 }
 
-// SAFETY: the block owns its memory through `release`; the pointer only addresses it.
+// SAFETY: the block owns its memory through `_release`; the pointer only addresses it.
 unsafe impl Send for HostBlock {}
 // SAFETY: see `Send`; shared access only reads the address.
 unsafe impl Sync for HostBlock {}
 
+impl HostBlock {
+    /// Wraps `len` bytes of host memory at `ptr`; dropping `release` frees them.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, used by nothing else, until
+    /// `release` is dropped, and dropping `release` must free them exactly once.
+    pub(crate) unsafe fn new(
+        ptr: *mut u8,
+        len: usize,
+        release: Box<dyn Any + Send + Sync>,
+    ) -> HostBlock {
+        HostBlock {
+            ptr,
+            len,
+            _release: release,
+        }
+    }
+}
+
 /// Something that pins host memory.
-pub trait PinnedAllocator: Send + Sync {
+///
+/// # Safety
+/// Implementors promise that every block [`PinnedAllocator::alloc`] returns is at least
+/// the `len` bytes asked for, valid for reads and writes from any thread until the block is
+/// dropped, and used by nothing else meanwhile (the pool hands it to copies as it likes).
+pub(crate) unsafe trait PinnedAllocator: Send + Sync {
     /// Allocates `len` bytes of pinned host memory.
     fn alloc(&self, len: usize) -> Result<HostBlock>;
 }
@@ -59,16 +80,16 @@ pub struct PinnedPool {
 }
 
 /// The smallest size class.
-pub const MIN_CLASS: usize = 64 << 10;
+pub(crate) const MIN_CLASS: usize = 64 << 10;
 
 /// The size class serving `len` bytes.
-pub fn size_class(len: usize) -> usize {
+pub(crate) fn size_class(len: usize) -> usize {
     len.max(MIN_CLASS).next_power_of_two()
 }
 
 impl PinnedPool {
     /// A pool that keeps at most `cap` bytes pinned once buffers come back.
-    pub fn new(allocator: Box<dyn PinnedAllocator>, cap: usize) -> Arc<PinnedPool> {
+    pub(crate) fn new(allocator: Box<dyn PinnedAllocator>, cap: usize) -> Arc<PinnedPool> {
         Arc::new(PinnedPool {
             allocator,
             cap,
@@ -90,7 +111,7 @@ impl PinnedPool {
 
     /// A buffer of at least `len` bytes: a cached one of its size class when there is
     /// one, else newly pinned (cached buffers are unpinned first to stay within the cap).
-    pub fn take(self: &Arc<Self>, len: usize) -> Result<PinnedBuffer> {
+    pub(crate) fn take(self: &Arc<Self>, len: usize) -> Result<PinnedBuffer> {
         let class = size_class(len);
         let evicted = {
             let mut s = self.state();
@@ -146,7 +167,7 @@ impl PinnedPool {
 }
 
 /// A pinned buffer from the pool; goes back to it when dropped.
-pub struct PinnedBuffer {
+pub(crate) struct PinnedBuffer {
     block: Option<HostBlock>,
     len: usize,
     pool: Arc<PinnedPool>,
@@ -154,22 +175,17 @@ pub struct PinnedBuffer {
 
 impl PinnedBuffer {
     /// Bytes asked for (the block may be larger).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
-    /// True when no bytes were asked for.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// The start address.
-    pub fn as_ptr(&self) -> *mut u8 {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.block.as_ref().expect("held until drop").ptr
     }
 
     /// The bytes asked for.
-    pub fn as_slice(&self) -> &[u8] {
+    pub(crate) fn as_slice(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
         }
@@ -190,17 +206,16 @@ impl Drop for PinnedBuffer {
 
 /// Host memory standing in for pinned memory where nothing needs pinning (the emulated
 /// device): ordinary 64-byte-aligned buffers, so the pool's bookkeeping runs the same.
-pub struct PageableAllocator;
+pub(crate) struct PageableAllocator;
 
-impl PinnedAllocator for PageableAllocator {
+// SAFETY: each block is a fresh, zeroed `AlignedBuffer` of exactly `len` bytes, owned by
+// the block (its release) and freed once when the block is dropped.
+unsafe impl PinnedAllocator for PageableAllocator {
     fn alloc(&self, len: usize) -> Result<HostBlock> {
         let mut buffer = crate::memory::AlignedBuffer::zeroed(len)?;
         let ptr = buffer.as_mut_slice().as_mut_ptr();
-        Ok(HostBlock {
-            ptr,
-            len,
-            release: Box::new(buffer),
-        })
+        // SAFETY: `ptr` addresses `buffer`'s `len` bytes, which the release owns and frees.
+        Ok(unsafe { HostBlock::new(ptr, len, Box::new(buffer)) })
     }
 }
 
@@ -223,17 +238,16 @@ mod tests {
         }
     }
 
-    impl PinnedAllocator for Counting {
+    // SAFETY: each block is a fresh `AlignedBuffer` of `len` bytes, freed with its release.
+    unsafe impl PinnedAllocator for Counting {
         fn alloc(&self, len: usize) -> Result<HostBlock> {
             self.pinned.fetch_add(len, Ordering::SeqCst);
             self.live.fetch_add(len, Ordering::SeqCst);
             let mut buf = AlignedBuffer::zeroed(len)?;
             let ptr = buf.as_mut_slice().as_mut_ptr();
-            Ok(HostBlock {
-                ptr,
-                len,
-                release: Box::new(Release(buf, self.live.clone())),
-            })
+            let release = Box::new(Release(buf, self.live.clone()));
+            // SAFETY: `ptr` addresses `buf`'s `len` bytes, owned and freed by `release`.
+            Ok(unsafe { HostBlock::new(ptr, len, release) })
         }
     }
 

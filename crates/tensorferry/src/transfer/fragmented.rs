@@ -20,9 +20,9 @@ use crate::error::Result;
 use crate::tensor::{byte_extent, Tensor};
 
 /// More runs than this, each shorter than [`SMALL_RUN_BYTES`], make a tensor fragmented.
-pub const MAX_RUNS: usize = 64;
+pub(crate) const MAX_RUNS: usize = 64;
 /// Runs shorter than this cost more as a device copy than their bytes do.
-pub const SMALL_RUN_BYTES: usize = 16 << 10;
+pub(crate) const SMALL_RUN_BYTES: usize = 16 << 10;
 /// A device span up to this many times the tensor's bytes is fetched whole.
 const MAX_SPAN_RATIO: usize = 4;
 /// ... or up to this many bytes, whatever the ratio.
@@ -48,7 +48,7 @@ fn runs(t: &Tensor) -> (usize, usize) {
 }
 
 /// True when copying `t` run by run would mean many small device copies.
-pub fn is_fragmented(t: &Tensor) -> bool {
+pub(crate) fn is_fragmented(t: &Tensor) -> bool {
     if t.is_contiguous() {
         return false;
     }
@@ -60,7 +60,7 @@ pub fn is_fragmented(t: &Tensor) -> bool {
 /// a host gather serves it: a contiguous host copy (host → device), or a strided view of
 /// a host copy of its device span (device → host). `None`: plan `t` as it is. Neither
 /// waits for copies still filling `t`: the result depends on them instead.
-pub fn prepare(t: &Tensor, target: Device) -> Result<Option<Tensor>> {
+pub(crate) fn prepare(t: &Tensor, target: Device) -> Result<Option<Tensor>> {
     let from = t.device();
     if from.is_host() == target.is_host() || !is_fragmented(t) {
         return Ok(None);

@@ -29,10 +29,10 @@ pub(crate) fn pack_when_ready(sources: Vec<Tensor>) -> Result<(Vec<Tensor>, Opti
     let mut buffer = AlignedBuffer::zeroed(layout.total)?;
     let base = Address(buffer.as_mut_slice().as_mut_ptr());
     let event = Event::pending();
-    let storage = Arc::new(Storage::Incoming {
-        buffer: HostBuffer::Pageable(buffer),
-        ready: event.clone(),
-    });
+    let storage = Arc::new(Storage::incoming(
+        HostBuffer::Pageable(buffer),
+        event.clone(),
+    ));
     let results = views(&storage, &sources, &layout)?;
     let runs: Vec<(Address, usize, usize)> = runs
         .iter()

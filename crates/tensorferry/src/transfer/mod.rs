@@ -12,7 +12,7 @@
 //!
 //! A non-blocking move never blocks its caller: copies from sources that earlier copies
 //! still fill are queued after them, on the device or on a host worker thread
-//! ([`host_copy`]). A blocking move is a non-blocking one followed by a wait for its
+//! (`host_copy`). A blocking move is a non-blocking one followed by a wait for its
 //! copies; a caller that must stay responsive can do the same with
 //! [`Tensor::wait_timeout`] on every result. A copy that fails fails every result that
 //! depends on it, with an error naming the device whose copy failed.
@@ -33,7 +33,7 @@ use crate::memory::{AlignedBuffer, HostBuffer};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
-pub mod fragmented;
+pub(crate) mod fragmented;
 mod host_copy;
 pub mod staging;
 
@@ -320,10 +320,7 @@ fn to_host(
         HostBuffer::Pageable(AlignedBuffer::zeroed(layout.total)?)
     };
     let dst_base = buffer.as_mut_ptr();
-    let storage = Arc::new(Storage::Incoming {
-        buffer,
-        ready: event.clone(),
-    });
+    let storage = Arc::new(Storage::incoming(buffer, event.clone()));
     let results = views(&storage, &sources, &layout)?;
     fill(
         backend,
@@ -356,7 +353,7 @@ fn to_device(
     let event = Event::pending();
     memory.set_written(event.clone());
     let dst_base = memory.as_ptr() as *mut u8;
-    let storage = Arc::new(Storage::Device(memory));
+    let storage = Arc::new(Storage::device_memory(memory));
     let results = views(&storage, &sources, &layout)?;
     fill(
         backend, ring, direction, sources, &layout, storage, dst_base, &event,

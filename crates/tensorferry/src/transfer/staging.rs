@@ -58,7 +58,7 @@ pub enum Staging {
 
 /// The ring a transfer uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Ring {
+pub(crate) struct Ring {
     chunk_bytes: usize,
     depth: usize,
 }

@@ -1,0 +1,94 @@
+"""Sharded checkpoints as the Hugging Face ecosystem writes them, checked against the real
+`safetensors` and `transformers` packages both ways."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+
+
+def _state(layers=6):
+    rng = np.random.default_rng(0)
+    return {
+        "model": {f"layer.{i}.weight": rng.standard_normal((16, 16)).astype(np.float32) for i in range(layers)},
+        "step": 12,
+        "tag": "run-1",
+    }
+
+
+def test_a_dict_saved_in_shards_loads_back_from_the_index_or_the_folder(tmp_path):
+    state = _state()
+    tf.save(state, tmp_path / "model.safetensors", max_shard_size="2KB")
+    files = sorted(os.listdir(tmp_path))
+    assert files[-1] == "model.safetensors.index.json"
+    assert files[0] == "model-00001-of-00006.safetensors"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 6 * 16 * 16 * 4
+    assert index["weight_map"]["model.layer.5.weight"] == "model-00006-of-00006.safetensors"
+    for where in (tmp_path / "model.safetensors.index.json", tmp_path):
+        back = tf.load(where)
+        assert back["step"] == 12 and back["tag"] == "run-1"
+        for k, v in state["model"].items():
+            np.testing.assert_array_equal(back["model"][k], v)
+
+
+def test_the_official_reader_reads_every_shard(tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    state = _state()
+    tf.save(state, tmp_path / "model.safetensors", max_shard_size=3000)
+    seen = {}
+    for name in os.listdir(tmp_path):
+        if name.endswith(".safetensors"):
+            seen.update(st.load_file(str(tmp_path / name)))
+    assert sorted(seen) == sorted(f"model.{k}" for k in state["model"])
+    np.testing.assert_array_equal(seen["model.layer.3.weight"], state["model"]["layer.3.weight"])
+
+
+@pytest.mark.parametrize("size, files", [(10**9, 1), ("1GB", 1), ("1KiB", 7), ("1.5kb", 7)])
+def test_sizes_are_bytes_or_units(tmp_path, size, files):
+    tf.save(_state(), tmp_path / "model.safetensors", max_shard_size=size)
+    assert len(os.listdir(tmp_path)) == files
+
+
+@pytest.mark.parametrize("bad, error", [(0, ValueError), ("5 parsecs", ValueError), (-1, ValueError), (2.5, TypeError)])
+def test_a_bad_size_is_refused_before_anything_is_written(tmp_path, bad, error):
+    with pytest.raises(error):
+        tf.save(_state(), tmp_path / "model.safetensors", max_shard_size=bad)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def tiny_gpt2(torch):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    return transformers, transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_tensorferry_loads_what_transformers_saves_in_shards(tiny_gpt2, tmp_path, torch):
+    transformers, model = tiny_gpt2
+    model.save_pretrained(tmp_path, max_shard_size="20KB", safe_serialization=True)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    back = tf.load(tmp_path)
+    saved = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+    assert set(back) == set(saved)
+    assert all(type(v) is torch.Tensor for v in back.values()), "the files say format: pt"
+    for k, v in back.items():
+        assert v.dtype == saved[k].dtype and (v == saved[k]).all(), k
+
+
+def test_transformers_loads_what_tensorferry_saves_in_shards(tiny_gpt2, tmp_path, torch):
+    transformers, model = tiny_gpt2
+    model.config.save_pretrained(tmp_path)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tf.save(state, tmp_path / "model.safetensors", max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(loaded(ids).logits, model(ids).logits)

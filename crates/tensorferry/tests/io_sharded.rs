@@ -1,0 +1,239 @@
+//! Sharded checkpoints: shards plus a `*.safetensors.index.json`, as Hugging Face writes
+//! them; round trips, the official reader on every shard, other tools' indexes, bad ones.
+
+use std::path::Path;
+
+use tensorferry::io::{load_sharded, save_sharded, INDEX_SUFFIX};
+use tensorferry::{load_node, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value};
+
+/// A state-dict-like tree: `layers` tensors of 1 KiB each (256 f32), nested, with plain
+/// values beside them.
+fn model(layers: usize) -> Node {
+    let mut d = TensorDict::new();
+    for i in 0..layers {
+        let values: Vec<f32> = (0..256).map(|j| (i * 1000 + j) as f32).collect();
+        d.insert_path(
+            &["model", &format!("layer.{i}.weight")],
+            Tensor::from_slice(&values, &[16, 16]).unwrap(),
+        )
+        .unwrap();
+    }
+    d.insert("step", 42i64);
+    d.insert("tag", "run-1");
+    d.insert(
+        "betas",
+        Node::Tuple(vec![
+            Node::Value(Value::Float(0.9)),
+            Node::Value(Value::Float(0.999)),
+        ]),
+    );
+    Node::Dict(d)
+}
+
+fn same(a: &Node, b: &Node) {
+    let (ta, tb) = (a.tensors(), b.tensors());
+    assert_eq!(ta.len(), tb.len());
+    for ((pa, x), (pb, y)) in ta.iter().zip(&tb) {
+        assert_eq!(pa, pb);
+        assert_eq!(
+            x.to_vec::<f32>().unwrap(),
+            y.to_vec::<f32>().unwrap(),
+            "{pa}"
+        );
+    }
+    assert_eq!(format!("{a:?}").len(), format!("{b:?}").len());
+}
+
+fn index_json(dir: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir.join(format!("model{INDEX_SUFFIX}"))).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn a_tree_saved_in_shards_loads_back_whole_from_the_index_or_the_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let tree = model(10);
+    let written = save_sharded(
+        &tree,
+        dir.path().join("model.safetensors"),
+        &SaveOptions::default(),
+        3000,
+    )
+    .unwrap();
+    assert_eq!(
+        written.len(),
+        6,
+        "5 shards of 2 tensors of 1 KiB, then the index"
+    );
+    assert!(written[0].ends_with("model-00001-of-00005.safetensors"));
+    assert!(written[5].to_str().unwrap().ends_with(INDEX_SUFFIX));
+    let index = index_json(dir.path());
+    assert_eq!(index["metadata"]["total_size"], 10 * 1024);
+    assert_eq!(
+        index["weight_map"]["model.layer.9.weight"],
+        "model-00005-of-00005.safetensors"
+    );
+    for from in [written[5].clone(), dir.path().to_path_buf()] {
+        let back = load_node(&from, LoadOptions::default()).unwrap();
+        same(&back.root, &tree);
+        assert_eq!(back.metadata.get("format").map(String::as_str), Some("pt"));
+        let Node::Dict(d) = &back.root else { panic!() };
+        assert!(matches!(d.get("step"), Some(Node::Value(Value::Int(42)))));
+        assert!(matches!(d.get("betas"), Some(Node::Tuple(_))));
+    }
+}
+
+#[test]
+fn the_official_reader_reads_every_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let written = save_sharded(
+        &model(6),
+        dir.path().join("model.safetensors"),
+        &SaveOptions::default(),
+        2048,
+    )
+    .unwrap();
+    let mut names = 0;
+    for shard in &written[..written.len() - 1] {
+        let bytes = std::fs::read(shard).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        names += st.names().len();
+    }
+    assert_eq!(names, 6);
+}
+
+#[test]
+fn a_tree_that_fits_one_shard_is_one_file_without_an_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let written = save_sharded(&model(3), &path, &SaveOptions::default(), 1 << 30).unwrap();
+    assert_eq!(written, vec![path.clone()]);
+    assert!(!dir.path().join(format!("model{INDEX_SUFFIX}")).exists());
+    same(
+        &load_node(dir.path(), LoadOptions::default()).unwrap().root,
+        &model(3),
+    );
+}
+
+#[test]
+fn a_tensor_larger_than_a_shard_gets_a_shard_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let written = save_sharded(
+        &model(3),
+        dir.path().join("model.safetensors"),
+        &SaveOptions::default(),
+        100,
+    )
+    .unwrap();
+    assert_eq!(written.len(), 4);
+}
+
+#[test]
+fn shards_of_an_earlier_larger_save_are_removed_and_others_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    save_sharded(&model(8), &path, &SaveOptions::default(), 1024).unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "keep").unwrap();
+    std::fs::write(dir.path().join("other-00001-of-00002.safetensors"), "keep").unwrap();
+    save_sharded(&model(8), &path, &SaveOptions::default(), 4096).unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+            "notes.txt",
+            "other-00001-of-00002.safetensors"
+        ]
+    );
+}
+
+/// Two shards written by the official `safetensors` crate and an index as transformers
+/// writes it: a flat dict of names.
+fn foreign_checkpoint(dir: &Path, weight_map: serde_json::Value) {
+    for (file, name) in [("a.safetensors", "x.weight"), ("b.safetensors", "y.bias")] {
+        let data: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &data).unwrap();
+        safetensors::serialize_to_file([(name, view)], None, &dir.join(file)).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 16}, "weight_map": weight_map});
+    std::fs::write(dir.join(format!("model{INDEX_SUFFIX}")), index.to_string()).unwrap();
+}
+
+#[test]
+fn an_index_of_another_tool_loads_as_a_flat_dict_of_names() {
+    let dir = tempfile::tempdir().unwrap();
+    foreign_checkpoint(
+        dir.path(),
+        serde_json::json!({"x.weight": "a.safetensors", "y.bias": "b.safetensors"}),
+    );
+    let back = load_sharded(
+        dir.path().join(format!("model{INDEX_SUFFIX}")),
+        LoadOptions { mmap: false },
+    )
+    .unwrap();
+    let Node::Dict(d) = back.root else { panic!() };
+    let keys: Vec<String> = d.iter().map(|(k, _)| k.to_string()).collect();
+    assert_eq!(keys, ["x.weight", "y.bias"]);
+}
+
+#[test]
+fn an_index_naming_a_tensor_its_shard_lacks_is_a_format_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    foreign_checkpoint(
+        dir.path(),
+        serde_json::json!({"x.weight": "a.safetensors", "y.bias": "a.safetensors"}),
+    );
+    let err = load_node(dir.path(), LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, Error::Format { .. }) && err.to_string().contains("y.bias"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_index_pointing_outside_its_folder_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for evil in ["../a.safetensors", "/etc/passwd", "sub/a.safetensors", ""] {
+        foreign_checkpoint(dir.path(), serde_json::json!({"x.weight": evil}));
+        let err = load_node(dir.path(), LoadOptions::default()).unwrap_err();
+        assert!(matches!(err, Error::Format { .. }), "{evil}: {err}");
+    }
+}
+
+#[test]
+fn a_missing_shard_is_an_io_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let written = save_sharded(
+        &model(4),
+        dir.path().join("model.safetensors"),
+        &SaveOptions::default(),
+        1024,
+    )
+    .unwrap();
+    std::fs::remove_file(&written[2]).unwrap();
+    let err = load_node(dir.path(), LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(&err, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
+        "{err}"
+    );
+    assert!(err.to_string().contains("model-00003-of-00004"), "{err}");
+}
+
+#[test]
+fn a_damaged_index_is_a_format_error() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join(format!("model{INDEX_SUFFIX}")),
+        "{\"weight_map\": 3}",
+    )
+    .unwrap();
+    let err = load_node(dir.path(), LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Format { .. }), "{err}");
+}
