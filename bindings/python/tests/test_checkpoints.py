@@ -92,3 +92,56 @@ def test_transformers_loads_what_tensorferry_saves_in_shards(tiny_gpt2, tmp_path
         assert torch.equal(loaded.state_dict()[k], v), k
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+# -- non-blocking save: a snapshot, then the write in the background ---------------------
+
+
+def test_a_non_blocking_save_snapshots_then_writes_in_the_background(tmp_path):
+    state = _state()
+    expected = {k: v.copy() for k, v in state["model"].items()}
+    pending = tf.save(state, tmp_path / "ckpt.safetensors", non_blocking=True)
+    assert isinstance(pending, tf.Transfer)
+    for v in state["model"].values():
+        v += 1000.0  # the next training step overwrites the tensors at once
+    assert pending.result() is None and pending.done()
+    back = tf.load(tmp_path / "ckpt.safetensors")
+    for k, v in expected.items():
+        np.testing.assert_array_equal(back["model"][k], v)
+    assert back["step"] == 12
+
+
+def test_a_non_blocking_save_of_device_tensors_snapshots_them(tmp_path):
+    tf.configure_emulated(1)
+    src = _state()
+    on_device = tf.to_device(src, "emu:1")
+    pending = tf.save(on_device, tmp_path / "ckpt.safetensors", non_blocking=True, max_shard_size="3KB")
+    pending.wait()
+    back = tf.load(tmp_path)
+    np.testing.assert_array_equal(back["model"]["layer.2.weight"], src["model"]["layer.2.weight"])
+
+
+def test_a_failed_non_blocking_save_raises_at_wait_and_keeps_the_previous_file(tmp_path):
+    p = tmp_path / "ckpt.safetensors"
+    tf.save({"w": np.ones(2)}, p)
+    before = p.read_bytes()
+    pending = tf.save({"w": np.zeros(2), "bad": object()}, p, non_blocking=True)
+    with pytest.raises(tf.FormatError, match="bad"):
+        pending.wait()
+    with pytest.raises(tf.FormatError, match="bad"):
+        pending.result()
+    assert isinstance(pending.exception(), tf.FormatError)
+    assert p.read_bytes() == before
+    missing = tf.save({"w": np.ones(2)}, tmp_path / "no" / "such.safetensors", non_blocking=True)
+    with pytest.raises(FileNotFoundError):
+        missing.result()
+
+
+def test_a_non_blocking_save_can_be_awaited(tmp_path):
+    import asyncio
+
+    async def main():
+        await tf.save(_state(), tmp_path / "ckpt.safetensors", non_blocking=True)
+
+    asyncio.run(main())
+    assert tf.load(tmp_path / "ckpt.safetensors")["tag"] == "run-1"

@@ -109,6 +109,7 @@ def to_device(
     staging: Staging = "auto",
     like: Optional[Literal["numpy", "torch", "tensorferry", "jax", "tensorflow"]] = None,
 ) -> T: ...
+@overload
 def save(
     obj: Any,
     path: Path,
@@ -116,7 +117,18 @@ def save(
     metadata: Optional[dict[str, str]] = None,
     fsync: bool = True,
     max_shard_size: Union[int, str, None] = None,
+    non_blocking: Literal[False] = False,
 ) -> None: ...
+@overload
+def save(
+    obj: Any,
+    path: Path,
+    *,
+    metadata: Optional[dict[str, str]] = None,
+    fsync: bool = True,
+    max_shard_size: Union[int, str, None] = None,
+    non_blocking: Literal[True],
+) -> Transfer[None]: ...
 def load(
     path: Path,
     *,

@@ -362,7 +362,21 @@ def _parse_size(size):
     return n
 
 
-def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None):
+_WRITERS = None
+
+
+def _writers():
+    """The threads that write non-blocking saves (started on first use; the interpreter
+    waits for them at exit, so a checkpoint in flight is finished, not lost)."""
+    global _WRITERS
+    if _WRITERS is None:
+        import concurrent.futures
+
+        _WRITERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tensorferry-save")
+    return _WRITERS
+
+
+def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_blocking=False):
     """Saves ``obj`` as a safetensors file at ``path``, atomically.
 
     Nesting, container types, keys containing dots and plain values (str, int, float
@@ -378,6 +392,12 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None):
     ``weight_map``), which ``transformers.from_pretrained`` reads; every file is atomic,
     the index is written last, and each shard's metadata says ``"format": "pt"`` unless
     ``metadata`` names a format. A tree that fits one shard is written as ``path`` itself.
+
+    With ``non_blocking=True`` the call returns a :class:`Transfer` as soon as a consistent
+    snapshot of every tensor exists (copied into the pinned pool, reused by the next save,
+    so the caller may overwrite its tensors at once); the file is written in the background
+    with the GIL released. ``.wait()`` / ``.result()`` raise the save's error, and a failed
+    save leaves the previous file intact.
 
     >>> import os, tempfile, numpy as np, tensorferry as tf
     >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
@@ -400,6 +420,10 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None):
         reserved = [k for k in metadata if k.startswith(_RESERVED_PREFIX)]
         if reserved:
             raise FormatError(f"metadata keys starting with 'tensorferry' are reserved: {reserved}")
+    shard_bytes = None if max_shard_size is None else _parse_size(max_shard_size)
+    if non_blocking:
+        # The snapshot: every tensor copied now (device ones into the pinned pool).
+        obj = to_host(obj, copy=True, pinned=True)
     frameworks = {}
     tree = _native_tree(obj, frameworks)
     meta = dict(metadata or {})
@@ -407,7 +431,9 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None):
         default = max(set(frameworks.values()), key=list(frameworks.values()).count)
         record = {"default": default, "except": {k: v for k, v in frameworks.items() if v != default}}
         meta[_FRAMEWORKS_KEY] = json.dumps(record, separators=(",", ":"))
-    shard_bytes = None if max_shard_size is None else _parse_size(max_shard_size)
+    if non_blocking:
+        future = _writers().submit(_native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
+        return Transfer([], lambda: future.result() and None, future)
     _native.save(tree, os.fspath(path), meta, fsync, shard_bytes)
 
 

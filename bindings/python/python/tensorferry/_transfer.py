@@ -8,7 +8,9 @@ non-blocking move that gives those returns a ``Transfer``, a future in the style
 """
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 
 from . import _native
 
@@ -28,25 +30,44 @@ class Transfer:
     True
     """
 
-    __slots__ = ("_pending", "_finish", "_lock", "_value", "_error")
+    __slots__ = ("_pending", "_finish", "_background", "_lock", "_value", "_error")
 
-    def __init__(self, pending, finish):
+    def __init__(self, pending, finish, background=None):
         self._pending = list(pending)
         self._finish = finish
+        self._background = background  # a concurrent.futures.Future doing the rest, if any
         self._lock = threading.Lock()
         self._value = _UNSET
         self._error = None
 
     def done(self):
         """True when every copy has finished, successfully or not (never blocks)."""
-        return self._value is not _UNSET or self._error is not None or all(t.is_ready for t in self._pending)
+        if self._value is not _UNSET or self._error is not None:
+            return True
+        return all(t.is_ready for t in self._pending) and (self._background is None or self._background.done())
 
     def wait(self, timeout=None):
         """Waits for the copies (at most ``timeout`` seconds); True when they have
         finished. A failed copy raises its error here, as in :meth:`result`."""
         if self._error is not None:
             raise self._error
-        return _native.wait_tensors(self._pending, timeout)
+        start = time.monotonic()
+        if not _native.wait_tensors(self._pending, timeout):
+            return False
+        if self._background is not None:
+            # In slices, so that Ctrl-C is noticed between them.
+            while True:
+                left = None if timeout is None else timeout - (time.monotonic() - start)
+                if left is not None and left <= 0 and not self._background.done():
+                    return False
+                try:
+                    error = self._background.exception(0.05 if left is None else min(0.05, max(left, 0)))
+                except concurrent.futures.TimeoutError:
+                    continue
+                if error is not None:
+                    raise error
+                break
+        return True
 
     def result(self, timeout=None):
         """The moved structure, after waiting for the copies (raises ``TimeoutError`` if
@@ -56,7 +77,7 @@ class Transfer:
         if self._error is not None:
             raise self._error
         try:
-            finished = _native.wait_tensors(self._pending, timeout)
+            finished = self.wait(timeout)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:
@@ -87,7 +108,7 @@ class Transfer:
 
     def then(self, fn):
         """A ``Transfer`` of ``fn(result)``, once this one's copies have finished."""
-        return Transfer(self._pending, lambda: fn(self.result()))
+        return Transfer(self._pending, lambda: fn(self.result()), self._background)
 
     def __await__(self):
         return self._result_async().__await__()
