@@ -145,3 +145,122 @@ def test_a_non_blocking_save_can_be_awaited(tmp_path):
 
     asyncio.run(main())
     assert tf.load(tmp_path / "ckpt.safetensors")["tag"] == "run-1"
+
+
+# -- load a subset, cast, fill existing tensors ---------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    state = _state(4)
+    state["model"]["layer.0.bias"] = np.arange(16, dtype=np.int64)
+    p = tmp_path / "ckpt.safetensors"
+    tf.save(state, p)
+    return state, p
+
+
+@pytest.mark.parametrize(
+    "keys, expected",
+    [
+        ("model.layer.1.weight", ["layer.1.weight"]),
+        (("model", "layer.2.weight"), ["layer.2.weight"]),
+        ("model.layer.*.weight", ["layer.0.weight", "layer.1.weight", "layer.2.weight", "layer.3.weight"]),
+        (["model.layer.0", "step"], ["layer.0.weight", "layer.0.bias"]),
+    ],
+)
+def test_keys_load_a_subset_by_name_path_prefix_or_glob(saved, keys, expected):
+    state, p = saved
+    back = tf.load(p, keys=keys)
+    assert sorted(back["model"]) == sorted(expected)
+    for k in expected:
+        np.testing.assert_array_equal(back["model"][k], state["model"][k])
+    assert ("step" in back) == ("step" in (keys if isinstance(keys, list) else [keys]))
+
+
+def test_keys_that_match_nothing_are_a_key_error_naming_them(saved):
+    with pytest.raises(tf.TensorferryKeyError, match="model.nope"):
+        tf.load(saved[1], keys=["model.layer.0.weight", "model.nope"])
+
+
+def test_keys_select_from_sharded_checkpoints_too(tmp_path):
+    state = _state()
+    tf.save(state, tmp_path / "model.safetensors", max_shard_size="2KB")
+    back = tf.load(tmp_path, keys="model.layer.5.*")
+    assert list(back["model"]) == ["layer.5.weight"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "bf16", "float16"])
+def test_dtype_casts_floating_tensors_and_leaves_integers(saved, dtype, ml_dtypes):
+    state, p = saved
+    back = tf.load(p, dtype=dtype)
+    want = "bfloat16" if dtype.startswith("bf") else "float16"
+    assert str(back["model"]["layer.1.weight"].dtype) == want
+    assert back["model"]["layer.0.bias"].dtype == np.int64
+    np.testing.assert_allclose(back["model"]["layer.1.weight"].astype(np.float32), state["model"]["layer.1.weight"], rtol=1e-2)
+
+
+def test_dtype_casts_torch_tensors_with_torch(saved, torch):
+    back = tf.load(saved[1], like="torch", dtype=torch.bfloat16)
+    assert back["model"]["layer.1.weight"].dtype == torch.bfloat16
+    assert back["model"]["layer.0.bias"].dtype == torch.int64
+
+
+def test_a_bad_dtype_is_refused(saved):
+    with pytest.raises(ValueError, match="int8"):
+        tf.load(saved[1], dtype="int8")
+
+
+def test_out_fills_a_models_state_dict_in_place(tiny_gpt2, tmp_path, torch):
+    transformers, model = tiny_gpt2
+    p = tmp_path / "model.safetensors"
+    tf.save(model.state_dict(), p)
+    torch.manual_seed(1)
+    fresh = transformers.GPT2LMHeadModel(model.config).eval()
+    target = fresh.state_dict()
+    before = {k: v.data_ptr() for k, v in target.items()}
+    assert tf.load(p, out=target) is target
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+        assert fresh.state_dict()[k].data_ptr() == before[k], "filled in place, not replaced"
+
+
+def test_out_names_every_mismatch_and_changes_nothing(saved):
+    state, p = saved
+    out = {"model": {k: np.zeros_like(v) for k, v in state["model"].items()}, "extra": np.zeros(3)}
+    out["model"]["layer.1.weight"] = np.zeros((4, 4), np.float32)
+    out["model"]["layer.2.weight"] = np.zeros((16, 16), np.float64)
+    del out["model"]["layer.3.weight"]
+    with pytest.raises(tf.FormatError) as info:
+        tf.load(p, out=out, keys="model")
+    text = str(info.value)
+    for needle in ["layer.1.weight: shape", "layer.2.weight: dtype", "layer.3.weight: in the file", "extra: in out="]:
+        assert needle in text, text
+    assert not out["model"]["layer.0.weight"].any(), "nothing was written"
+
+
+def test_a_load_to_a_device_streams_through_a_ring_that_bounds_host_memory(tmp_path):
+    tf.configure_emulated(1)
+    rng = np.random.default_rng(3)
+    big = {"w": rng.standard_normal(10_000_000).astype(np.float32), "b": rng.standard_normal(1000).astype(np.float32)}
+    p = tmp_path / "big.safetensors"
+    tf.save(big, p)
+    ring = 1 << 20
+    before = tf.pinned_pool_stats("emu:1")["pinned_bytes"]
+    back = tf.load(p, device="emu:1", staging=(ring, 2))
+    after = tf.pinned_pool_stats("emu:1")["pinned_bytes"]
+    assert back["w"].device == "emu:1"
+    assert after - before <= 2 * ring, f"pinned {after - before} bytes for a 40 MB file"
+    host = tf.to_numpy(back)
+    np.testing.assert_array_equal(host["w"], big["w"])
+    np.testing.assert_array_equal(host["b"], big["b"])
+
+
+def test_a_torch_checkpoint_loads_onto_a_device_without_a_host_copy(tmp_path, torch):
+    tf.configure_emulated(1)
+    p = tmp_path / "t.safetensors"
+    tf.save({"w": torch.arange(1000, dtype=torch.float32)}, p)
+    back = tf.load(p, device="emu:1", keys="w", dtype=None)
+    assert type(back["w"]) is tf.Tensor and back["w"].device == "emu:1"
+    np.testing.assert_array_equal(back["w"].numpy(), np.arange(1000, dtype=np.float32))
+    with pytest.raises(ValueError, match="emu:1"):
+        tf.load(p, device="emu:1", like="torch")

@@ -135,6 +135,10 @@ def load(
     device: Device = "cpu",
     mmap: bool = True,
     like: Optional[Literal["numpy", "torch", "tensorferry", "jax", "tensorflow"]] = None,
+    keys: Union[str, tuple[Any, ...], list[Union[str, tuple[Any, ...]]], None] = None,
+    dtype: Any = None,
+    out: Any = None,
+    staging: Staging = "on",
 ) -> Any: ...
 def metadata(path: Path) -> dict[str, str]: ...
 def devices() -> list[str]: ...

@@ -8,6 +8,7 @@ import numpy as np
 
 from . import _frameworks as fw
 from . import _native
+from . import _select
 from ._errors import FormatError, TensorferryOverflowError
 from ._transfer import Transfer
 from ._tree import MAX_DEPTH, collect, dotted, rebuild, shown, container_kind, _LIST, _TUPLE
@@ -440,7 +441,7 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
 _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
 
 
-def load(path, *, device="cpu", mmap=True, like=None):
+def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out=None, staging="on"):
     """Loads a safetensors file as plain containers (dict, list, tuple).
 
     ``path`` may also be a sharded checkpoint's ``*.safetensors.index.json``, or a folder
@@ -457,6 +458,20 @@ def load(path, *, device="cpu", mmap=True, like=None):
     ``tensorferry.Tensor``. With ``mmap=True`` tensors view the mapped file, read-only,
     at a cost proportional to the header.
 
+    With ``device`` ("cuda:0", "emu:0") the file is mapped and streamed to the device
+    through a ring of pinned buffers (``staging``: "on" — 3 × 32 MiB —, "off", "auto" or
+    ``(chunk_bytes, depth)``), so host memory stays bounded by the ring whatever the file's
+    size; the results are device tensors owned by their framework (PyTorch, JAX for files
+    saved from them; ``tensorferry.Tensor`` otherwise).
+
+    ``keys`` loads a subset: dotted names ("model.layer.0.weight"), key-path tuples,
+    prefixes of subtrees ("model.layer.0") or glob patterns ("model.layer.*.weight"); a
+    pattern that matches nothing is a :class:`TensorferryKeyError`. ``dtype`` ("bfloat16",
+    "float16", "float32", "float64", or a torch/NumPy dtype) casts every floating tensor
+    after the move (on the device for PyTorch tensors). ``out`` is a dictionary of existing
+    tensors (a model's ``state_dict()``) to fill in place, after checking every name,
+    shape and dtype and naming every mismatch; it is returned.
+
     >>> import os, tempfile, numpy as np, tensorferry as tf
     >>> p = os.path.join(tempfile.mkdtemp(), "x.safetensors")
     >>> tf.save({"x": np.arange(3)}, p)
@@ -465,12 +480,28 @@ def load(path, *, device="cpu", mmap=True, like=None):
     """
     if like is not None and like not in _LIKE:
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
+    target = _native.parse_device(device)
+    on_device = target != "cpu"
+    if on_device:
+        _native.ensure_device(target)
+        if like == fw.NUMPY or (like not in (None, fw.NATIVE) and target.startswith("emu")):
+            raise ValueError(f"like={like!r} cannot hold memory of {target}")
     # NumPy (the common case) and tensorferry results are built natively in one pass;
-    # tensors recorded from other frameworks come back pending, converted here.
-    native_like = like if like in (None, fw.NUMPY, fw.NATIVE) else fw.NATIVE
-    tree, meta, pending = _native.load(os.fspath(path), mmap, native_like, fw.importable("ml_dtypes"))
+    # tensors recorded from other frameworks come back pending, converted here. For a
+    # device, the mapped file's views go there first, streamed through the staging ring
+    # (host memory bounded by the ring, whatever the file's size), and only the device
+    # tensors are handed to their framework: no host copy of the file is ever made.
+    native_like = fw.NATIVE if on_device else (like if like in (None, fw.NUMPY, fw.NATIVE) else fw.NATIVE)
+    tree, meta, pending = _native.load(os.fspath(path), mmap or on_device, native_like, fw.importable("ml_dtypes"))
+    if keys is not None:
+        tree = _select.select(tree, keys)
+    if out is not None:
+        return _select.fill(out, tree)
+    if on_device:
+        tree = to_device(tree, target, staging=staging)
+        pending = not target.startswith("emu")  # no framework holds emulated memory
     result = tree
-    if pending or like not in (None, fw.NUMPY, fw.NATIVE):
+    if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):
         recorded = _recorded_frameworks(meta)
         leaves = collect(tree, lambda x, p: type(x) is fw.Tensor)
         kinds, todo = [], []
@@ -479,13 +510,13 @@ def load(path, *, device="cpu", mmap=True, like=None):
             if kind in (fw.TORCH, fw.JAX, fw.TENSORFLOW) and fw.importable(kind):
                 kinds.append(kind)
                 todo.append((p, t))
-            elif kind != fw.NATIVE and _numpy_can_hold(t.dtype):
+            elif kind != fw.NATIVE and not on_device and _numpy_can_hold(t.dtype):
                 kinds.append(fw.NUMPY)
                 todo.append((p, t))
         results = fw.from_native_many([t for _, t in todo], kinds, [p for p, _ in todo])
         result = rebuild(tree, {id(t): r for (_, t), r in zip(todo, results)})
-    if _native.parse_device(device) != "cpu":
-        result = to_device(result, device)
+    if dtype is not None:
+        result = _select.cast(result, dtype)
     return result
 
 
