@@ -19,14 +19,7 @@ import time
 import torch
 
 import tensorferry as tf
-
-
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from compare import fsync_file as fsync_path  # noqa: E402 (bench/ is on sys.path when run)
 
 
 def state_dict(gb, count, device):

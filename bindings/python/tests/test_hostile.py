@@ -259,3 +259,34 @@ def test_json_of_the_record_is_kept_compact_and_loadable(tmp_path):
     with st.safe_open(p, "np") as f:
         record = json.loads(f.metadata()["tensorferry.frameworks"])
     assert record["default"] == "numpy"
+
+
+@pytest.mark.parametrize("levels", [32, 33, 60])
+def test_a_huge_integer_deep_in_a_list_is_an_overflow_error_at_any_depth(levels):
+    # Found by fuzz/python/fuzz_tree.py: past NumPy's 32 dimensions it was a RuntimeError.
+    data = 2**64
+    for _ in range(levels):
+        data = [data]
+    with pytest.raises(tf.TensorferryOverflowError, match="x"):
+        tf.to_device({"x": data}, "cpu")
+
+
+def test_nested_keys_of_a_tensordict_that_contains_itself_are_an_error():
+    # Found by fuzz/python/fuzz_tree.py: a RecursionError after seconds and a gigabyte.
+    chain = 1
+    for _ in range(400):
+        chain = {"d": chain}
+    d = {"chain": chain}
+    d["self"] = d
+    with pytest.raises(tf.FormatError, match="deeper than|contains itself"):
+        tf.TensorDict(d).keys(nested=True)
+    loop = {"a": 1}
+    loop["me"] = loop
+    with pytest.raises(tf.FormatError, match="contains itself"):
+        tf.TensorDict(loop).keys(nested=True)
+
+
+def test_messages_about_deep_paths_are_shortened():
+    with pytest.raises(tf.FormatError) as info:
+        tf.to_device(_deep(5000, [1.0]), "cpu")
+    assert len(str(info.value)) < 400, str(info.value)

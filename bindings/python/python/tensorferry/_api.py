@@ -233,10 +233,9 @@ def _data_to_tensor(data, path):
             # NumPy 1.x warns and makes an object array of a ragged list; 2.x raises.
             warnings.simplefilter("ignore")
             arr = np.asarray(data)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         raise FormatError(f"ragged list at {shown(path)!r} cannot become a tensor: {e}") from None
-    huge = arr.dtype.kind in "uf" or (arr.dtype.kind == "O" and all(type(x) is int for x in arr.flat))
-    if huge and _all_ints(data):
+    if (arr.dtype.kind in "uf" and _all_ints(data)) or (arr.dtype.kind == "O" and _beyond_int64(data)):
         # NumPy makes uint64, float64 or objects of lists holding integers beyond int64.
         raise TensorferryOverflowError(
             f"cannot handle the value at {shown(path)!r}: an integer does not fit in int64"
@@ -254,6 +253,18 @@ def _data_to_tensor(data, path):
         arr = narrow
     arr = np.ascontiguousarray(arr, dtype=_STANDARD[arr.dtype.kind])
     return fw.Tensor.from_numpy(arr)
+
+
+def _beyond_int64(data):
+    """True when the nested list ``data`` holds an integer outside int64's range."""
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if container_kind(x) in (_LIST, _TUPLE):
+            stack.extend(x)
+        elif isinstance(x, int) and not -(2**63) <= x < 2**63:
+            return True
+    return False
 
 
 def _all_ints(data):

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from . import _api
 from . import _frameworks as fw
 from ._errors import TensorferryKeyError
-from ._tree import collect, container_kind, _DICT, _MAPPING, _LEAF
+from ._tree import _enter, collect, container_kind, _DICT, _MAPPING, _LEAF
 
 
 class TensorDict:
@@ -92,14 +92,15 @@ class TensorDict:
             return self._data.keys()
         out = []
 
-        def walk(d, prefix):
+        def walk(d, prefix, ancestors):
+            ancestors = _enter(d, prefix, ancestors)  # bounded: no cycle, no deeper than MAX_DEPTH
             for k, v in d.items():
                 path = prefix + (k,)
                 out.append(path if prefix else k)
                 if container_kind(v) in (_DICT, _MAPPING):
-                    walk(v, path)
+                    walk(v, path, ancestors)
 
-        walk(self._data, ())
+        walk(self._data, (), ())
         return out
 
     def values(self):

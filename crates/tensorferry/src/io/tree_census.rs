@@ -2,14 +2,14 @@
 //!
 //! The record is parsed once with nothing allocated but the list of container lengths:
 //! every syntax and type fault, an unknown kind, a wrong format version and a nesting
-//! deeper than [`MAX_DEPTH`] are reported here, so that the memory budget can be decided
+//! deeper than [`MAX_DEPTH`](super::tree_meta::MAX_DEPTH) are reported here, so that the memory budget can be decided
 //! on exact counts and [`super::tree_decode`] can allocate exactly what they say.
 
 use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::tree_meta::{bad, FloatSeed, Kind, KindSeed, FORMAT_VERSION, MAX_DEPTH};
+use super::tree_meta::{bad, node_kind, FloatSeed, Kind, FORMAT_VERSION};
 use crate::error::Result;
 
 /// What a tree record holds, counted.
@@ -150,14 +150,7 @@ impl<'de> Visitor<'de> for CountNode<'_> {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<(), A::Error> {
         use serde::de::Error as _;
-        if self.depth > MAX_DEPTH {
-            return Err(A::Error::custom(format!(
-                "the tree is nested deeper than {MAX_DEPTH} levels"
-            )));
-        }
-        let kind = map
-            .next_key_seed(KindSeed)?
-            .ok_or_else(|| A::Error::custom("a node object has no kind"))?;
+        let kind = node_kind(&mut map, self.depth)?;
         let census = self.census;
         match kind {
             Kind::Dict | Kind::List | Kind::Tuple => map.next_value_seed(CountItems {
@@ -299,6 +292,7 @@ impl<'de> Visitor<'de> for StrLen {
 
 #[cfg(test)]
 mod tests {
+    use super::super::tree_meta::MAX_DEPTH;
     use super::*;
 
     fn record(tree: &str) -> String {

@@ -11,7 +11,7 @@ use std::marker::PhantomData;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use super::tree_census::{DocField, DocKey, TreeCensus};
-use super::tree_meta::{bad, FloatSeed, Kind, KindSeed, MAX_DEPTH};
+use super::tree_meta::{bad, node_kind, FloatSeed, Kind};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::tree::{Node, TensorDict, Value};
@@ -115,14 +115,7 @@ impl<'de> Visitor<'de> for BuildNode<'_, '_> {
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Node, A::Error> {
         use serde::de::Error as _;
-        if self.depth > MAX_DEPTH {
-            return Err(A::Error::custom(format!(
-                "the tree is nested deeper than {MAX_DEPTH} levels"
-            )));
-        }
-        let kind = map
-            .next_key_seed(KindSeed)?
-            .ok_or_else(|| A::Error::custom("a node object has no kind"))?;
+        let kind = node_kind(&mut map, self.depth)?;
         let (ctx, depth) = (self.ctx, self.depth);
         let node = match kind {
             Kind::Dict => Node::Dict(map.next_value_seed(BuildDict { ctx, depth })?),

@@ -122,6 +122,22 @@ const KINDS: &[&str] = &[
 /// Reads a node's kind.
 pub(crate) struct KindSeed;
 
+/// The kind of the node object `map` starts (its one key), refusing nodes deeper than
+/// [`MAX_DEPTH`]: the prologue both readers of a record share.
+pub(crate) fn node_kind<'de, A: serde::de::MapAccess<'de>>(
+    map: &mut A,
+    depth: usize,
+) -> std::result::Result<Kind, A::Error> {
+    use serde::de::Error as _;
+    if depth > MAX_DEPTH {
+        return Err(A::Error::custom(format!(
+            "the tree is nested deeper than {MAX_DEPTH} levels"
+        )));
+    }
+    map.next_key_seed(KindSeed)?
+        .ok_or_else(|| A::Error::custom("a node object has no kind"))
+}
+
 impl<'de> DeserializeSeed<'de> for KindSeed {
     type Value = Kind;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Kind, D::Error> {

@@ -1,0 +1,355 @@
+"""tensorferry as the storage layer of PyTorch's distributed checkpoint (DCP).
+
+``torch.distributed.checkpoint`` plans what every rank saves and loads; a storage layer
+decides where the bytes go. This module's layer writes each rank's items as ONE safetensors
+file (``__{rank}_0.safetensors``) through :func:`tensorferry.save` — atomic, readable by
+``safetensors`` and every tool that reads it — and DCP's metadata (``.metadata``) beside
+it. Loading maps each needed file once (:func:`tensorferry.load` with ``keys=``), so a rank
+touches only the bytes of the chunks it asked for, whatever the number of ranks that
+saved.
+
+>>> import torch, torch.distributed.checkpoint as dcp            # doctest: +SKIP
+>>> from tensorferry.dcp import TensorferryWriter, TensorferryReader  # doctest: +SKIP
+>>> dcp.save(state, storage_writer=TensorferryWriter("ckpt/step-100"))  # doctest: +SKIP
+>>> dcp.load(state, storage_reader=TensorferryReader("ckpt/step-100"))  # doctest: +SKIP
+
+Importing this module does not import PyTorch: the classes are built on first access
+(``from tensorferry.dcp import TensorferryWriter``), so ``import tensorferry.dcp`` works
+where torch is absent and only using the classes needs it.
+
+In each rank file a tensor chunk is named by its fully qualified name (``model.w``); a
+second chunk of the same name on one rank gets ``@`` and its offsets (``model.w@4_0``).
+Non-tensor items (DCP pickles them into bytes: an optimizer's ``step``, ``lr``) are stored
+as uint8 tensors under their name. The header's ``DCP_SHARDING_INFO`` metadata, in the
+spelling of DCP's Hugging Face layer, gives each tensor's fqn, offsets in the full tensor
+and whether it holds bytes.
+"""
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import uuid
+
+__all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager"]
+
+METADATA_FILE = ".metadata"
+SUFFIX = ".safetensors"
+SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageInfo:
+    """Where one saved item lies: the rank file (relative to the checkpoint folder) and
+    the tensor's name in it. DCP keeps one per item in ``Metadata.storage_data``."""
+
+    file: str
+    name: str
+
+
+def _rank_file(rank):
+    return f"__{rank}_0{SUFFIX}"
+
+
+def _metadata_file(rank=None):
+    return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+
+
+def _literal(name):
+    """``name`` as a pattern that ``tensorferry.load(keys=)`` matches literally: its glob
+    characters (``*?[``) bracketed, as ``glob.escape`` does."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _write_atomically(path, data):
+    """Writes ``data`` to ``path`` through a fsynced temporary file and a rename."""
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``Metadata`` and nothing that could run code: only DCP's metadata
+    and planner classes, this module's :class:`StorageInfo`, torch's Size, dtypes,
+    layouts and memory formats, and plain containers."""
+
+    _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+    _ALLOWED = {
+        ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
+        ("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+        (__name__, "StorageInfo"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    }
+
+    def find_class(self, module, name):
+        import torch
+
+        if module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never holds")
+
+
+def _load_metadata(path):
+    with open(path, "rb") as f:
+        try:
+            return _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+            from ._errors import FormatError
+
+            raise FormatError(f"{path}: not a readable DCP metadata file ({e})") from None
+
+
+def _narrow(tensor, offsets, lengths):
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def _build():
+    """The classes, which subclass torch's and so need it: built once, on first access."""
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+    from torch.distributed.checkpoint.staging import AsyncStager
+    from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+    from torch.futures import Future
+
+    from . import _api
+
+    def done(value):
+        fut = Future()
+        fut.set_result(value)
+        return fut
+
+    class TensorferryWriter(StorageWriter):
+        """Writes a DCP checkpoint into the folder ``path``: one safetensors file per rank,
+        written atomically by :func:`tensorferry.save`, and ``.metadata`` (written last,
+        atomically, by the coordinator) that makes it a checkpoint.
+
+        ``sync_files=False`` skips fsync (faster; a crash may then leave a checkpoint whose
+        metadata names data that never reached the disk).
+        """
+
+        def __init__(self, path, *, sync_files=True):
+            super().__init__()
+            self.path = os.fspath(path)
+            self.sync_files = sync_files
+            self.rank = None
+            self.use_collectives = True
+            self.save_id = uuid.uuid4().hex
+
+        def reset(self, checkpoint_id=None):
+            if checkpoint_id:
+                self.path = os.fspath(checkpoint_id)
+            self.save_id = uuid.uuid4().hex
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id):
+            try:
+                os.fspath(checkpoint_id)
+            except TypeError:
+                return False
+            return True
+
+        @property
+        def checkpoint_id(self):
+            return self.path
+
+        def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+            self.is_coordinator = is_coordinator
+            self.rank = kwargs.get("rank")
+            self.use_collectives = kwargs.get("use_collectives", True)
+
+        def storage_meta(self):
+            return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+        def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+            os.makedirs(self.path, exist_ok=True)
+            if self.rank is not None and not self.use_collectives:
+                # No global plan: every rank names its own file.
+                plan = dataclasses.replace(plan, storage_data=_rank_file(self.rank))
+            return plan
+
+        def prepare_global_plan(self, plans):
+            return [
+                plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_rank_file(i))
+                for i, plan in enumerate(plans)
+            ]
+
+        def write_data(self, plan: SavePlan, planner: SavePlanner):
+            file = plan.storage_data or _rank_file(self.rank or 0)
+            tensors, info, results = {}, {}, []
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                name = item.index.fqn
+                if name in tensors:
+                    name = f"{name}@{'_'.join(map(str, item.index.offset or ()))}"
+                if name in tensors:
+                    raise ValueError(f"two items of one rank would be stored as {name!r} in {file}")
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getvalue()
+                    tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                    info[name] = {"fqn": item.index.fqn, "bytes": True}
+                    size = len(raw)
+                else:
+                    tensor = data.detach()
+                    if tensor.is_sparse or tensor.layout != torch.strided:
+                        raise ValueError(f"{item.index.fqn}: only dense tensors can be saved, not {tensor.layout}")
+                    offsets = list(item.tensor_data.chunk.offsets) if item.tensor_data is not None else []
+                    info[name] = {"fqn": item.index.fqn, "saved_offsets": offsets}
+                    size = tensor.numel() * tensor.element_size()
+                tensors[name] = tensor
+                results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=StorageInfo(file, name)))
+            _api.save(
+                tensors,
+                os.path.join(self.path, file),
+                metadata={"format": "pt", SHARDING_INFO_KEY: json.dumps(info)},
+                fsync=self.sync_files,
+            )
+            return done(results)
+
+        def finish(self, metadata: Metadata, results) -> None:
+            storage = {}
+            for rank_results in results:
+                storage.update({r.index: r.storage_data for r in rank_results})
+            metadata.storage_data = storage
+            metadata.storage_meta = self.storage_meta()
+            rank = self.rank if not self.use_collectives and self.rank is not None else None
+            path = os.path.join(self.path, _metadata_file(rank))
+            blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+            if self.sync_files:
+                _write_atomically(path, blob)
+            else:
+                tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, path)
+
+    class TensorferryReader(StorageReader):
+        """Reads a checkpoint written by :class:`TensorferryWriter` from the folder ``path``.
+
+        Each rank maps every file it needs once and reads only the chunks its plan names,
+        narrowed to the requested offsets and lengths (any resharding DCP plans).
+        """
+
+        def __init__(self, path):
+            super().__init__()
+            self.path = os.fspath(path)
+            self.storage_data = {}
+            self.load_id = uuid.uuid4().hex
+
+        def reset(self, checkpoint_id=None):
+            self.storage_data = {}
+            if checkpoint_id:
+                self.path = os.fspath(checkpoint_id)
+            self.load_id = uuid.uuid4().hex
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id):
+            try:
+                return os.path.isdir(os.fspath(checkpoint_id))
+            except TypeError:
+                return False
+
+        @property
+        def checkpoint_id(self):
+            return self.path
+
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            metadata = _load_metadata(os.path.join(self.path, _metadata_file(kwargs.get("rank"))))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def set_up_storage_reader(self, metadata: Metadata, is_coordinator, *args, **kwargs):
+            if metadata.storage_data is None:
+                raise ValueError(f"{self.path}: the checkpoint's metadata says where no item is stored")
+            self.storage_data = metadata.storage_data
+
+        def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+            return plan
+
+        def prepare_global_plan(self, plans):
+            return plans
+
+        def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+            per_file = {}
+            for item in plan.items:
+                where = self.storage_data[item.storage_index]
+                per_file.setdefault(where.file, []).append((item, where.name))
+            for file, items in per_file.items():
+                path = os.path.join(self.path, file)
+                names = sorted({name for _, name in items})
+                loaded = _api.load(path, keys=[_literal(n) for n in names], like="torch")
+                for item, name in items:
+                    self._read_item(planner, item, loaded[name], path)
+            return done(None)
+
+        @staticmethod
+        def _read_item(planner, item, stored, path):
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(stored.numpy().tobytes()))
+                return
+            source = _narrow(stored, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != source.size():
+                raise ValueError(
+                    f"{path}: {item.storage_index.fqn} at {list(item.storage_offsets)} holds {list(source.size())}, "
+                    f"the plan asks for {list(target.size())}"
+                )
+            if target.dtype != source.dtype:
+                raise ValueError(f"{path}: {item.storage_index.fqn} is {source.dtype} in the file, {target.dtype} in the state dict")
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+
+    class TensorferryStager(AsyncStager):
+        """Stages a state dict for ``dcp.async_save(..., async_stager=...)`` by
+        :func:`tensorferry.to_host` with ``copy=True, pinned=True``: one planned transfer of
+        every device tensor into the device's pinned pool (reused by the next stage), host
+        tensors copied. Blocking: when ``stage`` returns, training may change its tensors."""
+
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict):
+            return _api.to_host(state_dict, copy=True, pinned=True)
+
+        def synchronize_staging(self):
+            pass
+
+        def close(self):
+            pass
+
+    return {"TensorferryWriter": TensorferryWriter, "TensorferryReader": TensorferryReader, "TensorferryStager": TensorferryStager}
+
+
+def __getattr__(name):
+    if name in __all__:
+        built = _build()
+        for cls in built.values():
+            cls.__module__ = __name__
+        globals().update(built)
+        return built[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
