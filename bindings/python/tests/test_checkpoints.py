@@ -264,3 +264,15 @@ def test_a_torch_checkpoint_loads_onto_a_device_without_a_host_copy(tmp_path, to
     np.testing.assert_array_equal(back["w"].numpy(), np.arange(1000, dtype=np.float32))
     with pytest.raises(ValueError, match="emu:1"):
         tf.load(p, device="emu:1", like="torch")
+
+
+def test_a_sharded_save_takes_device_tensors_as_they_are(tmp_path):
+    tf.configure_emulated(1)
+    src = _state()
+    on_device = tf.to_device(src, "emu:1")
+    tf.save(on_device, tmp_path / "model.safetensors", max_shard_size="3KB")
+    assert len([n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]) == 3  # 2 × 1 KiB per 3 KB
+    back = tf.load(tmp_path)
+    for k, v in src["model"].items():
+        np.testing.assert_array_equal(back["model"][k], v)
+    assert back["step"] == 12

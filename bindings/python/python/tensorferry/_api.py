@@ -335,10 +335,12 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     return rebuild(obj, out, strict=fw.kind_of)
 
 
-def _native_tree(obj, frameworks):
-    """The tree for the native writer: plain containers, native host tensors."""
+def _native_tree(obj, frameworks, on_device=False):
+    """The tree for the native writer: plain containers, native tensors — on the host, or
+    with ``on_device`` where they are (the writer then copies each file's share to the host
+    in turn, so a sharded save holds one shard in host memory at a time)."""
     leaves = _native.collect_tensors(obj, fw.kind_of)
-    on_host = _to_host_many(leaves)
+    on_host = {} if on_device else _to_host_many(leaves)
     paths, hosted, kinds = [], [], []
     for path, leaf in leaves:
         kind = fw.kind_of(leaf)
@@ -437,7 +439,7 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
         # The snapshot: every tensor copied now (device ones into the pinned pool).
         obj = to_host(obj, copy=True, pinned=True)
     frameworks = {}
-    tree = _native_tree(obj, frameworks)
+    tree = _native_tree(obj, frameworks, on_device=shard_bytes is not None and not non_blocking)
     meta = dict(metadata or {})
     if frameworks:
         default = max(set(frameworks.values()), key=list(frameworks.values()).count)

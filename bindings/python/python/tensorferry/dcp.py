@@ -137,11 +137,50 @@ def _build():
     from torch.futures import Future
 
     from . import _api
+    from ._errors import FormatError
 
     def done(value):
         fut = Future()
         fut.set_result(value)
         return fut
+
+    import numpy as np
+
+    # NumPy holds these through ml_dtypes, which torch.from_numpy does not take: their bits
+    # go through an unsigned integer of the same width and are viewed back.
+    bits = {"bfloat16": (np.uint16, torch.bfloat16), "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn),
+            "float8_e5m2": (np.uint8, torch.float8_e5m2)}
+
+    def as_torch(array):
+        """A PyTorch view of a read-only mapped array: no copy (the reader only reads it)."""
+        import warnings
+
+        kind = bits.get(str(array.dtype))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
+            if kind is None:
+                return torch.from_numpy(array)
+            return torch.from_numpy(array.view(kind[0])).view(kind[1])
+
+    def load(path, names, like):
+        try:
+            return _api.load(path, keys=[_literal(n) for n in names], like=like)
+        except FormatError as e:
+            if path in str(e):
+                raise
+            # tensorferry's parse errors give the byte, not the file: add it.
+            raise type(e)(f"{path}: {e}") from e
+
+    def _mapped_as_torch(path, names):
+        """``{name: torch tensor}`` viewing the mapped file where it can, so that only the
+        chunks a rank copies out are ever read (``like="torch"`` would copy each whole
+        tensor first, as PyTorch tensors are writable and the mapping is not)."""
+        loaded = load(path, names, "numpy")
+        out = {n: as_torch(x) for n, x in loaded.items() if isinstance(x, np.ndarray) and (x.dtype.kind in "biuf" or str(x.dtype) in bits)}
+        rest = [n for n in names if n not in out]
+        if rest:
+            out.update(load(path, rest, "torch"))
+        return out
 
     class TensorferryWriter(StorageWriter):
         """Writes a DCP checkpoint into the folder ``path``: one safetensors file per rank,
@@ -303,7 +342,7 @@ def _build():
             for file, items in per_file.items():
                 path = os.path.join(self.path, file)
                 names = sorted({name for _, name in items})
-                loaded = _api.load(path, keys=[_literal(n) for n in names], like="torch")
+                loaded = _mapped_as_torch(path, names)
                 for item, name in items:
                     self._read_item(planner, item, loaded[name], path)
             return done(None)

@@ -1,0 +1,350 @@
+"""tensorferry as the storage layer of torch.distributed.checkpoint (DCP): real saves and
+loads through ``dcp.save``/``dcp.load``, in one process and across gloo ranks on loopback.
+
+Run alone: ``python -m pytest bindings/python/tests/test_dcp.py -q``. The multi-rank tests
+start their ranks as subprocesses of this very file (``python test_dcp.py worker …``),
+each bounded by a timeout.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="DCP needs PyTorch")
+if not torch.distributed.is_available():
+    pytest.skip("this PyTorch build has no torch.distributed", allow_module_level=True)
+dcp = pytest.importorskip("torch.distributed.checkpoint", reason="this PyTorch has no distributed checkpoint")
+
+import tensorferry as tf  # noqa: E402
+from tensorferry.dcp import TensorferryReader, TensorferryWriter  # noqa: E402
+
+CheckpointException = dcp.api.CheckpointException
+RANK_TIMEOUT_S = 90
+WORLD = 2
+
+# Full tensors every rank can rebuild: the checkpoint's contents are known to every test.
+def _full_weight():
+    return torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4) / 7
+
+
+def _full_odd():
+    # 5 columns over 2 ranks: shards of 3 and 2 columns.
+    return (torch.arange(3 * 5, dtype=torch.int64) * 3 - 11).reshape(3, 5)
+
+
+def _full_bf16():
+    return torch.linspace(-2, 2, 8, dtype=torch.float32).to(torch.bfloat16)
+
+
+def _local_only(rank):
+    return torch.full((3,), float(rank) + 0.5, dtype=torch.float64)
+
+
+def _plain_state():
+    return {
+        "model": {
+            "w": torch.randn(4, 3, generator=torch.Generator().manual_seed(0)),
+            "ids*[0]": torch.arange(5),  # glob characters in a name stay literal
+            "t": torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+            "half": torch.ones(2, 2, dtype=torch.bfloat16),
+            "empty": torch.empty(0, 3),
+            "scalar": torch.tensor(2.5),
+        },
+        "optim": {"step": 7, "lr": 0.1, "betas": (0.9, 0.99), "name": "adamw"},
+    }
+
+
+def _zeros_like_state(state):
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out[k] = _zeros_like_state(v)
+        elif torch.is_tensor(v):
+            out[k] = torch.zeros_like(v.contiguous())
+        else:
+            out[k] = type(v)() if not isinstance(v, tuple) else (0.0, 0.0)
+    return out
+
+
+def _assert_same(got, want, path=""):
+    assert type(got) is type(want) or (torch.is_tensor(got) and torch.is_tensor(want)), path
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), path
+        for k in want:
+            _assert_same(got[k], want[k], f"{path}.{k}")
+    elif torch.is_tensor(want):
+        assert got.dtype == want.dtype and got.shape == want.shape, path
+        assert torch.equal(got, want), path
+    else:
+        assert got == want, path
+
+
+def _failure(exc_info):
+    """The exception a rank raised: DCP wraps it in a CheckpointException."""
+    exc = exc_info.value
+    if isinstance(exc, CheckpointException):
+        (first,) = exc.failures.values()
+        return first[0]
+    return exc
+
+
+def _save_load_one_process(tmp_path, state):
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    target = _zeros_like_state(state)
+    dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    return target
+
+
+# ---- one process, no process group -------------------------------------------------
+
+def test_single_process_save_load_round_trips_every_tensor_and_value(tmp_path):
+    state = _plain_state()
+    _assert_same(_save_load_one_process(tmp_path, state), state)
+
+
+def test_single_process_writes_one_safetensors_file_and_the_metadata(tmp_path):
+    _save_load_one_process(tmp_path, _plain_state())
+    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0_0.safetensors"]
+
+
+def test_rank_file_is_read_by_the_official_safetensors_package(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    state = _plain_state()
+    _save_load_one_process(tmp_path, state)
+    path = str(tmp_path / "__0_0.safetensors")
+    loaded = load_file(path)
+    assert torch.equal(loaded["model.w"], state["model"]["w"])
+    assert torch.equal(loaded["model.t"], state["model"]["t"])
+    assert torch.equal(loaded["model.ids*[0]"], state["model"]["ids*[0]"])
+    assert loaded["optim.step"].dtype == torch.uint8  # DCP's bytes, as uint8
+    with safe_open(path, "pt") as f:
+        assert f.metadata()["format"] == "pt"
+        assert "DCP_SHARDING_INFO" in f.metadata()
+
+
+def test_importing_the_module_does_not_import_torch():
+    code = "import sys, tensorferry.dcp; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_loading_a_subset_of_the_saved_keys(tmp_path):
+    state = _plain_state()
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    target = {"model": {"w": torch.zeros(4, 3)}}
+    dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    assert torch.equal(target["model"]["w"], state["model"]["w"])
+
+
+def test_saving_again_into_the_same_folder_replaces_the_checkpoint(tmp_path):
+    _save_load_one_process(tmp_path, _plain_state())
+    state = {"x": torch.arange(4.0)}
+    got = _save_load_one_process(tmp_path, state)
+    _assert_same(got, state)
+
+
+# ---- errors -------------------------------------------------------------------------
+
+def test_missing_rank_file_is_a_file_not_found_naming_it(tmp_path):
+    state = _plain_state()
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    os.remove(tmp_path / "__0_0.safetensors")
+    with pytest.raises((CheckpointException, FileNotFoundError)) as info:
+        dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    err = _failure(info)
+    assert isinstance(err, FileNotFoundError)
+    assert "__0_0.safetensors" in str(err)
+
+
+def test_corrupt_rank_file_is_a_format_error_naming_it(tmp_path):
+    state = _plain_state()
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    path = tmp_path / "__0_0.safetensors"
+    path.write_bytes(b"\xff" * 8 + b"{not json")
+    with pytest.raises((CheckpointException, tf.FormatError)) as info:
+        dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    err = _failure(info)
+    assert isinstance(err, tf.FormatError)
+    assert "__0_0.safetensors" in str(err)
+
+
+def test_truncated_rank_file_is_a_format_error_naming_it(tmp_path):
+    state = _plain_state()
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    path = tmp_path / "__0_0.safetensors"
+    path.write_bytes(path.read_bytes()[:-16])
+    with pytest.raises((CheckpointException, tf.FormatError)) as info:
+        dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    err = _failure(info)
+    assert isinstance(err, tf.FormatError)
+    assert "__0_0.safetensors" in str(err)
+
+
+def test_missing_metadata_names_the_metadata_file(tmp_path):
+    state = _plain_state()
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    os.remove(tmp_path / ".metadata")
+    with pytest.raises((CheckpointException, FileNotFoundError, AssertionError)) as info:
+        dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    assert ".metadata" in str(_failure(info))
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path):
+    import pickle
+
+    state = {"x": torch.arange(3)}
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(os.system))
+    with pytest.raises((CheckpointException, tf.FormatError, AssertionError)) as info:
+        dcp.load({"x": torch.zeros(3, dtype=torch.int64)}, storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    assert "os" in str(_failure(info)) and ".metadata" in str(_failure(info))
+
+
+# ---- async staging ------------------------------------------------------------------
+
+def test_async_save_with_the_tensorferry_stager_snapshots_the_state(tmp_path):
+    from tensorferry.dcp import TensorferryStager
+
+    state = _plain_state()
+    want = {"model": {k: v.clone() for k, v in state["model"].items()}, "optim": dict(state["optim"])}
+    stager = TensorferryStager()
+    response = dcp.async_save(state, storage_writer=TensorferryWriter(tmp_path), async_stager=stager, no_dist=True)
+    for t in state["model"].values():  # training goes on: the saved snapshot must not see this
+        t.add_(1) if t.dtype != torch.bool else None
+    future = getattr(response, "upload_completion", response)
+    future.result(timeout=60)
+    stager.close()
+    target = _zeros_like_state(want)
+    dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    _assert_same(target, want)
+
+
+# ---- several ranks (gloo on loopback) -----------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(mode, world, folder):
+    port = _free_port()
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "worker", mode, str(rank), str(world), str(port), str(folder)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=RANK_TIMEOUT_S)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
+        assert "RANK_OK" in out, out[-4000:]
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(tmp_path_factory):
+    """A checkpoint saved by 2 gloo ranks holding DTensor shards, per-rank tensors and
+    optimizer-like values; the same ranks load it back and check every local shard."""
+    folder = tmp_path_factory.mktemp("dcp_2ranks")
+    _run_ranks("save_load", WORLD, folder)
+    return folder
+
+
+def test_two_ranks_save_then_load_every_shard_exactly(two_rank_checkpoint):
+    # The ranks compared their shards themselves (RANK_OK); here: one file per rank.
+    names = sorted(os.listdir(two_rank_checkpoint))
+    assert names == [".metadata", "__0_0.safetensors", "__1_0.safetensors"]
+
+
+def test_two_rank_files_hold_their_shards_for_safetensors(two_rank_checkpoint):
+    from safetensors.torch import load_file
+
+    r0 = load_file(str(two_rank_checkpoint / "__0_0.safetensors"))
+    r1 = load_file(str(two_rank_checkpoint / "__1_0.safetensors"))
+    assert torch.equal(torch.cat([r0["model.w"], r1["model.w"]]), _full_weight())
+    assert torch.equal(torch.cat([r0["model.odd"], r1["model.odd"]], dim=1), _full_odd())
+    assert torch.equal(r1["rank1.local"], _local_only(1))
+
+
+def test_saved_on_two_ranks_loads_resharded_in_one_process(two_rank_checkpoint):
+    target = {
+        "model": {"w": torch.zeros(6, 4), "odd": torch.zeros(3, 5, dtype=torch.int64), "half": torch.zeros(8, dtype=torch.bfloat16)},
+        "optim": {"step": 0, "lr": 0.0, "exp_avg": torch.zeros(6, 4)},
+        "rank0": {"local": torch.zeros(3, dtype=torch.float64)},
+        "rank1": {"local": torch.zeros(3, dtype=torch.float64)},
+    }
+    dcp.load(target, storage_reader=TensorferryReader(two_rank_checkpoint), no_dist=True)
+    _assert_same(target["model"]["w"], _full_weight())
+    _assert_same(target["model"]["odd"], _full_odd())
+    _assert_same(target["model"]["half"], _full_bf16())
+    _assert_same(target["optim"], {"step": 100, "lr": 3e-4, "exp_avg": _full_weight() * 2})
+    _assert_same(target["rank0"]["local"], _local_only(0))
+    _assert_same(target["rank1"]["local"], _local_only(1))
+
+
+# ---- what each rank runs -------------------------------------------------------------
+
+def _rank_state(mesh, rank, fill):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def dt(full, placements):
+        return distribute_tensor(full if fill else torch.zeros_like(full), mesh, placements)
+
+    return {
+        "model": {
+            "w": dt(_full_weight(), [Shard(0)]),
+            "odd": dt(_full_odd(), [Shard(1)]),
+            "half": dt(_full_bf16(), [Replicate()]),
+        },
+        "optim": {"step": 100 if fill else 0, "lr": 3e-4 if fill else 0.0, "exp_avg": dt(_full_weight() * 2, [Shard(0)])},
+        f"rank{rank}": {"local": _local_only(rank) if fill else torch.zeros(3, dtype=torch.float64)},
+    }
+
+
+def _worker(mode, rank, world, port, folder):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        if mode == "save_load":
+            dcp.save(_rank_state(mesh, rank, True), storage_writer=TensorferryWriter(folder))
+            dist.barrier()
+            want = _rank_state(mesh, rank, True)
+            got = _rank_state(mesh, rank, False)
+            dcp.load(got, storage_reader=TensorferryReader(folder))
+
+            def local(x):
+                return x.to_local() if hasattr(x, "to_local") else x
+
+            for group in want:
+                for key in want[group]:
+                    w, g = local(want[group][key]), local(got[group][key])
+                    if torch.is_tensor(w):
+                        assert w.dtype == g.dtype and torch.equal(w, g), (group, key, w, g)
+                    else:
+                        assert w == g, (group, key, w, g)
+        print("RANK_OK", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
+    _mode, _rank, _world, _port, _folder = sys.argv[2:7]
+    _worker(_mode, int(_rank), int(_world), int(_port), _folder)
