@@ -221,6 +221,7 @@ fn load(
     guard(|| {
         let loaded = py
             .detach(|| tensorferry::load_node(&path, LoadOptions { mmap }))
+            .map_err(|e| in_file(e, &path))
             .py_err()?;
         let mut out = tree::Output {
             like,
@@ -253,6 +254,20 @@ fn load(
         let tree = tree::node_to_py(py, loaded.root, &mut out, &mut Vec::new())?;
         Ok((tree, loaded.metadata, out.pending))
     })
+}
+
+/// A format error located in the file it came from (the reader names byte offsets and
+/// tensors; the user needs the file too). Errors that name it already are kept as they are.
+fn in_file(err: tensorferry::Error, path: &std::path::Path) -> tensorferry::Error {
+    match err {
+        tensorferry::Error::Format { at, reason } if !at.contains(&*path.to_string_lossy()) => {
+            tensorferry::Error::Format {
+                at: format!("{} ({at})", path.display()),
+                reason,
+            }
+        }
+        other => other,
+    }
 }
 
 /// The framework a Hugging Face `__metadata__["format"]` names ("pt" → "torch", …).
@@ -370,6 +385,7 @@ fn wait_tensors(
 fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, String>> {
     guard(|| {
         py.detach(|| tensorferry::io::read_header(&path))
+            .map_err(|e| in_file(e, &path))
             .py_err()
             .map(|h| h.metadata)
     })

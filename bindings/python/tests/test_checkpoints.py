@@ -276,3 +276,30 @@ def test_a_sharded_save_takes_device_tensors_as_they_are(tmp_path):
     for k, v in src["model"].items():
         np.testing.assert_array_equal(back["model"][k], v)
     assert back["step"] == 12
+
+
+def test_key_path_tuples_match_literally_even_with_glob_characters(tmp_path):
+    # Found by the DCP storage layer's tests: tuples went through fnmatch.
+    p = tmp_path / "f.safetensors"
+    tf.save({"optim.state.*x[1]": np.ones(2), "optim.state.ax1": np.zeros(2)}, p)
+    back = tf.load(p, keys=[("optim.state.*x[1]",)])
+    assert list(back) == ["optim.state.*x[1]"]
+
+
+def test_a_subset_without_mmap_is_copied_into_fresh_memory(saved):
+    state, p = saved
+    back = tf.load(p, keys="model.layer.1.weight", mmap=False)
+    w = back["model"]["layer.1.weight"]
+    assert w.flags.writeable and w.flags.owndata or w.base is not None
+    np.testing.assert_array_equal(w, state["model"]["layer.1.weight"])
+    w[0, 0] = 123.0  # fresh memory: writable, the file is untouched
+    assert tf.load(p)["model"]["layer.1.weight"][0, 0] == state["model"]["layer.1.weight"][0, 0]
+
+
+def test_a_corrupt_file_is_a_format_error_naming_the_file(tmp_path):
+    p = tmp_path / "corrupt.safetensors"
+    p.write_bytes(b"\xff" * 8 + b"{not json")
+    with pytest.raises(tf.FormatError, match="corrupt.safetensors"):
+        tf.load(p)
+    with pytest.raises(tf.FormatError, match="corrupt.safetensors"):
+        tf.metadata(p)

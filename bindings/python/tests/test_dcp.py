@@ -22,6 +22,7 @@ import tensorferry as tf  # noqa: E402
 from tensorferry.dcp import TensorferryReader, TensorferryWriter  # noqa: E402
 
 CheckpointException = dcp.api.CheckpointException
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 RANK_TIMEOUT_S = 90
 WORLD = 2
 

@@ -469,7 +469,8 @@ def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out
     importable. Otherwise host tensors come back as NumPy arrays where
     NumPy can hold the dtype (bfloat16/float8 through ml_dtypes), else as
     ``tensorferry.Tensor``. With ``mmap=True`` tensors view the mapped file, read-only,
-    at a cost proportional to the header.
+    at a cost proportional to the header — except as PyTorch or TensorFlow tensors, which
+    must own writable memory: those are copied out of the mapping.
 
     With ``device`` ("cuda:0", "emu:0") the file is mapped and streamed to the device
     through a ring of pinned buffers (``staging``: "on" — 3 × 32 MiB —, "off", "auto" or
@@ -505,9 +506,14 @@ def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out
     # (host memory bounded by the ring, whatever the file's size), and only the device
     # tensors are handed to their framework: no host copy of the file is ever made.
     native_like = fw.NATIVE if on_device else (like if like in (None, fw.NUMPY, fw.NATIVE) else fw.NATIVE)
-    tree, meta, pending = _native.load(os.fspath(path), mmap or on_device, native_like, fw.importable("ml_dtypes"))
+    # A subset is read from the mapping (only its bytes are touched), then copied when
+    # fresh memory was asked for.
+    mapped = mmap or on_device or keys is not None
+    tree, meta, pending = _native.load(os.fspath(path), mapped, native_like, fw.importable("ml_dtypes"))
     if keys is not None:
         tree = _select.select(tree, keys)
+        if not (mmap or on_device):
+            tree = to_host(tree, copy=True)
     if out is not None:
         return _select.fill(out, tree)
     if on_device:

@@ -13,23 +13,27 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def _patterns(keys):
-    """Dotted names or glob patterns of ``keys``: str ("model.*"), or tuples as paths."""
+    """``(text, literal)`` for each of ``keys``: a str is a dotted name or a glob pattern
+    ("model.*"); a tuple is a key path, matched literally (its parts may hold '*' or '[')."""
     if isinstance(keys, (str, tuple)):
         keys = [keys]
     out = []
     for k in keys:
         if isinstance(k, tuple):
-            out.append(dotted(k))
+            out.append((dotted(k), True))
         elif isinstance(k, str):
-            out.append(k)
+            out.append((k, False))
         else:
             raise TypeError(f"keys must be names, glob patterns or key-path tuples, not {type(k).__name__}")
     return out
 
 
-def _wanted(name, patterns):
-    """A name is kept when a pattern matches it, or names a subtree that holds it."""
-    return any(fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+def _matches(name, pattern):
+    """A name is kept when the pattern names it, or a subtree that holds it."""
+    text, literal = pattern
+    if name == text or name.startswith(text + "."):
+        return True
+    return not literal and fnmatch.fnmatchcase(name, text)
 
 
 def select(tree, keys):
@@ -42,7 +46,7 @@ def select(tree, keys):
         kind = container_kind(node)
         if kind == _LEAF:
             name = dotted(path)
-            hits = [p for p in patterns if fnmatch.fnmatchcase(name, p) or name.startswith(p + ".")]
+            hits = [p for p in patterns if _matches(name, p)]
             used.update(hits)
             return node if hits else _DROP
         if kind in (_DICT, _MAPPING):
@@ -56,7 +60,7 @@ def select(tree, keys):
         return tuple(kept) if kind in (_TUPLE, _NAMEDTUPLE) else kept
 
     out = prune(tree, ())
-    missing = [p for p in patterns if p not in used]
+    missing = [text for text, literal in patterns if (text, literal) not in used]
     if missing:
         raise TensorferryKeyError(f"no key matches {missing}")
     return {} if out is _DROP else out
