@@ -99,6 +99,13 @@ def _save_load_one_process(tmp_path, state):
     return target
 
 
+def _rank_path(folder, rank):
+    """The one file of ``rank`` in a checkpoint folder (names carry a per-save id)."""
+    names = [n for n in os.listdir(folder) if n.startswith(f"__{rank}_") and n.endswith(".safetensors")]
+    assert len(names) == 1, names
+    return folder / names[0]
+
+
 # ---- one process, no process group -------------------------------------------------
 
 def test_single_process_save_load_round_trips_every_tensor_and_value(tmp_path):
@@ -108,7 +115,8 @@ def test_single_process_save_load_round_trips_every_tensor_and_value(tmp_path):
 
 def test_single_process_writes_one_safetensors_file_and_the_metadata(tmp_path):
     _save_load_one_process(tmp_path, _plain_state())
-    assert sorted(os.listdir(tmp_path)) == [".metadata", "__0_0.safetensors"]
+    names = sorted(os.listdir(tmp_path))
+    assert names[0] == ".metadata" and len(names) == 2 and names[1].startswith("__0_")
 
 
 def test_rank_file_is_read_by_the_official_safetensors_package(tmp_path):
@@ -117,7 +125,7 @@ def test_rank_file_is_read_by_the_official_safetensors_package(tmp_path):
 
     state = _plain_state()
     _save_load_one_process(tmp_path, state)
-    path = str(tmp_path / "__0_0.safetensors")
+    path = str(_rank_path(tmp_path, 0))
     loaded = load_file(path)
     assert torch.equal(loaded["model.w"], state["model"]["w"])
     assert torch.equal(loaded["model.t"], state["model"]["t"])
@@ -148,41 +156,83 @@ def test_saving_again_into_the_same_folder_replaces_the_checkpoint(tmp_path):
     _assert_same(got, state)
 
 
+def test_a_save_that_dies_before_its_metadata_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    before = {"w": torch.arange(6.0), "step": 1}
+    _save_load_one_process(tmp_path, before)
+
+    def killed(self, metadata, results):
+        raise SystemExit("killed before the metadata was written")
+
+    monkeypatch.setattr(TensorferryWriter, "finish", killed)
+    with pytest.raises(BaseException):
+        dcp.save({"w": torch.arange(6.0) * 10, "step": 2}, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    monkeypatch.undo()
+    target = _zeros_like_state(before)
+    dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    _assert_same(target, before)
+
+
+_KILLED_SAVE = """
+import sys, torch, torch.distributed.checkpoint as dcp
+from tensorferry.dcp import TensorferryWriter
+state = {f"w{i}": torch.full((1 << 20,), 2.0) for i in range(64)}
+print("saving", flush=True)
+dcp.save(state, storage_writer=TensorferryWriter(sys.argv[1]), no_dist=True)
+"""
+
+
+def test_a_process_killed_mid_save_leaves_a_loadable_checkpoint_of_one_save(tmp_path):
+    import signal
+    import time
+
+    before = {f"w{i}": torch.full((1 << 20,), 1.0) for i in range(64)}
+    dcp.save(before, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "saving"
+    time.sleep(0.15)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    target = {k: torch.zeros_like(v) for k, v in before.items()}
+    dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    values = {float(v[0]) for v in target.values()} | {float(v[-1]) for v in target.values()}
+    assert values in ({1.0}, {2.0}), f"a mix of two saves: {values}"
+
+
 # ---- errors -------------------------------------------------------------------------
 
 def test_missing_rank_file_is_a_file_not_found_naming_it(tmp_path):
     state = _plain_state()
     dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
-    os.remove(tmp_path / "__0_0.safetensors")
+    os.remove(_rank_path(tmp_path, 0))
     with pytest.raises((CheckpointException, FileNotFoundError)) as info:
         dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
     err = _failure(info)
     assert isinstance(err, FileNotFoundError)
-    assert "__0_0.safetensors" in str(err)
+    assert "__0_" in str(err)
 
 
 def test_corrupt_rank_file_is_a_format_error_naming_it(tmp_path):
     state = _plain_state()
     dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
-    path = tmp_path / "__0_0.safetensors"
+    path = _rank_path(tmp_path, 0)
     path.write_bytes(b"\xff" * 8 + b"{not json")
     with pytest.raises((CheckpointException, tf.FormatError)) as info:
         dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
     err = _failure(info)
     assert isinstance(err, tf.FormatError)
-    assert "__0_0.safetensors" in str(err)
+    assert "__0_" in str(err)
 
 
 def test_truncated_rank_file_is_a_format_error_naming_it(tmp_path):
     state = _plain_state()
     dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
-    path = tmp_path / "__0_0.safetensors"
+    path = _rank_path(tmp_path, 0)
     path.write_bytes(path.read_bytes()[:-16])
     with pytest.raises((CheckpointException, tf.FormatError)) as info:
         dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
     err = _failure(info)
     assert isinstance(err, tf.FormatError)
-    assert "__0_0.safetensors" in str(err)
+    assert "__0_" in str(err)
 
 
 def test_missing_metadata_names_the_metadata_file(tmp_path):
@@ -269,14 +319,14 @@ def two_rank_checkpoint(tmp_path_factory):
 def test_two_ranks_save_then_load_every_shard_exactly(two_rank_checkpoint):
     # The ranks compared their shards themselves (RANK_OK); here: one file per rank.
     names = sorted(os.listdir(two_rank_checkpoint))
-    assert names == [".metadata", "__0_0.safetensors", "__1_0.safetensors"]
+    assert names[0] == ".metadata" and [n[:4] for n in names[1:]] == ["__0_", "__1_"]
 
 
 def test_two_rank_files_hold_their_shards_for_safetensors(two_rank_checkpoint):
     from safetensors.torch import load_file
 
-    r0 = load_file(str(two_rank_checkpoint / "__0_0.safetensors"))
-    r1 = load_file(str(two_rank_checkpoint / "__1_0.safetensors"))
+    r0 = load_file(str(_rank_path(two_rank_checkpoint, 0)))
+    r1 = load_file(str(_rank_path(two_rank_checkpoint, 1)))
     assert torch.equal(torch.cat([r0["model.w"], r1["model.w"]]), _full_weight())
     assert torch.equal(torch.cat([r0["model.odd"], r1["model.odd"]], dim=1), _full_odd())
     assert torch.equal(r1["rank1.local"], _local_only(1))

@@ -30,6 +30,7 @@ import io
 import json
 import os
 import pickle
+import re
 import uuid
 
 __all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager"]
@@ -48,8 +49,26 @@ class StorageInfo:
     name: str
 
 
-def _rank_file(rank):
-    return f"__{rank}_0{SUFFIX}"
+def _rank_file(rank, save_id):
+    """The file of one rank in one save: a name of its own for every save, so that a save
+    into a folder that holds a checkpoint never touches that checkpoint's files until the
+    new metadata is committed (a rank killed mid-save leaves the previous one loadable)."""
+    return f"__{rank}_{save_id}{SUFFIX}"
+
+
+_RANK_FILE = re.compile(r"__(\d+)_[0-9a-f]+" + re.escape(SUFFIX))
+
+
+def _remove_stale(folder, keep, rank=None):
+    """Removes rank files of earlier saves (of ``rank`` only, when given) that the metadata
+    just committed does not name. Best effort: a file that stays is never read."""
+    for name in os.listdir(folder):
+        match = _RANK_FILE.fullmatch(name)
+        if match and name not in keep and (rank is None or int(match.group(1)) == rank):
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass
 
 
 def _metadata_file(rank=None):
@@ -228,17 +247,17 @@ def _build():
             os.makedirs(self.path, exist_ok=True)
             if self.rank is not None and not self.use_collectives:
                 # No global plan: every rank names its own file.
-                plan = dataclasses.replace(plan, storage_data=_rank_file(self.rank))
+                plan = dataclasses.replace(plan, storage_data=_rank_file(self.rank, self.save_id))
             return plan
 
         def prepare_global_plan(self, plans):
             return [
-                plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_rank_file(i))
+                plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_rank_file(i, self.save_id))
                 for i, plan in enumerate(plans)
             ]
 
         def write_data(self, plan: SavePlan, planner: SavePlanner):
-            file = plan.storage_data or _rank_file(self.rank or 0)
+            file = plan.storage_data or _rank_file(self.rank or 0, self.save_id)
             tensors, info, results = {}, {}, []
             for item in plan.items:
                 data = planner.resolve_data(item)
@@ -285,6 +304,8 @@ def _build():
                 with open(tmp, "wb") as f:
                     f.write(blob)
                 os.replace(tmp, path)
+            # Committed: the files of earlier saves into this folder are no longer named.
+            _remove_stale(self.path, {info.file for info in storage.values()}, rank)
 
     class TensorferryReader(StorageReader):
         """Reads a checkpoint written by :class:`TensorferryWriter` from the folder ``path``.
