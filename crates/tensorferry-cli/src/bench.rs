@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use tensorferry::io::{header_bytes, parse_header};
 use tensorferry::memory::AlignedBuffer;
 use tensorferry::{
-    consolidate, load, save, DType, Device, LoadOptions, MoveOptions, SaveOptions, Staging, Tensor,
-    TensorDict,
+    consolidate, load, save, DType, Device, LoadOptions, MoveOptions, Node, SaveOptions, Staging,
+    Tensor, TensorDict,
 };
 
 /// Options of `tensorferry bench`.
@@ -43,6 +44,9 @@ enum Preset {
     /// 20,000 tensors of 4 KiB each (float32).
     #[value(name = "tiny-20k")]
     Tiny20k,
+    /// 100,000 tensors of 256 bytes each (float32).
+    #[value(name = "tiny-100k")]
+    Tiny100k,
     /// 10,000 tensors of 4 KiB each (float32).
     #[value(name = "tiny-10k")]
     Tiny10k,
@@ -113,6 +117,12 @@ fn build(preset: Preset, scale: f64) -> tensorferry::Result<TensorDict> {
                 10_000
             };
             for i in 0..count {
+                d.insert(format!("t.{i}"), filled(&[n], i)?);
+            }
+        }
+        Preset::Tiny100k => {
+            let n = scaled(64, scale);
+            for i in 0..100_000 {
                 d.insert(format!("t.{i}"), filled(&[n], i)?);
             }
         }
@@ -195,7 +205,7 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
     let tmp = tempfile::tempdir_in(args.dir.clone().unwrap_or_else(std::env::temp_dir))
         .map_err(io_err("create a folder in", Path::new(".")))?;
     let dir = tmp.path();
-    let steps = 9u64;
+    let steps = 10u64;
     let bar = ProgressBar::new(steps).with_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
     );
@@ -321,6 +331,24 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
     let t = best(r, || load(&file_path, LoadOptions { mmap: true }).map(drop))?;
     rows.push(Row {
         path: "load (mmap)",
+        time: t,
+        roof: None,
+    });
+    bar.inc(1);
+    bar.set_message("headers");
+    let root = Node::Dict(dict.clone());
+    let options = SaveOptions::default();
+    let t = best(r, || header_bytes(&root, &options).map(drop))?;
+    rows.push(Row {
+        path: "header build",
+        time: t,
+        roof: None,
+    });
+    let header = header_bytes(&root, &options)?;
+    let data_len = (file_len - header.len()) as u64;
+    let t = best(r, || parse_header(&header[8..], data_len).map(drop))?;
+    rows.push(Row {
+        path: "header parse",
         time: t,
         roof: None,
     });

@@ -17,6 +17,7 @@ mod budget;
 mod census;
 mod file_kind;
 mod header;
+mod header_writer;
 mod pool;
 mod read;
 mod replace;
@@ -30,7 +31,7 @@ mod write;
 pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
 pub use read::{load, load_bytes, load_node, read_header, LoadOptions, Loaded};
 pub use sharded::{load_sharded, save_sharded, INDEX_SUFFIX};
-pub use write::{save, save_node, SaveOptions};
+pub use write::{header_bytes, save, save_node, SaveOptions};
 
 /// The `__metadata__` key under which tensorferry records a tree's structure.
 pub const TREE_METADATA_KEY: &str = "tensorferry";

@@ -72,21 +72,28 @@ impl Iterator for Views<'_> {
     }
 }
 
-/// The entries, sorted by name, handed out as tensors by name, each once.
+/// The entries, handed out as tensors by name, each once. A record lists its tensors in
+/// the order the writer laid them out, so the entry after the last one taken is tried
+/// first; other names are found through an index sorted by name, built on first need.
 pub(crate) struct Pool {
     entries: Vec<TensorEntry>,
     taken: Vec<bool>,
+    /// The entry tried first by the next [`TensorSource::take`].
+    next: usize,
+    /// Entry indexes sorted by name, once a name was not where expected.
+    sorted: Option<Vec<usize>>,
     storage: Arc<Storage>,
     base: usize,
 }
 
 impl Pool {
     /// A pool of `entries` (unique names) viewing `storage` at `base`.
-    pub(crate) fn new(mut entries: Vec<TensorEntry>, storage: Arc<Storage>, base: usize) -> Self {
-        entries.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    pub(crate) fn new(entries: Vec<TensorEntry>, storage: Arc<Storage>, base: usize) -> Self {
         Pool {
             taken: vec![false; entries.len()],
             entries,
+            next: 0,
+            sorted: None,
             storage,
             base,
         }
@@ -102,22 +109,35 @@ impl Pool {
             ))),
         }
     }
+
+    /// The index of the entry named `name`, if any.
+    fn find(&mut self, name: &str) -> Option<usize> {
+        if self.entries.get(self.next).is_some_and(|e| e.name == name) {
+            return Some(self.next);
+        }
+        let entries = &self.entries;
+        let sorted = self.sorted.get_or_insert_with(|| {
+            let mut order: Vec<usize> = (0..entries.len()).collect();
+            order.sort_unstable_by(|&a, &b| entries[a].name.cmp(&entries[b].name));
+            order
+        });
+        sorted
+            .binary_search_by(|&i| entries[i].name.as_str().cmp(name))
+            .ok()
+            .map(|at| sorted[at])
+    }
 }
 
 impl TensorSource for Pool {
     fn take(&mut self, name: &str) -> Result<Tensor> {
-        let found = self
-            .entries
-            .binary_search_by(|e| e.name.as_str().cmp(name))
-            .ok()
-            .filter(|&i| !self.taken[i]);
-        let Some(i) = found else {
+        let Some(i) = self.find(name).filter(|&i| !self.taken[i]) else {
             return Err(bad(format!(
                 "tree refers to tensor {:?}, which the file lacks or uses twice",
                 shorten(name)
             )));
         };
         self.taken[i] = true;
+        self.next = i + 1;
         let shape = std::mem::take(&mut self.entries[i].shape);
         view(&self.storage, self.base, &self.entries[i], shape)
     }

@@ -10,12 +10,12 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::Path;
 
-use super::census::count_header;
+use super::census::HeaderCensus;
 use super::header::MAX_HEADER_BYTES;
+use super::header_writer;
 use super::replace::write_atomically;
 use super::{budget, tree_meta, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
-use crate::memory::HOST_ALIGNMENT;
 use crate::tensor::Tensor;
 use crate::tree::{KeyPath, Node, TensorDict};
 
@@ -39,7 +39,20 @@ impl Default for SaveOptions {
 
 /// Saves a dictionary; see [`save_node`].
 pub fn save(dict: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
-    save_node(&Node::Dict(dict.clone()), path, options)
+    check_options(options)?;
+    check_dict_depth(dict)?;
+    write_walked(
+        header_writer::walk_dict(dict),
+        || {
+            Node::Dict(dict.clone())
+                .tensors()
+                .into_iter()
+                .map(|(p, _)| p)
+                .collect()
+        },
+        path.as_ref(),
+        options,
+    )
 }
 
 /// Saves a tree (dict, list or tuple at the root) as a safetensors file at `path`.
@@ -54,40 +67,88 @@ pub fn save(dict: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) ->
 /// `path` stays a link to the replaced file. A folder, FIFO or device at `path` is an
 /// [`Error::Io`].
 pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
-    let path = path.as_ref();
-    if matches!(root, Node::Tensor(_) | Node::Value(_)) {
-        return Err(Error::InvalidValue {
-            key: String::new(),
-            reason: "the object to save must be a dict, list or tuple".into(),
-        });
-    }
+    check_root(root, options)?;
+    write_walked(
+        header_writer::walk_node(root),
+        || root.tensors().into_iter().map(|(p, _)| p).collect(),
+        path.as_ref(),
+        options,
+    )
+}
+
+/// The bytes a save of `root` writes before the tensors' data: the 8-byte length and the
+/// JSON header, padded so data starts 64-byte aligned. Refuses what [`save_node`] refuses
+/// before touching a file.
+pub fn header_bytes(root: &Node, options: &SaveOptions) -> Result<Vec<u8>> {
+    check_root(root, options)?;
+    let walked = header_writer::walk_node(root);
+    header_writer::check_names(&walked, || {
+        root.tensors().into_iter().map(|(p, _)| p).collect()
+    })?;
+    checked_header(&walked, options).map(|built| built.bytes)
+}
+
+/// Checks the names of a walked tree, builds its header and writes the file.
+fn write_walked(
+    walked: header_writer::Walked<'_>,
+    paths: impl FnOnce() -> Vec<KeyPath>,
+    path: &Path,
+    options: &SaveOptions,
+) -> Result<()> {
+    header_writer::check_names(&walked, paths)?;
+    let built = checked_header(&walked, options)?;
+    // Same dtypes and shapes: the header holds for the host copies.
+    let hosted = on_host(&walked.tensors)?;
+    let tensors: Vec<&Tensor> = match &hosted {
+        Some(copies) => copies.iter().collect(),
+        None => walked.tensors,
+    };
+    write_atomically(path, options.fsync, |out| {
+        out.write_all(&built.bytes)
+            .map_err(|e| Error::io("write", path, e))?;
+        for &i in &built.order {
+            tensors[i]
+                .for_each_run(|run| out.write_all(run).map_err(|e| Error::io("write", path, e)))?;
+        }
+        Ok(())
+    })
+}
+
+fn check_options(options: &SaveOptions) -> Result<()> {
     if options.metadata.contains_key(TREE_METADATA_KEY) {
         return Err(Error::InvalidValue {
             key: format!("metadata/{TREE_METADATA_KEY}"),
             reason: "this metadata key is reserved for tensorferry".into(),
         });
     }
-    check_depth(root, 0)?;
-    let tensors = root.tensors();
-    let names = checked_names(&tensors)?;
-    let header = build_header(root, &tensors, &names, &options.metadata);
-    let data_len = tensors.iter().map(|(_, t)| t.nbytes() as u64).sum();
-    check_readable(&header[8..], data_len)?;
-    // Same paths, dtypes and shapes: the header holds for the host copies.
-    let hosted = on_host(&tensors)?;
-    let tensors: Vec<(KeyPath, &Tensor)> = tensors
-        .iter()
-        .zip(&hosted)
-        .map(|((p, _), t)| (p.clone(), t))
-        .collect();
-    write_atomically(path, options.fsync, |out| {
-        out.write_all(&header)
-            .map_err(|e| Error::io("write", path, e))?;
-        for (_, t) in order_for_file(&tensors) {
-            t.for_each_run(|run| out.write_all(run).map_err(|e| Error::io("write", path, e)))?;
-        }
-        Ok(())
-    })
+    Ok(())
+}
+
+fn check_root(root: &Node, options: &SaveOptions) -> Result<()> {
+    if matches!(root, Node::Tensor(_) | Node::Value(_)) {
+        return Err(Error::InvalidValue {
+            key: String::new(),
+            reason: "the object to save must be a dict, list or tuple".into(),
+        });
+    }
+    check_options(options)?;
+    check_depth(root, 0)
+}
+
+fn check_dict_depth(dict: &TensorDict) -> Result<()> {
+    dict.iter().try_for_each(|(_, v)| check_depth(v, 1))
+}
+
+/// The header of a walked tree, refused when over the format's limit or when a load of
+/// the file would take more memory than [`budget`] allows.
+fn checked_header(
+    walked: &header_writer::Walked<'_>,
+    options: &SaveOptions,
+) -> Result<header_writer::Built> {
+    let built = header_writer::build(walked, &options.metadata);
+    let data_len = walked.tensors.iter().map(|t| t.nbytes() as u64).sum();
+    check_readable(&built.census, data_len)?;
+    Ok(built)
 }
 
 pub(crate) fn check_depth(node: &Node, depth: usize) -> Result<()> {
@@ -106,14 +167,13 @@ pub(crate) fn check_depth(node: &Node, depth: usize) -> Result<()> {
     }
 }
 
-/// The tensors with those on a device copied to the host, in one planned transfer (host
-/// tensors are shared, not copied).
-fn on_host(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<Tensor>> {
-    let all: Vec<&Tensor> = tensors.iter().map(|(_, t)| *t).collect();
-    if all.iter().all(|t| t.device().is_host()) {
-        return Ok(all.into_iter().cloned().collect());
+/// Host copies of the tensors when any is on a device, in one planned transfer; `None`
+/// when all are on the host already (nothing is copied or cloned).
+fn on_host(tensors: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
+    if tensors.iter().all(|t| t.device().is_host()) {
+        return Ok(None);
     }
-    crate::transfer::move_tensors(&all, crate::Device::Cpu, Default::default())
+    crate::transfer::move_tensors(tensors, crate::Device::Cpu, Default::default()).map(Some)
 }
 
 /// The dotted name of each tensor; collisions and unsupported dtypes fail.
@@ -149,72 +209,27 @@ pub(crate) fn checked_names(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<String
     Ok(names)
 }
 
-/// Tensors in the order their bytes go to the file: widest elements first (stable), so
-/// that every tensor starts at a multiple of its element size.
-fn order_for_file<'a>(tensors: &[(KeyPath, &'a Tensor)]) -> Vec<(usize, &'a Tensor)> {
-    let mut order: Vec<(usize, &Tensor)> = tensors.iter().map(|(_, t)| *t).enumerate().collect();
-    order.sort_by_key(|(_, t)| std::cmp::Reverse(t.dtype().size()));
-    order
-}
-
-/// The 8-byte length and the JSON header, padded with spaces so data starts 64-byte aligned.
-fn build_header(
-    root: &Node,
-    tensors: &[(KeyPath, &Tensor)],
-    names: &[String],
-    user: &BTreeMap<String, String>,
-) -> Vec<u8> {
-    let mut metadata = user.clone();
-    metadata.insert(
-        TREE_METADATA_KEY.into(),
-        tree_meta::encode(root, &mut names.iter().cloned()),
-    );
-    let mut json = String::from("{\"__metadata__\":");
-    json.push_str(&serde_json::to_string(&metadata).expect("strings serialise"));
-    let mut at = 0usize;
-    for (i, t) in order_for_file(tensors) {
-        let end = at + t.nbytes();
-        json.push(',');
-        json.push_str(&serde_json::to_string(&names[i]).expect("strings serialise"));
-        json.push_str(&format!(
-            ":{{\"dtype\":\"{}\",\"shape\":{:?},\"data_offsets\":[{at},{end}]}}",
-            t.dtype().safetensors_code().expect("checked"),
-            t.shape()
-        ));
-        at = end;
-    }
-    json.push('}');
-    let padded = (8 + json.len()).next_multiple_of(HOST_ALIGNMENT) - 8;
-    let mut out = Vec::with_capacity(8 + padded);
-    out.extend_from_slice(&(padded as u64).to_le_bytes());
-    out.extend_from_slice(json.as_bytes());
-    out.resize(8 + padded, b' ');
-    out
-}
-
-/// Refuses a header (the JSON after the 8-byte length) that a reader would refuse for its
-/// size alone, given the `data_len` bytes after it.
-fn check_readable(json: &[u8], data_len: u64) -> Result<()> {
+/// Refuses a header that a reader would refuse for its size alone (its census counted
+/// while it was written), given the `data_len` bytes after it.
+fn check_readable(census: &HeaderCensus, data_len: u64) -> Result<()> {
     let refused = |reason: String| Error::InvalidValue {
         key: String::new(),
         reason,
     };
-    if json.len() as u64 > MAX_HEADER_BYTES {
+    let json_len = census.header_bytes;
+    if json_len > MAX_HEADER_BYTES {
         return Err(refused(format!(
-            "the header would be {} bytes, over the format's limit of {MAX_HEADER_BYTES}: \
-             store long lists and strings as tensors",
-            json.len()
+            "the header would be {json_len} bytes, over the format's limit of {MAX_HEADER_BYTES}: \
+             store long lists and strings as tensors"
         )));
     }
-    let text = std::str::from_utf8(json).expect("the header is built from strings");
-    let census = count_header(text)?;
-    let file_len = 8 + json.len() as u64 + data_len;
-    let cost = budget::load_cost(&census, data_len);
+    let file_len = 8 + json_len + data_len;
+    let cost = budget::load_cost(census, data_len);
     if cost > budget::allowed(file_len) {
         return Err(refused(format!(
             "tensorferry would refuse to read the file back: {}; store many small values \
              as one tensor",
-            budget::over_budget(&census, cost, file_len)
+            budget::over_budget(census, cost, file_len)
         )));
     }
     Ok(())
