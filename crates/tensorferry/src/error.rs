@@ -127,6 +127,21 @@ impl Error {
         }
     }
 
+    /// A [`Error::Format`] located in the file it came from (the reader names byte
+    /// offsets and tensors; a user needs the file too); other errors, and format errors
+    /// that name the file already, as they are.
+    pub(crate) fn in_file(self, path: &std::path::Path) -> Self {
+        match self {
+            Error::Format { at, reason } if !at.contains(&*path.to_string_lossy()) => {
+                Error::Format {
+                    at: format!("{} ({at})", path.display()),
+                    reason,
+                }
+            }
+            other => other,
+        }
+    }
+
     /// An [`Error::Io`] for `op` on `path`.
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {

@@ -56,3 +56,25 @@ fn a_missing_file_is_an_io_error_naming_it() {
     assert!(matches!(err, Error::Io { .. }));
     assert!(err.to_string().contains("/nonexistent/x.safetensors"));
 }
+
+#[test]
+fn format_errors_name_the_file_they_came_from() {
+    for path in corpus() {
+        if path
+            .file_stem()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("valid_")
+        {
+            continue;
+        }
+        for result in [
+            load_node(&path, LoadOptions { mmap: true }).map(drop),
+            tensorferry::io::read_header(&path).map(drop),
+        ] {
+            if let Err(err @ Error::Format { .. }) = result {
+                assert!(err.to_string().contains(&*path.to_string_lossy()), "{err}");
+            }
+        }
+    }
+}

@@ -34,8 +34,13 @@ pub(crate) struct Walked<'a> {
 }
 
 impl Walked<'_> {
+    /// The tree record (JSON), as [`super::tree_meta`] describes it.
+    pub(crate) fn record(&self) -> &str {
+        std::str::from_utf8(&self.record).expect("the record is written from UTF-8 text")
+    }
+
     /// The dotted name of tensor `i`.
-    fn name(&self, i: usize) -> &str {
+    pub(crate) fn name(&self, i: usize) -> &str {
         let start = if i == 0 { 0 } else { self.ends[i - 1] };
         &self.names[start..self.ends[i]]
     }
@@ -43,22 +48,21 @@ impl Walked<'_> {
 
 /// Walks a dict at the root.
 pub(crate) fn walk_dict(dict: &TensorDict) -> Walked<'_> {
-    let mut w = Walker::default();
-    w.record.extend_from_slice(b"{\"format\":");
-    push_u64(&mut w.record, FORMAT_VERSION);
-    w.record.extend_from_slice(b",\"tree\":");
-    w.dict(dict);
-    w.record.push(b'}');
-    w.finish()
+    walk(|w| w.dict(dict))
 }
 
 /// Walks any node at the root.
 pub(crate) fn walk_node(node: &Node) -> Walked<'_> {
+    walk(|w| w.node(node))
+}
+
+/// The record's envelope around the root that `tree` walks.
+fn walk<'a>(tree: impl FnOnce(&mut Walker<'a>)) -> Walked<'a> {
     let mut w = Walker::default();
     w.record.extend_from_slice(b"{\"format\":");
     push_u64(&mut w.record, FORMAT_VERSION);
     w.record.extend_from_slice(b",\"tree\":");
-    w.node(node);
+    tree(&mut w);
     w.record.push(b'}');
     w.finish()
 }

@@ -80,7 +80,11 @@ pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded>
         }
         super::sharded::Target::File(file) => file,
     };
-    let path = path.as_path();
+    load_file(&path, options).map_err(|e| e.in_file(&path))
+}
+
+/// Loads one safetensors file.
+fn load_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
     let (mut file, file_len) = open_regular(path)?;
     let (parsed, storage, base) = if options.mmap {
         map_file(&file, path, file_len)?
@@ -95,7 +99,9 @@ pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded>
 pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
     let path = path.as_ref();
     let (mut file, file_len) = open_regular(path)?;
-    header_of(&mut file, path, file_len).map(|(header, _)| header)
+    header_of(&mut file, path, file_len)
+        .map(|(header, _)| header)
+        .map_err(|e| e.in_file(path))
 }
 
 /// A header and what its census counted.

@@ -17,8 +17,8 @@ use super::file_kind::open_regular;
 use super::read::{load_node, LoadOptions, Loaded};
 use super::replace::write_atomically;
 use super::tree_decode::{decode, TensorSource};
-use super::write::{check_depth, checked_names, save_node, SaveOptions};
-use super::{tree_census, tree_meta, TREE_METADATA_KEY};
+use super::write::{check_root, save_node, write_walked, SaveOptions};
+use super::{header_writer, tree_census, tree_meta, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::tree::{Node, TensorDict};
@@ -53,23 +53,20 @@ pub fn save_sharded(
             reason: "max_shard_size must be positive".into(),
         });
     }
-    if matches!(root, Node::Tensor(_) | Node::Value(_)) {
-        return Err(Error::InvalidValue {
-            key: String::new(),
-            reason: "the object to save must be a dict, list or tuple".into(),
-        });
-    }
-    check_depth(root, 0)?;
-    let tensors = root.tensors();
-    let names = checked_names(&tensors)?;
+    check_root(root, options)?;
+    // One walk gives what a single file and the shards both need: the tensors in tree
+    // order, their names (checked as a single file's are) and the tree record.
+    let walked = header_writer::walk_node(root);
+    let paths = || root.tensors().into_iter().map(|(p, _)| p).collect();
     let groups = plan_shards(
-        tensors.iter().map(|(_, t)| t.nbytes() as u64),
+        walked.tensors.iter().map(|t| t.nbytes() as u64),
         max_shard_bytes,
     );
     if groups.len() <= 1 {
-        save_node(root, path, options)?;
+        write_walked(walked, paths, path, options)?;
         return Ok(vec![path.to_path_buf()]);
     }
+    header_writer::check_names(&walked, paths)?;
     let (dir, stem) = dir_and_stem(path)?;
     let count = groups.len();
     let mut shard_options = options.clone();
@@ -83,17 +80,17 @@ pub fn save_sharded(
         let file = shard_name(&stem, i + 1, count);
         let mut shard = TensorDict::new();
         for &at in group {
-            shard.insert(names[at].clone(), Node::Tensor(tensors[at].1.clone()));
-            weight_map.insert(names[at].clone(), file.clone());
+            let name = walked.name(at);
+            shard.insert(name.to_string(), Node::Tensor(walked.tensors[at].clone()));
+            weight_map.insert(name.to_string(), file.clone());
         }
         let shard_path = dir.join(&file);
         save_node(&Node::Dict(shard), &shard_path, &shard_options)?;
         written.push(shard_path);
     }
-    let total: u64 = tensors.iter().map(|(_, t)| t.nbytes() as u64).sum();
-    let record = tree_meta::encode(root, &mut names.iter().cloned());
+    let total: u64 = walked.tensors.iter().map(|t| t.nbytes() as u64).sum();
     let index = serde_json::json!({
-        "metadata": { "total_size": total, TREE_METADATA_KEY: record },
+        "metadata": { "total_size": total, TREE_METADATA_KEY: walked.record() },
         "weight_map": weight_map,
     });
     let text = serde_json::to_vec_pretty(&index).expect("an index always serialises");

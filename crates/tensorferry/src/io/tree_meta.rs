@@ -1,6 +1,6 @@
 //! Recording a tree's nesting and plain values in a header's `__metadata__`: the format,
-//! the encoder, and the pieces its two readers share ([`super::tree_census`] counts a
-//! record and checks it, [`super::tree_decode`] builds the tree from it).
+//! and the pieces its two readers share ([`super::tree_census`] counts a record and checks
+//! it, [`super::tree_decode`] builds the tree from it); [`super::header_writer`] writes it.
 //!
 //! Encoding (JSON): `{"format": 1, "tree": NODE}` where NODE is one of
 //! `{"dict": [[key, NODE], …]}`, `{"list": [NODE, …]}`, `{"tuple": [NODE, …]}`,
@@ -10,10 +10,8 @@
 use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, Visitor};
-use serde::Serialize;
 
 use crate::error::Error;
-use crate::tree::{Node, Value};
 
 /// The version of the record written and understood.
 pub(crate) const FORMAT_VERSION: u64 = 1;
@@ -28,76 +26,6 @@ pub(crate) fn bad(reason: impl Into<String>) -> Error {
     Error::Format {
         at: WHERE.into(),
         reason: reason.into(),
-    }
-}
-
-/// The recorded form of a node; serde's external tagging gives `{"kind": body}`.
-#[derive(Serialize)]
-enum Repr {
-    #[serde(rename = "dict")]
-    Dict(Vec<(String, Repr)>),
-    #[serde(rename = "list")]
-    List(Vec<Repr>),
-    #[serde(rename = "tuple")]
-    Tuple(Vec<Repr>),
-    #[serde(rename = "tensor")]
-    Tensor(String),
-    #[serde(rename = "none")]
-    None(()),
-    #[serde(rename = "bool")]
-    Bool(bool),
-    #[serde(rename = "int")]
-    Int(i64),
-    #[serde(rename = "float")]
-    Float(FloatRepr),
-    #[serde(rename = "str")]
-    Str(String),
-}
-
-/// A float: a JSON number when finite, else "nan", "inf" or "-inf".
-#[derive(Serialize)]
-#[serde(untagged)]
-enum FloatRepr {
-    Finite(f64),
-    Special(String),
-}
-
-#[derive(Serialize)]
-struct Doc {
-    format: u64,
-    tree: Repr,
-}
-
-/// Encodes `root`; `names` gives the file name of each tensor, in tree order.
-pub(crate) fn encode(root: &Node, names: &mut impl Iterator<Item = String>) -> String {
-    let doc = Doc {
-        format: FORMAT_VERSION,
-        tree: to_repr(root, names),
-    };
-    serde_json::to_string(&doc).expect("a tree always serialises")
-}
-
-fn to_repr(node: &Node, names: &mut impl Iterator<Item = String>) -> Repr {
-    match node {
-        Node::Dict(d) => Repr::Dict(
-            d.iter()
-                .map(|(k, v)| (k.to_string(), to_repr(v, names)))
-                .collect(),
-        ),
-        Node::List(items) => Repr::List(items.iter().map(|v| to_repr(v, names)).collect()),
-        Node::Tuple(items) => Repr::Tuple(items.iter().map(|v| to_repr(v, names)).collect()),
-        Node::Tensor(_) => Repr::Tensor(names.next().expect("one name per tensor")),
-        Node::Value(v) => match v {
-            Value::None => Repr::None(()),
-            Value::Bool(b) => Repr::Bool(*b),
-            Value::Int(i) => Repr::Int(*i),
-            Value::Float(x) if x.is_nan() => Repr::Float(FloatRepr::Special("nan".into())),
-            Value::Float(x) if x.is_infinite() => Repr::Float(FloatRepr::Special(
-                if *x > 0.0 { "inf" } else { "-inf" }.into(),
-            )),
-            Value::Float(x) => Repr::Float(FloatRepr::Finite(*x)),
-            Value::Str(s) => Repr::Str(s.clone()),
-        },
     }
 }
 

@@ -6,7 +6,7 @@
 //! a dtype the format lacks, a tree nested too deep, a header over the format's size
 //! limit, or one that would take a load more memory than [`super::budget`] allows.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
@@ -89,7 +89,7 @@ pub fn header_bytes(root: &Node, options: &SaveOptions) -> Result<Vec<u8>> {
 }
 
 /// Checks the names of a walked tree, builds its header and writes the file.
-fn write_walked(
+pub(crate) fn write_walked(
     walked: header_writer::Walked<'_>,
     paths: impl FnOnce() -> Vec<KeyPath>,
     path: &Path,
@@ -124,7 +124,7 @@ fn check_options(options: &SaveOptions) -> Result<()> {
     Ok(())
 }
 
-fn check_root(root: &Node, options: &SaveOptions) -> Result<()> {
+pub(crate) fn check_root(root: &Node, options: &SaveOptions) -> Result<()> {
     if matches!(root, Node::Tensor(_) | Node::Value(_)) {
         return Err(Error::InvalidValue {
             key: String::new(),
@@ -151,7 +151,7 @@ fn checked_header(
     Ok(built)
 }
 
-pub(crate) fn check_depth(node: &Node, depth: usize) -> Result<()> {
+fn check_depth(node: &Node, depth: usize) -> Result<()> {
     if depth > tree_meta::MAX_DEPTH {
         return Err(Error::InvalidValue {
             key: String::new(),
@@ -177,38 +177,6 @@ fn on_host(tensors: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
 }
 
 /// The dotted name of each tensor; collisions and unsupported dtypes fail.
-pub(crate) fn checked_names(tensors: &[(KeyPath, &Tensor)]) -> Result<Vec<String>> {
-    let mut seen: HashMap<String, &KeyPath> = HashMap::with_capacity(tensors.len());
-    let mut names = Vec::with_capacity(tensors.len());
-    for (path, t) in tensors {
-        if t.dtype().safetensors_code().is_none() {
-            return Err(Error::UnsupportedDType {
-                key: path.to_string(),
-                dtype: t.dtype().to_string(),
-                reason: "the safetensors format has no code for it".into(),
-            });
-        }
-        let name = path.dotted();
-        if name == "__metadata__" {
-            return Err(Error::InvalidValue {
-                key: path.to_string(),
-                reason: "a tensor named \"__metadata__\" cannot be stored: safetensors \
-                         reserves the name for the metadata, and no reader would read the file"
-                    .into(),
-            });
-        }
-        if let Some(first) = seen.insert(name.clone(), path) {
-            return Err(Error::NameCollision {
-                name,
-                first: first.to_string(),
-                second: path.to_string(),
-            });
-        }
-        names.push(name);
-    }
-    Ok(names)
-}
-
 /// Refuses a header that a reader would refuse for its size alone (its census counted
 /// while it was written), given the `data_len` bytes after it.
 fn check_readable(census: &HeaderCensus, data_len: u64) -> Result<()> {
