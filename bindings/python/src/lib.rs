@@ -188,8 +188,7 @@ fn save(
         let root = tree::node_from_py(tree, &mut Vec::new())?;
         // Wait here, interruptibly, for copies still filling the tensors: the writer
         // would wait for them without checking for signals.
-        let tensors = root.tensors();
-        wait::wait_all(py, tensors.iter().map(|(_, t)| *t))?;
+        wait::wait_all(py, root.tensor_refs())?;
         let options = SaveOptions {
             metadata: metadata.unwrap_or_default(),
             fsync,
@@ -221,7 +220,6 @@ fn load(
     guard(|| {
         let loaded = py
             .detach(|| tensorferry::load_node(&path, LoadOptions { mmap }))
-            .map_err(|e| in_file(e, &path))
             .py_err()?;
         let mut out = tree::Output {
             like,
@@ -254,20 +252,6 @@ fn load(
         let tree = tree::node_to_py(py, loaded.root, &mut out, &mut Vec::new())?;
         Ok((tree, loaded.metadata, out.pending))
     })
-}
-
-/// A format error located in the file it came from (the reader names byte offsets and
-/// tensors; the user needs the file too). Errors that name it already are kept as they are.
-fn in_file(err: tensorferry::Error, path: &std::path::Path) -> tensorferry::Error {
-    match err {
-        tensorferry::Error::Format { at, reason } if !at.contains(&*path.to_string_lossy()) => {
-            tensorferry::Error::Format {
-                at: format!("{} ({at})", path.display()),
-                reason,
-            }
-        }
-        other => other,
-    }
 }
 
 /// The framework a Hugging Face `__metadata__["format"]` names ("pt" → "torch", …).
@@ -371,7 +355,7 @@ fn wait_tensors(
             Some(s) if s.is_finite() && s >= 0.0 => {
                 let deadline =
                     std::time::Instant::now() + std::time::Duration::from_secs_f64(s.min(1e9));
-                wait::wait_until(py, inner, deadline)
+                wait::wait_until(py, inner, Some(deadline))
             }
             Some(s) => Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "timeout must be a non-negative number of seconds, not {s}"
@@ -385,7 +369,6 @@ fn wait_tensors(
 fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, String>> {
     guard(|| {
         py.detach(|| tensorferry::io::read_header(&path))
-            .map_err(|e| in_file(e, &path))
             .py_err()
             .map(|h| h.metadata)
     })

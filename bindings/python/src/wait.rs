@@ -16,29 +16,24 @@ const SLICE: Duration = Duration::from_millis(50);
 /// Waits until every copy into `tensors` has finished; the first failure as its error;
 /// an interruption (a signal handler that raises) as that exception.
 pub fn wait_all<'a>(py: Python<'_>, tensors: impl IntoIterator<Item = &'a Tensor>) -> PyResult<()> {
-    for t in tensors {
-        // A failed copy is ready too: `wait_timeout` reports its error either way.
-        while !py.detach(|| t.wait_timeout(SLICE)).py_err()? {
-            py.check_signals()?;
-        }
-    }
-    Ok(())
+    wait_until(py, tensors, None).map(|_| ())
 }
 
-/// Like [`wait_all`], giving up at `deadline`: `Ok(false)` when some copy is still running
-/// then (nothing is cancelled).
+/// Like [`wait_all`], giving up at `deadline` if there is one: `Ok(false)` when some copy
+/// is still running then (nothing is cancelled).
 pub fn wait_until<'a>(
     py: Python<'_>,
     tensors: impl IntoIterator<Item = &'a Tensor>,
-    deadline: Instant,
+    deadline: Option<Instant>,
 ) -> PyResult<bool> {
     for t in tensors {
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()));
+            // A failed copy is ready too: `wait_timeout` reports its error either way.
             if py.detach(|| t.wait_timeout(left.min(SLICE))).py_err()? {
                 break;
             }
-            if left <= SLICE {
+            if deadline.is_some() && left <= SLICE {
                 return Ok(false);
             }
             py.check_signals()?;

@@ -255,28 +255,25 @@ def _data_to_tensor(data, path):
     return fw.Tensor.from_numpy(arr)
 
 
-def _beyond_int64(data):
-    """True when the nested list ``data`` holds an integer outside int64's range."""
+def _numbers(data):
+    """Every number of the nested list ``data``."""
     stack = [data]
     while stack:
         x = stack.pop()
         if container_kind(x) in (_LIST, _TUPLE):
             stack.extend(x)
-        elif isinstance(x, int) and not -(2**63) <= x < 2**63:
-            return True
-    return False
+        else:
+            yield x
+
+
+def _beyond_int64(data):
+    """True when the nested list ``data`` holds an integer outside int64's range."""
+    return any(isinstance(x, int) and not -(2**63) <= x < 2**63 for x in _numbers(data))
 
 
 def _all_ints(data):
     """True when every number in the nested list ``data`` is an int (bools included)."""
-    stack = [data]
-    while stack:
-        x = stack.pop()
-        if container_kind(x) in (_LIST, _TUPLE):
-            stack.extend(x)
-        elif not isinstance(x, int):
-            return False
-    return True
+    return all(isinstance(x, int) for x in _numbers(data))
 
 
 def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, staging="auto", like=None):

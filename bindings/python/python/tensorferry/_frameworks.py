@@ -142,16 +142,23 @@ def to_native(obj, kind, key=""):
     if kind == NUMPY:
         return Tensor.from_numpy(obj)
     if kind == TENSORFLOW:
-        obj = _plain_tf(obj, key)
-        _tf_sync([obj])
-        import tensorflow as tf
-
-        return _exported(key, lambda: _native.from_dlpack_capsules([tf.experimental.dlpack.to_dlpack(obj)])[0])
+        return _tf_to_native_many([obj], [key])[0]
     if kind == TORCH:
         return _exported(key, lambda: Tensor.from_dlpack(_plain_torch(obj)))
     if kind in (NUMBA, CAI):
         return _exported(key, lambda: _native.from_cuda_array_interface(obj))
     return _exported(key, lambda: Tensor.from_dlpack(obj))
+
+
+def _tf_to_native_many(tensors, keys):
+    """Native tensors for TensorFlow tensors (``keys`` name them in errors): one capsule
+    each through TensorFlow's DLPack export, after its queued GPU work."""
+    import tensorflow as tf
+
+    plain = [_plain_tf(t, key) for t, key in zip(tensors, keys)]
+    _tf_sync(plain)
+    capsules = [_exported(key, lambda: tf.experimental.dlpack.to_dlpack(t)) for t, key in zip(plain, keys)]
+    return _native.from_dlpack_capsules(capsules)
 
 
 def _exported(key, export):
@@ -207,12 +214,7 @@ def to_native_many(leaves, kinds, paths):
             out[i] = t
     tf_at = [i for i, k in enumerate(kinds) if k == TENSORFLOW]
     if tf_at:
-        plain = [_plain_tf(leaves[i], shown(paths[i])) for i in tf_at]
-        _tf_sync(plain)
-        import tensorflow as tf
-
-        capsules = [_exported(shown(paths[i]), lambda: tf.experimental.dlpack.to_dlpack(t)) for i, t in zip(tf_at, plain)]
-        for i, t in zip(tf_at, _native.from_dlpack_capsules(capsules)):
+        for i, t in zip(tf_at, _tf_to_native_many([leaves[i] for i in tf_at], [shown(paths[i]) for i in tf_at])):
             out[i] = t
     for i, (leaf, kind) in enumerate(zip(leaves, kinds)):
         if out[i] is None:
@@ -274,12 +276,10 @@ def from_native_many(tensors, kinds, paths):
 def _tf_from_native_many(tensors):
     """TensorFlow tensors for native tensors through TensorFlow's DLPack import. Read-only
     memory (a mapped file) is copied first: TensorFlow may reuse an input's buffer for an
-    op's output, writing into it. Emulated memory has no DLPack device: it stays native."""
+    op's output, writing into it."""
     import tensorflow as tf
 
-    take = tf.experimental.dlpack.from_dlpack
-    tensors = [t.copy() if t.is_read_only else t for t in tensors]
-    return [take(c) for c in _native.to_dlpack_capsules(tensors)]
+    return _from_capsules(tensors, tf.experimental.dlpack.from_dlpack)
 
 
 def _torch_from_native_many(tensors):
@@ -288,7 +288,12 @@ def _torch_from_native_many(tensors):
     overhead. Read-only memory is copied first: PyTorch tensors are always writable."""
     import torch
 
-    take = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
+    return _from_capsules(tensors, getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack)
+
+
+def _from_capsules(tensors, take):
+    """``take`` (a framework's capsule import) of a legacy DLPack capsule of each tensor,
+    read-only ones copied first: these frameworks' tensors are writable."""
     tensors = [t.copy() if t.is_read_only else t for t in tensors]
     return [take(c) for c in _native.to_dlpack_capsules(tensors)]
 

@@ -75,12 +75,6 @@ def _metadata_file(rank=None):
     return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
 
 
-def _literal(name):
-    """``name`` as a pattern that ``tensorferry.load(keys=)`` matches literally: its glob
-    characters (``*?[``) bracketed, as ``glob.escape`` does."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
-
-
 def _write_atomically(path, data):
     """Writes ``data`` to ``path`` through a fsynced temporary file and a rename."""
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
@@ -156,7 +150,6 @@ def _build():
     from torch.futures import Future
 
     from . import _api
-    from ._errors import FormatError
 
     def done(value):
         fut = Future()
@@ -182,13 +175,9 @@ def _build():
             return torch.from_numpy(array.view(kind[0])).view(kind[1])
 
     def load(path, names, like):
-        try:
-            return _api.load(path, keys=[_literal(n) for n in names], like=like)
-        except FormatError as e:
-            if path in str(e):
-                raise
-            # tensorferry's parse errors give the byte, not the file: add it.
-            raise type(e)(f"{path}: {e}") from e
+        # One-element key paths match names literally, glob characters included; errors
+        # name the file.
+        return _api.load(path, keys=[(n,) for n in names], like=like)
 
     def _mapped_as_torch(path, names):
         """``{name: torch tensor}`` viewing the mapped file where it can, so that only the
