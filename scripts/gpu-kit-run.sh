@@ -77,6 +77,7 @@ run() {
     for p in $presets; do
       step "gpu_compare $p" "$PY" "$KIT/src/bench/gpu_compare.py" --preset "$p" --scale "$scale"
     done
+    step "python_leaf_floor (per-leaf cost, torch CPU and CUDA)" "$PY" "$KIT/src/bench/python_leaf_floor.py" --count 10000
   fi
 
   echo

@@ -10,6 +10,8 @@ from . import _frameworks as fw
 from . import _native
 from . import _select
 from ._errors import FormatError, TensorferryOverflowError
+from ._gc_pause import gc_paused
+from ._host_copy import copy_many
 from ._transfer import Transfer
 from ._tree import MAX_DEPTH, collect, dotted, rebuild, shown, container_kind, _LIST, _TUPLE
 
@@ -34,13 +36,22 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
 _WAITING_KINDS = (fw.NATIVE, fw.DLPACK, fw.CAI)
 
 
-def _start(leaves, target, copy, non_blocking, pinned, staging):
+def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False):
     """Queues the copies of a move: ``({id(leaf): leaf kept as is}, queued)``, where
-    ``queued`` is ``(leaves, native results, result kinds, paths)`` or None."""
+    ``queued`` is ``(leaves, native results, result kinds, paths)`` or None. With
+    ``packed``, every copy goes through the engine into one buffer."""
     out = {}
+    leaf_kinds = [fw.kind_of(leaf) for _, leaf in leaves]
+    # Blocking host copies of many small PyTorch leaves: in bulk, by PyTorch itself.
+    if copy and target == "cpu" and not packed and not non_blocking:
+        bulk = copy_many([leaf for _, leaf in leaves], leaf_kinds, fw.TORCH)
+    else:
+        bulk = [None] * len(leaves)
     paths, pending, kinds = [], [], []
-    for path, leaf in leaves:
-        kind = fw.kind_of(leaf)
+    for (path, leaf), kind, done in zip(leaves, leaf_kinds, bulk):
+        if done is not None:
+            out[id(leaf)] = done
+            continue
         if not copy and fw.device_of(leaf, kind) == target:
             out[id(leaf)] = leaf
             continue
@@ -98,7 +109,8 @@ def _to_host_many(leaves):
     return _move(on_device, "cpu", False) if on_device else {}
 
 
-def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, staging="auto"):
+@gc_paused
+def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, staging="auto", _packed=False):
     """Moves every tensor in ``obj`` to host memory, keeping the structure.
 
     ``obj`` is any nesting of dicts (any Mapping), lists and tuples (namedtuples kept).
@@ -106,6 +118,9 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     in their own framework (CuPy as NumPy); every other leaf is returned as the very same
     object. Tensors already on the host are returned as they are unless ``copy=True``,
     in which case no result shares memory with the input. The source is never modified.
+    Blocking host copies of many small PyTorch CPU tensors are made in bulk by PyTorch,
+    each group of tensors of one dtype and shape as rows of one buffer of at most 1 MiB
+    (their values independent); other copies land in one 64-byte-aligned buffer.
     With ``pinned=True`` results copied from a device live in the device's pinned pool,
     reused by the next transfer, instead of fresh ordinary memory. ``stream`` is the
     producer's stream (a torch/CuPy stream or a raw handle): its queued work finishes before
@@ -126,7 +141,7 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     """
     _sync_producer(stream)
     leaves = _native.collect_tensors(obj, fw.kind_of)
-    out, queued = _start(leaves, "cpu", copy, non_blocking, pinned, staging)
+    out, queued = _start(leaves, "cpu", copy, non_blocking, pinned, staging, _packed)
     if not non_blocking or _can_wait(queued):
         _finish(out, queued)
         return _native.rebuild(obj, out, False, fw.kind_of)
@@ -143,6 +158,7 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     return Transfer(moved, finish)
 
 
+@gc_paused
 def to_numpy(obj, *, non_blocking=False):
     """Like :func:`to_host`, then every tensor leaf becomes a ``numpy.ndarray``.
 
@@ -276,6 +292,7 @@ def _all_ints(data):
     return all(isinstance(x, int) for x in _numbers(data))
 
 
+@gc_paused
 def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, staging="auto", like=None):
     """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1").
 

@@ -143,7 +143,7 @@ class TensorDict:
 
     def consolidate(self):
         """A new TensorDict whose host tensors all live in one 64-byte-aligned buffer."""
-        return TensorDict._wrap(_api.to_host(self._data, copy=True))
+        return TensorDict._wrap(_api.to_host(self._data, copy=True, _packed=True))
 
     def save(self, path, *, metadata=None):
         """Saves to a safetensors file (see :func:`tensorferry.save`)."""

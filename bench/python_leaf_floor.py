@@ -1,0 +1,90 @@
+"""Per-leaf cost of tensorferry's Python calls on dictionaries of many small tensors.
+
+    python bench/python_leaf_floor.py [--count 20000] [--repeat 7]
+
+Issue 11's Python rows, each beside the loop it replaces, in one run: ``to_numpy`` of NumPy
+and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_host(copy=True)`` and
+``to_device(..., "cpu", copy=True)`` of PyTorch CPU tensors against ``{k: v.clone()}``, and
+``to_host(copy=True)`` of NumPy leaves against ``{k: v.copy()}``. Every leaf is 1,024
+float32 (4 KiB). Prints the best of ``--repeat`` runs in microseconds per leaf, and the
+ratio to the loop (how many times faster tensorferry is). On a GPU machine it adds CUDA
+PyTorch tensors to the host and back.
+"""
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+
+import numpy as np
+
+import tensorferry as tf
+
+
+CLOCK = time.perf_counter
+
+
+def best(fn, repeat):
+    times = []
+    for _ in range(repeat):
+        start = CLOCK()
+        fn()
+        times.append(CLOCK() - start)
+    return min(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--count", type=int, default=20_000)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time (a busy machine)")
+    args = ap.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.process_time
+    n, r = args.count, args.repeat
+    rows = []
+
+    def row(name, fn, peer_name=None, peer=None):
+        t = best(fn, r)
+        p = best(peer, r) if peer else None
+        rows.append((name, t, peer_name, p))
+
+    arrays = {f"t{i}": np.full(1024, i, np.float32) for i in range(n)}
+    natives = {k: tf.Tensor.from_numpy(v) for k, v in arrays.items()}
+    row("to_numpy, NumPy leaves", lambda: tf.to_numpy(arrays))
+    row("to_numpy, tensorferry leaves", lambda: tf.to_numpy(natives))
+    row("to_host(copy=True), NumPy", lambda: tf.to_host(arrays, copy=True),
+        "{k: v.copy()}", lambda: {k: v.copy() for k, v in arrays.items()})
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "many.safetensors")
+        tf.save(arrays, path)
+        row("load(mmap=True) -> to_numpy", lambda: tf.to_numpy(tf.load(path)))
+    if not args.no_torch:
+        import torch
+
+        tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(n)}
+        clone = lambda: {k: v.clone() for k, v in tensors.items()}  # noqa: E731
+        row("to_host(copy=True), torch CPU", lambda: tf.to_host(tensors, copy=True), "{k: v.clone()}", clone)
+        row("to_device(cpu, copy=True), torch CPU", lambda: tf.to_device(tensors, "cpu", copy=True),
+            "{k: v.clone()}", clone)
+        if torch.cuda.is_available() and "cuda:0" in tf.devices():
+            g = {k: v.cuda() for k, v in tensors.items()}
+            torch.cuda.synchronize()
+            row("to_host, torch CUDA", lambda: tf.to_host(g), "{k: v.cpu()}", lambda: {k: v.cpu() for k, v in g.items()})
+            row("to_device(cuda:0), torch CPU", lambda: (tf.to_device(tensors, "cuda:0"), torch.cuda.synchronize()),
+                "{k: v.cuda()}", lambda: ({k: v.cuda() for k, v in tensors.items()}, torch.cuda.synchronize()))
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  python {platform.python_version()}")
+    clock = "process CPU time" if args.cpu_time else "wall time"
+    print(f"# {n} leaves of 4 KiB (1024 float32), best of {r} ({clock}); us per leaf; x = loop time / tensorferry time")
+    for name, t, peer_name, p in rows:
+        line = f"{name:<40} {t / n * 1e6:7.2f} us/leaf"
+        if p is not None:
+            line += f"   {peer_name:<16} {p / n * 1e6:7.2f} us/leaf   x{p / t:5.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Host copies in bulk (``copy=True`` to the host of many small PyTorch/NumPy leaves): the
+same results as one copy per leaf, whatever the layouts, dtypes and odd leaves in the mix."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+from tensorferry import _host_copy
+
+
+def _shares(a, b, torch):
+    """True when tensors a and b overlap in memory."""
+    a0, a1 = a.data_ptr(), a.data_ptr() + a.element_size() * a.numel()
+    b0, b1 = b.data_ptr(), b.data_ptr() + b.element_size() * b.numel()
+    return a.numel() and b.numel() and a0 < b1 and b0 < a1
+
+
+def test_torch_copies_equal_the_inputs_and_share_nothing_with_them(torch):
+    src = {
+        "w": [torch.randn(3, 4) for _ in range(5)],
+        "b": [torch.arange(7, dtype=torch.int64) for _ in range(3)],
+        "scalar": [torch.tensor(2.5), torch.tensor(-1.0)],
+        "bf16": [torch.randn(2, 2, dtype=torch.bfloat16) for _ in range(2)],
+        "t": torch.randn(4, 3).t(),  # not contiguous
+        "empty": [torch.empty(0, 3), torch.empty(0, 3)],
+        "tag": "run-1",
+    }
+    src["t2"] = torch.randn(4, 3).t()
+    for fn in (lambda d: tf.to_host(d, copy=True), lambda d: tf.to_device(d, "cpu", copy=True)):
+        out = fn(src)
+        assert out["tag"] is src["tag"]
+        flat_in = src["w"] + src["b"] + src["scalar"] + src["bf16"] + [src["t"], src["t2"]] + src["empty"]
+        flat_out = out["w"] + out["b"] + out["scalar"] + out["bf16"] + [out["t"], out["t2"]] + out["empty"]
+        for a, b in zip(flat_in, flat_out):
+            assert type(b) is torch.Tensor
+            assert b.dtype == a.dtype and b.shape == a.shape and not b.requires_grad
+            assert torch.equal(a, b)
+            assert not _shares(a, b, torch)
+
+
+def test_torch_results_are_independent_of_each_other(torch):
+    src = {f"k{i}": torch.full((8,), float(i)) for i in range(10)}
+    out = tf.to_host(src, copy=True)
+    out["k3"].fill_(-1)
+    for i in range(10):
+        assert torch.equal(src[f"k{i}"], torch.full((8,), float(i)))
+        if i != 3:
+            assert torch.equal(out[f"k{i}"], torch.full((8,), float(i)))
+
+
+def test_parameters_and_grad_tensors_come_back_detached(torch):
+    p = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
+    out = tf.to_host({"p": p}, copy=True)
+    for a, b in zip(p, out["p"]):
+        assert type(b) is torch.Tensor and not b.requires_grad and torch.equal(a.detach(), b)
+
+
+def test_conjugate_and_negative_views_are_resolved(torch):
+    c = [torch.randn(3, dtype=torch.complex64) for _ in range(2)]
+    n = [torch._neg_view(torch.arange(3.0)) for _ in range(2)]
+    out = tf.to_host({"c": [x.conj() for x in c], "n": n}, copy=True)
+    for a, b in zip(c, out["c"]):
+        assert not b.is_conj() and torch.equal(b, a.conj().resolve_conj())
+    for b in out["n"]:
+        assert not b.is_neg() and torch.equal(b, -torch.arange(3.0))
+
+
+def test_leaves_the_bulk_path_refuses_still_move_or_fail_by_name(torch):
+    dense = [torch.ones(4) for _ in range(3)]
+    sparse = torch.ones(4).to_sparse()
+    out = tf.to_host({"d": dense, "big": [torch.ones(1 << 15), torch.ones(1 << 15)]}, copy=True)
+    assert all(torch.equal(x, torch.ones(4)) for x in out["d"])
+    assert torch.equal(out["big"][1], torch.ones(1 << 15))
+    with pytest.raises(tf.FormatError, match="s"):
+        tf.to_host({"d": dense, "s": sparse}, copy=True)
+
+
+def test_chunks_split_large_groups(torch, monkeypatch):
+    monkeypatch.setattr(_host_copy, "CHUNK_BYTES", 64)
+    src = [torch.full((4,), float(i)) for i in range(50)]  # 16 bytes each: 4 per chunk
+    out = tf.to_host(src, copy=True)
+    assert all(torch.equal(a, b) for a, b in zip(src, out))
+    assert len({b.untyped_storage().data_ptr() for b in out}) == 13
+
+
+def test_non_blocking_copies_still_come_through_a_transfer(torch):
+    src = [torch.ones(3), torch.zeros(3)]
+    out = tf.to_host(src, copy=True, non_blocking=True)
+    assert isinstance(out, tf.Transfer)
+    res = out.result()
+    assert torch.equal(res[0], src[0]) and torch.equal(res[1], src[1])
+
+
+def test_the_collector_is_back_on_after_a_call_and_stays_off_if_it_was():
+    src = {"a": np.ones(3), "b": np.ones(3)}
+    tf.to_host(src, copy=True)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        tf.to_host(src, copy=True)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    looped = {"a": np.ones(2)}
+    looped["self"] = looped
+    with pytest.raises(tf.TensorferryError):
+        tf.to_host(looped, copy=True)
+    assert gc.isenabled()
