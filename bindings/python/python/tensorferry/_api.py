@@ -191,7 +191,11 @@ def to_numpy(obj, *, non_blocking=False):
                 continue
         else:
             leaf_host, kind_host = leaf, kind
-        if kind_host == fw.TORCH and leaf_host.dtype not in _torch_no_numpy():
+        if kind_host == fw.NATIVE:
+            natives.append(leaf_host)
+            paths.append(path)
+            leaves.append(leaf)
+        elif kind_host == fw.TORCH and leaf_host.dtype not in _torch_no_numpy():
             out[id(leaf)] = fw._exported(shown(path), lambda: _torch_numpy(leaf_host))
         elif kind_host == fw.JAX:
             out[id(leaf)] = np.asarray(leaf_host)
