@@ -196,11 +196,11 @@ def to_numpy(obj, *, non_blocking=False):
             paths.append(path)
             leaves.append(leaf)
         elif kind_host == fw.TORCH and leaf_host.dtype not in _torch_no_numpy():
-            out[id(leaf)] = fw._exported(shown(path), lambda: _torch_numpy(leaf_host))
+            out[id(leaf)] = fw._exported(path, lambda: _torch_numpy(leaf_host))
         elif kind_host == fw.JAX:
             out[id(leaf)] = np.asarray(leaf_host)
         else:
-            natives.append(fw.to_native(leaf_host, kind_host, shown(path)))
+            natives.append(fw.to_native(leaf_host, kind_host, path))
             paths.append(path)
             leaves.append(leaf)
     if natives:

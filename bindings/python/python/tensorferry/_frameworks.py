@@ -136,9 +136,11 @@ def _plain_torch(obj):
 
 def to_native(obj, kind, key=""):
     """A native tensor viewing the leaf's memory (no copy where the layout allows); a leaf
-    its framework cannot export is a :class:`FormatError` naming ``key``."""
+    its framework cannot export is a :class:`FormatError` naming ``key`` (a string, or a
+    key path turned into one only for a message)."""
     if kind == NATIVE:
         return obj
+    key = _text(key)
     if kind == NUMPY:
         return Tensor.from_numpy(obj)
     if kind == TENSORFLOW:
@@ -161,6 +163,15 @@ def _tf_to_native_many(tensors, keys):
     return _native.from_dlpack_capsules(capsules)
 
 
+# What producers raise when they cannot export a tensor.
+_EXPORT_ERRORS = (RuntimeError, BufferError, TypeError, ValueError, NotImplementedError, AttributeError)
+
+
+def _text(key):
+    """``key`` for a message: a key path tuple shown as "a/b/0", a string as it is."""
+    return shown(key) if isinstance(key, tuple) else key
+
+
 def _exported(key, export):
     """``export()``, with a producer's refusal (quantized, meta, sparse or nested tensors,
     odd dtypes) turned into a :class:`FormatError` naming ``key``."""
@@ -168,8 +179,8 @@ def _exported(key, export):
         return export()
     except FormatError:
         raise
-    except (RuntimeError, BufferError, TypeError, ValueError, NotImplementedError, AttributeError) as e:
-        raise FormatError(f"cannot handle the value at {key!r}: its framework cannot export it ({e})") from e
+    except _EXPORT_ERRORS as e:
+        raise FormatError(f"cannot handle the value at {_text(key)!r}: its framework cannot export it ({e})") from e
 
 
 def _torch_to_native_many(tensors, paths):
@@ -186,18 +197,27 @@ def _torch_to_native_many(tensors, paths):
     out = [None] * len(tensors)
     ordered = set()
     capsules, at = [], []
-    for i, t in enumerate(tensors):
-        key = shown(paths[i])
-        t = _exported(key, lambda: _plain_torch(tensors[i]))
+    plain = _all_or_by_key(_plain_torch, tensors, paths)
+    for i, t in enumerate(plain):
         if t.is_cuda and t.device.index not in ordered:
             ordered.add(t.device.index)
-            out[i] = to_native(t, TORCH, key)
+            out[i] = to_native(t, TORCH, paths[i])
             continue
-        capsules.append(_exported(key, lambda: to_dlpack(t)))
+        capsules.append(t)
         at.append(i)
+    capsules = _all_or_by_key(to_dlpack, capsules, [paths[i] for i in at])
     for i, native in zip(at, _native.from_dlpack_capsules(capsules)):
         out[i] = native
     return out
+
+
+def _all_or_by_key(fn, items, keys):
+    """``[fn(x) for x in items]``; when one fails, again one by one so that the error is
+    the :class:`FormatError` of :func:`_exported` naming its key."""
+    try:
+        return [fn(x) for x in items]
+    except _EXPORT_ERRORS:
+        return [_exported(key, lambda x=x: fn(x)) for x, key in zip(items, keys)]
 
 
 def to_native_many(leaves, kinds, paths):
@@ -218,7 +238,7 @@ def to_native_many(leaves, kinds, paths):
             out[i] = t
     for i, (leaf, kind) in enumerate(zip(leaves, kinds)):
         if out[i] is None:
-            out[i] = to_native(leaf, kind, shown(paths[i]))
+            out[i] = to_native(leaf, kind, paths[i])
     return out
 
 
@@ -227,9 +247,11 @@ def _host_numpy(kind, tensor):
 
 
 def from_native(tensor, kind, key=""):
-    """The tensor in the framework ``kind`` (host results of CuPy leaves become NumPy)."""
+    """The tensor in the framework ``kind`` (host results of CuPy leaves become NumPy);
+    ``key`` as in :func:`to_native`."""
     if kind in (NATIVE, DLPACK, CAI):
         return tensor
+    key = _text(key)
     if _host_numpy(kind, tensor):
         return tensor_to_numpy(tensor, key)
     if kind == TORCH:
@@ -269,7 +291,7 @@ def from_native_many(tensors, kinds, paths):
             out[i] = t
     for i, (t, k) in enumerate(zip(tensors, kinds)):
         if out[i] is None:
-            out[i] = from_native(t, k, shown(paths[i]))
+            out[i] = from_native(t, k, paths[i])
     return out
 
 
