@@ -5,7 +5,8 @@
 Issue 11's Python rows, each beside the loop it replaces, in one run: ``to_numpy`` of NumPy
 and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_host(copy=True)`` and
 ``to_device(..., "cpu", copy=True)`` of PyTorch CPU tensors against ``{k: v.clone()}``, and
-``to_host(copy=True)`` of NumPy leaves against ``{k: v.copy()}``. Every leaf is 1,024
+``to_host(copy=True)`` of NumPy leaves against ``{k: v.copy()}``, and ``load(like="torch")``
+against ``safetensors.torch.load_file``. Every leaf is 1,024
 float32 (4 KiB). Prints the best of ``--repeat`` runs in microseconds per leaf, and the
 ratio to the loop (how many times faster tensorferry is). On a GPU machine it adds CUDA
 PyTorch tensors to the host and back.
@@ -70,6 +71,13 @@ def main():
         row("to_host(copy=True), torch CPU", lambda: tf.to_host(tensors, copy=True), "{k: v.clone()}", clone)
         row("to_device(cpu, copy=True), torch CPU", lambda: tf.to_device(tensors, "cpu", copy=True),
             "{k: v.clone()}", clone)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "many.safetensors")
+            tf.save(tensors, path)
+            from safetensors.torch import load_file
+
+            row("load(like='torch')", lambda: tf.load(path, like="torch"), "safetensors load_file",
+                lambda: load_file(path))
         if torch.cuda.is_available() and "cuda:0" in tf.devices():
             g = {k: v.cuda() for k, v in tensors.items()}
             torch.cuda.synchronize()

@@ -408,6 +408,7 @@ def _writers():
     return _WRITERS
 
 
+@gc_paused
 def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_blocking=False):
     """Saves ``obj`` as a safetensors file at ``path``, atomically.
 
@@ -472,6 +473,7 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
 _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
 
 
+@gc_paused
 def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out=None, staging="on"):
     """Loads a safetensors file as plain containers (dict, list, tuple).
 
@@ -540,18 +542,19 @@ def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out
     result = tree
     if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):
         recorded = _recorded_frameworks(meta)
-        leaves = collect(tree, lambda x, p: type(x) is fw.Tensor)
+        leaves = [(p, t) for p, t in _native.collect_tensors(tree, fw.kind_of, True) if type(t) is fw.Tensor]
+        held = {k: fw.importable(k) for k in (fw.TORCH, fw.JAX, fw.TENSORFLOW)}
         kinds, todo = [], []
         for p, t in leaves:
             kind = like or recorded(dotted(p))
-            if kind in (fw.TORCH, fw.JAX, fw.TENSORFLOW) and fw.importable(kind):
+            if held.get(kind):
                 kinds.append(kind)
                 todo.append((p, t))
             elif kind != fw.NATIVE and not on_device and _numpy_can_hold(t.dtype):
                 kinds.append(fw.NUMPY)
                 todo.append((p, t))
         results = fw.from_native_many([t for _, t in todo], kinds, [p for p, _ in todo])
-        result = rebuild(tree, {id(t): r for (_, t), r in zip(todo, results)})
+        result = _native.rebuild(tree, {id(t): r for (_, t), r in zip(todo, results)})
     if dtype is not None:
         result = _select.cast(result, dtype)
     return result

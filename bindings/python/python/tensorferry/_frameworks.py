@@ -316,7 +316,13 @@ def _torch_from_native_many(tensors):
 def _from_capsules(tensors, take):
     """``take`` (a framework's capsule import) of a legacy DLPack capsule of each tensor,
     read-only ones copied first: these frameworks' tensors are writable."""
-    tensors = [t.copy() if t.is_read_only else t for t in tensors]
+    read_only = [i for i, t in enumerate(tensors) if t.is_read_only]
+    if read_only:
+        # One consolidated copy for all of them, not one allocation each.
+        tensors = list(tensors)
+        copies = _native.move_tensors([tensors[i] for i in read_only], "cpu", True, False, False, "off")
+        for i, c in zip(read_only, copies):
+            tensors[i] = c
     return [take(c) for c in _native.to_dlpack_capsules(tensors)]
 
 
