@@ -5,6 +5,7 @@ mod cai;
 mod dlpack;
 mod errors;
 mod numpy_interop;
+mod runs;
 mod tensor;
 mod tree;
 mod wait;
@@ -390,6 +391,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(from_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(from_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(to_dlpack_capsules, m)?)?;
+    m.add_function(wrap_pyfunction!(runs::host_runs, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;

@@ -305,25 +305,63 @@ def _tf_from_native_many(tensors):
 
 
 def _torch_from_native_many(tensors):
-    """PyTorch tensors for many native tensors: one native call makes every capsule (after
-    waiting for pending copies), and PyTorch takes each without the protocol's per-call
-    overhead. Read-only memory is copied first: PyTorch tensors are always writable."""
+    """PyTorch tensors for many native tensors (after their pending copies). Host tensors
+    that lie evenly spaced in one buffer with one dtype and shape (what a load or a move
+    to the host gives) come as runs: one capsule and one strided view per run, split by
+    ``unbind``, each run within 1 MiB. The others take one capsule each, which PyTorch
+    takes without the protocol's per-call overhead. Read-only memory is copied first:
+    PyTorch tensors are always writable."""
     import torch
 
-    return _from_capsules(tensors, getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack)
+    take = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
+    tensors = _writable(tensors)
+    if len(tensors) < 2:
+        return [take(c) for c in _native.to_dlpack_capsules(tensors)]
+    out = [None] * len(tensors)
+    runs, rest = _native.host_runs(tensors)
+    for (region, dtype, shape, spacing, at), flat in zip(runs, _from_capsules([r[0] for r in runs], take)):
+        tdtype = getattr(torch, dtype, None)
+        try:
+            flat = flat.view(tdtype)
+        except (RuntimeError, TypeError):
+            rest.extend(at)  # a dtype PyTorch cannot view bytes as: one capsule each
+            continue
+        strides = _contiguous_strides(shape)
+        step = spacing // flat.element_size()
+        for i, row in zip(at, torch.as_strided(flat, (len(at), *shape), (step, *strides)).unbind(0)):
+            out[i] = row
+    if rest:
+        for i, t in zip(rest, _from_capsules([tensors[i] for i in rest], take)):
+            out[i] = t
+    return out
+
+
+def _contiguous_strides(shape):
+    """Element strides of a C-contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _writable(tensors):
+    """``tensors`` with every read-only one (a mapped file's) replaced by a copy, all the
+    copies made by one consolidated move rather than one allocation each."""
+    read_only = [i for i, t in enumerate(tensors) if t.is_read_only]
+    if not read_only:
+        return tensors
+    tensors = list(tensors)
+    copies = _native.move_tensors([tensors[i] for i in read_only], "cpu", True, False, False, "off")
+    for i, c in zip(read_only, copies):
+        tensors[i] = c
+    return tensors
 
 
 def _from_capsules(tensors, take):
     """``take`` (a framework's capsule import) of a legacy DLPack capsule of each tensor,
     read-only ones copied first: these frameworks' tensors are writable."""
-    read_only = [i for i, t in enumerate(tensors) if t.is_read_only]
-    if read_only:
-        # One consolidated copy for all of them, not one allocation each.
-        tensors = list(tensors)
-        copies = _native.move_tensors([tensors[i] for i in read_only], "cpu", True, False, False, "off")
-        for i, c in zip(read_only, copies):
-            tensors[i] = c
-    return [take(c) for c in _native.to_dlpack_capsules(tensors)]
+    return [take(c) for c in _native.to_dlpack_capsules(_writable(tensors))]
 
 
 def importable(kind):
