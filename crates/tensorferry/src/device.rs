@@ -1,10 +1,11 @@
-//! Where a tensor lives: parsed from and shown as strings ("cpu", "cuda", "cuda:1"),
-//! and what is present on this machine, asked of the driver at run time.
+//! Where a tensor lives: parsed from and shown as strings ("cpu", "cuda", "cuda:1").
+//! What is present on this machine is the backends' to say (`crate::backend::probe`:
+//! [`Device::ensure_available`], [`crate::available_devices`]), so that this module, at the
+//! bottom of the layers, depends on none above it.
 
 use std::fmt;
 use std::str::FromStr;
 
-use crate::backend::{cuda, emulated};
 use crate::error::{Error, Result};
 
 /// The forms [`Device::from_str`] accepts, for error messages.
@@ -19,8 +20,8 @@ pub enum Device {
     Cpu,
     /// The memory of CUDA device N.
     Cuda(usize),
-    /// Emulated device N: a GPU stand-in in host memory, with its own stream (see
-    /// [`crate::backend::emulated`]).
+    /// Emulated device N: a GPU stand-in in host memory, with its own stream (the
+    /// backend `emulated`).
     Emulated(usize),
 }
 
@@ -29,43 +30,6 @@ impl Device {
     pub const fn is_host(self) -> bool {
         matches!(self, Device::Cpu)
     }
-
-    /// Checks that the device can be used now; the error says why not.
-    pub fn ensure_available(self) -> Result<()> {
-        match self {
-            Device::Cpu => Ok(()),
-            Device::Emulated(index) => emulated::device(index).map(drop),
-            Device::Cuda(index) => match cuda::status() {
-                cuda::CudaStatus::Unavailable { reason } => Err(Error::DeviceUnavailable {
-                    device: self.to_string(),
-                    reason: reason.clone(),
-                }),
-                cuda::CudaStatus::Available { gpus, .. } if index >= gpus.len() => {
-                    Err(Error::DeviceUnavailable {
-                        device: self.to_string(),
-                        reason: format!("only {} CUDA device(s) present", gpus.len()),
-                    })
-                }
-                cuda::CudaStatus::Available { .. } => Ok(()),
-            },
-        }
-    }
-}
-
-/// The devices tensorferry can use on this machine, host first (e.g. `[cpu]`, or
-/// `[cpu, cuda:0]`): a GPU the driver reports but tensorferry cannot use is left out
-/// (`Device::ensure_available` says why).
-pub fn available_devices() -> Vec<Device> {
-    let mut found = vec![Device::Cpu];
-    if let cuda::CudaStatus::Available { gpus, .. } = cuda::status() {
-        found.extend(
-            (0..gpus.len())
-                .map(Device::Cuda)
-                .filter(|d| d.ensure_available().is_ok()),
-        );
-    }
-    found.extend((0..emulated::EMULATED_DEVICES).map(Device::Emulated));
-    found
 }
 
 impl fmt::Display for Device {
@@ -139,10 +103,5 @@ mod tests {
             assert!(msg.contains("cuda:N"), "{bad:?} gave {msg}");
             assert!(matches!(err, Error::InvalidDevice { .. }));
         }
-    }
-
-    #[test]
-    fn host_is_always_present_and_first() {
-        assert_eq!(available_devices()[0], Device::Cpu);
     }
 }

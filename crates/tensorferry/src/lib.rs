@@ -14,8 +14,9 @@ pub mod tensor;
 pub mod transfer;
 pub mod tree;
 
+pub use backend::available_devices;
 pub use consolidate::{consolidate, consolidate_node, pack};
-pub use device::{available_devices, Device};
+pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use io::{load, load_node, save, save_node, LoadOptions, Loaded, SaveOptions};

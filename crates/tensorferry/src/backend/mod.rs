@@ -16,10 +16,12 @@ pub mod cuda_device;
 pub(crate) mod cuda_pinned;
 pub mod emulated;
 pub(crate) mod event;
+mod probe;
 pub(crate) mod stream;
 pub(crate) mod worker;
 
 pub use event::{Event, Failure, Outcome};
+pub use probe::available_devices;
 
 /// One contiguous copy of `len` bytes from `src` to `dst` (host or device addresses,
 /// as the batch's [`Direction`] says).
