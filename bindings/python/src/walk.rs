@@ -93,18 +93,23 @@ impl Ancestors {
 
 /// `[(path, leaf)]` for every tensor leaf (as `kind_of` says) in traversal order; NumPy
 /// arrays are left out when `skip_numpy` (for callers that have nothing to do on them).
+/// With `select` (a `(obj, path) -> bool` that also takes some lists as leaves, such as
+/// lists of numbers to become tensors), a list or tuple whose first item is a number or a
+/// list is a leaf when `select` says so, and subtrees left to the Python rules use it.
 #[pyfunction]
-#[pyo3(signature = (obj, kind_of, skip_numpy=false))]
+#[pyo3(signature = (obj, kind_of, skip_numpy=false, select=None))]
 pub fn collect_tensors<'py>(
     obj: &Bound<'py, PyAny>,
     kind_of: &Bound<'py, PyAny>,
     skip_numpy: bool,
+    select: Option<Bound<'py, PyAny>>,
 ) -> PyResult<Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>> {
     let mut out = Vec::new();
     let mut path: Vec<Bound<'py, PyAny>> = Vec::new();
     let mut walker = Walker {
         kind_of,
         skip_numpy,
+        select,
         ancestors: Ancestors::default(),
     };
     walker.collect(obj, &mut path, &mut out)?;
@@ -114,7 +119,20 @@ pub fn collect_tensors<'py>(
 struct Walker<'a, 'py> {
     kind_of: &'a Bound<'py, PyAny>,
     skip_numpy: bool,
+    select: Option<Bound<'py, PyAny>>,
     ancestors: Ancestors,
+}
+
+/// True when a list or tuple could be data for `select`: its first item is a number or
+/// a list or tuple (lists of tensors and of strings are never asked about).
+fn may_be_data(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(first) = obj.get_item(0) else {
+        return Ok(false);
+    };
+    Ok(first.is_instance_of::<PyInt>()
+        || first.is_instance_of::<PyFloat>()
+        || first.is_instance_of::<PyList>()
+        || first.is_instance_of::<PyTuple>())
 }
 
 impl<'py> Walker<'_, 'py> {
@@ -136,6 +154,16 @@ impl<'py> Walker<'_, 'py> {
             return Ok(());
         }
         if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
+            if let Some(select) = &self.select {
+                if may_be_data(obj)?
+                    && select
+                        .call1((obj, PyTuple::new(py, path.iter())?))?
+                        .is_truthy()?
+                {
+                    out.push((PyTuple::new(py, path.iter())?, obj.clone()));
+                    return Ok(());
+                }
+            }
             self.ancestors.enter(obj, path)?;
             // A list is read by index against its length at each step: safe whatever
             // another thread does to it meanwhile.
@@ -166,7 +194,10 @@ impl<'py> Walker<'_, 'py> {
         }
         // Some other container (or an unknown leaf): the Python rules decide, with the
         // depth left and the ancestors so far.
-        let select = python_tree(py)?.getattr("select_tensors")?;
+        let select = match &self.select {
+            Some(select) => select.clone(),
+            None => python_tree(py)?.getattr("select_tensors")?,
+        };
         let prefix = PyTuple::new(py, path.iter())?;
         let ancestors = PyTuple::new(py, self.ancestors.0.iter())?;
         let found = python_tree(py)?

@@ -328,7 +328,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     def select(x, path):
         return fw.kind_of(x) is not None or _numeric_data(x)
 
-    leaves = collect(obj, select)
+    leaves = _native.collect_tensors(obj, fw.kind_of, False, select)
     tensors = []
     out = {}
     made = {}  # id(new tensor) -> the list it was made from
@@ -350,7 +350,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
         converted = fw.from_native_many([out[id(x)] for _, x in lists], [like] * len(lists), [p for p, _ in lists])
         for (_, leaf), result in zip(lists, converted):
             out[id(leaf)] = result
-    return rebuild(obj, out, strict=fw.kind_of)
+    return _native.rebuild(obj, out, False, fw.kind_of)
 
 
 def _native_tree(obj, frameworks, on_device=False):
