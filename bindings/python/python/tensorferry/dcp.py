@@ -4,9 +4,10 @@
 decides where the bytes go. This module's layer writes each rank's items as ONE safetensors
 file (``__{rank}_0.safetensors``) through :func:`tensorferry.save` — atomic, readable by
 ``safetensors`` and every tool that reads it — and DCP's metadata (``.metadata``) beside
-it. Loading maps each needed file once (:func:`tensorferry.load` with ``keys=``), so a rank
-touches only the bytes of the chunks it asked for, whatever the number of ranks that
-saved.
+it. Loading reads each needed file's header once, then only the byte runs of the chunks
+the rank's plan asks for (``preadv`` at their offsets, straight into the planner's tensor
+when it is contiguous host memory), whatever the number of ranks that saved; the reader
+counts what it read in ``reader.read_stats``.
 
 >>> import torch, torch.distributed.checkpoint as dcp            # doctest: +SKIP
 >>> from tensorferry.dcp import TensorferryWriter, TensorferryReader  # doctest: +SKIP
@@ -33,7 +34,9 @@ import pickle
 import re
 import uuid
 
-__all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager"]
+from ._dcp_io import ReadStats
+
+__all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager", "ReadStats"]
 
 METADATA_FILE = ".metadata"
 SUFFIX = ".safetensors"
@@ -133,13 +136,6 @@ def _load_metadata(path):
             raise FormatError(f"{path}: not a readable DCP metadata file ({e})") from None
 
 
-def _narrow(tensor, offsets, lengths):
-    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
-        if offset != 0 or length != tensor.size(dim):
-            tensor = tensor.narrow(dim, offset, length)
-    return tensor
-
-
 def _build():
     """The classes, which subclass torch's and so need it: built once, on first access."""
     import torch
@@ -149,46 +145,29 @@ def _build():
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
     from torch.futures import Future
 
-    from . import _api
+    from . import _api, _dcp_io
+    from ._errors import FormatError
 
     def done(value):
         fut = Future()
         fut.set_result(value)
         return fut
 
-    import numpy as np
+    dtypes = {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+        "F64": torch.float64, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    }
+    for name, attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+        if hasattr(torch, attr):
+            dtypes[name] = getattr(torch, attr)
 
-    # NumPy holds these through ml_dtypes, which torch.from_numpy does not take: their bits
-    # go through an unsigned integer of the same width and are viewed back.
-    bits = {"bfloat16": (np.uint16, torch.bfloat16), "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn),
-            "float8_e5m2": (np.uint8, torch.float8_e5m2)}
-
-    def as_torch(array):
-        """A PyTorch view of a read-only mapped array: no copy (the reader only reads it)."""
-        import warnings
-
-        kind = bits.get(str(array.dtype))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
-            if kind is None:
-                return torch.from_numpy(array)
-            return torch.from_numpy(array.view(kind[0])).view(kind[1])
-
-    def load(path, names, like):
-        # One-element key paths match names literally, glob characters included; errors
-        # name the file.
-        return _api.load(path, keys=[(n,) for n in names], like=like)
-
-    def _mapped_as_torch(path, names):
-        """``{name: torch tensor}`` viewing the mapped file where it can, so that only the
-        chunks a rank copies out are ever read (``like="torch"`` would copy each whole
-        tensor first, as PyTorch tensors are writable and the mapping is not)."""
-        loaded = load(path, names, "numpy")
-        out = {n: as_torch(x) for n, x in loaded.items() if isinstance(x, np.ndarray) and (x.dtype.kind in "biuf" or str(x.dtype) in bits)}
-        rest = [n for n in names if n not in out]
-        if rest:
-            out.update(load(path, rest, "torch"))
-        return out
+    def byte_view(tensor):
+        """A writable memoryview of a contiguous CPU tensor's bytes."""
+        flat = tensor.reshape(-1)
+        if flat.dtype != torch.uint8:
+            flat = flat.view(torch.uint8)
+        return memoryview(flat.numpy()).cast("B")
 
     class TensorferryWriter(StorageWriter):
         """Writes a DCP checkpoint into the folder ``path``: one safetensors file per rank,
@@ -299,8 +278,13 @@ def _build():
     class TensorferryReader(StorageReader):
         """Reads a checkpoint written by :class:`TensorferryWriter` from the folder ``path``.
 
-        Each rank maps every file it needs once and reads only the chunks its plan names,
-        narrowed to the requested offsets and lengths (any resharding DCP plans).
+        Each rank reads the header of every file it needs once, then only the byte runs of
+        the chunks its plan names (any resharding DCP plans), with ``preadv`` straight into
+        the planner's tensor when that is contiguous host memory, else into one scratch
+        block copied once. A damaged file is a :class:`tensorferry.FormatError` naming it.
+
+        ``read_stats`` (a :class:`ReadStats`, reset by every load) counts the bytes needed
+        and the bytes read: data, and headers apart.
         """
 
         def __init__(self, path):
@@ -308,12 +292,14 @@ def _build():
             self.path = os.fspath(path)
             self.storage_data = {}
             self.load_id = uuid.uuid4().hex
+            self.read_stats = _dcp_io.ReadStats()
 
         def reset(self, checkpoint_id=None):
             self.storage_data = {}
             if checkpoint_id:
                 self.path = os.fspath(checkpoint_id)
             self.load_id = uuid.uuid4().hex
+            self.read_stats = _dcp_io.ReadStats()
 
         @classmethod
         def validate_checkpoint_id(cls, checkpoint_id):
@@ -351,27 +337,51 @@ def _build():
                 per_file.setdefault(where.file, []).append((item, where.name))
             for file, items in per_file.items():
                 path = os.path.join(self.path, file)
-                names = sorted({name for _, name in items})
-                loaded = _mapped_as_torch(path, names)
-                for item, name in items:
-                    self._read_item(planner, item, loaded[name], path)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    entries = _dcp_io.read_header(fd, path, self.read_stats)
+                    for item, name in items:
+                        entry = entries.get(name)
+                        if entry is None:
+                            raise FormatError(f"{path}: holds no tensor {name!r}, which the checkpoint's metadata names")
+                        self._read_item(planner, item, fd, path, entry)
+                finally:
+                    os.close(fd)
             return done(None)
 
-        @staticmethod
-        def _read_item(planner, item, stored, path):
+        def _read_item(self, planner, item, fd, path, entry):
+            stats = self.read_stats
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(stored.numpy().tobytes()))
+                raw = bytearray(entry.end - entry.begin)
+                stats.needed += len(raw)
+                _dcp_io.read_runs(fd, path, entry, [(0, len(raw))] if raw else [], memoryview(raw), stats)
+                planner.load_bytes(item, io.BytesIO(raw))
                 return
-            source = _narrow(stored, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != source.size():
-                raise ValueError(
-                    f"{path}: {item.storage_index.fqn} at {list(item.storage_offsets)} holds {list(source.size())}, "
-                    f"the plan asks for {list(target.size())}"
+            dtype = dtypes.get(entry.dtype)
+            offsets, lengths = list(item.storage_offsets), list(item.lengths)
+            if len(offsets) != len(entry.shape) or any(o + n > d for o, n, d in zip(offsets, lengths, entry.shape)):
+                raise FormatError(
+                    f"{path}: {item.storage_index.fqn} is {list(entry.shape)} in the file, the plan asks for "
+                    f"{lengths} at {offsets}"
                 )
-            if target.dtype != source.dtype:
-                raise ValueError(f"{path}: {item.storage_index.fqn} is {source.dtype} in the file, {target.dtype} in the state dict")
-            target.copy_(source)
+            target = planner.resolve_tensor(item).detach()
+            if list(target.size()) != lengths:
+                raise ValueError(
+                    f"{path}: {item.storage_index.fqn} at {offsets} holds {lengths}, the plan's tensor is {list(target.size())}"
+                )
+            if target.dtype != dtype:
+                raise ValueError(f"{path}: {item.storage_index.fqn} is {dtype} in the file, {target.dtype} in the state dict")
+            runs = _dcp_io.byte_runs(entry.shape, _dcp_io.ITEM_SIZE[entry.dtype], offsets, lengths)
+            nbytes = target.numel() * target.element_size()
+            stats.needed += nbytes
+            # Straight into the planner's tensor when it is one contiguous block of host
+            # memory; else into one scratch block, then one copy (to a device, a view).
+            direct = target.device.type == "cpu" and target.is_contiguous()
+            dest = target if direct else torch.empty(lengths, dtype=dtype)
+            if nbytes:
+                _dcp_io.read_runs(fd, path, entry, runs, byte_view(dest), stats)
+            if not direct:
+                target.copy_(dest)
             planner.commit_tensor(item, target)
 
     class TensorferryStager(AsyncStager):
