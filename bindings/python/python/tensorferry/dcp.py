@@ -27,6 +27,7 @@ and whether it holds bytes.
 """
 
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -139,7 +140,7 @@ def _load_metadata(path):
 def _build():
     """The classes, which subclass torch's and so need it: built once, on first access."""
     import torch
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
     from torch.distributed.checkpoint.staging import AsyncStager
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -175,13 +176,18 @@ def _build():
         atomically, by the coordinator) that makes it a checkpoint.
 
         ``sync_files=False`` skips fsync (faster; a crash may then leave a checkpoint whose
-        metadata names data that never reached the disk).
+        metadata names data that never reached the disk). ``overwrite=False`` refuses to
+        save into a folder that already holds a checkpoint (a ``FileExistsError`` on every
+        rank, as DCP's ``FileSystemWriter(overwrite=False)``); with the default ``True`` a
+        new save replaces it safely: its files get new names and the old ones go only once
+        the new metadata is committed.
         """
 
-        def __init__(self, path, *, sync_files=True):
+        def __init__(self, path, *, sync_files=True, overwrite=True):
             super().__init__()
             self.path = os.fspath(path)
             self.sync_files = sync_files
+            self.overwrite = overwrite
             self.rank = None
             self.use_collectives = True
             self.save_id = uuid.uuid4().hex
@@ -213,6 +219,11 @@ def _build():
 
         def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
             os.makedirs(self.path, exist_ok=True)
+            if not self.overwrite:
+                rank = self.rank if not self.use_collectives and self.rank is not None else None
+                existing = os.path.join(self.path, _metadata_file(rank))
+                if os.path.exists(existing):
+                    raise FileExistsError(errno.EEXIST, "a checkpoint exists there and overwrite=False", existing)
             if self.rank is not None and not self.use_collectives:
                 # No global plan: every rank names its own file.
                 plan = dataclasses.replace(plan, storage_data=_rank_file(self.rank, self.save_id))
@@ -291,6 +302,7 @@ def _build():
             super().__init__()
             self.path = os.fspath(path)
             self.storage_data = {}
+            self.chunk_sizes = {}
             self.load_id = uuid.uuid4().hex
             self.read_stats = _dcp_io.ReadStats()
 
@@ -323,6 +335,13 @@ def _build():
             if metadata.storage_data is None:
                 raise ValueError(f"{self.path}: the checkpoint's metadata says where no item is stored")
             self.storage_data = metadata.storage_data
+            # Each saved chunk's size, by (fqn, offsets): a rank file must hold it as such.
+            self.chunk_sizes = {
+                (fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
+                for fqn, md in metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)
+                for chunk in md.chunks
+            }
 
         def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
             return plan
@@ -357,6 +376,13 @@ def _build():
                 _dcp_io.read_runs(fd, path, entry, [(0, len(raw))] if raw else [], memoryview(raw), stats)
                 planner.load_bytes(item, io.BytesIO(raw))
                 return
+            index = item.storage_index
+            saved = self.chunk_sizes.get((index.fqn, tuple(index.offset or ())))
+            if saved is not None and saved != entry.shape:
+                raise FormatError(
+                    f"{path}: {index.fqn} at {list(index.offset)} is {list(entry.shape)} in the file, the checkpoint's "
+                    f"metadata says {list(saved)} (a file of another save?)"
+                )
             dtype = dtypes.get(entry.dtype)
             offsets, lengths = list(item.storage_offsets), list(item.lengths)
             if len(offsets) != len(entry.shape) or any(o + n > d for o, n, d in zip(offsets, lengths, entry.shape)):
