@@ -208,3 +208,56 @@ def test_state_dict_of_another_shape_is_a_clear_error(four):
         dcp.load(target, storage_reader=TensorferryReader(folder / "ckpt"), no_dist=True)
     err = _cause(info)
     assert isinstance(err, ValueError) and "model.0.weight" in str(err) and "Size mismatch" in str(err)
+
+
+# ---- consolidation of the 4-rank checkpoint ------------------------------------------
+
+def test_consolidate_stitches_the_four_rank_shards_into_one_hf_file(four, tmp_path):
+    from safetensors.torch import load_file
+
+    from tensorferry.dcp import consolidate
+
+    folder, _ = four
+    truth = _truth(folder)
+    written = consolidate(folder / "ckpt", tmp_path / "hf", prefix="model.")
+    assert [os.path.basename(p) for p in written] == ["model.safetensors"]
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    _dcp_ranks.assert_same(got, truth["model"])  # FSDP2 row shards of 4 ranks, whole again
+
+
+def test_consolidate_into_shards_with_an_index_read_by_safetensors_and_tensorferry(four, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from tensorferry.dcp import consolidate
+
+    folder, _ = four
+    truth = _truth(folder)
+    out = tmp_path / "hf"
+    written = consolidate(folder / "ckpt", out, max_shard_size=300_000)
+    names = [os.path.basename(p) for p in written]
+    assert names[-1] == "model.safetensors.index.json" and len(names) >= 4
+    assert all(n == f"model-{i + 1:05d}-of-{len(names) - 1:05d}.safetensors" for i, n in enumerate(names[:-1]))
+    index = json.loads((out / names[-1]).read_text())
+    merged = {}
+    for n in names[:-1]:
+        part = load_file(str(out / n))
+        assert all(index["weight_map"][k] == n for k in part)
+        merged.update(part)
+    want = {f"model.{k}": v for k, v in truth["model"].items()}
+    want["extra.cols"] = _dcp_ranks.full_cols()  # column shards (DTensor Shard(1)) stitched
+    for fqn, groups in truth["optim"]["state"].items():
+        for k, v in groups.items():
+            want[f"optim.state.{fqn}.{k}"] = v
+    _dcp_ranks.assert_same(merged, want)
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in want.values())
+    loaded = tf.load(out / names[-1], like="torch")
+    flat = {}
+
+    def walk(d, path):
+        for k, v in d.items():
+            walk(v, f"{path}{k}.") if isinstance(v, dict) else flat.__setitem__(f"{path}{k}", v)
+
+    walk(loaded, "")
+    _dcp_ranks.assert_same(flat, want)

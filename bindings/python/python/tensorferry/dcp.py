@@ -14,6 +14,10 @@ counts what it read in ``reader.read_stats``.
 >>> dcp.save(state, storage_writer=TensorferryWriter("ckpt/step-100"))  # doctest: +SKIP
 >>> dcp.load(state, storage_reader=TensorferryReader("ckpt/step-100"))  # doctest: +SKIP
 
+:func:`consolidate` turns such a checkpoint (saved on any number of ranks) into one Hugging
+Face style checkpoint: whole tensors in ``model.safetensors`` or in
+``model-0000i-of-0000n.safetensors`` files with ``model.safetensors.index.json``.
+
 Importing this module does not import PyTorch: the classes are built on first access
 (``from tensorferry.dcp import TensorferryWriter``), so ``import tensorferry.dcp`` works
 where torch is absent and only using the classes needs it.
@@ -35,9 +39,10 @@ import pickle
 import re
 import uuid
 
+from ._dcp_consolidate import consolidate
 from ._dcp_io import ReadStats
 
-__all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager", "ReadStats"]
+__all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager", "ReadStats", "consolidate"]
 
 METADATA_FILE = ".metadata"
 SUFFIX = ".safetensors"
@@ -137,6 +142,16 @@ def _load_metadata(path):
             raise FormatError(f"{path}: not a readable DCP metadata file ({e})") from None
 
 
+def _byte_view(tensor):
+    """A writable memoryview of a contiguous CPU tensor's bytes."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
 def _build():
     """The classes, which subclass torch's and so need it: built once, on first access."""
     import torch
@@ -162,13 +177,6 @@ def _build():
     for name, attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
         if hasattr(torch, attr):
             dtypes[name] = getattr(torch, attr)
-
-    def byte_view(tensor):
-        """A writable memoryview of a contiguous CPU tensor's bytes."""
-        flat = tensor.reshape(-1)
-        if flat.dtype != torch.uint8:
-            flat = flat.view(torch.uint8)
-        return memoryview(flat.numpy()).cast("B")
 
     class TensorferryWriter(StorageWriter):
         """Writes a DCP checkpoint into the folder ``path``: one safetensors file per rank,
@@ -405,7 +413,7 @@ def _build():
             direct = target.device.type == "cpu" and target.is_contiguous()
             dest = target if direct else torch.empty(lengths, dtype=dtype)
             if nbytes:
-                _dcp_io.read_runs(fd, path, entry, runs, byte_view(dest), stats)
+                _dcp_io.read_runs(fd, path, entry, runs, _byte_view(dest), stats)
             if not direct:
                 target.copy_(dest)
             planner.commit_tensor(item, target)
