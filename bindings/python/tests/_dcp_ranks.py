@@ -167,7 +167,7 @@ def _load_and_check(mesh, ckpt, truth, seed):
 
 
 def scenario_four(rank, world, folder, mesh):
-    """Save on 4 (overwrite=False refused next), load on 4; a write failing on one rank
+    """Save on 4 (overwrite=False refused next), load on 4; async_save with the stager; a write failing on one rank
     fails the save everywhere and keeps the checkpoint; last, one rank is killed mid-save."""
     import torch
     import torch.distributed as dist
@@ -184,6 +184,25 @@ def scenario_four(rank, world, folder, mesh):
     dcp.save(state, storage_writer=TensorferryWriter(ckpt))
     dist.barrier()
     out["load4"] = _load_and_check(mesh, ckpt, truth, seed=1)
+
+    # async_save staged by TensorferryStager: the snapshot is taken before it returns, so
+    # changing the tensors right after does not reach the checkpoint.
+    from tensorferry.dcp import TensorferryStager
+
+    stager = TensorferryStager()
+    start = time.perf_counter()
+    response = dcp.async_save(state, storage_writer=TensorferryWriter(ckpt + "_async"), async_stager=stager)
+    out["async_blocked_s"] = time.perf_counter() - start
+    with torch.no_grad():
+        for t in state["model"].values():
+            t.to_local().add_(1.0)
+    getattr(response, "upload_completion", response).result(timeout=60)
+    stager.close()
+    dist.barrier()
+    out["load4_async"] = _load_and_check(mesh, ckpt + "_async", truth, seed=1)
+    with torch.no_grad():
+        for t in state["model"].values():
+            t.to_local().sub_(1.0)
 
     out["overwrite_false"] = _expect_checkpoint_failure(
         lambda: dcp.save(state, storage_writer=TensorferryWriter(ckpt, overwrite=False)), "FileExistsError")

@@ -67,6 +67,13 @@ def test_saved_on_4_loads_on_4_exactly(four):
         assert r["load4"]["needed"] > 0, (rank, r)
 
 
+def test_async_save_on_4_with_the_stager_saves_the_snapshot(four):
+    # Each rank changed its tensors right after async_save returned, then loaded the
+    # async checkpoint and compared it with the truth (before the change).
+    for rank, r in four[1].items():
+        assert r["load4_async"]["needed"] > 0 and r["async_blocked_s"] < 30, (rank, r)
+
+
 def test_one_file_per_rank_and_each_readable_by_safetensors(four):
     from safetensors.torch import load_file
 

@@ -418,16 +418,52 @@ def _build():
                 target.copy_(dest)
             planner.commit_tensor(item, target)
 
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a PyTorch without DTensor
+        DTensor = ()
+
+    def _split_dtensors(obj, found):
+        """``obj`` with each DTensor replaced by None, the DTensors appended to ``found``."""
+        if isinstance(obj, DTensor):
+            found.append(obj)
+            return None
+        if isinstance(obj, dict):
+            return {k: _split_dtensors(v, found) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(_split_dtensors(v, found) for v in obj) if type(obj) in (list, tuple) else obj
+        return obj
+
+    def _rewrap_dtensors(orig, staged, local):
+        """``staged`` with DTensors again where ``orig`` had them, built on the staged
+        local shards taken in order from ``local``."""
+        if isinstance(orig, DTensor):
+            return DTensor.from_local(
+                next(local), orig.device_mesh, orig.placements, shape=orig.shape, stride=orig.stride(), run_check=False
+            )
+        if isinstance(orig, dict):
+            return {k: _rewrap_dtensors(orig[k], staged[k], local) for k in orig}
+        if type(orig) in (list, tuple):
+            return type(staged)(_rewrap_dtensors(o, s, local) for o, s in zip(orig, staged))
+        return staged
+
     class TensorferryStager(AsyncStager):
         """Stages a state dict for ``dcp.async_save(..., async_stager=...)`` by
         :func:`tensorferry.to_host` with ``copy=True, pinned=True``: one planned transfer of
         every device tensor into the device's pinned pool (reused by the next stage), host
-        tensors copied. Blocking: when ``stage`` returns, training may change its tensors."""
+        tensors copied. DTensors (FSDP2, tensor parallel) are staged by their local shard
+        and come back as DTensors of the same mesh, placements and global shape.
+        Blocking: when ``stage`` returns, training may change its tensors."""
 
         _synchronize_after_execute = False
 
         def stage(self, state_dict):
-            return _api.to_host(state_dict, copy=True, pinned=True)
+            dtensors = []
+            plain = _split_dtensors(state_dict, dtensors)
+            if not dtensors:
+                return _api.to_host(state_dict, copy=True, pinned=True)
+            staged, local = _api.to_host((plain, [d.to_local() for d in dtensors]), copy=True, pinned=True)
+            return _rewrap_dtensors(state_dict, staged, iter(local))
 
         def synchronize_staging(self):
             pass
