@@ -177,6 +177,7 @@ def scenario_four(rank, world, folder, mesh):
 
     ckpt = os.path.join(folder, "ckpt")
     out = {}
+    out["t0"] = time.time()
     _, _, state = build(mesh, seed=0, lr=1e-2)
     truth = full(state)
     if rank == 0:
@@ -230,18 +231,73 @@ def scenario_four(rank, world, folder, mesh):
 
     big = dict(other)
     big["bulk"] = torch.full((4 << 20,), float(rank))  # 16 MiB per rank: the write takes a while
+    start = time.perf_counter()
     try:
         dcp.save(big, storage_writer=KilledWriter(ckpt))
         out["killed"] = "saved"
     except Exception as e:  # the survivors see the dead peer
         out["killed"] = type(e).__name__
+    out["killed_s"] = time.perf_counter() - start
     _write(folder, "four", rank, out)
     os._exit(0)  # the group lost a member: no clean teardown
 
 
-def scenario_two(rank, world, folder, mesh):
-    """Load the checkpoint saved on 4 ranks on 2 (resharding), bytes counted."""
+def full_weight():
     import torch
+
+    return torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4) / 7
+
+
+def full_odd():
+    import torch
+
+    # 5 columns over 2 ranks: shards of 3 and 2 columns.
+    return (torch.arange(3 * 5, dtype=torch.int64) * 3 - 11).reshape(3, 5)
+
+
+def full_bf16():
+    import torch
+
+    return torch.linspace(-2, 2, 8, dtype=torch.float32).to(torch.bfloat16)
+
+
+def local_only(rank):
+    import torch
+
+    return torch.full((3,), float(rank) + 0.5, dtype=torch.float64)
+
+
+def small_state(mesh, rank, fill):
+    """DTensors by rows, by columns and replicated, optimizer-like values and a tensor of
+    one rank only: saved and loaded on 2 ranks (``two_ckpt``)."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def dt(full, placements):
+        return distribute_tensor(full if fill else torch.zeros_like(full), mesh, placements)
+
+    return {
+        "model": {"w": dt(full_weight(), [Shard(0)]), "odd": dt(full_odd(), [Shard(1)]), "half": dt(full_bf16(), [Replicate()])},
+        "optim": {"step": 100 if fill else 0, "lr": 3e-4 if fill else 0.0, "exp_avg": dt(full_weight() * 2, [Shard(0)])},
+        f"rank{rank}": {"local": local_only(rank) if fill else torch.zeros(3, dtype=torch.float64)},
+    }
+
+
+def scenario_two(rank, world, folder, mesh):
+    """Save and load on 2 ranks (``two_ckpt``), then load the checkpoint saved on 4
+    ranks on 2 (resharding), bytes counted."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from tensorferry.dcp import TensorferryReader, TensorferryWriter
+
+    two = os.path.join(folder, "two_ckpt")
+    dcp.save(small_state(mesh, rank, True), storage_writer=TensorferryWriter(two))
+    dist.barrier()
+    got = small_state(mesh, rank, False)
+    dcp.load(got, storage_reader=TensorferryReader(two))
+    assert_same(full(got), full(small_state(mesh, rank, True)))
 
     truth = torch.load(os.path.join(folder, "truth.pt"), weights_only=False)
     out = {"load2": _load_and_check(mesh, os.path.join(folder, "ckpt"), truth, seed=3)}

@@ -1,6 +1,7 @@
 """DCP with tensorferry's storage layer on 4 real gloo ranks (loopback), FSDP2 on CPU:
 model + Adam state saved on 4 ranks, loaded on 4, 2 and 1 (resharding) and compared
-exactly with the full tensors rank 0 gathered without DCP; bytes read per rank against
+exactly with the full tensors rank 0 gathered without DCP; DTensors by rows, columns and
+replicated saved and loaded on 2 ranks; bytes read per rank against
 bytes needed; a write failing on one rank, ``overwrite=False``, a rank killed mid-save.
 
 Two process groups in all (4 ranks, then 2), each running several scenarios (see
@@ -85,6 +86,46 @@ def test_one_file_per_rank_and_each_readable_by_safetensors(four):
     assert [n[:4] for n in named] == ["__0_", "__1_", "__2_", "__3_"]
     cols = [load_file(str(folder / "ckpt" / n))["extra.cols"] for n in named]
     assert torch.equal(torch.cat(cols, dim=1), _dcp_ranks.full_cols())
+
+
+def _rank_path(folder, rank):
+    names = [n for n in os.listdir(folder) if n.startswith(f"__{rank}_") and n.endswith(".safetensors")]
+    assert len(names) == 1, names
+    return folder / names[0]
+
+
+def test_two_ranks_save_then_load_every_shard_exactly(four, two):
+    # The ranks compared their tensors themselves; here: one file per rank.
+    folder = four[0] / "two_ckpt"
+    names = sorted(os.listdir(folder))
+    assert names[0] == ".metadata" and [n[:4] for n in names[1:]] == ["__0_", "__1_"]
+
+
+def test_two_rank_files_hold_their_shards_for_safetensors(four, two):
+    from safetensors.torch import load_file
+
+    folder = four[0] / "two_ckpt"
+    r0 = load_file(str(_rank_path(folder, 0)))
+    r1 = load_file(str(_rank_path(folder, 1)))
+    assert torch.equal(torch.cat([r0["model.w"], r1["model.w"]]), _dcp_ranks.full_weight())
+    assert torch.equal(torch.cat([r0["model.odd"], r1["model.odd"]], dim=1), _dcp_ranks.full_odd())
+    assert torch.equal(r1["rank1.local"], _dcp_ranks.local_only(1))
+
+
+def test_saved_on_two_ranks_loads_resharded_in_one_process(four, two):
+    target = {
+        "model": {"w": torch.zeros(6, 4), "odd": torch.zeros(3, 5, dtype=torch.int64), "half": torch.zeros(8, dtype=torch.bfloat16)},
+        "optim": {"step": 0, "lr": 0.0, "exp_avg": torch.zeros(6, 4)},
+        "rank0": {"local": torch.zeros(3, dtype=torch.float64)},
+        "rank1": {"local": torch.zeros(3, dtype=torch.float64)},
+    }
+    dcp.load(target, storage_reader=TensorferryReader(four[0] / "two_ckpt"), no_dist=True)
+    _dcp_ranks.assert_same(target, {
+        "model": {"w": _dcp_ranks.full_weight(), "odd": _dcp_ranks.full_odd(), "half": _dcp_ranks.full_bf16()},
+        "optim": {"step": 100, "lr": 3e-4, "exp_avg": _dcp_ranks.full_weight() * 2},
+        "rank0": {"local": _dcp_ranks.local_only(0)},
+        "rank1": {"local": _dcp_ranks.local_only(1)},
+    })
 
 
 def test_saved_on_4_loads_on_2_exactly_reading_only_the_needed_bytes(two):
