@@ -367,6 +367,8 @@ def _build():
                 fd = os.open(path, os.O_RDONLY)
                 try:
                     entries = _dcp_io.read_header(fd, path, self.read_stats)
+                    # In file order: one forward pass over the file, whatever the plan's order.
+                    items.sort(key=lambda pair: entries[pair[1]].begin if pair[1] in entries else -1)
                     for item, name in items:
                         entry = entries.get(name)
                         if entry is None:
