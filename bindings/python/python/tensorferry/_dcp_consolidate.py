@@ -116,7 +116,7 @@ def _read_chunk(path, name, chunk, full, headers):
     from .dcp import _byte_view
 
     if path not in headers:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _dcp_io.open_read(path)
         try:
             headers[path] = (fd, _dcp_io.read_header(fd, path))
         except BaseException:

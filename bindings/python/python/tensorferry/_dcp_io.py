@@ -4,7 +4,7 @@ A DCP reader needs, per rank file, the byte range of each stored tensor, then on
 bytes of the chunks its plan asks for. This module reads a file's header (8 bytes and the
 JSON), checks it against the file's size (a :class:`~tensorferry.FormatError` naming the
 file otherwise), turns a request (offsets and lengths in a stored tensor) into the byte
-runs that hold it, and reads those runs with ``preadv`` straight into a destination
+runs that hold it, and reads those runs with ``preadv`` (seek and read on Windows) straight into a destination
 buffer, counting every byte it fetches in a :class:`ReadStats`.
 """
 
@@ -56,6 +56,25 @@ class Entry:
     end: int
 
 
+if hasattr(os, "preadv"):
+
+    def _pread_into(fd, view, offset):
+        return os.preadv(fd, [view], offset)
+
+else:  # Windows has no positional reads in os: seek, then read
+
+    def _pread_into(fd, view, offset):
+        os.lseek(fd, offset, os.SEEK_SET)
+        data = os.read(fd, len(view))
+        view[: len(data)] = data
+        return len(data)
+
+
+def open_read(path):
+    """A read-only file descriptor of ``path`` (binary on Windows)."""
+    return os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+
+
 def _fail(path, what):
     return FormatError(f"{path}: {what}")
 
@@ -65,7 +84,7 @@ def _pread_exact(fd, buffer, offset, path):
     first is a FormatError naming it."""
     view = buffer
     while len(view):
-        got = os.preadv(fd, [view], offset)
+        got = _pread_into(fd, view, offset)
         if got <= 0:
             raise _fail(path, f"the file ends at byte {offset}, before the data its header describes")
         view = view[got:]

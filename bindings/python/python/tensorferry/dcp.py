@@ -2,7 +2,7 @@
 
 ``torch.distributed.checkpoint`` plans what every rank saves and loads; a storage layer
 decides where the bytes go. This module's layer writes each rank's items as ONE safetensors
-file (``__{rank}_0.safetensors``) through :func:`tensorferry.save` — atomic, readable by
+file (``__{rank}_{save id}.safetensors``) through :func:`tensorferry.save` — atomic, readable by
 ``safetensors`` and every tool that reads it — and DCP's metadata (``.metadata``) beside
 it. Loading reads each needed file's header once, then only the byte runs of the chunks
 the rank's plan asks for (``preadv`` at their offsets, straight into the planner's tensor
@@ -13,6 +13,13 @@ counts what it read in ``reader.read_stats``.
 >>> from tensorferry.dcp import TensorferryWriter, TensorferryReader  # doctest: +SKIP
 >>> dcp.save(state, storage_writer=TensorferryWriter("ckpt/step-100"))  # doctest: +SKIP
 >>> dcp.load(state, storage_reader=TensorferryReader("ckpt/step-100"))  # doctest: +SKIP
+
+Failures: every save writes files of new names and commits by writing ``.metadata`` last
+(atomically), so a save that fails or is killed on any rank leaves the previous checkpoint
+in the folder loadable; an exception on one rank fails ``dcp.save`` on every rank (DCP
+gathers it); ``TensorferryWriter(..., overwrite=False)`` refuses an existing checkpoint. On
+load, a missing rank file is a ``FileNotFoundError`` naming it, a damaged one (or one of
+another save) a :class:`tensorferry.FormatError` naming it.
 
 :func:`consolidate` turns such a checkpoint (saved on any number of ranks) into one Hugging
 Face style checkpoint: whole tensors in ``model.safetensors`` or in
@@ -364,7 +371,7 @@ def _build():
                 per_file.setdefault(where.file, []).append((item, where.name))
             for file, items in per_file.items():
                 path = os.path.join(self.path, file)
-                fd = os.open(path, os.O_RDONLY)
+                fd = _dcp_io.open_read(path)
                 try:
                     entries = _dcp_io.read_header(fd, path, self.read_stats)
                     # In file order: one forward pass over the file, whatever the plan's order.
