@@ -250,3 +250,35 @@ def test_async_save_with_the_tensorferry_stager_snapshots_the_state(tmp_path):
     target = _zeros_like_state(want)
     dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
     _assert_same(target, want)
+
+
+# ---- offset reads -------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "shape, offsets, lengths",
+    [((6, 4), (2, 0), (3, 4)), ((6, 4), (0, 1), (6, 2)), ((3, 4, 5), (1, 0, 2), (2, 4, 3)),
+     ((3, 4, 5), (0, 1, 0), (3, 2, 5)), ((7,), (3,), (4,)), ((), (), ()), ((4, 0), (1, 0), (2, 0))],
+)
+def test_byte_runs_laid_end_to_end_are_the_requested_block(shape, offsets, lengths):
+    from tensorferry._dcp_io import byte_runs
+
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.int32).reshape(shape)
+    raw = full.reshape(-1).view(torch.uint8).numpy().tobytes()
+    got = b"".join(raw[s:s + n] for s, n in byte_runs(shape, 4, offsets, lengths))
+    block = full
+    for d, (o, n) in enumerate(zip(offsets, lengths)):
+        block = block.narrow(d, o, n)
+    want = block.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert got == want
+
+
+def test_loading_one_tensor_reads_only_its_bytes_and_the_header(tmp_path):
+    state = {f"w{i}": torch.full((1000,), float(i)) for i in range(8)}
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    target = {"w5": torch.zeros(1000)}
+    reader = TensorferryReader(tmp_path)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert torch.equal(target["w5"], state["w5"])
+    stats = reader.read_stats
+    assert (stats.needed, stats.data, stats.files) == (4000, 4000, 1)
+    assert 8 < stats.header < 4000 and stats.total == stats.data + stats.header
