@@ -2,12 +2,10 @@
 loads through ``dcp.save``/``dcp.load``, in one process and across gloo ranks on loopback.
 
 Run alone: ``python -m pytest bindings/python/tests/test_dcp.py -q``. The multi-rank tests
-start their ranks as subprocesses of this very file (``python test_dcp.py worker …``),
-each bounded by a timeout.
+(2 and 4 gloo ranks) are in test_dcp_ranks.py.
 """
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -23,26 +21,6 @@ from tensorferry.dcp import TensorferryReader, TensorferryWriter  # noqa: E402
 
 CheckpointException = dcp.api.CheckpointException
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-RANK_TIMEOUT_S = 90
-WORLD = 2
-
-# Full tensors every rank can rebuild: the checkpoint's contents are known to every test.
-def _full_weight():
-    return torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4) / 7
-
-
-def _full_odd():
-    # 5 columns over 2 ranks: shards of 3 and 2 columns.
-    return (torch.arange(3 * 5, dtype=torch.int64) * 3 - 11).reshape(3, 5)
-
-
-def _full_bf16():
-    return torch.linspace(-2, 2, 8, dtype=torch.float32).to(torch.bfloat16)
-
-
-def _local_only(rank):
-    return torch.full((3,), float(rank) + 0.5, dtype=torch.float64)
-
 
 def _plain_state():
     return {
@@ -274,128 +252,33 @@ def test_async_save_with_the_tensorferry_stager_snapshots_the_state(tmp_path):
     _assert_same(target, want)
 
 
-# ---- several ranks (gloo on loopback) -----------------------------------------------
+# ---- offset reads -------------------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.mark.parametrize(
+    "shape, offsets, lengths",
+    [((6, 4), (2, 0), (3, 4)), ((6, 4), (0, 1), (6, 2)), ((3, 4, 5), (1, 0, 2), (2, 4, 3)),
+     ((3, 4, 5), (0, 1, 0), (3, 2, 5)), ((7,), (3,), (4,)), ((), (), ()), ((4, 0), (1, 0), (2, 0))],
+)
+def test_byte_runs_laid_end_to_end_are_the_requested_block(shape, offsets, lengths):
+    from tensorferry._dcp_io import byte_runs
 
-
-def _run_ranks(mode, world, folder):
-    port = _free_port()
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "worker", mode, str(rank), str(world), str(port), str(folder)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=RANK_TIMEOUT_S)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out[-4000:]}"
-        assert "RANK_OK" in out, out[-4000:]
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.int32).reshape(shape)
+    raw = full.reshape(-1).view(torch.uint8).numpy().tobytes()
+    got = b"".join(raw[s:s + n] for s, n in byte_runs(shape, 4, offsets, lengths))
+    block = full
+    for d, (o, n) in enumerate(zip(offsets, lengths)):
+        block = block.narrow(d, o, n)
+    want = block.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert got == want
 
 
-@pytest.fixture(scope="module")
-def two_rank_checkpoint(tmp_path_factory):
-    """A checkpoint saved by 2 gloo ranks holding DTensor shards, per-rank tensors and
-    optimizer-like values; the same ranks load it back and check every local shard."""
-    folder = tmp_path_factory.mktemp("dcp_2ranks")
-    _run_ranks("save_load", WORLD, folder)
-    return folder
-
-
-def test_two_ranks_save_then_load_every_shard_exactly(two_rank_checkpoint):
-    # The ranks compared their shards themselves (RANK_OK); here: one file per rank.
-    names = sorted(os.listdir(two_rank_checkpoint))
-    assert names[0] == ".metadata" and [n[:4] for n in names[1:]] == ["__0_", "__1_"]
-
-
-def test_two_rank_files_hold_their_shards_for_safetensors(two_rank_checkpoint):
-    from safetensors.torch import load_file
-
-    r0 = load_file(str(_rank_path(two_rank_checkpoint, 0)))
-    r1 = load_file(str(_rank_path(two_rank_checkpoint, 1)))
-    assert torch.equal(torch.cat([r0["model.w"], r1["model.w"]]), _full_weight())
-    assert torch.equal(torch.cat([r0["model.odd"], r1["model.odd"]], dim=1), _full_odd())
-    assert torch.equal(r1["rank1.local"], _local_only(1))
-
-
-def test_saved_on_two_ranks_loads_resharded_in_one_process(two_rank_checkpoint):
-    target = {
-        "model": {"w": torch.zeros(6, 4), "odd": torch.zeros(3, 5, dtype=torch.int64), "half": torch.zeros(8, dtype=torch.bfloat16)},
-        "optim": {"step": 0, "lr": 0.0, "exp_avg": torch.zeros(6, 4)},
-        "rank0": {"local": torch.zeros(3, dtype=torch.float64)},
-        "rank1": {"local": torch.zeros(3, dtype=torch.float64)},
-    }
-    dcp.load(target, storage_reader=TensorferryReader(two_rank_checkpoint), no_dist=True)
-    _assert_same(target["model"]["w"], _full_weight())
-    _assert_same(target["model"]["odd"], _full_odd())
-    _assert_same(target["model"]["half"], _full_bf16())
-    _assert_same(target["optim"], {"step": 100, "lr": 3e-4, "exp_avg": _full_weight() * 2})
-    _assert_same(target["rank0"]["local"], _local_only(0))
-    _assert_same(target["rank1"]["local"], _local_only(1))
-
-
-# ---- what each rank runs -------------------------------------------------------------
-
-def _rank_state(mesh, rank, fill):
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    def dt(full, placements):
-        return distribute_tensor(full if fill else torch.zeros_like(full), mesh, placements)
-
-    return {
-        "model": {
-            "w": dt(_full_weight(), [Shard(0)]),
-            "odd": dt(_full_odd(), [Shard(1)]),
-            "half": dt(_full_bf16(), [Replicate()]),
-        },
-        "optim": {"step": 100 if fill else 0, "lr": 3e-4 if fill else 0.0, "exp_avg": dt(_full_weight() * 2, [Shard(0)])},
-        f"rank{rank}": {"local": _local_only(rank) if fill else torch.zeros(3, dtype=torch.float64)},
-    }
-
-
-def _worker(mode, rank, world, port, folder):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        if mode == "save_load":
-            dcp.save(_rank_state(mesh, rank, True), storage_writer=TensorferryWriter(folder))
-            dist.barrier()
-            want = _rank_state(mesh, rank, True)
-            got = _rank_state(mesh, rank, False)
-            dcp.load(got, storage_reader=TensorferryReader(folder))
-
-            def local(x):
-                return x.to_local() if hasattr(x, "to_local") else x
-
-            for group in want:
-                for key in want[group]:
-                    w, g = local(want[group][key]), local(got[group][key])
-                    if torch.is_tensor(w):
-                        assert w.dtype == g.dtype and torch.equal(w, g), (group, key, w, g)
-                    else:
-                        assert w == g, (group, key, w, g)
-        print("RANK_OK", flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":
-    _mode, _rank, _world, _port, _folder = sys.argv[2:7]
-    _worker(_mode, int(_rank), int(_world), int(_port), _folder)
+def test_loading_one_tensor_reads_only_its_bytes_and_the_header(tmp_path):
+    state = {f"w{i}": torch.full((1000,), float(i)) for i in range(8)}
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    target = {"w5": torch.zeros(1000)}
+    reader = TensorferryReader(tmp_path)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert torch.equal(target["w5"], state["w5"])
+    stats = reader.read_stats
+    assert (stats.needed, stats.data, stats.files) == (4000, 4000, 1)
+    assert 8 < stats.header < 4000 and stats.total == stats.data + stats.header

@@ -2,16 +2,28 @@
 
 ``torch.distributed.checkpoint`` plans what every rank saves and loads; a storage layer
 decides where the bytes go. This module's layer writes each rank's items as ONE safetensors
-file (``__{rank}_0.safetensors``) through :func:`tensorferry.save` — atomic, readable by
+file (``__{rank}_{save id}.safetensors``) through :func:`tensorferry.save` — atomic, readable by
 ``safetensors`` and every tool that reads it — and DCP's metadata (``.metadata``) beside
-it. Loading maps each needed file once (:func:`tensorferry.load` with ``keys=``), so a rank
-touches only the bytes of the chunks it asked for, whatever the number of ranks that
-saved.
+it. Loading reads each needed file's header once, then only the byte runs of the chunks
+the rank's plan asks for (``preadv`` at their offsets, straight into the planner's tensor
+when it is contiguous host memory), whatever the number of ranks that saved; the reader
+counts what it read in ``reader.read_stats``.
 
 >>> import torch, torch.distributed.checkpoint as dcp            # doctest: +SKIP
 >>> from tensorferry.dcp import TensorferryWriter, TensorferryReader  # doctest: +SKIP
 >>> dcp.save(state, storage_writer=TensorferryWriter("ckpt/step-100"))  # doctest: +SKIP
 >>> dcp.load(state, storage_reader=TensorferryReader("ckpt/step-100"))  # doctest: +SKIP
+
+Failures: every save writes files of new names and commits by writing ``.metadata`` last
+(atomically), so a save that fails or is killed on any rank leaves the previous checkpoint
+in the folder loadable; an exception on one rank fails ``dcp.save`` on every rank (DCP
+gathers it); ``TensorferryWriter(..., overwrite=False)`` refuses an existing checkpoint. On
+load, a missing rank file is a ``FileNotFoundError`` naming it, a damaged one (or one of
+another save) a :class:`tensorferry.FormatError` naming it.
+
+:func:`consolidate` turns such a checkpoint (saved on any number of ranks) into one Hugging
+Face style checkpoint: whole tensors in ``model.safetensors`` or in
+``model-0000i-of-0000n.safetensors`` files with ``model.safetensors.index.json``.
 
 Importing this module does not import PyTorch: the classes are built on first access
 (``from tensorferry.dcp import TensorferryWriter``), so ``import tensorferry.dcp`` works
@@ -26,6 +38,7 @@ and whether it holds bytes.
 """
 
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -33,7 +46,10 @@ import pickle
 import re
 import uuid
 
-__all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager"]
+from ._dcp_consolidate import consolidate
+from ._dcp_io import ReadStats
+
+__all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager", "ReadStats", "consolidate"]
 
 METADATA_FILE = ".metadata"
 SUFFIX = ".safetensors"
@@ -133,62 +149,41 @@ def _load_metadata(path):
             raise FormatError(f"{path}: not a readable DCP metadata file ({e})") from None
 
 
-def _narrow(tensor, offsets, lengths):
-    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
-        if offset != 0 or length != tensor.size(dim):
-            tensor = tensor.narrow(dim, offset, length)
-    return tensor
+def _byte_view(tensor):
+    """A writable memoryview of a contiguous CPU tensor's bytes."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
 
 
 def _build():
     """The classes, which subclass torch's and so need it: built once, on first access."""
     import torch
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
     from torch.distributed.checkpoint.staging import AsyncStager
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
     from torch.futures import Future
 
-    from . import _api
+    from . import _api, _dcp_io
+    from ._errors import FormatError
 
     def done(value):
         fut = Future()
         fut.set_result(value)
         return fut
 
-    import numpy as np
-
-    # NumPy holds these through ml_dtypes, which torch.from_numpy does not take: their bits
-    # go through an unsigned integer of the same width and are viewed back.
-    bits = {"bfloat16": (np.uint16, torch.bfloat16), "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn),
-            "float8_e5m2": (np.uint8, torch.float8_e5m2)}
-
-    def as_torch(array):
-        """A PyTorch view of a read-only mapped array: no copy (the reader only reads it)."""
-        import warnings
-
-        kind = bits.get(str(array.dtype))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "the given NumPy array is not writable"
-            if kind is None:
-                return torch.from_numpy(array)
-            return torch.from_numpy(array.view(kind[0])).view(kind[1])
-
-    def load(path, names, like):
-        # One-element key paths match names literally, glob characters included; errors
-        # name the file.
-        return _api.load(path, keys=[(n,) for n in names], like=like)
-
-    def _mapped_as_torch(path, names):
-        """``{name: torch tensor}`` viewing the mapped file where it can, so that only the
-        chunks a rank copies out are ever read (``like="torch"`` would copy each whole
-        tensor first, as PyTorch tensors are writable and the mapping is not)."""
-        loaded = load(path, names, "numpy")
-        out = {n: as_torch(x) for n, x in loaded.items() if isinstance(x, np.ndarray) and (x.dtype.kind in "biuf" or str(x.dtype) in bits)}
-        rest = [n for n in names if n not in out]
-        if rest:
-            out.update(load(path, rest, "torch"))
-        return out
+    dtypes = {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+        "F64": torch.float64, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    }
+    for name, attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+        if hasattr(torch, attr):
+            dtypes[name] = getattr(torch, attr)
 
     class TensorferryWriter(StorageWriter):
         """Writes a DCP checkpoint into the folder ``path``: one safetensors file per rank,
@@ -196,13 +191,18 @@ def _build():
         atomically, by the coordinator) that makes it a checkpoint.
 
         ``sync_files=False`` skips fsync (faster; a crash may then leave a checkpoint whose
-        metadata names data that never reached the disk).
+        metadata names data that never reached the disk). ``overwrite=False`` refuses to
+        save into a folder that already holds a checkpoint (a ``FileExistsError`` on every
+        rank, as DCP's ``FileSystemWriter(overwrite=False)``); with the default ``True`` a
+        new save replaces it safely: its files get new names and the old ones go only once
+        the new metadata is committed.
         """
 
-        def __init__(self, path, *, sync_files=True):
+        def __init__(self, path, *, sync_files=True, overwrite=True):
             super().__init__()
             self.path = os.fspath(path)
             self.sync_files = sync_files
+            self.overwrite = overwrite
             self.rank = None
             self.use_collectives = True
             self.save_id = uuid.uuid4().hex
@@ -234,6 +234,11 @@ def _build():
 
         def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
             os.makedirs(self.path, exist_ok=True)
+            if not self.overwrite:
+                rank = self.rank if not self.use_collectives and self.rank is not None else None
+                existing = os.path.join(self.path, _metadata_file(rank))
+                if os.path.exists(existing):
+                    raise FileExistsError(errno.EEXIST, "a checkpoint exists there and overwrite=False", existing)
             if self.rank is not None and not self.use_collectives:
                 # No global plan: every rank names its own file.
                 plan = dataclasses.replace(plan, storage_data=_rank_file(self.rank, self.save_id))
@@ -299,21 +304,29 @@ def _build():
     class TensorferryReader(StorageReader):
         """Reads a checkpoint written by :class:`TensorferryWriter` from the folder ``path``.
 
-        Each rank maps every file it needs once and reads only the chunks its plan names,
-        narrowed to the requested offsets and lengths (any resharding DCP plans).
+        Each rank reads the header of every file it needs once, then only the byte runs of
+        the chunks its plan names (any resharding DCP plans), with ``preadv`` straight into
+        the planner's tensor when that is contiguous host memory, else into one scratch
+        block copied once. A damaged file is a :class:`tensorferry.FormatError` naming it.
+
+        ``read_stats`` (a :class:`ReadStats`, reset by every load) counts the bytes needed
+        and the bytes read: data, and headers apart.
         """
 
         def __init__(self, path):
             super().__init__()
             self.path = os.fspath(path)
             self.storage_data = {}
+            self.chunk_sizes = {}
             self.load_id = uuid.uuid4().hex
+            self.read_stats = _dcp_io.ReadStats()
 
         def reset(self, checkpoint_id=None):
             self.storage_data = {}
             if checkpoint_id:
                 self.path = os.fspath(checkpoint_id)
             self.load_id = uuid.uuid4().hex
+            self.read_stats = _dcp_io.ReadStats()
 
         @classmethod
         def validate_checkpoint_id(cls, checkpoint_id):
@@ -337,6 +350,13 @@ def _build():
             if metadata.storage_data is None:
                 raise ValueError(f"{self.path}: the checkpoint's metadata says where no item is stored")
             self.storage_data = metadata.storage_data
+            # Each saved chunk's size, by (fqn, offsets): a rank file must hold it as such.
+            self.chunk_sizes = {
+                (fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
+                for fqn, md in metadata.state_dict_metadata.items()
+                if isinstance(md, TensorStorageMetadata)
+                for chunk in md.chunks
+            }
 
         def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
             return plan
@@ -351,39 +371,108 @@ def _build():
                 per_file.setdefault(where.file, []).append((item, where.name))
             for file, items in per_file.items():
                 path = os.path.join(self.path, file)
-                names = sorted({name for _, name in items})
-                loaded = _mapped_as_torch(path, names)
-                for item, name in items:
-                    self._read_item(planner, item, loaded[name], path)
+                fd = _dcp_io.open_read(path)
+                try:
+                    entries = _dcp_io.read_header(fd, path, self.read_stats)
+                    # In file order: one forward pass over the file, whatever the plan's order.
+                    items.sort(key=lambda pair: entries[pair[1]].begin if pair[1] in entries else -1)
+                    for item, name in items:
+                        entry = entries.get(name)
+                        if entry is None:
+                            raise FormatError(f"{path}: holds no tensor {name!r}, which the checkpoint's metadata names")
+                        self._read_item(planner, item, fd, path, entry)
+                finally:
+                    os.close(fd)
             return done(None)
 
-        @staticmethod
-        def _read_item(planner, item, stored, path):
+        def _read_item(self, planner, item, fd, path, entry):
+            stats = self.read_stats
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(stored.numpy().tobytes()))
+                raw = bytearray(entry.end - entry.begin)
+                stats.needed += len(raw)
+                _dcp_io.read_runs(fd, path, entry, [(0, len(raw))] if raw else [], memoryview(raw), stats)
+                planner.load_bytes(item, io.BytesIO(raw))
                 return
-            source = _narrow(stored, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != source.size():
-                raise ValueError(
-                    f"{path}: {item.storage_index.fqn} at {list(item.storage_offsets)} holds {list(source.size())}, "
-                    f"the plan asks for {list(target.size())}"
+            index = item.storage_index
+            saved = self.chunk_sizes.get((index.fqn, tuple(index.offset or ())))
+            if saved is not None and saved != entry.shape:
+                raise FormatError(
+                    f"{path}: {index.fqn} at {list(index.offset)} is {list(entry.shape)} in the file, the checkpoint's "
+                    f"metadata says {list(saved)} (a file of another save?)"
                 )
-            if target.dtype != source.dtype:
-                raise ValueError(f"{path}: {item.storage_index.fqn} is {source.dtype} in the file, {target.dtype} in the state dict")
-            target.copy_(source)
+            dtype = dtypes.get(entry.dtype)
+            offsets, lengths = list(item.storage_offsets), list(item.lengths)
+            if len(offsets) != len(entry.shape) or any(o + n > d for o, n, d in zip(offsets, lengths, entry.shape)):
+                raise FormatError(
+                    f"{path}: {item.storage_index.fqn} is {list(entry.shape)} in the file, the plan asks for "
+                    f"{lengths} at {offsets}"
+                )
+            target = planner.resolve_tensor(item).detach()
+            if list(target.size()) != lengths:
+                raise ValueError(
+                    f"{path}: {item.storage_index.fqn} at {offsets} holds {lengths}, the plan's tensor is {list(target.size())}"
+                )
+            if target.dtype != dtype:
+                raise ValueError(f"{path}: {item.storage_index.fqn} is {dtype} in the file, {target.dtype} in the state dict")
+            runs = _dcp_io.byte_runs(entry.shape, _dcp_io.ITEM_SIZE[entry.dtype], offsets, lengths)
+            nbytes = target.numel() * target.element_size()
+            stats.needed += nbytes
+            # Straight into the planner's tensor when it is one contiguous block of host
+            # memory; else into one scratch block, then one copy (to a device, a view).
+            direct = target.device.type == "cpu" and target.is_contiguous()
+            dest = target if direct else torch.empty(lengths, dtype=dtype)
+            if nbytes:
+                _dcp_io.read_runs(fd, path, entry, runs, _byte_view(dest), stats)
+            if not direct:
+                target.copy_(dest)
             planner.commit_tensor(item, target)
+
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a PyTorch without DTensor
+        DTensor = ()
+
+    def _split_dtensors(obj, found):
+        """``obj`` with each DTensor replaced by None, the DTensors appended to ``found``."""
+        if isinstance(obj, DTensor):
+            found.append(obj)
+            return None
+        if isinstance(obj, dict):
+            return {k: _split_dtensors(v, found) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(_split_dtensors(v, found) for v in obj) if type(obj) in (list, tuple) else obj
+        return obj
+
+    def _rewrap_dtensors(orig, staged, local):
+        """``staged`` with DTensors again where ``orig`` had them, built on the staged
+        local shards taken in order from ``local``."""
+        if isinstance(orig, DTensor):
+            return DTensor.from_local(
+                next(local), orig.device_mesh, orig.placements, shape=orig.shape, stride=orig.stride(), run_check=False
+            )
+        if isinstance(orig, dict):
+            return {k: _rewrap_dtensors(orig[k], staged[k], local) for k in orig}
+        if type(orig) in (list, tuple):
+            return type(staged)(_rewrap_dtensors(o, s, local) for o, s in zip(orig, staged))
+        return staged
 
     class TensorferryStager(AsyncStager):
         """Stages a state dict for ``dcp.async_save(..., async_stager=...)`` by
         :func:`tensorferry.to_host` with ``copy=True, pinned=True``: one planned transfer of
         every device tensor into the device's pinned pool (reused by the next stage), host
-        tensors copied. Blocking: when ``stage`` returns, training may change its tensors."""
+        tensors copied. DTensors (FSDP2, tensor parallel) are staged by their local shard
+        and come back as DTensors of the same mesh, placements and global shape.
+        Blocking: when ``stage`` returns, training may change its tensors."""
 
         _synchronize_after_execute = False
 
         def stage(self, state_dict):
-            return _api.to_host(state_dict, copy=True, pinned=True)
+            dtensors = []
+            plain = _split_dtensors(state_dict, dtensors)
+            if not dtensors:
+                return _api.to_host(state_dict, copy=True, pinned=True)
+            staged, local = _api.to_host((plain, [d.to_local() for d in dtensors]), copy=True, pinned=True)
+            return _rewrap_dtensors(state_dict, staged, iter(local))
 
         def synchronize_staging(self):
             pass

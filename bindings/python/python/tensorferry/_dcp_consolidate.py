@@ -1,0 +1,138 @@
+"""Consolidation of a DCP checkpoint written by :class:`tensorferry.dcp.TensorferryWriter`
+into one Hugging Face style safetensors checkpoint (see :func:`consolidate`)."""
+
+import json
+import os
+
+from . import _dcp_io
+from ._errors import FormatError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _shard_name(i, n):
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _plan(tensors, limit):
+    """Groups ``[(name, nbytes, ...)]`` greedily, in order, into shards of at most ``limit``
+    bytes (a tensor larger than ``limit`` alone in its shard), as transformers does."""
+    shards, current, size = [], [], 0
+    for t in tensors:
+        if current and limit is not None and size + t[1] > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t[1]
+    if current:
+        shards.append(current)
+    return shards
+
+
+def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=True):
+    """Turns the sharded DCP checkpoint in ``dcp_dir`` (written by
+    :class:`~tensorferry.dcp.TensorferryWriter`, on any number of ranks) into one Hugging
+    Face style checkpoint in ``out_dir``: every tensor whole (DTensor/FSDP shards stitched
+    back by the offsets DCP recorded), in ``model.safetensors``, or, past
+    ``max_shard_size`` (bytes, or "5GB"/"2GiB"), in ``model-0000i-of-0000n.safetensors``
+    files with a ``model.safetensors.index.json`` (``metadata.total_size`` and
+    ``weight_map``) — files the ``safetensors`` package, transformers and
+    :func:`tensorferry.load` read.
+
+    ``prefix`` keeps only the tensors whose name starts with it and strips it (``"model."``
+    turns DCP's ``model.lm_head.weight`` into ``lm_head.weight``). Non-tensor items (an
+    optimizer's step counters, learning rates) have no place in such a checkpoint and are
+    left out. Each output file is built in memory (at most ``max_shard_size`` of tensors,
+    or one tensor larger than it) and written atomically, the index last. Returns the
+    paths written.
+
+    A chunk missing or not covering its tensor, or a damaged rank file, is a
+    :class:`~tensorferry.FormatError` naming the file. Needs PyTorch (DCP's metadata is a
+    PyTorch pickle).
+
+    >>> from tensorferry.dcp import consolidate                 # doctest: +SKIP
+    >>> consolidate("ckpt/step-100", "hf/step-100", max_shard_size="5GB", prefix="model.")  # doctest: +SKIP
+    """
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    from . import _api
+    from .dcp import METADATA_FILE, _load_metadata
+
+    dcp_dir, out_dir = os.fspath(dcp_dir), os.fspath(out_dir)
+    metadata = _load_metadata(os.path.join(dcp_dir, METADATA_FILE))
+    limit = None if max_shard_size is None else _api._parse_size(max_shard_size)
+    wanted = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or (prefix and not fqn.startswith(prefix)):
+            continue
+        name = fqn[len(prefix):] if prefix else fqn
+        nbytes = md.size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
+        wanted.append((name, nbytes, fqn, md))
+    if not wanted:
+        raise ValueError(f"{dcp_dir}: no tensor to consolidate" + (f" under the prefix {prefix!r}" if prefix else ""))
+
+    os.makedirs(out_dir, exist_ok=True)
+    shards = _plan(wanted, limit)
+    headers, written, weight_map = {}, [], {}
+    for i, shard in enumerate(shards):
+        tensors = {}
+        for name, _, fqn, md in shard:
+            full = torch.empty(md.size, dtype=md.properties.dtype)
+            covered = 0
+            for index, chunk in enumerate(md.chunks):
+                info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets, index))
+                if info is None:
+                    info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+                if info is None:
+                    raise FormatError(f"{dcp_dir}: the metadata names no file for {fqn} at {list(chunk.offsets)}")
+                _read_chunk(os.path.join(dcp_dir, info.file), info.name, chunk, full, headers)
+                covered += chunk.sizes.numel()
+            if covered != full.numel():
+                raise FormatError(f"{dcp_dir}: the chunks of {fqn} hold {covered} elements of its {full.numel()}")
+            tensors[name] = full
+        file = SINGLE_FILE if len(shards) == 1 else _shard_name(i, len(shards))
+        path = os.path.join(out_dir, file)
+        _api.save(tensors, path, metadata={"format": "pt"}, fsync=fsync)
+        written.append(path)
+        weight_map.update({name: file for name in tensors})
+    for fd, _ in headers.values():
+        os.close(fd)
+    if len(shards) > 1:
+        from .dcp import _write_atomically
+
+        index = {"metadata": {"total_size": sum(t[1] for t in wanted)}, "weight_map": weight_map}
+        path = os.path.join(out_dir, INDEX_FILE)
+        _write_atomically(path, json.dumps(index, indent=2).encode())
+        written.append(path)
+    return written
+
+
+def _read_chunk(path, name, chunk, full, headers):
+    """Reads the stored chunk ``name`` of ``path`` into its place in ``full``."""
+    import torch
+
+    from .dcp import _byte_view
+
+    if path not in headers:
+        fd = _dcp_io.open_read(path)
+        try:
+            headers[path] = (fd, _dcp_io.read_header(fd, path))
+        except BaseException:
+            os.close(fd)
+            raise
+    fd, entries = headers[path]
+    entry = entries.get(name)
+    if entry is None:
+        raise FormatError(f"{path}: holds no tensor {name!r}, which the checkpoint's metadata names")
+    if entry.shape != tuple(chunk.sizes):
+        raise FormatError(f"{path}: {name} is {list(entry.shape)} in the file, the metadata says {list(chunk.sizes)}")
+    place = full
+    for dim, (offset, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+        place = place.narrow(dim, offset, length)
+    dest = place if place.is_contiguous() else torch.empty(tuple(chunk.sizes), dtype=full.dtype)
+    if dest.numel():
+        _dcp_io.read_runs(fd, path, entry, [(0, entry.end - entry.begin)], _byte_view(dest))
+    if dest is not place:
+        place.copy_(dest)

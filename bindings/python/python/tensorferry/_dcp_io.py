@@ -1,0 +1,172 @@
+"""Offset reads of safetensors rank files for :mod:`tensorferry.dcp` (no torch needed here).
+
+A DCP reader needs, per rank file, the byte range of each stored tensor, then only the
+bytes of the chunks its plan asks for. This module reads a file's header (8 bytes and the
+JSON), checks it against the file's size (a :class:`~tensorferry.FormatError` naming the
+file otherwise), turns a request (offsets and lengths in a stored tensor) into the byte
+runs that hold it, and reads those runs with ``preadv`` (seek and read on Windows) straight into a destination
+buffer, counting every byte it fetches in a :class:`ReadStats`.
+"""
+
+import dataclasses
+import json
+import os
+
+from ._errors import FormatError
+
+#: Bytes per element of each safetensors dtype.
+ITEM_SIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "C64": 8,
+    "U64": 8, "I64": 8, "F64": 8,
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """Bytes a reader fetched from its files, since its last ``reset``.
+
+    ``needed``: the bytes of the chunks the plans asked for (the sum of each requested
+    chunk's size); ``data``: the bytes of tensor data actually read; ``header``: the bytes
+    of safetensors headers read (8 + the JSON's length, once per file and load);
+    ``files``: the files opened.
+    """
+
+    needed: int = 0
+    data: int = 0
+    header: int = 0
+    files: int = 0
+
+    @property
+    def total(self):
+        """Every byte read: tensor data and headers."""
+        return self.data + self.header
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file: dtype string, shape, and its first and end byte
+    in the file (absolute offsets)."""
+
+    dtype: str
+    shape: tuple
+    begin: int
+    end: int
+
+
+if hasattr(os, "preadv"):
+
+    def _pread_into(fd, view, offset):
+        return os.preadv(fd, [view], offset)
+
+else:  # Windows has no positional reads in os: seek, then read
+
+    def _pread_into(fd, view, offset):
+        os.lseek(fd, offset, os.SEEK_SET)
+        data = os.read(fd, len(view))
+        view[: len(data)] = data
+        return len(data)
+
+
+def open_read(path):
+    """A read-only file descriptor of ``path`` (binary on Windows)."""
+    return os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+
+
+def _fail(path, what):
+    return FormatError(f"{path}: {what}")
+
+
+def _pread_exact(fd, buffer, offset, path):
+    """Fills ``buffer`` (a writable memoryview of bytes) from ``offset``; a file that ends
+    first is a FormatError naming it."""
+    view = buffer
+    while len(view):
+        got = _pread_into(fd, view, offset)
+        if got <= 0:
+            raise _fail(path, f"the file ends at byte {offset}, before the data its header describes")
+        view = view[got:]
+        offset += got
+
+
+def read_header(fd, path, stats=None):
+    """``{name: Entry}`` of the open safetensors file ``fd`` (``path`` names it in errors),
+    checked: a known dtype, a shape whose size matches its byte range, ranges inside the
+    file. Counts the bytes read in ``stats``."""
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise _fail(path, f"{size} bytes, too short for a safetensors header")
+    head = bytearray(8)
+    _pread_exact(fd, memoryview(head), 0, path)
+    n = int.from_bytes(head, "little")
+    if n > size - 8 or n > _MAX_HEADER:
+        raise _fail(path, f"the header claims {n} bytes, the file has {size - 8} after its length")
+    raw = bytearray(n)
+    _pread_exact(fd, memoryview(raw), 8, path)
+    if stats is not None:
+        stats.header += 8 + n
+        stats.files += 1
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise _fail(path, f"the header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise _fail(path, "the header is not a JSON object")
+    start = 8 + n
+    entries = {}
+    for name, value in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = value["dtype"], value["shape"], value["data_offsets"]
+            ok = dtype in ITEM_SIZE and all(type(d) is int and d >= 0 for d in shape) and type(begin) is int and type(end) is int
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise _fail(path, f"tensor {name!r}: not a valid safetensors entry: {value!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= begin <= end or end - begin != numel * ITEM_SIZE[dtype]:
+            raise _fail(path, f"tensor {name!r}: bytes {begin}..{end} do not hold {dtype} {shape}")
+        if start + end > size:
+            raise _fail(path, f"tensor {name!r} ends at byte {start + end}, the file at {size} (truncated?)")
+        entries[name] = Entry(dtype, tuple(shape), start + begin, start + end)
+    return entries
+
+
+def byte_runs(shape, item_size, offsets, lengths):
+    """The contiguous byte runs ``[(start, nbytes)]`` (relative to the tensor's first byte)
+    that hold the block ``offsets``/``lengths`` of a C-ordered tensor of ``shape``, in C
+    order: laid end to end, they are the block as a contiguous tensor."""
+    if not shape:
+        return [(0, item_size)]
+    if any(n == 0 for n in lengths):
+        return []
+    strides, step = [0] * len(shape), item_size
+    for d in reversed(range(len(shape))):
+        strides[d], step = step, step * shape[d]
+    # The innermost dims taken whole merge into the run of the last dim cut.
+    k = len(shape) - 1
+    while k > 0 and offsets[k] == 0 and lengths[k] == shape[k]:
+        k -= 1
+    run = lengths[k] * strides[k]
+    starts = [offsets[k] * strides[k]]
+    for d in reversed(range(k)):
+        starts = [i * strides[d] + s for i in range(offsets[d], offsets[d] + lengths[d]) for s in starts]
+    return [(s, run) for s in starts]
+
+
+def read_runs(fd, path, entry, runs, dest, stats=None):
+    """Reads ``runs`` of ``entry`` end to end into ``dest`` (a writable byte memoryview of
+    exactly their total size), counting the bytes in ``stats``."""
+    pos = 0
+    for start, n in runs:
+        _pread_exact(fd, dest[pos : pos + n], entry.begin + start, path)
+        pos += n
+    if pos != len(dest):
+        raise ValueError(f"{path}: {pos} bytes read for a destination of {len(dest)}")
+    if stats is not None:
+        stats.data += pos

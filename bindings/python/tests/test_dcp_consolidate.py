@@ -1,0 +1,94 @@
+"""tensorferry.dcp.consolidate in one process: dtypes, scalars, the prefix, the size
+limit, and its errors (the 4-rank stitching is tested in test_dcp_ranks.py)."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="DCP needs PyTorch")
+dcp = pytest.importorskip("torch.distributed.checkpoint", reason="this PyTorch has no distributed checkpoint")
+
+import tensorferry as tf  # noqa: E402
+from tensorferry.dcp import TensorferryWriter, consolidate  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _state():
+    return {
+        "model": {
+            "w": torch.randn(64, 32, generator=torch.Generator().manual_seed(1)),
+            "ids": torch.arange(100, dtype=torch.int64),
+            "mask": torch.tensor([True, False, True]),
+            "half": torch.linspace(-1, 1, 16).to(torch.bfloat16),
+            "scalar": torch.tensor(3.25),
+            "empty": torch.empty(0, 4),
+        },
+        "optim": {"step": 5, "lr": 0.1},
+    }
+
+
+def _saved(tmp_path):
+    state = _state()
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path / "dcp"), no_dist=True)
+    return state
+
+
+def test_every_dtype_and_shape_into_one_file_without_the_non_tensor_items(tmp_path):
+    from safetensors.torch import load_file
+
+    state = _saved(tmp_path)
+    written = consolidate(tmp_path / "dcp", tmp_path / "hf")
+    assert written == [str(tmp_path / "hf" / "model.safetensors")]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["model.safetensors"]
+    got = load_file(written[0])
+    assert sorted(got) == sorted(f"model.{k}" for k in state["model"])  # optim.step/lr are not tensors
+    for k, v in state["model"].items():
+        assert got[f"model.{k}"].dtype == v.dtype and torch.equal(got[f"model.{k}"], v), k
+
+
+def test_prefix_keeps_and_strips_it(tmp_path):
+    from safetensors import safe_open
+
+    state = _saved(tmp_path)
+    (path,) = consolidate(tmp_path / "dcp", tmp_path / "hf", prefix="model.")
+    with safe_open(path, "pt") as f:
+        assert sorted(f.keys()) == sorted(state["model"])
+        assert f.metadata()["format"] == "pt"
+        assert torch.equal(f.get_tensor("w"), state["model"]["w"])
+
+
+def test_size_limit_splits_in_order_with_an_index(tmp_path):
+    import json
+
+    state = _saved(tmp_path)
+    written = consolidate(tmp_path / "dcp", tmp_path / "hf", max_shard_size="1KB", prefix="model.")
+    names = [os.path.basename(p) for p in written]
+    # w (8 KiB) alone; then the small ones grouped under 1 KB.
+    assert names[0] == f"model-00001-of-{len(names) - 1:05d}.safetensors" and names[-1] == "model.safetensors.index.json"
+    index = json.loads((tmp_path / "hf" / names[-1]).read_text())
+    assert index["weight_map"]["w"] == names[0]
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in state["model"].values())
+    loaded = tf.load(tmp_path / "hf" / names[-1], like="torch")
+    assert torch.equal(loaded["w"], state["model"]["w"]) and torch.equal(loaded["ids"], state["model"]["ids"])
+
+
+def test_nothing_to_consolidate_is_a_value_error(tmp_path):
+    _saved(tmp_path)
+    with pytest.raises(ValueError, match="no tensor to consolidate under the prefix 'nope.'"):
+        consolidate(tmp_path / "dcp", tmp_path / "hf", prefix="nope.")
+
+
+def test_missing_metadata_is_a_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        consolidate(tmp_path, tmp_path / "hf")
+
+
+def test_corrupt_rank_file_is_a_format_error_naming_it(tmp_path):
+    _saved(tmp_path)
+    (rank_file,) = [n for n in os.listdir(tmp_path / "dcp") if n.startswith("__0_")]
+    path = tmp_path / "dcp" / rank_file
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(tf.FormatError, match=rank_file):
+        consolidate(tmp_path / "dcp", tmp_path / "hf")
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
