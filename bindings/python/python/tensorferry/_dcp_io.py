@@ -8,6 +8,7 @@ runs that hold it, and reads those runs with ``preadv`` (seek and read on Window
 buffer, counting every byte it fetches in a :class:`ReadStats`.
 """
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -170,3 +171,54 @@ def read_runs(fd, path, entry, runs, dest, stats=None):
         raise ValueError(f"{path}: {pos} bytes read for a destination of {len(dest)}")
     if stats is not None:
         stats.data += pos
+
+
+#: Reads are cut into pieces of at most this many bytes, so that one large tensor is read
+#: by several threads at once; consecutive small runs are gathered into tasks of about this
+#: size, so that thread hand-offs stay few.
+PIECE_BYTES = 4 << 20
+
+
+def pieces(entry, runs, dest):
+    """``[(file offset, destination view)]`` for reading ``runs`` of ``entry`` end to end
+    into ``dest`` (a writable byte memoryview of exactly their total size), no piece
+    larger than :data:`PIECE_BYTES`."""
+    out, pos = [], 0
+    for start, n in runs:
+        at = entry.begin + start
+        while n:
+            k = min(n, PIECE_BYTES)
+            out.append((at, dest[pos : pos + k]))
+            at, pos, n = at + k, pos + k, n - k
+    if pos != len(dest):
+        raise ValueError(f"{pos} bytes planned for a destination of {len(dest)}")
+    return out
+
+
+def read_pieces(fd, path, todo, workers, stats=None):
+    """Reads every ``(file offset, view)`` of ``todo`` from ``fd``, on up to ``workers``
+    threads (positioned reads release the GIL, so page-cache copies run side by side);
+    the first failure is raised once every read has stopped."""
+    tasks, task, size = [], [], 0
+    for offset, view in todo:
+        task.append((offset, view))
+        size += len(view)
+        if size >= PIECE_BYTES:
+            tasks.append(task)
+            task, size = [], 0
+    if task:
+        tasks.append(task)
+
+    def run(task):
+        for offset, view in task:
+            _pread_exact(fd, view, offset, path)
+
+    if workers <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            run(task)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
+            for future in [pool.submit(run, t) for t in tasks]:
+                future.result()
+    if stats is not None:
+        stats.data += sum(len(view) for _, view in todo)

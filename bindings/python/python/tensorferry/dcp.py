@@ -301,20 +301,26 @@ def _build():
             # Committed: the files of earlier saves into this folder are no longer named.
             _remove_stale(self.path, {info.file for info in storage.values()}, rank)
 
+    # Scratch blocks (reads for targets that are not contiguous host memory) held at once.
+    _SCRATCH_BYTES = 256 << 20
+
     class TensorferryReader(StorageReader):
         """Reads a checkpoint written by :class:`TensorferryWriter` from the folder ``path``.
 
         Each rank reads the header of every file it needs once, then only the byte runs of
         the chunks its plan names (any resharding DCP plans), with ``preadv`` straight into
-        the planner's tensor when that is contiguous host memory, else into one scratch
-        block copied once. A damaged file is a :class:`tensorferry.FormatError` naming it.
+        the planner's tensor when that is contiguous host memory, else into scratch blocks
+        (at most 256 MB at a time) copied once. Reads run on ``read_threads`` threads
+        (default: up to 4, one per core): page-cache copies side by side, pieces of a large
+        tensor included. A damaged file is a :class:`tensorferry.FormatError` naming it.
 
         ``read_stats`` (a :class:`ReadStats`, reset by every load) counts the bytes needed
         and the bytes read: data, and headers apart.
         """
 
-        def __init__(self, path):
+        def __init__(self, path, *, read_threads=None):
             super().__init__()
+            self.read_threads = int(read_threads) if read_threads else min(4, os.cpu_count() or 1)
             self.path = os.fspath(path)
             self.storage_data = {}
             self.chunk_sizes = {}
@@ -376,23 +382,51 @@ def _build():
                     entries = _dcp_io.read_header(fd, path, self.read_stats)
                     # In file order: one forward pass over the file, whatever the plan's order.
                     items.sort(key=lambda pair: entries[pair[1]].begin if pair[1] in entries else -1)
+                    batch, scratch = [], 0
                     for item, name in items:
                         entry = entries.get(name)
                         if entry is None:
                             raise FormatError(f"{path}: holds no tensor {name!r}, which the checkpoint's metadata names")
-                        self._read_item(planner, item, fd, path, entry)
+                        if item.type == LoadItemType.BYTE_IO:
+                            self._read_bytes(planner, item, fd, path, entry)
+                            continue
+                        prepared = self._prepare_item(planner, item, path, entry)
+                        batch.append(prepared)
+                        if not prepared[3]:
+                            scratch += prepared[2].numel() * prepared[2].element_size()
+                        if scratch >= _SCRATCH_BYTES:
+                            self._read_batch(planner, batch, fd, path)
+                            batch, scratch = [], 0
+                    self._read_batch(planner, batch, fd, path)
                 finally:
                     os.close(fd)
             return done(None)
 
-        def _read_item(self, planner, item, fd, path, entry):
+        def _read_bytes(self, planner, item, fd, path, entry):
+            raw = bytearray(entry.end - entry.begin)
+            self.read_stats.needed += len(raw)
+            _dcp_io.read_runs(fd, path, entry, [(0, len(raw))] if raw else [], memoryview(raw), self.read_stats)
+            planner.load_bytes(item, io.BytesIO(raw))
+
+        def _read_batch(self, planner, batch, fd, path):
+            """Reads the byte runs of prepared items on several threads, then copies each
+            scratch block to its tensor and commits the tensors, in order (the planner is
+            called from this thread only)."""
+            todo = []
+            for _, _, dest, _, runs, entry in batch:
+                if runs:
+                    todo.extend(_dcp_io.pieces(entry, runs, _byte_view(dest)))
+            _dcp_io.read_pieces(fd, path, todo, self.read_threads, self.read_stats)
+            for item, target, dest, direct, _, _ in batch:
+                if not direct:
+                    target.copy_(dest)
+                planner.commit_tensor(item, target)
+
+        def _prepare_item(self, planner, item, path, entry):
+            """Checks a tensor item against the file and the plan and resolves its tensor:
+            ``(item, target, dest, direct, runs, entry)``, where the runs are read into
+            ``dest`` — the target itself when it is contiguous host memory."""
             stats = self.read_stats
-            if item.type == LoadItemType.BYTE_IO:
-                raw = bytearray(entry.end - entry.begin)
-                stats.needed += len(raw)
-                _dcp_io.read_runs(fd, path, entry, [(0, len(raw))] if raw else [], memoryview(raw), stats)
-                planner.load_bytes(item, io.BytesIO(raw))
-                return
             index = item.storage_index
             saved = self.chunk_sizes.get((index.fqn, tuple(index.offset or ())))
             if saved is not None and saved != entry.shape:
@@ -421,11 +455,7 @@ def _build():
             # memory; else into one scratch block, then one copy (to a device, a view).
             direct = target.device.type == "cpu" and target.is_contiguous()
             dest = target if direct else torch.empty(lengths, dtype=dtype)
-            if nbytes:
-                _dcp_io.read_runs(fd, path, entry, runs, _byte_view(dest), stats)
-            if not direct:
-                target.copy_(dest)
-            planner.commit_tensor(item, target)
+            return item, target, dest, direct, runs if nbytes else [], entry
 
     try:
         from torch.distributed.tensor import DTensor
