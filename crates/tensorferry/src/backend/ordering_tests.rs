@@ -374,3 +374,31 @@ fn a_failed_event_fails_every_batch_that_waited_for_it_on_the_gpu() {
         assert!(err.contains("cuEventQuery"), "{err}");
     }
 }
+
+#[test]
+fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the_caller() {
+    for dev in devices() {
+        let (host, data) = sample(5);
+        // A host result still being filled: its event is host work (the emulated device
+        // has no GPU events), which no stream can wait for on its own.
+        let source = Device::Emulated(0);
+        let on_source = move_tensors(&[&host], source, MoveOptions::default())
+            .unwrap()
+            .remove(0);
+        let held = gate(source, Direction::DeviceToHost).unwrap();
+        let pending = move_one(&on_source, Device::Cpu);
+        // Both calls return with the gate still closed: the caller never waits.
+        let first = move_one(&pending, dev);
+        let second = move_one(&host, dev);
+        assert!(
+            !second.wait_timeout(SETTLE).unwrap(),
+            "{dev}: a later batch overtook a deferred one on its stream"
+        );
+        assert!(!first.is_ready());
+        held.open();
+        for t in [&first, &second] {
+            let back = move_tensors(&[t], Device::Cpu, MoveOptions::default()).unwrap();
+            assert_eq!(back[0].to_vec::<u32>().unwrap(), data, "{dev}");
+        }
+    }
+}
