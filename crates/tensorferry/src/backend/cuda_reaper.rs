@@ -111,7 +111,11 @@ fn reap(device: Device, rx: Receiver<Entry>) {
         }
         loop {
             match rx.try_recv() {
-                Ok(e) => pending.push(e),
+                Ok(e) => {
+                    // New work: look again soon.
+                    pending.push(e);
+                    backoff = BACKOFF_MIN;
+                }
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => break,
             }

@@ -1,5 +1,6 @@
-//! A stream as both backends run it: one worker thread per device that runs queued jobs
-//! in order, each completing its event. A job that panics completes its event with the
+//! A stream as the emulated device runs it: one worker thread per stream that runs queued
+//! jobs in order, each completing its event (CUDA streams are the driver's, watched by
+//! `cuda_reaper`). A job that panics completes its event with the
 //! panic as an internal error, and the thread goes on with the next job: no waiter is
 //! left blocked by a bug or a bad setting.
 
