@@ -23,6 +23,16 @@
 //! first half of its copies and reports the middle one as `fail_idx`, as a driver failing
 //! part-way through a batch may.
 //!
+//! Test hooks (exported C functions, looked up by name; not part of any CUDA API):
+//! - `tf_fake_cuda_gate(stream)` holds a stream: nothing queued on it after the call runs
+//!   until `tf_fake_cuda_open(gate)` releases it (ordering tests without sleeps);
+//! - `tf_fake_cuda_fail_on_this_thread(kind, n)`: the `n`th call of `kind` made on the
+//!   calling thread from now fails with `CUDA_ERROR_UNKNOWN` (not sticky). Kinds:
+//!   [`FAULT_COPY`] (any copy call), [`FAULT_RECORD`] (`cuEventRecord`), [`FAULT_QUERY`]
+//!   (the `n`th event recorded on this thread: its queries and synchronisations fail).
+//!   Counted per thread, so tests running in parallel in one process do not disturb each
+//!   other; `tf_fake_cuda_clear_faults()` forgets this thread's settings.
+//!
 //! Not a model of performance, of the legacy default stream's implicit synchronisation
 //! beyond "the null stream runs copies at once", or of anything tensorferry does not call.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
@@ -85,11 +95,64 @@ fn fail_list(text: &str) -> Vec<u64> {
         .collect()
 }
 
-/// Counts a copy call; true when it is one that `TF_FAKE_CUDA_FAIL_COPY` makes fail.
+/// Counts a copy call; true when it is one that `TF_FAKE_CUDA_FAIL_COPY` (or this thread's
+/// test hook) makes fail.
 fn injected_copy_failure() -> bool {
     static CALLS: AtomicU64 = AtomicU64::new(0);
     let n = CALLS.fetch_add(1, Ordering::SeqCst) + 1;
-    config().fail_copy.contains(&n)
+    let from_hook = thread_fault(FAULT_COPY);
+    config().fail_copy.contains(&n) || from_hook
+}
+
+/// Fault kind of [`tf_fake_cuda_fail_on_this_thread`]: copy calls.
+pub const FAULT_COPY: c_int = 0;
+/// Fault kind: `cuEventRecord` calls.
+pub const FAULT_RECORD: c_int = 1;
+/// Fault kind: events recorded on this thread whose queries and synchronisations fail.
+pub const FAULT_QUERY: c_int = 2;
+
+#[derive(Default)]
+struct Faults {
+    /// Per kind: calls counted since the kind was last set, and the call numbers to fail.
+    calls: [u64; 3],
+    fail: [Vec<u64>; 3],
+}
+
+thread_local! {
+    static FAULTS: std::cell::RefCell<Faults> = std::cell::RefCell::new(Faults::default());
+}
+
+/// Counts a call of `kind` on this thread; true when the test hook makes it fail.
+fn thread_fault(kind: c_int) -> bool {
+    FAULTS.with(|f| {
+        let mut f = f.borrow_mut();
+        let k = kind as usize;
+        if f.fail[k].is_empty() {
+            return false;
+        }
+        f.calls[k] += 1;
+        let n = f.calls[k];
+        f.fail[k].contains(&n)
+    })
+}
+
+/// Test hook: the `n`th call of `kind` (counted from 1, from this call on, on the calling
+/// thread) fails. Calling it again for the same kind adds a call number, counted from the
+/// first setting.
+#[no_mangle]
+pub extern "C" fn tf_fake_cuda_fail_on_this_thread(kind: c_int, n: u64) -> CUresult {
+    if !(FAULT_COPY..=FAULT_QUERY).contains(&kind) || n == 0 {
+        return INVALID_VALUE;
+    }
+    FAULTS.with(|f| f.borrow_mut().fail[kind as usize].push(n));
+    SUCCESS
+}
+
+/// Test hook: forgets the calling thread's injected faults.
+#[no_mangle]
+pub extern "C" fn tf_fake_cuda_clear_faults() -> CUresult {
+    FAULTS.with(|f| *f.borrow_mut() = Faults::default());
+    SUCCESS
 }
 
 struct DeviceAlloc {
@@ -222,6 +285,8 @@ struct Event {
     /// (generation recorded, generation completed)
     gens: Mutex<(u64, u64)>,
     cv: Condvar,
+    /// Set by fault injection: queries and synchronisations fail.
+    fails: std::sync::atomic::AtomicBool,
 }
 
 impl Event {
@@ -874,6 +939,12 @@ pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CUre
     let s = state();
     try_cu!(enter(&s, false));
     let e = try_cu!(event_of(event));
+    if thread_fault(FAULT_RECORD) {
+        return UNKNOWN;
+    }
+    if thread_fault(FAULT_QUERY) {
+        e.fails.store(true, Ordering::SeqCst);
+    }
     let generation = {
         let mut g = e.gens.lock().unwrap_or_else(|p| p.into_inner());
         g.0 += 1;
@@ -891,6 +962,9 @@ pub extern "C" fn cuEventQuery(event: *mut c_void) -> CUresult {
     let s = state();
     try_cu!(enter(&s, false));
     let e = try_cu!(event_of(event));
+    if e.fails.load(Ordering::SeqCst) {
+        return UNKNOWN;
+    }
     let g = e.gens.lock().unwrap_or_else(|p| p.into_inner());
     if g.1 >= g.0 {
         SUCCESS
@@ -907,7 +981,38 @@ pub extern "C" fn cuEventSynchronize(event: *mut c_void) -> CUresult {
     drop(s);
     let target = e.gens.lock().unwrap_or_else(|p| p.into_inner()).0;
     e.wait_for(target);
+    if e.fails.load(Ordering::SeqCst) {
+        return UNKNOWN;
+    }
     state().sticky.unwrap_or(SUCCESS)
+}
+
+/// Test hook: holds `stream` (nothing queued on it after this call runs) until the
+/// returned gate is passed to [`tf_fake_cuda_open`]; null when `stream` is not one of ours.
+#[no_mangle]
+pub extern "C" fn tf_fake_cuda_gate(stream: *mut c_void) -> *mut c_void {
+    let s = state();
+    let Ok(Some(st)) = stream_of(&s, stream) else {
+        return std::ptr::null_mut();
+    };
+    let gate = Arc::new(Event::default());
+    st.push(Op::Wait(gate.clone(), 1));
+    Box::into_raw(Box::new(gate)) as *mut c_void
+}
+
+/// Test hook: releases a gate from [`tf_fake_cuda_gate`] (once; the handle is freed).
+///
+/// # Safety
+/// `gate` must come from `tf_fake_cuda_gate` and not have been opened yet.
+#[no_mangle]
+pub unsafe extern "C" fn tf_fake_cuda_open(gate: *mut c_void) -> CUresult {
+    if gate.is_null() {
+        return INVALID_HANDLE;
+    }
+    // SAFETY: from `Box::into_raw` in `tf_fake_cuda_gate`, freed once (the contract).
+    let gate = unsafe { Box::from_raw(gate as *mut Arc<Event>) };
+    gate.complete(1);
+    SUCCESS
 }
 
 #[no_mangle]

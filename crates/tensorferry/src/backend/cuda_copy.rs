@@ -1,5 +1,9 @@
-//! How one batch of copies is queued on a GPU's stream: all of them without waiting in
-//! between, then one synchronisation.
+//! How one batch of copies is queued on a GPU's streams: all of them without waiting in
+//! between, and without waiting for them (the caller records an event after them).
+//!
+//! Each GPU has two streams, so that an upload and a download overlap: one for copies
+//! from the host (host → device), one for copies that read device memory (device → host
+//! and device → device; its handle is what DLPack producers order their work before).
 //!
 //! Two paths, chosen once per GPU: `cuMemcpyBatchAsync` (one driver call for the whole
 //! batch; drivers 12.8 and newer that export it) and one `cuMemcpy*Async` per copy (every
@@ -79,10 +83,22 @@ unsafe impl Send for Stream {}
 // SAFETY: see `Send`; the driver serialises use of a stream internally.
 unsafe impl Sync for Stream {}
 
-/// A GPU's stream and the path its batches take.
+/// Which of a GPU's streams a direction's copies run on: 0 for uploads (host → device),
+/// 1 for copies that read device memory.
+pub(crate) fn lane_of(direction: Direction) -> usize {
+    match direction {
+        Direction::HostToDevice => 0,
+        Direction::DeviceToHost | Direction::DeviceToDevice => 1,
+    }
+}
+
+/// How many streams (lanes) a GPU has.
+pub(crate) const LANES: usize = 2;
+
+/// A GPU's streams and the path its batches take.
 pub(crate) struct CopyQueue {
     device: Device,
-    stream: Stream,
+    streams: [Stream; LANES],
     path: Mutex<(CopyPath, Option<String>)>,
 }
 
@@ -90,14 +106,18 @@ impl CopyQueue {
     /// Creates the stream of `device` (its context must be current on this thread), with
     /// the path for a driver of `driver_version`.
     pub(crate) fn new(device: Device, driver_version: i32) -> Result<CopyQueue> {
-        let mut stream: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: the context is current (caller's contract); `stream` is a live out
-        // pointer. Flags 0: a blocking stream, ordered after the legacy default stream.
-        check(
-            unsafe { sys::cuStreamCreate(&mut stream, 0) },
-            device,
-            "cuStreamCreate",
-        )?;
+        let create = || {
+            let mut stream: sys::CUstream = std::ptr::null_mut();
+            // SAFETY: the context is current (caller's contract); `stream` is a live out
+            // pointer. Flags 0: a blocking stream, ordered after the legacy default stream.
+            check(
+                unsafe { sys::cuStreamCreate(&mut stream, 0) },
+                device,
+                "cuStreamCreate",
+            )
+            .map(|()| Stream(stream))
+        };
+        let streams = [create()?, create()?];
         // SAFETY: the library is loaded (the device exists); looking a symbol up calls
         // nothing.
         let has_symbol = unsafe {
@@ -109,15 +129,20 @@ impl CopyQueue {
         let path = choose_path(driver_version, has_symbol, forced.as_deref())?;
         Ok(CopyQueue {
             device,
-            stream: Stream(stream),
+            streams,
             path: Mutex::new((path, None)),
         })
     }
 
-    /// The raw `CUstream` handle copies run on, for producers that order their work
-    /// before ours (DLPack's `__dlpack__(stream=…)`).
+    /// The raw `CUstream` handle that copies reading device memory run on, for producers
+    /// that order their work before ours (DLPack's `__dlpack__(stream=…)`).
     pub(crate) fn stream_handle(&self) -> usize {
-        self.stream.0 as usize
+        self.streams[lane_of(Direction::DeviceToHost)].0 as usize
+    }
+
+    /// The stream of lane `lane` (see [`lane_of`]).
+    pub(crate) fn stream(&self, lane: usize) -> sys::CUstream {
+        self.streams[lane].0
     }
 
     /// The path batches take now.
@@ -134,12 +159,15 @@ impl CopyQueue {
             .clone()
     }
 
-    /// Queues every copy of `batch`, then waits for the stream.
+    /// Queues every copy of `batch` on its direction's stream, without waiting for them.
+    /// On an error, the copies queued before it stay queued: the caller must not release
+    /// their memory before the stream has passed them.
     ///
     /// # Safety
-    /// Every op's ranges must be valid in the memories the direction names until this
-    /// returns, and the device's context must be current on this thread.
-    pub(crate) unsafe fn run(&self, batch: &CopyBatch) -> Result<()> {
+    /// Every op's ranges must be valid in the memories the direction names until the
+    /// stream has passed these copies, and the device's context must be current on this
+    /// thread.
+    pub(crate) unsafe fn enqueue(&self, batch: &CopyBatch) -> Result<()> {
         let ops: Vec<&CopyOp> = batch.ops.iter().filter(|op| op.len > 0).collect();
         if ops.is_empty() {
             return Ok(());
@@ -163,8 +191,7 @@ impl CopyQueue {
                 let code = unsafe { self.queue_one(batch.direction, op) };
                 if code != CUresult::CUDA_SUCCESS {
                     // The copies queued before this one still read and write the batch's
-                    // memory: they must be done before the caller releases it.
-                    self.synchronize();
+                    // memory: the caller waits for them before releasing it.
                     let what = format!(
                         "cuMemcpyAsync of copy {} of {} ({} bytes)",
                         i + 1,
@@ -175,28 +202,15 @@ impl CopyQueue {
                 }
             }
         }
-        // SAFETY: the stream is this queue's, created in the current context.
-        check(
-            unsafe { sys::cuStreamSynchronize(self.stream.0) },
-            self.device,
-            "cuStreamSynchronize",
-        )
-    }
-
-    /// Waits for everything queued on the stream, ignoring the outcome: after a failure,
-    /// so that no queued copy outlives the memory it uses. The device's context must be
-    /// current on this thread.
-    pub(crate) fn synchronize(&self) {
-        // SAFETY: the stream is this queue's; a sticky error comes back as a code.
-        let _ = unsafe { sys::cuStreamSynchronize(self.stream.0) };
+        Ok(())
     }
 
     /// One `cuMemcpy*Async`.
     ///
     /// # Safety
-    /// As [`CopyQueue::run`].
+    /// As [`CopyQueue::enqueue`].
     unsafe fn queue_one(&self, direction: Direction, op: &CopyOp) -> CUresult {
-        let s = self.stream.0;
+        let s = self.stream(lane_of(direction));
         // SAFETY: forwarded contract: valid ranges, current context, our stream.
         unsafe {
             match direction {
@@ -228,7 +242,7 @@ impl CopyQueue {
     /// One `cuMemcpyBatchAsync` for all of `ops`, in stream order.
     ///
     /// # Safety
-    /// As [`CopyQueue::run`]; the path must be [`CopyPath::Batched`] (the driver has the
+    /// As [`CopyQueue::enqueue`]; the path must be [`CopyPath::Batched`] (the driver has the
     /// entry point).
     unsafe fn queue_batched(
         &self,
@@ -271,7 +285,7 @@ impl CopyQueue {
                 attr_idxs.as_mut_ptr(),
                 1,
                 &mut fail_idx,
-                self.stream.0,
+                self.stream(lane_of(direction)),
             )
         };
         if code == CUresult::CUDA_SUCCESS {

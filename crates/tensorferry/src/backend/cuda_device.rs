@@ -2,13 +2,24 @@
 //! layer, loaded at run time), in each GPU's primary context so that pointers from
 //! PyTorch, JAX and CuPy in the same process are valid here.
 //!
-//! Each GPU has one CUDA stream of its own, created *blocking* (flags 0) so that it runs
+//! Each GPU has two CUDA streams of its own (uploads; copies that read device memory), so
+//! that an upload and a download overlap, created *blocking* (flags 0) so that they run
 //! after work on the legacy default stream, which DLPack producers synchronise with when no
-//! stream is passed. A worker thread per GPU takes batches in order: it waits for the
-//! host-side events the batch depends on, queues every copy of the batch on the stream
-//! without waiting in between (`cuda_copy`: one `cuMemcpyBatchAsync` where the
-//! driver has it, else one `cuMemcpy*Async` per copy), synchronises the stream once, and
-//! completes the batch's event.
+//! stream is passed.
+//!
+//! Batches are queued from the calling thread (with the GPU's primary context pushed for
+//! the call and popped after, so the thread keeps its own current context): the batch's
+//! waits on CUDA work become `cuStreamWaitEvent` on the GPU, its copies are queued without
+//! waiting in between (`cuda_copy`: one `cuMemcpyBatchAsync` where the driver has it,
+//! else one `cuMemcpy*Async` per copy), and a `CUevent` recorded after them marks the
+//! batch's host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits
+//! for host work (a staging thread, the emulated device) is chained to it instead, and the
+//! later batches of its stream queue behind it ([`super::lane`]): the caller never blocks.
+//! The GPU's reaper thread ([`super::cuda_reaper`]) watches the recorded events, releases
+//! what each batch held once its copies are done, then completes its host event. A copy
+//! call that fails part-way through a batch still has the copies queued before it waited
+//! for (through the event recorded after them, or by synchronising the stream) before
+//! anything is released; the batch's event then fails with the error.
 //!
 //! NOTE: exercised in CI against the fake driver in `crates/fake-cuda` (which checks
 //! contexts, address ranges and stream order); it has not run on a real GPU yet.
@@ -18,14 +29,19 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use super::cuda_copy::{lane_of, LANES};
+use super::cuda_event::CudaEvent;
+use super::cuda_reaper::{Entry, RawStream, Reaper};
+use super::event::Progress;
+use super::lane::{Lane, Refused, Submitted};
+
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cuda::{status, CudaStatus};
 use super::cuda_copy::CopyQueue;
 pub use super::cuda_copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
 use super::cuda_pinned::CudaPinnedAllocator;
-use super::event::{Failure, Outcome};
-use super::stream::{Job, StreamThread};
+use super::event::Failure;
 use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -100,12 +116,21 @@ pub(crate) fn check(code: CUresult, device: Device, what: &str) -> Result<()> {
     }
 }
 
-/// One GPU: its primary context and the thread that runs its batches in order.
+/// One GPU: its primary context, its streams (each with its submission order), and its
+/// reaper.
 pub struct CudaDevice {
     ordinal: usize,
     pub(crate) context: Context,
     queue: Arc<CopyQueue>,
-    stream: StreamThread,
+    lanes: [Arc<Lane>; LANES],
+}
+
+/// What queuing a batch needs, shared by the GPU's lanes.
+struct Shared {
+    device: Device,
+    context: Context,
+    queue: Arc<CopyQueue>,
+    reaper: Reaper,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -161,14 +186,23 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         let _current = context.enter(name)?;
         Arc::new(CopyQueue::new(name, driver_version_of(status()))?)
     };
-    let stream = StreamThread::spawn(name, move || {
-        let _ = context.make_current(name);
-    })?;
+    let shared = Arc::new(Shared {
+        device: name,
+        context,
+        queue: queue.clone(),
+        reaper: Reaper::spawn(name, context)?,
+    });
+    let lane = |index: usize| {
+        let shared = shared.clone();
+        // SAFETY (of what the lane dispatches): lanes are reached only through
+        // `Backend::submit`, whose contract covers every batch they queue.
+        Lane::new(true, move |s| unsafe { dispatch(&shared, index, s) })
+    };
     let d = Arc::new(CudaDevice {
         ordinal,
         context,
         queue,
-        stream,
+        lanes: [lane(0), lane(1)],
     });
     devices.insert(ordinal, d.clone());
     Ok(d)
@@ -248,53 +282,121 @@ impl Backend for CudaDevice {
         Ok(unsafe { DeviceMemory::new(name, address as *mut u8, len, Box::new(release)) })
     }
 
+    /// Queues the batch from the calling thread on its direction's stream (see the module
+    /// documentation); never blocks on other work.
     unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        let done = event.clone();
-        let name = Backend::device(self);
-        let queue = self.queue.clone();
-        let job: Job = Box::new(move || {
-            // The whole batch (it is `Send`), not its fields.
-            let batch = batch;
-            // SAFETY: `submit`'s contract: the addresses are valid for `len` bytes in the
-            // memories the direction names until the event completes, which is after
-            // `run_batch` has returned (with the stream synchronised, whatever happened);
-            // this thread has the device's primary context current.
-            let outcome = unsafe { run_batch(&queue, &batch, name) };
-            // What the batch held goes first (buffers back to their pool), so that anyone
-            // woken by the event finds the pool as the batch left it.
-            drop(keep);
-            done.complete(outcome);
-        });
-        self.stream.queue(job, event);
+        self.queue_batch(batch, keep, event, true);
+    }
+
+    unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
+        self.queue_batch(batch, keep, event, false);
     }
 }
 
-/// One batch on the stream thread of `device`: its waits, then its copies. When anything
-/// fails or panics, the stream is synchronised before this returns, so that no copy
-/// already queued still runs once the batch's memory is released.
+/// Queues one batch whose waits are all complete or queued on a GPU: its waits on the
+/// GPU, its copies, and the event after them, handed to the reaper; or refuses it (nothing
+/// of it queued) when a wait failed or the context cannot be entered.
 ///
 /// # Safety
-/// As [`CopyQueue::run`].
-unsafe fn run_batch(queue: &CopyQueue, batch: &CopyBatch, device: Device) -> Outcome {
-    for e in &batch.waits {
-        e.wait_outcome()?;
-    }
-    // SAFETY: forwarded contract.
-    match catch_unwind(AssertUnwindSafe(|| unsafe { queue.run(batch) })) {
-        Ok(result) => result.map_err(|e| Failure::from_error(device, &e)),
-        Err(panic) => {
-            queue.synchronize();
-            Err(Failure::internal(device, &*panic))
+/// As [`Backend::submit`]: the ops' ranges stay valid while `keep` lives, which the reaper
+/// drops only once the stream has passed the copies.
+unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option<Refused> {
+    let Submitted {
+        batch, keep, event, ..
+    } = submitted;
+    let device = shared.device;
+    let refuse = |keep, event, failure| {
+        Some(Refused {
+            keep,
+            event,
+            outcome: Err(failure),
+        })
+    };
+    let current = match shared.context.enter(device) {
+        Ok(c) => c,
+        Err(e) => return refuse(keep, event, Failure::from_error(device, &e)),
+    };
+    let stream = shared.queue.stream(lane);
+    let mut device_waits = Vec::new();
+    for w in &batch.waits {
+        match w.progress() {
+            Progress::Done(Ok(())) => {}
+            // Only waits are queued so far: nothing uses the batch's memory.
+            Progress::Done(Err(f)) => return refuse(keep, event, f),
+            Progress::Queued(mark) => {
+                if let Err(e) = mark.wait_on(stream, device) {
+                    return refuse(keep, event, Failure::from_error(device, &e));
+                }
+                device_waits.push(w.clone());
+            }
+            Progress::Pending => {
+                let why = "internal error: a batch was queued before its waits";
+                return refuse(keep, event, Failure::new(device, why));
+            }
         }
     }
+    // SAFETY: forwarded contract; the context is current.
+    let queued = catch_unwind(AssertUnwindSafe(|| unsafe { shared.queue.enqueue(&batch) }));
+    let mut outcome = match queued {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(Failure::from_error(device, &e)),
+        Err(panic) => Err(Failure::internal(device, &*panic)),
+    };
+    let done = match CudaEvent::record(shared.context, device, stream) {
+        Ok(e) => Some(Arc::new(e)),
+        Err(e) => {
+            outcome = outcome.and(Err(Failure::from_error(device, &e)));
+            None
+        }
+    };
+    if let (Ok(()), Some(done)) = (&outcome, &done) {
+        // Later CUDA batches may now wait for this one on the GPU.
+        event.set_mark(done.clone());
+    }
+    shared.reaper.push(Entry {
+        done,
+        stream: RawStream(stream),
+        keep,
+        event,
+        outcome,
+        device_waits,
+    });
+    drop(current);
+    None
 }
 
 impl CudaDevice {
-    /// The raw `CUstream` handle this GPU's copies run on: a producer that makes it wait
-    /// for its own stream (DLPack's `__dlpack__(stream=handle)`) needs no host
-    /// synchronisation before tensorferry reads its tensors.
+    /// Hands a batch to its direction's lane.
+    fn queue_batch(
+        &self,
+        batch: CopyBatch,
+        keep: Box<dyn Any + Send>,
+        event: &Event,
+        ordered: bool,
+    ) {
+        let lane = &self.lanes[lane_of(batch.direction)];
+        let submitted = Submitted {
+            batch,
+            keep,
+            event: event.clone(),
+            seq: 0,
+        };
+        lane.submit(submitted, ordered);
+    }
+
+    /// The raw `CUstream` handle this GPU's copies that read device memory (to the host,
+    /// to a device) run on: a producer that makes it wait for its own stream (DLPack's
+    /// `__dlpack__(stream=handle)`) needs no host synchronisation before tensorferry reads
+    /// its tensors. Uploads run on a second stream, so that they overlap downloads.
     pub fn stream_handle(&self) -> usize {
         self.queue.stream_handle()
+    }
+
+    /// The raw stream handle of `direction`'s copies (tests hold it with the fake
+    /// driver's gate).
+    #[cfg(test)]
+    pub(crate) fn stream_of(&self, direction: super::Direction) -> usize {
+        self.queue.stream(lane_of(direction)) as usize
     }
 
     /// Why this GPU gave up batched copies, if a batched call failed.

@@ -1,6 +1,7 @@
-//! The emulated device `emu:N`: device memory is a separate host allocation, its one
-//! stream is a worker thread that runs copies in order, and events complete as CUDA's
-//! do. Capacity, bandwidth and per-copy latency are configurable, and faults can be
+//! The emulated device `emu:N`: device memory is a separate host allocation, its two
+//! streams (uploads; copies that read device memory, as on a GPU) are worker threads that
+//! run copies in the order they were submitted ([`super::lane`]), and events complete as
+//! CUDA's do. Capacity, bandwidth and per-copy latency are configurable, and faults can be
 //! injected (fail the Nth allocation or the Nth copy, or make the Nth copy panic on the
 //! stream thread).
 //!
@@ -14,7 +15,9 @@ use std::time::Duration;
 
 use std::any::Any;
 
+use super::cuda_copy::{lane_of, LANES};
 use super::event::{Failure, Outcome};
+use super::lane::{Lane, Refused, Submitted};
 use super::stream::{Job, StreamThread};
 use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
@@ -174,12 +177,14 @@ impl EmuConfig {
 /// One emulated device: its memory accounting, its settings and its stream.
 pub struct EmulatedDevice {
     index: usize,
-    config: Mutex<EmuConfig>,
+    config: Arc<Mutex<EmuConfig>>,
     used: Arc<AtomicUsize>,
     allocations: AtomicU64,
     copies: AtomicU64,
     ops: AtomicU64,
-    stream: StreamThread,
+    lanes: [Arc<Lane>; LANES],
+    #[cfg_attr(not(test), allow(dead_code))]
+    streams: Arc<[StreamThread; LANES]>,
     pool: Arc<PinnedPool>,
 }
 
@@ -218,15 +223,29 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         Ok(text) => EmuConfig::parse(&text)?,
         Err(_) => EmuConfig::default(),
     };
-    let stream = StreamThread::spawn(Device::Emulated(index), || {})?;
+    let name = Device::Emulated(index);
+    let streams = Arc::new([
+        StreamThread::spawn(name, || {})?,
+        StreamThread::spawn(name, || {})?,
+    ]);
+    let config = Arc::new(Mutex::new(config));
+    let lane = |index: usize| {
+        let (streams, config) = (streams.clone(), config.clone());
+        // SAFETY (of what the lane dispatches): lanes are reached only through
+        // `Backend::submit`, whose contract covers every batch they queue.
+        Lane::new(false, move |s| unsafe {
+            dispatch(name, &streams[index], &config, s)
+        })
+    };
     let d = Arc::new(EmulatedDevice {
         index,
-        config: Mutex::new(config),
+        lanes: [lane(0), lane(1)],
+        streams,
+        config,
         used: Arc::new(AtomicUsize::new(0)),
         allocations: AtomicU64::new(0),
         copies: AtomicU64::new(0),
         ops: AtomicU64::new(0),
-        stream,
         pool: PinnedPool::new(Box::new(PageableAllocator), PINNED_POOL_CAP),
     });
     devices.insert(index, d.clone());
@@ -326,25 +345,90 @@ impl Backend for EmulatedDevice {
         Ok(unsafe { DeviceMemory::new(Backend::device(self), address, len, Box::new(release)) })
     }
 
-    /// Runs on the stream thread, in order: waits, then the configured latency and
-    /// bandwidth, then the copies; `fail_copy` completes the event with an error instead,
-    /// and `panic_copy` panics on the stream thread.
+    /// Runs on the direction's stream thread, in submission order: the configured latency
+    /// and bandwidth, then the copies; `fail_copy` completes the event with an error
+    /// instead, and `panic_copy` panics on the stream thread.
     unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        let done = event.clone();
-        let config = self.config();
+        self.queue_batch(batch, keep, event, true);
+    }
+
+    unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
+        self.queue_batch(batch, keep, event, false);
+    }
+}
+
+impl EmulatedDevice {
+    /// Counts a batch and hands it to its direction's lane.
+    fn queue_batch(
+        &self,
+        batch: CopyBatch,
+        keep: Box<dyn Any + Send>,
+        event: &Event,
+        ordered: bool,
+    ) {
         let n = self.copies.fetch_add(1, Ordering::SeqCst) + 1;
         self.ops.fetch_add(batch.ops.len() as u64, Ordering::SeqCst);
-        let device = Backend::device(self);
-        let job: Job = Box::new(move || {
-            // SAFETY: `submit`'s contract, passed on: `keep` holds what the ops address
-            // until after `run`.
-            let outcome = unsafe { run(&batch, &config, n, device) };
-            // What the batch held goes first (buffers back to their pool), so that anyone
-            // woken by the event finds the pool as the batch left it.
-            drop(keep);
-            done.complete(outcome);
-        });
-        self.stream.queue(job, event);
+        let submitted = Submitted {
+            batch,
+            keep,
+            event: event.clone(),
+            seq: n,
+        };
+        self.lanes[lane_of(submitted.batch.direction)].submit(submitted, ordered);
+    }
+
+    /// Holds `direction`'s stream (test only): nothing queued on it runs until the
+    /// returned event completes.
+    #[cfg(test)]
+    pub(crate) fn gate(&self, direction: super::Direction) -> Event {
+        let gate = Event::pending();
+        let held = gate.clone();
+        let job: Job = Box::new(move || drop(held.wait_outcome()));
+        let _ = self.streams[lane_of(direction)].try_queue(job, &Event::pending());
+        gate
+    }
+}
+
+/// Queues a batch whose waits are complete on `stream`, to run with the settings of now
+/// as the `seq`th copy since they were made.
+///
+/// # Safety
+/// As [`Backend::submit`].
+unsafe fn dispatch(
+    device: Device,
+    stream: &StreamThread,
+    config: &Mutex<EmuConfig>,
+    submitted: Submitted,
+) -> Option<Refused> {
+    let Submitted {
+        batch,
+        keep,
+        event,
+        seq,
+    } = submitted;
+    let config = config.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let done = event.clone();
+    let job: Job = Box::new(move || {
+        // The whole batch (it is `Send`), not its fields.
+        let batch = batch;
+        // SAFETY: `submit`'s contract, passed on: `keep` holds what the ops address
+        // until after `run`.
+        let outcome = unsafe { run(&batch, &config, seq, device) };
+        // What the batch held goes first (buffers back to their pool), so that anyone
+        // woken by the event finds the pool as the batch left it.
+        drop(keep);
+        done.complete(outcome);
+    });
+    match stream.try_queue(job, &event) {
+        Ok(()) => None,
+        Err(job) => {
+            drop(job);
+            Some(Refused {
+                keep: Box::new(()),
+                event,
+                outcome: Err(stream.stopped()),
+            })
+        }
     }
 }
 

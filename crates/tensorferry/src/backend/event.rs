@@ -4,6 +4,11 @@
 //! event can also be chained to it ([`Event::on_complete`]) instead of blocking a thread
 //! until it completes; a waiter that must stay responsive (to Ctrl-C, say) waits in slices
 //! with [`Event::wait_timeout`].
+//!
+//! An event of CUDA work also carries, from the moment its copies are queued, the CUDA
+//! event recorded after them (its *device mark*): later CUDA work that depends on it waits
+//! on the GPU (`cuStreamWaitEvent`) instead of on the host. The mark is dropped (and the
+//! CUDA event destroyed) once the host event completes.
 
 use std::any::Any;
 use std::fmt;
@@ -11,6 +16,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::cuda_event::CudaEvent;
 use crate::error::{Error, Result};
 
 /// Why queued work failed: the device whose work it was, and what went wrong.
@@ -88,6 +94,18 @@ type Callback = Box<dyn FnOnce(&Outcome) + Send>;
 struct Inner {
     outcome: Option<Outcome>,
     callbacks: Vec<Callback>,
+    /// The CUDA event recorded after the work, while it is pending.
+    mark: Option<Arc<CudaEvent>>,
+}
+
+/// Where pending work stands, as a device that could wait for it on the GPU sees it.
+pub(crate) enum Progress {
+    /// Done, with this outcome.
+    Done(Outcome),
+    /// Queued on a GPU, behind this CUDA event.
+    Queued(Arc<CudaEvent>),
+    /// Not queued on a GPU yet (host work, or CUDA work still waiting for host work).
+    Pending,
 }
 
 #[derive(Default)]
@@ -137,9 +155,11 @@ impl Event {
             return;
         }
         let callbacks = std::mem::take(&mut done.callbacks);
+        let mark = done.mark.take();
         done.outcome = Some(result.clone());
         self.0.cv.notify_all();
         drop(done);
+        drop(mark);
         for f in callbacks {
             // A panicking callback is its own failure (callbacks that complete other
             // events catch their panics themselves); the others still run.
@@ -159,6 +179,31 @@ impl Event {
             }
             None => done.callbacks.push(Box::new(f)),
         }
+    }
+
+    /// Marks the work as queued on a GPU behind `mark` (ignored once complete).
+    pub(crate) fn set_mark(&self, mark: Arc<CudaEvent>) {
+        let mut done = self.0.lock();
+        if done.outcome.is_none() {
+            done.mark = Some(mark);
+        }
+    }
+
+    /// Where the work stands, read at once (one lock): done, queued on a GPU, or pending.
+    pub(crate) fn progress(&self) -> Progress {
+        let done = self.0.lock();
+        match (&done.outcome, &done.mark) {
+            (Some(outcome), _) => Progress::Done(outcome.clone()),
+            (None, Some(mark)) => Progress::Queued(mark.clone()),
+            (None, None) => Progress::Pending,
+        }
+    }
+
+    /// True when work on a GPU can be ordered after this event without a host wait:
+    /// complete, or queued on a GPU.
+    pub(crate) fn is_queued_or_ready(&self) -> bool {
+        let done = self.0.lock();
+        done.outcome.is_some() || done.mark.is_some()
     }
 
     /// True when the work has finished (successfully or not).

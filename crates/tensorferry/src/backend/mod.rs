@@ -13,9 +13,14 @@ use crate::error::Result;
 pub mod cuda;
 pub(crate) mod cuda_copy;
 pub mod cuda_device;
+pub(crate) mod cuda_event;
 pub(crate) mod cuda_pinned;
+pub(crate) mod cuda_reaper;
 pub mod emulated;
 pub(crate) mod event;
+pub(crate) mod lane;
+#[cfg(test)]
+mod ordering_tests;
 mod probe;
 pub(crate) mod stream;
 pub(crate) mod worker;
@@ -85,10 +90,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
         false
     }
 
-    /// Queues `batch` on the device's stream after everything queued before it (and after
-    /// its `waits`), completing `event` when every copy is done, or with the first failure:
-    /// a wait's own failure as it is, else one naming this device. `keep` is held until
-    /// the copies are done, and dropped before `event` completes.
+    /// Queues `batch` on the device's stream for its direction, after everything submitted
+    /// to that stream before it (and after its `waits`), completing `event` when every
+    /// copy is done, or with the first failure: a wait's own failure as it is, else one
+    /// naming this device. `keep` is held until the copies are done, and dropped before
+    /// `event` completes.
+    ///
+    /// Never blocks the caller on other work: `waits` may still be pending. Waits on work
+    /// queued on a GPU are honoured on the GPU; waits on host work defer the batch (and
+    /// the later batches of its stream) until that work completes. Uploads and copies that
+    /// read device memory run on separate streams and overlap: whatever must run in order
+    /// across them is a wait. `event` may complete on another thread (a device's reaper
+    /// or stream thread), which then also drops `keep`.
     ///
     /// # Safety
     /// Every op's `src` must be readable and `dst` writable for `len` bytes, in the
@@ -96,6 +109,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// ensures that), and nothing else may write the destinations or read them before
     /// `event` completes.
     unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event);
+
+    /// As [`Backend::submit`], except that the batch does not queue behind batches of its
+    /// stream that still wait for host work: it runs as soon as its own waits allow. For
+    /// work that feeds a stream over time on behalf of a transfer those batches may be
+    /// waiting for (a staging ring's chunks), which would never run behind them.
+    ///
+    /// # Safety
+    /// As [`Backend::submit`].
+    unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
+        // SAFETY: forwarded contract.
+        unsafe { self.submit(batch, keep, event) }
+    }
 }
 
 /// Memory of a device, freed through its backend's `release` when dropped — which the

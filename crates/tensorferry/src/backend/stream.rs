@@ -1,5 +1,6 @@
-//! A stream as both backends run it: one worker thread per device that runs queued jobs
-//! in order, each completing its event. A job that panics completes its event with the
+//! A stream as the emulated device runs it: one worker thread per stream that runs queued
+//! jobs in order, each completing its event (CUDA streams are the driver's, watched by
+//! `cuda_reaper`). A job that panics completes its event with the
 //! panic as an internal error, and the thread goes on with the next job: no waiter is
 //! left blocked by a bug or a bad setting.
 
@@ -57,19 +58,26 @@ impl StreamThread {
 
     /// Queues `job`, which completes `event`; if the thread is gone, completes `event` with
     /// that error instead (dropping the job, and what it holds, first).
+    #[cfg(test)]
     pub(crate) fn queue(&self, job: Job, event: &Event) {
-        let sent = self
-            .jobs
+        if let Err(unsent) = self.try_queue(job, event) {
+            drop(unsent);
+            event.complete(Err(self.stopped()));
+        }
+    }
+
+    /// Queues `job`, which completes `event`; gives the job back if the thread is gone.
+    pub(crate) fn try_queue(&self, job: Job, event: &Event) -> std::result::Result<(), Job> {
+        self.jobs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .send((job, event.clone()));
-        if let Err(unsent) = sent {
-            drop(unsent);
-            event.complete(Err(Failure::new(
-                self.device,
-                "the stream thread has stopped",
-            )));
-        }
+            .send((job, event.clone()))
+            .map_err(|unsent| unsent.0 .0)
+    }
+
+    /// The failure of work queued after the thread stopped.
+    pub(crate) fn stopped(&self) -> Failure {
+        Failure::new(self.device, "the stream thread has stopped")
     }
 }
 

@@ -22,8 +22,7 @@
 
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::backend::{backend_for, Backend, CopyBatch, CopyOp, Direction, Event, Failure};
 use crate::consolidate::{views, PackedLayout};
@@ -200,10 +199,12 @@ fn plan(
     })
 }
 
-/// Queues `batch` once every event it waits for has completed: at once when they have,
-/// else from the thread completing the last of them. No stream thread ever blocks on
-/// another transfer, so chained non-blocking transfers (and staging rings, which feed a
-/// stream over time) cannot deadlock it.
+/// Queues `batch` after the events it waits for, without blocking: the backend honours
+/// waits on GPU work on the GPU and chains waits on host work ([`Backend::submit`]), so no
+/// thread ever blocks on another transfer, and chained non-blocking transfers (and staging
+/// rings, which feed a stream over time) cannot deadlock a stream. A panic in the backend
+/// fails `event` instead of reaching the caller. Not `ordered`: a staging ring's chunk
+/// ([`Backend::submit_unordered`]).
 ///
 /// # Safety
 /// As [`Backend::submit`]: `keep` must hold everything the ops address until `event`
@@ -213,42 +214,19 @@ pub(crate) unsafe fn submit_when_ready(
     batch: CopyBatch,
     keep: Box<dyn Any + Send>,
     event: Event,
+    ordered: bool,
 ) {
-    let pending: Vec<Event> = batch
-        .waits
-        .iter()
-        .filter(|e| !e.is_ready())
-        .cloned()
-        .collect();
-    if pending.is_empty() {
-        // SAFETY: forwarded contract.
-        unsafe { backend.submit(batch, keep, &event) };
-        return;
-    }
-    let held = Arc::new(Mutex::new(Some((batch, keep))));
-    let left = Arc::new(AtomicUsize::new(pending.len()));
-    for wait in pending {
-        let (held, left, backend, event) =
-            (held.clone(), left.clone(), backend.clone(), event.clone());
-        wait.on_complete(move |_| {
-            if left.fetch_sub(1, Ordering::SeqCst) != 1 {
-                return;
-            }
-            let taken = held.lock().unwrap_or_else(|p| p.into_inner()).take();
-            if let Some((batch, keep)) = taken {
-                // Runs on the thread completing the wait: a panic must neither leave
-                // `event` pending nor reach that thread.
-                let device = backend.device();
-                // SAFETY: forwarded contract; the batch still checks its waits (now all
-                // complete) and reports any that failed.
-                let submitted = catch_unwind(AssertUnwindSafe(|| unsafe {
-                    backend.submit(batch, keep, &event)
-                }));
-                if let Err(panic) = submitted {
-                    event.complete(Err(Failure::internal(device, &*panic)));
-                }
-            }
-        });
+    let device = backend.device();
+    // SAFETY: forwarded contract.
+    let submitted = catch_unwind(AssertUnwindSafe(|| unsafe {
+        if ordered {
+            backend.submit(batch, keep, &event)
+        } else {
+            backend.submit_unordered(batch, keep, &event)
+        }
+    }));
+    if let Err(panic) = submitted {
+        event.complete(Err(Failure::internal(device, &*panic)));
     }
 }
 
@@ -265,7 +243,7 @@ fn submit(
     // `run_offsets`) and the new destination storage (inside its length, by the plan);
     // `keep` holds all of them until the event completes. The destination is new: nothing
     // else writes it, and every reader waits for its event, which is `event`.
-    unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone()) };
+    unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone(), true) };
 }
 
 /// Queues the copies of `sources` into `storage` (at `dst_base`, by `layout`): through

@@ -301,11 +301,12 @@ impl Transfer {
         };
         let event = Event::pending();
         let keep = Box::new((self.sources.clone(), buffer, self.dest.clone()));
+        // Unordered: a deferred batch of the stream may be waiting for this very transfer.
         // SAFETY: the ops address the sources (held by `keep`), the chunk's pinned buffer
         // (held by `keep`; only this chunk uses it until its event completes, since the
         // staging thread waits for that before reusing it) and the destination (held by
         // `keep`, written only at this chunk's own packed range).
-        unsafe { submit_when_ready(self.backend.clone(), batch, keep, event.clone()) };
+        unsafe { submit_when_ready(self.backend.clone(), batch, keep, event.clone(), false) };
         event
     }
 

@@ -1,0 +1,404 @@
+//! The ordering rules of the backends, proved with gates instead of sleeps: a stream is
+//! held (the emulated device's worker, or the fake CUDA driver's stream through its test
+//! hook), work is queued, and what may and may not have run is checked before the gate
+//! opens. Every rule runs on the emulated device, and on CUDA when the fake driver is
+//! loaded (its hooks are looked up by name; on a real driver the CUDA variants skip).
+//! Fault injection (fake driver only) covers a copy call failing half-way through a batch
+//! and CUDA event calls failing.
+
+use std::any::Any;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::event::Progress;
+use super::{backend_for, CopyBatch, CopyOp, Direction, Event};
+use crate::device::Device;
+use crate::transfer::{move_tensors, MoveOptions};
+use crate::Tensor;
+
+/// How long a negative check ("has not run") gives the work to run wrongly.
+const SETTLE: Duration = Duration::from_millis(30);
+/// Longer than any correct run takes.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A held stream; opened when dropped (also when a test fails with it held).
+struct Gate(Option<Box<dyn FnOnce()>>);
+
+impl Gate {
+    fn open(mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
+/// A fake-driver test hook, if the loaded driver is the fake.
+fn hook<T: Copy>(name: &[u8]) -> Option<T> {
+    use cudarc::driver::sys;
+    if !matches!(
+        super::cuda::status(),
+        super::cuda::CudaStatus::Available { .. }
+    ) {
+        return None;
+    }
+    // SAFETY: the driver library is loaded (status is Available); the symbol, when the
+    // fake exports it, has the type the caller names (the fake's test hooks).
+    unsafe { sys::culib().get::<T>(name).ok().map(|s| *s) }
+}
+
+type GateFn = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+type OpenFn = unsafe extern "C" fn(*mut c_void) -> u32;
+type FailFn = unsafe extern "C" fn(i32, u64) -> u32;
+type ClearFn = unsafe extern "C" fn() -> u32;
+
+/// Holds `device`'s stream for `direction`; `None` when it cannot be held (a real GPU).
+fn gate(device: Device, direction: Direction) -> Option<Gate> {
+    match device {
+        Device::Emulated(i) => {
+            let held = super::emulated::device(i).unwrap().gate(direction);
+            Some(Gate(Some(Box::new(move || held.complete(Ok(()))))))
+        }
+        Device::Cuda(i) => {
+            let (gate, open) = (
+                hook::<GateFn>(b"tf_fake_cuda_gate\0")?,
+                hook::<OpenFn>(b"tf_fake_cuda_open\0")?,
+            );
+            let stream = super::cuda_device::device(i).ok()?.stream_of(direction);
+            // SAFETY: a stream of this process (the fake checks it and gives null if not).
+            let g = unsafe { gate(stream as *mut c_void) } as usize;
+            assert_ne!(g, 0, "the fake refused to gate its own stream");
+            // SAFETY: `g` came from the gate hook and is opened once.
+            Some(Gate(Some(Box::new(move || unsafe {
+                open(g as *mut c_void);
+            }))))
+        }
+        Device::Cpu => None,
+    }
+}
+
+/// Fault kinds of the fake's `tf_fake_cuda_fail_on_this_thread`.
+const FAULT_COPY: i32 = 0;
+const FAULT_RECORD: i32 = 1;
+const FAULT_QUERY: i32 = 2;
+
+/// Makes the `n`th calls of `kind` on this thread fail (fake driver); forgotten on drop.
+struct Faults;
+
+impl Faults {
+    fn inject(kind: i32, calls: &[u64]) -> Option<Faults> {
+        let fail = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0")?;
+        for &n in calls {
+            // SAFETY: the hook takes plain integers.
+            assert_eq!(unsafe { fail(kind, n) }, 0);
+        }
+        Some(Faults)
+    }
+}
+
+impl Drop for Faults {
+    fn drop(&mut self) {
+        if let Some(clear) = hook::<ClearFn>(b"tf_fake_cuda_clear_faults\0") {
+            // SAFETY: no arguments.
+            unsafe { clear() };
+        }
+    }
+}
+
+/// The devices each rule runs on: the emulated device, and the fake driver's second GPU
+/// when it is loaded (so that held streams disturb no other test's GPU more than needed).
+fn devices() -> Vec<Device> {
+    let mut out = vec![Device::Emulated(1)];
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_some() {
+        out.push(last_gpu());
+    }
+    out
+}
+
+fn last_gpu() -> Device {
+    match super::cuda::status() {
+        super::cuda::CudaStatus::Available { gpus, .. } => Device::Cuda(gpus.len() - 1),
+        _ => unreachable!("checked by the caller"),
+    }
+}
+
+fn non_blocking() -> MoveOptions {
+    MoveOptions {
+        copy: true,
+        non_blocking: true,
+        ..Default::default()
+    }
+}
+
+fn move_one(t: &Tensor, to: Device) -> Tensor {
+    move_tensors(&[t], to, non_blocking()).unwrap().remove(0)
+}
+
+fn sample(seed: u32) -> (Tensor, Vec<u32>) {
+    let data: Vec<u32> = (0..4096).map(|x| x * 7 + seed).collect();
+    (Tensor::from_slice(&data, &[4096]).unwrap(), data)
+}
+
+#[test]
+fn a_download_waiting_for_an_upload_on_the_other_stream_runs_after_it() {
+    for dev in devices() {
+        let (host, data) = sample(1);
+        let held = gate(dev, Direction::HostToDevice).unwrap();
+        let there = move_one(&host, dev);
+        let back = move_one(&there, Device::Cpu);
+        if matches!(dev, Device::Cuda(_)) {
+            // The upload is queued on the GPU: the download waits for it there, not on a
+            // host thread.
+            let written = there.storage().pending().unwrap();
+            assert!(matches!(written.progress(), Progress::Queued(_)), "{dev}");
+        }
+        assert!(
+            !back.wait_timeout(SETTLE).unwrap(),
+            "{dev}: ran before the upload"
+        );
+        held.open();
+        assert!(back.wait_timeout(PATIENCE).unwrap(), "{dev}");
+        // Run before the upload, the download would have read what the allocation held.
+        assert_eq!(back.to_vec::<u32>().unwrap(), data, "{dev}");
+    }
+}
+
+#[test]
+fn an_upload_and_a_download_overlap() {
+    for dev in devices() {
+        let (host, data) = sample(2);
+        let resident = move_tensors(&[&host], dev, MoveOptions::default())
+            .unwrap()
+            .remove(0);
+        let held = gate(dev, Direction::HostToDevice).unwrap();
+        let up = move_one(&host, dev);
+        let down = move_one(&resident, Device::Cpu);
+        // On one stream the download would wait behind the held upload.
+        assert!(down.wait_timeout(PATIENCE).unwrap(), "{dev}: download held");
+        assert!(!up.is_ready(), "{dev}: the upload ran through its gate");
+        assert_eq!(down.to_vec::<u32>().unwrap(), data);
+        held.open();
+        assert!(up.wait_timeout(PATIENCE).unwrap(), "{dev}");
+    }
+}
+
+#[test]
+fn a_dictionary_split_over_two_devices_moves_on_both_at_once() {
+    let mut pairs = vec![(Device::Emulated(0), Device::Emulated(1))];
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_some() && last_gpu() != Device::Cuda(0) {
+        pairs.push((Device::Cuda(0), last_gpu()));
+    }
+    for (a, b) in pairs {
+        let (host, data) = sample(3);
+        let on_a = move_tensors(&[&host], a, MoveOptions::default())
+            .unwrap()
+            .remove(0);
+        let on_b = move_tensors(&[&host], b, MoveOptions::default())
+            .unwrap()
+            .remove(0);
+        let held = gate(a, Direction::DeviceToHost).unwrap();
+        let back = move_tensors(&[&on_a, &on_b], Device::Cpu, non_blocking()).unwrap();
+        assert!(
+            back[1].wait_timeout(PATIENCE).unwrap(),
+            "{b} waited for {a}"
+        );
+        assert!(!back[0].is_ready(), "{a} ran through its gate");
+        held.open();
+        assert_eq!(back[0].to_vec::<u32>().unwrap(), data);
+        assert_eq!(back[1].to_vec::<u32>().unwrap(), data);
+    }
+}
+
+/// What a batch holds, checking when it is dropped: after the gate opened (so after its
+/// copies ran) and before its event completed.
+struct Probe {
+    opened: Arc<AtomicBool>,
+    event: Event,
+    dropped: Arc<AtomicBool>,
+    in_order: Arc<AtomicBool>,
+    _held: Box<dyn Any + Send>,
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        let ok = self.opened.load(Ordering::SeqCst) && !self.event.is_ready();
+        self.in_order.store(ok, Ordering::SeqCst);
+        self.dropped.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Submits a batch of `n` copies of 4 KiB from `dev` to a pinned buffer (or from it, for
+/// uploads) with its stream held, and checks that what it holds is released only after the
+/// gate opens and before its event completes; the event's outcome.
+fn held_batch(dev: Device, direction: Direction, n: usize, before: impl FnOnce()) -> Event {
+    let backend = backend_for(dev).unwrap();
+    let memory = backend.alloc(n * 4096).unwrap();
+    let pool = backend.pinned_pool().unwrap();
+    let buffer = pool.take(n * 4096).unwrap();
+    let ops = (0..n)
+        .map(|i| {
+            let (device, host) = (
+                memory.as_ptr().wrapping_add(i * 4096) as *mut u8,
+                buffer.as_ptr().wrapping_add(i * 4096),
+            );
+            match direction {
+                Direction::DeviceToHost => CopyOp {
+                    src: device,
+                    dst: host,
+                    len: 4096,
+                },
+                _ => CopyOp {
+                    src: host,
+                    dst: device,
+                    len: 4096,
+                },
+            }
+        })
+        .collect();
+    let event = Event::pending();
+    let (opened, dropped, in_order) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let probe = Probe {
+        opened: opened.clone(),
+        event: event.clone(),
+        dropped: dropped.clone(),
+        in_order: in_order.clone(),
+        _held: Box::new((memory, buffer)),
+    };
+    let held = gate(dev, direction).unwrap();
+    before();
+    let batch = CopyBatch {
+        direction,
+        ops,
+        waits: Vec::new(),
+    };
+    // SAFETY: the ops address `memory` and `buffer`, which the probe (the batch's keep)
+    // holds until the event completes; nothing else touches them.
+    unsafe { backend.submit(batch, Box::new(probe), &event) };
+    assert!(
+        !event.wait_timeout(SETTLE).unwrap_or(true),
+        "{dev}: done through its gate"
+    );
+    assert!(
+        !dropped.load(Ordering::SeqCst),
+        "{dev}: released before its copies ran"
+    );
+    opened.store(true, Ordering::SeqCst);
+    held.open();
+    let _ = event.wait_timeout(PATIENCE);
+    assert!(event.is_ready(), "{dev}");
+    assert!(
+        in_order.load(Ordering::SeqCst),
+        "{dev}: released out of order"
+    );
+    event
+}
+
+#[test]
+fn what_a_batch_holds_is_released_after_its_copies_and_before_its_event() {
+    for dev in devices() {
+        for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
+            held_batch(dev, direction, 4, || {}).wait().unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() {
+    let Some(_) = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0") else {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    };
+    let dev = last_gpu();
+    let Device::Cuda(i) = dev else { unreachable!() };
+    let batched =
+        super::cuda_device::device(i).unwrap().copy_path() == super::cuda_device::CopyPath::Batched;
+    let mut faults = None;
+    let event = held_batch(dev, Direction::DeviceToHost, 8, || {
+        // Batched: the batch call fails with half its copies queued, and the copies are
+        // queued again one by one, the third of which fails. Per copy: the fourth fails.
+        let calls: &[u64] = if batched { &[1, 4] } else { &[4] };
+        faults = Faults::inject(FAULT_COPY, calls);
+    });
+    drop(faults);
+    let err = event.wait().unwrap_err().to_string();
+    assert!(
+        err.contains(&dev.to_string()) && err.contains("of 8"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_event_that_cannot_be_recorded_waits_for_the_stream_before_releasing() {
+    let Some(_) = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0") else {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    };
+    let mut faults = None;
+    let event = held_batch(last_gpu(), Direction::HostToDevice, 3, || {
+        faults = Faults::inject(FAULT_RECORD, &[1]);
+    });
+    drop(faults);
+    let err = event.wait().unwrap_err().to_string();
+    assert!(err.contains("cuEventRecord"), "{err}");
+}
+
+#[test]
+fn a_failed_event_fails_every_batch_that_waited_for_it_on_the_gpu() {
+    let Some(_) = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0") else {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    };
+    let dev = last_gpu();
+    let (host, _) = sample(4);
+    let held = gate(dev, Direction::HostToDevice).unwrap();
+    let faults = Faults::inject(FAULT_QUERY, &[1]);
+    let there = move_one(&host, dev);
+    drop(faults);
+    // Queued on the GPU behind the upload, before anyone knows it will fail.
+    let back = move_one(&there, Device::Cpu);
+    let copy = move_one(&there, dev);
+    let later = move_one(&copy, Device::Cpu);
+    held.open();
+    for t in [&there, &back, &copy, &later] {
+        let err = t.wait().unwrap_err().to_string();
+        assert!(err.contains("cuEventQuery"), "{err}");
+    }
+}
+
+#[test]
+fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the_caller() {
+    for dev in devices() {
+        let (host, data) = sample(5);
+        // A host result still being filled: its event is host work (the emulated device
+        // has no GPU events), which no stream can wait for on its own.
+        let source = Device::Emulated(0);
+        let on_source = move_tensors(&[&host], source, MoveOptions::default())
+            .unwrap()
+            .remove(0);
+        let held = gate(source, Direction::DeviceToHost).unwrap();
+        let pending = move_one(&on_source, Device::Cpu);
+        // Both calls return with the gate still closed: the caller never waits.
+        let first = move_one(&pending, dev);
+        let second = move_one(&host, dev);
+        assert!(
+            !second.wait_timeout(SETTLE).unwrap(),
+            "{dev}: a later batch overtook a deferred one on its stream"
+        );
+        assert!(!first.is_ready());
+        held.open();
+        for t in [&first, &second] {
+            let back = move_tensors(&[t], Device::Cpu, MoveOptions::default()).unwrap();
+            assert_eq!(back[0].to_vec::<u32>().unwrap(), data, "{dev}");
+        }
+    }
+}
