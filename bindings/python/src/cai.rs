@@ -17,14 +17,14 @@ use tensorferry::{DType, Device, Storage, Tensor};
 use crate::errors::IntoPy;
 
 /// Keeps the producer object alive while tensorferry views its memory; released with the
-/// interpreter attached (or leaked if it is gone, the only safe choice then).
+/// interpreter attached (or leaked if it is gone, the only safe choice then), never making
+/// one of tensorferry's own threads wait for it ([`crate::release`]).
 struct Producer(Option<Py<PyAny>>);
 
 impl Drop for Producer {
     fn drop(&mut self) {
-        let mut obj = self.0.take();
-        if Python::try_attach(|_| drop(obj.take())).is_none() {
-            std::mem::forget(obj.take());
+        if let Some(obj) = self.0.take() {
+            crate::release::attached(move || drop(obj));
         }
     }
 }

@@ -17,15 +17,14 @@ const LEGACY: &CStr = c"dltensor";
 const USED_LEGACY: &CStr = c"used_dltensor";
 
 /// Owns an imported managed tensor and releases it with the interpreter attached, since
-/// some producers' deleters (NumPy's) touch Python objects.
+/// some producers' deleters (NumPy's) touch Python objects — never making one of
+/// tensorferry's own threads wait for it ([`crate::release`]).
 struct ReleaseAttached(Option<ManagedTensor>);
 
 impl Drop for ReleaseAttached {
     fn drop(&mut self) {
-        let mut slot = self.0.take();
-        if Python::try_attach(|_| drop(slot.take())).is_none() {
-            // The interpreter is gone: leaking is the only safe choice.
-            std::mem::forget(slot.take());
+        if let Some(managed) = self.0.take() {
+            crate::release::attached(move || drop(managed));
         }
     }
 }

@@ -5,6 +5,7 @@ mod cai;
 mod dlpack;
 mod errors;
 mod numpy_interop;
+mod release;
 mod runs;
 mod tensor;
 mod tree;
