@@ -298,13 +298,35 @@ fn from_dlpack_capsules(capsules: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyTenso
 }
 
 /// A legacy (`dltensor`) DLPack capsule for each tensor, in order, after its pending copy
-/// has finished (every consumer stream may use it at once). Read-only memory is copied:
-/// the legacy form cannot flag it.
+/// has finished (every consumer stream may use it at once) — or, for a CUDA tensor of GPU
+/// `i` when `streams` maps `i` to the consumer's stream handle, once that stream is made
+/// to wait for the copy on the GPU (the copy may still be running). Read-only memory is
+/// copied: the legacy form cannot flag it.
 #[pyfunction]
-fn to_dlpack_capsules(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<Vec<Py<PyAny>>> {
+#[pyo3(signature = (tensors, streams=None))]
+fn to_dlpack_capsules(
+    py: Python<'_>,
+    tensors: Vec<Py<PyTensor>>,
+    streams: Option<std::collections::HashMap<usize, usize>>,
+) -> PyResult<Vec<Py<PyAny>>> {
     guard(|| {
         let inner: Vec<&tensorferry::Tensor> = tensors.iter().map(|t| &t.get().inner).collect();
-        wait::wait_all(py, inner.iter().copied())?;
+        let streams = streams.unwrap_or_default();
+        let stream_of = |t: &tensorferry::Tensor| match t.device() {
+            Device::Cuda(i) => streams.get(&i).copied(),
+            _ => None,
+        };
+        // One GPU-side wait per buffer (a move's results share one per GPU), a host wait
+        // for the rest.
+        let mut ordered = std::collections::HashSet::new();
+        for t in &inner {
+            if let Some(handle) = stream_of(t) {
+                if ordered.insert((std::sync::Arc::as_ptr(t.storage()) as usize, handle)) {
+                    wait::order_stream(py, t, handle)?;
+                }
+            }
+        }
+        wait::wait_all(py, inner.iter().copied().filter(|t| stream_of(t).is_none()))?;
         inner
             .iter()
             .map(|t| {

@@ -132,16 +132,18 @@ impl PyTensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        // Every copy filling this tensor has finished before the capsule exists (the host
-        // waits for it just below), so whatever stream the consumer names may use it at once.
-        let _ = stream;
         if matches!(self.inner.device(), Device::Emulated(_)) {
             return Err(PyBufferError::new_err(format!(
                 "{} memory has no DLPack device: move it to the host first",
                 self.inner.device()
             )));
         }
-        crate::wait::wait_all(py, [&self.inner])?;
+        // A consumer that names its CUDA stream gets the tensor at once, its stream made to
+        // wait on the GPU for the copy filling it; otherwise the host waits for that copy.
+        match consumer_stream(&self.inner, stream.as_ref())? {
+            Some(handle) => crate::wait::order_stream(py, &self.inner, handle)?,
+            None => crate::wait::wait_all(py, [&self.inner])?,
+        }
         if let Some(dev) = dl_device {
             if dev != self.__dlpack_device__() {
                 return Err(PyBufferError::new_err(format!(
@@ -226,5 +228,35 @@ impl PyTensor {
             self.inner.dtype(),
             self.inner.device()
         )
+    }
+}
+
+/// The CUDA stream a DLPack consumer named for a CUDA tensor (an integer handle; 1 and 2
+/// are the legacy and per-thread default streams), or None: no stream, -1 ("do not
+/// synchronise", where tensorferry still waits for its own copies), or host memory.
+pub fn consumer_stream(
+    tensor: &Tensor,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<usize>> {
+    let Some(stream) = stream.filter(|s| !s.is_none()) else {
+        return Ok(None);
+    };
+    if !matches!(tensor.device(), Device::Cuda(_)) {
+        return Ok(None);
+    }
+    let handle: i128 = stream.extract().map_err(|_| {
+        pyo3::exceptions::PyTypeError::new_err(
+            "__dlpack__(stream=…) takes an integer CUDA stream handle",
+        )
+    })?;
+    match handle {
+        -1 => Ok(None),
+        0 => Err(PyBufferError::new_err(
+            "stream 0 is ambiguous in DLPack: pass 1 (legacy default) or 2 (per-thread default)",
+        )),
+        h if h > 0 && h <= usize::MAX as i128 => Ok(Some(h as usize)),
+        h => Err(PyBufferError::new_err(format!(
+            "{h} is not a CUDA stream handle"
+        ))),
     }
 }

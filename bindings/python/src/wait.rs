@@ -42,6 +42,18 @@ pub fn wait_until<'a>(
     Ok(true)
 }
 
+/// Makes the consumer's CUDA stream `handle` wait on the GPU for the copy filling
+/// `tensor` (no host wait); a copy not on a GPU yet is waited for here, in slices.
+pub fn order_stream(py: Python<'_>, tensor: &Tensor, handle: usize) -> PyResult<()> {
+    // SAFETY: the handle is the stream a DLPack consumer named for this tensor's GPU (the
+    // protocol's contract: a live stream of the process, or 1/2 for the default streams).
+    let ordered = unsafe { tensorferry::transfer::order_stream_after(tensor, handle) }.py_err()?;
+    if !ordered {
+        wait_all(py, [tensor])?;
+    }
+    Ok(())
+}
+
 /// Moves `tensors` to `target` and waits for the copies in slices (see [`wait_all`]): a
 /// blocking move that Ctrl-C can interrupt. With `non_blocking` it returns at once.
 pub fn move_tensors(

@@ -152,3 +152,25 @@ def test_non_blocking_to_host_of_torch_gpu_tensors_is_a_transfer(torch_cuda):
     assert out["step"] == 3 and pending.done()
     for k, v in expected.items():
         assert out[k].device.type == "cpu" and torch.equal(out[k], v)
+
+
+def test_non_blocking_upload_into_torch_orders_torchs_stream_instead_of_waiting(torch_cuda):
+    torch = torch_cuda
+    src = {f"w{i}": torch.randn(8 << 20) for i in range(8)}  # 256 MB of pageable memory
+    torch.cuda.synchronize()
+    out = tf.to_device(src, "cuda:0", non_blocking=True)
+    # Returned before the copies finished: PyTorch's stream waits for them on the GPU (a
+    # blocking call, or one that waited on the host, leaves nothing pending on it).
+    pending = not torch.cuda.current_stream().query()
+    for k, v in src.items():
+        assert out[k].is_cuda and torch.equal(out[k].cpu(), v)
+    assert pending, "the call waited for the copies on the host"
+
+
+def test_dlpack_consumer_streams_are_checked(cuda):
+    t = tf.to_device({"x": np.arange(6.0)}, cuda)["x"]
+    assert t.__dlpack__(stream=1) is not None and t.__dlpack__(stream=-1) is not None
+    with pytest.raises(BufferError, match="ambiguous"):
+        t.__dlpack__(stream=0)
+    with pytest.raises(TypeError, match="integer"):
+        t.__dlpack__(stream="default")

@@ -28,7 +28,7 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
     framework (CuPy and device-only inputs come back as NumPy and ``tensorferry.Tensor``).
     """
     out, queued = _start(leaves, target, copy, non_blocking, pinned, staging)
-    _finish(out, queued)
+    _finish(out, queued, non_blocking)
     return out
 
 
@@ -71,13 +71,14 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False):
     return out, (pending, moved, kinds, paths)
 
 
-def _finish(out, queued):
+def _finish(out, queued, order=False):
     """Fills ``out`` with the queued results in their frameworks (waiting for the copies
-    where a framework's tensors cannot wait by themselves)."""
+    where a framework's tensors cannot wait by themselves; with ``order``, PyTorch CUDA
+    results come at once, PyTorch's current stream made to wait for them on the GPU)."""
     if queued is None:
         return
     pending, moved, kinds, paths = queued
-    for leaf, result in zip(pending, fw.from_native_many(moved, kinds, paths)):
+    for leaf, result in zip(pending, fw.from_native_many(moved, kinds, paths, order)):
         out[id(leaf)] = result
 
 

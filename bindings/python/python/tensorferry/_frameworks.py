@@ -273,8 +273,10 @@ def from_native(tensor, kind, key=""):
     raise AssertionError(kind)
 
 
-def from_native_many(tensors, kinds, paths):
-    """``from_native`` for many tensors; NumPy results come from one native call."""
+def from_native_many(tensors, kinds, paths, order=False):
+    """``from_native`` for many tensors; NumPy results come from one native call. With
+    ``order``, PyTorch CUDA results whose copies may still run come at once, PyTorch's
+    current stream on their GPU made to wait for the copies on the GPU."""
     out = [None] * len(tensors)
     numpy_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if _host_numpy(k, t)]
     if numpy_at:
@@ -283,7 +285,7 @@ def from_native_many(tensors, kinds, paths):
             out[i] = a
     torch_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if k == TORCH and out[i] is None]
     if torch_at:
-        for i, t in zip(torch_at, _torch_from_native_many([tensors[i] for i in torch_at])):
+        for i, t in zip(torch_at, _torch_from_native_many([tensors[i] for i in torch_at], order)):
             out[i] = t
     tf_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if k == TENSORFLOW and out[i] is None]
     if tf_at:
@@ -304,19 +306,22 @@ def _tf_from_native_many(tensors):
     return _from_capsules(tensors, tf.experimental.dlpack.from_dlpack)
 
 
-def _torch_from_native_many(tensors):
+def _torch_from_native_many(tensors, order=False):
     """PyTorch tensors for many native tensors (after their pending copies). Host tensors
     that lie evenly spaced in one buffer with one dtype and shape (what a load or a move
     to the host gives) come as runs: one capsule and one strided view per run, split by
     ``unbind``, each run within 1 MiB. The others take one capsule each, which PyTorch
     takes without the protocol's per-call overhead. Read-only memory is copied first:
-    PyTorch tensors are always writable."""
+    PyTorch tensors are always writable. With ``order``, CUDA tensors are handed over at
+    once, PyTorch's current stream on their GPU made to wait for their copies on the GPU
+    (as ``torch.from_dlpack`` would ask through ``__dlpack__(stream=…)``)."""
     import torch
 
     take = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
     tensors = _writable(tensors)
+    streams = _torch_streams(torch, tensors) if order else None
     if len(tensors) < 2:
-        return [take(c) for c in _native.to_dlpack_capsules(tensors)]
+        return [take(c) for c in _native.to_dlpack_capsules(tensors, streams)]
     out = [None] * len(tensors)
     runs, rest = _native.host_runs(tensors)
     for (region, dtype, shape, spacing, at), flat in zip(runs, _from_capsules([r[0] for r in runs], take)):
@@ -331,9 +336,17 @@ def _torch_from_native_many(tensors):
         for i, row in zip(at, torch.as_strided(flat, (len(at), *shape), (step, *strides)).unbind(0)):
             out[i] = row
     if rest:
-        for i, t in zip(rest, _from_capsules([tensors[i] for i in rest], take)):
+        for i, t in zip(rest, _from_capsules([tensors[i] for i in rest], take, streams)):
             out[i] = t
     return out
+
+
+def _torch_streams(torch, tensors):
+    """``{gpu: handle of PyTorch's current stream there}`` for the GPUs of CUDA
+    ``tensors`` (1, the legacy default stream, for PyTorch's default stream, as
+    ``torch.from_dlpack`` passes it)."""
+    gpus = {t.device for t in tensors if t.device.startswith("cuda:")}
+    return {int(g[5:]): torch.cuda.current_stream(int(g[5:])).cuda_stream or 1 for g in gpus}
 
 
 def _contiguous_strides(shape):
@@ -358,10 +371,11 @@ def _writable(tensors):
     return tensors
 
 
-def _from_capsules(tensors, take):
+def _from_capsules(tensors, take, streams=None):
     """``take`` (a framework's capsule import) of a legacy DLPack capsule of each tensor,
-    read-only ones copied first: these frameworks' tensors are writable."""
-    return [take(c) for c in _native.to_dlpack_capsules(_writable(tensors))]
+    read-only ones copied first: these frameworks' tensors are writable. ``streams`` as
+    for ``_native.to_dlpack_capsules``."""
+    return [take(c) for c in _native.to_dlpack_capsules(_writable(tensors), streams)]
 
 
 def importable(kind):

@@ -68,6 +68,17 @@ impl CudaEvent {
         }
     }
 
+    /// Makes `stream` — a stream of any component of the process usable in this event's
+    /// context, or a default-stream constant (1: legacy, 2: per-thread) — wait on the GPU
+    /// until this event is passed, with the event's context entered for the call.
+    ///
+    /// # Safety
+    /// `stream` must be such a stream: the driver does not validate every handle.
+    pub(crate) unsafe fn order(&self, stream: sys::CUstream) -> Result<()> {
+        let _current = self.context.enter(self.device)?;
+        self.wait_on(stream, self.device)
+    }
+
     /// Makes `stream` (of the current context) wait on the GPU until this event is passed.
     pub(crate) fn wait_on(&self, stream: sys::CUstream, on: Device) -> Result<()> {
         // SAFETY: the event is live; the stream belongs to the current context (caller's

@@ -402,3 +402,56 @@ fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the
         }
     }
 }
+
+#[test]
+fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at_all() {
+    use super::cuda_event::CudaEvent;
+    use cudarc::driver::sys;
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return; // needs the fake driver's gate
+    }
+    let dev = last_gpu();
+    let Device::Cuda(ordinal) = dev else {
+        unreachable!()
+    };
+    let context = super::cuda_device::device(ordinal).unwrap().context;
+    let _current = context.enter(dev).unwrap();
+    let mut consumer: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: the GPU's context is current; `consumer` is a live out pointer.
+    assert_eq!(
+        unsafe { sys::cuStreamCreate(&mut consumer, 0) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    let (host, data) = sample(9);
+    let held = gate(dev, Direction::HostToDevice).unwrap();
+    let there = move_one(&host, dev);
+    // SAFETY: `consumer` is a live stream of the GPU's primary context.
+    assert!(unsafe { crate::transfer::order_stream_after(&there, consumer as usize) }.unwrap());
+    // The call returned with the upload still held: the consumer's next work waits on the GPU.
+    assert!(!there.is_ready(), "the caller waited for the upload");
+    let after = CudaEvent::record(context, dev, consumer).unwrap();
+    std::thread::sleep(SETTLE);
+    assert!(
+        !after.query().unwrap(),
+        "the consumer's stream ran past the held upload"
+    );
+    held.open();
+    let start = std::time::Instant::now();
+    while !after.query().unwrap() {
+        assert!(
+            start.elapsed() < PATIENCE,
+            "the consumer's stream never ran"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
+    // SAFETY: the stream is idle (its event has passed) and destroyed once.
+    unsafe { sys::cuStreamDestroy_v2(consumer) };
+}
+
+#[test]
+fn ordering_a_stream_after_a_ready_or_host_tensor_needs_no_gpu_call() {
+    let (host, _) = sample(10);
+    // SAFETY: host memory has no pending copy, so the handle is never used.
+    assert!(unsafe { crate::transfer::order_stream_after(&host, usize::MAX) }.unwrap());
+}

@@ -32,10 +32,12 @@ use crate::memory::{AlignedBuffer, HostBuffer};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
+mod consumer;
 pub(crate) mod fragmented;
 mod host_copy;
 pub mod staging;
 
+pub use consumer::order_stream_after;
 pub use staging::Staging;
 
 /// How to move.
