@@ -315,6 +315,19 @@ impl Tensor {
         self.runs_in(self.host_bytes_or_err()?, f)
     }
 
+    /// [`Tensor::for_each_run`] with runs borrowed from the tensor itself, so a caller can
+    /// keep them (to hand many to one vectored write).
+    pub(crate) fn for_each_host_run<'s>(
+        &'s self,
+        mut f: impl FnMut(&'s [u8]) -> Result<()>,
+    ) -> Result<()> {
+        if let Some(bytes) = self.try_contiguous_bytes()? {
+            return f(bytes);
+        }
+        let all = self.host_bytes_or_err()?;
+        self.run_offsets(|at, len| f(&all[at..at + len]))
+    }
+
     /// Calls `f` on the tensor's bytes in C order, reading them from `all`, the bytes of
     /// its storage.
     pub(crate) fn runs_in(&self, all: &[u8], mut f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {

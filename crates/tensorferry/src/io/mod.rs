@@ -16,6 +16,7 @@
 mod budget;
 mod census;
 mod file_kind;
+mod gather_write;
 mod header;
 mod header_writer;
 mod pool;
