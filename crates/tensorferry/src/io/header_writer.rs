@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use super::census::HeaderCensus;
+use super::name_hash::NameHasher;
 use super::tree_census::TreeCensus;
 use super::tree_meta::FORMAT_VERSION;
 use super::TREE_METADATA_KEY;
@@ -230,30 +231,6 @@ fn push_json_str(out: &mut Vec<u8>, s: &str) {
     out.push(b'"');
 }
 
-/// A fast hash for the names of the tree being saved (the caller's own, not hostile
-/// input): FxHash's multiply-rotate over eight bytes at a time.
-#[derive(Default)]
-struct NameHasher(u64);
-
-impl std::hash::Hasher for NameHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        const K: u64 = 0x517c_c1b7_2722_0a95;
-        let mut chunks = bytes.chunks_exact(8);
-        for c in &mut chunks {
-            let word = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-            self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(K);
-        }
-        let mut tail = [0u8; 8];
-        let rest = chunks.remainder();
-        tail[..rest.len()].copy_from_slice(rest);
-        let word = u64::from_le_bytes(tail) ^ ((rest.len() as u64) << 56);
-        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(K);
-    }
-}
-
 type NameSet<'a> = HashMap<&'a str, usize, std::hash::BuildHasherDefault<NameHasher>>;
 
 /// Appends `n` in decimal.
@@ -403,6 +380,7 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
         string_bytes: walked.tree.string_bytes,
         longest_string: walked.tree.longest_string,
         lengths: Vec::new(),
+        fast: false,
     }));
     #[cfg(debug_assertions)]
     check_census(&bytes[8..], &census);

@@ -14,7 +14,7 @@ use super::census::HeaderCensus;
 use super::file_kind::open_regular;
 use super::header::{header_len, parse_counted, Header};
 use super::pool::{flat_dict, Pool};
-use super::{tree_census, tree_decode, TREE_METADATA_KEY};
+use super::{tree_decode, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
@@ -165,7 +165,7 @@ fn build((header, census): Parsed, storage: Arc<Storage>, base: usize) -> Result
         Some(text) => {
             let tree = match census.tree {
                 Some(counted) => counted?,
-                None => tree_census::count_tree(&text)?,
+                None => super::fast_tree::census(&text)?,
             };
             let mut pool = Pool::new(header.tensors, storage, base);
             let root = tree_decode::decode(&text, &tree, &mut pool)?;
