@@ -252,7 +252,11 @@ fn first_duplicate(entries: &[TensorEntry]) -> Option<&str> {
     let mut start = 0;
     while start < keyed.len() {
         let hash = keyed[start].0;
-        let end = start + keyed[start..].partition_point(|k| k.0 == hash);
+        // Runs are short (one entry, but for a collision): a walk, not a search.
+        let mut end = start + 1;
+        while keyed.get(end).is_some_and(|k| k.0 == hash) {
+            end += 1;
+        }
         let run = &mut keyed[start..end];
         if run.len() > 1 {
             run.sort_unstable_by(|a, b| name(a).cmp(name(b)));
