@@ -74,11 +74,24 @@ pub(crate) fn build(text: &str, counted: Counted) -> Option<Built> {
         if key == "__metadata__" {
             return build_metadata(c, &mut metadata, &mut tree_text);
         }
-        let mut dims = *c;
-        let mut ndim = 0usize;
-        entry(&mut dims, |_| ndim += 1)?;
-        let mut shape = Vec::with_capacity(ndim);
-        let fields = entry(c, |d| shape.push(d))?;
+        // Up to eight dims are gathered on the stack; a longer shape is read again into a
+        // vector of its exact length.
+        let start = *c;
+        let (mut small, mut ndim) = ([0usize; 8], 0usize);
+        let fields = entry(c, |d| {
+            if let Some(slot) = small.get_mut(ndim) {
+                *slot = d;
+            }
+            ndim += 1;
+        })?;
+        let shape = match small.get(..ndim) {
+            Some(dims) => dims.to_vec(),
+            None => {
+                let mut shape = Vec::with_capacity(ndim);
+                entry(&mut { start }, |d| shape.push(d))?;
+                shape
+            }
+        };
         entries.push(TensorEntry {
             name: key.to_string(),
             dtype: fields.dtype,

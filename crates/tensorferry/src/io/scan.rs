@@ -83,12 +83,9 @@ impl<'a> Cursor<'a> {
     pub(crate) fn plain_str(&mut self) -> Option<&'a str> {
         self.eat(b'"')?;
         let start = self.at;
-        loop {
-            match *self.bytes().get(self.at)? {
-                b'"' => break,
-                b'\\' | 0..=0x1f => return None,
-                _ => self.at += 1,
-            }
+        self.at = special_from(self.bytes(), self.at);
+        if *self.bytes().get(self.at)? != b'"' {
+            return None;
         }
         let s = self.text.get(start..self.at)?;
         self.at += 1;
@@ -101,14 +98,16 @@ impl<'a> Cursor<'a> {
         self.eat(b'"')?;
         let mut len = 0usize;
         loop {
+            let plain = special_from(self.bytes(), self.at);
+            len += plain - self.at;
+            self.at = plain;
             match *self.bytes().get(self.at)? {
                 b'"' => break,
                 b'\\' => {
                     short_escape(*self.bytes().get(self.at + 1)?)?;
                     self.at += 2;
                 }
-                0..=0x1f => return None,
-                _ => self.at += 1,
+                _ => return None,
             }
             len += 1;
         }
@@ -122,12 +121,7 @@ impl<'a> Cursor<'a> {
         self.eat(b'"')?;
         loop {
             let start = self.at;
-            while let Some(&b) = self.bytes().get(self.at) {
-                if b == b'"' || b == b'\\' || b < 0x20 {
-                    break;
-                }
-                self.at += 1;
-            }
+            self.at = special_from(self.bytes(), self.at);
             out.push_str(self.text.get(start..self.at)?);
             match *self.bytes().get(self.at)? {
                 b'"' => break,
@@ -183,6 +177,31 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// The index of the first `"`, `\\` or control character of `bytes` from `at` on (the
+/// length when none), eight bytes at a time.
+fn special_from(bytes: &[u8], mut at: usize) -> usize {
+    const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
+    const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
+    let has_zero = |w: u64| w.wrapping_sub(ONES) & !w & HIGHS;
+    while let Some(chunk) = bytes.get(at..at + 8) {
+        let w = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+        let found = has_zero(w ^ (ONES * u64::from(b'"')))
+            | has_zero(w ^ (ONES * u64::from(b'\\')))
+            | (w.wrapping_sub(ONES * 0x20) & !w & HIGHS);
+        if found != 0 {
+            break;
+        }
+        at += 8;
+    }
+    while let Some(&b) = bytes.get(at) {
+        if b == b'"' || b == b'\\' || b < 0x20 {
+            break;
+        }
+        at += 1;
+    }
+    at
+}
+
 /// The character a short escape stands for (`None` for `\u` and anything unknown).
 fn short_escape(b: u8) -> Option<char> {
     Some(match b {
@@ -215,6 +234,25 @@ mod tests {
         assert_eq!((c.word("true"), c.word("null")), (Some(()), Some(())));
         assert_eq!(c.unescaped_len(), Some("é".len()));
         assert!(c.finish().is_some());
+    }
+
+    #[test]
+    fn the_word_scan_stops_where_the_byte_scan_does() {
+        let specials = [b'"', b'\\', 0x00, 0x1f, 0x20, 0x21, 0x7f, 0x80, 0xff, b'a'];
+        for len in 0..20 {
+            for pos in 0..len {
+                for &b in &specials {
+                    let mut bytes = vec![b'x'; len];
+                    bytes[pos] = b;
+                    for from in 0..=len {
+                        let slow = (from..len)
+                            .find(|&i| matches!(bytes[i], b'"' | b'\\' | 0..=0x1f))
+                            .unwrap_or(len);
+                        assert_eq!(special_from(&bytes, from), slow, "{bytes:?} from {from}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
