@@ -12,6 +12,7 @@ use std::fmt::Write as _;
 
 use super::census::HeaderCensus;
 use super::name_hash::NameHasher;
+use super::scan::special_from;
 use super::tree_census::TreeCensus;
 use super::tree_meta::FORMAT_VERSION;
 use super::TREE_METADATA_KEY;
@@ -202,12 +203,14 @@ fn push_json_str(out: &mut Vec<u8>, s: &str) {
     let bytes = s.as_bytes();
     out.reserve(bytes.len() + 2);
     out.push(b'"');
-    let mut start = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        if b >= 0x20 && b != b'"' && b != b'\\' {
-            continue;
-        }
-        out.extend_from_slice(&bytes[start..i]);
+    let mut at = 0;
+    loop {
+        // Plain runs found eight bytes at a time and copied whole.
+        let end = special_from(bytes, at);
+        out.extend_from_slice(&bytes[at..end]);
+        let Some(&b) = bytes.get(end) else {
+            break;
+        };
         match b {
             b'"' => out.extend_from_slice(b"\\\""),
             b'\\' => out.extend_from_slice(b"\\\\"),
@@ -225,9 +228,8 @@ fn push_json_str(out: &mut Vec<u8>, s: &str) {
                 HEX[(b & 0xf) as usize],
             ]),
         }
-        start = i + 1;
+        at = end + 1;
     }
-    out.extend_from_slice(&bytes[start..]);
     out.push(b'"');
 }
 
@@ -436,6 +438,19 @@ mod tests {
                 String::from_utf8(out).unwrap(),
                 serde_json::to_string(s).unwrap()
             );
+        }
+        // Every special character at every position of strings longer than a word.
+        for special in ['"', '\\', '\n', '\u{1}', '\u{1f}', ' ', '\u{7f}', 'é'] {
+            for len in 1..20 {
+                for at in 0..len {
+                    let s: String = (0..len)
+                        .map(|i| if i == at { special } else { 'x' })
+                        .collect();
+                    let mut out = Vec::new();
+                    push_json_str(&mut out, &s);
+                    assert_eq!(out, serde_json::to_vec(&s).unwrap(), "{s:?}");
+                }
+            }
         }
     }
 

@@ -179,7 +179,7 @@ impl<'a> Cursor<'a> {
 
 /// The index of the first `"`, `\\` or control character of `bytes` from `at` on (the
 /// length when none), eight bytes at a time.
-fn special_from(bytes: &[u8], mut at: usize) -> usize {
+pub(crate) fn special_from(bytes: &[u8], mut at: usize) -> usize {
     const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
     const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);
     let has_zero = |w: u64| w.wrapping_sub(ONES) & !w & HIGHS;
