@@ -12,15 +12,18 @@ use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
 
+mod dims;
+use dims::Dims;
+
 /// A typed, shaped view of device or host memory.
 #[derive(Clone)]
 pub struct Tensor {
     storage: Arc<Storage>,
     offset: usize,
     dtype: DType,
-    shape: Vec<usize>,
+    shape: Dims<usize>,
     /// Strides in elements, C order for contiguous tensors; may be negative.
-    strides: Vec<isize>,
+    strides: Dims<isize>,
 }
 
 /// Rust types that are tensor elements.
@@ -73,6 +76,20 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
         acc = acc.saturating_mul(n.max(1) as isize);
     }
     strides
+}
+
+/// [`contiguous_strides`] without a heap allocation for up to four dimensions.
+fn contiguous_dims(shape: &[usize]) -> Dims<isize> {
+    if shape.len() > 4 {
+        return contiguous_strides(shape).into();
+    }
+    let mut strides = [0isize; 4];
+    let mut acc = 1isize;
+    for (s, &n) in strides[..shape.len()].iter_mut().zip(shape).rev() {
+        *s = acc;
+        acc = acc.saturating_mul(n.max(1) as isize);
+    }
+    Dims::from_slice(&strides[..shape.len()])
 }
 
 /// Where the elements of a layout lie around element 0, in bytes: `(below, above)` with
@@ -145,8 +162,8 @@ impl Tensor {
             storage,
             offset,
             dtype,
-            shape,
-            strides,
+            shape: shape.into(),
+            strides: strides.into(),
         })
     }
 
@@ -170,13 +187,12 @@ impl Tensor {
                 })
             }
         }
-        let strides = contiguous_strides(&shape);
         Ok(Tensor {
             storage,
             offset,
             dtype,
-            shape,
-            strides,
+            strides: contiguous_dims(&shape),
+            shape: shape.into(),
         })
     }
 
@@ -273,7 +289,7 @@ impl Tensor {
             return true;
         }
         let mut expected = 1isize;
-        for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
+        for (&n, &s) in self.shape.iter().zip(self.strides.iter()).rev() {
             if n != 1 && s != expected {
                 return false;
             }
@@ -313,6 +329,19 @@ impl Tensor {
             return f(bytes);
         }
         self.runs_in(self.host_bytes_or_err()?, f)
+    }
+
+    /// [`Tensor::for_each_run`] with runs borrowed from the tensor itself, so a caller can
+    /// keep them (to hand many to one vectored write).
+    pub(crate) fn for_each_host_run<'s>(
+        &'s self,
+        mut f: impl FnMut(&'s [u8]) -> Result<()>,
+    ) -> Result<()> {
+        if let Some(bytes) = self.try_contiguous_bytes()? {
+            return f(bytes);
+        }
+        let all = self.host_bytes_or_err()?;
+        self.run_offsets(|at, len| f(&all[at..at + len]))
     }
 
     /// Calls `f` on the tensor's bytes in C order, reading them from `all`, the bytes of
@@ -439,7 +468,7 @@ impl Tensor {
             at += run.len();
             Ok(())
         })?;
-        let shape = self.shape.clone();
+        let shape = self.shape.to_vec();
         let strides = contiguous_strides(&shape);
         Tensor::from_storage(Arc::new(Storage::owned(buf)), 0, self.dtype, shape, strides)
     }
@@ -547,7 +576,7 @@ impl fmt::Debug for Tensor {
             f,
             "Tensor({}, shape={:?}, device={}{})",
             self.dtype,
-            self.shape,
+            &*self.shape,
             self.device(),
             if self.is_contiguous() {
                 ""

@@ -210,23 +210,33 @@ impl Node {
         &self,
         f: &mut impl FnMut(&Tensor) -> Result<Tensor>,
     ) -> Result<Node> {
-        Ok(match self {
-            Node::Tensor(t) => Node::Tensor(f(t)?),
-            Node::Value(v) => Node::Value(v.clone()),
-            Node::Dict(d) => Node::Dict(d.try_map_tensors_in_order(f)?),
-            Node::List(items) => Node::List(
-                items
-                    .iter()
-                    .map(|v| v.try_map_tensors_in_order(f))
-                    .collect::<Result<_>>()?,
-            ),
-            Node::Tuple(items) => Node::Tuple(
-                items
-                    .iter()
-                    .map(|v| v.try_map_tensors_in_order(f))
-                    .collect::<Result<_>>()?,
-            ),
-        })
+        let mut out = self.clone();
+        out.replace_tensors_in_order(f)?;
+        Ok(out)
+    }
+
+    /// Replaces every tensor `t` of this (cloned) tree by `f(t)`, in order. Cloning the
+    /// tree first keeps every dict's hash table (no key is hashed again) and costs a
+    /// tensor one reference count, now that shapes are inline.
+    fn replace_tensors_in_order(
+        &mut self,
+        f: &mut impl FnMut(&Tensor) -> Result<Tensor>,
+    ) -> Result<()> {
+        match self {
+            Node::Tensor(t) => *t = f(t)?,
+            Node::Value(_) => {}
+            Node::Dict(d) => {
+                for v in d.entries.values_mut() {
+                    v.replace_tensors_in_order(f)?;
+                }
+            }
+            Node::List(items) | Node::Tuple(items) => {
+                for v in items {
+                    v.replace_tensors_in_order(f)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     fn map_at(
@@ -431,11 +441,11 @@ impl TensorDict {
         &self,
         f: &mut impl FnMut(&Tensor) -> Result<Tensor>,
     ) -> Result<TensorDict> {
-        let mut out = IndexMap::with_capacity(self.entries.len());
-        for (k, v) in &self.entries {
-            out.insert(k.clone(), v.try_map_tensors_in_order(f)?);
+        let mut entries = self.entries.clone();
+        for v in entries.values_mut() {
+            v.replace_tensors_in_order(f)?;
         }
-        Ok(TensorDict { entries: out })
+        Ok(TensorDict { entries })
     }
 
     /// The dictionary with every tensor on `device`; tensors already there are shared

@@ -254,3 +254,31 @@ fn empty_dicts_and_empty_tensors_round_trip() {
         assert!(matches!(back.get("sub"), Some(Node::Dict(s)) if s.is_empty()));
     }
 }
+
+#[test]
+fn a_dict_of_many_small_tensors_of_every_rank_loads_back_exactly_both_ways() {
+    // Over 64 KiB of header (the reader then parses it while another thread reads the
+    // data), shapes of 0 to 6 dimensions (inline and on the heap), values between them;
+    // no float, so the tree record is read by the fast reader.
+    let mut d = TensorDict::new();
+    d.insert("name", "run");
+    for i in 0..3000usize {
+        let shape: Vec<usize> = (0..i % 7).map(|k| 1 + (i + k) % 2).collect();
+        let n: usize = shape.iter().product();
+        let values: Vec<f32> = (0..n).map(|j| (i * 7 + j) as f32).collect();
+        d.insert_path(&["many", &format!("t{i}")], f32s(&values, &shape))
+            .unwrap();
+        if i % 100 == 0 {
+            d.insert_path(&["values", &format!("v{i}")], i as i64)
+                .unwrap();
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("many.safetensors");
+    save(&d, &path, &SaveOptions::default()).unwrap();
+    for mmap in [true, false] {
+        let (back, _) = load(&path, LoadOptions { mmap }).unwrap();
+        assert_same(&d, &back);
+        assert_eq!(back.len(), d.len());
+    }
+}

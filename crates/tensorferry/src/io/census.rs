@@ -63,7 +63,8 @@ pub(crate) fn count_header(text: &str) -> Result<HeaderCensus> {
 }
 
 impl HeaderCensus {
-    fn saw_string(&mut self, len: usize) {
+    /// Notes a string of `len` bytes.
+    pub(crate) fn saw_string(&mut self, len: usize) {
         self.longest_string = self.longest_string.max(len as u64);
     }
 }

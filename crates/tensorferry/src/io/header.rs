@@ -12,6 +12,8 @@ use serde::Deserialize;
 
 use super::budget;
 use super::census::{count_header, HeaderCensus};
+use super::fast_header::{self, Built};
+use super::name_hash::name_hash;
 use super::tree_meta::shorten;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -184,6 +186,35 @@ pub(crate) fn parse_counted(header: &[u8], data_len: u64) -> Result<(Header, Hea
     let data_start = 8 + header.len() as u64;
     let text = std::str::from_utf8(header)
         .map_err(|e| Error::format_at(8 + e.valid_up_to() as u64, "header is not valid UTF-8"))?;
+    let fast = match fast_header::count(text) {
+        Some(counted) => {
+            budget::check(&counted.census, data_len)?;
+            fast_header::build(text, counted)
+        }
+        None => None,
+    };
+    let (entries, metadata, census) = match fast {
+        Some(built) => built,
+        None => parse_slow(text, data_len)?,
+    };
+    if let Some(name) = first_duplicate(&entries) {
+        return Err(Error::format_in(
+            &shorten(name),
+            "name appears twice in the header",
+        ));
+    }
+    check_coverage(&entries, data_start, data_len)?;
+    let header = Header {
+        tensors: entries,
+        metadata,
+        data_start,
+    };
+    Ok((header, census))
+}
+
+/// The entries, metadata and census of any header `text`, read with `serde_json` (for
+/// headers [`fast_header`] does not read), every fault worded.
+pub(super) fn parse_slow(text: &str, data_len: u64) -> Result<Built> {
     let census = count_header(text)?;
     budget::check(&census, data_len)?;
     let mut failure = None;
@@ -204,26 +235,38 @@ pub(crate) fn parse_counted(header: &[u8], data_len: u64) -> Result<(Header, Hea
             ))
         }
     };
-    if let Some(name) = first_duplicate(&raw.entries) {
-        return Err(Error::format_in(
-            &shorten(name),
-            "name appears twice in the header",
-        ));
-    }
-    check_coverage(&raw.entries, data_start, data_len)?;
-    let header = Header {
-        tensors: raw.entries,
-        metadata: raw.metadata.unwrap_or_default(),
-        data_start,
-    };
-    Ok((header, census))
+    Ok((raw.entries, raw.metadata.unwrap_or_default(), census))
 }
 
-/// A name two entries share, if any (sorting references: one word per entry).
+/// A name two entries share, if any. The entries are sorted by the hash of their name
+/// (two words each), and only those of equal hashes are compared by name: hostile names
+/// that share a hash cost a sort by name of their run, never a quadratic walk.
 fn first_duplicate(entries: &[TensorEntry]) -> Option<&str> {
-    let mut names: Vec<&str> = entries.iter().map(|e| e.name.as_str()).collect();
-    names.sort_unstable();
-    names.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
+    let mut keyed: Vec<(u64, usize)> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (name_hash(&e.name), i))
+        .collect();
+    keyed.sort_unstable();
+    let name = |k: &(u64, usize)| entries[k.1].name.as_str();
+    let mut start = 0;
+    while start < keyed.len() {
+        let hash = keyed[start].0;
+        // Runs are short (one entry, but for a collision): a walk, not a search.
+        let mut end = start + 1;
+        while keyed.get(end).is_some_and(|k| k.0 == hash) {
+            end += 1;
+        }
+        let run = &mut keyed[start..end];
+        if run.len() > 1 {
+            run.sort_unstable_by(|a, b| name(a).cmp(name(b)));
+            if let Some(w) = run.windows(2).find(|w| name(&w[0]) == name(&w[1])) {
+                return Some(name(&w[0]));
+            }
+        }
+        start = end;
+    }
+    None
 }
 
 fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {

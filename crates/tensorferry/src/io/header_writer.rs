@@ -11,6 +11,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use super::census::HeaderCensus;
+use super::name_hash::NameHasher;
+use super::scan::special_from;
 use super::tree_census::TreeCensus;
 use super::tree_meta::FORMAT_VERSION;
 use super::TREE_METADATA_KEY;
@@ -201,12 +203,14 @@ fn push_json_str(out: &mut Vec<u8>, s: &str) {
     let bytes = s.as_bytes();
     out.reserve(bytes.len() + 2);
     out.push(b'"');
-    let mut start = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        if b >= 0x20 && b != b'"' && b != b'\\' {
-            continue;
-        }
-        out.extend_from_slice(&bytes[start..i]);
+    let mut at = 0;
+    loop {
+        // Plain runs found eight bytes at a time and copied whole.
+        let end = special_from(bytes, at);
+        out.extend_from_slice(&bytes[at..end]);
+        let Some(&b) = bytes.get(end) else {
+            break;
+        };
         match b {
             b'"' => out.extend_from_slice(b"\\\""),
             b'\\' => out.extend_from_slice(b"\\\\"),
@@ -224,34 +228,9 @@ fn push_json_str(out: &mut Vec<u8>, s: &str) {
                 HEX[(b & 0xf) as usize],
             ]),
         }
-        start = i + 1;
+        at = end + 1;
     }
-    out.extend_from_slice(&bytes[start..]);
     out.push(b'"');
-}
-
-/// A fast hash for the names of the tree being saved (the caller's own, not hostile
-/// input): FxHash's multiply-rotate over eight bytes at a time.
-#[derive(Default)]
-struct NameHasher(u64);
-
-impl std::hash::Hasher for NameHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        const K: u64 = 0x517c_c1b7_2722_0a95;
-        let mut chunks = bytes.chunks_exact(8);
-        for c in &mut chunks {
-            let word = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-            self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(K);
-        }
-        let mut tail = [0u8; 8];
-        let rest = chunks.remainder();
-        tail[..rest.len()].copy_from_slice(rest);
-        let word = u64::from_le_bytes(tail) ^ ((rest.len() as u64) << 56);
-        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(K);
-    }
 }
 
 type NameSet<'a> = HashMap<&'a str, usize, std::hash::BuildHasherDefault<NameHasher>>;
@@ -403,6 +382,7 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
         string_bytes: walked.tree.string_bytes,
         longest_string: walked.tree.longest_string,
         lengths: Vec::new(),
+        fast: false,
     }));
     #[cfg(debug_assertions)]
     check_census(&bytes[8..], &census);
@@ -458,6 +438,19 @@ mod tests {
                 String::from_utf8(out).unwrap(),
                 serde_json::to_string(s).unwrap()
             );
+        }
+        // Every special character at every position of strings longer than a word.
+        for special in ['"', '\\', '\n', '\u{1}', '\u{1f}', ' ', '\u{7f}', 'é'] {
+            for len in 1..20 {
+                for at in 0..len {
+                    let s: String = (0..len)
+                        .map(|i| if i == at { special } else { 'x' })
+                        .collect();
+                    let mut out = Vec::new();
+                    push_json_str(&mut out, &s);
+                    assert_eq!(out, serde_json::to_vec(&s).unwrap(), "{s:?}");
+                }
+            }
         }
     }
 

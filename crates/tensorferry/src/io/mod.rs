@@ -15,12 +15,17 @@
 
 mod budget;
 mod census;
+mod fast_header;
+mod fast_tree;
 mod file_kind;
+mod gather_write;
 mod header;
 mod header_writer;
+mod name_hash;
 mod pool;
 mod read;
 mod replace;
+mod scan;
 mod sharded;
 mod temp_files;
 mod tree_census;

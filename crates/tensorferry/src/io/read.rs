@@ -14,7 +14,7 @@ use super::census::HeaderCensus;
 use super::file_kind::open_regular;
 use super::header::{header_len, parse_counted, Header};
 use super::pool::{flat_dict, Pool};
-use super::{tree_census, tree_decode, TREE_METADATA_KEY};
+use super::{tree_decode, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
@@ -110,6 +110,13 @@ type Parsed = (Header, HeaderCensus);
 /// Reads and validates the header at the start of `file`, leaving the file positioned at
 /// the data section.
 fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Parsed> {
+    let header_bytes = read_header_bytes(file, path, file_len)?;
+    parse_counted(&header_bytes, file_len - 8 - header_bytes.len() as u64)
+}
+
+/// The header's JSON bytes (its length checked against the file), the file left
+/// positioned at the data section.
+fn read_header_bytes(file: &mut File, path: &Path, file_len: u64) -> Result<Vec<u8>> {
     let mut prefix = [0u8; 8];
     if file_len >= 8 {
         file.read_exact(&mut prefix)
@@ -119,7 +126,7 @@ fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Parsed> {
     let mut header_bytes = vec![0u8; n as usize];
     file.read_exact(&mut header_bytes)
         .map_err(|e| Error::io("read", path, e))?;
-    parse_counted(&header_bytes, file_len - 8 - n)
+    Ok(header_bytes)
 }
 
 /// Loads from bytes in memory (copied into aligned memory first); the same validation
@@ -147,13 +154,37 @@ fn map_file(file: &File, path: &Path, file_len: u64) -> Result<(Parsed, Arc<Stor
     Ok((parsed, Arc::new(Storage::mapped(map)), data_start))
 }
 
-/// Reads the header, then the data section in one read into aligned memory.
+/// Headers from this size on are parsed while another thread reads the data section.
+const OVERLAP_HEADER_BYTES: usize = 64 << 10;
+
+/// Reads the header, then the data section in one read into aligned memory; a large
+/// header (many tensors) is parsed while another thread reads the data, so the load
+/// takes about the longer of the two rather than their sum. The data buffer is at most
+/// the file's size, which the memory budget counts in any case; a header refused still
+/// fails the load, with its own error.
 fn read_file(file: &mut File, path: &Path, file_len: u64) -> Result<(Parsed, Arc<Storage>, usize)> {
-    let parsed = header_of(file, path, file_len)?;
-    let data_len = file_len - parsed.0.data_start;
+    let header = read_header_bytes(file, path, file_len)?;
+    let data_len = file_len - 8 - header.len() as u64;
     let mut data = AlignedBuffer::zeroed(data_len as usize)?;
-    file.read_exact(data.as_mut_slice())
-        .map_err(|e| Error::io("read", path, e))?;
+    let read_err = |e| Error::io("read", path, e);
+    let parsed = if header.len() < OVERLAP_HEADER_BYTES {
+        let parsed = parse_counted(&header, data_len)?;
+        file.read_exact(data.as_mut_slice()).map_err(read_err)?;
+        parsed
+    } else {
+        let buffer = data.as_mut_slice();
+        let (parsed, read) = std::thread::scope(|scope| {
+            let reader = scope.spawn(move || file.read_exact(buffer));
+            let parsed = parse_counted(&header, data_len);
+            let read = reader
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the reading thread panicked")));
+            (parsed, read)
+        });
+        let parsed = parsed?;
+        read.map_err(read_err)?;
+        parsed
+    };
     Ok((parsed, Arc::new(Storage::owned(data)), 0))
 }
 
@@ -165,7 +196,7 @@ fn build((header, census): Parsed, storage: Arc<Storage>, base: usize) -> Result
         Some(text) => {
             let tree = match census.tree {
                 Some(counted) => counted?,
-                None => tree_census::count_tree(&text)?,
+                None => super::fast_tree::census(&text)?,
             };
             let mut pool = Pool::new(header.tensors, storage, base);
             let root = tree_decode::decode(&text, &tree, &mut pool)?;

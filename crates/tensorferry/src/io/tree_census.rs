@@ -29,6 +29,8 @@ pub(crate) struct TreeCensus {
     pub(crate) longest_string: u64,
     /// The length of every dict, list and tuple, in the order the record lists them.
     pub(crate) lengths: Vec<u32>,
+    /// Counted by [`super::fast_tree`], whose decoder then builds the tree.
+    pub(crate) fast: bool,
 }
 
 /// Checks the record `text` and counts what it holds.
@@ -44,7 +46,8 @@ pub(crate) fn count_tree(text: &str) -> Result<TreeCensus> {
 }
 
 impl TreeCensus {
-    fn saw_string(&mut self, len: usize) {
+    /// Notes a string of `len` bytes.
+    pub(crate) fn saw_string(&mut self, len: usize) {
         self.longest_string = self.longest_string.max(len as u64);
     }
 }

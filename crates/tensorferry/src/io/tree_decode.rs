@@ -29,6 +29,9 @@ pub(crate) fn decode(
     census: &TreeCensus,
     tensors: &mut dyn TensorSource,
 ) -> Result<Node> {
+    if census.fast {
+        return super::fast_tree::decode(text, census, tensors);
+    }
     let mut ctx = Ctx {
         lengths: census.lengths.iter(),
         tensors,

@@ -11,6 +11,7 @@ use std::io::Write;
 use std::path::Path;
 
 use super::census::HeaderCensus;
+use super::gather_write::GatherWriter;
 use super::header::MAX_HEADER_BYTES;
 use super::header_writer;
 use super::replace::write_atomically;
@@ -104,12 +105,15 @@ pub(crate) fn write_walked(
         None => walked.tensors,
     };
     write_atomically(path, options.fsync, |out| {
-        out.write_all(&built.bytes)
-            .map_err(|e| Error::io("write", path, e))?;
+        let io = |e| Error::io("write", path, e);
+        out.write_all(&built.bytes).map_err(io)?;
+        out.flush().map_err(io)?;
+        // The data straight from the tensors' memory, many runs per system call.
+        let mut gather = GatherWriter::new(out.get_mut());
         for &i in &built.order {
-            tensors[i]
-                .for_each_run(|run| out.write_all(run).map_err(|e| Error::io("write", path, e)))?;
+            tensors[i].for_each_host_run(|run| gather.push(run).map_err(io))?;
         }
+        gather.finish().map_err(io)?;
         Ok(())
     })
 }
