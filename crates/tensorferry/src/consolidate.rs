@@ -1,4 +1,5 @@
-//! Packing every tensor of a tree into one 64-byte-aligned buffer, with views into it.
+//! Packing tensors into one 64-byte-aligned buffer, with views into it (the trees' own
+//! `consolidate` is built on it in [`crate::tree`]).
 //!
 //! One buffer means one allocation, one transfer and one file write for a whole
 //! dictionary. Large dictionaries are copied by several threads at once.
@@ -9,7 +10,6 @@ use crate::error::Result;
 use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
-use crate::tree::{Node, TensorDict};
 
 /// Contiguous sources are split into pieces of at most this many bytes, so that one huge
 /// tensor still spreads over every thread.
@@ -93,19 +93,6 @@ pub fn views<T: std::borrow::Borrow<Tensor>>(
             Tensor::contiguous_view(storage.clone(), offset, t.dtype(), t.shape().to_vec())
         })
         .collect()
-}
-
-/// Packs the tensors of `node` into one buffer; returns the tree with views into it.
-/// The source is left as it is. Every tensor must be on the host.
-pub fn consolidate_node(node: &Node) -> Result<Node> {
-    let mut packed = pack(&node.tensor_refs())?.into_iter();
-    node.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
-}
-
-/// Packs the tensors of `dict` into one buffer; see [`consolidate_node`].
-pub fn consolidate(dict: &TensorDict) -> Result<TensorDict> {
-    let mut packed = pack(&dict.tensor_refs())?.into_iter();
-    dict.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
 }
 
 /// Threads for a copy of `total` bytes: one below [`PARALLEL_THRESHOLD`], else one per

@@ -15,7 +15,7 @@ pub mod transfer;
 pub mod tree;
 
 pub use backend::available_devices;
-pub use consolidate::{consolidate, consolidate_node, pack};
+pub use consolidate::pack;
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
@@ -23,4 +23,5 @@ pub use io::{load, load_node, save, save_node, LoadOptions, Loaded, SaveOptions}
 pub use storage::Storage;
 pub use tensor::Tensor;
 pub use transfer::{move_tensors, MoveOptions, Staging};
+pub use tree::{consolidate, consolidate_node};
 pub use tree::{KeyPath, Node, TensorDict, Value};

@@ -482,18 +482,6 @@ impl Tensor {
         }
     }
 
-    /// The tensor on `device`: the same tensor when it is already there (unless `copy`),
-    /// else a copy, finished before returning. A copy never shares memory with `self`.
-    pub fn to(&self, device: Device, copy: bool) -> Result<Tensor> {
-        let options = crate::transfer::MoveOptions {
-            copy,
-            non_blocking: false,
-            ..Default::default()
-        };
-        let mut moved = crate::transfer::move_tensors(&[self], device, options)?;
-        Ok(moved.pop().expect("one tensor in, one out"))
-    }
-
     /// The elements in C order, converted from their bytes; `T` must match the dtype.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         if T::DTYPE != self.dtype {

@@ -503,6 +503,19 @@ impl FromIterator<(String, Node)> for TensorDict {
     }
 }
 
+/// Packs the tensors of `node` into one buffer; returns the tree with views into it.
+/// The source is left as it is. Every tensor must be on the host.
+pub fn consolidate_node(node: &Node) -> Result<Node> {
+    let mut packed = crate::consolidate::pack(&node.tensor_refs())?.into_iter();
+    node.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
+}
+
+/// Packs the tensors of `dict` into one buffer; see [`consolidate_node`].
+pub fn consolidate(dict: &TensorDict) -> Result<TensorDict> {
+    let mut packed = crate::consolidate::pack(&dict.tensor_refs())?.into_iter();
+    dict.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

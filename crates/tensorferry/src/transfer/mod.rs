@@ -340,3 +340,18 @@ fn to_device(
     )?;
     Ok((results, event))
 }
+
+impl Tensor {
+    /// The tensor on `device`: the same tensor when it is already there (unless `copy`),
+    /// else a copy, finished before returning. A copy never shares memory with `self`.
+    /// (Defined with the engine that makes the copy, which tensors know nothing of.)
+    pub fn to(&self, device: Device, copy: bool) -> Result<Tensor> {
+        let options = MoveOptions {
+            copy,
+            non_blocking: false,
+            ..Default::default()
+        };
+        let mut moved = move_tensors(&[self], device, options)?;
+        Ok(moved.pop().expect("one tensor in, one out"))
+    }
+}
