@@ -178,6 +178,7 @@ fn copy_group(dst: &mut [u8], base: usize, pieces: &[Piece<'_>]) -> Result<()> {
 mod tests {
     use super::*;
     use crate::dtype::DType;
+    use crate::tree::{consolidate, TensorDict};
 
     #[test]
     fn layout_aligns_every_tensor_to_64_bytes() {
