@@ -18,6 +18,14 @@ use crate::device::Device;
 use crate::transfer::{move_tensors, MoveOptions};
 use crate::Tensor;
 
+/// The rules below hold streams and queue batches behind host work on the same GPU: run
+/// one at a time, so that no rule sees another's held or deferred work on its streams.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// How long a negative check ("has not run") gives the work to run wrongly.
 const SETTLE: Duration = Duration::from_millis(30);
 /// Longer than any correct run takes.
@@ -150,6 +158,7 @@ fn sample(seed: u32) -> (Tensor, Vec<u32>) {
 
 #[test]
 fn a_download_waiting_for_an_upload_on_the_other_stream_runs_after_it() {
+    let _serial = serial();
     for dev in devices() {
         let (host, data) = sample(1);
         let held = gate(dev, Direction::HostToDevice).unwrap();
@@ -174,6 +183,7 @@ fn a_download_waiting_for_an_upload_on_the_other_stream_runs_after_it() {
 
 #[test]
 fn an_upload_and_a_download_overlap() {
+    let _serial = serial();
     for dev in devices() {
         let (host, data) = sample(2);
         let resident = move_tensors(&[&host], dev, MoveOptions::default())
@@ -193,6 +203,7 @@ fn an_upload_and_a_download_overlap() {
 
 #[test]
 fn a_dictionary_split_over_two_devices_moves_on_both_at_once() {
+    let _serial = serial();
     let mut pairs = vec![(Device::Emulated(0), Device::Emulated(1))];
     if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_some() && last_gpu() != Device::Cuda(0) {
         pairs.push((Device::Cuda(0), last_gpu()));
@@ -308,6 +319,7 @@ fn held_batch(dev: Device, direction: Direction, n: usize, before: impl FnOnce()
 
 #[test]
 fn what_a_batch_holds_is_released_after_its_copies_and_before_its_event() {
+    let _serial = serial();
     for dev in devices() {
         for direction in [Direction::HostToDevice, Direction::DeviceToHost] {
             held_batch(dev, direction, 4, || {}).wait().unwrap();
@@ -317,6 +329,7 @@ fn what_a_batch_holds_is_released_after_its_copies_and_before_its_event() {
 
 #[test]
 fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() {
+    let _serial = serial();
     let Some(_) = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0") else {
         return eprintln!("skipped: needs the fake CUDA driver");
     };
@@ -341,6 +354,7 @@ fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() 
 
 #[test]
 fn an_event_that_cannot_be_recorded_waits_for_the_stream_before_releasing() {
+    let _serial = serial();
     let Some(_) = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0") else {
         return eprintln!("skipped: needs the fake CUDA driver");
     };
@@ -355,6 +369,7 @@ fn an_event_that_cannot_be_recorded_waits_for_the_stream_before_releasing() {
 
 #[test]
 fn a_failed_event_fails_every_batch_that_waited_for_it_on_the_gpu() {
+    let _serial = serial();
     let Some(_) = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0") else {
         return eprintln!("skipped: needs the fake CUDA driver");
     };
@@ -377,6 +392,7 @@ fn a_failed_event_fails_every_batch_that_waited_for_it_on_the_gpu() {
 
 #[test]
 fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the_caller() {
+    let _serial = serial();
     for dev in devices() {
         let (host, data) = sample(5);
         // A host result still being filled: its event is host work (the emulated device
@@ -405,6 +421,7 @@ fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the
 
 #[test]
 fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at_all() {
+    let _serial = serial();
     use super::cuda_event::CudaEvent;
     use cudarc::driver::sys;
     if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
@@ -451,6 +468,7 @@ fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at
 
 #[test]
 fn ordering_a_stream_after_a_ready_or_host_tensor_needs_no_gpu_call() {
+    let _serial = serial();
     let (host, _) = sample(10);
     // SAFETY: host memory has no pending copy, so the handle is never used.
     assert!(unsafe { crate::transfer::order_stream_after(&host, usize::MAX) }.unwrap());
