@@ -398,6 +398,36 @@ fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, Str
     })
 }
 
+/// One tensor of a file's index: name, safetensors dtype code, shape, and its first and
+/// end byte, absolute in the file.
+type IndexEntry = (String, &'static str, Vec<usize>, u64, u64);
+
+/// The tensors of the safetensors file at `path`, from its header alone, validated as `load`
+/// validates it (a malformed or truncated file is a `FormatError` naming it): the file
+/// offset of the data section, and each tensor's entry in header order.
+#[pyfunction]
+fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<(u64, Vec<IndexEntry>)> {
+    guard(|| {
+        let header = py.detach(|| tensorferry::io::read_header(&path)).py_err()?;
+        let start = header.data_start;
+        let entries = header
+            .tensors
+            .into_iter()
+            .map(|e| {
+                let code = e.dtype.safetensors_code().unwrap_or("?");
+                (
+                    e.name,
+                    code,
+                    e.shape,
+                    start + e.begin as u64,
+                    start + e.end as u64,
+                )
+            })
+            .collect();
+        Ok((start, entries))
+    })
+}
+
 /// The native module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -415,6 +445,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(from_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(to_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(runs::host_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(read_index, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;

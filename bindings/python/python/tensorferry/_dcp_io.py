@@ -1,18 +1,19 @@
 """Offset reads of safetensors rank files for :mod:`tensorferry.dcp` (no torch needed here).
 
 A DCP reader needs, per rank file, the byte range of each stored tensor, then only the
-bytes of the chunks its plan asks for. This module reads a file's header (8 bytes and the
-JSON), checks it against the file's size (a :class:`~tensorferry.FormatError` naming the
-file otherwise), turns a request (offsets and lengths in a stored tensor) into the byte
-runs that hold it, and reads those runs with ``preadv`` (seek and read on Windows) straight into a destination
-buffer, counting every byte it fetches in a :class:`ReadStats`.
+bytes of the chunks its plan asks for. This module takes a file's index from tensorferry's
+own header reader (validated as ``load`` validates it: a :class:`~tensorferry.FormatError`
+naming the file otherwise), turns a request (offsets and lengths in a stored tensor) into
+the byte runs that hold it, and reads those runs with ``preadv`` (seek and read on Windows)
+straight into a destination buffer, on several threads, counting every byte it fetches in a
+:class:`ReadStats`.
 """
 
 import concurrent.futures
 import dataclasses
-import json
 import os
 
+from . import _native
 from ._errors import FormatError
 
 #: Bytes per element of each safetensors dtype.
@@ -22,7 +23,6 @@ ITEM_SIZE = {
     "U32": 4, "I32": 4, "F32": 4, "C64": 8,
     "U64": 8, "I64": 8, "F64": 8,
 }
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -93,49 +93,15 @@ def _pread_exact(fd, buffer, offset, path):
 
 
 def read_header(fd, path, stats=None):
-    """``{name: Entry}`` of the open safetensors file ``fd`` (``path`` names it in errors),
-    checked: a known dtype, a shape whose size matches its byte range, ranges inside the
-    file. Counts the bytes read in ``stats``."""
-    size = os.fstat(fd).st_size
-    if size < 8:
-        raise _fail(path, f"{size} bytes, too short for a safetensors header")
-    head = bytearray(8)
-    _pread_exact(fd, memoryview(head), 0, path)
-    n = int.from_bytes(head, "little")
-    if n > size - 8 or n > _MAX_HEADER:
-        raise _fail(path, f"the header claims {n} bytes, the file has {size - 8} after its length")
-    raw = bytearray(n)
-    _pread_exact(fd, memoryview(raw), 8, path)
+    """``{name: Entry}`` of the safetensors file at ``path`` (open as ``fd`` for the reads
+    that follow), from its header as tensorferry's reader validates it — a known dtype, a
+    shape whose size matches its byte range, ranges inside the file; a malformed file is a
+    FormatError naming it. Counts the header's bytes in ``stats``."""
+    start, items = _native.read_index(path)
     if stats is not None:
-        stats.header += 8 + n
+        stats.header += start
         stats.files += 1
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise _fail(path, f"the header is not JSON ({e})") from None
-    if not isinstance(header, dict):
-        raise _fail(path, "the header is not a JSON object")
-    start = 8 + n
-    entries = {}
-    for name, value in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = value["dtype"], value["shape"], value["data_offsets"]
-            ok = dtype in ITEM_SIZE and all(type(d) is int and d >= 0 for d in shape) and type(begin) is int and type(end) is int
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise _fail(path, f"tensor {name!r}: not a valid safetensors entry: {value!r}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if not 0 <= begin <= end or end - begin != numel * ITEM_SIZE[dtype]:
-            raise _fail(path, f"tensor {name!r}: bytes {begin}..{end} do not hold {dtype} {shape}")
-        if start + end > size:
-            raise _fail(path, f"tensor {name!r} ends at byte {start + end}, the file at {size} (truncated?)")
-        entries[name] = Entry(dtype, tuple(shape), start + begin, start + end)
-    return entries
+    return {name: Entry(code, tuple(shape), begin, end) for name, code, shape, begin, end in items}
 
 
 def byte_runs(shape, item_size, offsets, lengths):
