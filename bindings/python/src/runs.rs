@@ -93,14 +93,17 @@ fn run_length(placed: &[(usize, usize, usize)], tensors: &[&Tensor], storage: us
     while len < placed.len() {
         let (s, offset, i) = placed[len];
         let t = tensors[i];
+        if s != storage {
+            break;
+        }
+        // Sorted by (storage, offset): within one storage the offsets only grow.
         let gap = offset - placed[len - 1].1;
-        let fits = s == storage
-            && t.dtype() == first.dtype()
+        let fits = t.dtype() == first.dtype()
             && t.shape() == first.shape()
             && gap >= nbytes
             && gap % first.dtype().size() == 0
             && spacing.is_none_or(|s| s == gap)
-            && gap * len + nbytes <= RUN_BYTES.max(nbytes);
+            && gap.saturating_mul(len).saturating_add(nbytes) <= RUN_BYTES.max(nbytes);
         if !fits {
             break;
         }

@@ -82,3 +82,18 @@ def test_packed_move_results_become_torch_tensors_run_by_run(torch):
     out = fw.from_native_many(moved, [fw.TORCH] * len(src), [(i,) for i in range(len(src))])
     for a, b in zip(src, out):
         assert type(b) is torch.Tensor and torch.equal(torch.from_numpy(a), b)
+
+
+def test_runs_never_span_two_buffers(torch):
+    from tensorferry import _frameworks as fw
+
+    a = _native.move_tensors(_native.from_numpy_many([np.full(4, i, np.float32) for i in range(3)]), "cpu", True, False, False, "off")
+    b = _native.move_tensors(_native.from_numpy_many([np.full(4, 10 + i, np.float32) for i in range(3)]), "cpu", True, False, False, "off")
+    mixed = [b[2], a[0], b[0], a[1], b[1], a[2]]
+    runs, rest = _native.host_runs(mixed)
+    for r in runs:
+        assert len({id(mixed[i]) for i in r[4]}) == len(r[4])
+        assert all(i % 2 == r[4][0] % 2 for i in r[4])  # one buffer per run
+    out = fw.from_native_many(mixed, [fw.TORCH] * 6, [(i,) for i in range(6)])
+    for t, o in zip(mixed, out):
+        assert torch.equal(torch.from_numpy(np.asarray(t)), o)
