@@ -226,9 +226,14 @@ def test_every_read_of_a_failed_non_blocking_copy_raises_its_error(emu1, directi
 
 
 def _interrupt_soon(seconds=0.2):
+    """Ctrl-C in ``seconds``, as a user would press it: with Python's own SIGINT handler in
+    place (another test or library may have left another one, which ``interrupt_main``
+    would then silently skip)."""
     import _thread
+    import signal
     import threading
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(seconds, _thread.interrupt_main)
     timer.start()
     return timer
@@ -247,6 +252,7 @@ def test_ctrl_c_interrupts_a_wait_and_reaches_the_user_as_itself(emu1, wait):
         "blocking to_host": lambda: tf.to_host({"x": pending}),
         "blocking to_device": lambda: tf.to_device(src, "emu:1"),
     }
+    assert not pending.is_ready, "the emulated latency did not hold the copy"
     timer = _interrupt_soon()
     start = time.monotonic()
     try:
