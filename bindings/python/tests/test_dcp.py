@@ -252,6 +252,45 @@ def test_async_save_with_the_tensorferry_stager_snapshots_the_state(tmp_path):
     _assert_same(target, want)
 
 
+# ---- GPU state dicts (run by the GPU kit; skipped without a CUDA GPU) -----------------
+
+def _cuda_or_skip():
+    if not torch.cuda.is_available() or "cuda:0" not in tf.devices():
+        pytest.skip("no CUDA GPU for PyTorch and tensorferry")
+
+
+@pytest.mark.gpu
+def test_a_cuda_state_dict_saves_and_loads_into_cuda_tensors(tmp_path):
+    _cuda_or_skip()
+    state = {"model": {k: v.cuda() for k, v in _plain_state()["model"].items()}, "step": 3}
+    want = {"model": {k: v.cpu().clone() for k, v in state["model"].items()}}
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0}
+    dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    for k, v in target["model"].items():
+        assert v.is_cuda and torch.equal(v.cpu(), want["model"][k]), k
+    assert target["step"] == 3
+
+
+@pytest.mark.gpu
+def test_async_save_of_a_cuda_state_dict_snapshots_it_before_training_goes_on(tmp_path):
+    _cuda_or_skip()
+    from tensorferry.dcp import TensorferryStager
+
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(1024, device="cuda")}
+    want = {k: v.cpu().clone() for k, v in state.items()}
+    stager = TensorferryStager()
+    response = dcp.async_save(state, storage_writer=TensorferryWriter(tmp_path), async_stager=stager, no_dist=True)
+    for t in state.values():
+        t.add_(1)
+    getattr(response, "upload_completion", response).result(timeout=60)
+    stager.close()
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    for k in want:
+        assert torch.equal(target[k], want[k]), k
+
+
 # ---- offset reads -------------------------------------------------------------------
 
 @pytest.mark.parametrize(
