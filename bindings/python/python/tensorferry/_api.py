@@ -13,7 +13,7 @@ from ._errors import FormatError, TensorferryOverflowError
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many
 from ._transfer import Transfer
-from ._tree import MAX_DEPTH, collect, dotted, rebuild, shown, container_kind, _LIST, _TUPLE
+from ._tree import MAX_DEPTH, dotted, shown, container_kind, _LIST, _TUPLE
 
 _FRAMEWORKS_KEY = "tensorferry.frameworks"
 _RESERVED_PREFIX = "tensorferry"

@@ -126,19 +126,6 @@ def byte_runs(shape, item_size, offsets, lengths):
     return [(s, run) for s in starts]
 
 
-def read_runs(fd, path, entry, runs, dest, stats=None):
-    """Reads ``runs`` of ``entry`` end to end into ``dest`` (a writable byte memoryview of
-    exactly their total size), counting the bytes in ``stats``."""
-    pos = 0
-    for start, n in runs:
-        _pread_exact(fd, dest[pos : pos + n], entry.begin + start, path)
-        pos += n
-    if pos != len(dest):
-        raise ValueError(f"{path}: {pos} bytes read for a destination of {len(dest)}")
-    if stats is not None:
-        stats.data += pos
-
-
 #: Reads are cut into pieces of at most this many bytes, so that one large tensor is read
 #: by several threads at once; consecutive small runs are gathered into tasks of about this
 #: size, so that thread hand-offs stay few.
@@ -188,3 +175,9 @@ def read_pieces(fd, path, todo, workers, stats=None):
                 future.result()
     if stats is not None:
         stats.data += sum(len(view) for _, view in todo)
+
+
+def read_runs(fd, path, entry, runs, dest, stats=None):
+    """Reads ``runs`` of ``entry`` end to end into ``dest`` (a writable byte memoryview of
+    exactly their total size) on this thread, counting the bytes in ``stats``."""
+    read_pieces(fd, path, pieces(entry, runs, dest), 1, stats)

@@ -321,10 +321,10 @@ def _torch_from_native_many(tensors, order=False):
     tensors = _writable(tensors)
     streams = _torch_streams(torch, tensors) if order else None
     if len(tensors) < 2:
-        return [take(c) for c in _native.to_dlpack_capsules(tensors, streams)]
+        return _take_capsules(tensors, take, streams)
     out = [None] * len(tensors)
     runs, rest = _native.host_runs(tensors)
-    for (region, dtype, shape, spacing, at), flat in zip(runs, _from_capsules([r[0] for r in runs], take)):
+    for (_, dtype, shape, spacing, at), flat in zip(runs, _take_capsules([r[0] for r in runs], take)):
         tdtype = getattr(torch, dtype, None)
         try:
             flat = flat.view(tdtype)
@@ -336,7 +336,7 @@ def _torch_from_native_many(tensors, order=False):
         for i, row in zip(at, torch.as_strided(flat, (len(at), *shape), (step, *strides)).unbind(0)):
             out[i] = row
     if rest:
-        for i, t in zip(rest, _from_capsules([tensors[i] for i in rest], take, streams)):
+        for i, t in zip(rest, _take_capsules([tensors[i] for i in rest], take, streams)):
             out[i] = t
     return out
 
@@ -371,11 +371,16 @@ def _writable(tensors):
     return tensors
 
 
-def _from_capsules(tensors, take, streams=None):
+def _from_capsules(tensors, take):
     """``take`` (a framework's capsule import) of a legacy DLPack capsule of each tensor,
-    read-only ones copied first: these frameworks' tensors are writable. ``streams`` as
-    for ``_native.to_dlpack_capsules``."""
-    return [take(c) for c in _native.to_dlpack_capsules(_writable(tensors), streams)]
+    read-only ones copied first: these frameworks' tensors are writable."""
+    return _take_capsules(_writable(tensors), take)
+
+
+def _take_capsules(tensors, take, streams=None):
+    """``take`` of a legacy DLPack capsule of each tensor (writable already); ``streams``
+    as for ``_native.to_dlpack_capsules``."""
+    return [take(c) for c in _native.to_dlpack_capsules(tensors, streams)]
 
 
 def importable(kind):
