@@ -50,9 +50,9 @@ pub fn host_runs(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<(Vec<Ru
         let mut runs = Vec::new();
         let mut j = 0;
         while j < placed.len() {
-            let (storage, first, i) = placed[j];
+            let (_, first, i) = placed[j];
             let t = inner[i];
-            let len = run_length(&placed[j..], &inner, storage);
+            let len = run_length(&placed[j..], &inner);
             let at: Vec<usize> = placed[j..j + len].iter().map(|p| p.2).collect();
             j += len;
             if len == 1 {
@@ -85,8 +85,9 @@ pub fn host_runs(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<(Vec<Ru
 /// How many of `placed` (sorted, starting at a run's first tensor) form one run: the same
 /// storage, dtype and shape, a constant spacing of at least one tensor's bytes (a multiple
 /// of its element size), within [`RUN_BYTES`].
-fn run_length(placed: &[(usize, usize, usize)], tensors: &[&Tensor], storage: usize) -> usize {
-    let first = tensors[placed[0].2];
+fn run_length(placed: &[(usize, usize, usize)], tensors: &[&Tensor]) -> usize {
+    let (storage, _, at) = placed[0];
+    let first = tensors[at];
     let nbytes = first.nbytes();
     let mut spacing = None;
     let mut len = 1;

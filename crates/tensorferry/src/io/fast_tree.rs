@@ -9,7 +9,7 @@
 use super::scan::Cursor;
 use super::tree_census::TreeCensus;
 use super::tree_decode::TensorSource;
-use super::tree_meta::{bad, MAX_DEPTH};
+use super::tree_meta::{bad, Kind, MAX_DEPTH};
 use crate::error::Result;
 use crate::tree::{Node, TensorDict, Value};
 
@@ -50,12 +50,12 @@ fn document(text: &str) -> Option<Cursor<'_>> {
 }
 
 /// The kind of the node object starting at the cursor, which moves to its value.
-fn kind<'a>(c: &mut Cursor<'a>, depth: usize) -> Option<&'a str> {
+fn kind(c: &mut Cursor<'_>, depth: usize) -> Option<Kind> {
     if depth > MAX_DEPTH {
         return None;
     }
     c.eat(b'{')?;
-    let kind = c.plain_str()?;
+    let kind = Kind::from_name(c.plain_str()?)?;
     c.eat(b':')?;
     Some(kind)
 }
@@ -89,10 +89,10 @@ fn pair_key<'a>(c: &mut Cursor<'a>) -> Option<&'a str> {
 
 fn count_node(c: &mut Cursor<'_>, census: &mut TreeCensus, depth: usize) -> Option<()> {
     match kind(c, depth)? {
-        k @ ("dict" | "list" | "tuple") => {
+        k @ (Kind::Dict | Kind::List | Kind::Tuple) => {
             let slot = census.lengths.len();
             census.lengths.push(0);
-            let n = if k == "dict" {
+            let n = if k == Kind::Dict {
                 items(c, |c| {
                     let key = pair_key(c)?;
                     census.saw_string(key.len());
@@ -104,7 +104,7 @@ fn count_node(c: &mut Cursor<'_>, census: &mut TreeCensus, depth: usize) -> Opti
                 items(c, |c| count_node(c, census, depth + 1))?
             };
             census.lengths[slot] = n;
-            if k == "dict" {
+            if k == Kind::Dict {
                 census.dicts += 1;
                 census.dict_entries += u64::from(n);
             } else {
@@ -112,17 +112,17 @@ fn count_node(c: &mut Cursor<'_>, census: &mut TreeCensus, depth: usize) -> Opti
                 census.items += u64::from(n);
             }
         }
-        k @ ("tensor" | "str") => {
+        k @ (Kind::Tensor | Kind::Str) => {
             let len = c.plain_str()?.len();
             census.saw_string(len);
-            if k == "str" {
+            if k == Kind::Str {
                 census.string_bytes += len as u64;
             }
         }
-        "none" => c.word("null")?,
-        "bool" => bool_value(c).map(drop)?,
-        "int" => c.int().map(drop)?,
-        _ => return None,
+        Kind::None => c.word("null")?,
+        Kind::Bool => bool_value(c).map(drop)?,
+        Kind::Int => c.int().map(drop)?,
+        Kind::Float => return None,
     }
     c.eat(b'}')
 }
@@ -167,11 +167,11 @@ impl Build<'_> {
             return Ok(None);
         };
         let node = match kind {
-            "dict" => match self.dict(c, depth)? {
+            Kind::Dict => match self.dict(c, depth)? {
                 Some(d) => Node::Dict(d),
                 None => return Ok(None),
             },
-            k @ ("list" | "tuple") => {
+            k @ (Kind::List | Kind::Tuple) => {
                 let mut nodes = Vec::with_capacity(self.next_len());
                 let mut failure = None;
                 let read = items(c, |c| match self.node(c, depth + 1) {
@@ -187,13 +187,13 @@ impl Build<'_> {
                 if read.is_none() {
                     return Ok(None);
                 }
-                if k == "list" {
+                if k == Kind::List {
                     Node::List(nodes)
                 } else {
                     Node::Tuple(nodes)
                 }
             }
-            "tensor" => match c.plain_str() {
+            Kind::Tensor => match c.plain_str() {
                 Some(name) => Node::Tensor(self.tensors.take(name)?),
                 None => return Ok(None),
             },
@@ -236,12 +236,12 @@ impl Build<'_> {
 }
 
 /// A plain value of kind `kind`.
-fn value(c: &mut Cursor<'_>, kind: &str) -> Option<Value> {
+fn value(c: &mut Cursor<'_>, kind: Kind) -> Option<Value> {
     Some(match kind {
-        "none" => c.word("null").map(|()| Value::None)?,
-        "bool" => Value::Bool(bool_value(c)?),
-        "int" => Value::Int(c.int()?),
-        "str" => Value::Str(c.plain_str()?.to_string()),
+        Kind::None => c.word("null").map(|()| Value::None)?,
+        Kind::Bool => Value::Bool(bool_value(c)?),
+        Kind::Int => Value::Int(c.int()?),
+        Kind::Str => Value::Str(c.plain_str()?.to_string()),
         _ => return None,
     })
 }

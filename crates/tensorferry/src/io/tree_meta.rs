@@ -43,6 +43,24 @@ pub(crate) enum Kind {
     Str,
 }
 
+impl Kind {
+    /// The kind a record names `name` (the one key of a node's object), if any.
+    pub(crate) fn from_name(name: &str) -> Option<Kind> {
+        Some(match name {
+            "dict" => Kind::Dict,
+            "list" => Kind::List,
+            "tuple" => Kind::Tuple,
+            "tensor" => Kind::Tensor,
+            "none" => Kind::None,
+            "bool" => Kind::Bool,
+            "int" => Kind::Int,
+            "float" => Kind::Float,
+            "str" => Kind::Str,
+            _ => return None,
+        })
+    }
+}
+
 const KINDS: &[&str] = &[
     "dict", "list", "tuple", "tensor", "none", "bool", "int", "float", "str",
 ];
@@ -79,18 +97,7 @@ impl<'de> Visitor<'de> for KindSeed {
         f.write_str("a node kind")
     }
     fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Kind, E> {
-        Ok(match v {
-            "dict" => Kind::Dict,
-            "list" => Kind::List,
-            "tuple" => Kind::Tuple,
-            "tensor" => Kind::Tensor,
-            "none" => Kind::None,
-            "bool" => Kind::Bool,
-            "int" => Kind::Int,
-            "float" => Kind::Float,
-            "str" => Kind::Str,
-            other => return Err(E::unknown_variant(&shorten(other), KINDS)),
-        })
+        Kind::from_name(v).ok_or_else(|| E::unknown_variant(&shorten(v), KINDS))
     }
 }
 
