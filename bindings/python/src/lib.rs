@@ -177,7 +177,7 @@ fn cuda_stream_synchronize(py: Python<'_>, handle: usize) -> PyResult<()> {
 /// with `max_shard_bytes` as shards of at most that much data plus their index (one file
 /// when it all fits). Returns the files written.
 #[pyfunction]
-#[pyo3(signature = (tree, path, metadata=None, fsync=true, max_shard_bytes=None))]
+#[pyo3(signature = (tree, path, metadata=None, fsync=true, max_shard_bytes=None, staging=None))]
 fn save(
     py: Python<'_>,
     tree: &Bound<'_, PyAny>,
@@ -185,6 +185,7 @@ fn save(
     metadata: Option<BTreeMap<String, String>>,
     fsync: bool,
     max_shard_bytes: Option<u64>,
+    staging: Option<Bound<'_, PyAny>>,
 ) -> PyResult<Vec<PathBuf>> {
     guard(|| {
         let root = tree::node_from_py(tree, &mut Vec::new())?;
@@ -194,6 +195,7 @@ fn save(
         let options = SaveOptions {
             metadata: metadata.unwrap_or_default(),
             fsync,
+            staging: parse_staging(staging.as_ref())?,
         };
         py.detach(|| match max_shard_bytes {
             None => tensorferry::save_node(&root, &path, &options).map(|()| vec![path.clone()]),

@@ -255,6 +255,63 @@ def test_a_load_to_a_device_streams_through_a_ring_that_bounds_host_memory(tmp_p
     np.testing.assert_array_equal(host["b"], big["b"])
 
 
+def test_a_save_from_a_device_streams_through_a_ring_into_the_same_bytes(tmp_path):
+    tf.configure_emulated(1)
+    rng = np.random.default_rng(4)
+    state = {"w": rng.standard_normal(3_000_000).astype(np.float32), "step": 7,
+             "b": rng.standard_normal((300, 7)).astype(np.float16)}
+    on_device = tf.to_device(state, "emu:1")
+    ring = 1 << 20
+    before = tf.pinned_pool_stats("emu:1")["pinned_bytes"]
+    tf.save(on_device, tmp_path / "d.safetensors", staging=(ring, 2))
+    after = tf.pinned_pool_stats("emu:1")["pinned_bytes"]
+    assert after - before <= 2 * 2 * ring, f"pinned {after - before} bytes for a 12 MB save"
+    tf.save(state, tmp_path / "h.safetensors")
+    (d, h) = ((tmp_path / n).read_bytes() for n in ("d.safetensors", "h.safetensors"))
+    data = lambda b: b[8 + int.from_bytes(b[:8], "little"):]
+    assert data(d) == data(h), "the same data section (headers differ only in the frameworks recorded)"
+    back = tf.load(tmp_path / "d.safetensors", like="numpy")
+    assert back["step"] == 7 and all(np.array_equal(back[k], state[k]) for k in ("w", "b"))
+    with pytest.raises(ValueError, match="staging"):
+        tf.save(on_device, tmp_path / "x.safetensors", staging="sometimes")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+_PEAK_RSS_OF_A_SAVE = """
+import sys, numpy as np, tensorferry as tf
+tf.configure_emulated(1)
+x = tf.to_device({"w": np.ones(64 << 20, np.float32)}, "emu:1")   # 256 MiB on the device
+staging = sys.argv[2] if sys.argv[2] == "off" else (8 << 20, 2)
+tf.save(x, sys.argv[1] + "/warm.safetensors", staging=staging, fsync=False)  # pools warmed
+def status(key):
+    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+    return int(line.split()[1]) << 10
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")                               # the peak resident size starts again from now
+before = status("VmRSS")
+tf.save(x, sys.argv[1] + "/w.safetensors", staging=staging, fsync=False)
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("staging, bounded", [("ring", True), ("off", False)])
+def test_host_memory_of_a_device_save_is_bounded_by_the_ring(tmp_path, staging, bounded):
+    """The process's peak resident memory during a 256 MiB save from a device grows by the
+    ring (2 x 8 MiB) plus slack, not by the tensors' size — and does without the ring, which
+    shows that the measurement can tell the two apart."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS_OF_A_SAVE, str(tmp_path), staging],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout.split()[-1])
+    if bounded:
+        assert grown < 64 << 20, f"peak resident memory grew {grown >> 20} MiB"
+    else:
+        assert grown > 200 << 20, f"peak resident memory grew only {grown >> 20} MiB"
+
+
 def test_a_torch_checkpoint_loads_onto_a_device_without_a_host_copy(tmp_path, torch):
     tf.configure_emulated(1)
     p = tmp_path / "t.safetensors"

@@ -109,6 +109,18 @@ def test_a_gpu_dictionary_saves_and_loads(cuda, tmp_path):
     np.testing.assert_array_equal(on_gpu["w"].numpy(), src["w"])
 
 
+def test_a_torch_gpu_state_dict_streams_into_the_file_after_torchs_own_kernels(torch_cuda, tmp_path):
+    """The save streams CUDA tensors through a small ring (many chunks) and reads them after
+    the kernels torch queued on its stream just before (no synchronize by the user)."""
+    torch = torch_cuda
+    state = {"w": torch.randn(4096, 1024, device="cuda"), "b": torch.arange(1000, device="cuda"), "step": 3}
+    state["w"].mul_(3).add_(1)                      # queued on torch's stream, maybe still running
+    tf.save(state, tmp_path / "m.safetensors", staging=(1 << 20, 2))
+    back = tf.load(tmp_path / "m.safetensors")
+    assert type(back["w"]) is torch.Tensor and back["step"] == 3
+    assert torch.equal(back["w"], state["w"].cpu()) and torch.equal(back["b"], state["b"].cpu())
+
+
 class _RecordingProducer:
     """A DLPack producer of CUDA memory that records the stream its consumer passes."""
 

@@ -127,22 +127,8 @@ def test_the_official_reader_reads_every_file_tensorferry_writes_of_the_real_mod
         assert seen[k].dtype == v.dtype and torch.equal(seen[k], v), k
 
 
-@pytest.mark.parametrize(
-    "max_shard_size",
-    [
-        "20MB",
-        pytest.param(
-            "1GB",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a max_shard_size save that fits one shard is written as a single file without "
-                '"format": "pt" (sharded.rs adds it only when there are 2+ shards); transformers 4.x '
-                "from_pretrained refuses such a file",
-            ),
-        ),
-    ],
-)
-def test_every_file_of_a_save_with_max_shard_size_says_format_pt(minilm, tmp_path, max_shard_size):
+@pytest.mark.parametrize("max_shard_size", [None, "20MB", "1GB"])  # one file, shards, one shard
+def test_every_file_tensorferry_saves_of_a_torch_model_says_format_pt(minilm, tmp_path, max_shard_size):
     from safetensors import safe_open
 
     for name in _save_with_config_and_tokenizer(minilm, tmp_path, max_shard_size):

@@ -1026,3 +1026,6 @@ fn child_cuda_copy_call_1_fails() {
     }
     println!("{CHILD_RAN}");
 }
+
+#[path = "engine/save_streamed.rs"]
+mod save_streamed;

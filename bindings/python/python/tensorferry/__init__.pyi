@@ -118,6 +118,7 @@ def save(
     fsync: bool = True,
     max_shard_size: Union[int, str, None] = None,
     non_blocking: Literal[False] = False,
+    staging: Staging = "auto",
 ) -> None: ...
 @overload
 def save(
@@ -128,6 +129,7 @@ def save(
     fsync: bool = True,
     max_shard_size: Union[int, str, None] = None,
     non_blocking: Literal[True],
+    staging: Staging = "auto",
 ) -> Transfer[None]: ...
 def load(
     path: Path,

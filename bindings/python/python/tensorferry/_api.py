@@ -356,8 +356,8 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
 
 def _native_tree(obj, frameworks, on_device=False):
     """The tree for the native writer: plain containers, native tensors — on the host, or
-    with ``on_device`` where they are (the writer then copies each file's share to the host
-    in turn, so a sharded save holds one shard in host memory at a time)."""
+    with ``on_device`` where they are (the writer streams them into each file through its
+    pinned ring, so host memory stays bounded by the ring)."""
     leaves = _native.collect_tensors(obj, fw.kind_of)
     on_host = {} if on_device else _to_host_many(leaves)
     paths, hosted, kinds = [], [], []
@@ -410,13 +410,14 @@ def _writers():
 
 
 @gc_paused
-def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_blocking=False):
+def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_blocking=False, staging="auto"):
     """Saves ``obj`` as a safetensors file at ``path``, atomically.
 
     Nesting, container types, keys containing dots and plain values (str, int, float
     including NaN and infinities, bool, None) are recorded, so :func:`load` returns the
     same structure; other tools see tensors named by their key paths joined with ".".
-    ``metadata`` (str -> str) is stored beside. Anything else (an arbitrary object,
+    ``metadata`` (str -> str) is stored beside (with ``"format": "pt"`` added, as Hugging
+    Face's loaders expect, when every tensor is a PyTorch tensor). Anything else (an arbitrary object,
     complex128) is a :class:`FormatError` naming its key: no pickle, ever. On failure the
     previous file at ``path`` is left untouched.
 
@@ -432,6 +433,12 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     so the caller may overwrite its tensors at once); the file is written in the background
     with the GIL released. ``.wait()`` / ``.result()`` raise the save's error, and a failed
     save leaves the previous file intact.
+
+    Tensors on a device (blocking saves) stream into the file through a ring of pinned
+    buffers — ``staging``: "auto" or "on" (3 × 32 MiB), ``(chunk_bytes, depth)``, or
+    "off" to copy them to host memory whole first — so host memory stays bounded by the
+    ring whatever their size, and the device copies the next chunk while this one is
+    written.
 
     >>> import os, tempfile, numpy as np, tensorferry as tf
     >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
@@ -459,16 +466,19 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
         # The snapshot: every tensor copied now (device ones into the pinned pool).
         obj = to_host(obj, copy=True, pinned=True)
     frameworks = {}
-    tree = _native_tree(obj, frameworks, on_device=shard_bytes is not None and not non_blocking)
+    tree = _native_tree(obj, frameworks, on_device=not non_blocking)
     meta = dict(metadata or {})
     if frameworks:
         default = max(set(frameworks.values()), key=list(frameworks.values()).count)
         record = {"default": default, "except": {k: v for k, v in frameworks.items() if v != default}}
         meta[_FRAMEWORKS_KEY] = json.dumps(record, separators=(",", ":"))
+        if set(frameworks.values()) == {fw.TORCH}:
+            # Hugging Face's loaders (transformers 4.x) require the key in PyTorch files.
+            meta.setdefault("format", "pt")
     if non_blocking:
         future = _writers().submit(_native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
         return Transfer([], lambda: future.result() and None, future)
-    _native.save(tree, os.fspath(path), meta, fsync, shard_bytes)
+    _native.save(tree, os.fspath(path), meta, fsync, shard_bytes, staging)
 
 
 _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)

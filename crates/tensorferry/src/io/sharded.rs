@@ -62,18 +62,18 @@ pub fn save_sharded(
         walked.tensors.iter().map(|t| t.nbytes() as u64),
         max_shard_bytes,
     );
-    if groups.len() <= 1 {
-        write_walked(walked, paths, path, options)?;
-        return Ok(vec![path.to_path_buf()]);
-    }
-    header_writer::check_names(&walked, paths)?;
-    let (dir, stem) = dir_and_stem(path)?;
-    let count = groups.len();
     let mut shard_options = options.clone();
     shard_options
         .metadata
         .entry("format".into())
         .or_insert_with(|| "pt".into());
+    if groups.len() <= 1 {
+        write_walked(walked, paths, path, &shard_options)?;
+        return Ok(vec![path.to_path_buf()]);
+    }
+    header_writer::check_names(&walked, paths)?;
+    let (dir, stem) = dir_and_stem(path)?;
+    let count = groups.len();
     let mut written = Vec::with_capacity(count + 1);
     let mut weight_map = BTreeMap::new();
     for (i, group) in groups.iter().enumerate() {

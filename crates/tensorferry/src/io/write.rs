@@ -1,5 +1,7 @@
 //! Writing safetensors files: straight from the tensors' memory, atomically (see
-//! [`super::replace`]).
+//! [`super::replace`]). Tensors on a device stream through a ring of pinned buffers into
+//! the file ([`SaveOptions::staging`]): host memory stays bounded by the ring, and the
+//! device copies the next chunks while this one is written.
 //!
 //! Everything tensorferry's reader or the official one would refuse is refused here,
 //! before the file is touched: a tensor named `__metadata__`, two paths giving one name,
@@ -7,6 +9,7 @@
 //! limit, or one that would take a load more memory than [`super::budget`] allows.
 
 use std::collections::BTreeMap;
+use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 
@@ -18,6 +21,7 @@ use super::replace::write_atomically;
 use super::{budget, tree_meta, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::transfer::{staging::Ring, stream_to_sink, Staging};
 use crate::tree::{KeyPath, Node, TensorDict};
 
 /// How to save.
@@ -27,6 +31,12 @@ pub struct SaveOptions {
     pub metadata: BTreeMap<String, String>,
     /// Flush the file and its folder to stable storage before returning (default true).
     pub fsync: bool,
+    /// How tensors on a device reach the file. `Auto` (the default) streams them through
+    /// a ring of [`crate::transfer::staging::AUTO_DEPTH`] pinned buffers of
+    /// [`crate::transfer::staging::AUTO_CHUNK_BYTES`] (host memory bounded by the ring,
+    /// whatever their size); `Ring` sets the ring; `Off` copies them to host memory
+    /// whole first (host memory the size of the tensors).
+    pub staging: Staging,
 }
 
 impl Default for SaveOptions {
@@ -34,6 +44,7 @@ impl Default for SaveOptions {
         SaveOptions {
             metadata: BTreeMap::new(),
             fsync: true,
+            staging: Staging::Auto,
         }
     }
 }
@@ -98,24 +109,49 @@ pub(crate) fn write_walked(
 ) -> Result<()> {
     header_writer::check_names(&walked, paths)?;
     let built = checked_header(&walked, options)?;
+    let ring = options.staging.ring_for_stream();
     // Same dtypes and shapes: the header holds for the host copies.
-    let hosted = on_host(&walked.tensors)?;
+    let hosted = match ring {
+        Some(_) => None,
+        None => on_host(&walked.tensors)?,
+    };
     let tensors: Vec<&Tensor> = match &hosted {
         Some(copies) => copies.iter().collect(),
         None => walked.tensors,
     };
+    let ordered: Vec<&Tensor> = built.order.iter().map(|&i| tensors[i]).collect();
     write_atomically(path, options.fsync, |out| {
         let io = |e| Error::io("write", path, e);
         out.write_all(&built.bytes).map_err(io)?;
         out.flush().map_err(io)?;
-        // The data straight from the tensors' memory, many runs per system call.
-        let mut gather = GatherWriter::new(out.get_mut());
-        for &i in &built.order {
-            tensors[i].for_each_host_run(|run| gather.push(run).map_err(io))?;
-        }
-        gather.finish().map_err(io)?;
-        Ok(())
+        write_data(out.get_mut(), &ordered, ring, path)
     })
+}
+
+/// Writes the tensors' bytes in order: host memory straight from the tensors, many runs
+/// per system call; each stretch of tensors on one device through `ring`.
+fn write_data(file: &mut File, tensors: &[&Tensor], ring: Option<Ring>, path: &Path) -> Result<()> {
+    let io = |e| Error::io("write", path, e);
+    let mut rest = tensors;
+    while let Some(first) = rest.first() {
+        let device = first.device();
+        let n = rest.iter().take_while(|t| t.device() == device).count();
+        let (stretch, after) = rest.split_at(n);
+        match ring {
+            Some(ring) if !device.is_host() => stream_to_sink(device, stretch, ring, |bytes| {
+                file.write_all(bytes).map_err(io)
+            })?,
+            _ => {
+                let mut gather = GatherWriter::new(&mut *file);
+                for t in stretch {
+                    t.for_each_host_run(|run| gather.push(run).map_err(io))?;
+                }
+                gather.finish().map_err(io)?;
+            }
+        }
+        rest = after;
+    }
+    Ok(())
 }
 
 fn check_options(options: &SaveOptions) -> Result<()> {

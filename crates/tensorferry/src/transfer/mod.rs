@@ -36,9 +36,11 @@ mod consumer;
 pub(crate) mod fragmented;
 mod host_copy;
 pub mod staging;
+mod stream_out;
 
 pub use consumer::order_stream_after;
 pub use staging::Staging;
+pub(crate) use stream_out::stream_to_sink;
 
 /// How to move.
 #[derive(Clone, Copy, Debug, Default)]

@@ -79,17 +79,55 @@ impl Staging {
             }),
         }
     }
+
+    /// The ring that streams device memory out to a consumer (a file being written),
+    /// whatever the device and size — host memory stays bounded by it —, or `None` when
+    /// `Off` (the tensors are copied to the host whole first).
+    pub(crate) fn ring_for_stream(self) -> Option<Ring> {
+        match self {
+            Staging::Off => None,
+            Staging::Auto => Some(Ring {
+                chunk_bytes: AUTO_CHUNK_BYTES,
+                depth: AUTO_DEPTH,
+            }),
+            Staging::Ring { chunk_bytes, depth } => Some(Ring {
+                chunk_bytes: chunk_bytes.max(1),
+                depth: depth.max(1),
+            }),
+        }
+    }
 }
 
-/// One chunk: the packed range `[start, start + len)` and the runs (cut at its edges)
-/// that land in it.
-struct Chunk {
-    start: usize,
-    pieces: Vec<Run>,
+impl Ring {
+    /// Bytes per chunk (and per pinned buffer).
+    pub(crate) fn chunk_bytes(self) -> usize {
+        self.chunk_bytes
+    }
+
+    /// Pinned buffers in the ring.
+    pub(crate) fn depth(self) -> usize {
+        self.depth
+    }
+}
+
+/// One chunk: the packed range from `start` and the runs (cut at its edges) that land
+/// in it.
+pub(super) struct Chunk {
+    pub(super) start: usize,
+    pub(super) pieces: Vec<Run>,
+}
+
+impl Chunk {
+    /// The end of the last run in the chunk.
+    pub(super) fn end(&self) -> usize {
+        self.pieces
+            .last()
+            .map_or(self.start, |p| p.dst_offset + p.len)
+    }
 }
 
 /// Cuts `runs` (in packed order) at every multiple of `chunk_bytes`.
-fn chunks(runs: &[Run], chunk_bytes: usize) -> Vec<Chunk> {
+pub(super) fn chunks(runs: &[Run], chunk_bytes: usize) -> Vec<Chunk> {
     let mut out: Vec<Chunk> = Vec::new();
     for r in runs {
         let mut done = 0;

@@ -1,0 +1,126 @@
+//! Device tensors streamed out to a consumer (a file being written) through a ring of
+//! pinned buffers, so that host memory stays bounded by the ring whatever the tensors'
+//! size, and the device copies the next chunks while the consumer takes this one.
+//!
+//! The tensors' bytes, each in C order and back to back (as a safetensors data section
+//! holds them), are cut into chunks of `chunk_bytes`; chunk `j` is copied into pinned
+//! buffer `j % depth` by one batch on the device's stream. The first `depth` chunks are
+//! queued at once; each time one completes, the consumer gets its bytes, and the chunk
+//! that reuses its buffer is queued. Every queued batch holds its pinned buffer and the
+//! sources until its event completes, so an error (from a copy or from the consumer)
+//! returns at once without freeing memory a queued copy still writes.
+
+use std::sync::Arc;
+
+use super::staging::{chunks, Ring};
+use super::{fragmented, runs, submit_when_ready};
+use crate::backend::{backend_for, CopyBatch, CopyOp, Direction, Event};
+use crate::consolidate::PackedLayout;
+use crate::device::Device;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// One tensor of the stream: on the device (copied through the ring), or on the host
+/// (a fragmented device tensor gathered there first, its runs too small to copy one by
+/// one).
+enum Part {
+    Device(Tensor),
+    Host(Tensor),
+}
+
+/// Calls `sink` with the bytes of `tensors` (all on `device`), in order, each in C order,
+/// back to back: `sink` sees every byte once, in order, in pieces of at most
+/// `ring.chunk_bytes`. Waits for copies still filling a source first (on the device).
+/// The slices handed to `sink` live only for the call.
+pub(crate) fn stream_to_sink(
+    device: Device,
+    tensors: &[&Tensor],
+    ring: Ring,
+    mut sink: impl FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let mut parts = Vec::with_capacity(tensors.len());
+    for &t in tensors {
+        parts.push(match fragmented::prepare(t, Device::Cpu)? {
+            Some(host) => Part::Host(host),
+            None => Part::Device(t.clone()),
+        });
+    }
+    // Consecutive device tensors go through the ring together; gathered ones in between.
+    let mut pending: Vec<Tensor> = Vec::new();
+    for part in parts {
+        match part {
+            Part::Device(t) => pending.push(t),
+            Part::Host(t) => {
+                through_ring(device, std::mem::take(&mut pending), ring, &mut sink)?;
+                t.for_each_run(&mut sink)?;
+            }
+        }
+    }
+    through_ring(device, pending, ring, &mut sink)
+}
+
+/// The ring's pass over `sources`, all contiguous or with runs long enough to copy.
+fn through_ring(
+    device: Device,
+    sources: Vec<Tensor>,
+    ring: Ring,
+    sink: &mut impl FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let mut offsets = Vec::with_capacity(sources.len());
+    let mut total = 0usize;
+    for t in &sources {
+        offsets.push(total);
+        total += t.nbytes();
+    }
+    if total == 0 {
+        return Ok(());
+    }
+    let layout = PackedLayout { offsets, total };
+    let (runs, waits) = runs(&sources, &layout)?;
+    let chunks = chunks(&runs, ring.chunk_bytes());
+    let backend = backend_for(device)?;
+    let pool = backend.pinned_pool()?;
+    let buffer_bytes = ring.chunk_bytes().min(total);
+    let buffers = (0..ring.depth().min(chunks.len()))
+        .map(|_| pool.take(buffer_bytes).map(Arc::new))
+        .collect::<Result<Vec<_>>>()?;
+    let depth = buffers.len();
+    let sources = Arc::new(sources);
+    let queue = |j: usize| {
+        let c = &chunks[j];
+        let buffer = buffers[j % depth].clone();
+        let staging = buffer.as_ptr();
+        let batch = CopyBatch {
+            direction: Direction::DeviceToHost,
+            ops: c
+                .pieces
+                .iter()
+                .map(|p| CopyOp {
+                    src: p.src,
+                    dst: staging.wrapping_add(p.dst_offset - c.start),
+                    len: p.len,
+                })
+                .collect(),
+            waits: waits.clone(),
+        };
+        let event = Event::pending();
+        let keep = Box::new((sources.clone(), buffer));
+        // SAFETY: the ops read the sources' elements (inside their storages, by
+        // `run_offsets`), held by `keep`, and write the chunk's pinned buffer inside its
+        // length (a chunk's pieces lie within `chunk_bytes` of its start), held by `keep`;
+        // only this chunk writes that buffer until its event completes, since the buffer
+        // is reused only after this thread has waited for it.
+        unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone(), true) };
+        event
+    };
+    let mut events: Vec<Event> = (0..depth).map(queue).collect();
+    for (j, c) in chunks.iter().enumerate() {
+        events[j].wait()?;
+        let len = c.end() - c.start;
+        sink(&buffers[j % depth].as_slice()[..len])?;
+        if j + depth < chunks.len() {
+            events.push(queue(j + depth));
+        }
+    }
+    Ok(())
+}
