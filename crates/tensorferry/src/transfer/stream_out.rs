@@ -20,40 +20,29 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// One tensor of the stream: on the device (copied through the ring), or on the host
-/// (a fragmented device tensor gathered there first, its runs too small to copy one by
-/// one).
-enum Part {
-    Device(Tensor),
-    Host(Tensor),
-}
-
 /// Calls `sink` with the bytes of `tensors` (all on `device`), in order, each in C order,
 /// back to back: `sink` sees every byte once, in order, in pieces of at most
 /// `ring.chunk_bytes`. Waits for copies still filling a source first (on the device).
 /// The slices handed to `sink` live only for the call.
+///
+/// A tensor whose bytes lie in many tiny runs (a transposed matrix) is gathered on the
+/// host instead ([`fragmented::prepare`]) when the stream reaches it, so that at most one
+/// such tensor is on the host at a time.
 pub(crate) fn stream_to_sink(
     device: Device,
     tensors: &[&Tensor],
     ring: Ring,
     mut sink: impl FnMut(&[u8]) -> Result<()>,
 ) -> Result<()> {
-    let mut parts = Vec::with_capacity(tensors.len());
-    for &t in tensors {
-        parts.push(match fragmented::prepare(t, Device::Cpu)? {
-            Some(host) => Part::Host(host),
-            None => Part::Device(t.clone()),
-        });
-    }
     // Consecutive device tensors go through the ring together; gathered ones in between.
     let mut pending: Vec<Tensor> = Vec::new();
-    for part in parts {
-        match part {
-            Part::Device(t) => pending.push(t),
-            Part::Host(t) => {
+    for &t in tensors {
+        match fragmented::prepare(t, Device::Cpu)? {
+            Some(host) => {
                 through_ring(device, std::mem::take(&mut pending), ring, &mut sink)?;
-                t.for_each_run(&mut sink)?;
+                host.for_each_run(&mut sink)?;
             }
+            None => pending.push(t.clone()),
         }
     }
     through_ring(device, pending, ring, &mut sink)
