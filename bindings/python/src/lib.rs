@@ -221,7 +221,7 @@ fn load(
 ) -> PyResult<(Py<PyAny>, BTreeMap<String, String>, bool)> {
     guard(|| {
         let loaded = py
-            .detach(|| tensorferry::load_node(&path, LoadOptions { mmap }))
+            .detach(|| tensorferry::load_node(&path, LoadOptions { mmap, direct: false }))
             .py_err()?;
         let mut out = tree::Output {
             like,
