@@ -208,23 +208,37 @@ fn save(
 /// The metadata key under which the Python package records each tensor's framework.
 const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
 
-/// Reads a safetensors file: `(tree, metadata, pending)`. Each tensor becomes a NumPy
-/// array or a `Tensor`, by `like`, else by the framework recorded at save time, else NumPy
-/// where NumPy can hold its dtype. `pending` is true when some tensors were recorded
-/// from another framework (PyTorch, JAX) and stayed `Tensor` for Python to convert.
+/// Reads a safetensors file: `(tree, metadata, pending, direct_fallback)`. Each tensor
+/// becomes a NumPy array or a `Tensor`, by `like`, else by the framework recorded at save
+/// time, else NumPy where NumPy can hold its dtype. `pending` is true when some tensors
+/// were recorded from another framework (PyTorch, JAX) and stayed `Tensor` for Python to
+/// convert. With `direct`, the data is read with O_DIRECT; `direct_fallback` says why it
+/// went through the page cache instead, if it did. With `device` (not the host), the
+/// file streams onto it through the ring `staging` names (`tensorferry::io::load_node_to`).
 #[pyfunction]
-#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false))]
+#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn load(
     py: Python<'_>,
     path: PathBuf,
     mmap: bool,
     like: Option<&str>,
     ml_dtypes: bool,
-) -> PyResult<(Py<PyAny>, BTreeMap<String, String>, bool)> {
+    direct: bool,
+    device: Option<&str>,
+    staging: Option<Bound<'_, PyAny>>,
+) -> PyResult<(Py<PyAny>, BTreeMap<String, String>, bool, Option<String>)> {
     guard(|| {
-        let loaded = py
-            .detach(|| tensorferry::load_node(&path, LoadOptions { mmap }))
-            .py_err()?;
+        let options = LoadOptions { mmap, direct };
+        let loaded = match device {
+            None => py.detach(|| tensorferry::load_node(&path, options)),
+            Some(d) => {
+                let target: Device = d.parse().py_err()?;
+                let staging = parse_staging(staging.as_ref())?;
+                py.detach(|| tensorferry::io::load_node_to(&path, target, options, staging))
+            }
+        }
+        .py_err()?;
         let mut out = tree::Output {
             like,
             default: None,
@@ -254,7 +268,7 @@ fn load(
             }
         }
         let tree = tree::node_to_py(py, loaded.root, &mut out, &mut Vec::new())?;
-        Ok((tree, loaded.metadata, out.pending))
+        Ok((tree, loaded.metadata, out.pending, loaded.direct_fallback))
     })
 }
 

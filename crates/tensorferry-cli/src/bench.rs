@@ -320,7 +320,14 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
         Ok(())
     })?;
     let t = best(r, || {
-        load(&file_path, LoadOptions { mmap: false }).map(drop)
+        load(
+            &file_path,
+            LoadOptions {
+                mmap: false,
+                direct: false,
+            },
+        )
+        .map(drop)
     })?;
     rows.push(Row {
         path: "load (read, cached)",
@@ -328,7 +335,16 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
         roof: Some(("raw read, cached", raw_read)),
     });
     bar.inc(1);
-    let t = best(r, || load(&file_path, LoadOptions { mmap: true }).map(drop))?;
+    let t = best(r, || {
+        load(
+            &file_path,
+            LoadOptions {
+                mmap: true,
+                direct: false,
+            },
+        )
+        .map(drop)
+    })?;
     rows.push(Row {
         path: "load (mmap)",
         time: t,

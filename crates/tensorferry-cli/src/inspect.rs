@@ -8,7 +8,13 @@ use tensorferry::{load_node, LoadOptions};
 /// Prints what the file holds: a table, or JSON.
 pub fn run(file: &Path, as_json: bool) -> tensorferry::Result<()> {
     // Mapping costs the header only; no tensor byte is read.
-    let loaded = load_node(file, LoadOptions { mmap: true })?;
+    let loaded = load_node(
+        file,
+        LoadOptions {
+            mmap: true,
+            direct: false,
+        },
+    )?;
     let tensors = loaded.root.tensors();
     if as_json {
         let rows: Vec<_> = tensors

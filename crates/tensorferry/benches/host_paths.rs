@@ -40,7 +40,18 @@ fn host_paths(c: &mut Criterion) {
         for mmap in [true, false] {
             g.bench_function(
                 BenchmarkId::new(if mmap { "load_mmap" } else { "load_read" }, name),
-                |b| b.iter(|| load(&path, LoadOptions { mmap }).unwrap()),
+                |b| {
+                    b.iter(|| {
+                        load(
+                            &path,
+                            LoadOptions {
+                                mmap,
+                                direct: false,
+                            },
+                        )
+                        .unwrap()
+                    })
+                },
             );
         }
         g.finish();

@@ -27,7 +27,13 @@ fn main() -> tensorferry::Result<()> {
     save(&state, &path, &SaveOptions::default())?;
 
     // mmap: the tensors are read-only views of the file; nothing is copied.
-    let (back, _metadata) = load(&path, LoadOptions { mmap: true })?;
+    let (back, _metadata) = load(
+        &path,
+        LoadOptions {
+            mmap: true,
+            direct: false,
+        },
+    )?;
     let w = back.tensor(&["model", "layer.0.weight"]).expect("saved");
     println!("{:?} = {:?}", w, w.to_vec::<f32>()?);
     assert!(matches!(

@@ -4,6 +4,12 @@ use std::path::PathBuf;
 
 use tensorferry::{load_node, Error, LoadOptions};
 
+/// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
+fn every_way() -> [LoadOptions; 3] {
+    [(true, false), (false, false), (false, true)]
+        .map(|(mmap, direct)| LoadOptions { mmap, direct })
+}
+
 fn corpus() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -16,19 +22,19 @@ fn corpus() -> Vec<PathBuf> {
 }
 
 #[test]
-fn every_broken_file_is_a_format_error_in_both_modes() {
+fn every_broken_file_is_a_format_error_every_way() {
     for path in corpus() {
         let name = path.file_stem().unwrap().to_string_lossy().into_owned();
-        for mmap in [true, false] {
-            let result = load_node(&path, LoadOptions { mmap });
+        for options in every_way() {
+            let result = load_node(&path, options);
             if name.starts_with("valid_") {
-                assert!(result.is_ok(), "{name} (mmap={mmap}): {:?}", result.err());
+                assert!(result.is_ok(), "{name} ({options:?}): {:?}", result.err());
             } else {
                 match result {
                     Err(Error::Format { at, reason }) => {
                         assert!(!at.is_empty() && !reason.is_empty(), "{name}")
                     }
-                    other => panic!("{name} (mmap={mmap}) gave {other:?}"),
+                    other => panic!("{name} ({options:?}) gave {other:?}"),
                 }
             }
         }
@@ -69,7 +75,14 @@ fn format_errors_name_the_file_they_came_from() {
             continue;
         }
         for result in [
-            load_node(&path, LoadOptions { mmap: true }).map(drop),
+            load_node(
+                &path,
+                LoadOptions {
+                    mmap: true,
+                    direct: false,
+                },
+            )
+            .map(drop),
             tensorferry::io::read_header(&path).map(drop),
         ] {
             if let Err(err @ Error::Format { .. }) = result {

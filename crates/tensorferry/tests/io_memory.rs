@@ -95,17 +95,48 @@ fn write_file(path: &Path, header: &str, data_len: usize) -> usize {
 /// A way of reading a file, named; true when it succeeded.
 type ReadingWay<'a> = (&'static str, Box<dyn Fn() -> bool + 'a>);
 
-/// Loads `path` both ways and reads its header; each peak must stay within [`allowed`].
+/// Loads `path` every way (mapped, read, read with `O_DIRECT`) and reads its header; each peak must stay within [`allowed`].
 /// Returns whether the loads succeeded.
 fn assert_bounded(path: &Path, file_len: usize, what: &str) -> bool {
-    let cases: [ReadingWay; 3] = [
+    let cases: [ReadingWay; 4] = [
         (
             "load with mmap",
-            Box::new(|| load_node(path, LoadOptions { mmap: true }).is_ok()),
+            Box::new(|| {
+                load_node(
+                    path,
+                    LoadOptions {
+                        mmap: true,
+                        direct: false,
+                    },
+                )
+                .is_ok()
+            }),
         ),
         (
             "load without mmap",
-            Box::new(|| load_node(path, LoadOptions { mmap: false }).is_ok()),
+            Box::new(|| {
+                load_node(
+                    path,
+                    LoadOptions {
+                        mmap: false,
+                        direct: false,
+                    },
+                )
+                .is_ok()
+            }),
+        ),
+        (
+            "load with O_DIRECT",
+            Box::new(|| {
+                load_node(
+                    path,
+                    LoadOptions {
+                        mmap: false,
+                        direct: true,
+                    },
+                )
+                .is_ok()
+            }),
         ),
         ("read_header", Box::new(|| read_header(path).is_ok())),
     ];

@@ -29,11 +29,25 @@ fn read_all_ways(path: &Path) -> Vec<(&'static str, Error)> {
         vec![
             (
                 "load mmap",
-                load_node(&p, LoadOptions { mmap: true }).unwrap_err(),
+                load_node(
+                    &p,
+                    LoadOptions {
+                        mmap: true,
+                        direct: false,
+                    },
+                )
+                .unwrap_err(),
             ),
             (
                 "load read",
-                load_node(&p, LoadOptions { mmap: false }).unwrap_err(),
+                load_node(
+                    &p,
+                    LoadOptions {
+                        mmap: false,
+                        direct: false,
+                    },
+                )
+                .unwrap_err(),
             ),
             ("read_header", read_header(&p).unwrap_err()),
         ]

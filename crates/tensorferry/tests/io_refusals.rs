@@ -7,6 +7,12 @@ use tensorferry::{
     load, save, save_node, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value,
 };
 
+/// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
+fn every_way() -> [LoadOptions; 3] {
+    [(true, false), (false, false), (false, true)]
+        .map(|(mmap, direct)| LoadOptions { mmap, direct })
+}
+
 fn small() -> Tensor {
     Tensor::from_slice(&[1.0f32], &[1]).unwrap()
 }
@@ -102,8 +108,8 @@ fn what_the_writer_accepts_the_reader_reads() {
     d.insert("values", Node::List(values));
     save(&d, &path, &SaveOptions::default()).unwrap();
     assert!(Path::new(&path).exists());
-    for mmap in [true, false] {
-        let (back, _) = load(&path, LoadOptions { mmap }).unwrap();
+    for options in every_way() {
+        let (back, _) = load(&path, options).unwrap();
         assert!(matches!(back.get("values"), Some(Node::List(v)) if v.len() == 20_000));
     }
 }

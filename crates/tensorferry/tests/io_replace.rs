@@ -15,7 +15,14 @@ fn tensors(v: f32) -> TensorDict {
 }
 
 fn saved_value(path: &Path) -> f32 {
-    let (d, _) = load(path, LoadOptions { mmap: false }).unwrap();
+    let (d, _) = load(
+        path,
+        LoadOptions {
+            mmap: false,
+            direct: false,
+        },
+    )
+    .unwrap();
     d.tensor(&["w"]).unwrap().to_vec::<f32>().unwrap()[0]
 }
 

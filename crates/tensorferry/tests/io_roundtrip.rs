@@ -7,6 +7,12 @@ use tensorferry::{
     Value,
 };
 
+/// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
+fn every_way() -> [LoadOptions; 3] {
+    [(true, false), (false, false), (false, true)]
+        .map(|(mmap, direct)| LoadOptions { mmap, direct })
+}
+
 fn f32s(v: &[f32], shape: &[usize]) -> Tensor {
     Tensor::from_slice(v, shape).unwrap()
 }
@@ -57,13 +63,13 @@ fn assert_same(a: &TensorDict, b: &TensorDict) {
 }
 
 #[test]
-fn a_saved_tree_loads_back_exactly_with_and_without_mmap() {
+fn a_saved_tree_loads_back_exactly_every_way() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.safetensors");
     let d = sample();
     save(&d, &path, &SaveOptions::default()).unwrap();
-    for mmap in [true, false] {
-        let (back, meta) = load(&path, LoadOptions { mmap }).unwrap();
+    for options in every_way() {
+        let (back, meta) = load(&path, options).unwrap();
         assert!(meta.is_empty());
         assert_same(&d, &back);
         assert_eq!(
@@ -83,7 +89,7 @@ fn a_saved_tree_loads_back_exactly_with_and_without_mmap() {
             other => panic!("history came back as {other:?}"),
         }
         let w = back.tensor(&["model", "layer.0.weight"]).unwrap();
-        assert_eq!(w.is_read_only(), mmap);
+        assert_eq!(w.is_read_only(), options.mmap && !options.direct);
     }
 }
 
@@ -248,15 +254,15 @@ fn empty_dicts_and_empty_tensors_round_trip() {
     d.insert("empty", Tensor::zeros(DType::F16, &[0, 3]).unwrap());
     d.insert("sub", TensorDict::new());
     save(&d, &path, &SaveOptions::default()).unwrap();
-    for mmap in [true, false] {
-        let (back, _) = load(&path, LoadOptions { mmap }).unwrap();
+    for options in every_way() {
+        let (back, _) = load(&path, options).unwrap();
         assert_eq!(back.tensor(&["empty"]).unwrap().shape(), &[0, 3]);
         assert!(matches!(back.get("sub"), Some(Node::Dict(s)) if s.is_empty()));
     }
 }
 
 #[test]
-fn a_dict_of_many_small_tensors_of_every_rank_loads_back_exactly_both_ways() {
+fn a_dict_of_many_small_tensors_of_every_rank_loads_back_exactly_every_way() {
     // Over 64 KiB of header (the reader then parses it while another thread reads the
     // data), shapes of 0 to 6 dimensions (inline and on the heap), values between them;
     // no float, so the tree record is read by the fast reader.
@@ -276,8 +282,8 @@ fn a_dict_of_many_small_tensors_of_every_rank_loads_back_exactly_both_ways() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("many.safetensors");
     save(&d, &path, &SaveOptions::default()).unwrap();
-    for mmap in [true, false] {
-        let (back, _) = load(&path, LoadOptions { mmap }).unwrap();
+    for options in every_way() {
+        let (back, _) = load(&path, options).unwrap();
         assert_same(&d, &back);
         assert_eq!(back.len(), d.len());
     }

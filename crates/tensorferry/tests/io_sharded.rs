@@ -175,7 +175,10 @@ fn an_index_of_another_tool_loads_as_a_flat_dict_of_names() {
     );
     let back = load_sharded(
         dir.path().join(format!("model{INDEX_SUFFIX}")),
-        LoadOptions { mmap: false },
+        LoadOptions {
+            mmap: false,
+            direct: false,
+        },
     )
     .unwrap();
     let Node::Dict(d) = back.root else { panic!() };

@@ -136,6 +136,7 @@ def load(
     *,
     device: Device = "cpu",
     mmap: bool = True,
+    direct: bool = False,
     like: Optional[Literal["numpy", "torch", "tensorferry", "jax", "tensorflow"]] = None,
     keys: Union[str, tuple[Any, ...], list[Union[str, tuple[Any, ...]]], None] = None,
     dtype: Any = None,

@@ -485,7 +485,7 @@ _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
 
 
 @gc_paused
-def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out=None, staging="on"):
+def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, dtype=None, out=None, staging="on"):
     """Loads a safetensors file as plain containers (dict, list, tuple).
 
     ``path`` may also be a sharded checkpoint's ``*.safetensors.index.json``, or a folder
@@ -509,6 +509,19 @@ def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out
     size; the results are device tensors owned by their framework (PyTorch, JAX for files
     saved from them; ``tensorferry.Tensor`` otherwise).
 
+    With ``direct=True`` the data is read with ``O_DIRECT``, past the page cache, several
+    reads in flight, into fresh memory (``direct`` wins over ``mmap``, which then has no
+    effect). Use it for cold files larger than the free page cache that are read once (a
+    checkpoint at start-up): the cache would only add a copy and evictions. Warm files
+    (just written or read) load faster through the cache: keep the default for them. Where
+    the filesystem refuses ``O_DIRECT`` the data is read through the page cache and a
+    ``RuntimeWarning`` gives the reason (``TENSORFERRY_DIRECT_IO=0`` turns it off). With a
+    ``device``, the file is read in chunks into the staging ring's pinned buffers, each
+    copied to the device while the next is read, so host memory stays bounded by the ring
+    (``staging`` sizes it; "on", "off" and "auto" all mean 3 × 32 MiB). ``keys`` cannot
+    be combined with ``direct=True`` (a subset is read from a map, touching only its
+    bytes), nor ``out`` with ``direct=True`` and a device.
+
     ``keys`` loads a subset: dotted names ("model.layer.0.weight"), key-path tuples,
     prefixes of subtrees ("model.layer.0") or glob patterns ("model.layer.*.weight"); a
     pattern that matches nothing is a :class:`TensorferryKeyError`. ``dtype`` ("bfloat16",
@@ -527,6 +540,16 @@ def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
     target = _native.parse_device(device)
     on_device = target != "cpu"
+    if direct and keys is not None:
+        raise ValueError(
+            "keys= reads only the selected tensors' bytes, from a memory map; direct=True reads "
+            "the whole file past the page cache: choose one"
+        )
+    if direct and on_device and out is not None:
+        raise ValueError(
+            f"out= fills existing tensors from the host; direct=True with device={device!r} "
+            "streams the file onto the device: drop device= (out= decides where data goes)"
+        )
     if on_device:
         _native.ensure_device(target)
         if like == fw.NUMPY or (like not in (None, fw.NATIVE) and target.startswith("emu")):
@@ -539,8 +562,19 @@ def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out
     native_like = fw.NATIVE if on_device else (like if like in (None, fw.NUMPY, fw.NATIVE) else fw.NATIVE)
     # A subset is read from the mapping (only its bytes are touched), then copied when
     # fresh memory was asked for.
-    mapped = mmap or on_device or keys is not None
-    tree, meta, pending = _native.load(os.fspath(path), mapped, native_like, fw.importable("ml_dtypes"))
+    mapped = (mmap and not direct) or on_device or keys is not None
+    streamed = direct and on_device
+    tree, meta, pending, fallback = _native.load(
+        os.fspath(path),
+        mapped,
+        native_like,
+        fw.importable("ml_dtypes"),
+        direct,
+        target if streamed else None,
+        staging if streamed else None,
+    )
+    if fallback is not None:
+        warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=3)
     if keys is not None:
         tree = _select.select(tree, keys)
         if not (mmap or on_device):
@@ -548,7 +582,8 @@ def load(path, *, device="cpu", mmap=True, like=None, keys=None, dtype=None, out
     if out is not None:
         return _select.fill(out, tree)
     if on_device:
-        tree = to_device(tree, target, staging=staging)
+        if not streamed:
+            tree = to_device(tree, target, staging=staging)
         pending = not target.startswith("emu")  # no framework holds emulated memory
     result = tree
     if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):

@@ -12,15 +12,22 @@
 //!
 //! Large trees can be saved as Hugging Face style shards with an index
 //! ([`save_sharded`]); [`load_node`] reads an index, or a folder holding one, as one tree.
+//!
+//! Files are read through the page cache (mapped, or read into fresh memory), or with
+//! `O_DIRECT` past it ([`LoadOptions::direct`]), and [`load_node_to`] reads one straight
+//! into a device's memory through a bounded ring of host buffers.
 
 mod budget;
 mod census;
+mod direct;
 mod fast_header;
 mod fast_tree;
 mod file_kind;
+mod fs_name;
 mod gather_write;
 mod header;
 mod header_writer;
+mod into_device;
 mod name_hash;
 mod pool;
 mod read;
@@ -34,6 +41,7 @@ mod tree_meta;
 mod write;
 
 pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
+pub use into_device::load_node_to;
 pub use read::{load, load_bytes, load_node, read_header, LoadOptions, Loaded};
 pub use sharded::{load_sharded, save_sharded, INDEX_SUFFIX};
 pub use write::{header_bytes, save, save_node, SaveOptions};

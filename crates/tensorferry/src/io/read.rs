@@ -1,6 +1,7 @@
-//! Reading safetensors files: validated headers, then zero-copy views of a memory map
-//! or one read into fresh aligned memory. Only regular files are read, and a load never
-//! allocates more than [`super::budget`] allows: four times the file's size plus 4 MiB.
+//! Reading safetensors files: validated headers, then zero-copy views of a memory map,
+//! one read into fresh aligned memory, or parallel `O_DIRECT` reads ([`super::direct`]).
+//! Only regular files are read, and a load never allocates more than [`super::budget`]
+//! allows: four times the file's size plus 4 MiB.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -10,7 +11,9 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
+use super::budget;
 use super::census::HeaderCensus;
+use super::direct::{Reader, Window};
 use super::file_kind::open_regular;
 use super::header::{header_len, parse_counted, Header};
 use super::pool::{flat_dict, Pool};
@@ -32,11 +35,24 @@ pub struct LoadOptions {
     /// where files may change underneath. tensorferry's own saves replace a file by
     /// rename, which leaves existing maps of the old file intact.
     pub mmap: bool,
+    /// Read the data with `O_DIRECT`, past the page cache, into fresh memory aligned to
+    /// 4096 bytes, with several reads in flight. Default false. Takes precedence over
+    /// `mmap` (a direct read is never a map).
+    ///
+    /// For files read once that are larger than the free page cache (a cold checkpoint):
+    /// the page cache would only add a copy and evictions. Files read again soon, or
+    /// already cached (warm), load faster through the cache: leave it off. Where the
+    /// filesystem refuses `O_DIRECT` (or `TENSORFERRY_DIRECT_IO=0` is set), the data is
+    /// read through the page cache and [`Loaded::direct_fallback`] says why.
+    pub direct: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { mmap: true }
+        LoadOptions {
+            mmap: true,
+            direct: false,
+        }
     }
 }
 
@@ -47,6 +63,10 @@ pub struct Loaded {
     pub root: Node,
     /// The user metadata, without tensorferry's reserved key.
     pub metadata: BTreeMap<String, String>,
+    /// Why a load asked to read directly ([`LoadOptions::direct`]) went through the page
+    /// cache instead, e.g. "tmpfs refused O_DIRECT (EINVAL): read through the page
+    /// cache"; `None` when it read directly or was not asked to.
+    pub direct_fallback: Option<String>,
 }
 
 /// Loads a file whose root is a dictionary (every file of other tools is).
@@ -86,6 +106,9 @@ pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded>
 /// Loads one safetensors file.
 fn load_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
     let (mut file, file_len) = open_regular(path)?;
+    if options.direct {
+        return read_direct(file, path, file_len);
+    }
     let (parsed, storage, base) = if options.mmap {
         map_file(&file, path, file_len)?
     } else {
@@ -105,7 +128,7 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
 }
 
 /// A header and what its census counted.
-type Parsed = (Header, HeaderCensus);
+pub(super) type Parsed = (Header, HeaderCensus);
 
 /// Reads and validates the header at the start of `file`, leaving the file positioned at
 /// the data section.
@@ -116,7 +139,7 @@ fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Parsed> {
 
 /// The header's JSON bytes (its length checked against the file), the file left
 /// positioned at the data section.
-fn read_header_bytes(file: &mut File, path: &Path, file_len: u64) -> Result<Vec<u8>> {
+pub(super) fn read_header_bytes(file: &mut File, path: &Path, file_len: u64) -> Result<Vec<u8>> {
     let mut prefix = [0u8; 8];
     if file_len >= 8 {
         file.read_exact(&mut prefix)
@@ -188,8 +211,50 @@ fn read_file(file: &mut File, path: &Path, file_len: u64) -> Result<(Parsed, Arc
     Ok((parsed, Arc::new(Storage::owned(data)), 0))
 }
 
+/// Reads the header, then the data section with `O_DIRECT` into fresh page-aligned memory:
+/// the aligned window of the file that covers it, the tensors viewing it at their offsets.
+/// The window is at most 8 KiB more than the data; where that would take the load over its
+/// memory budget, or the filesystem refuses `O_DIRECT`, the data is read through the page
+/// cache and the load says why.
+fn read_direct(mut file: File, path: &Path, file_len: u64) -> Result<Loaded> {
+    let header = read_header_bytes(&mut file, path, file_len)?;
+    let data_start = 8 + header.len() as u64;
+    let data_len = file_len - data_start;
+    let parsed = parse_counted(&header, data_len)?;
+    drop(header);
+    if data_len == 0 {
+        let empty = Arc::new(Storage::owned(AlignedBuffer::zeroed(0)?));
+        return build(parsed, empty, 0);
+    }
+    let window = Window::covering(data_start, file_len);
+    let widened =
+        (window.len as u64 - data_len).saturating_add(budget::load_cost(&parsed.1, data_len));
+    if widened > budget::allowed(file_len) {
+        let mut reader = Reader::new(file, path, file_len, false);
+        let mut data = AlignedBuffer::zeroed(data_len as usize)?;
+        reader.read_into(data.as_mut_slice(), data_start)?;
+        let mut loaded = build(parsed, Arc::new(Storage::owned(data)), 0)?;
+        loaded.direct_fallback = Some(
+            "reading whole 4096-byte blocks would take the load over its memory budget: \
+             read through the page cache"
+                .into(),
+        );
+        return Ok(loaded);
+    }
+    let mut reader = Reader::new(file, path, file_len, true);
+    let mut data = AlignedBuffer::zeroed_page_aligned(window.len)?;
+    reader.read_into(data.as_mut_slice(), window.start)?;
+    let mut loaded = build(parsed, Arc::new(Storage::owned(data)), window.skip)?;
+    loaded.direct_fallback = reader.fallback().map(String::from);
+    Ok(loaded)
+}
+
 /// The tree: the recorded one, or a flat dict of the tensors in header order.
-fn build((header, census): Parsed, storage: Arc<Storage>, base: usize) -> Result<Loaded> {
+pub(super) fn build(
+    (header, census): Parsed,
+    storage: Arc<Storage>,
+    base: usize,
+) -> Result<Loaded> {
     let mut metadata = header.metadata;
     let root = match metadata.remove(TREE_METADATA_KEY) {
         None => Node::Dict(flat_dict(header.tensors, &storage, base)?),
@@ -204,5 +269,9 @@ fn build((header, census): Parsed, storage: Arc<Storage>, base: usize) -> Result
             root
         }
     };
-    Ok(Loaded { root, metadata })
+    Ok(Loaded {
+        root,
+        metadata,
+        direct_fallback: None,
+    })
 }

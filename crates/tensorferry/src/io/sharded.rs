@@ -211,9 +211,19 @@ pub(crate) fn resolve(path: &Path) -> Result<Target> {
 }
 
 /// Loads every shard an index names as one tree (shards read in parallel). The metadata
-/// is the first shard's.
+/// is the first shard's; [`Loaded::direct_fallback`] gives every shard's distinct reason.
 pub fn load_sharded(index_path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
-    let index_path = index_path.as_ref();
+    load_sharded_with(index_path.as_ref(), READERS, |file| {
+        load_node(file, options)
+    })
+}
+
+/// Loads every shard an index names with `load_one`, up to `readers` at once, as one tree.
+pub(crate) fn load_sharded_with(
+    index_path: &Path,
+    readers: usize,
+    load_one: impl Fn(&Path) -> Result<Loaded> + Sync,
+) -> Result<Loaded> {
     let index = read_index(index_path)?;
     let dir = index_path.parent().unwrap_or(Path::new("."));
     let mut shards: Vec<&str> = Vec::new();
@@ -222,12 +232,18 @@ pub fn load_sharded(index_path: impl AsRef<Path>, options: LoadOptions) -> Resul
             shards.push(file);
         }
     }
-    let loaded = load_in_parallel(dir, &shards, options)?;
+    let loaded = load_in_parallel(dir, &shards, readers, load_one)?;
     let mut metadata = BTreeMap::new();
     let mut found: HashMap<String, Tensor> = HashMap::new();
+    let mut fallbacks: Vec<String> = Vec::new();
     for (i, shard) in loaded.into_iter().enumerate() {
         if i == 0 {
             metadata = shard.metadata;
+        }
+        if let Some(why) = shard.direct_fallback {
+            if !fallbacks.contains(&why) {
+                fallbacks.push(why);
+            }
         }
         for (path, t) in shard.root.tensors() {
             found.insert(path.dotted(), t.clone());
@@ -262,7 +278,11 @@ pub fn load_sharded(index_path: impl AsRef<Path>, options: LoadOptions) -> Resul
                 .collect(),
         ),
     };
-    Ok(Loaded { root, metadata })
+    Ok(Loaded {
+        root,
+        metadata,
+        direct_fallback: (!fallbacks.is_empty()).then(|| fallbacks.join("; ")),
+    })
 }
 
 struct Index {
@@ -320,17 +340,22 @@ fn read_index(path: &Path) -> Result<Index> {
     })
 }
 
-/// Loads `files` (in `dir`) with up to [`READERS`] threads, in order.
-fn load_in_parallel(dir: &Path, files: &[&str], options: LoadOptions) -> Result<Vec<Loaded>> {
+/// Loads `files` (in `dir`) with `load_one` on up to `readers` threads, in order.
+fn load_in_parallel(
+    dir: &Path,
+    files: &[&str],
+    readers: usize,
+    load_one: impl Fn(&Path) -> Result<Loaded> + Sync,
+) -> Result<Vec<Loaded>> {
     let mut slots: Vec<Option<Result<Loaded>>> = (0..files.len()).map(|_| None).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let results = std::sync::Mutex::new(&mut slots);
     std::thread::scope(|s| {
-        for _ in 0..READERS.min(files.len()) {
+        for _ in 0..readers.clamp(1, files.len().max(1)) {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let Some(file) = files.get(i) else { break };
-                let loaded = load_node(dir.join(file), options);
+                let loaded = load_one(&dir.join(file));
                 results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(loaded);
             });
         }

@@ -37,27 +37,15 @@ impl AlignedBuffer {
     pub fn zeroed(len: usize) -> Result<Self> {
         if len == 0 {
             return Ok(AlignedBuffer {
-                // A dangling pointer that is still 64-byte aligned, never dereferenced for len 0.
-                ptr: NonNull::new(HOST_ALIGNMENT as *mut u8).expect("non-zero"),
+                // A dangling pointer that is still aligned (to a page, so that it serves
+                // `zeroed_page_aligned` too), never dereferenced for len 0.
+                ptr: NonNull::new(4096 as *mut u8).expect("non-zero"),
                 len: 0,
                 map: None,
             });
         }
         if len >= MAP_THRESHOLD {
-            let mut map = MmapMut::map_anon(len).map_err(|_| Error::OutOfMemory {
-                device: "cpu".into(),
-                requested: len,
-                free: 0,
-                total: 0,
-            })?;
-            // Only a hint: without huge pages the buffer works the same, just slower to fill.
-            let _ = map.advise(Advice::HugePage);
-            let ptr = NonNull::new(map.as_mut_ptr()).expect("maps are never null");
-            return Ok(AlignedBuffer {
-                ptr,
-                len,
-                map: Some(map),
-            });
+            return Self::mapped(len);
         }
         let layout = Self::layout(len)?;
         // SAFETY: `layout` has a non-zero size (len > 0) and a valid power-of-two alignment.
@@ -72,6 +60,40 @@ impl AlignedBuffer {
             ptr,
             len,
             map: None,
+        })
+    }
+
+    /// Allocates `len` zeroed bytes starting at a page boundary (4096-byte aligned or more,
+    /// whatever the size), as `O_DIRECT` reads need: an anonymous map even when small.
+    ///
+    /// ```
+    /// use tensorferry::memory::AlignedBuffer;
+    /// let b = AlignedBuffer::zeroed_page_aligned(100)?;
+    /// assert_eq!(b.as_ptr() as usize % 4096, 0);
+    /// # Ok::<(), tensorferry::Error>(())
+    /// ```
+    pub fn zeroed_page_aligned(len: usize) -> Result<Self> {
+        if len == 0 {
+            return Self::zeroed(0);
+        }
+        Self::mapped(len)
+    }
+
+    /// `len` (> 0) zeroed bytes of an anonymous map, marked for huge pages.
+    fn mapped(len: usize) -> Result<Self> {
+        let mut map = MmapMut::map_anon(len).map_err(|_| Error::OutOfMemory {
+            device: "cpu".into(),
+            requested: len,
+            free: 0,
+            total: 0,
+        })?;
+        // Only a hint: without huge pages the buffer works the same, just slower to fill.
+        let _ = map.advise(Advice::HugePage);
+        let ptr = NonNull::new(map.as_mut_ptr()).expect("maps are never null");
+        Ok(AlignedBuffer {
+            ptr,
+            len,
+            map: Some(map),
         })
     }
 
@@ -154,6 +176,16 @@ mod tests {
         for len in [0, 1, 63, 64, 65, 4096, 1 << 20] {
             let buf = AlignedBuffer::zeroed(len).unwrap();
             assert_eq!(buf.as_slice().as_ptr() as usize % HOST_ALIGNMENT, 0);
+            assert_eq!(buf.len(), len);
+            assert!(buf.as_slice().iter().all(|&b| b == 0));
+        }
+    }
+
+    #[test]
+    fn page_aligned_buffers_start_on_a_page_and_are_zeroed_at_every_size() {
+        for len in [0, 1, 4095, 4096, 4097, 1 << 20, 5 << 20] {
+            let buf = AlignedBuffer::zeroed_page_aligned(len).unwrap();
+            assert_eq!(buf.as_ptr() as usize % 4096, 0, "{len} bytes");
             assert_eq!(buf.len(), len);
             assert!(buf.as_slice().iter().all(|&b| b == 0));
         }

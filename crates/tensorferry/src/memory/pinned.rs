@@ -205,14 +205,15 @@ impl Drop for PinnedBuffer {
 }
 
 /// Host memory standing in for pinned memory where nothing needs pinning (the emulated
-/// device): ordinary 64-byte-aligned buffers, so the pool's bookkeeping runs the same.
+/// device): ordinary buffers, page aligned as the driver's pinned memory is (which
+/// `O_DIRECT` reads into a staging buffer rely on), so the pool's bookkeeping runs the same.
 pub(crate) struct PageableAllocator;
 
 // SAFETY: each block is a fresh, zeroed `AlignedBuffer` of exactly `len` bytes, owned by
 // the block (its release) and freed once when the block is dropped.
 unsafe impl PinnedAllocator for PageableAllocator {
     fn alloc(&self, len: usize) -> Result<HostBlock> {
-        let mut buffer = crate::memory::AlignedBuffer::zeroed(len)?;
+        let mut buffer = crate::memory::AlignedBuffer::zeroed_page_aligned(len)?;
         let ptr = buffer.as_mut_slice().as_mut_ptr();
         // SAFETY: `ptr` addresses `buffer`'s `len` bytes, which the release owns and frees.
         Ok(unsafe { HostBlock::new(ptr, len, Box::new(buffer)) })

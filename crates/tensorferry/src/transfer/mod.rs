@@ -36,6 +36,7 @@ mod consumer;
 pub(crate) mod fragmented;
 mod host_copy;
 pub mod staging;
+pub(crate) mod stream_in;
 mod stream_out;
 
 pub use consumer::order_stream_after;
