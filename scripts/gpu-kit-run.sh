@@ -8,10 +8,18 @@
 # when any step failed; the summary at the end lists each step.
 #
 # Environment: KIT_PYTHON (default python3), KIT_OUT, KIT_QUICK=1 (small benchmarks only),
-# KIT_SKIP_BENCH=1.
+# KIT_SKIP_BENCH=1, KIT_ONLY=checkpoint | checkpoint-load | checkpoint-save (install, then
+# only those benchmarks: a device call of their own), KIT_DEADLINE_S (seconds from the start
+# by which the checkpoint benchmarks must have ended; default 570, inside a 10-minute call:
+# each gets `timeout` and --budget from what is left, and is skipped below a minute),
+# KIT_BENCH_DIR (their scratch folder; default /var/tmp or /tmp, the one with more room that
+# is not tmpfs; 8 GB there needs 25 GB free, and each step's files are removed after it).
 set -uo pipefail
 KIT=$(cd "$(dirname "$0")" && pwd)
 PY=${KIT_PYTHON:-python3}
+START=$SECONDS
+DEADLINE=${KIT_DEADLINE_S:-570}
+ONLY=${KIT_ONLY:-}
 OUTDIR=${KIT_OUT:-${OUT:-$KIT/out}}
 mkdir -p "$OUTDIR"
 LOG="$OUTDIR/gpu-kit-$(date -u +%Y-%m-%d-%H%M).txt"
@@ -29,6 +37,57 @@ step() { # step NAME COMMAND...: runs it, records pass/fail
   else
     SUMMARY+=("FAIL  $name ($((SECONDS - start)) s, exit $?)")
     FAILED=1
+  fi
+}
+
+ckpt_base() { # a local disk with room for the checkpoint files: KIT_BENCH_DIR, else /var/tmp or /tmp
+  if [ -n "${KIT_BENCH_DIR:-}" ]; then
+    mkdir -p "$KIT_BENCH_DIR" && echo "$KIT_BENCH_DIR"
+    return
+  fi
+  local best=/tmp most=-1 d free
+  for d in /var/tmp /tmp; do
+    [ -d "$d" ] && [ -w "$d" ] || continue
+    [ "$(stat -f -c %T "$d" 2>/dev/null)" = tmpfs ] && continue
+    free=$(df -Pk "$d" 2>/dev/null | awk 'NR == 2 { print $4 }')
+    if [ "${free:-0}" -gt "$most" ]; then best=$d most=${free:-0}; fi
+  done
+  echo "$best"
+}
+
+ckpt_step() { # ckpt_step NAME SHARE SCRIPT ARGS...: a checkpoint bench in a fresh folder, given SHARE % of
+  # the time left before KIT_DEADLINE_S (at most 900 s), bounded by `timeout` and its own --budget
+  local name=$1 share=$2 script=$3 left dir
+  shift 3
+  left=$(((DEADLINE - (SECONDS - START) - 20) * share / 100))
+  if [ "$left" -gt 900 ]; then left=900; fi
+  if [ "$left" -lt 60 ]; then
+    echo
+    echo "skipped $name: $((DEADLINE - (SECONDS - START))) s left before KIT_DEADLINE_S=$DEADLINE"
+    SUMMARY+=("skip  $name (time: KIT_DEADLINE_S=$DEADLINE; KIT_ONLY=checkpoint runs it in a call of its own)")
+    return
+  fi
+  dir=$(mktemp -d "$CKPT_BASE/tf-kit-ckpt-XXXXXX")
+  step "$name" timeout -k 10 "$left" "$PY" "$KIT/src/bench/$script" --dir "$dir" --budget $((left - 15)) "$@"
+  rm -rf "$dir"
+}
+
+checkpoint_benches() {
+  CKPT_BASE=$(ckpt_base)
+  echo
+  echo "# checkpoint files under $CKPT_BASE ($(stat -f -c %T "$CKPT_BASE" 2>/dev/null)," \
+    "$(df -Ph "$CKPT_BASE" | awk 'NR == 2 { print $4 }') free); $((DEADLINE - (SECONDS - START))) s left before KIT_DEADLINE_S"
+  # 32 GB is left out: its three files (.safetensors, .pt, reference) would not fit the 64 GiB disk.
+  local gb=1,8 small=10000 repeat=3 save_gb=8
+  if [ "${KIT_QUICK:-}" = 1 ]; then gb=0.1 small=1000 repeat=1 save_gb=0.1; fi
+  if [ "$ONLY" != checkpoint-save ]; then
+    local share=60
+    if [ "$ONLY" = checkpoint-load ]; then share=100; fi
+    ckpt_step "checkpoint_load (cuda:0, $gb GB and $small small tensors)" "$share" checkpoint_load.py \
+      --device cuda:0 --rows device --gb "$gb" --small "$small" --repeat "$repeat" --modes warm,cold
+  fi
+  if [ "$ONLY" != checkpoint-load ]; then
+    ckpt_step "checkpoint_save (cuda, $save_gb GB)" 100 checkpoint_save.py --device cuda --gb "$save_gb" --repeat "$repeat"
   fi
 }
 
@@ -53,7 +112,22 @@ run() {
   done
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   step "tensorferry info" "$KIT/bin/tensorferry" info
+  case "$ONLY" in
+    "") tests_and_benches ;;
+    checkpoint | checkpoint-load | checkpoint-save) checkpoint_benches ;;
+    *)
+      echo "KIT_ONLY=$ONLY: unknown (checkpoint, checkpoint-load or checkpoint-save)"
+      FAILED=1
+      ;;
+  esac
 
+  echo
+  echo "== summary"
+  printf '%s\n' "${SUMMARY[@]}"
+  return $FAILED
+}
+
+tests_and_benches() {
   for path in auto per-copy; do
     for t in lib-tests engine-tests; do
       step "$t ($path copies)" env TENSORFERRY_EXPECT_CUDA=1 TENSORFERRY_CUDA_COPY=$path "$KIT/bin/$t" -q --test-threads 4
@@ -78,12 +152,8 @@ run() {
       step "gpu_compare $p" "$PY" "$KIT/src/bench/gpu_compare.py" --preset "$p" --scale "$scale"
     done
     step "python_leaf_floor (per-leaf cost, torch CPU and CUDA)" "$PY" "$KIT/src/bench/python_leaf_floor.py" --count 10000
+    checkpoint_benches
   fi
-
-  echo
-  echo "== summary"
-  printf '%s\n' "${SUMMARY[@]}"
-  return $FAILED
 }
 
 run 2>&1 | tee "$LOG"
