@@ -40,6 +40,9 @@ echo "== peers the GPU machine lacks (cp312 wheels)"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$KIT/wheels/peers" tensordict pyvers orjson || echo "   (peer wheels unavailable: the tensordict rows will say so)"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$KIT/wheels/peers" fastsafetensors || echo "   (fastsafetensors wheel unavailable: its rows will say so)"
 
 echo "== tests and bench scripts"
 mkdir -p "$KIT/src/bindings/python" "$KIT/src/crates/tensorferry/tests"
