@@ -215,8 +215,9 @@ const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
 /// convert. With `direct`, the data is read with O_DIRECT; `direct_fallback` says why it
 /// went through the page cache instead, if it did. With `device` (not the host), the
 /// file streams onto it through the ring `staging` names (`tensorferry::io::load_node_to`).
+/// With `copy_on_write`, a map is private and writable (`LoadOptions::copy_on_write`).
 #[pyfunction]
-#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None))]
+#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn load(
     py: Python<'_>,
@@ -227,9 +228,14 @@ fn load(
     direct: bool,
     device: Option<&str>,
     staging: Option<Bound<'_, PyAny>>,
+    copy_on_write: bool,
 ) -> PyResult<(Py<PyAny>, BTreeMap<String, String>, bool, Option<String>)> {
     guard(|| {
-        let options = LoadOptions { mmap, direct };
+        let options = LoadOptions {
+            mmap,
+            direct,
+            copy_on_write,
+        };
         let loaded = match device {
             None => py.detach(|| tensorferry::load_node(&path, options)),
             Some(d) => {

@@ -172,7 +172,9 @@ pub fn tensor_to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py
         .iter()
         .map(|&s| (s * size) as npy_intp)
         .collect();
-    let flags = if t.is_read_only() {
+    // NumPy arrays of a file map are read-only, also of a copy-on-write map (which only
+    // frameworks that need writable memory are given).
+    let flags = if t.is_read_only() || t.storage().is_mapped() {
         0
     } else {
         NPY_ARRAY_WRITEABLE

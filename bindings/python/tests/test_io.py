@@ -126,6 +126,28 @@ def test_mmap_load_is_zero_copy_and_read_load_is_fresh_aligned_memory(tmp_path):
     np.testing.assert_array_equal(mapped.numpy(), read.numpy())
 
 
+def _maps_of(path):
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return [tuple(int(a, 16) for a in line.split()[0].split("-")) for line in f if line.rstrip().endswith(real)]
+
+
+def test_torch_tensors_share_a_private_map_of_the_file_and_their_writes_stay_private(tmp_path, torch):
+    p = tmp_path / "t.safetensors"
+    src = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+    tf.save(src, p)
+    before = p.read_bytes()
+    back = tf.load(p)
+    spans = _maps_of(p)
+    assert all(any(lo <= v.data_ptr() < hi for lo, hi in spans) for v in back.values()), "no copy"
+    back["w"].add_(1)                                  # writable, as PyTorch tensors must be
+    assert torch.equal(back["w"], src["w"] + 1)
+    assert p.read_bytes() == before, "the write did not reach the file"
+    assert torch.equal(tf.load(p)["w"], src["w"])
+    # NumPy views of a map stay read-only.
+    assert not tf.load(p, like="numpy")["w"].flags.writeable
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CORPUS, "*.safetensors"))), ids=os.path.basename)
 @pytest.mark.parametrize("mmap", [True, False])
 def test_hostile_files_raise_format_error(path, mmap):

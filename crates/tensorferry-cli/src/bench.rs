@@ -325,6 +325,7 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
             LoadOptions {
                 mmap: false,
                 direct: false,
+                ..Default::default()
             },
         )
         .map(drop)
@@ -341,6 +342,7 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
             LoadOptions {
                 mmap: true,
                 direct: false,
+                ..Default::default()
             },
         )
         .map(drop)

@@ -13,6 +13,7 @@ pub fn run(file: &Path, as_json: bool) -> tensorferry::Result<()> {
         LoadOptions {
             mmap: true,
             direct: false,
+            ..Default::default()
         },
     )?;
     let tensors = loaded.root.tensors();

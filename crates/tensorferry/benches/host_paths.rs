@@ -46,7 +46,7 @@ fn host_paths(c: &mut Criterion) {
                             &path,
                             LoadOptions {
                                 mmap,
-                                direct: false,
+                                ..Default::default()
                             },
                         )
                         .unwrap()

@@ -31,7 +31,7 @@ fn main() -> tensorferry::Result<()> {
         &path,
         LoadOptions {
             mmap: true,
-            direct: false,
+            ..Default::default()
         },
     )?;
     let w = back.tensor(&["model", "layer.0.weight"]).expect("saved");

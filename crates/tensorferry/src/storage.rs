@@ -5,7 +5,7 @@ use std::any::Any;
 use std::fmt;
 use std::time::Duration;
 
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapMut};
 
 use crate::backend::{DeviceMemory, Event};
 use crate::device::Device;
@@ -79,6 +79,8 @@ enum Inner {
     Owned(AlignedBuffer),
     /// A read-only memory map of a file.
     Mapped(Mmap),
+    /// A private, writable (copy-on-write) memory map of a file.
+    MappedCopyOnWrite(MmapMut),
     /// Memory of another producer.
     Foreign(ForeignMemory),
     /// Memory of a device that tensorferry allocated (through the device's backend).
@@ -124,6 +126,17 @@ impl Storage {
         Storage(Inner::Mapped(map))
     }
 
+    /// A private, copy-on-write map of a file: writable, its writes never reach the file.
+    pub(crate) fn mapped_copy_on_write(map: MmapMut) -> Storage {
+        Storage(Inner::MappedCopyOnWrite(map))
+    }
+
+    /// True for a memory map of a file (read-only or copy-on-write): its bytes are the
+    /// file's until written.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.0, Inner::Mapped(_) | Inner::MappedCopyOnWrite(_))
+    }
+
     /// Device memory that the copy completing `memory.written()` fills.
     pub(crate) fn device_memory(memory: DeviceMemory) -> Storage {
         Storage(Inner::Device(memory))
@@ -137,7 +150,10 @@ impl Storage {
     /// The device the memory lives on.
     pub fn device(&self) -> Device {
         match &self.0 {
-            Inner::Owned(_) | Inner::Mapped(_) | Inner::Incoming { .. } => Device::Cpu,
+            Inner::Owned(_)
+            | Inner::Mapped(_)
+            | Inner::MappedCopyOnWrite(_)
+            | Inner::Incoming { .. } => Device::Cpu,
             Inner::Foreign(f) => f.device,
             Inner::Device(b) => b.device(),
         }
@@ -148,6 +164,7 @@ impl Storage {
         match &self.0 {
             Inner::Owned(b) => b.len(),
             Inner::Mapped(m) => m.len(),
+            Inner::MappedCopyOnWrite(m) => m.len(),
             Inner::Foreign(f) => f.len,
             Inner::Device(b) => b.len(),
             Inner::Incoming { buffer, .. } => buffer.len(),
@@ -173,7 +190,10 @@ impl Storage {
     /// True when the memory must not be written (a mapped file, a read-only array).
     pub fn is_read_only(&self) -> bool {
         match &self.0 {
-            Inner::Owned(_) | Inner::Device(_) | Inner::Incoming { .. } => false,
+            Inner::Owned(_)
+            | Inner::Device(_)
+            | Inner::Incoming { .. }
+            | Inner::MappedCopyOnWrite(_) => false,
             Inner::Mapped(_) => true,
             Inner::Foreign(f) => f.read_only,
         }
@@ -185,6 +205,7 @@ impl Storage {
         match &self.0 {
             Inner::Owned(b) => b.as_slice().as_ptr(),
             Inner::Mapped(m) => m.as_ptr(),
+            Inner::MappedCopyOnWrite(m) => m.as_ptr(),
             Inner::Foreign(f) => f.ptr,
             Inner::Device(b) => b.as_ptr(),
             Inner::Incoming { buffer, .. } => buffer.as_ptr(),
@@ -238,6 +259,7 @@ impl Storage {
             }
             Inner::Device(_) => None,
             Inner::Mapped(m) => Some(&m[..]),
+            Inner::MappedCopyOnWrite(m) => Some(&m[..]),
             Inner::Foreign(f) if f.device.is_host() => {
                 if f.len == 0 {
                     return Ok(Some(&[]));
@@ -263,6 +285,7 @@ impl fmt::Debug for Storage {
         let kind = match self.0 {
             Inner::Owned(_) => "owned",
             Inner::Mapped(_) => "mapped",
+            Inner::MappedCopyOnWrite(_) => "mapped copy-on-write",
             Inner::Foreign(_) => "foreign",
             Inner::Device(_) => "device",
             Inner::Incoming { .. } => "incoming",

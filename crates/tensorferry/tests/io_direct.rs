@@ -13,10 +13,12 @@ use tensorferry::{
 const DIRECT: LoadOptions = LoadOptions {
     mmap: false,
     direct: true,
+    copy_on_write: false,
 };
 const READ: LoadOptions = LoadOptions {
     mmap: false,
     direct: false,
+    copy_on_write: false,
 };
 
 /// Bytes that differ from tensor to tensor and from block to block.
@@ -120,6 +122,7 @@ fn direct_takes_precedence_over_mmap() {
     let both = LoadOptions {
         mmap: true,
         direct: true,
+        copy_on_write: false,
     };
     let loaded = load_node(&path, both).unwrap();
     let t = loaded.root.tensors()[0].1.clone();

@@ -21,6 +21,7 @@ fn the_environment_switch_turns_direct_reads_off_with_its_reason() {
     let options = LoadOptions {
         mmap: false,
         direct: true,
+        ..Default::default()
     };
     let host = load_node(&path, options).unwrap();
     let device = load_node_to(&path, Device::Emulated(0), options, Staging::Auto).unwrap();

@@ -6,8 +6,11 @@ use tensorferry::{load_node, Error, LoadOptions};
 
 /// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
 fn every_way() -> [LoadOptions; 3] {
-    [(true, false), (false, false), (false, true)]
-        .map(|(mmap, direct)| LoadOptions { mmap, direct })
+    [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
+        mmap,
+        direct,
+        ..Default::default()
+    })
 }
 
 fn corpus() -> Vec<PathBuf> {
@@ -80,6 +83,7 @@ fn format_errors_name_the_file_they_came_from() {
                 LoadOptions {
                     mmap: true,
                     direct: false,
+                    copy_on_write: false,
                 },
             )
             .map(drop),

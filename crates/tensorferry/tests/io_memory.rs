@@ -107,6 +107,7 @@ fn assert_bounded(path: &Path, file_len: usize, what: &str) -> bool {
                     LoadOptions {
                         mmap: true,
                         direct: false,
+                        copy_on_write: false,
                     },
                 )
                 .is_ok()
@@ -120,6 +121,7 @@ fn assert_bounded(path: &Path, file_len: usize, what: &str) -> bool {
                     LoadOptions {
                         mmap: false,
                         direct: false,
+                        copy_on_write: false,
                     },
                 )
                 .is_ok()
@@ -133,6 +135,7 @@ fn assert_bounded(path: &Path, file_len: usize, what: &str) -> bool {
                     LoadOptions {
                         mmap: false,
                         direct: true,
+                        copy_on_write: false,
                     },
                 )
                 .is_ok()

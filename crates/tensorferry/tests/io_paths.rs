@@ -34,6 +34,7 @@ fn read_all_ways(path: &Path) -> Vec<(&'static str, Error)> {
                     LoadOptions {
                         mmap: true,
                         direct: false,
+                        copy_on_write: false,
                     },
                 )
                 .unwrap_err(),
@@ -45,6 +46,7 @@ fn read_all_ways(path: &Path) -> Vec<(&'static str, Error)> {
                     LoadOptions {
                         mmap: false,
                         direct: false,
+                        copy_on_write: false,
                     },
                 )
                 .unwrap_err(),

@@ -20,6 +20,7 @@ fn saved_value(path: &Path) -> f32 {
         LoadOptions {
             mmap: false,
             direct: false,
+            copy_on_write: false,
         },
     )
     .unwrap();

@@ -9,8 +9,11 @@ use tensorferry::{
 
 /// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
 fn every_way() -> [LoadOptions; 3] {
-    [(true, false), (false, false), (false, true)]
-        .map(|(mmap, direct)| LoadOptions { mmap, direct })
+    [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
+        mmap,
+        direct,
+        ..Default::default()
+    })
 }
 
 fn f32s(v: &[f32], shape: &[usize]) -> Tensor {

@@ -178,6 +178,7 @@ fn an_index_of_another_tool_loads_as_a_flat_dict_of_names() {
         LoadOptions {
             mmap: false,
             direct: false,
+            copy_on_write: false,
         },
     )
     .unwrap();

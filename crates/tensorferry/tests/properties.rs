@@ -115,7 +115,7 @@ proptest! {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.safetensors");
         save_node(&tree, &path, &SaveOptions { fsync: false, ..Default::default() }).unwrap();
-        let back = load_node(&path, LoadOptions { mmap, direct: false }).unwrap();
+        let back = load_node(&path, LoadOptions { mmap, direct: false, ..Default::default() }).unwrap();
         prop_assert!(same(&tree, &back.root));
     }
 

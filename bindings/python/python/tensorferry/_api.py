@@ -499,9 +499,13 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     names by the Hugging Face convention ("pt": PyTorch, "tf", "flax", "np") when that is
     importable. Otherwise host tensors come back as NumPy arrays where
     NumPy can hold the dtype (bfloat16/float8 through ml_dtypes), else as
-    ``tensorferry.Tensor``. With ``mmap=True`` tensors view the mapped file, read-only,
-    at a cost proportional to the header — except as PyTorch or TensorFlow tensors, which
-    must own writable memory: those are copied out of the mapping.
+    ``tensorferry.Tensor``. With ``mmap=True`` tensors view the mapped file at a cost
+    proportional to the header: NumPy arrays and ``tensorferry.Tensor`` read-only;
+    PyTorch, TensorFlow and JAX tensors, which need writable memory, a private
+    copy-on-write map of it (as ``safetensors`` does: writes stay in this process, never
+    reach the file). As with any map, a file truncated or rewritten in place while its
+    tensors live may crash the process (``SIGBUS``); tensorferry's own saves replace files
+    by rename, which is safe.
 
     With ``device`` ("cuda:0", "emu:0") the file is mapped and streamed to the device
     through a ring of pinned buffers (``staging``: "on" — 3 × 32 MiB —, "off", "auto" or
@@ -572,6 +576,8 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
         direct,
         target if streamed else None,
         staging if streamed else None,
+        # Frameworks that need writable memory (PyTorch) share a private, copy-on-write map.
+        mapped and not on_device and like not in (fw.NUMPY, fw.NATIVE),
     )
     if fallback is not None:
         warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=3)

@@ -9,7 +9,7 @@ use std::io::Read;
 use std::path::Path;
 use std::sync::Arc;
 
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapOptions};
 
 use super::budget;
 use super::census::HeaderCensus;
@@ -45,6 +45,12 @@ pub struct LoadOptions {
     /// filesystem refuses `O_DIRECT` (or `TENSORFERRY_DIRECT_IO=0` is set), the data is
     /// read through the page cache and [`Loaded::direct_fallback`] says why.
     pub direct: bool,
+    /// With `mmap`, map the file privately and writable (copy-on-write, as NumPy's
+    /// `mmap_mode="c"`): the tensors may be written — frameworks that need writable memory
+    /// (PyTorch) share the map instead of copying it — and writes stay in this process,
+    /// never reaching the file. Default false. Where the system refuses such a map (its
+    /// commit limit counts the file's size), the file is mapped read-only instead.
+    pub copy_on_write: bool,
 }
 
 impl Default for LoadOptions {
@@ -52,6 +58,7 @@ impl Default for LoadOptions {
         LoadOptions {
             mmap: true,
             direct: false,
+            copy_on_write: false,
         }
     }
 }
@@ -110,7 +117,7 @@ fn load_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
         return read_direct(file, path, file_len);
     }
     let (parsed, storage, base) = if options.mmap {
-        map_file(&file, path, file_len)?
+        map_file(&file, path, file_len, options.copy_on_write)?
     } else {
         read_file(&mut file, path, file_len)?
     };
@@ -163,18 +170,34 @@ pub fn load_bytes(bytes: &[u8]) -> Result<Loaded> {
 }
 
 /// Maps the file; tensors view the map at `data_start + begin`.
-fn map_file(file: &File, path: &Path, file_len: u64) -> Result<(Parsed, Arc<Storage>, usize)> {
+fn map_file(
+    file: &File,
+    path: &Path,
+    file_len: u64,
+    copy_on_write: bool,
+) -> Result<(Parsed, Arc<Storage>, usize)> {
     if file_len < 8 {
         header_len(&[], file_len)?;
     }
-    // SAFETY: the map is read-only. Like every memory map it assumes nobody truncates or
-    // rewrites the file while it is mapped; tensorferry's own writes replace files by
-    // rename, which leaves an existing map of the old file valid.
-    let map = unsafe { Mmap::map(file) }.map_err(|e| Error::io("map", path, e))?;
+    let private = copy_on_write
+        .then(|| {
+            // SAFETY: as every memory map, this one assumes nobody truncates or rewrites
+            // the file while it is mapped (tensorferry's own writes replace files by
+            // rename, which leaves an existing map valid); being private, its writes go to
+            // this process's own copies of the pages, never to the file.
+            unsafe { MmapOptions::new().map_copy(file) }.ok()
+        })
+        .flatten();
+    let storage = match private {
+        Some(map) => Storage::mapped_copy_on_write(map),
+        // SAFETY: read-only; the same assumption about the file as above.
+        None => Storage::mapped(unsafe { Mmap::map(file) }.map_err(|e| Error::io("map", path, e))?),
+    };
+    let map = storage.host_bytes().expect("a map is host memory, filled");
     let n = header_len(&map[..8], map.len() as u64)?;
     let data_start = 8 + n as usize;
     let parsed = parse_counted(&map[8..data_start], (map.len() - data_start) as u64)?;
-    Ok((parsed, Arc::new(Storage::mapped(map)), data_start))
+    Ok((parsed, Arc::new(storage), data_start))
 }
 
 /// Headers from this size on are parsed while another thread reads the data section.
