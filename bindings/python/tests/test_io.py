@@ -126,6 +126,22 @@ def test_mmap_load_is_zero_copy_and_read_load_is_fresh_aligned_memory(tmp_path):
     np.testing.assert_array_equal(mapped.numpy(), read.numpy())
 
 
+def test_a_load_imports_only_the_frameworks_its_file_names(tmp_path, torch):
+    """A PyTorch file loaded in a fresh process imports neither JAX nor TensorFlow (both
+    installed or not): importing them would cost the first load seconds."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("jax", reason="needs JAX installed to show it is not imported")
+    p = tmp_path / "t.safetensors"
+    tf.save({"w": torch.ones(3)}, p)
+    code = (f"import sys, torch, tensorferry as tf; tf.load({str(p)!r}); "
+            "print(sorted(m for m in ('jax', 'tensorflow') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def _maps_of(path):
     real = os.path.realpath(path)
     with open("/proc/self/maps") as f:

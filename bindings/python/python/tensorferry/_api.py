@@ -595,11 +595,15 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):
         recorded = _recorded_frameworks(meta)
         leaves = [(p, t) for p, t in _native.collect_tensors(tree, fw.kind_of, True) if type(t) is fw.Tensor]
-        held = {k: fw.importable(k) for k in (fw.TORCH, fw.JAX, fw.TENSORFLOW)}
+        # Only the frameworks the file names are imported (importing all three would cost a
+        # process seconds on its first load).
+        held = {}
         kinds, todo = [], []
         for p, t in leaves:
             kind = like or recorded(dotted(p))
-            if held.get(kind):
+            if kind not in held:
+                held[kind] = kind in (fw.TORCH, fw.JAX, fw.TENSORFLOW) and fw.importable(kind)
+            if held[kind]:
                 kinds.append(kind)
                 todo.append((p, t))
             elif kind != fw.NATIVE and not on_device and _numpy_can_hold(t.dtype):
