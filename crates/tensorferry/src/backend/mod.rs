@@ -20,7 +20,7 @@ pub mod emulated;
 pub(crate) mod event;
 pub(crate) mod lane;
 #[cfg(test)]
-mod ordering_tests;
+pub(crate) mod ordering_tests;
 mod probe;
 pub(crate) mod stream;
 pub(crate) mod worker;

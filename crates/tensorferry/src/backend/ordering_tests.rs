@@ -20,9 +20,10 @@ use crate::Tensor;
 
 /// The rules below hold streams and queue batches behind host work on the same GPU: run
 /// one at a time, so that no rule sees another's held or deferred work on its streams.
+/// Other unit tests that use emu:1 (and count its pool) take the same lock.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn serial() -> std::sync::MutexGuard<'static, ()> {
+pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 

@@ -19,6 +19,8 @@ use crate::consolidate::PackedLayout;
 use crate::device::Device;
 use crate::error::Result;
 use crate::tensor::Tensor;
+#[cfg(test)]
+use crate::transfer::Staging;
 
 /// Calls `sink` with the bytes of `tensors` (all on `device`), in order, each in C order,
 /// back to back: `sink` sees every byte once, in order, in pieces of at most
@@ -112,4 +114,60 @@ fn through_ring(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::ordering_tests::serial;
+    use crate::error::Error;
+
+    /// emu:1, whose unit tests run one at a time: its pool's counts are this test's own.
+    const DEV: Device = Device::Emulated(1);
+
+    fn on_device(len: usize) -> Tensor {
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        Tensor::from_slice(&data, &[len])
+            .unwrap()
+            .to(DEV, false)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_consumer_failing_mid_stream_is_the_error_and_every_buffer_comes_back() {
+        let _serial = serial();
+        let t = on_device(10_000);
+        let ring = Staging::Ring {
+            chunk_bytes: 1000,
+            depth: 3,
+        }
+        .ring_for_stream()
+        .unwrap();
+        let pool = backend_for(DEV).unwrap().pinned_pool().unwrap();
+        let mut seen = Vec::new();
+        let err = stream_to_sink(DEV, &[&t], ring, |bytes| {
+            seen.extend_from_slice(bytes);
+            if seen.len() >= 3000 {
+                return Err(Error::InvalidValue {
+                    key: String::new(),
+                    reason: "the disk is full".into(),
+                });
+            }
+            Ok(())
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("the disk is full"), "{err}");
+        let expected: Vec<u8> = (0..3000).map(|i| (i % 251) as u8).collect();
+        assert_eq!(seen, expected, "the bytes before the failure, in order");
+        // Chunks still queued hold their buffers until they have run, then give them back.
+        for _ in 0..200 {
+            let s = pool.stats();
+            if s.cached_bytes == s.pinned_bytes {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let s = pool.stats();
+        assert_eq!(s.cached_bytes, s.pinned_bytes, "{s:?}");
+    }
 }
