@@ -257,6 +257,7 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
 
     let raw_path = dir.join("raw.bin");
     let file_path = dir.join("bench.safetensors");
+    let mut raw_write = Duration::ZERO;
     for fsync in [false, true] {
         bar.set_message(if fsync {
             "writes with fsync"
@@ -278,6 +279,9 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
                 Ok(())
             },
         )?;
+        if !fsync {
+            raw_write = raw;
+        }
         bar.inc(1);
         let opts = SaveOptions {
             fsync,
@@ -374,6 +378,12 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
     if let Some(name) = &args.device {
         bar.set_message("device moves");
         device_rows(name, &dict, r, &mut rows)?;
+        let roofs = FileRoofs {
+            path: &file_path,
+            write: raw_write,
+            read: raw_read,
+        };
+        device_file_rows(name, &dict, &roofs, r, &mut rows)?;
     }
     bar.finish_and_clear();
 
@@ -493,6 +503,58 @@ fn device_rows(
         path: "to device, per tensor",
         time: t,
         roof: to_dev,
+    });
+    Ok(())
+}
+
+/// The file the host rows wrote, and the raw write and read of its bytes (page cache).
+struct FileRoofs<'a> {
+    path: &'a Path,
+    write: Duration,
+    read: Duration,
+}
+
+/// A save from the device (streamed into the file through the pinned ring) against a raw
+/// write of the same bytes, and a load onto it (mapped, streamed through the ring)
+/// against a raw read of the file.
+fn device_file_rows(
+    name: &str,
+    dict: &TensorDict,
+    roofs: &FileRoofs<'_>,
+    r: usize,
+    rows: &mut Vec<Row>,
+) -> tensorferry::Result<()> {
+    let device: Device = name.parse()?;
+    let there = dict.to(device, false)?;
+    let opts = SaveOptions {
+        fsync: false,
+        ..Default::default()
+    };
+    let time = best_after(
+        r,
+        || drop(std::fs::remove_file(roofs.path)),
+        || save(&there, roofs.path, &opts),
+    )?;
+    rows.push(Row {
+        path: "save from device",
+        time,
+        roof: Some(("raw write", roofs.write)),
+    });
+    let staged = MoveOptions {
+        staging: Staging::Ring {
+            chunk_bytes: tensorferry::transfer::staging::AUTO_CHUNK_BYTES,
+            depth: tensorferry::transfer::staging::AUTO_DEPTH,
+        },
+        ..Default::default()
+    };
+    let time = best(r, || {
+        let (mapped, _) = load(roofs.path, LoadOptions::default())?;
+        mapped.to_with(device, staged).map(drop)
+    })?;
+    rows.push(Row {
+        path: "load onto device",
+        time,
+        roof: Some(("raw read, cached", roofs.read)),
     });
     Ok(())
 }
