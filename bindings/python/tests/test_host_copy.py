@@ -77,6 +77,21 @@ def test_leaves_the_bulk_path_refuses_still_move_or_fail_by_name(torch):
         tf.to_host({"d": dense, "s": sparse}, copy=True)
 
 
+@pytest.mark.parametrize("odd", ["meta", "sparse"])
+def test_a_group_mixing_devices_or_layouts_is_refused_by_name_never_copied_wrong(torch, odd):
+    """Leaves are grouped by dtype and shape only; a group that mixes devices or layouts
+    (checked on its first leaf) is refused by torch.stack as a whole and left to the engine,
+    which copies the dense CPU leaves and names the one it cannot take, first or last."""
+    other = torch.ones(4, device="meta") if odd == "meta" else torch.ones(4).to_sparse()
+    dense = [torch.full((4,), float(i)) for i in range(3)]
+    for leaves in (dense + [other], [other] + dense):
+        bad = str(next(i for i, x in enumerate(leaves) if x is other))
+        with pytest.raises(tf.FormatError, match=f"'{bad}'"):
+            tf.to_host(leaves, copy=True)
+    out = tf.to_host(dense, copy=True)
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(dense, out))
+
+
 def test_chunks_split_large_groups(torch, monkeypatch):
     monkeypatch.setattr(_host_copy, "CHUNK_BYTES", 64)
     src = [torch.full((4,), float(i)) for i in range(50)]  # 16 bytes each: 4 per chunk

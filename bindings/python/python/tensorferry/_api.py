@@ -41,17 +41,17 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False):
     ``queued`` is ``(leaves, native results, result kinds, paths)`` or None. With
     ``packed``, every copy goes through the engine into one buffer."""
     out = {}
-    leaf_kinds = [fw.kind_of(leaf) for _, leaf in leaves]
     # Blocking host copies of many small PyTorch leaves: in bulk, by PyTorch itself.
     if copy and target == "cpu" and not packed and not non_blocking:
-        bulk = copy_many([leaf for _, leaf in leaves], leaf_kinds, fw.TORCH)
+        bulk = copy_many([leaf for _, leaf in leaves])
     else:
         bulk = [None] * len(leaves)
     paths, pending, kinds = [], [], []
-    for (path, leaf), kind, done in zip(leaves, leaf_kinds, bulk):
+    for (path, leaf), done in zip(leaves, bulk):
         if done is not None:
             out[id(leaf)] = done
             continue
+        kind = fw.kind_of(leaf)
         if not copy and fw.device_of(leaf, kind) == target:
             out[id(leaf)] = leaf
             continue

@@ -32,64 +32,53 @@ def _chunks(indices, item_bytes):
     return [indices[i : i + step] for i in range(0, len(indices), step)]
 
 
-def _groups(keys):
-    """``{key: [index, …]}`` of the leaves with a key (None: not for bulk), in order."""
+def _torch_groups(leaves, exact):
+    """``{(dtype, shape): [index, …]}`` of the exact ``Tensor``/``Parameter`` leaves, in
+    order, in one pass (a leaf whose dtype or shape cannot be read is left out). Device,
+    layout and quantization are checked once per group, on its first leaf: a group that
+    mixes them is refused by ``torch.stack`` as a whole, and left to the engine."""
     groups = {}
-    for i, key in enumerate(keys):
-        if key is not None:
-            groups.setdefault(key, []).append(i)
+    for i, t in enumerate(leaves):
+        if type(t) not in exact:
+            continue
+        try:
+            key = (t.dtype, t.shape)
+        except Exception:  # a nested tensor, say
+            continue
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [i]
+        else:
+            group.append(i)
     return groups
 
 
-def _torch_keys(tensors):
-    """The grouping key of each PyTorch tensor — ``(dtype, shape, layout)`` for exact
-    ``Tensor``/``Parameter`` leaves in host memory, else None."""
-    import torch
-
+def copy_many(leaves):
+    """A copy of each small PyTorch CPU tensor of ``leaves`` copied in bulk, and None in
+    the places of the other leaves (any kind), which are left to the caller's ordinary
+    path."""
+    out = [None] * len(leaves)
+    torch = sys.modules.get("torch")
+    if torch is None or len(leaves) < 2:
+        return out
     exact = (torch.Tensor, torch.nn.Parameter)
-    try:
-        return [(t.dtype, t.shape, t.layout) if type(t) in exact and t.is_cpu else None for t in tensors]
-    except Exception:
-        # A leaf whose shape cannot be read (a nested tensor, say): decide one by one.
-        return [_torch_key(t, exact) for t in tensors]
-
-
-def _torch_key(t, exact):
-    try:
-        return (t.dtype, t.shape, t.layout) if type(t) in exact and t.is_cpu else None
-    except Exception:
-        return None
-
-
-def _copy_torch(tensors, out, at):
-    """Puts in ``out[at[j]]`` a copy of each PyTorch CPU tensor ``tensors[j]`` copied in bulk."""
-    import torch
-
     strided = torch.strided
     with torch.no_grad():
-        for (dtype, shape, layout), group in _groups(_torch_keys(tensors)).items():
-            first = tensors[group[0]]
-            if layout != strided or first.is_quantized:
+        for group in _torch_groups(leaves, exact).values():
+            first = leaves[group[0]]
+            try:
+                if first.layout != strided or first.is_quantized or not first.is_cpu:
+                    continue
+                item = first.element_size() * first.numel()
+            except Exception:
                 continue
-            item = first.element_size() * first.numel()
             if item > SMALL_BYTES:
                 continue
             for part in _chunks(group, item):
                 try:
-                    rows = torch.stack([tensors[j] for j in part]).unbind(0)
+                    rows = torch.stack([leaves[j] for j in part]).unbind(0)
                 except (RuntimeError, TypeError, ValueError, NotImplementedError):
                     continue
                 for j, row in zip(part, rows):
-                    out[at[j]] = row
-
-
-def copy_many(leaves, kinds, torch_kind):
-    """A copy of each leaf of ``leaves`` (kinds as ``kinds`` says) copied in bulk — small
-    PyTorch CPU tensors — and None in the places of the others, which are left to the
-    caller's ordinary path."""
-    out = [None] * len(leaves)
-    if "torch" in sys.modules:
-        at = [i for i, k in enumerate(kinds) if k == torch_kind]
-        if len(at) > 1:
-            _copy_torch([leaves[i] for i in at], out, at)
+                    out[j] = row
     return out
