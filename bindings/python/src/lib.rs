@@ -173,6 +173,19 @@ fn cuda_stream_synchronize(py: Python<'_>, handle: usize) -> PyResult<()> {
     })
 }
 
+/// Orders tensorferry's copies on GPU `ordinal` after a producer's raw CUDA stream's
+/// queued work, on the GPU (the caller does not wait).
+#[pyfunction]
+fn cuda_order_after_stream(ordinal: usize, handle: usize) -> PyResult<()> {
+    guard(|| {
+        // SAFETY: as in `cuda_stream_synchronize`: the handle is the user's `stream=`, a
+        // stream of that GPU (its device is read from the framework's stream object, or is
+        // the one GPU the call's tensors live on), trusted as PyTorch trusts
+        // `ExternalStream`'s integer.
+        unsafe { tensorferry::backend::cuda_device::order_after_stream(ordinal, handle) }.py_err()
+    })
+}
+
 /// Writes a tree of dict/list/tuple, `Tensor` and plain values as a safetensors file, or
 /// with `max_shard_bytes` as shards of at most that much data plus their index (one file
 /// when it all fits). Returns the files written.
@@ -462,6 +475,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(configure_emulated, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_stream_synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_order_after_stream, m)?)?;
     m.add_function(wrap_pyfunction!(to_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(from_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(from_dlpack_capsules, m)?)?;

@@ -121,6 +121,37 @@ def test_a_torch_gpu_state_dict_streams_into_the_file_after_torchs_own_kernels(t
     assert torch.equal(back["w"], state["w"].cpu()) and torch.equal(back["b"], state["b"].cpu())
 
 
+class _TorchLikeStream:
+    """A producer stream as PyTorch shapes it (``cuda_stream``, ``device.index``) that
+    counts host synchronisations."""
+
+    def __init__(self, handle, index):
+        import types
+
+        self.cuda_stream = handle
+        self.device = types.SimpleNamespace(index=index)
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def test_a_producer_stream_of_the_tensors_gpu_is_waited_for_on_the_gpu_not_by_the_caller(cuda):
+    src = {"w": np.arange(1000.0)}
+    x = tf.to_device(src, cuda)
+    s = _TorchLikeStream(0, 0)  # the default stream of cuda:0
+    out = tf.to_host(x, stream=s)
+    assert s.synchronized == 0, "ordered on the GPU, not by a host wait"
+    np.testing.assert_array_equal(tf.to_numpy(out)["w"], src["w"])
+    # Host memory beside: host threads read it, so the caller waits for the stream.
+    tf.to_host({**x, "h": np.ones(3)}, stream=s, copy=True)
+    assert s.synchronized == 1
+    # A stream of another GPU than the tensors': the caller waits too.
+    other = _TorchLikeStream(0, 1)
+    tf.to_host(x, stream=other)
+    assert other.synchronized == 1
+
+
 class _RecordingProducer:
     """A DLPack producer of CUDA memory that records the stream its consumer passes."""
 

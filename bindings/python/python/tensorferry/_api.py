@@ -9,7 +9,7 @@ import numpy as np
 from . import _frameworks as fw
 from . import _native
 from . import _select
-from ._errors import FormatError, TensorferryOverflowError
+from ._errors import DeviceUnavailableError, FormatError, TensorferryOverflowError
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many
 from ._transfer import Transfer
@@ -87,20 +87,52 @@ def _can_wait(queued):
     return queued is None or all(k in _WAITING_KINDS for k in queued[2])
 
 
-def _sync_producer(stream):
-    """Makes work queued on the caller's stream finish before tensorferry reads.
+def _sync_producer(stream, leaves=(), target="cpu"):
+    """Makes the work queued on the caller's stream come before tensorferry reads.
 
-    ``stream`` is a framework stream (``torch.cuda.Stream``, ``cupy.cuda.Stream``:
-    anything with ``synchronize()``) or a raw CUDA stream handle (an int).
+    ``stream`` is a framework stream (``torch.cuda.Stream``, ``cupy.cuda.Stream``: anything
+    with ``synchronize()``) or a raw CUDA stream handle (an int). When every tensor of
+    ``leaves`` lives on the stream's GPU and the copies run on that GPU (to the host, or
+    within it), tensorferry's copies there wait for it on the GPU and the caller does not
+    wait at all; otherwise (a tensor in host memory, which host threads may read, several
+    GPUs, or another GPU copying) the caller waits for the stream.
     """
     if stream is None:
         return
+    handle, gpu = _stream_handle(stream)
+    if handle is not None:
+        gpus = {fw.device_of(leaf, fw.kind_of(leaf)) for _, leaf in leaves}
+        if len(gpus) == 1:
+            (only,) = gpus
+            if only.startswith("cuda:") and gpu in (None, int(only[5:])) and target in ("cpu", only):
+                try:
+                    _native.cuda_order_after_stream(int(only[5:]), handle)
+                    return
+                except DeviceUnavailableError:
+                    pass  # a handle the driver refuses there: wait for it on the host instead
     if hasattr(stream, "synchronize"):
         stream.synchronize()
     elif isinstance(stream, int):
         _native.cuda_stream_synchronize(stream)
     else:
         raise TypeError(f"stream must be a framework stream or a CUDA stream handle, not {type(stream).__name__}")
+
+
+def _stream_handle(stream):
+    """``(raw CUstream handle, GPU ordinal or None)`` of a stream argument, or ``(None,
+    None)`` where neither is known (any other object with ``synchronize()``)."""
+    if isinstance(stream, bool):
+        return None, None
+    if isinstance(stream, int):
+        return stream, None
+    raw = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream
+    if isinstance(raw, int):
+        device = getattr(stream, "device", None)
+        return raw, getattr(device, "index", None)
+    raw = getattr(stream, "ptr", None)  # cupy.cuda.Stream
+    if isinstance(raw, int):
+        return raw, getattr(stream, "device_id", None)
+    return None, None
 
 
 def _to_host_many(leaves):
@@ -124,8 +156,9 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     (their values independent); other copies land in one 64-byte-aligned buffer.
     With ``pinned=True`` results copied from a device live in the device's pinned pool,
     reused by the next transfer, instead of fresh ordinary memory. ``stream`` is the
-    producer's stream (a torch/CuPy stream or a raw handle): its queued work finishes before
-    the tensors are read. ``staging`` says whether copies into ordinary memory go through a
+    producer's stream (a torch/CuPy stream or a raw handle): its queued work comes before
+    the tensors are read — on the GPU, without the caller waiting, when every tensor lives
+    on that stream's GPU; else the caller waits for the stream. ``staging`` says whether copies into ordinary memory go through a
     ring of pinned buffers: ``"auto"`` (on CUDA, for 64 MB and more), ``"off"``, ``"on"``,
     or ``(chunk_bytes, depth)``.
 
@@ -140,8 +173,8 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     >>> out["w"], out["name"]
     (array([1., 1.], dtype=float32), 'run-1')
     """
-    _sync_producer(stream)
     leaves = _native.collect_tensors(obj, fw.kind_of)
+    _sync_producer(stream, leaves)
     out, queued = _start(leaves, "cpu", copy, non_blocking, pinned, staging, _packed)
     if not non_blocking or _can_wait(queued):
         _finish(out, queued)
@@ -324,12 +357,12 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
     if like not in (None, fw.NATIVE) and (target.startswith("emu") or (like == fw.NUMPY and target != "cpu")):
         raise ValueError(f"like={like!r} cannot hold memory of {target}")
-    _sync_producer(stream)
 
     def select(x, path):
         return fw.kind_of(x) is not None or _numeric_data(x)
 
     leaves = _native.collect_tensors(obj, fw.kind_of, False, select)
+    _sync_producer(stream, [(p, x) for p, x in leaves if fw.kind_of(x) is not None], target)
     tensors = []
     out = {}
     made = {}  # id(new tensor) -> the list it was made from

@@ -392,6 +392,19 @@ impl CudaDevice {
         self.queue.stream_handle()
     }
 
+    /// Makes every copy queued on this GPU from now on (on each of its streams) wait, on
+    /// the GPU, for the work queued so far on `stream`: an event recorded there.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this GPU's primary context, or a default-stream
+    /// constant (1: legacy, 2: per-thread): the driver does not validate every handle.
+    unsafe fn wait_for_stream(&self, stream: sys::CUstream) -> Result<()> {
+        let device = Device::Cuda(self.ordinal);
+        let _current = self.context.enter(device)?;
+        let mark = super::cuda_event::CudaEvent::record(self.context, device, stream)?;
+        (0..LANES).try_for_each(|lane| mark.wait_on(self.queue.stream(lane), device))
+    }
+
     /// The raw stream handle of `direction`'s copies (tests hold it with the fake
     /// driver's gate).
     #[cfg(test)]
@@ -441,6 +454,23 @@ pub unsafe fn stream_synchronize(handle: usize) -> Result<()> {
         Device::Cuda(0),
         "cuStreamSynchronize",
     )
+}
+
+/// Makes every copy tensorferry queues on GPU `ordinal` from now on wait, on the GPU, for
+/// the work queued so far on a producer's CUDA stream (a raw `CUstream` handle from
+/// PyTorch, CuPy or JAX): unlike [`stream_synchronize`], the caller does not wait.
+///
+/// Only the GPU is ordered: a copy that host threads make (from host memory, or through
+/// the staging ring from pageable memory) is not; callers that read host memory a
+/// producer's stream may still be writing synchronise with [`stream_synchronize`].
+///
+/// # Safety
+/// `handle` must be a live `CUstream` of GPU `ordinal`'s primary context (PyTorch, CuPy
+/// and JAX create theirs there), or 1 (`CU_STREAM_LEGACY`) or 2 (`CU_STREAM_PER_THREAD`):
+/// the driver does not validate every integer.
+pub unsafe fn order_after_stream(ordinal: usize, handle: usize) -> Result<()> {
+    // SAFETY: forwarded contract.
+    unsafe { device(ordinal)?.wait_for_stream(handle as sys::CUstream) }
 }
 
 /// The GPU that owns device memory at `address` — a pointer handed over by another

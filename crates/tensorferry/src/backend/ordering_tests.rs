@@ -474,3 +474,47 @@ fn ordering_a_stream_after_a_ready_or_host_tensor_needs_no_gpu_call() {
     // SAFETY: host memory has no pending copy, so the handle is never used.
     assert!(unsafe { crate::transfer::order_stream_after(&host, usize::MAX) }.unwrap());
 }
+
+#[test]
+fn copies_wait_for_a_producer_stream_on_the_gpu_and_the_caller_not_at_all() {
+    let _serial = serial();
+    use cudarc::driver::sys;
+    let (Some(gate_fn), Some(open_fn)) = (
+        hook::<GateFn>(b"tf_fake_cuda_gate\0"),
+        hook::<OpenFn>(b"tf_fake_cuda_open\0"),
+    ) else {
+        return; // needs the fake driver's gate
+    };
+    let dev = last_gpu();
+    let Device::Cuda(ordinal) = dev else {
+        unreachable!()
+    };
+    let context = super::cuda_device::device(ordinal).unwrap().context;
+    let _current = context.enter(dev).unwrap();
+    let mut producer: sys::CUstream = std::ptr::null_mut();
+    // SAFETY: the GPU's context is current; `producer` is a live out pointer.
+    assert_eq!(
+        unsafe { sys::cuStreamCreate(&mut producer, 0) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    let (host, data) = sample(11);
+    let there = move_one(&host, dev);
+    there.wait().unwrap();
+    // The producer's stream is busy (held): our copies must not run before it is done.
+    // SAFETY: a live stream of this process.
+    let held = unsafe { gate_fn(producer.cast()) };
+    assert!(!held.is_null());
+    // SAFETY: `producer` is a live stream of this GPU's primary context.
+    unsafe { super::cuda_device::order_after_stream(ordinal, producer as usize) }.unwrap();
+    let back = move_one(&there, Device::Cpu);
+    std::thread::sleep(SETTLE);
+    assert!(
+        !back.is_ready(),
+        "the download ran before the producer's stream"
+    );
+    // SAFETY: the gate came from the hook and is opened once.
+    unsafe { open_fn(held) };
+    assert_eq!(back.to_vec::<u32>().unwrap(), data);
+    // SAFETY: the stream is idle (the download after it has run) and destroyed once.
+    unsafe { sys::cuStreamDestroy_v2(producer) };
+}
