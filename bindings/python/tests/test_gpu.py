@@ -152,6 +152,20 @@ def test_a_producer_stream_of_the_tensors_gpu_is_waited_for_on_the_gpu_not_by_th
     assert other.synchronized == 1
 
 
+def test_stream_orders_the_download_after_torch_work_queued_on_that_stream(torch_cuda):
+    """Work on a side stream of PyTorch's (not its current stream, which the DLPack import
+    orders by itself): ``stream=`` makes the download wait for it on the GPU."""
+    torch = torch_cuda
+    side = torch.cuda.Stream()
+    x = torch.zeros(1 << 22, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # keeps the side stream busy for a while
+        x.fill_(3.0)
+    out = tf.to_host({"x": x}, stream=side)
+    assert torch.equal(out["x"], torch.full((1 << 22,), 3.0))
+
+
 class _RecordingProducer:
     """A DLPack producer of CUDA memory that records the stream its consumer passes."""
 
