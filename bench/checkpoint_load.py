@@ -128,6 +128,9 @@ def methods(dev):
                 "device", "st", lambda p: tf.load(p, device=dev, like="tensorferry"), False)
         else:
             m[f"tf.load(p, device='{dev}')"] = ("device", "st", lambda p: tf.load(p, device=dev), False)
+        like = {"like": "tensorferry"} if cuda and not torch.cuda.is_available() else {}
+        m[f"tf.load(p, device='{dev}', direct=True)"] = (
+            "device", "st", lambda p: tf.load(p, device=dev, direct=True, **like), False)
         if cuda:
             m[f"safetensors.safe_open(device='{dev}') loop"] = ("device", "st", lambda p: _safe_open(p, dev), True)
             m[f"torch.load(map_location='{dev}')"] = ("device", "pt", lambda p: torch.load(p, map_location=dev), True)
@@ -136,6 +139,7 @@ def methods(dev):
         ST_HOST: ("host", "st", _st_load_file, False),
         "tf.load(p)": ("host", "st", lambda p: tf.load(p), False),
         "tf.load(p, mmap=False)": ("host", "st", lambda p: tf.load(p, mmap=False), False),
+        "tf.load(p, direct=True)": ("host", "st", lambda p: tf.load(p, direct=True), False),
         "tf.load(p, like='numpy')": ("host", "st", lambda p: tf.load(p, like="numpy"), False),
         "tf.load(p, like='numpy', mmap=False)": ("host", "st", lambda p: tf.load(p, like="numpy", mmap=False), False),
         "safetensors.torch.load_file(backend='pread')": ("host", "st", lambda p: _st_load_file(p, backend="pread"), False),
