@@ -47,6 +47,7 @@ echo "== peers the GPU machine lacks (cp312 wheels)"
 echo "== tests and bench scripts"
 mkdir -p "$KIT/src/bindings/python" "$KIT/src/crates/tensorferry/tests"
 cp -r bindings/python/tests "$KIT/src/bindings/python/"
+cp bindings/python/pyproject.toml "$KIT/src/bindings/python/" # pytest's markers and options
 cp -r crates/tensorferry/tests/corpus "$KIT/src/crates/tensorferry/tests/"
 cp -r bench "$KIT/src/"
 mkdir -p "$KIT/src/scripts" "$KIT/src/fuzz"
