@@ -124,6 +124,19 @@ impl Chunk {
             .last()
             .map_or(self.start, |p| p.dst_offset + p.len)
     }
+
+    /// The device copies of the chunk's runs into the pinned buffer at `staging`, each at
+    /// its offset from the chunk's start.
+    pub(super) fn ops_into(&self, staging: *mut u8) -> Vec<CopyOp> {
+        self.pieces
+            .iter()
+            .map(|p| CopyOp {
+                src: p.src,
+                dst: staging.wrapping_add(p.dst_offset - self.start),
+                len: p.len,
+            })
+            .collect()
+    }
 }
 
 /// Cuts `runs` (in packed order) at every multiple of `chunk_bytes`.
@@ -364,17 +377,7 @@ impl Transfer {
         let n = self.chunks.len();
         let depth = self.buffers.len();
         let queue_chunk = |j: usize| {
-            let c = &self.chunks[j];
-            let staging = self.buffers[j % depth].as_ptr();
-            let ops = c
-                .pieces
-                .iter()
-                .map(|p| CopyOp {
-                    src: p.src,
-                    dst: staging.wrapping_add(p.dst_offset - c.start),
-                    len: p.len,
-                })
-                .collect();
+            let ops = self.chunks[j].ops_into(self.buffers[j % depth].as_ptr());
             self.queue(j, Direction::DeviceToHost, ops)
         };
         let mut events: Vec<Event> = (0..depth.min(n)).map(queue_chunk).collect();

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use super::staging::{chunks, Ring};
 use super::{fragmented, runs, submit_when_ready};
-use crate::backend::{backend_for, CopyBatch, CopyOp, Direction, Event};
+use crate::backend::{backend_for, CopyBatch, Direction, Event};
 use crate::consolidate::PackedLayout;
 use crate::device::Device;
 use crate::error::Result;
@@ -78,20 +78,10 @@ fn through_ring(
     let depth = buffers.len();
     let sources = Arc::new(sources);
     let queue = |j: usize| {
-        let c = &chunks[j];
         let buffer = buffers[j % depth].clone();
-        let staging = buffer.as_ptr();
         let batch = CopyBatch {
             direction: Direction::DeviceToHost,
-            ops: c
-                .pieces
-                .iter()
-                .map(|p| CopyOp {
-                    src: p.src,
-                    dst: staging.wrapping_add(p.dst_offset - c.start),
-                    len: p.len,
-                })
-                .collect(),
+            ops: chunks[j].ops_into(buffer.as_ptr()),
             waits: waits.clone(),
         };
         let event = Event::pending();
