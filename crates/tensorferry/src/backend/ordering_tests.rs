@@ -77,21 +77,64 @@ fn gate(device: Device, direction: Direction) -> Option<Gate> {
             let held = super::emulated::device(i).unwrap().gate(direction);
             Some(Gate(Some(Box::new(move || held.complete(Ok(()))))))
         }
-        Device::Cuda(i) => {
-            let (gate, open) = (
-                hook::<GateFn>(b"tf_fake_cuda_gate\0")?,
-                hook::<OpenFn>(b"tf_fake_cuda_open\0")?,
-            );
-            let stream = super::cuda_device::device(i).ok()?.stream_of(direction);
-            // SAFETY: a stream of this process (the fake checks it and gives null if not).
-            let g = unsafe { gate(stream as *mut c_void) } as usize;
-            assert_ne!(g, 0, "the fake refused to gate its own stream");
-            // SAFETY: `g` came from the gate hook and is opened once.
-            Some(Gate(Some(Box::new(move || unsafe {
-                open(g as *mut c_void);
-            }))))
-        }
+        Device::Cuda(i) => gate_stream(super::cuda_device::device(i).ok()?.stream_of(direction)),
         Device::Cpu => None,
+    }
+}
+
+/// Holds the CUDA stream `stream` of this process (the fake driver's gate); `None` on a
+/// real GPU.
+fn gate_stream(stream: usize) -> Option<Gate> {
+    let (gate, open) = (
+        hook::<GateFn>(b"tf_fake_cuda_gate\0")?,
+        hook::<OpenFn>(b"tf_fake_cuda_open\0")?,
+    );
+    // SAFETY: a stream of this process (the fake checks it and gives null if not).
+    let g = unsafe { gate(stream as *mut c_void) } as usize;
+    assert_ne!(g, 0, "the fake refused to gate a stream of this process");
+    // SAFETY: `g` came from the gate hook and is opened once.
+    Some(Gate(Some(Box::new(move || unsafe {
+        open(g as *mut c_void);
+    }))))
+}
+
+/// A stream of another library (as PyTorch creates them: on the GPU's primary context),
+/// destroyed when dropped.
+struct ForeignStream {
+    raw: cudarc::driver::sys::CUstream,
+    context: super::cuda_device::Context,
+    device: Device,
+}
+
+impl ForeignStream {
+    fn new(device: Device) -> ForeignStream {
+        use cudarc::driver::sys;
+        let Device::Cuda(ordinal) = device else {
+            unreachable!("a CUDA device")
+        };
+        let context = super::cuda_device::device(ordinal).unwrap().context;
+        let _current = context.enter(device).unwrap();
+        let mut raw: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: the GPU's context is current; `raw` is a live out pointer.
+        assert_eq!(
+            unsafe { sys::cuStreamCreate(&mut raw, 0) },
+            sys::CUresult::CUDA_SUCCESS
+        );
+        ForeignStream {
+            raw,
+            context,
+            device,
+        }
+    }
+}
+
+impl Drop for ForeignStream {
+    fn drop(&mut self) {
+        if let Ok(_current) = self.context.enter(self.device) {
+            // SAFETY: created by `cuStreamCreate` in this context and destroyed once; the
+            // driver defers the release of a stream with work still queued.
+            unsafe { cudarc::driver::sys::cuStreamDestroy_v2(self.raw) };
+        }
     }
 }
 
@@ -424,30 +467,22 @@ fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the
 fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at_all() {
     let _serial = serial();
     use super::cuda_event::CudaEvent;
-    use cudarc::driver::sys;
     if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
         return; // needs the fake driver's gate
     }
     let dev = last_gpu();
-    let Device::Cuda(ordinal) = dev else {
-        unreachable!()
-    };
-    let context = super::cuda_device::device(ordinal).unwrap().context;
-    let _current = context.enter(dev).unwrap();
-    let mut consumer: sys::CUstream = std::ptr::null_mut();
-    // SAFETY: the GPU's context is current; `consumer` is a live out pointer.
-    assert_eq!(
-        unsafe { sys::cuStreamCreate(&mut consumer, 0) },
-        sys::CUresult::CUDA_SUCCESS
-    );
+    let consumer = ForeignStream::new(dev);
     let (host, data) = sample(9);
     let held = gate(dev, Direction::HostToDevice).unwrap();
     let there = move_one(&host, dev);
     // SAFETY: `consumer` is a live stream of the GPU's primary context.
-    assert!(unsafe { crate::transfer::order_stream_after(&there, consumer as usize) }.unwrap());
+    assert!(unsafe { crate::transfer::order_stream_after(&there, consumer.raw as usize) }.unwrap());
     // The call returned with the upload still held: the consumer's next work waits on the GPU.
     assert!(!there.is_ready(), "the caller waited for the upload");
-    let after = CudaEvent::record(context, dev, consumer).unwrap();
+    let after = {
+        let _current = consumer.context.enter(dev).unwrap();
+        CudaEvent::record(consumer.context, dev, consumer.raw).unwrap()
+    };
     std::thread::sleep(SETTLE);
     assert!(
         !after.query().unwrap(),
@@ -463,8 +498,6 @@ fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
-    // SAFETY: the stream is idle (its event has passed) and destroyed once.
-    unsafe { sys::cuStreamDestroy_v2(consumer) };
 }
 
 #[test]
@@ -478,43 +511,27 @@ fn ordering_a_stream_after_a_ready_or_host_tensor_needs_no_gpu_call() {
 #[test]
 fn copies_wait_for_a_producer_stream_on_the_gpu_and_the_caller_not_at_all() {
     let _serial = serial();
-    use cudarc::driver::sys;
-    let (Some(gate_fn), Some(open_fn)) = (
-        hook::<GateFn>(b"tf_fake_cuda_gate\0"),
-        hook::<OpenFn>(b"tf_fake_cuda_open\0"),
-    ) else {
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
         return; // needs the fake driver's gate
-    };
+    }
     let dev = last_gpu();
     let Device::Cuda(ordinal) = dev else {
         unreachable!()
     };
-    let context = super::cuda_device::device(ordinal).unwrap().context;
-    let _current = context.enter(dev).unwrap();
-    let mut producer: sys::CUstream = std::ptr::null_mut();
-    // SAFETY: the GPU's context is current; `producer` is a live out pointer.
-    assert_eq!(
-        unsafe { sys::cuStreamCreate(&mut producer, 0) },
-        sys::CUresult::CUDA_SUCCESS
-    );
+    let producer = ForeignStream::new(dev);
     let (host, data) = sample(11);
     let there = move_one(&host, dev);
     there.wait().unwrap();
     // The producer's stream is busy (held): our copies must not run before it is done.
-    // SAFETY: a live stream of this process.
-    let held = unsafe { gate_fn(producer.cast()) };
-    assert!(!held.is_null());
+    let held = gate_stream(producer.raw as usize).unwrap();
     // SAFETY: `producer` is a live stream of this GPU's primary context.
-    unsafe { super::cuda_device::order_after_stream(ordinal, producer as usize) }.unwrap();
+    unsafe { super::cuda_device::order_after_stream(ordinal, producer.raw as usize) }.unwrap();
     let back = move_one(&there, Device::Cpu);
     std::thread::sleep(SETTLE);
     assert!(
         !back.is_ready(),
         "the download ran before the producer's stream"
     );
-    // SAFETY: the gate came from the hook and is opened once.
-    unsafe { open_fn(held) };
+    held.open();
     assert_eq!(back.to_vec::<u32>().unwrap(), data);
-    // SAFETY: the stream is idle (the download after it has run) and destroyed once.
-    unsafe { sys::cuStreamDestroy_v2(producer) };
 }
