@@ -70,6 +70,7 @@ import numpy as np
 import torch
 
 import tensorferry as tf
+from child_rows import reset_peak, run_child, status_kib  # bench/ is on sys.path when run
 
 SMALL_ELEMS = 4096  # 8 KiB bf16 tensors in the small-tensor dict
 _HELD = []  # fastsafetensors handles, closed once their tensors are dropped (untimed)
@@ -204,22 +205,6 @@ def to_host(t):
     return t.cpu() if isinstance(t, torch.Tensor) else tf.to_numpy(t)
 
 
-def reset_peak():
-    """VmHWM := VmRSS; False where /proc/self/clear_refs is missing (gVisor, say)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def hwm():
-    """Peak RSS (VmHWM) in KiB."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-
-
 def file_mappings(path):
     real, spans = os.path.realpath(path), []
     with open("/proc/self/maps") as f:
@@ -258,7 +243,7 @@ def child(a):
             while f.readinto(chunk):
                 pass
     peak_reset = reset_peak()  # peak RSS := current (ru_maxrss keeps the parent's peak across fork + exec)
-    base = hwm()
+    base = status_kib("VmHWM")
     calls, copies, res_max, rss, r = [], [], 0.0, None, None
     for _ in range(a.repeat):
         if a.mode == "cold":
@@ -279,7 +264,7 @@ def child(a):
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         if rss is None:
-            rss = (hwm() - base) / 1024 if peak_reset else -1.0
+            rss = (status_kib("VmHWM") - base) / 1024 if peak_reset else -1.0
         if fn is not None and where == "host":
             for k, off, n in man["tensors"]:
                 np.copyto(out[off : off + n], as_bytes(r[k]))
@@ -378,7 +363,8 @@ def run_preset(a, label, nbytes, work, deadline, wrote):
             if name in cached:
                 r = dict(cached[name])
             else:
-                r = run_child(a, name, mode, work, deadline)
+                r = run_child([__file__, "--child", name, "--mode", mode, "--dir", work, "--repeat", str(a.repeat),
+                               "--device", a.device], deadline)
                 if name in ("memcpy (roof)", "pinned copy (roof)") and "error" not in r:
                     cached[name] = r
             done[name] = r
@@ -424,21 +410,6 @@ def print_row(name, where, r, nbytes, done, dev):
 def unknown(x, width, fmt):
     """x formatted, or "?" where it could not be measured (negative)."""
     return f"{'?':>{width}s}" if x < 0 else f"{x:{width}{fmt}}"
-
-
-def run_child(a, name, mode, work, deadline):
-    left = deadline - time.monotonic()
-    if left < 5:
-        return {"error": "skipped: time budget (--budget) spent"}
-    cmd = [sys.executable, __file__, "--child", name, "--mode", mode, "--dir", work, "--repeat", str(a.repeat),
-           "--device", a.device]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-    except subprocess.TimeoutExpired:
-        return {"error": f"killed after {left:.0f} s: time budget (--budget) spent"}
-    if p.returncode:
-        return {"error": "failed: " + (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]}
-    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def default_device():

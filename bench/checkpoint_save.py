@@ -38,7 +38,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,8 @@ import numpy as np
 import torch
 
 import tensorferry as tf
+from child_rows import reset_peak, run_child, status_kib  # bench/ is on sys.path when run
+from compare import fsync_file
 
 RAW, PINNED = "raw write + fsync (roof)", "pinned copy (roof)"
 TF_ROWS = ("tf.save(sd, p)", "tf.save(sd, p, staging='off')", "tf.save(sd, p, non_blocking=True)")
@@ -87,19 +88,6 @@ def host_bytes(t):
     return tf.to_numpy(t).reshape(-1).view(np.uint8)
 
 
-def fsync_path(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field))
-
-
 def sync(device):
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -138,11 +126,11 @@ def row_save(name, sd, p, folder, device, nbytes):
     if name == "tf.save(sd, p, non_blocking=True)":
         return lambda: tf.save(sd, p, non_blocking=True).result
     if name == "torch.save + fsync":
-        return lambda: (torch.save(sd, p), fsync_path(p), done)[2]
+        return lambda: (torch.save(sd, p), fsync_file(p), done)[2]
     if name == "safetensors.torch.save_file + fsync":
         import safetensors.torch as st
 
-        return lambda: (st.save_file(sd, p), fsync_path(p), done)[2]
+        return lambda: (st.save_file(sd, p), fsync_file(p), done)[2]
     import torch.distributed.checkpoint as dcp
 
     kw = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}
@@ -171,10 +159,7 @@ def child(a):
         shutil.rmtree(folder, ignore_errors=True)
         gc.collect()
         sync(a.device)
-        try:
-            with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS
-                f.write("5")
-        except OSError:  # not everywhere (gVisor, say): "?" in the table
+        if not reset_peak():  # not everywhere (gVisor, say): "?" in the table
             host = -1.0
         rss = status_kib("VmRSS")
         start = time.perf_counter()
@@ -223,21 +208,6 @@ def skipped(name, device):
     return None
 
 
-def run_child(a, name, work, deadline):
-    left = deadline - time.monotonic()
-    if left < 5:
-        return {"error": "skipped: time budget (--budget) spent"}
-    cmd = [sys.executable, __file__, "--child", name, "--dir", work, "--repeat", str(a.repeat), "--device", a.device,
-           "--gb", str(a.gb), "--tensors", str(a.tensors)]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-    except subprocess.TimeoutExpired:
-        return {"error": f"killed after {left:.0f} s: time budget (--budget) spent"}
-    if p.returncode:
-        return {"error": "failed: " + (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]}
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=0.5)
@@ -280,7 +250,8 @@ def main():
             if why:
                 print(f"{name:40s} {why}", flush=True)
                 continue
-            r = run_child(a, name, work, deadline)
+            r = run_child([__file__, "--child", name, "--dir", work, "--repeat", str(a.repeat), "--device", a.device,
+                           "--gb", str(a.gb), "--tensors", str(a.tensors)], deadline)
             if "error" in r:
                 print(f"{name:40s} {r['error'][:140]}", flush=True)
                 bad += r["error"].startswith("failed") and name not in PEERS  # a peer's failure is only shown
