@@ -387,21 +387,19 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     return _native.rebuild(obj, out, False, fw.kind_of)
 
 
-def _native_tree(obj, frameworks, on_device=False):
-    """The tree for the native writer: plain containers, native tensors — on the host, or
-    with ``on_device`` where they are (the writer streams them into each file through its
-    pinned ring, so host memory stays bounded by the ring)."""
+def _native_tree(obj, frameworks):
+    """The tree for the native writer: plain containers and native tensors where they are
+    (the writer streams device tensors into each file through its pinned ring, so host
+    memory stays bounded by the ring)."""
     leaves = _native.collect_tensors(obj, fw.kind_of)
-    on_host = {} if on_device else _to_host_many(leaves)
-    paths, hosted, kinds = [], [], []
+    paths, tensors, kinds = [], [], []
     for path, leaf in leaves:
         kind = fw.kind_of(leaf)
-        host = on_host.get(id(leaf), leaf)
         paths.append(path)
-        hosted.append(host)
-        kinds.append(fw.kind_of(host))
+        tensors.append(leaf)
+        kinds.append(kind)
         frameworks[dotted(path)] = fw.NUMPY if kind in (fw.CUPY, fw.NUMBA, fw.CAI) else kind
-    natives = fw.to_native_many(hosted, kinds, paths)
+    natives = fw.to_native_many(tensors, kinds, paths)
     return _native.rebuild(obj, {id(leaf): t for (_, leaf), t in zip(leaves, natives)}, True, fw.kind_of)
 
 
@@ -499,7 +497,7 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
         # The snapshot: every tensor copied now (device ones into the pinned pool).
         obj = to_host(obj, copy=True, pinned=True)
     frameworks = {}
-    tree = _native_tree(obj, frameworks, on_device=not non_blocking)
+    tree = _native_tree(obj, frameworks)
     meta = dict(metadata or {})
     if frameworks:
         default = max(set(frameworks.values()), key=list(frameworks.values()).count)
