@@ -92,7 +92,8 @@ def _sync_producer(stream, leaves=(), target="cpu"):
 
     ``stream`` is a framework stream (``torch.cuda.Stream``, ``cupy.cuda.Stream``: anything
     with ``synchronize()``) or a raw CUDA stream handle (an int). When every tensor of
-    ``leaves`` lives on the stream's GPU and the copies run on that GPU (to the host, or
+    ``leaves`` (``[(path, leaf)]``; leaves that are no tensor, such as lists of numbers, are
+    passed over) lives on the stream's GPU and the copies run on that GPU (to the host, or
     within it), tensorferry's copies there wait for it on the GPU and the caller does not
     wait at all; otherwise (a tensor in host memory, which host threads may read, several
     GPUs, or another GPU copying) the caller waits for the stream.
@@ -101,7 +102,8 @@ def _sync_producer(stream, leaves=(), target="cpu"):
         return
     handle, gpu = _stream_handle(stream)
     if handle is not None:
-        gpus = {fw.device_of(leaf, fw.kind_of(leaf)) for _, leaf in leaves}
+        kinds = ((leaf, fw.kind_of(leaf)) for _, leaf in leaves)
+        gpus = {fw.device_of(leaf, kind) for leaf, kind in kinds if kind is not None}
         if len(gpus) == 1:
             (only,) = gpus
             if only.startswith("cuda:") and gpu in (None, int(only[5:])) and target in ("cpu", only):
@@ -362,7 +364,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
         return fw.kind_of(x) is not None or _numeric_data(x)
 
     leaves = _native.collect_tensors(obj, fw.kind_of, False, select)
-    _sync_producer(stream, [(p, x) for p, x in leaves if fw.kind_of(x) is not None], target)
+    _sync_producer(stream, leaves, target)
     tensors = []
     out = {}
     made = {}  # id(new tensor) -> the list it was made from
