@@ -147,9 +147,25 @@ impl DType {
 
     /// The dtype of a safetensors code, or `None` for a code tensorferry does not know.
     pub fn from_safetensors_code(code: &str) -> Option<DType> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.safetensors_code() == Some(code))
+        Some(match code {
+            "BOOL" => DType::Bool,
+            "U8" => DType::U8,
+            "I8" => DType::I8,
+            "U16" => DType::U16,
+            "I16" => DType::I16,
+            "U32" => DType::U32,
+            "I32" => DType::I32,
+            "U64" => DType::U64,
+            "I64" => DType::I64,
+            "F16" => DType::F16,
+            "BF16" => DType::BF16,
+            "F32" => DType::F32,
+            "F64" => DType::F64,
+            "C64" => DType::Complex64,
+            "F8_E4M3" => DType::F8E4M3,
+            "F8_E5M2" => DType::F8E5M2,
+            _ => return None,
+        })
     }
 
     /// The DLPack description of this dtype.

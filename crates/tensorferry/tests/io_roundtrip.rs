@@ -169,6 +169,66 @@ fn files_of_the_official_writer_load_as_flat_dicts_keeping_dots() {
     );
 }
 
+/// The `__metadata__` of the file at `path`, as the official reader reads it.
+fn official_metadata(path: &std::path::Path) -> BTreeMap<String, String> {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    meta.metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect()
+}
+
+#[test]
+fn a_flat_dict_in_file_order_is_saved_without_the_tree_record_and_loads_back_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flat.safetensors");
+    // Keys out of alphabetical order, dotted, and dtypes of falling size: the file's order
+    // is the dict's, so the record would only repeat the names.
+    let mut flat = TensorDict::new();
+    flat.insert("z.w", Tensor::from_slice(&[1i64, 2], &[2]).unwrap());
+    flat.insert("a", f32s(&[3.0], &[1]));
+    flat.insert("m.b", Tensor::from_slice(&[true], &[1]).unwrap());
+    let mut opts = SaveOptions::default();
+    opts.metadata.insert("k".into(), "v".into());
+    save(&flat, &path, &opts).unwrap();
+    assert_eq!(
+        official_metadata(&path),
+        BTreeMap::from([("k".to_string(), "v".to_string())])
+    );
+    for how in every_way() {
+        let (back, meta) = load(&path, how).unwrap();
+        assert_eq!(back.keys().collect::<Vec<_>>(), ["z.w", "a", "m.b"]);
+        assert_same(&flat, &back);
+        assert_eq!(meta, opts.metadata);
+    }
+
+    // A dtype of larger size after a smaller one reorders the file: the record keeps the
+    // dict's order. So does any nesting or plain value.
+    let mut reordered = TensorDict::new();
+    reordered.insert("small", Tensor::from_slice(&[1u8], &[1]).unwrap());
+    reordered.insert("large", f32s(&[2.0], &[1]));
+    let mut nested = TensorDict::new();
+    nested.insert_path(&["a", "b"], f32s(&[1.0], &[1])).unwrap();
+    let mut with_value = TensorDict::new();
+    with_value.insert("t", f32s(&[1.0], &[1]));
+    with_value.insert("step", 3i64);
+    for (dict, order) in [
+        (reordered, vec!["small", "large"]),
+        (nested, vec!["a"]),
+        (with_value, vec!["t", "step"]),
+    ] {
+        save(&dict, &path, &SaveOptions::default()).unwrap();
+        assert!(official_metadata(&path).contains_key("tensorferry"));
+        for how in every_way() {
+            let (back, _) = load(&path, how).unwrap();
+            assert_eq!(back.keys().collect::<Vec<_>>(), order);
+            assert_same(&dict, &back);
+        }
+    }
+}
+
 #[test]
 fn strided_tensors_are_written_in_c_order() {
     let dir = tempfile::tempdir().unwrap();

@@ -25,6 +25,14 @@ pub(crate) struct Counted {
     tree_text: Option<String>,
 }
 
+/// The keys of an entry.
+#[derive(Clone, Copy)]
+enum Field {
+    DType,
+    Shape,
+    Offsets,
+}
+
 /// The fields of one entry, as read.
 struct Fields {
     dtype: DType,
@@ -130,12 +138,22 @@ fn entry(c: &mut Cursor<'_>, mut dim: impl FnMut(usize)) -> Option<Fields> {
     c.eat(b'{')?;
     let (mut dtype, mut offsets, mut shape_bytes) = (None, None, None);
     loop {
-        match c.plain_str()? {
-            "dtype" if dtype.is_none() => {
+        // The three keys are compared whole; any other key ends the fast read.
+        let key = if c.eat_key("dtype") {
+            Field::DType
+        } else if c.eat_key("shape") {
+            Field::Shape
+        } else if c.eat_key("data_offsets") {
+            Field::Offsets
+        } else {
+            return None;
+        };
+        match key {
+            Field::DType if dtype.is_none() => {
                 c.eat(b':')?;
                 dtype = Some(DType::from_safetensors_code(c.plain_str()?)?);
             }
-            "shape" if shape_bytes.is_none() => {
+            Field::Shape if shape_bytes.is_none() => {
                 c.eat(b':')?;
                 c.eat(b'[')?;
                 let mut numel = 1usize;
@@ -151,7 +169,7 @@ fn entry(c: &mut Cursor<'_>, mut dim: impl FnMut(usize)) -> Option<Fields> {
                 }
                 shape_bytes = Some(numel);
             }
-            "data_offsets" if offsets.is_none() => {
+            Field::Offsets if offsets.is_none() => {
                 c.eat(b':')?;
                 c.eat(b'[')?;
                 let begin = c.usize()?;

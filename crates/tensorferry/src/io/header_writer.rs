@@ -41,6 +41,18 @@ impl Walked<'_> {
         std::str::from_utf8(&self.record).expect("the record is written from UTF-8 text")
     }
 
+    /// Whether a file holding the tensors in `order` reads back as this tree without the
+    /// record: the tree is one dict of tensors only (each name is its key), and `order`
+    /// keeps the tree's order, so a load's flat dict of the entries in header order is
+    /// the tree. The record then only repeats every name; it is left out.
+    pub(crate) fn is_flat_in(&self, order: &[usize]) -> bool {
+        let t = &self.tree;
+        t.dicts == 1
+            && t.sequences == 0
+            && t.dict_entries == self.tensors.len() as u64
+            && order.iter().enumerate().all(|(at, &i)| at == i)
+    }
+
     /// The dotted name of tensor `i`.
     pub(crate) fn name(&self, i: usize) -> &str {
         let start = if i == 0 { 0 } else { self.ends[i - 1] };
@@ -319,11 +331,16 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
         longest_string: 12,
         ..HeaderCensus::default()
     };
+    let mut order: Vec<usize> = (0..walked.tensors.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(walked.tensors[i].dtype().size()));
+    let recorded = !walked.is_flat_in(&order);
     let mut json = Vec::with_capacity(64 + record.len() * 2 + walked.names.len() * 2);
     json.extend_from_slice(b"{\"__metadata__\":{");
     let mut pairs: Vec<(&str, &str)> = user.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let at = pairs.partition_point(|(k, _)| *k < TREE_METADATA_KEY);
-    pairs.insert(at, (TREE_METADATA_KEY, record));
+    if recorded {
+        let at = pairs.partition_point(|(k, _)| *k < TREE_METADATA_KEY);
+        pairs.insert(at, (TREE_METADATA_KEY, record));
+    }
     for (i, (k, v)) in pairs.iter().enumerate() {
         if i > 0 {
             json.push(b',');
@@ -336,8 +353,6 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
         census.longest_string = census.longest_string.max(k.len().max(v.len()) as u64);
     }
     json.push(b'}');
-    let mut order: Vec<usize> = (0..walked.tensors.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(walked.tensors[i].dtype().size()));
     let mut at = 0u64;
     for &i in &order {
         let t = walked.tensors[i];
@@ -374,16 +389,18 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
     bytes.extend_from_slice(&json);
     bytes.resize(8 + padded, b' ');
     census.header_bytes = padded as u64;
-    census.tree = Some(Ok(TreeCensus {
-        dicts: walked.tree.dicts,
-        dict_entries: walked.tree.dict_entries,
-        sequences: walked.tree.sequences,
-        items: walked.tree.items,
-        string_bytes: walked.tree.string_bytes,
-        longest_string: walked.tree.longest_string,
-        lengths: Vec::new(),
-        fast: false,
-    }));
+    census.tree = recorded.then(|| {
+        Ok(TreeCensus {
+            dicts: walked.tree.dicts,
+            dict_entries: walked.tree.dict_entries,
+            sequences: walked.tree.sequences,
+            items: walked.tree.items,
+            string_bytes: walked.tree.string_bytes,
+            longest_string: walked.tree.longest_string,
+            lengths: Vec::new(),
+            fast: false,
+        })
+    });
     #[cfg(debug_assertions)]
     check_census(&bytes[8..], &census);
     Built {

@@ -3,7 +3,10 @@
 //! Files follow the safetensors format rules exactly, so the official `safetensors`
 //! package reads what tensorferry writes and the other way round. The nesting of a
 //! tree and its plain values are recorded in `__metadata__` under one reserved key,
-//! [`TREE_METADATA_KEY`], so that tensorferry reads back exactly what it wrote.
+//! [`TREE_METADATA_KEY`], so that tensorferry reads back exactly what it wrote. A flat
+//! dict of tensors whose order the file keeps (the tensors' dtypes do not grow in size
+//! along it) needs no record and gets none: it reads back as every file without one does,
+//! a flat dict in the file's order.
 //!
 //! Reading trusts nothing in a file, and allocates at most four times the file's size
 //! plus 4 MiB: a header describing more (many tiny tensors, dimensions, metadata entries
