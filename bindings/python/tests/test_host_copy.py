@@ -123,3 +123,39 @@ def test_the_collector_is_back_on_after_a_call_and_stays_off_if_it_was():
     with pytest.raises(tf.TensorferryError):
         tf.to_host(looped, copy=True)
     assert gc.isenabled()
+
+
+def test_numpy_copies_equal_the_inputs_are_aligned_and_share_nothing():
+    rng = np.random.default_rng(0)
+    src = {
+        "blocks": [rng.standard_normal(1024).astype(np.float32) for _ in range(6)],  # 4 KiB rows: bulk
+        "mats": [np.asfortranarray(rng.standard_normal((4, 8))) for _ in range(3)],  # 256 B, Fortran order
+        "strided": [np.arange(64, dtype=np.int64)[::2] for _ in range(2)],  # 256 B, not contiguous
+        "flags": [rng.random(64) > 0.5 for _ in range(2)],  # bool rows of 64 bytes
+        "odd": [np.ones(3, np.float32) for _ in range(3)],  # 12 bytes: the engine's path
+        "big_endian": [np.arange(16, dtype=">f4") for _ in range(2)],  # not native: the engine's path
+        "tag": "run-1",
+    }
+    out = tf.to_host(src, copy=True)
+    assert out["tag"] is src["tag"]
+    for key in ("blocks", "mats", "strided", "flags", "odd", "big_endian"):
+        for a, b in zip(src[key], out[key]):
+            assert type(b) is np.ndarray and b.shape == a.shape
+            assert b.dtype.newbyteorder("=") == a.dtype.newbyteorder("=")
+            np.testing.assert_array_equal(a, b)
+            assert not np.shares_memory(a, b)
+            assert b.flags.c_contiguous and b.flags.writeable
+            assert b.__array_interface__["data"][0] % 64 == 0
+    # Rows of one buffer are still independent values.
+    out["blocks"][2][:] = -1
+    assert all((b != -1).all() for i, b in enumerate(out["blocks"]) if i != 2)
+    np.testing.assert_array_equal(src["blocks"][2], tf.to_host(src, copy=True)["blocks"][2])
+
+
+def test_numpy_leaves_the_bulk_path_leaves_move_or_fail_by_name():
+    blocks = [np.full(16, float(i), np.float32) for i in range(4)]  # 64 B rows: bulk
+    objects = np.array([object(), None], dtype=object)
+    with pytest.raises(tf.TensorferryError, match="'o'"):
+        tf.to_host({"b": blocks, "o": objects}, copy=True)
+    out = tf.to_host({"b": blocks, "s": [np.float32(2.5)]}, copy=True)
+    assert all((x == float(i)).all() for i, x in enumerate(out["b"]))

@@ -220,13 +220,30 @@ def _all_or_by_key(fn, items, keys):
         return [_exported(key, lambda x=x: fn(x)) for x, key in zip(items, keys)]
 
 
+def _numpy_to_native_many(arrays, keys):
+    """Native tensors for NumPy arrays in one call; when one cannot be a tensor (an object
+    array, say), the :class:`FormatError` names its key."""
+    try:
+        return _native.from_numpy_many(arrays)
+    except FormatError:
+        pass
+    out = []
+    for a, key in zip(arrays, keys):
+        try:
+            out.append(_native.from_numpy_many([a])[0])
+        except FormatError as e:
+            reason = str(e).removeprefix('cannot handle the value at "": ')
+            raise FormatError(f"cannot handle the value at {_text(key)!r}: {reason}") from e
+    return out
+
+
 def to_native_many(leaves, kinds, paths):
     """``to_native`` for many leaves (``paths`` name them in errors); NumPy arrays and
     PyTorch tensors each go through one native call."""
     out = [None] * len(leaves)
     numpy_at = [i for i, k in enumerate(kinds) if k == NUMPY]
     if numpy_at:
-        for i, t in zip(numpy_at, _native.from_numpy_many([leaves[i] for i in numpy_at])):
+        for i, t in zip(numpy_at, _numpy_to_native_many([leaves[i] for i in numpy_at], [paths[i] for i in numpy_at])):
             out[i] = t
     torch_at = [i for i, k in enumerate(kinds) if k == TORCH]
     if torch_at:

@@ -6,8 +6,10 @@ and one back per leaf (two DLPack capsules, one native tensor each): three times
 own ``{k: v.clone()}`` loop. Here tensors that share a dtype and a shape are grouped, and
 each group of up to :data:`CHUNK_BYTES` is copied by one ``torch.stack`` into one new
 buffer, then handed out as its rows (``unbind``): two calls per group instead of several
-per leaf. (NumPy leaves keep the engine's path: one 64-byte-aligned buffer, which NumPy's
-own calls could not give each row.)
+per leaf. NumPy leaves of a plain native dtype whose rows are whole multiples of 64 bytes
+(4 KiB float32 blocks, say) are joined by ``numpy.concatenate`` into one 64-byte-aligned buffer
+for all their groups, as the engine would place them, each row 64-byte aligned; other NumPy
+leaves keep the engine's path, which pads each tensor to 64 bytes.
 
 Results are copies: they share no memory with the inputs, and writing one never changes
 another's values. The results of one chunk do share its buffer, as a consolidated
@@ -53,13 +55,84 @@ def _torch_groups(leaves, exact):
     return groups
 
 
+#: Results keep the engine's alignment: every row starts on a multiple of this.
+ALIGN = 64
+
+
+def _numpy_groups(leaves, ndarray):
+    """``{(dtype, shape): [index, …]}`` of the exact ``numpy.ndarray`` leaves, in order."""
+    groups = {}
+    for i, a in enumerate(leaves):
+        if type(a) is not ndarray:
+            continue
+        key = (a.dtype, a.shape)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [i]
+        else:
+            group.append(i)
+    return groups
+
+
+def _numpy_copy_many(leaves, out, np):
+    """Fills ``out`` with copies of the NumPy leaves the bulk path takes: every group of
+    one plain native dtype and shape whose rows are a multiple of :data:`ALIGN` bytes and
+    at most :data:`SMALL_BYTES`, copied into its slice of one aligned buffer."""
+    plain = _plain_numpy_dtypes(np)
+    taken = []
+    total = 0
+    for (dtype, shape), group in _numpy_groups(leaves, np.ndarray).items():
+        if dtype not in plain or not shape or len(group) < 2:
+            continue
+        item = dtype.itemsize
+        for n in shape:
+            item *= n
+        if item == 0 or item % ALIGN or item > SMALL_BYTES:
+            continue
+        taken.append((dtype, shape, group, item))
+        total += item * len(group)
+    if not taken:
+        return
+    raw = np.empty(total + ALIGN, np.uint8)
+    at = -raw.__array_interface__["data"][0] % ALIGN
+    for dtype, shape, group, item in taken:
+        end = at + item * len(group)
+        dest = raw[at:end].view(dtype).reshape((len(group),) + shape)
+        # One concatenate along the first axis fills the rows; numpy.stack would first
+        # make a view of each leaf.
+        flat = dest.reshape((len(group) * shape[0],) + shape[1:])
+        np.concatenate([leaves[j] for j in group], out=flat)
+        for j, row in zip(group, dest):
+            out[j] = row
+        at = end
+
+
+_PLAIN = None
+
+
+def _plain_numpy_dtypes(np):
+    """The NumPy dtypes the bulk path copies: booleans, integers, floats and complex
+    numbers of the machine's byte order that the engine also takes."""
+    global _PLAIN
+    if _PLAIN is None:
+        names = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
+        names += ("float16", "float32", "float64", "complex64", "complex128")
+        _PLAIN = frozenset(np.dtype(n) for n in names)
+    return _PLAIN
+
+
 def copy_many(leaves):
-    """A copy of each small PyTorch CPU tensor of ``leaves`` copied in bulk, and None in
-    the places of the other leaves (any kind), which are left to the caller's ordinary
-    path."""
+    """A copy of each small PyTorch CPU tensor and NumPy array of ``leaves`` copied in
+    bulk, and None in the places of the other leaves (any kind), which are left to the
+    caller's ordinary path."""
     out = [None] * len(leaves)
+    if len(leaves) < 2:
+        return out
+    np = sys.modules.get("numpy")
+    if np is not None:
+        _numpy_copy_many(leaves, out, np)
     torch = sys.modules.get("torch")
-    if torch is None or len(leaves) < 2:
+    if torch is None:
         return out
     exact = (torch.Tensor, torch.nn.Parameter)
     strided = torch.strided
