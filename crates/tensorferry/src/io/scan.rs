@@ -182,6 +182,19 @@ impl<'a> Cursor<'a> {
         Some(n)
     }
 
+    /// Skips what [`Cursor::uint`] would read, without its value or range: digits, then
+    /// the end of the token.
+    pub(crate) fn digits(&mut self) -> Option<()> {
+        self.skip_ws();
+        let rest = self.bytes().get(self.at..)?;
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        if digits == 0 {
+            return None;
+        }
+        self.at += digits;
+        self.end_of_token()
+    }
+
     /// A `usize` written as [`Cursor::uint`] reads it.
     pub(crate) fn usize(&mut self) -> Option<usize> {
         usize::try_from(self.uint()?).ok()
