@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 echo "== cargo fmt"; cargo fmt --all -- --check
 echo "== cargo clippy"; cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"; cargo test --workspace
+echo "== the command built with its optional allocator"; cargo check -q -p tensorferry-cli --features mimalloc
 
 # The CUDA backend's code, run against the fake driver of crates/fake-cuda (host memory
 # behind the driver API, stricter than a GPU about contexts, ranges and stream order):
