@@ -29,7 +29,8 @@ pub struct PackedLayout {
 impl PackedLayout {
     /// The layout of tensors of the given byte sizes, each starting 64-byte aligned.
     pub fn plan(sizes: impl IntoIterator<Item = usize>) -> PackedLayout {
-        let mut offsets = Vec::new();
+        let sizes = sizes.into_iter();
+        let mut offsets = Vec::with_capacity(sizes.size_hint().0);
         let mut at = 0usize;
         for size in sizes {
             offsets.push(at);
@@ -88,10 +89,7 @@ pub fn views<T: std::borrow::Borrow<Tensor>>(
     tensors
         .iter()
         .zip(&layout.offsets)
-        .map(|(t, &offset)| {
-            let t = t.borrow();
-            Tensor::contiguous_view(storage.clone(), offset, t.dtype(), t.shape().to_vec())
-        })
+        .map(|(t, &offset)| Tensor::contiguous_view_like(storage.clone(), offset, t.borrow()))
         .collect()
 }
 

@@ -196,6 +196,37 @@ impl Tensor {
         })
     }
 
+    /// A C-contiguous view of `storage` at byte `offset` with `like`'s dtype and shape (its
+    /// shape copied as it is held: no allocation for four dimensions or fewer).
+    pub(crate) fn contiguous_view_like(
+        storage: Arc<Storage>,
+        offset: usize,
+        like: &Tensor,
+    ) -> Result<Self> {
+        let nbytes = like.nbytes();
+        if offset
+            .checked_add(nbytes)
+            .is_none_or(|end| end > storage.len())
+            && nbytes != 0
+        {
+            return Err(Error::Layout {
+                reason: format!(
+                    "{} shape {:?} at offset {offset} leaves a storage of {} bytes",
+                    like.dtype,
+                    like.shape(),
+                    storage.len()
+                ),
+            });
+        }
+        Ok(Tensor {
+            storage,
+            offset,
+            dtype: like.dtype,
+            strides: contiguous_dims(like.shape()),
+            shape: like.shape.clone(),
+        })
+    }
+
     /// A contiguous host tensor holding a copy of `bytes` (little-endian elements).
     pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Result<Self> {
         let expected = checked_nbytes(dtype, &shape).ok_or_else(|| Error::Layout {
