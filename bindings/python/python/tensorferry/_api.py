@@ -365,6 +365,10 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
 
     leaves = _native.collect_tensors(obj, fw.kind_of, False, select)
     _sync_producer(stream, leaves, target)
+    # Without leaves that may be lists of numbers (the walk takes only lists and tuples as
+    # data), everything is one move; the leaves' types are read once per type.
+    if not any(issubclass(t, (list, tuple)) for t in {type(leaf) for _, leaf in leaves}):
+        return _native.rebuild(obj, _move(leaves, target, copy, non_blocking, False, staging), False, fw.kind_of)
     tensors = []
     out = {}
     made = {}  # id(new tensor) -> the list it was made from
