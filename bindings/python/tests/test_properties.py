@@ -76,3 +76,34 @@ def test_save_load_round_trip(tmp_path_factory, tree, mmap):
 @given(trees)
 def test_to_host_copy_keeps_values(tree):
     assert same(tree, tf.to_host(tree, copy=True))
+
+
+# Leaves the bulk host copy takes (rows of whole 64-byte multiples, several of one dtype and
+# shape), mixed with leaves it leaves to the engine, in any layout and byte order.
+bulk_leaves = st.sampled_from(DTYPES + [np.complex128]).flatmap(
+    lambda dt: st.tuples(
+        st.integers(1, 3),
+        st.sampled_from([(64 // np.dtype(dt).itemsize,), (2, 32 // np.dtype(dt).itemsize), (3,)]),
+    ).flatmap(
+        lambda n_shape: st.lists(
+            hnp.arrays(dt, n_shape[1]).flatmap(
+                lambda a: st.sampled_from([a, a.T, a.astype(a.dtype.newbyteorder()), np.asfortranarray(a)])
+            ),
+            min_size=n_shape[0],
+            max_size=n_shape[0] + 2,
+        )
+    )
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(bulk_leaves, min_size=1, max_size=3))
+def test_bulk_host_copies_keep_values_and_alignment_and_share_nothing(groups):
+    tree = {str(i): leaves for i, leaves in enumerate(groups)}
+    out = tf.to_host(tree, copy=True)
+    for i, leaves in enumerate(groups):
+        for a, b in zip(leaves, out[str(i)]):
+            assert b.shape == a.shape and b.dtype.newbyteorder("=") == a.dtype.newbyteorder("=")
+            assert np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+            assert not np.shares_memory(a, b) and b.flags.writeable
+            assert b.__array_interface__["data"][0] % 64 == 0
