@@ -348,6 +348,7 @@ fn transposed_tensors_keep_their_values_both_ways(dev: Device) {
 test_device!(transposed, transposed_tensors_keep_their_values_both_ways);
 
 fn a_device_dictionary_saves_and_loads(dev: Device) {
+    let _pool = pool_lock(); // the streamed save takes its ring from the pool
     let d = sample();
     let opts = copy_non_blocking();
     let there = d.to_with(dev, opts).unwrap();

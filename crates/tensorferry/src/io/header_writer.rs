@@ -33,6 +33,9 @@ pub(crate) struct Walked<'a> {
     record: Vec<u8>,
     /// The record's counts, as [`super::tree_census`] would take them.
     tree: TreeCensus,
+    /// The tree is a dict of tensors only, their dtypes not growing in size along it: a
+    /// file's order is the tree's, and its names are the dict's keys (unique).
+    flat: bool,
 }
 
 impl Walked<'_> {
@@ -46,11 +49,8 @@ impl Walked<'_> {
     /// keeps the tree's order, so a load's flat dict of the entries in header order is
     /// the tree. The record then only repeats every name; it is left out.
     pub(crate) fn is_flat_in(&self, order: &[usize]) -> bool {
-        let t = &self.tree;
-        t.dicts == 1
-            && t.sequences == 0
-            && t.dict_entries == self.tensors.len() as u64
-            && order.iter().enumerate().all(|(at, &i)| at == i)
+        debug_assert!(!self.flat || order.iter().enumerate().all(|(at, &i)| at == i));
+        self.flat
     }
 
     /// The dotted name of tensor `i`.
@@ -60,25 +60,55 @@ impl Walked<'_> {
     }
 }
 
-/// Walks a dict at the root.
+/// Walks a dict at the root for one file (no record written for a flat dict, which the
+/// file does not carry).
 pub(crate) fn walk_dict(dict: &TensorDict) -> Walked<'_> {
-    walk(|w| w.dict(dict))
+    walk(flat_dict(dict), |w| w.dict(dict))
 }
 
-/// Walks any node at the root.
+/// Walks any node at the root for one file, as [`walk_dict`] does.
 pub(crate) fn walk_node(node: &Node) -> Walked<'_> {
-    walk(|w| w.node(node))
+    let flat = node.as_dict().is_some_and(flat_dict);
+    walk(flat, |w| w.node(node))
 }
 
-/// The record's envelope around the root that `tree` walks.
-fn walk<'a>(tree: impl FnOnce(&mut Walker<'a>)) -> Walked<'a> {
-    let mut w = Walker::default();
-    w.record.extend_from_slice(b"{\"format\":");
-    push_u64(&mut w.record, FORMAT_VERSION);
-    w.record.extend_from_slice(b",\"tree\":");
+/// Walks any node at the root, always writing its record (an index of shards keeps it).
+pub(crate) fn walk_node_recorded(node: &Node) -> Walked<'_> {
+    let mut walked = walk(false, |w| w.node(node));
+    walked.flat = node.as_dict().is_some_and(flat_dict);
+    walked
+}
+
+/// Whether `dict` holds tensors only, whose dtypes do not grow in size along it.
+fn flat_dict(dict: &TensorDict) -> bool {
+    let mut size = usize::MAX;
+    dict.iter().all(|(_, node)| match node {
+        Node::Tensor(t) => {
+            let next = t.dtype().size();
+            std::mem::replace(&mut size, next) >= next
+        }
+        _ => false,
+    })
+}
+
+/// The record's envelope around the root that `tree` walks; with `flat`, no record.
+fn walk<'a>(flat: bool, tree: impl FnOnce(&mut Walker<'a>)) -> Walked<'a> {
+    let mut w = Walker {
+        recording: !flat,
+        ..Walker::default()
+    };
+    if w.recording {
+        w.record.extend_from_slice(b"{\"format\":");
+        push_u64(&mut w.record, FORMAT_VERSION);
+        w.record.extend_from_slice(b",\"tree\":");
+    }
     tree(&mut w);
-    w.record.push(b'}');
-    w.finish()
+    if w.recording {
+        w.record.push(b'}');
+    }
+    let mut walked = w.finish();
+    walked.flat = flat;
+    walked
 }
 
 #[derive(Default)]
@@ -89,6 +119,8 @@ struct Walker<'a> {
     /// The dotted path of the node being visited.
     path: String,
     record: Vec<u8>,
+    /// Whether the record is written (not for a flat dict's single file).
+    recording: bool,
     tree: TreeCensus,
 }
 
@@ -100,6 +132,7 @@ impl<'a> Walker<'a> {
             ends: self.ends,
             record: self.record,
             tree: self.tree,
+            flat: false,
         }
     }
 
@@ -118,6 +151,17 @@ impl<'a> Walker<'a> {
     }
 
     fn dict(&mut self, d: &'a TensorDict) {
+        if !self.recording {
+            // A flat dict: each tensor's name is its key.
+            for (k, v) in d.iter() {
+                let back = self.enter(k);
+                self.node(v);
+                self.path.truncate(back);
+            }
+            self.tree.dicts += 1;
+            self.tree.dict_entries += d.len() as u64;
+            return;
+        }
         self.record.extend_from_slice(b"{\"dict\":[");
         for (i, (k, v)) in d.iter().enumerate() {
             if i > 0 {
@@ -162,6 +206,9 @@ impl<'a> Walker<'a> {
                 self.tensors.push(t);
                 self.names.push_str(&self.path);
                 self.ends.push(self.names.len());
+                if !self.recording {
+                    return;
+                }
                 self.record.extend_from_slice(b"{\"tensor\":");
                 push_json_str(&mut self.record, &self.path);
                 self.record.push(b'}');
@@ -271,12 +318,15 @@ pub(crate) fn check_names(walked: &Walked<'_>, paths: impl FnOnce() -> Vec<KeyPa
         .iter()
         .position(|t| t.dtype().safetensors_code().is_none());
     let reserved = (0..n).find(|&i| walked.name(i) == "__metadata__");
-    let mut seen = NameSet::with_capacity_and_hasher(n, Default::default());
     let mut collision = None;
-    for i in 0..n {
-        if let Some(first) = seen.insert(walked.name(i), i) {
-            collision = Some((first, i));
-            break;
+    // A flat dict's names are its keys: unique already.
+    if !walked.flat {
+        let mut seen = NameSet::with_capacity_and_hasher(n, Default::default());
+        for i in 0..n {
+            if let Some(first) = seen.insert(walked.name(i), i) {
+                collision = Some((first, i));
+                break;
+            }
         }
     }
     // The first fault in tree order, as a check tensor by tensor reports it.

@@ -56,7 +56,7 @@ pub fn save_sharded(
     check_root(root, options)?;
     // One walk gives what a single file and the shards both need: the tensors in tree
     // order, their names (checked as a single file's are) and the tree record.
-    let walked = header_writer::walk_node(root);
+    let walked = header_writer::walk_node_recorded(root);
     let paths = || root.tensors().into_iter().map(|(p, _)| p).collect();
     let groups = plan_shards(
         walked.tensors.iter().map(|t| t.nbytes() as u64),
