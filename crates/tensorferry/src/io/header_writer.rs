@@ -33,8 +33,8 @@ pub(crate) struct Walked<'a> {
     record: Vec<u8>,
     /// The record's counts, as [`super::tree_census`] would take them.
     tree: TreeCensus,
-    /// The tree is a dict of tensors only, their dtypes not growing in size along it: a
-    /// file's order is the tree's, and its names are the dict's keys (unique).
+    /// The tree is a dict of tensors only: a file listing them in its order reads back as
+    /// it without a record, and its names are the dict's keys (unique).
     flat: bool,
 }
 
@@ -42,15 +42,6 @@ impl Walked<'_> {
     /// The tree record (JSON), as [`super::tree_meta`] describes it.
     pub(crate) fn record(&self) -> &str {
         std::str::from_utf8(&self.record).expect("the record is written from UTF-8 text")
-    }
-
-    /// Whether a file holding the tensors in `order` reads back as this tree without the
-    /// record: the tree is one dict of tensors only (each name is its key), and `order`
-    /// keeps the tree's order, so a load's flat dict of the entries in header order is
-    /// the tree. The record then only repeats every name; it is left out.
-    pub(crate) fn is_flat_in(&self, order: &[usize]) -> bool {
-        debug_assert!(!self.flat || order.iter().enumerate().all(|(at, &i)| at == i));
-        self.flat
     }
 
     /// The dotted name of tensor `i`.
@@ -79,16 +70,9 @@ pub(crate) fn walk_node_recorded(node: &Node) -> Walked<'_> {
     walked
 }
 
-/// Whether `dict` holds tensors only, whose dtypes do not grow in size along it.
+/// Whether `dict` holds tensors only.
 fn flat_dict(dict: &TensorDict) -> bool {
-    let mut size = usize::MAX;
-    dict.iter().all(|(_, node)| match node {
-        Node::Tensor(t) => {
-            let next = t.dtype().size();
-            std::mem::replace(&mut size, next) >= next
-        }
-        _ => false,
-    })
+    dict.iter().all(|(_, node)| matches!(node, Node::Tensor(_)))
 }
 
 /// The record's envelope around the root that `tree` walks; with `flat`, no record.
@@ -383,7 +367,7 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
     };
     let mut order: Vec<usize> = (0..walked.tensors.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(walked.tensors[i].dtype().size()));
-    let recorded = !walked.is_flat_in(&order);
+    let recorded = !walked.flat;
     let mut json = Vec::with_capacity(64 + record.len() * 2 + walked.names.len() * 2);
     json.extend_from_slice(b"{\"__metadata__\":{");
     let mut pairs: Vec<(&str, &str)> = user.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
@@ -403,8 +387,21 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
         census.longest_string = census.longest_string.max(k.len().max(v.len()) as u64);
     }
     json.push(b'}');
-    let mut at = 0u64;
+    // The bytes follow `order`; a flat dict lists its entries in its own order (readers
+    // take each tensor at its offsets, whatever the listing's order), so it reads back
+    // in that order without a record.
+    let mut begins = vec![0u64; order.len()];
+    let mut end_of_data = 0u64;
     for &i in &order {
+        begins[i] = end_of_data;
+        end_of_data += walked.tensors[i].nbytes() as u64;
+    }
+    let listed: Box<dyn Iterator<Item = usize>> = if recorded {
+        Box::new(order.iter().copied())
+    } else {
+        Box::new(0..order.len())
+    };
+    for i in listed {
         let t = walked.tensors[i];
         let name = walked.name(i);
         let code = t.dtype().safetensors_code().expect("checked");
@@ -419,13 +416,12 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
             }
             push_u64(&mut json, n as u64);
         }
-        let end = at + t.nbytes() as u64;
+        let begin = begins[i];
         json.extend_from_slice(b"],\"data_offsets\":[");
-        push_u64(&mut json, at);
+        push_u64(&mut json, begin);
         json.push(b',');
-        push_u64(&mut json, end);
+        push_u64(&mut json, begin + t.nbytes() as u64);
         json.extend_from_slice(b"]}");
-        at = end;
         let ndim = t.shape().len() as u64;
         census.dims += ndim;
         census.max_ndim = census.max_ndim.max(ndim);

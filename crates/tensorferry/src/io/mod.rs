@@ -4,9 +4,9 @@
 //! package reads what tensorferry writes and the other way round. The nesting of a
 //! tree and its plain values are recorded in `__metadata__` under one reserved key,
 //! [`TREE_METADATA_KEY`], so that tensorferry reads back exactly what it wrote. A flat
-//! dict of tensors whose order the file keeps (the tensors' dtypes do not grow in size
-//! along it) needs no record and gets none: it reads back as every file without one does,
-//! a flat dict in the file's order.
+//! dict of tensors needs no record and gets none: its header lists the tensors in the
+//! dict's order (their bytes follow in order of falling dtype size, for alignment), and a
+//! file without a record reads back as a flat dict in its header's order.
 //!
 //! Reading trusts nothing in a file, and allocates at most four times the file's size
 //! plus 4 MiB: a header describing more (many tiny tensors, dimensions, metadata entries
