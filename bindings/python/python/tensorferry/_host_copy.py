@@ -34,11 +34,9 @@ def _chunks(indices, item_bytes):
     return [indices[i : i + step] for i in range(0, len(indices), step)]
 
 
-def _torch_groups(leaves, exact):
-    """``{(dtype, shape): [index, …]}`` of the exact ``Tensor``/``Parameter`` leaves, in
-    order, in one pass (a leaf whose dtype or shape cannot be read is left out). Device,
-    layout and quantization are checked once per group, on its first leaf: a group that
-    mixes them is refused by ``torch.stack`` as a whole, and left to the engine."""
+def _groups(leaves, exact):
+    """``{(dtype, shape): [index, …]}`` of the leaves whose type is one of ``exact``, in
+    order, in one pass (a leaf whose dtype or shape cannot be read is left out)."""
     groups = {}
     for i, t in enumerate(leaves):
         if type(t) not in exact:
@@ -59,21 +57,6 @@ def _torch_groups(leaves, exact):
 ALIGN = 64
 
 
-def _numpy_groups(leaves, ndarray):
-    """``{(dtype, shape): [index, …]}`` of the exact ``numpy.ndarray`` leaves, in order."""
-    groups = {}
-    for i, a in enumerate(leaves):
-        if type(a) is not ndarray:
-            continue
-        key = (a.dtype, a.shape)
-        group = groups.get(key)
-        if group is None:
-            groups[key] = [i]
-        else:
-            group.append(i)
-    return groups
-
-
 def _numpy_copy_many(leaves, out, np):
     """Fills ``out`` with copies of the NumPy leaves the bulk path takes: every group of
     one plain native dtype and shape whose rows are a multiple of :data:`ALIGN` bytes and
@@ -81,7 +64,7 @@ def _numpy_copy_many(leaves, out, np):
     plain = _plain_numpy_dtypes(np)
     taken = []
     total = 0
-    for (dtype, shape), group in _numpy_groups(leaves, np.ndarray).items():
+    for (dtype, shape), group in _groups(leaves, (np.ndarray,)).items():
         if dtype not in plain or not shape or len(group) < 2:
             continue
         item = dtype.itemsize
@@ -137,7 +120,9 @@ def copy_many(leaves):
     exact = (torch.Tensor, torch.nn.Parameter)
     strided = torch.strided
     with torch.no_grad():
-        for group in _torch_groups(leaves, exact).values():
+        # Device, layout and quantization are checked once per group, on its first leaf: a
+        # group that mixes them is refused by torch.stack as a whole, and left to the engine.
+        for group in _groups(leaves, exact).values():
             first = leaves[group[0]]
             try:
                 if first.layout != strided or first.is_quantized or not first.is_cpu:
