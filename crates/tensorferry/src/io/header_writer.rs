@@ -54,20 +54,21 @@ impl Walked<'_> {
 /// Walks a dict at the root for one file (no record written for a flat dict, which the
 /// file does not carry).
 pub(crate) fn walk_dict(dict: &TensorDict) -> Walked<'_> {
-    walk(flat_dict(dict), |w| w.dict(dict))
+    let flat = flat_dict(dict);
+    walk(flat, !flat, |w| w.dict(dict))
 }
 
 /// Walks any node at the root for one file, as [`walk_dict`] does.
 pub(crate) fn walk_node(node: &Node) -> Walked<'_> {
     let flat = node.as_dict().is_some_and(flat_dict);
-    walk(flat, |w| w.node(node))
+    walk(flat, !flat, |w| w.node(node))
 }
 
 /// Walks any node at the root, always writing its record (an index of shards keeps it).
 pub(crate) fn walk_node_recorded(node: &Node) -> Walked<'_> {
-    let mut walked = walk(false, |w| w.node(node));
-    walked.flat = node.as_dict().is_some_and(flat_dict);
-    walked
+    walk(node.as_dict().is_some_and(flat_dict), true, |w| {
+        w.node(node)
+    })
 }
 
 /// Whether `dict` holds tensors only.
@@ -75,24 +76,23 @@ fn flat_dict(dict: &TensorDict) -> bool {
     dict.iter().all(|(_, node)| matches!(node, Node::Tensor(_)))
 }
 
-/// The record's envelope around the root that `tree` walks; with `flat`, no record.
-fn walk<'a>(flat: bool, tree: impl FnOnce(&mut Walker<'a>)) -> Walked<'a> {
+/// Walks the tree `tree` walks, the root `flat` or not; with `recording`, inside the
+/// record's envelope.
+fn walk<'a>(flat: bool, recording: bool, tree: impl FnOnce(&mut Walker<'a>)) -> Walked<'a> {
     let mut w = Walker {
-        recording: !flat,
+        recording,
         ..Walker::default()
     };
-    if w.recording {
+    if recording {
         w.record.extend_from_slice(b"{\"format\":");
         push_u64(&mut w.record, FORMAT_VERSION);
         w.record.extend_from_slice(b",\"tree\":");
     }
     tree(&mut w);
-    if w.recording {
+    if recording {
         w.record.push(b'}');
     }
-    let mut walked = w.finish();
-    walked.flat = flat;
-    walked
+    w.finish(flat)
 }
 
 #[derive(Default)]
@@ -109,14 +109,14 @@ struct Walker<'a> {
 }
 
 impl<'a> Walker<'a> {
-    fn finish(self) -> Walked<'a> {
+    fn finish(self, flat: bool) -> Walked<'a> {
         Walked {
             tensors: self.tensors,
             names: self.names,
             ends: self.ends,
             record: self.record,
             tree: self.tree,
-            flat: false,
+            flat,
         }
     }
 
@@ -135,33 +135,30 @@ impl<'a> Walker<'a> {
     }
 
     fn dict(&mut self, d: &'a TensorDict) {
-        if !self.recording {
-            // A flat dict: each tensor's name is its key.
-            for (k, v) in d.iter() {
-                let back = self.enter(k);
-                self.node(v);
-                self.path.truncate(back);
-            }
-            self.tree.dicts += 1;
-            self.tree.dict_entries += d.len() as u64;
-            return;
+        if self.recording {
+            self.record.extend_from_slice(b"{\"dict\":[");
         }
-        self.record.extend_from_slice(b"{\"dict\":[");
         for (i, (k, v)) in d.iter().enumerate() {
-            if i > 0 {
+            if self.recording {
+                if i > 0 {
+                    self.record.push(b',');
+                }
+                self.record.push(b'[');
+                push_json_str(&mut self.record, k);
                 self.record.push(b',');
+                self.saw_string(k.len());
+                self.tree.string_bytes += k.len() as u64;
             }
-            self.record.push(b'[');
-            push_json_str(&mut self.record, k);
-            self.record.push(b',');
-            self.saw_string(k.len());
-            self.tree.string_bytes += k.len() as u64;
             let back = self.enter(k);
             self.node(v);
             self.path.truncate(back);
-            self.record.push(b']');
+            if self.recording {
+                self.record.push(b']');
+            }
         }
-        self.record.extend_from_slice(b"]}");
+        if self.recording {
+            self.record.extend_from_slice(b"]}");
+        }
         self.tree.dicts += 1;
         self.tree.dict_entries += d.len() as u64;
     }
