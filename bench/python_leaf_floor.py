@@ -4,7 +4,8 @@
 
 Issue 11's Python rows, each beside the loop it replaces, in one run: ``to_numpy`` of NumPy
 and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_host(copy=True)`` and
-``to_device(..., "cpu", copy=True)`` of PyTorch CPU tensors against ``{k: v.clone()}``, and
+``to_device(..., "cpu", copy=True)`` of PyTorch CPU tensors (in a dict, and in a module's
+``state_dict()``, an ``OrderedDict``) against ``{k: v.clone()}``, and
 ``to_host(copy=True)`` of NumPy leaves against ``{k: v.copy()}``, and ``load(like="torch")``
 against ``safetensors.torch.load_file``. Every leaf is 1,024
 float32 (4 KiB). Prints the best of ``--repeat`` runs in microseconds per leaf, and the
@@ -71,6 +72,11 @@ def main():
         row("to_host(copy=True), torch CPU", lambda: tf.to_host(tensors, copy=True), "{k: v.clone()}", clone)
         row("to_device(cpu, copy=True), torch CPU", lambda: tf.to_device(tensors, "cpu", copy=True),
             "{k: v.clone()}", clone)
+        # What modules hand out: an OrderedDict (with its _metadata) of detached tensors.
+        params = torch.nn.ParameterList(torch.nn.Parameter(v.clone()) for v in tensors.values())
+        sd = params.state_dict()
+        row("to_host(copy=True), torch state_dict()", lambda: tf.to_host(sd, copy=True), "{k: v.clone()}",
+            lambda: {k: v.clone() for k, v in sd.items()})
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "many.safetensors")
             tf.save(tensors, path)

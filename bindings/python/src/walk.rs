@@ -1,7 +1,9 @@
 //! The two tree passes of the Python package, done natively for the containers that make
-//! up nearly every tree (exact dict, list and tuple); any other container (a Mapping
-//! subclass, a namedtuple) is handed back to the Python implementation for its subtree,
-//! so the rules stay in one place: `tensorferry._tree`.
+//! up nearly every tree (exact dict, list and tuple, and the `OrderedDict` that PyTorch's
+//! `state_dict()` returns); any other container (a Mapping subclass, a namedtuple) is
+//! handed back to the Python implementation for its subtree, so the rules stay in one
+//! place: `tensorferry._tree`, whose `_same_mapping` rebuilds an `OrderedDict` as
+//! [`Rebuilder`] does here.
 //!
 //! Both passes are bounded: a structure nested deeper than [`MAX_DEPTH`] levels, or one
 //! that contains itself, is a `FormatError` naming where, never a stack overflow. A dict
@@ -11,7 +13,7 @@
 use crate::numpy_interop::{is_exact_ndarray, is_ndarray};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
 
 use crate::errors::to_py;
 use crate::tensor::PyTensor;
@@ -26,6 +28,30 @@ fn python_tree(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
         M.get_or_try_init(py, || py.import("tensorferry._tree").map(Bound::unbind))?
             .bind(py),
     )
+}
+
+/// A key and its value.
+type Item<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>);
+
+/// The items of `obj`, in its order, when it is exactly a `collections.OrderedDict`
+/// (a snapshot, as `list(obj.items())`: its order is that of its links, which
+/// `move_to_end` changes, not of the dict underneath).
+fn ordered_items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Vec<Item<'py>>>> {
+    let py = obj.py();
+    if !obj.get_type().is(ordered_dict_type(py)?) {
+        return Ok(None);
+    }
+    let items = obj.call_method0(pyo3::intern!(py, "items"))?;
+    let mut out = Vec::with_capacity(obj.len()?);
+    for item in items.try_iter()? {
+        out.push(item?.extract()?);
+    }
+    Ok(Some(out))
+}
+
+fn ordered_dict_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    T.import(py, "collections", "OrderedDict")
 }
 
 /// True for values that are certainly plain leaves, decided without calling Python.
@@ -153,6 +179,16 @@ impl<'py> Walker<'_, 'py> {
             self.ancestors.leave();
             return Ok(());
         }
+        if let Some(items) = ordered_items(obj)? {
+            self.ancestors.enter(obj, path)?;
+            for (k, v) in items {
+                path.push(k);
+                self.collect(&v, path, out)?;
+                path.pop();
+            }
+            self.ancestors.leave();
+            return Ok(());
+        }
         if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
             if let Some(select) = &self.select {
                 if may_be_data(obj)?
@@ -268,6 +304,25 @@ impl<'py> Rebuilder<'_, 'py> {
             self.ancestors.leave();
             return Ok(out.into_any());
         }
+        if let Some(items) = ordered_items(obj)? {
+            self.ancestors.enter(obj, &self.path)?;
+            let out = if self.plain {
+                PyDict::new(py).into_any()
+            } else {
+                ordered_dict_type(py)?.call0()?
+            };
+            for (k, v) in items {
+                self.path.push(k.clone());
+                let value = self.rebuild(&v)?;
+                self.path.pop();
+                out.set_item(k, value)?;
+            }
+            self.ancestors.leave();
+            if !self.plain {
+                keep_attributes(obj, &out)?;
+            }
+            return Ok(out);
+        }
         let exact_list = obj.is_exact_instance_of::<PyList>();
         if exact_list || obj.is_exact_instance_of::<PyTuple>() {
             self.ancestors.enter(obj, &self.path)?;
@@ -326,4 +381,17 @@ impl<'py> Rebuilder<'_, 'py> {
             shown_path(&self.path)
         ))
     }
+}
+
+/// Gives `out` (a new `OrderedDict`) the instance attributes of `source` (the same
+/// objects, as every plain leaf is kept): PyTorch's `state_dict()` carries the versions of
+/// its modules' formats in `_metadata`, which `load_state_dict` reads.
+fn keep_attributes(source: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    let py = source.py();
+    let attrs = source.getattr(pyo3::intern!(py, "__dict__"))?;
+    if attrs.is_truthy()? {
+        out.getattr(pyo3::intern!(py, "__dict__"))?
+            .call_method1(pyo3::intern!(py, "update"), (attrs,))?;
+    }
+    Ok(())
 }

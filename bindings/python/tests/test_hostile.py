@@ -61,6 +61,14 @@ def test_a_mapping_subclass_that_contains_itself_is_an_error():
         tf.to_host({"outer": d}, copy=True)
 
 
+def test_ordered_dicts_nested_50000_levels_deep_are_an_error_naming_the_depth():
+    d = np.ones(2, np.float32)
+    for _ in range(50_000):
+        d = collections.OrderedDict(a=d)
+    with pytest.raises(tf.FormatError, match=r"deeper than \d+ levels"):
+        tf.to_host(d, copy=True)
+
+
 def test_the_same_subtree_twice_is_not_a_cycle():
     shared = {"w": np.arange(3.0)}
     out = tf.to_host({"a": shared, "b": shared}, copy=True)

@@ -55,6 +55,56 @@ def test_container_types_are_kept():
     assert type(out["t"]) is tuple and type(out["l"]) is list
 
 
+def _reordered_state():
+    """An OrderedDict whose order (after ``move_to_end``) differs from its insertion order,
+    carrying an instance attribute, as PyTorch's ``state_dict()`` carries ``_metadata``."""
+    od = OrderedDict((f"w{i}", np.full(3, i, np.float32)) for i in range(4))
+    od.move_to_end("w0")
+    od["nested"] = OrderedDict(b=np.ones(2), a="x")
+    od._metadata = OrderedDict([("", {"version": 1})])
+    return od
+
+
+@pytest.mark.parametrize("call", ["to_host", "to_numpy", "to_device"])
+def test_an_ordered_dict_keeps_its_order_and_its_attributes(call):
+    src = _reordered_state()
+    move = {
+        "to_host": lambda x: tf.to_host(x, copy=True),
+        "to_numpy": tf.to_numpy,
+        "to_device": lambda x: tf.to_device(x, "cpu", copy=True),
+    }[call]
+    out = move(src)
+    assert type(out) is OrderedDict and list(out) == ["w1", "w2", "w3", "w0", "nested"]
+    assert type(out["nested"]) is OrderedDict and list(out["nested"]) == ["b", "a"]
+    assert out._metadata is src._metadata  # kept as every plain leaf is: the same object
+    for key in ("w1", "w0"):
+        np.testing.assert_array_equal(out[key], src[key])
+    assert not np.shares_memory(out["w1"], src["w1"]) or call == "to_numpy"
+
+
+def test_an_ordered_dict_is_saved_in_its_order(tmp_path):
+    src = _reordered_state()
+    tf.save(src, tmp_path / "od.safetensors")
+    back = tf.load(tmp_path / "od.safetensors")
+    assert list(back) == ["w1", "w2", "w3", "w0", "nested"]
+    np.testing.assert_array_equal(back["w0"], src["w0"])
+
+
+def test_a_modules_state_dict_copied_to_the_host_loads_back_into_the_module(torch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    model(torch.randn(5, 4))  # running statistics move away from their defaults
+    sd = model.state_dict()
+    out = tf.to_host(sd, copy=True)
+    assert type(out) is OrderedDict and list(out) == list(sd)
+    assert out._metadata == sd._metadata
+    for k in sd:
+        assert torch.equal(out[k], sd[k]) and out[k].data_ptr() != sd[k].data_ptr()
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    fresh.load_state_dict(out)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), sd.values()))
+
+
 def test_strided_arrays_are_copied_in_order():
     base = np.arange(24, dtype=np.int32).reshape(4, 6)
     view = base[::2, ::-3]

@@ -5,7 +5,7 @@ change, and ``rebuild`` makes the new structure with the replacements, keeping e
 other leaf as the very same object and each container's own type where possible.
 """
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 
 from . import _native
@@ -115,11 +115,17 @@ _MISSING = object()
 
 
 def _same_mapping(obj, items):
-    """A mapping of ``obj``'s type holding ``items`` (a defaultdict keeps its factory);
-    a plain dict when the type cannot be built from items. Never touches ``obj``."""
+    """A mapping of ``obj``'s type holding ``items`` (a defaultdict keeps its factory, an
+    ``OrderedDict`` its instance attributes, such as the ``_metadata`` of PyTorch's
+    ``state_dict()``, as the native walker keeps them); a plain dict when the type cannot
+    be built from items. Never touches ``obj``."""
     try:
         if isinstance(obj, defaultdict):
             return type(obj)(obj.default_factory, items)
+        if type(obj) is OrderedDict:
+            out = OrderedDict(items)
+            out.__dict__.update(obj.__dict__)
+            return out
         return type(obj)(items)
     except Exception:
         return items
