@@ -168,3 +168,27 @@ def test_non_blocking_numpy_results_come_through_a_transfer(state, non_blocking)
         assert isinstance(out, tf.Transfer)
         out = out.result()
     np.testing.assert_array_equal(out["ids"], np.arange(5))
+
+
+def test_transformers_batches_and_model_outputs_keep_their_types(torch):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 32, (2, 5))
+    batch = transformers.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids), "note": "x"})
+    moved = tf.to_device(batch, "cpu", copy=True)
+    assert type(moved) is transformers.BatchEncoding and moved["note"] == "x"
+    assert torch.equal(moved["input_ids"], ids) and moved["input_ids"].data_ptr() != ids.data_ptr()
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    host = tf.to_host(out, copy=True)
+    assert type(host) is type(out) and list(host.keys()) == list(out.keys())
+    assert torch.equal(host.logits, out.logits) and host.logits.data_ptr() != out.logits.data_ptr()
+    assert type(host.hidden_states) is tuple and len(host.hidden_states) == len(out.hidden_states)
+    assert torch.equal(host[0], out.logits)  # ModelOutput's index access still works
+    if "past_key_values" in out:
+        assert host.past_key_values is out.past_key_values  # an object, not a tensor: kept
+    arrays = tf.to_numpy(out)
+    assert isinstance(arrays.logits, np.ndarray)
+    np.testing.assert_array_equal(arrays.logits, out.logits.numpy())
