@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 use tensorferry::backend::cuda;
 use tensorferry::{Device, LoadOptions, SaveOptions};
 
@@ -308,6 +308,16 @@ fn to_numpy_many<'py>(tensors: Vec<Bound<'py, PyTensor>>) -> PyResult<Vec<Bound<
     guard(|| tensors.iter().map(numpy_interop::tensor_to_array).collect())
 }
 
+/// `({id(leaf): array}, other leaves)` for `[(path, leaf)]`: every `tensorferry.Tensor`
+/// leaf as a NumPy array (from a device in one transfer), the rest left to the caller.
+#[pyfunction]
+fn native_leaves_to_numpy<'py>(
+    py: Python<'py>,
+    leaves: &Bound<'py, PyList>,
+) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
+    guard(|| numpy_interop::native_leaves_to_numpy(py, leaves))
+}
+
 /// Tensors viewing each NumPy array (zero-copy where the layout allows), in order.
 #[pyfunction]
 fn from_numpy_many(arrays: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyTensor>> {
@@ -477,6 +487,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_stream_synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_order_after_stream, m)?)?;
     m.add_function(wrap_pyfunction!(to_numpy_many, m)?)?;
+    m.add_function(wrap_pyfunction!(native_leaves_to_numpy, m)?)?;
     m.add_function(wrap_pyfunction!(from_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(from_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(to_dlpack_capsules, m)?)?;

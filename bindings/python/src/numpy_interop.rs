@@ -7,7 +7,7 @@ use numpy::npyffi::{self, npy_intp, PY_ARRAY_API};
 use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::PyType;
+use pyo3::types::{PyDict, PyList, PyTuple, PyType};
 use tensorferry::storage::ForeignMemory;
 use tensorferry::{DType, Device, Storage, Tensor};
 
@@ -223,4 +223,54 @@ pub fn import_or_convert(array: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             dtype.str().map(|s| s.to_string()).unwrap_or_default()
         ))
     })
+}
+
+/// The `tensorferry.Tensor` leaves of `[(path, leaf)]` as NumPy arrays, in one pass:
+/// `({id(leaf): array}, [(path, leaf)] of every other leaf)`. Tensors in device memory
+/// come to the host first, all in one planned transfer; host tensors are viewed
+/// (zero-copy). A dtype NumPy needs ml_dtypes for, without it, is an error naming the key.
+pub fn native_leaves_to_numpy<'py>(
+    py: Python<'py>,
+    leaves: &Bound<'py, PyList>,
+) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
+    let arrays = PyDict::new(py);
+    let rest = PyList::empty(py);
+    let mut natives: Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>, Bound<'py, PyTensor>)> =
+        Vec::with_capacity(leaves.len());
+    let mut on_device = Vec::new();
+    for item in leaves.iter() {
+        let (path, leaf): (Bound<'py, PyTuple>, Bound<'py, PyAny>) = item.extract()?;
+        let Ok(tensor) = leaf.cast_exact::<PyTensor>() else {
+            rest.append((path, leaf))?;
+            continue;
+        };
+        let tensor = tensor.clone();
+        if !tensor.get().inner.device().is_host() {
+            on_device.push(natives.len());
+        }
+        natives.push((path, leaf, tensor));
+    }
+    if !on_device.is_empty() {
+        let sources: Vec<&Tensor> = on_device
+            .iter()
+            .map(|&i| &natives[i].2.get().inner)
+            .collect();
+        let hosted = crate::wait::move_tensors(py, &sources, Device::Cpu, Default::default())?;
+        for (i, host) in on_device.into_iter().zip(hosted) {
+            natives[i].2 = Bound::new(py, PyTensor::new(host))?;
+        }
+    }
+    for (path, leaf, tensor) in natives {
+        let dtype = tensor.get().inner.dtype();
+        if !dtype.is_numpy_native() {
+            // Raises the error naming the key when ml_dtypes is missing.
+            let parts: Vec<Bound<'py, PyAny>> = path.iter().collect();
+            py.import("tensorferry._numpy")?.call_method1(
+                "require_ml_dtypes",
+                (dtype.name(), crate::walk::shown_path(&parts)),
+            )?;
+        }
+        arrays.set_item(leaf.as_ptr() as usize, tensor_to_array(&tensor)?)?;
+    }
+    Ok((arrays, rest))
 }

@@ -213,11 +213,12 @@ def to_numpy(obj, *, non_blocking=False):
             return first.then(to_numpy)
         pending = [t for _, t in _native.collect_tensors(first, fw.kind_of, True) if type(t) is fw.Tensor]
         return Transfer(pending, lambda: to_numpy(first))
-    out = {}
-    natives, paths, leaves = [], [], []
     collected = _native.collect_tensors(obj, fw.kind_of, True)
-    hosted = _to_host_many(collected)
-    for path, leaf in collected:
+    # tensorferry tensors, the common case, in one native pass; other frameworks' here.
+    out, rest = _native.native_leaves_to_numpy(collected)
+    natives, paths, leaves = [], [], []
+    hosted = _to_host_many(rest)
+    for path, leaf in rest:
         kind = fw.kind_of(leaf)
         if id(leaf) in hosted:
             leaf_host = hosted[id(leaf)]
