@@ -6,14 +6,16 @@ Issue 11's Python rows, each beside the loop it replaces, in one run: ``to_numpy
 and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_host(copy=True)`` and
 ``to_device(..., "cpu", copy=True)`` of PyTorch CPU tensors (in a dict, and in a module's
 ``state_dict()``, an ``OrderedDict``) against ``{k: v.clone()}``, and
-``to_host(copy=True)`` of NumPy leaves against ``{k: v.copy()}``, and ``load(like="torch")``
-against ``safetensors.torch.load_file``. Every leaf is 1,024
+``to_host(copy=True)`` of NumPy leaves against ``{k: v.copy()}``, and ``save`` and
+``load(like="torch")`` of PyTorch tensors against ``safetensors.torch``'s ``save_file`` and
+``load_file``. Every leaf is 1,024
 float32 (4 KiB). Prints the best of ``--repeat`` runs in microseconds per leaf, and the
 ratio to the loop (how many times faster tensorferry is). On a GPU machine it adds CUDA
 PyTorch tensors to the host and back.
 """
 
 import argparse
+import itertools
 import os
 import platform
 import tempfile
@@ -77,6 +79,13 @@ def main():
         sd = params.state_dict()
         row("to_host(copy=True), torch state_dict()", lambda: tf.to_host(sd, copy=True), "{k: v.clone()}",
             lambda: {k: v.clone() for k, v in sd.items()})
+        with tempfile.TemporaryDirectory() as d:
+            # Each save writes a new file: replacing one would time the old one's removal.
+            names = (os.path.join(d, f"save{i}.safetensors") for i in itertools.count())
+            from safetensors.torch import save_file
+
+            row("save(fsync=False), torch CPU", lambda: tf.save(tensors, next(names), fsync=False),
+                "safetensors save_file", lambda: save_file(tensors, next(names)))
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "many.safetensors")
             tf.save(tensors, path)

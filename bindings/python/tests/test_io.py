@@ -1,6 +1,7 @@
 """save/load: safetensors files, exact round trips, interop, atomicity, hostile files."""
 
 import glob
+import json
 import math
 import os
 from collections import OrderedDict, namedtuple
@@ -101,6 +102,23 @@ def test_framework_is_recorded_and_like_overrides(tmp_path, torch):
     assert isinstance(back["t"], torch.Tensor) and isinstance(back["n"], np.ndarray)
     assert isinstance(tf.load(p, like="numpy")["t"], np.ndarray)
     assert isinstance(tf.load(p, like="tensorferry")["n"], tf.Tensor)
+
+
+def test_the_record_names_only_the_tensors_outside_the_most_common_framework(tmp_path, torch):
+    st = pytest.importorskip("safetensors")
+    p = tmp_path / "mixed.safetensors"
+    src = {"layer": {f"w{i}": torch.full((2,), float(i)) for i in range(3)}, "ids": np.arange(3), "step": 7}
+    tf.save(src, p)
+    with st.safe_open(str(p), "np") as f:
+        meta = f.metadata()
+    assert json.loads(meta["tensorferry.frameworks"]) == {"default": "torch", "except": {"ids": "numpy"}}
+    assert "format" not in meta  # not every tensor is PyTorch's
+    back = tf.load(p)
+    assert isinstance(back["ids"], np.ndarray) and back["step"] == 7
+    assert all(isinstance(back["layer"][k], torch.Tensor) for k in src["layer"])
+    tf.save(src["layer"], p)
+    with st.safe_open(str(p), "np") as f:
+        assert f.metadata()["format"] == "pt"
 
 
 def test_bfloat16_and_float8_round_trip_through_ml_dtypes(tmp_path, ml_dtypes):

@@ -394,20 +394,28 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     return _native.rebuild(obj, out, False, fw.kind_of)
 
 
-def _native_tree(obj, frameworks):
-    """The tree for the native writer: plain containers and native tensors where they are
-    (the writer streams device tensors into each file through its pinned ring, so host
-    memory stays bounded by the ring)."""
+def _native_tree(obj):
+    """``(tree, frameworks)``: the tree for the native writer, plain containers and native
+    tensors where they are (the writer streams device tensors into each file through its
+    pinned ring, so host memory stays bounded by the ring), and the record of the
+    frameworks its tensors come from: the most common one, and the names of the others."""
     leaves = _native.collect_tensors(obj, fw.kind_of)
-    paths, tensors, kinds = [], [], []
-    for path, leaf in leaves:
-        kind = fw.kind_of(leaf)
-        paths.append(path)
-        tensors.append(leaf)
-        kinds.append(kind)
-        frameworks[dotted(path)] = fw.NUMPY if kind in (fw.CUPY, fw.NUMBA, fw.CAI) else kind
+    paths = [path for path, _ in leaves]
+    tensors = [leaf for _, leaf in leaves]
+    kinds = [fw.kind_of(leaf) for leaf in tensors]
     natives = fw.to_native_many(tensors, kinds, paths)
-    return _native.rebuild(obj, {id(leaf): t for (_, leaf), t in zip(leaves, natives)}, True, fw.kind_of)
+    tree = _native.rebuild(obj, {id(leaf): t for leaf, t in zip(tensors, natives)}, True, fw.kind_of)
+    if not kinds:
+        return tree, None
+    # Files hold what CuPy and CUDA-array-interface leaves come back as: NumPy.
+    saved = [fw.NUMPY if kind in (fw.CUPY, fw.NUMBA, fw.CAI) else kind for kind in kinds]
+    counts = {}
+    for kind in saved:
+        counts[kind] = counts.get(kind, 0) + 1
+    default = max(counts, key=counts.get)
+    # Names only for the exceptions: a dotted name per tensor is most of the walk's cost.
+    others = {dotted(path): kind for path, kind in zip(paths, saved) if kind != default}
+    return tree, {"default": default, "except": others}
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -503,14 +511,11 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     if non_blocking:
         # The snapshot: every tensor copied now (device ones into the pinned pool).
         obj = to_host(obj, copy=True, pinned=True)
-    frameworks = {}
-    tree = _native_tree(obj, frameworks)
+    tree, record = _native_tree(obj)
     meta = dict(metadata or {})
-    if frameworks:
-        default = max(set(frameworks.values()), key=list(frameworks.values()).count)
-        record = {"default": default, "except": {k: v for k, v in frameworks.items() if v != default}}
+    if record is not None:
         meta[_FRAMEWORKS_KEY] = json.dumps(record, separators=(",", ":"))
-        if set(frameworks.values()) == {fw.TORCH}:
+        if record["default"] == fw.TORCH and not record["except"]:
             # Hugging Face's loaders (transformers 4.x) require the key in PyTorch files.
             meta.setdefault("format", "pt")
     if non_blocking:
