@@ -8,7 +8,7 @@ and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_host(copy=True)`` 
 ``state_dict()``, an ``OrderedDict``) against ``{k: v.clone()}``, and
 ``to_host(copy=True)`` of NumPy leaves against ``{k: v.copy()}``, and ``save`` and
 ``load(like="torch")`` of PyTorch tensors against ``safetensors.torch``'s ``save_file`` and
-``load_file``. Every leaf is 1,024
+``load_file``; PyTorch tensors to the emulated device ``emu:0`` and back. Every leaf is 1,024
 float32 (4 KiB). Prints the best of ``--repeat`` runs in microseconds per leaf, and the
 ratio to the loop (how many times faster tensorferry is). On a GPU machine it adds CUDA
 PyTorch tensors to the host and back.
@@ -93,6 +93,10 @@ def main():
 
             row("load(like='torch')", lambda: tf.load(path, like="torch"), "safetensors load_file",
                 lambda: load_file(path))
+        # The emulated device (no GPU needed): the same dictionaries there and back.
+        row("to_device(emu:0), torch CPU", lambda: tf.to_device(tensors, "emu:0"))
+        on_emu = tf.to_device(tensors, "emu:0")
+        row("to_numpy of emu:0 tensors", lambda: tf.to_numpy(on_emu))
         if torch.cuda.is_available() and "cuda:0" in tf.devices():
             g = {k: v.cuda() for k, v in tensors.items()}
             torch.cuda.synchronize()

@@ -318,6 +318,34 @@ fn native_leaves_to_numpy<'py>(
     guard(|| numpy_interop::native_leaves_to_numpy(py, leaves))
 }
 
+/// The rows of `tensor` (the slices along its first dimension) as tensors viewing its
+/// memory, in order: how a move of many tensors stacked into one is handed back. The
+/// tensor must be contiguous, with at least one dimension.
+#[pyfunction]
+fn unbind(tensor: &Bound<'_, PyTensor>) -> PyResult<Vec<PyTensor>> {
+    guard(|| {
+        let t = &tensor.get().inner;
+        let Some((&rows, row_shape)) = t.shape().split_first().filter(|_| t.is_contiguous()) else {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "unbind takes a contiguous tensor of at least one dimension",
+            ));
+        };
+        let row_bytes = t.dtype().size() * row_shape.iter().product::<usize>();
+        (0..rows)
+            .map(|i| {
+                tensorferry::Tensor::contiguous_view(
+                    t.storage().clone(),
+                    t.offset() + i * row_bytes,
+                    t.dtype(),
+                    row_shape.to_vec(),
+                )
+                .map(PyTensor::new)
+                .py_err()
+            })
+            .collect()
+    })
+}
+
 /// Tensors viewing each NumPy array (zero-copy where the layout allows), in order.
 #[pyfunction]
 fn from_numpy_many(arrays: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyTensor>> {
@@ -488,6 +516,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_order_after_stream, m)?)?;
     m.add_function(wrap_pyfunction!(to_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(native_leaves_to_numpy, m)?)?;
+    m.add_function(wrap_pyfunction!(unbind, m)?)?;
     m.add_function(wrap_pyfunction!(from_numpy_many, m)?)?;
     m.add_function(wrap_pyfunction!(from_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(to_dlpack_capsules, m)?)?;

@@ -260,15 +260,19 @@ pub fn native_leaves_to_numpy<'py>(
             natives[i].2 = Bound::new(py, PyTensor::new(host))?;
         }
     }
+    let mut ml_dtypes_found = false;
     for (path, leaf, tensor) in natives {
         let dtype = tensor.get().inner.dtype();
-        if !dtype.is_numpy_native() {
+        if !dtype.is_numpy_native() && !ml_dtypes_found {
             // Raises the error naming the key when ml_dtypes is missing.
             let parts: Vec<Bound<'py, PyAny>> = path.iter().collect();
-            py.import("tensorferry._numpy")?.call_method1(
-                "require_ml_dtypes",
-                (dtype.name(), crate::walk::shown_path(&parts)),
-            )?;
+            let key = match crate::walk::shown_path(&parts) {
+                root if root.is_empty() => "<root>".to_string(),
+                key => key,
+            };
+            py.import("tensorferry._numpy")?
+                .call_method1("require_ml_dtypes", (dtype.name(), key))?;
+            ml_dtypes_found = true;
         }
         arrays.set_item(leaf.as_ptr() as usize, tensor_to_array(&tensor)?)?;
     }

@@ -362,3 +362,53 @@ def test_non_blocking_to_host_of_numpy_sources_is_a_transfer_of_numpy(emu1):
     out = pending.result()
     np.testing.assert_array_equal(out["w"], src["w"])
     assert not np.shares_memory(out["w"], src["w"])
+
+
+def _small_torch_state(torch):
+    """Many small PyTorch tensors in a few groups of one dtype and shape, plus odd ones out:
+    transposed, a gradient-tracking parameter, a conjugate view, a lone shape, booleans."""
+    g = torch.Generator().manual_seed(0)
+    src = {f"w{i}": torch.randn(8, 4, generator=g) for i in range(40)}
+    src.update({f"b{i}": torch.arange(i, i + 4, dtype=torch.int32) for i in range(12)})
+    src["t0"] = torch.randn(4, 8, generator=g).t()  # shape (8, 4) too, not contiguous
+    src["p"] = torch.nn.Parameter(torch.randn(8, 4, generator=g))
+    src["c0"] = torch.randn(3, dtype=torch.complex64, generator=g).conj()
+    src["c1"] = torch.randn(3, dtype=torch.complex64, generator=g)
+    src["m0"] = torch.rand(5, generator=g) > 0.5
+    src["m1"] = torch.rand(5, generator=g) > 0.5
+    src["lone"] = torch.randn(7, generator=g)
+    src["tag"] = "run-1"
+    return src
+
+
+def test_many_small_torch_tensors_reach_the_device_with_their_values(torch):
+    src = _small_torch_state(torch)
+    before = {k: v.detach().clone() for k, v in src.items() if isinstance(v, torch.Tensor)}
+    there = tf.to_device(src, "emu:0")
+    assert there["tag"] is src["tag"]
+    for k, want in before.items():
+        got = there[k]
+        assert isinstance(got, tf.Tensor) and got.device == "emu:0", k
+        assert tuple(got.shape) == tuple(want.shape) and got.dtype == str(want.dtype).removeprefix("torch."), k
+        np.testing.assert_array_equal(got.numpy(), want.resolve_conj().numpy(), err_msg=k)
+        assert torch.equal(src[k].detach(), want), k  # the source is untouched
+    # Rows of one stack are tensors of their own: dropping the others keeps each alive.
+    keep = there["w7"]
+    del there
+    gc.collect()
+    np.testing.assert_array_equal(keep.numpy(), before["w7"].numpy())
+
+
+def test_many_small_torch_tensors_moved_without_blocking_are_read_after_their_copy(emu1, torch):
+    import time
+
+    tf.configure_emulated(1, latency_us=300_000)
+    src = _small_torch_state(torch)
+    start = time.monotonic()
+    there = tf.to_device(src, emu1, non_blocking=True)
+    assert time.monotonic() - start < 0.15, "returned before the 300 ms copy"
+    assert not tf.TensorDict(there).is_ready()
+    back = tf.to_numpy(there)
+    for k, v in src.items():
+        if isinstance(v, torch.Tensor):
+            np.testing.assert_array_equal(back[k], v.detach().resolve_conj().numpy(), err_msg=k)

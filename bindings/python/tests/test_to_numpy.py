@@ -47,6 +47,15 @@ def test_bfloat16_without_ml_dtypes_names_key_and_dtype(monkeypatch, ml_dtypes):
         tf.to_numpy({"layer": {"w": t}})
 
 
+def test_a_root_bfloat16_tensor_without_ml_dtypes_is_named_as_the_root(monkeypatch, ml_dtypes):
+    import sys
+
+    t = tf.Tensor.from_numpy(np.zeros(2, ml_dtypes.bfloat16))
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+    with pytest.raises(tf.FormatError, match=r"bfloat16.*'<root>'.*ml_dtypes"):
+        tf.to_numpy(t)
+
+
 def test_read_only_memory_gives_read_only_arrays(tmp_path):
     p = tmp_path / "r.safetensors"
     tf.save({"a": np.ones(4, np.float32)}, p)

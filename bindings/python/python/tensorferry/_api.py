@@ -11,7 +11,7 @@ from . import _native
 from . import _select
 from ._errors import DeviceUnavailableError, FormatError, TensorferryOverflowError
 from ._gc_pause import gc_paused
-from ._host_copy import copy_many
+from ._host_copy import copy_many, torch_chunks
 from ._transfer import Transfer
 from ._tree import MAX_DEPTH, dotted, shown, container_kind, _LIST, _TUPLE
 
@@ -60,7 +60,18 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False):
         kinds.append(kind)
     if not pending:
         return out, None
-    natives = fw.to_native_many(pending, kinds, paths)
+    # Many small PyTorch CPU tensors bound for a device cross into tensorferry as stacks,
+    # one per group of one dtype and shape (of at most 1 MiB), not one by one; each stack
+    # moves as one tensor and is handed back as its rows.
+    chunks = torch_chunks(pending) if target != "cpu" and not packed else []
+    groups = [([pending[j] for j in part], paths[part[0]]) for part, _ in chunks]  # leaves, a path
+    if chunks:
+        stacked = {j for part, _ in chunks for j in part}
+        rest = [j for j in range(len(pending)) if j not in stacked]
+        pending, kinds, paths = [pending[j] for j in rest], [kinds[j] for j in rest], [paths[j] for j in rest]
+    natives = fw.to_native_many(
+        pending + [t for _, t in chunks], kinds + [fw.TORCH] * len(chunks), paths + [p for _, p in groups]
+    )
     moved = _native.move_tensors(natives, target, copy, non_blocking, pinned, staging)
     if target.startswith("emu"):
         # No framework holds emulated memory.
@@ -68,7 +79,10 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False):
     elif target != "cpu":
         # Frameworks that hold GPU memory get their tensors back; NumPy cannot.
         kinds = [fw.NATIVE if k in (fw.NUMPY, fw.DLPACK, fw.CAI) else k for k in kinds]
-    return out, (pending, moved, kinds, paths)
+    if chunks:
+        stacks = (groups, moved[len(pending):], fw.NATIVE if target.startswith("emu") else fw.TORCH)
+        return out, (pending, moved[: len(pending)], kinds, paths, stacks)
+    return out, (pending, moved, kinds, paths, None)
 
 
 def _finish(out, queued, order=False):
@@ -77,9 +91,22 @@ def _finish(out, queued, order=False):
     results come at once, PyTorch's current stream made to wait for them on the GPU)."""
     if queued is None:
         return
-    pending, moved, kinds, paths = queued
+    pending, moved, kinds, paths, stacks = queued
     for leaf, result in zip(pending, fw.from_native_many(moved, kinds, paths, order)):
         out[id(leaf)] = result
+    if stacks is not None:
+        groups, moved, kind = stacks
+        wholes = fw.from_native_many(moved, [kind] * len(moved), [p for _, p in groups], order)
+        if kind == fw.TORCH:
+            import torch
+
+            with torch.no_grad():  # views made without autograd's bookkeeping
+                rows = [whole.unbind(0) for whole in wholes]
+        else:
+            rows = [_native.unbind(whole) for whole in wholes]
+        for (leaves, _), part in zip(groups, rows):
+            for leaf, row in zip(leaves, part):
+                out[id(leaf)] = row
 
 
 def _can_wait(queued):
@@ -148,8 +175,9 @@ def _to_host_many(leaves):
 def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, staging="auto", _packed=False):
     """Moves every tensor in ``obj`` to host memory, keeping the structure.
 
-    ``obj`` is any nesting of dicts (any Mapping), lists and tuples (namedtuples kept).
-    Tensor leaves (tensorferry, NumPy, PyTorch, JAX, CuPy, any DLPack exporter) come back
+    ``obj`` is any nesting of dicts (any Mapping), lists and tuples (namedtuples kept); an
+    ``OrderedDict`` (what a module's ``state_dict()`` returns) keeps its order and its
+    instance attributes, such as ``_metadata``, as the very same objects. Tensor leaves (tensorferry, NumPy, PyTorch, JAX, CuPy, any DLPack exporter) come back
     in their own framework (CuPy as NumPy); every other leaf is returned as the very same
     object. Tensors already on the host are returned as they are unless ``copy=True``,
     in which case no result shares memory with the input. The source is never modified.

@@ -114,15 +114,34 @@ def copy_many(leaves):
     np = sys.modules.get("numpy")
     if np is not None:
         _numpy_copy_many(leaves, out, np)
+    chunks = torch_chunks(leaves)
+    if chunks:
+        import torch
+
+        with torch.no_grad():  # views made without autograd's bookkeeping
+            for part, stacked in chunks:
+                for j, row in zip(part, stacked.unbind(0)):
+                    out[j] = row
+    return out
+
+
+def torch_chunks(leaves):
+    """``[(indices, stacked)]``: the small PyTorch CPU tensors of ``leaves`` that share a
+    dtype and a shape, in groups of at least two, each chunk of at most :data:`CHUNK_BYTES`
+    copied by one ``torch.stack`` into one new tensor whose rows are their values. A move
+    to a device then crosses into tensorferry once per chunk, not once per tensor."""
     torch = sys.modules.get("torch")
-    if torch is None:
-        return out
+    if torch is None or len(leaves) < 2:
+        return []
     exact = (torch.Tensor, torch.nn.Parameter)
     strided = torch.strided
+    chunks = []
     with torch.no_grad():
         # Device, layout and quantization are checked once per group, on its first leaf: a
         # group that mixes them is refused by torch.stack as a whole, and left to the engine.
         for group in _groups(leaves, exact).values():
+            if len(group) < 2:
+                continue
             first = leaves[group[0]]
             try:
                 if first.layout != strided or first.is_quantized or not first.is_cpu:
@@ -134,9 +153,8 @@ def copy_many(leaves):
                 continue
             for part in _chunks(group, item):
                 try:
-                    rows = torch.stack([leaves[j] for j in part]).unbind(0)
+                    stacked = torch.stack([leaves[j] for j in part])
                 except (RuntimeError, TypeError, ValueError, NotImplementedError):
                     continue
-                for j, row in zip(part, rows):
-                    out[j] = row
-    return out
+                chunks.append((part, stacked))
+    return chunks
