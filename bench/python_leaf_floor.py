@@ -29,9 +29,11 @@ import tensorferry as tf
 CLOCK = time.perf_counter
 
 
-def best(fn, repeat):
+def best(fn, repeat, setup=None):
     times = []
     for _ in range(repeat):
+        if setup is not None:
+            setup()  # untimed
         start = CLOCK()
         fn()
         times.append(CLOCK() - start)
@@ -51,9 +53,9 @@ def main():
     n, r = args.count, args.repeat
     rows = []
 
-    def row(name, fn, peer_name=None, peer=None):
-        t = best(fn, r)
-        p = best(peer, r) if peer else None
+    def row(name, fn, peer_name=None, peer=None, setup=None):
+        t = best(fn, r, setup)
+        p = best(peer, r, setup) if peer else None
         rows.append((name, t, peer_name, p))
 
     arrays = {f"t{i}": np.full(1024, i, np.float32) for i in range(n)}
@@ -80,12 +82,17 @@ def main():
         row("to_host(copy=True), torch state_dict()", lambda: tf.to_host(sd, copy=True), "{k: v.clone()}",
             lambda: {k: v.clone() for k, v in sd.items()})
         with tempfile.TemporaryDirectory() as d:
-            # Each save writes a new file: replacing one would time the old one's removal.
+            # Each save writes a new file (replacing one would time the old one's removal),
+            # and the one before is removed first, untimed.
             names = (os.path.join(d, f"save{i}.safetensors") for i in itertools.count())
             from safetensors.torch import save_file
 
+            def clear():
+                for name in os.listdir(d):
+                    os.remove(os.path.join(d, name))
+
             row("save(fsync=False), torch CPU", lambda: tf.save(tensors, next(names), fsync=False),
-                "safetensors save_file", lambda: save_file(tensors, next(names)))
+                "safetensors save_file", lambda: save_file(tensors, next(names)), clear)
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "many.safetensors")
             tf.save(tensors, path)
