@@ -42,6 +42,47 @@ def test_a_torch_gpu_dict_comes_to_the_host_as_torch(torch_cuda):
     assert out["tag"] is src["tag"]
 
 
+def _many_small(torch, device):
+    """Groups of small tensors of one dtype and shape (stacked by the bulk paths) and odd
+    ones out: transposed, bfloat16, a conjugate view, a lone shape, a plain value."""
+    g = torch.Generator(device=device).manual_seed(0)
+    src = {f"w{i}": torch.randn(16, 8, device=device, generator=g) for i in range(300)}
+    src.update({f"b{i}": torch.arange(i, i + 8, device=device, dtype=torch.int32) for i in range(40)})
+    src["t"] = torch.randn(8, 16, device=device, generator=g).t()
+    src.update({f"h{i}": torch.randn(5, device=device, generator=g).to(torch.bfloat16) for i in range(3)})
+    src["c"] = torch.randn(4, dtype=torch.complex64, device=device, generator=g).conj()
+    src["lone"] = torch.randn(3, device=device, generator=g)
+    src["tag"] = "x"
+    return src
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_many_small_torch_gpu_tensors_come_to_the_host_with_their_values(torch_cuda, pinned):
+    torch = torch_cuda
+    src = _many_small(torch, "cuda")
+    # Work still queued on PyTorch's stream when the call starts must come first.
+    src["w0"].mul_(3)
+    out = tf.to_host(src, pinned=pinned)
+    assert out["tag"] is src["tag"]
+    for k, v in src.items():
+        if isinstance(v, torch.Tensor):
+            assert out[k].device.type == "cpu" and out[k].dtype == v.dtype and out[k].shape == v.shape, k
+            assert torch.equal(out[k], v.resolve_conj().cpu()), k
+
+
+def test_many_small_torch_cpu_tensors_go_to_the_gpu_with_their_values(torch_cuda):
+    torch = torch_cuda
+    src = _many_small(torch, "cpu")
+    out = tf.to_device(src, "cuda:0")
+    for k, v in src.items():
+        if isinstance(v, torch.Tensor):
+            assert out[k].is_cuda and out[k].dtype == v.dtype and out[k].shape == v.shape, k
+            assert torch.equal(out[k].cpu(), v.resolve_conj()), k
+    back = tf.to_numpy({"w1": out["w1"], "b3": out["b3"]})
+    np.testing.assert_array_equal(back["w1"], src["w1"].numpy())
+    np.testing.assert_array_equal(back["b3"], src["b3"].numpy())
+
+
 def test_non_blocking_results_are_read_only_after_the_copy(torch_cuda):
     torch = torch_cuda
     src = {f"t{i}": torch.full((1024,), float(i), device="cuda") for i in range(100)}

@@ -19,7 +19,7 @@ _FRAMEWORKS_KEY = "tensorferry.frameworks"
 _RESERVED_PREFIX = "tensorferry"
 
 
-def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
+def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None, stackable=True):
     """Moves ``[(path, leaf)]`` to ``target``; returns ``{id(leaf): result}``.
 
     Leaves already on the target stay as they are unless ``copy``. Everything that
@@ -27,7 +27,7 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
     Results on a device are ``tensorferry.Tensor``; on the host they follow the input's
     framework (CuPy and device-only inputs come back as NumPy and ``tensorferry.Tensor``).
     """
-    out, queued = _start(leaves, target, copy, non_blocking, pinned, staging)
+    out, queued = _start(leaves, target, copy, non_blocking, pinned, staging, stackable=stackable)
     _finish(out, queued, non_blocking)
     return out
 
@@ -36,10 +36,12 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None):
 _WAITING_KINDS = (fw.NATIVE, fw.DLPACK, fw.CAI)
 
 
-def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False):
+def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, stackable=True):
     """Queues the copies of a move: ``({id(leaf): leaf kept as is}, queued)``, where
-    ``queued`` is ``(leaves, native results, result kinds, paths)`` or None. With
-    ``packed``, every copy goes through the engine into one buffer."""
+    ``queued`` is ``(leaves, native results, result kinds, paths, stacks)`` or None. With
+    ``packed``, every copy goes through the engine into one buffer. ``stackable`` says
+    that PyTorch's current stream may read the PyTorch GPU tensors (no other producer
+    stream was named), so that blocking moves to the host may stack them there."""
     out = {}
     # Blocking host copies of many small PyTorch leaves: in bulk, by PyTorch itself.
     if copy and target == "cpu" and not packed and not non_blocking:
@@ -63,7 +65,14 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False):
     # Many small PyTorch CPU tensors bound for a device cross into tensorferry as stacks,
     # one per group of one dtype and shape (of at most 1 MiB), not one by one; each stack
     # moves as one tensor and is handed back as its rows.
-    chunks = torch_chunks(pending) if target != "cpu" and not packed else []
+    # Bound for the host, blocking, small PyTorch GPU tensors are stacked on their GPU by
+    # PyTorch, on its current stream (which the copies of their stacks then wait for).
+    if packed:
+        chunks = []
+    elif target != "cpu":
+        chunks = torch_chunks(pending)
+    else:
+        chunks = torch_chunks(pending, cuda=True) if stackable and not non_blocking else []
     groups = [([pending[j] for j in part], paths[part[0]]) for part, _ in chunks]  # leaves, a path
     if chunks:
         stacked = {j for part, _ in chunks for j in part}
@@ -205,7 +214,7 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     """
     leaves = _native.collect_tensors(obj, fw.kind_of)
     _sync_producer(stream, leaves)
-    out, queued = _start(leaves, "cpu", copy, non_blocking, pinned, staging, _packed)
+    out, queued = _start(leaves, "cpu", copy, non_blocking, pinned, staging, _packed, stream is None)
     if not non_blocking or _can_wait(queued):
         _finish(out, queued)
         return _native.rebuild(obj, out, False, fw.kind_of)
@@ -397,7 +406,8 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     # Without leaves that may be lists of numbers (the walk takes only lists and tuples as
     # data), everything is one move; the leaves' types are read once per type.
     if not any(issubclass(t, (list, tuple)) for t in {type(leaf) for _, leaf in leaves}):
-        return _native.rebuild(obj, _move(leaves, target, copy, non_blocking, False, staging), False, fw.kind_of)
+        moved = _move(leaves, target, copy, non_blocking, False, staging, stream is None)
+        return _native.rebuild(obj, moved, False, fw.kind_of)
     tensors = []
     out = {}
     made = {}  # id(new tensor) -> the list it was made from
@@ -412,7 +422,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
         else:
             tensors.append((path, leaf))
     # One planned transfer for everything, tensors made from lists included.
-    for key, result in _move(tensors, target, copy, non_blocking, False, staging).items():
+    for key, result in _move(tensors, target, copy, non_blocking, False, staging, stream is None).items():
         out[id(made[key]) if key in made else key] = result
     if like not in (None, fw.NATIVE):
         lists = [(p, leaf) for p, leaf in leaves if fw.kind_of(leaf) is None]

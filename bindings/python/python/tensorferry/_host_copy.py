@@ -125,11 +125,13 @@ def copy_many(leaves):
     return out
 
 
-def torch_chunks(leaves):
-    """``[(indices, stacked)]``: the small PyTorch CPU tensors of ``leaves`` that share a
-    dtype and a shape, in groups of at least two, each chunk of at most :data:`CHUNK_BYTES`
-    copied by one ``torch.stack`` into one new tensor whose rows are their values. A move
-    to a device then crosses into tensorferry once per chunk, not once per tensor."""
+def torch_chunks(leaves, cuda=False):
+    """``[(indices, stacked)]``: the small PyTorch CPU tensors of ``leaves`` (with
+    ``cuda``, the small CUDA ones) that share a dtype and a shape, in groups of at least
+    two, each chunk of at most :data:`CHUNK_BYTES` copied by one ``torch.stack`` into one
+    new tensor whose rows are their values (on their GPU, on PyTorch's current stream,
+    for CUDA tensors). A move then crosses into tensorferry once per chunk, not once per
+    tensor."""
     torch = sys.modules.get("torch")
     if torch is None or len(leaves) < 2:
         return []
@@ -144,7 +146,7 @@ def torch_chunks(leaves):
                 continue
             first = leaves[group[0]]
             try:
-                if first.layout != strided or first.is_quantized or not first.is_cpu:
+                if first.layout != strided or first.is_quantized or not (first.is_cuda if cuda else first.is_cpu):
                     continue
                 item = first.element_size() * first.numel()
             except Exception:
