@@ -364,18 +364,31 @@ def test_non_blocking_to_host_of_numpy_sources_is_a_transfer_of_numpy(emu1):
     assert not np.shares_memory(out["w"], src["w"])
 
 
+def _values(t):
+    """The values of a NumPy array or PyTorch tensor as NumPy (bfloat16 as float32)."""
+    if isinstance(t, np.ndarray):
+        return t.astype(np.float32) if t.dtype.name == "bfloat16" else t
+    import torch
+
+    t = t.detach().resolve_conj()
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def _small_torch_state(torch):
-    """Many small PyTorch tensors in a few groups of one dtype and shape, plus odd ones out:
-    transposed, a gradient-tracking parameter, a conjugate view, a lone shape, booleans."""
+    """Many small PyTorch tensors in groups of one dtype and shape (rows of 64-byte
+    multiples, which are stacked), with a transposed one, a gradient-tracking parameter, a
+    conjugate view and booleans among them, and odd ones out: 10-byte rows, a lone shape."""
     g = torch.Generator().manual_seed(0)
     src = {f"w{i}": torch.randn(8, 4, generator=g) for i in range(40)}
-    src.update({f"b{i}": torch.arange(i, i + 4, dtype=torch.int32) for i in range(12)})
+    src.update({f"b{i}": torch.arange(i, i + 16, dtype=torch.int32) for i in range(12)})
     src["t0"] = torch.randn(4, 8, generator=g).t()  # shape (8, 4) too, not contiguous
     src["p"] = torch.nn.Parameter(torch.randn(8, 4, generator=g))
-    src["c0"] = torch.randn(3, dtype=torch.complex64, generator=g).conj()
-    src["c1"] = torch.randn(3, dtype=torch.complex64, generator=g)
-    src["m0"] = torch.rand(5, generator=g) > 0.5
-    src["m1"] = torch.rand(5, generator=g) > 0.5
+    src["c0"] = torch.randn(8, dtype=torch.complex64, generator=g).conj()
+    src["c1"] = torch.randn(8, dtype=torch.complex64, generator=g)
+    src["m0"] = torch.rand(64, generator=g) > 0.5
+    src["m1"] = torch.rand(64, generator=g) > 0.5
+    src["h0"] = torch.randn(5, generator=g).to(torch.bfloat16)  # rows of 10 bytes: one by one
+    src["h1"] = torch.randn(5, generator=g).to(torch.bfloat16)
     src["lone"] = torch.randn(7, generator=g)
     src["tag"] = "run-1"
     return src
@@ -390,8 +403,13 @@ def test_many_small_torch_tensors_reach_the_device_with_their_values(torch):
         got = there[k]
         assert isinstance(got, tf.Tensor) and got.device == "emu:0", k
         assert tuple(got.shape) == tuple(want.shape) and got.dtype == str(want.dtype).removeprefix("torch."), k
-        np.testing.assert_array_equal(got.numpy(), want.resolve_conj().numpy(), err_msg=k)
+        np.testing.assert_array_equal(_values(got.numpy()), _values(want), err_msg=k)
         assert torch.equal(src[k].detach(), want), k  # the source is untouched
+    # The groups were stacked: rows of one buffer, each 64-byte aligned as the engine
+    # places tensors; rows of 10 bytes were moved one by one.
+    assert there["w2"].data_ptr - there["w1"].data_ptr == 8 * 4 * 4
+    assert there["m1"].data_ptr - there["m0"].data_ptr == 64
+    assert all(there[k].data_ptr % 64 == 0 for k in before)
     # Rows of one stack are tensors of their own: dropping the others keeps each alive.
     keep = there["w7"]
     del there
@@ -411,4 +429,4 @@ def test_many_small_torch_tensors_moved_without_blocking_are_read_after_their_co
     back = tf.to_numpy(there)
     for k, v in src.items():
         if isinstance(v, torch.Tensor):
-            np.testing.assert_array_equal(back[k], v.detach().resolve_conj().numpy(), err_msg=k)
+            np.testing.assert_array_equal(_values(back[k]), _values(v), err_msg=k)

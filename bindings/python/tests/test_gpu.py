@@ -43,11 +43,12 @@ def test_a_torch_gpu_dict_comes_to_the_host_as_torch(torch_cuda):
 
 
 def _many_small(torch, device):
-    """Groups of small tensors of one dtype and shape (stacked by the bulk paths) and odd
-    ones out: transposed, bfloat16, a conjugate view, a lone shape, a plain value."""
+    """Groups of small tensors of one dtype and shape (stacked by the bulk paths; a
+    transposed one among them), bfloat16 rows of 10 bytes (stacked to the host only), and
+    odd ones out: a conjugate view, a lone shape, a plain value."""
     g = torch.Generator(device=device).manual_seed(0)
     src = {f"w{i}": torch.randn(16, 8, device=device, generator=g) for i in range(300)}
-    src.update({f"b{i}": torch.arange(i, i + 8, device=device, dtype=torch.int32) for i in range(40)})
+    src.update({f"b{i}": torch.arange(i, i + 16, device=device, dtype=torch.int32) for i in range(40)})
     src["t"] = torch.randn(8, 16, device=device, generator=g).t()
     src.update({f"h{i}": torch.randn(5, device=device, generator=g).to(torch.bfloat16) for i in range(3)})
     src["c"] = torch.randn(4, dtype=torch.complex64, device=device, generator=g).conj()
@@ -60,14 +61,41 @@ def _many_small(torch, device):
 def test_many_small_torch_gpu_tensors_come_to_the_host_with_their_values(torch_cuda, pinned):
     torch = torch_cuda
     src = _many_small(torch, "cuda")
-    # Work still queued on PyTorch's stream when the call starts must come first.
-    src["w0"].mul_(3)
-    out = tf.to_host(src, pinned=pinned)
+    want = {k: v.resolve_conj().cpu() for k, v in src.items() if isinstance(v, torch.Tensor)}
+    want["w0"] = want["w0"] * 3
+    # Work still queued on PyTorch's current stream (a side stream, held by a sleep) when
+    # the call starts must come first.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        src["w0"].mul_(3)
+        out = tf.to_host(src, pinned=pinned)
     assert out["tag"] is src["tag"]
-    for k, v in src.items():
-        if isinstance(v, torch.Tensor):
-            assert out[k].device.type == "cpu" and out[k].dtype == v.dtype and out[k].shape == v.shape, k
-            assert torch.equal(out[k], v.resolve_conj().cpu()), k
+    for k, v in want.items():
+        assert out[k].device.type == "cpu" and out[k].dtype == v.dtype and out[k].shape == v.shape, k
+        assert torch.equal(out[k], v), k
+    # The groups came as stacks: rows of one buffer.
+    assert out["w1"].untyped_storage().data_ptr() == out["w2"].untyped_storage().data_ptr()
+
+
+def test_small_torch_tensors_on_a_gpu_other_than_the_current_one_come_to_the_host(torch_cuda):
+    torch = torch_cuda
+    if torch.cuda.device_count() < 2 or "cuda:1" not in tf.devices():
+        pytest.skip("needs two GPUs")
+    src = {f"a{i}": torch.full((256,), float(i), device="cuda:1") for i in range(50)}
+    src.update({f"b{i}": torch.full((256,), -float(i), device="cuda:0") for i in range(50)})
+    with torch.cuda.device(0):
+        side = torch.cuda.Stream(device=1)
+        side.wait_stream(torch.cuda.current_stream(1))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)
+            src["a0"].add_(7)
+            out = tf.to_host(src)
+    assert torch.equal(out["a0"], torch.full((256,), 7.0))
+    for i in range(1, 50):
+        assert torch.equal(out[f"a{i}"], torch.full((256,), float(i)))
+        assert torch.equal(out[f"b{i}"], torch.full((256,), -float(i)))
 
 
 def test_many_small_torch_cpu_tensors_go_to_the_gpu_with_their_values(torch_cuda):
@@ -78,6 +106,8 @@ def test_many_small_torch_cpu_tensors_go_to_the_gpu_with_their_values(torch_cuda
         if isinstance(v, torch.Tensor):
             assert out[k].is_cuda and out[k].dtype == v.dtype and out[k].shape == v.shape, k
             assert torch.equal(out[k].cpu(), v.resolve_conj()), k
+            assert out[k].data_ptr() % 64 == 0, k  # as the engine places every tensor
+    assert out["w1"].untyped_storage().data_ptr() == out["w2"].untyped_storage().data_ptr()
     back = tf.to_numpy({"w1": out["w1"], "b3": out["b3"]})
     np.testing.assert_array_equal(back["w1"], src["w1"].numpy())
     np.testing.assert_array_equal(back["b3"], src["b3"].numpy())

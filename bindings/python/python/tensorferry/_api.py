@@ -70,7 +70,7 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     if packed:
         chunks = []
     elif target != "cpu":
-        chunks = torch_chunks(pending)
+        chunks = torch_chunks(pending, device_bound=True)
     else:
         chunks = torch_chunks(pending, cuda=True) if stackable and not non_blocking else []
     groups = [([pending[j] for j in part], paths[part[0]]) for part, _ in chunks]  # leaves, a path
@@ -192,7 +192,12 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     in which case no result shares memory with the input. The source is never modified.
     Blocking host copies of many small PyTorch CPU tensors are made in bulk by PyTorch,
     each group of tensors of one dtype and shape as rows of one buffer of at most 1 MiB
-    (their values independent); other copies land in one 64-byte-aligned buffer.
+    (their values independent); other copies land in one 64-byte-aligned buffer. Blocking
+    moves of many small PyTorch GPU tensors stack each such group on its GPU first (on
+    PyTorch's current stream) and copy the stacks. Rows are views made without autograd:
+    an in-place operation that would record autograd history on one (adding a tensor
+    that requires grad, in grad mode) raises PyTorch's error about such views; ``.clone()``
+    it first.
     With ``pinned=True`` results copied from a device live in the device's pinned pool,
     reused by the next transfer, instead of fresh ordinary memory. ``stream`` is the
     producer's stream (a torch/CuPy stream or a raw handle): its queued work comes before
@@ -380,6 +385,9 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     beyond int64 and finite floats beyond float32 are a :class:`TensorferryOverflowError`.
     ``like="torch" | "jax" | "tensorflow" | "numpy"`` gives the tensors made from lists in
     that framework (NumPy on the host only).
+    Many small PyTorch CPU tensors of one dtype and shape (rows of a multiple of 64
+    bytes) cross into tensorferry as one ``torch.stack`` per group of at most 1 MiB and come
+    back as the rows of the moved stack (each 64-byte aligned on the device).
     Tensors already on ``device`` are returned as they are unless ``copy=True``. A bad
     device string raises :class:`InvalidDeviceError`; an absent device raises
     :class:`DeviceUnavailableError` with the reason. ``stream`` is the producer's stream, and

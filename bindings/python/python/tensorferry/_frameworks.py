@@ -187,28 +187,28 @@ def _torch_to_native_many(tensors, paths):
     """Native tensors for many PyTorch tensors, at about a microsecond each.
 
     PyTorch's ``__dlpack__`` costs several microseconds a call; ``to_dlpack`` under one.
-    Ordering is per stream, not per tensor: the first CUDA tensor of each GPU goes through
-    ``__dlpack__(stream=…)``, which makes tensorferry's copy stream wait for PyTorch's
-    current stream on that GPU — covering every tensor queued there — and the rest through
-    ``to_dlpack``.
+    Ordering is per stream, not per tensor: on each GPU the tensors live on, tensorferry's
+    copies are made to wait (on the GPU) for PyTorch's current stream there — which
+    covers every tensor queued on it, also on a GPU other than the current device — and
+    every tensor goes through ``to_dlpack``.
     """
     from torch.utils.dlpack import to_dlpack
 
-    out = [None] * len(tensors)
-    ordered = set()
-    capsules, at = [], []
     plain = _all_or_by_key(_plain_torch, tensors, paths)
-    for i, t in enumerate(plain):
-        if t.is_cuda and t.device.index not in ordered:
-            ordered.add(t.device.index)
-            out[i] = to_native(t, TORCH, paths[i])
-            continue
-        capsules.append(t)
-        at.append(i)
-    capsules = _all_or_by_key(to_dlpack, capsules, [paths[i] for i in at])
-    for i, native in zip(at, _native.from_dlpack_capsules(capsules)):
-        out[i] = native
-    return out
+    gpus = {t.get_device() for t in plain if t.is_cuda}
+    if gpus:
+        import torch
+
+        from ._errors import DeviceUnavailableError
+
+        for gpu in gpus:
+            try:
+                # 1 is the legacy default stream, PyTorch's default (its handle reads 0).
+                _native.cuda_order_after_stream(gpu, torch.cuda.current_stream(gpu).cuda_stream or 1)
+            except DeviceUnavailableError:
+                pass  # tensorferry cannot drive that GPU: no copy of its will run there
+    capsules = _all_or_by_key(to_dlpack, plain, paths)
+    return list(_native.from_dlpack_capsules(capsules))
 
 
 def _all_or_by_key(fn, items, keys):

@@ -125,18 +125,22 @@ def copy_many(leaves):
     return out
 
 
-def torch_chunks(leaves, cuda=False):
+def torch_chunks(leaves, cuda=False, device_bound=False):
     """``[(indices, stacked)]``: the small PyTorch CPU tensors of ``leaves`` (with
     ``cuda``, the small CUDA ones) that share a dtype and a shape, in groups of at least
     two, each chunk of at most :data:`CHUNK_BYTES` copied by one ``torch.stack`` into one
     new tensor whose rows are their values (on their GPU, on PyTorch's current stream,
     for CUDA tensors). A move then crosses into tensorferry once per chunk, not once per
-    tensor."""
+    tensor. With ``device_bound`` (stacks for a device), pinned tensors are left out (their
+    uploads need no staging) and so are rows that are not a multiple of :data:`ALIGN`
+    bytes: every row keeps the alignment the engine gives each tensor, which some GPU
+    kernels require. A GPU out of memory ends the stacking: the rest move one by one."""
     torch = sys.modules.get("torch")
     if torch is None or len(leaves) < 2:
         return []
     exact = (torch.Tensor, torch.nn.Parameter)
     strided = torch.strided
+    out_of_memory = getattr(torch, "OutOfMemoryError", ())
     chunks = []
     with torch.no_grad():
         # Device, layout and quantization are checked once per group, on its first leaf: a
@@ -149,6 +153,8 @@ def torch_chunks(leaves, cuda=False):
                 if first.layout != strided or first.is_quantized or not (first.is_cuda if cuda else first.is_cpu):
                     continue
                 item = first.element_size() * first.numel()
+                if device_bound and (item % ALIGN or first.is_pinned()):
+                    continue
             except Exception:
                 continue
             if item > SMALL_BYTES:
@@ -156,6 +162,8 @@ def torch_chunks(leaves, cuda=False):
             for part in _chunks(group, item):
                 try:
                     stacked = torch.stack([leaves[j] for j in part])
+                except out_of_memory:
+                    return chunks
                 except (RuntimeError, TypeError, ValueError, NotImplementedError):
                     continue
                 chunks.append((part, stacked))
