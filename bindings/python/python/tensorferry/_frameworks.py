@@ -240,6 +240,8 @@ def _numpy_to_native_many(arrays, keys):
 def to_native_many(leaves, kinds, paths):
     """``to_native`` for many leaves (``paths`` name them in errors); NumPy arrays and
     PyTorch tensors each go through one native call."""
+    if kinds.count(NATIVE) == len(kinds):
+        return list(leaves)  # nothing to convert (no pass per leaf)
     out = [None] * len(leaves)
     numpy_at = [i for i, k in enumerate(kinds) if k == NUMPY]
     if numpy_at:
@@ -294,6 +296,8 @@ def from_native_many(tensors, kinds, paths, order=False):
     """``from_native`` for many tensors; NumPy results come from one native call. With
     ``order``, PyTorch CUDA results whose copies may still run come at once, PyTorch's
     current stream on their GPU made to wait for the copies on the GPU."""
+    if kinds.count(NATIVE) == len(kinds):
+        return list(tensors)  # nothing to convert (no pass per leaf)
     out = [None] * len(tensors)
     numpy_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if _host_numpy(k, t)]
     if numpy_at:
