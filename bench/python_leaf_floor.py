@@ -103,6 +103,7 @@ def main():
         # The emulated device (no GPU needed): the same dictionaries there and back.
         row("to_device(emu:0), torch CPU", lambda: tf.to_device(tensors, "emu:0"))
         on_emu = tf.to_device(tensors, "emu:0")
+        row("to_host of emu:0 tensors", lambda: tf.to_host(on_emu))
         row("to_numpy of emu:0 tensors", lambda: tf.to_numpy(on_emu))
         if torch.cuda.is_available() and "cuda:0" in tf.devices():
             g = {k: v.cuda() for k, v in tensors.items()}
