@@ -264,12 +264,11 @@ pub fn native_leaves_to_numpy<'py>(
     for (path, leaf, tensor) in natives {
         let dtype = tensor.get().inner.dtype();
         if !dtype.is_numpy_native() && !ml_dtypes_found {
-            // Raises the error naming the key when ml_dtypes is missing.
-            let parts: Vec<Bound<'py, PyAny>> = path.iter().collect();
-            let key = match crate::walk::shown_path(&parts) {
-                root if root.is_empty() => "<root>".to_string(),
-                key => key,
-            };
+            // Raises the error naming the key (as the Python rules show paths) when
+            // ml_dtypes is missing.
+            let key = py
+                .import("tensorferry._tree")?
+                .call_method1("shown", (path,))?;
             py.import("tensorferry._numpy")?
                 .call_method1("require_ml_dtypes", (dtype.name(), key))?;
             ml_dtypes_found = true;

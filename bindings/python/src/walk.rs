@@ -33,11 +33,22 @@ fn python_tree(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
 /// A key and its value.
 type Item<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>);
 
-/// The items of `obj`, in its order, when it is exactly a `collections.OrderedDict`
-/// (a snapshot, as `list(obj.items())`: its order is that of its links, which
-/// `move_to_end` changes, not of the dict underneath).
-fn ordered_items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Vec<Item<'py>>>> {
+/// The mappings the native passes walk: an exact dict, or exactly a
+/// `collections.OrderedDict` (rebuilt as one, with its instance attributes).
+enum Mapping {
+    Dict,
+    Ordered,
+}
+
+/// `obj`'s items in its order and its kind of mapping, when the native passes walk it: a
+/// snapshot either way, so that Python code run meanwhile cannot break the iteration
+/// (`dict.copy()` for a dict; for an `OrderedDict`, `list(obj.items())`, whose order is
+/// that of its links, which `move_to_end` changes, not of the dict underneath).
+fn mapping_items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<(Vec<Item<'py>>, Mapping)>> {
     let py = obj.py();
+    if let Ok(d) = obj.cast_exact::<PyDict>() {
+        return Ok(Some((d.copy()?.iter().collect(), Mapping::Dict)));
+    }
     if !obj.get_type().is(ordered_dict_type(py)?) {
         return Ok(None);
     }
@@ -46,7 +57,7 @@ fn ordered_items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Vec<Item<'py>>
     for item in items.try_iter()? {
         out.push(item?.extract()?);
     }
-    Ok(Some(out))
+    Ok(Some((out, Mapping::Ordered)))
 }
 
 fn ordered_dict_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
@@ -169,17 +180,7 @@ impl<'py> Walker<'_, 'py> {
         out: &mut Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
     ) -> PyResult<()> {
         let py = obj.py();
-        if let Ok(d) = obj.cast_exact::<PyDict>() {
-            self.ancestors.enter(obj, path)?;
-            for (k, v) in d.copy()?.iter() {
-                path.push(k);
-                self.collect(&v, path, out)?;
-                path.pop();
-            }
-            self.ancestors.leave();
-            return Ok(());
-        }
-        if let Some(items) = ordered_items(obj)? {
+        if let Some((items, _)) = mapping_items(obj)? {
             self.ancestors.enter(obj, path)?;
             for (k, v) in items {
                 path.push(k);
@@ -292,24 +293,13 @@ impl<'py> Rebuilder<'_, 'py> {
                 return Ok(r);
             }
         }
-        if let Ok(d) = obj.cast_exact::<PyDict>() {
+        if let Some((items, mapping)) = mapping_items(obj)? {
             self.ancestors.enter(obj, &self.path)?;
-            let out = PyDict::new(py);
-            for (k, v) in d.copy()?.iter() {
-                self.path.push(k.clone());
-                let value = self.rebuild(&v)?;
-                self.path.pop();
-                out.set_item(k, value)?;
-            }
-            self.ancestors.leave();
-            return Ok(out.into_any());
-        }
-        if let Some(items) = ordered_items(obj)? {
-            self.ancestors.enter(obj, &self.path)?;
-            let out = if self.plain {
-                PyDict::new(py).into_any()
-            } else {
+            let ordered = matches!(mapping, Mapping::Ordered) && !self.plain;
+            let out = if ordered {
                 ordered_dict_type(py)?.call0()?
+            } else {
+                PyDict::new(py).into_any()
             };
             for (k, v) in items {
                 self.path.push(k.clone());
@@ -318,7 +308,7 @@ impl<'py> Rebuilder<'_, 'py> {
                 out.set_item(k, value)?;
             }
             self.ancestors.leave();
-            if !self.plain {
+            if ordered {
                 keep_attributes(obj, &out)?;
             }
             return Ok(out);

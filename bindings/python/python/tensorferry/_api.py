@@ -67,7 +67,7 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     # moves as one tensor and is handed back as its rows.
     # Bound for the host, blocking, small PyTorch GPU tensors are stacked on their GPU by
     # PyTorch, on its current stream (which the copies of their stacks then wait for).
-    if packed:
+    if packed or fw.TORCH not in kinds:
         chunks = []
     elif target != "cpu":
         chunks = torch_chunks(pending, device_bound=True)
