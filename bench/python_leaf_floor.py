@@ -1,6 +1,6 @@
 """Per-leaf cost of tensorferry's Python calls on dictionaries of many small tensors.
 
-    python bench/python_leaf_floor.py [--count 20000] [--repeat 7]
+    python bench/python_leaf_floor.py [--count 20000] [--repeat 7] [--faults]
 
 Issue 11's Python rows, each beside the loop it replaces, in one run: ``to_numpy`` of NumPy
 and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_host(copy=True)`` and
@@ -10,14 +10,17 @@ and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_host(copy=True)`` 
 ``load(like="torch")`` of PyTorch tensors against ``safetensors.torch``'s ``save_file`` and
 ``load_file``; PyTorch tensors to the emulated device ``emu:0`` and back. Every leaf is 1,024
 float32 (4 KiB). Prints the best of ``--repeat`` runs in microseconds per leaf, and the
-ratio to the loop (how many times faster tensorferry is). On a GPU machine it adds CUDA
-PyTorch tensors to the host and back.
+ratio to the loop (how many times faster tensorferry is); with ``--faults``, the minor page
+faults of each row per leaf and run (fresh memory's first touch, which costs more than
+copying 4 KiB on a VM, and how much of it a row pays depends on the allocator's state). On
+a GPU machine it adds CUDA PyTorch tensors to the host and back.
 """
 
 import argparse
 import itertools
 import os
 import platform
+import resource
 import tempfile
 import time
 
@@ -30,14 +33,17 @@ CLOCK = time.perf_counter
 
 
 def best(fn, repeat, setup=None):
+    """The best time of ``repeat`` runs, and the minor page faults per run (the first
+    touch of fresh memory: the allocator's state decides how many a row pays)."""
     times = []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeat):
         if setup is not None:
             setup()  # untimed
         start = CLOCK()
         fn()
         times.append(CLOCK() - start)
-    return min(times)
+    return min(times), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / repeat
 
 
 def main():
@@ -46,6 +52,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time (a busy machine)")
+    ap.add_argument("--faults", action="store_true", help="also print minor page faults per leaf and run")
     args = ap.parse_args()
     if args.cpu_time:
         global CLOCK
@@ -114,10 +121,15 @@ def main():
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  python {platform.python_version()}")
     clock = "process CPU time" if args.cpu_time else "wall time"
     print(f"# {n} leaves of 4 KiB (1024 float32), best of {r} ({clock}); us per leaf; x = loop time / tensorferry time")
-    for name, t, peer_name, p in rows:
+    if args.faults:
+        print("# faults = minor page faults per leaf and run (tensorferry / the loop)")
+    for name, (t, tf_faults), peer_name, peer in rows:
         line = f"{name:<40} {t / n * 1e6:7.2f} us/leaf"
-        if p is not None:
+        if peer is not None:
+            p, _ = peer
             line += f"   {peer_name:<16} {p / n * 1e6:7.2f} us/leaf   x{p / t:5.2f}"
+        if args.faults:
+            line += f"   faults {tf_faults / n:.2f}" + (f" / {peer[1] / n:.2f}" if peer is not None else "")
         print(line)
 
 

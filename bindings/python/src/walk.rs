@@ -133,6 +133,8 @@ impl Ancestors {
 /// With `select` (a `(obj, path) -> bool` that also takes some lists as leaves, such as
 /// lists of numbers to become tensors), a list or tuple whose first item is a number or a
 /// list is a leaf when `select` says so, and subtrees left to the Python rules use it.
+/// `kind_of`'s answer must depend on the object's type alone (as `_frameworks.kind_of`'s,
+/// cached by type, does): it is asked once per type of tensor leaf in a call.
 #[pyfunction]
 #[pyo3(signature = (obj, kind_of, skip_numpy=false, select=None))]
 pub fn collect_tensors<'py>(
@@ -148,6 +150,7 @@ pub fn collect_tensors<'py>(
         skip_numpy,
         select,
         ancestors: Ancestors::default(),
+        tensor_types: Vec::new(),
     };
     walker.collect(obj, &mut path, &mut out)?;
     Ok(out)
@@ -158,6 +161,9 @@ struct Walker<'a, 'py> {
     skip_numpy: bool,
     select: Option<Bound<'py, PyAny>>,
     ancestors: Ancestors,
+    /// The types `kind_of` has called tensors in this call: a dictionary of 20,000 PyTorch
+    /// tensors asks it once, not 20,000 times.
+    tensor_types: Vec<Bound<'py, PyType>>,
 }
 
 /// True when a list or tuple could be data for `select`: its first item is a number or
@@ -225,7 +231,13 @@ impl<'py> Walker<'_, 'py> {
         if is_plain(obj) {
             return Ok(());
         }
+        let ty = obj.get_type();
+        if self.tensor_types.iter().any(|t| t.is(&ty)) {
+            out.push((PyTuple::new(py, path.iter())?, obj.clone()));
+            return Ok(());
+        }
         if !self.kind_of.call1((obj,))?.is_none() {
+            self.tensor_types.push(ty);
             out.push((PyTuple::new(py, path.iter())?, obj.clone()));
             return Ok(());
         }

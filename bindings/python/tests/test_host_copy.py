@@ -100,6 +100,45 @@ def test_chunks_split_large_groups(torch, monkeypatch):
     assert len({b.untyped_storage().data_ptr() for b in out}) == 13
 
 
+def test_one_byte_count_in_several_shapes_is_stacked_shape_by_shape(torch, monkeypatch):
+    """Leaves are grouped by dtype and byte count (PyTorch reads that faster than a
+    shape); a group whose shapes differ is split by shape when torch.stack refuses it.
+    Tiny chunks and blocks make the call cut more stacks than it planned for, so that
+    later ones need blocks of their own."""
+    monkeypatch.setattr(_host_copy, "CHUNK_BYTES", 96)  # 2 rows of 48 bytes a chunk
+    monkeypatch.setattr(_host_copy._Blocks, "MIN_BLOCK", 0)
+    shapes = [(12,), (3, 4), (4, 3), (2, 6), (12, 1)]
+    src = [torch.arange(12.0).reshape(shapes[i % 5]) + i for i in range(40)]
+    src += [torch.tensor(7.0), torch.ones(1), torch.tensor(8.0), torch.ones(1) * 2]  # () and (1,)
+    src += [torch.ones(12, dtype=torch.int32), torch.ones(3, 4, dtype=torch.int32)]  # no partner
+    out = tf.to_host(src, copy=True)
+    for a, b in zip(src, out):
+        assert b.shape == a.shape and b.dtype == a.dtype and torch.equal(a, b)
+        assert not _shares(a, b, torch)
+    # The float rows of one shape are stacks of two (one storage per pair).
+    for k in range(5):
+        rows = out[k:40:5]
+        assert len({b.untyped_storage().data_ptr() for b in rows}) == len(rows) // 2
+    assert out[40].untyped_storage().data_ptr() == out[42].untyped_storage().data_ptr()
+    assert out[41].untyped_storage().data_ptr() == out[43].untyped_storage().data_ptr()
+
+
+def test_a_row_kept_alone_keeps_its_values_and_only_its_stack_in_its_storage(torch):
+    """Stacks are cut from one buffer for the call; a row that outlives every other result
+    keeps its values while the freed memory around it is reused, and its PyTorch storage
+    (what ``torch.save`` writes) is its stack, not the whole buffer."""
+    src = {f"k{i}": torch.full((1024,), float(i)) for i in range(1500)}  # 6 MB: several stacks
+    out = tf.to_host(src, copy=True)
+    keep = out["k700"]
+    del out
+    gc.collect()
+    junk = [torch.full((1024,), -1.0) for _ in range(1500)]
+    assert torch.equal(keep, torch.full((1024,), 700.0))
+    assert keep.untyped_storage().nbytes() <= _host_copy.CHUNK_BYTES
+    assert keep.data_ptr() % 64 == 0 and not _shares(keep, src["k700"], torch)
+    del junk
+
+
 def test_non_blocking_copies_still_come_through_a_transfer(torch):
     src = [torch.ones(3), torch.zeros(3)]
     out = tf.to_host(src, copy=True, non_blocking=True)

@@ -4,21 +4,24 @@
 thousands of small PyTorch CPU tensors would otherwise cost one crossing into tensorferry
 and one back per leaf (two DLPack capsules, one native tensor each): three times PyTorch's
 own ``{k: v.clone()}`` loop. Here tensors that share a dtype and a shape are grouped, and
-each group of up to :data:`CHUNK_BYTES` is copied by one ``torch.stack`` into one new
-buffer, then handed out as its rows (``unbind``): two calls per group instead of several
-per leaf. NumPy leaves of a plain native dtype whose rows are whole multiples of 64 bytes
+each group of up to :data:`CHUNK_BYTES` is copied by one ``torch.stack`` into its block of
+one large buffer for the call (see :class:`_Blocks`), then handed out as its rows
+(``unbind``): two calls per group instead of several per leaf. NumPy leaves of a plain native dtype whose rows are whole multiples of 64 bytes
 (4 KiB float32 blocks, say) are joined by ``numpy.concatenate`` into one 64-byte-aligned buffer
 for all their groups, as the engine would place them, each row 64-byte aligned; other NumPy
 leaves keep the engine's path, which pads each tensor to 64 bytes.
 
 Results are copies: they share no memory with the inputs, and writing one never changes
-another's values. The results of one chunk do share its buffer, as a consolidated
-tensordict's do: one result kept alive keeps its chunk (at most :data:`CHUNK_BYTES`) alive.
+another's values. They do share the call's buffer, as a consolidated tensordict's do and
+the engine's copies do: one result kept alive keeps that buffer alive (the rows of one
+stack are one PyTorch storage of at most :data:`CHUNK_BYTES`, which is what ``torch.save``
+of one row writes).
 Tensors larger than :data:`SMALL_BYTES` and tensors of other types (subclasses, sparse or
 quantized tensors) are left to the engine, as are groups PyTorch refuses to stack: whatever it cannot
 take, the ordinary path handles (and names).
 """
 
+import operator
 import sys
 
 #: Leaves up to this many bytes are copied in bulk; larger ones go through the engine, where
@@ -34,23 +37,32 @@ def _chunks(indices, item_bytes):
     return [indices[i : i + step] for i in range(0, len(indices), step)]
 
 
-def _groups(leaves, exact):
-    """``{(dtype, shape): [index, …]}`` of the leaves whose type is one of ``exact``, in
-    order, in one pass (a leaf whose dtype or shape cannot be read is left out)."""
+def _groups(leaves, exact, key=None):
+    """``{key: [index, …]}`` of the leaves whose type is one of ``exact``, in order, in
+    one pass; ``key`` (a leaf's ``(dtype, shape)`` unless given) is read by one C call per
+    leaf (a leaf whose key cannot be read is left out)."""
+    key = key or _DTYPE_SHAPE
     groups = {}
     for i, t in enumerate(leaves):
         if type(t) not in exact:
             continue
         try:
-            key = (t.dtype, t.shape)
+            k = key(t)
         except Exception:  # a nested tensor, say
             continue
-        group = groups.get(key)
+        group = groups.get(k)
         if group is None:
-            groups[key] = [i]
+            groups[k] = [i]
         else:
             group.append(i)
     return groups
+
+
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+# PyTorch's shape getter builds a torch.Size (a quarter of a microsecond a leaf); its byte
+# count is read in half the time. Tensors are grouped by it, and a group whose shapes
+# differ is split by shape only when torch.stack refuses it.
+_DTYPE_NBYTES = operator.attrgetter("dtype", "nbytes")
 
 
 #: Results keep the engine's alignment: every row starts on a multiple of this.
@@ -140,31 +152,100 @@ def torch_chunks(leaves, cuda=False, device_bound=False):
         return []
     exact = (torch.Tensor, torch.nn.Parameter)
     strided = torch.strided
-    out_of_memory = getattr(torch, "OutOfMemoryError", ())
     chunks = []
     with torch.no_grad():
         # Device, layout and quantization are checked once per group, on its first leaf: a
         # group that mixes them is refused by torch.stack as a whole, and left to the engine.
-        for group in _groups(leaves, exact).values():
+        taken = []
+        for group in _groups(leaves, exact, _DTYPE_NBYTES).values():
             if len(group) < 2:
                 continue
             first = leaves[group[0]]
             try:
                 if first.layout != strided or first.is_quantized or not (first.is_cuda if cuda else first.is_cpu):
                     continue
-                item = first.element_size() * first.numel()
+                item = first.nbytes
                 if device_bound and (item % ALIGN or first.is_pinned()):
                     continue
             except Exception:
                 continue
-            if item > SMALL_BYTES:
-                continue
-            for part in _chunks(group, item):
-                try:
-                    stacked = torch.stack([leaves[j] for j in part])
-                except out_of_memory:
-                    return chunks
-                except (RuntimeError, TypeError, ValueError, NotImplementedError):
-                    continue
-                chunks.append((part, stacked))
+            if item <= SMALL_BYTES:
+                taken.append((group, item))
+        if not taken:
+            return []
+        # Stacks in host memory are carved out of one large buffer (see _Blocks), CUDA
+        # stacks are PyTorch's own (its caching allocator keeps device memory warm).
+        blocks = None if cuda else _Blocks(torch, sum(item * len(g) + ALIGN * len(_chunks(g, item)) for g, item in taken))
+        chunks = []
+        for group, item in taken:
+            if not _stack_group(torch, leaves, group, item, exact, chunks, blocks):
+                break
     return chunks
+
+
+class _Blocks:
+    """Host memory for the stacks of one call, cut from large NumPy buffers.
+
+    Each stack of its own (``torch.stack``'s output, up to 1 MiB) comes from the C
+    allocator, which gives such blocks back to the system when they are freed and takes
+    fresh ones next time: every 4 KiB page of every result is then a page fault, which
+    costs more than copying the page (on a VM, twice a whole ``{k: v.clone()}`` loop; the
+    clone loop's 4 KiB blocks are reused instead). One buffer of several MiB per call is
+    backed by 2 MiB pages (NumPy advises them): one fault per 2 MiB, whatever state the
+    allocator is in. Every stack keeps its block alive, as the engine's copies share their
+    one buffer."""
+
+    #: The smallest block: NumPy advises huge pages from 4 MiB on.
+    MIN_BLOCK = 4 << 20
+
+    def __init__(self, torch, hint):
+        import numpy
+
+        self.np, self.torch, self.hint = numpy, torch, hint
+        self.block, self.at = None, 0
+
+    def take(self, dtype, shape, count):
+        """A new tensor of ``count`` rows of ``shape`` and ``dtype``, 64-byte aligned, or
+        None when the memory cannot be had (the stack is then PyTorch's own)."""
+        nbytes = dtype.itemsize * count
+        for n in shape:
+            nbytes *= n
+        if self.block is None or self.at + nbytes > len(self.block):
+            try:
+                self.block = self.np.empty(max(self.hint, nbytes, self.MIN_BLOCK) + ALIGN, self.np.uint8)
+            except MemoryError:
+                return None
+            self.hint = 0
+            self.at = -self.block.__array_interface__["data"][0] % ALIGN
+        raw = self.torch.from_numpy(self.block[self.at : self.at + nbytes])
+        self.at += nbytes + (-nbytes % ALIGN)
+        return raw.view(dtype).view((count,) + tuple(shape))
+
+
+def _stack_group(torch, leaves, group, item, exact, chunks, blocks, by_shape=False):
+    """Appends to ``chunks`` the stacks of ``group`` (leaves of one dtype and byte count,
+    ``item``), each of at most :data:`CHUNK_BYTES`, in ``blocks`` (None: PyTorch's own
+    memory); False when a GPU ran out of memory. The first stack refused (shapes that
+    differ, devices that differ) splits the rest of the group by shape, each part stacked
+    on its own (``by_shape``), unless it already was; what is refused then is left to the
+    engine."""
+    out_of_memory = getattr(torch, "OutOfMemoryError", ())
+    for part in _chunks(group, item):
+        members = [leaves[j] for j in part]
+        try:
+            into = None if blocks is None else blocks.take(members[0].dtype, members[0].shape, len(members))
+            stacked = torch.stack(members) if into is None else torch.stack(members, out=into)
+        except out_of_memory:
+            return False
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            if by_shape:
+                continue
+            rest = group[group.index(part[0]) :]
+            for sub in _groups([leaves[j] for j in rest], exact).values():
+                if len(sub) > 1 and not _stack_group(
+                    torch, leaves, [rest[k] for k in sub], item, exact, chunks, blocks, True
+                ):
+                    return False
+            return True
+        chunks.append((part, stacked))
+    return True
