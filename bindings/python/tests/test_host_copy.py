@@ -139,6 +139,20 @@ def test_a_row_kept_alone_keeps_its_values_and_only_its_stack_in_its_storage(tor
     del junk
 
 
+def test_without_the_numpy_bridge_stacks_are_pytorchs_own(torch, monkeypatch):
+    """A PyTorch built without NumPy support refuses torch.from_numpy: the stacks are then
+    PyTorch's own memory, with the same results."""
+
+    def refuse(_):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch, "from_numpy", refuse)
+    src = {f"k{i}": torch.full((256,), float(i)) for i in range(50)}
+    out = tf.to_host(src, copy=True)
+    assert all(torch.equal(out[k], v) and not _shares(out[k], v, torch) for k, v in src.items())
+    assert len({b.untyped_storage().data_ptr() for b in out.values()}) == 1
+
+
 def test_non_blocking_copies_still_come_through_a_transfer(torch):
     src = [torch.ones(3), torch.zeros(3)]
     out = tf.to_host(src, copy=True, non_blocking=True)

@@ -204,22 +204,26 @@ class _Blocks:
         self.np, self.torch, self.hint = numpy, torch, hint
         self.block, self.at = None, 0
 
-    def take(self, dtype, shape, count):
-        """A new tensor of ``count`` rows of ``shape`` and ``dtype``, 64-byte aligned, or
-        None when the memory cannot be had (the stack is then PyTorch's own)."""
-        nbytes = dtype.itemsize * count
+    def take(self, like, count):
+        """A new tensor of ``count`` rows of ``like``'s dtype and shape, 64-byte aligned,
+        or None when these blocks cannot give it (PyTorch's own memory is used then)."""
+        if self.np is None:
+            return None
+        shape = tuple(like.shape)
+        nbytes = like.element_size() * count
         for n in shape:
             nbytes *= n
-        if self.block is None or self.at + nbytes > len(self.block):
-            try:
+        try:
+            if self.block is None or self.at + nbytes > len(self.block):
                 self.block = self.np.empty(max(self.hint, nbytes, self.MIN_BLOCK) + ALIGN, self.np.uint8)
-            except MemoryError:
-                return None
-            self.hint = 0
-            self.at = -self.block.__array_interface__["data"][0] % ALIGN
-        raw = self.torch.from_numpy(self.block[self.at : self.at + nbytes])
+                self.hint = 0
+                self.at = -self.block.__array_interface__["data"][0] % ALIGN
+            raw = self.torch.from_numpy(self.block[self.at : self.at + nbytes])
+        except (MemoryError, RuntimeError, TypeError, ValueError):  # no memory, no NumPy bridge
+            self.np = None
+            return None
         self.at += nbytes + (-nbytes % ALIGN)
-        return raw.view(dtype).view((count,) + tuple(shape))
+        return raw.view(like.dtype).view((count,) + shape)
 
 
 def _stack_group(torch, leaves, group, item, exact, chunks, blocks, by_shape=False):
@@ -233,7 +237,7 @@ def _stack_group(torch, leaves, group, item, exact, chunks, blocks, by_shape=Fal
     for part in _chunks(group, item):
         members = [leaves[j] for j in part]
         try:
-            into = None if blocks is None else blocks.take(members[0].dtype, members[0].shape, len(members))
+            into = None if blocks is None else blocks.take(members[0], len(members))
             stacked = torch.stack(members) if into is None else torch.stack(members, out=into)
         except out_of_memory:
             return False
