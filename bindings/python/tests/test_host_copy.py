@@ -212,3 +212,68 @@ def test_numpy_leaves_the_bulk_path_leaves_move_or_fail_by_name():
         tf.to_host({"b": blocks, "o": objects}, copy=True)
     out = tf.to_host({"b": blocks, "s": [np.float32(2.5)]}, copy=True)
     assert all((x == float(i)).all() for i, x in enumerate(out["b"]))
+
+
+# Random groups of small PyTorch tensors for the bulk path: one byte count in several shapes
+# (so that groups by dtype and byte count must split by shape), 0-dim and 1-element ones,
+# transposed, conjugate, negative and sliced views, Parameters, every common dtype.
+_TORCH_DTYPES = ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+                 "complex64"]
+_SAME_COUNT = [(6,), (2, 3), (3, 2), (1, 6), (6, 1), (1, 2, 3)]
+_ROWS_OF_64 = [(8,), (2, 4), (4, 2), (16,), (4, 4)]  # 64-byte rows for 8-byte (and 4-byte) dtypes
+_ONE = [(), (1,), (1, 1)]
+
+
+def _torch_leaf(torch, dtype, shape, seed, variant):
+    g = torch.Generator().manual_seed(seed)
+    t = (torch.randn(shape, generator=g) * 100).to(getattr(torch, dtype)) if shape else torch.tensor(seed % 7).to(
+        getattr(torch, dtype)
+    )
+    if variant == "t" and t.dim() == 2:
+        t = t.t()
+    elif variant == "conj" and t.is_complex():
+        t = t.conj()
+    elif variant == "neg" and t.dtype.is_floating_point:
+        t = torch._neg_view(t)
+    elif variant == "param" and (t.dtype.is_floating_point or t.is_complex()):
+        t = torch.nn.Parameter(t)
+    elif variant == "slice" and t.dim() >= 1:
+        t = torch.cat([t, t])[: t.shape[0]]
+    return t
+
+
+@pytest.mark.parametrize("target", ["cpu", "emu:0"])
+def test_random_groups_of_small_torch_tensors_copy_exactly(torch, target):
+    """Property: whatever the mix, every result has its input's dtype, shape and values,
+    shares no memory with any input, and writing one result changes no other."""
+    from hypothesis import given, settings, HealthCheck, strategies as st
+
+    leaf = st.tuples(
+        st.sampled_from(_TORCH_DTYPES),
+        st.sampled_from(_SAME_COUNT + _ONE + _ROWS_OF_64),
+        st.integers(0, 10_000),
+        st.sampled_from(["plain", "t", "conj", "neg", "param", "slice"]),
+    )
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(leaf, min_size=2, max_size=24))
+    def check(specs):
+        src = [_torch_leaf(torch, *s) for s in specs]
+        if target == "cpu":
+            out = tf.to_host(src, copy=True)
+        else:  # the emulated device's tensors come back as tensorferry tensors
+            out = [torch.from_dlpack(t) for t in tf.to_host(tf.to_device(src, target))]
+        assert len(out) == len(src)
+        for a, b in zip(src, out):
+            want = a.detach().resolve_conj().resolve_neg()
+            assert type(b) is torch.Tensor and b.dtype == a.dtype and b.shape == a.shape
+            assert torch.equal(b, want), (a, b)
+            assert all(not _shares(b, x, torch) for x in src)
+        if target == "cpu":
+            before = [b.clone() for b in out]
+            raw = out[0].reshape(-1).view(torch.uint8)
+            raw[:1] ^= 1
+            for b, keep in zip(out[1:], before[1:]):
+                assert torch.equal(b.reshape(-1).view(torch.uint8), keep.reshape(-1).view(torch.uint8))
+
+    check()
