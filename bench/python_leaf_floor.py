@@ -20,11 +20,15 @@ import argparse
 import itertools
 import os
 import platform
-import resource
 import tempfile
 import time
 
 import numpy as np
+
+try:
+    import resource  # page fault counts (not on Windows)
+except ImportError:
+    resource = None
 
 import tensorferry as tf
 
@@ -36,14 +40,15 @@ def best(fn, repeat, setup=None):
     """The best time of ``repeat`` runs, and the minor page faults per run (the first
     touch of fresh memory: the allocator's state decides how many a row pays)."""
     times = []
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    minflt = (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt) if resource else (lambda: 0)
+    faults = minflt()
     for _ in range(repeat):
         if setup is not None:
             setup()  # untimed
         start = CLOCK()
         fn()
         times.append(CLOCK() - start)
-    return min(times), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / repeat
+    return min(times), (minflt() - faults) / repeat
 
 
 def main():

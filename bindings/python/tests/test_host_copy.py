@@ -104,9 +104,10 @@ def test_one_byte_count_in_several_shapes_is_stacked_shape_by_shape(torch, monke
     """Leaves are grouped by dtype and byte count (PyTorch reads that faster than a
     shape); a group whose shapes differ is split by shape when torch.stack refuses it.
     Tiny chunks and blocks make the call cut more stacks than it planned for, so that
-    later ones need blocks of their own."""
+    later ones need blocks of their own, and a stack refused gives its space back."""
     monkeypatch.setattr(_host_copy, "CHUNK_BYTES", 96)  # 2 rows of 48 bytes a chunk
-    monkeypatch.setattr(_host_copy._Blocks, "MIN_BLOCK", 0)
+    monkeypatch.setattr(_host_copy._Blocks, "BLOCK", 256)  # two stacks a block
+    monkeypatch.setattr(_host_copy._Blocks, "HUGE", 512)
     shapes = [(12,), (3, 4), (4, 3), (2, 6), (12, 1)]
     src = [torch.arange(12.0).reshape(shapes[i % 5]) + i for i in range(40)]
     src += [torch.tensor(7.0), torch.ones(1), torch.tensor(8.0), torch.ones(1) * 2]  # () and (1,)
@@ -137,6 +138,32 @@ def test_a_row_kept_alone_keeps_its_values_and_only_its_stack_in_its_storage(tor
     assert keep.untyped_storage().nbytes() <= _host_copy.CHUNK_BYTES
     assert keep.data_ptr() % 64 == 0 and not _shares(keep, src["k700"], torch)
     del junk
+
+
+def test_blocks_are_bounded_and_aligned_and_small_calls_take_what_they_need(torch):
+    """A kept row holds at most one block, not the call's whole memory; blocks start on a
+    2 MiB boundary (huge pages); a call that needs less than a block gets just that."""
+    big = _host_copy._Blocks(torch, 20 << 20)
+    like = torch.zeros(1024)
+    seen, kept = set(), []
+    for _ in range(20):
+        t = big.take(like, 256)  # 1 MiB stacks
+        kept.append(t)
+        seen.add(big.block.__array_interface__["data"][0])
+        assert big.block.nbytes <= big.BLOCK + big.HUGE and t.data_ptr() % 64 == 0
+        assert (big.block.__array_interface__["data"][0] + big.end - big.BLOCK) % big.HUGE == 0
+    assert len(seen) == 5
+    small = _host_copy._Blocks(torch, 1000)
+    small.take(torch.zeros(10), 25)
+    assert small.block.nbytes == 1000 + _host_copy.ALIGN
+
+
+def test_rows_that_are_not_contiguous_keep_their_memory_format(torch):
+    """Channels-last tensors come back channels-last, as ``clone`` gives them."""
+    src = [torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last) for _ in range(3)]
+    out = tf.to_host(src, copy=True)
+    for a, b in zip(src, out):
+        assert torch.equal(a, b) and b.stride() == a.clone().stride()
 
 
 def test_without_the_numpy_bridge_stacks_are_pytorchs_own(torch, monkeypatch):

@@ -191,8 +191,8 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     object. Tensors already on the host are returned as they are unless ``copy=True``,
     in which case no result shares memory with the input. The source is never modified.
     Blocking host copies of many small PyTorch CPU tensors are made in bulk by PyTorch,
-    each group of tensors of one dtype and shape as rows of blocks of at most 1 MiB cut
-    from one large buffer (their values independent; a result kept alive keeps that buffer
+    each group of tensors of one dtype and shape as rows of stacks of at most 1 MiB cut
+    from 4 MiB blocks (their values independent; a result kept alive keeps its block
     alive); other copies land in one 64-byte-aligned buffer. Blocking
     moves of many small PyTorch GPU tensors stack each such group on its GPU first (on
     PyTorch's current stream) and copy the stacks. Rows are views made without autograd:

@@ -4,18 +4,18 @@
 thousands of small PyTorch CPU tensors would otherwise cost one crossing into tensorferry
 and one back per leaf (two DLPack capsules, one native tensor each): three times PyTorch's
 own ``{k: v.clone()}`` loop. Here tensors that share a dtype and a shape are grouped, and
-each group of up to :data:`CHUNK_BYTES` is copied by one ``torch.stack`` into its block of
-one large buffer for the call (see :class:`_Blocks`), then handed out as its rows
-(``unbind``): two calls per group instead of several per leaf. NumPy leaves of a plain native dtype whose rows are whole multiples of 64 bytes
+each group of up to :data:`CHUNK_BYTES` is copied by one ``torch.stack`` into memory cut
+from blocks of a few MiB (see :class:`_Blocks`), then handed out as its rows (``unbind``):
+two calls per group instead of several per leaf. NumPy leaves of a plain native dtype whose rows are whole multiples of 64 bytes
 (4 KiB float32 blocks, say) are joined by ``numpy.concatenate`` into one 64-byte-aligned buffer
 for all their groups, as the engine would place them, each row 64-byte aligned; other NumPy
 leaves keep the engine's path, which pads each tensor to 64 bytes.
 
 Results are copies: they share no memory with the inputs, and writing one never changes
-another's values. They do share the call's buffer, as a consolidated tensordict's do and
-the engine's copies do: one result kept alive keeps that buffer alive (the rows of one
-stack are one PyTorch storage of at most :data:`CHUNK_BYTES`, which is what ``torch.save``
-of one row writes).
+another's values. They do share memory blocks, as a consolidated tensordict's results
+share their buffer: one result kept alive keeps its block (at most ``_Blocks.BLOCK``) alive.
+The rows of one stack are one PyTorch storage of at most :data:`CHUNK_BYTES`, which is what
+``torch.save`` of one row writes.
 Tensors larger than :data:`SMALL_BYTES` and tensors of other types (subclasses, sparse or
 quantized tensors) are left to the engine, as are groups PyTorch refuses to stack: whatever it cannot
 take, the ordinary path handles (and names).
@@ -31,9 +31,14 @@ SMALL_BYTES = 64 << 10
 CHUNK_BYTES = 1 << 20
 
 
+def _step(item_bytes):
+    """How many leaves of ``item_bytes`` one chunk holds (at least one)."""
+    return max(1, CHUNK_BYTES // max(1, item_bytes))
+
+
 def _chunks(indices, item_bytes):
     """``indices`` cut into runs of at most :data:`CHUNK_BYTES` (at least one leaf each)."""
-    step = max(1, CHUNK_BYTES // max(1, item_bytes))
+    step = _step(item_bytes)
     return [indices[i : i + step] for i in range(0, len(indices), step)]
 
 
@@ -173,9 +178,9 @@ def torch_chunks(leaves, cuda=False, device_bound=False):
                 taken.append((group, item))
         if not taken:
             return []
-        # Stacks in host memory are carved out of one large buffer (see _Blocks), CUDA
-        # stacks are PyTorch's own (its caching allocator keeps device memory warm).
-        blocks = None if cuda else _Blocks(torch, sum(item * len(g) + ALIGN * len(_chunks(g, item)) for g, item in taken))
+        # Stacks in host memory are cut from blocks of a few MiB (see _Blocks); CUDA stacks
+        # are PyTorch's own (its caching allocator keeps device memory warm).
+        blocks = None if cuda else _Blocks(torch, sum(item * len(g) + ALIGN * -(-len(g) // _step(item)) for g, item in taken))
         chunks = []
         for group, item in taken:
             if not _stack_group(torch, leaves, group, item, exact, chunks, blocks):
@@ -184,46 +189,68 @@ def torch_chunks(leaves, cuda=False, device_bound=False):
 
 
 class _Blocks:
-    """Host memory for the stacks of one call, cut from large NumPy buffers.
+    """Host memory for the stacks of one call, cut from blocks of :data:`BLOCK` bytes.
 
-    Each stack of its own (``torch.stack``'s output, up to 1 MiB) comes from the C
-    allocator, which gives such blocks back to the system when they are freed and takes
-    fresh ones next time: every 4 KiB page of every result is then a page fault, which
-    costs more than copying the page (on a VM, twice a whole ``{k: v.clone()}`` loop; the
-    clone loop's 4 KiB blocks are reused instead). One buffer of several MiB per call is
-    backed by 2 MiB pages (NumPy advises them): one fault per 2 MiB, whatever state the
-    allocator is in. Every stack keeps its block alive, as the engine's copies share their
-    one buffer."""
+    A stack of its own (``torch.stack``'s output, up to 1 MiB) comes from the C allocator,
+    which in many of its states gives such blocks back to the system when they are freed
+    and takes fresh ones next time: every 4 KiB page of every result is then a page fault,
+    which costs more than copying the page (on a VM, as much as the whole ``{k: v.clone()}``
+    loop; that loop's 4 KiB blocks are reused instead). A block is two 2 MiB pages
+    (NumPy advises huge pages for it, and it starts on a 2 MiB boundary): one fault per
+    2 MiB, whatever the allocator's state. A result kept alive keeps its block alive (at
+    most :data:`BLOCK`), as a consolidated tensordict's results keep their buffer. Calls
+    whose stacks need less than a block get exactly what they need. Blocks are NumPy
+    memory: the rows' storage cannot be resized (as with every tensor tensorferry hands
+    to PyTorch), and a row's storage is its stack's bytes."""
 
-    #: The smallest block: NumPy advises huge pages from 4 MiB on.
-    MIN_BLOCK = 4 << 20
+    #: Bytes of one block.
+    BLOCK = 4 << 20
+    #: The huge page size blocks start on.
+    HUGE = 2 << 20
 
-    def __init__(self, torch, hint):
+    def __init__(self, torch, need):
         import numpy
 
-        self.np, self.torch, self.hint = numpy, torch, hint
-        self.block, self.at = None, 0
+        self.np, self.torch, self.need = numpy, torch, need  # bytes the stacks should take
+        self.block, self.at, self.end, self.undo = None, 0, 0, 0
+
+    def _new(self, nbytes):
+        """Starts a new block for a stack of ``nbytes`` (more than one block's worth of
+        stacks to come: a whole aligned block; else exactly what is left, or ``nbytes``)."""
+        np = self.np
+        if self.need >= self.BLOCK >= nbytes:
+            size, align = self.BLOCK, self.HUGE
+        else:
+            size, align = max(self.need, nbytes), ALIGN
+        self.block = np.empty(size + align, np.uint8)
+        self.at = -self.block.__array_interface__["data"][0] % align
+        self.end = self.at + size
+        self.need = max(0, self.need - size)
 
     def take(self, like, count):
         """A new tensor of ``count`` rows of ``like``'s dtype and shape, 64-byte aligned,
-        or None when these blocks cannot give it (PyTorch's own memory is used then)."""
-        if self.np is None:
+        or None when these blocks cannot give it (PyTorch's own stack is used then, as it
+        is for rows that are not contiguous, whose memory format it keeps)."""
+        if self.np is None or not like.is_contiguous():
             return None
         shape = tuple(like.shape)
         nbytes = like.element_size() * count
         for n in shape:
             nbytes *= n
         try:
-            if self.block is None or self.at + nbytes > len(self.block):
-                self.block = self.np.empty(max(self.hint, nbytes, self.MIN_BLOCK) + ALIGN, self.np.uint8)
-                self.hint = 0
-                self.at = -self.block.__array_interface__["data"][0] % ALIGN
+            if self.block is None or self.at + nbytes > self.end:
+                self._new(nbytes)
             raw = self.torch.from_numpy(self.block[self.at : self.at + nbytes])
         except (MemoryError, RuntimeError, TypeError, ValueError):  # no memory, no NumPy bridge
             self.np = None
             return None
+        self.undo = self.at
         self.at += nbytes + (-nbytes % ALIGN)
         return raw.view(like.dtype).view((count,) + shape)
+
+    def give_back(self):
+        """Returns the space of the last :meth:`take` (its stack was refused)."""
+        self.at = self.undo
 
 
 def _stack_group(torch, leaves, group, item, exact, chunks, blocks, by_shape=False):
@@ -236,12 +263,15 @@ def _stack_group(torch, leaves, group, item, exact, chunks, blocks, by_shape=Fal
     out_of_memory = getattr(torch, "OutOfMemoryError", ())
     for part in _chunks(group, item):
         members = [leaves[j] for j in part]
+        into = None
         try:
             into = None if blocks is None else blocks.take(members[0], len(members))
             stacked = torch.stack(members) if into is None else torch.stack(members, out=into)
         except out_of_memory:
             return False
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            if into is not None:
+                blocks.give_back()
             if by_shape:
                 continue
             rest = group[group.index(part[0]) :]
