@@ -4,6 +4,7 @@ DCP's own FileSystemWriter/Reader (torch.save pieces in one file per rank) and
 HuggingFaceStorageWriter/Reader (safetensors, when the installed torch has it).
 
     python bench/dcp_compare.py [--gb 1] [--tensors 64] [--repeat 5] [--dir /tmp]
+                                [--device cpu|cuda[:N]] [--no-reshard]
 
 Rows, each the MEDIAN of --repeat runs (min in brackets), in one process (DCP's no_dist
 path: the storage layer, not collectives):
@@ -11,7 +12,11 @@ path: the storage layer, not collectives):
   async    the time dcp.async_save blocks the caller (staging: TensorferryStager for
            tensorferry, DCP's default stager for the others); the upload is awaited untimed
   load     dcp.load into preallocated, already touched tensors (page cache warm)
-Then resharding: the checkpoint saved by one process is loaded by 2 gloo ranks (loopback),
+With --device cuda the state dict and the load targets live on that GPU (a training job's
+state: the layers copy it to the host themselves), and every timed row ends with
+torch.cuda.synchronize(); a layer that fails there prints its error in its row.
+Then (unless --no-reshard) resharding, on the host: the checkpoint saved by one process is
+loaded by 2 gloo ranks (loopback),
 each holding a DTensor row shard (Shard(0)) of every tensor: the slowest rank's load time,
 and the bytes each rank read against the bytes it needed (tensorferry: its reader's
 read_stats; FileSystem: the rank's read() bytes from /proc/self/io; HuggingFace reads
@@ -140,6 +145,8 @@ def main():
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary folder)")
+    parser.add_argument("--device", default="cpu", help="where the state dict lives: cpu or cuda[:N]")
+    parser.add_argument("--no-reshard", action="store_true", help="skip the 2-rank resharded loads")
     parser.add_argument("--reshard-worker", nargs=8, help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -148,7 +155,10 @@ def main():
         reshard_worker(name, int(rank), int(world), int(port), folder, float(gb), int(count), int(repeat))
         return
 
-    sd = state_dict(args.gb, args.tensors)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sd = {k: v.to(device) for k, v in state_dict(args.gb, args.tensors).items()}
+    sync()
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     root = tempfile.mkdtemp(dir=args.dir, prefix="dcp_compare_")
     try:
@@ -158,8 +168,9 @@ def main():
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, nproc {os.cpu_count()}, {mem:.0f} GiB, "
           f"commit {commit}, torch {torch.__version__}")
-    print(f"$ python bench/dcp_compare.py --gb {args.gb} --tensors {args.tensors} --repeat {args.repeat}")
-    print(f"{len(sd)} float32 tensors of {tuple(next(iter(sd.values())).shape)}, {nbytes / 1e9:.3f} GB; "
+    extra = (f" --device {args.device}" if args.device != "cpu" else "") + (" --no-reshard" if args.no_reshard else "")
+    print(f"$ python bench/dcp_compare.py --gb {args.gb} --tensors {args.tensors} --repeat {args.repeat}{extra}")
+    print(f"{len(sd)} float32 tensors of {tuple(next(iter(sd.values())).shape)} on {device}, {nbytes / 1e9:.3f} GB; "
           f"median (min) of {args.repeat}; folder {root}")
     print(f"{'storage layer':12} {'save s':>15} {'async blocked s':>16} {'load s':>15} {'load 2 ranks s':>15}")
     results = {}
@@ -170,6 +181,7 @@ def main():
             def save():
                 shutil.rmtree(folder, ignore_errors=True)
                 dcp.save(sd, storage_writer=writer(folder), no_dist=True)
+                sync()
 
             blocked = []
 
@@ -186,30 +198,41 @@ def main():
             def clear():
                 for t in target.values():
                     t.zero_()
+                sync()
 
             def load():
                 dcp.load(target, storage_reader=reader(folder), no_dist=True)
+                sync()
 
-            save_s = timed(save, args.repeat)
-            for _ in range(args.repeat):
-                async_save()
-            async_s = (statistics.median(blocked), min(blocked))
-            load_s = timed(load, args.repeat, clear)
-            assert all(torch.equal(target[k], sd[k]) for k in sd), f"{name}: loaded tensors differ"
-            reshard_s, per_rank = reshard(name, folder, args)
+            try:
+                save_s = timed(save, args.repeat)
+                for _ in range(args.repeat):
+                    async_save()
+                async_s = (statistics.median(blocked), min(blocked))
+                load_s = timed(load, args.repeat, clear)
+                assert all(torch.equal(target[k], sd[k]) for k in sd), f"{name}: loaded tensors differ"
+            except Exception as e:  # a layer that cannot take this state dict (CUDA tensors, say)
+                print(f"{name:12} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+                continue
+            reshard_s, per_rank = reshard(name, folder, args) if not args.no_reshard else (float("nan"), "skipped")
             results[name] = (save_s, async_s, load_s, reshard_s)
             print(f"{name:12} {save_s[0]:7.3f} ({save_s[1]:5.3f}) {async_s[0]:8.3f} ({async_s[1]:5.3f}) "
                   f"{load_s[0]:7.3f} ({load_s[1]:5.3f}) {reshard_s:15.3f}", flush=True)
-            print(f"{'':12} resharded 1 -> 2 ranks, bytes: {per_rank}", flush=True)
+            if not args.no_reshard:
+                print(f"{'':12} resharded 1 -> 2 ranks, bytes: {per_rank}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    if "tensorferry" not in results or len(results) < 2:
+        print("no ratios: tensorferry or every peer failed")
+        return
     ours = results["tensorferry"]
     for i, what in enumerate(["save", "async blocked", "load", "load 2 ranks"]):
+        if i == 3 and args.no_reshard:
+            continue
         peers = {n: (r[i][0] if isinstance(r[i], tuple) else r[i]) for n, r in results.items() if n != "tensorferry"}
         best = min(peers, key=peers.get)
         mine = ours[i][0] if isinstance(ours[i], tuple) else ours[i]
         print(f"ratio {what:14}: fastest peer {best} {peers[best]:.3f} s / tensorferry {mine:.3f} s = {peers[best] / mine:.2f}x")
-
 
 if __name__ == "__main__":
     main()

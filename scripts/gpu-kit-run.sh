@@ -8,8 +8,9 @@
 # when any step failed; the summary at the end lists each step.
 #
 # Environment: KIT_PYTHON (default python3), KIT_OUT, KIT_QUICK=1 (small benchmarks only),
-# KIT_SKIP_BENCH=1, KIT_ONLY=checkpoint | checkpoint-load | checkpoint-save (install, then
-# only those benchmarks: a device call of their own), KIT_DEADLINE_S (seconds from the start
+# KIT_SKIP_BENCH=1, KIT_ONLY=checkpoint | checkpoint-load | checkpoint-save | dcp (install, then
+# only those benchmarks: a device call of their own; dcp: PyTorch DCP's storage layers on a
+# GPU state dict, bench/dcp_compare.py --device cuda), KIT_DEADLINE_S (seconds from the start
 # by which the checkpoint benchmarks must have ended; default 570, inside a 10-minute call:
 # each gets `timeout` and --budget from what is left, and is skipped below a minute),
 # KIT_BENCH_DIR (their scratch folder; default /var/tmp or /tmp, the one with more room that
@@ -91,6 +92,17 @@ checkpoint_benches() {
   fi
 }
 
+dcp_bench() { # DCP's storage layers side by side on a state dict in GPU memory (the DCP issue's figures)
+  CKPT_BASE=$(ckpt_base)
+  local gb=1 repeat=3 left dir
+  if [ "${KIT_QUICK:-}" = 1 ]; then gb=0.1 repeat=1; fi
+  left=$((DEADLINE - (SECONDS - START) - 20))
+  dir=$(mktemp -d "$CKPT_BASE/tf-kit-dcp-XXXXXX")
+  step "dcp_compare (cuda, $gb GB)" timeout -k 10 "$left" "$PY" "$KIT/src/bench/dcp_compare.py" --device cuda \
+    --gb "$gb" --repeat "$repeat" --no-reshard --dir "$dir"
+  rm -rf "$dir"
+}
+
 run() {
   echo "# tensorferry GPU kit, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(tr '\n' ' ' <"$KIT/COMMIT")"
   if command -v nvidia-smi >/dev/null; then
@@ -115,8 +127,9 @@ run() {
   case "$ONLY" in
     "") tests_and_benches ;;
     checkpoint | checkpoint-load | checkpoint-save) checkpoint_benches ;;
+    dcp) dcp_bench ;;
     *)
-      echo "KIT_ONLY=$ONLY: unknown (checkpoint, checkpoint-load or checkpoint-save)"
+      echo "KIT_ONLY=$ONLY: unknown (checkpoint, checkpoint-load, checkpoint-save or dcp)"
       FAILED=1
       ;;
   esac
