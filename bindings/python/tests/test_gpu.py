@@ -96,6 +96,9 @@ def test_small_torch_tensors_on_a_gpu_other_than_the_current_one_come_to_the_hos
     for i in range(1, 50):
         assert torch.equal(out[f"a{i}"], torch.full((256,), float(i)))
         assert torch.equal(out[f"b{i}"], torch.full((256,), -float(i)))
+    # One dtype and shape on two GPUs: a group (so a stack) per GPU, not none at all.
+    for x in "ab":
+        assert out[f"{x}1"].untyped_storage().data_ptr() == out[f"{x}2"].untyped_storage().data_ptr()
 
 
 def test_many_small_torch_cpu_tensors_go_to_the_gpu_with_their_values(torch_cuda):

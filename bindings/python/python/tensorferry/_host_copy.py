@@ -68,6 +68,8 @@ _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 # count is read in half the time. Tensors are grouped by it, and a group whose shapes
 # differ is split by shape only when torch.stack refuses it.
 _DTYPE_NBYTES = operator.attrgetter("dtype", "nbytes")
+# CUDA tensors are grouped by GPU too (a stack holds tensors of one device).
+_CUDA_KEYS = (operator.attrgetter("dtype", "nbytes", "device"), operator.attrgetter("dtype", "shape", "device"))
 
 
 #: Results keep the engine's alignment: every row starts on a multiple of this.
@@ -162,7 +164,8 @@ def torch_chunks(leaves, cuda=False, device_bound=False):
         # Device, layout and quantization are checked once per group, on its first leaf: a
         # group that mixes them is refused by torch.stack as a whole, and left to the engine.
         taken = []
-        for group in _groups(leaves, exact, _DTYPE_NBYTES).values():
+        keys = _CUDA_KEYS if cuda else (_DTYPE_NBYTES, _DTYPE_SHAPE)
+        for group in _groups(leaves, exact, keys[0]).values():
             if len(group) < 2:
                 continue
             first = leaves[group[0]]
@@ -183,7 +186,7 @@ def torch_chunks(leaves, cuda=False, device_bound=False):
         blocks = None if cuda else _Blocks(torch, sum(item * len(g) + ALIGN * -(-len(g) // _step(item)) for g, item in taken))
         chunks = []
         for group, item in taken:
-            if not _stack_group(torch, leaves, group, item, exact, chunks, blocks):
+            if not _stack_group(torch, leaves, group, item, (exact, keys[1]), chunks, blocks):
                 break
     return chunks
 
@@ -253,13 +256,13 @@ class _Blocks:
         self.at = self.undo
 
 
-def _stack_group(torch, leaves, group, item, exact, chunks, blocks, by_shape=False):
+def _stack_group(torch, leaves, group, item, split, chunks, blocks, by_shape=False):
     """Appends to ``chunks`` the stacks of ``group`` (leaves of one dtype and byte count,
     ``item``), each of at most :data:`CHUNK_BYTES`, in ``blocks`` (None: PyTorch's own
     memory); False when a GPU ran out of memory. The first stack refused (shapes that
-    differ, devices that differ) splits the rest of the group by shape, each part stacked
-    on its own (``by_shape``), unless it already was; what is refused then is left to the
-    engine."""
+    differ, devices that differ) splits the rest of the group by shape (``split``: the
+    types taken and the key that splits), each part stacked on its own (``by_shape``),
+    unless it already was; what is refused then is left to the engine."""
     out_of_memory = getattr(torch, "OutOfMemoryError", ())
     for part in _chunks(group, item):
         members = [leaves[j] for j in part]
@@ -275,9 +278,9 @@ def _stack_group(torch, leaves, group, item, exact, chunks, blocks, by_shape=Fal
             if by_shape:
                 continue
             rest = group[group.index(part[0]) :]
-            for sub in _groups([leaves[j] for j in rest], exact).values():
+            for sub in _groups([leaves[j] for j in rest], *split).values():
                 if len(sub) > 1 and not _stack_group(
-                    torch, leaves, [rest[k] for k in sub], item, exact, chunks, blocks, True
+                    torch, leaves, [rest[k] for k in sub], item, split, chunks, blocks, True
                 ):
                     return False
             return True
