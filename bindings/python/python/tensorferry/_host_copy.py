@@ -159,7 +159,6 @@ def torch_chunks(leaves, cuda=False, device_bound=False):
         return []
     exact = (torch.Tensor, torch.nn.Parameter)
     strided = torch.strided
-    chunks = []
     with torch.no_grad():
         # Device, layout and quantization are checked once per group, on its first leaf: a
         # group that mixes them is refused by torch.stack as a whole, and left to the engine.
