@@ -234,5 +234,6 @@ def main():
         mine = ours[i][0] if isinstance(ours[i], tuple) else ours[i]
         print(f"ratio {what:14}: fastest peer {best} {peers[best]:.3f} s / tensorferry {mine:.3f} s = {peers[best] / mine:.2f}x")
 
+
 if __name__ == "__main__":
     main()

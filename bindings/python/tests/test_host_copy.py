@@ -147,14 +147,14 @@ def test_blocks_are_bounded_and_aligned_and_small_calls_take_what_they_need(torc
     like = torch.zeros(1024)
     seen, kept = set(), []
     for _ in range(20):
-        t = big.take(like, 256)  # 1 MiB stacks
+        t = big.take(like, 256, 4096)  # 1 MiB stacks
         kept.append(t)
         seen.add(big.block.__array_interface__["data"][0])
         assert big.block.nbytes <= big.BLOCK + big.HUGE and t.data_ptr() % 64 == 0
         assert (big.block.__array_interface__["data"][0] + big.end - big.BLOCK) % big.HUGE == 0
     assert len(seen) == 5
     small = _host_copy._Blocks(torch, 1000)
-    small.take(torch.zeros(10), 25)
+    small.take(torch.zeros(10), 25, 40)
     assert small.block.nbytes == 1000 + _host_copy.ALIGN
 
 

@@ -3,6 +3,7 @@
 import json
 import os
 import warnings
+from collections import Counter
 
 import numpy as np
 
@@ -456,10 +457,7 @@ def _native_tree(obj):
         return tree, None
     # Files hold what CuPy and CUDA-array-interface leaves come back as: NumPy.
     saved = [fw.NUMPY if kind in (fw.CUPY, fw.NUMBA, fw.CAI) else kind for kind in kinds]
-    counts = {}
-    for kind in saved:
-        counts[kind] = counts.get(kind, 0) + 1
-    default = max(counts, key=counts.get)
+    default = Counter(saved).most_common(1)[0][0]
     # Names only for the exceptions: a dotted name per tensor is most of the walk's cost.
     others = {dotted(path): kind for path, kind in zip(paths, saved) if kind != default}
     return tree, {"default": default, "except": others}

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from . import _native
-from ._errors import FormatError
+from ._errors import DeviceUnavailableError, FormatError
 from ._numpy import tensor_to_numpy, tensors_to_numpy  # noqa: F401 (re-exported)
 from ._tree import shown
 
@@ -198,8 +198,6 @@ def _torch_to_native_many(tensors, paths):
     gpus = {t.get_device() for t in plain if t.is_cuda}
     if gpus:
         import torch
-
-        from ._errors import DeviceUnavailableError
 
         for gpu in gpus:
             try:

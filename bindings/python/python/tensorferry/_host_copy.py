@@ -229,16 +229,14 @@ class _Blocks:
         self.end = self.at + size
         self.need = max(0, self.need - size)
 
-    def take(self, like, count):
-        """A new tensor of ``count`` rows of ``like``'s dtype and shape, 64-byte aligned,
-        or None when these blocks cannot give it (PyTorch's own stack is used then, as it
-        is for rows that are not contiguous, whose memory format it keeps)."""
+    def take(self, like, count, item):
+        """A new tensor of ``count`` rows of ``like``'s dtype and shape (``item`` bytes
+        each), 64-byte aligned, or None when these blocks cannot give it (PyTorch's own
+        stack is used then, as it is for rows that are not contiguous, whose memory format
+        it keeps)."""
         if self.np is None or not like.is_contiguous():
             return None
-        shape = tuple(like.shape)
-        nbytes = like.element_size() * count
-        for n in shape:
-            nbytes *= n
+        nbytes = item * count
         try:
             if self.block is None or self.at + nbytes > self.end:
                 self._new(nbytes)
@@ -248,7 +246,7 @@ class _Blocks:
             return None
         self.undo = self.at
         self.at += nbytes + (-nbytes % ALIGN)
-        return raw.view(like.dtype).view((count,) + shape)
+        return raw.view(like.dtype).view((count,) + tuple(like.shape))
 
     def give_back(self):
         """Returns the space of the last :meth:`take` (its stack was refused)."""
@@ -267,7 +265,7 @@ def _stack_group(torch, leaves, group, item, split, chunks, blocks, by_shape=Fal
         members = [leaves[j] for j in part]
         into = None
         try:
-            into = None if blocks is None else blocks.take(members[0], len(members))
+            into = None if blocks is None else blocks.take(members[0], len(members), item)
             stacked = torch.stack(members) if into is None else torch.stack(members, out=into)
         except out_of_memory:
             return False
