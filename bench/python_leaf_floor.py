@@ -1,6 +1,6 @@
 """Per-leaf cost of tensorferry's Python calls on dictionaries of many small tensors.
 
-    python bench/python_leaf_floor.py [--count 20000] [--repeat 7] [--faults]
+    python bench/python_leaf_floor.py [--count 20000] [--repeat 7] [--faults] [--warm-heap]
 
 Issue 11's Python rows, each beside the loop it replaces, in one run: ``to_numpy`` of NumPy
 and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_host(copy=True)`` and
@@ -14,6 +14,14 @@ ratio to the loop (how many times faster tensorferry is); with ``--faults``, the
 faults of each row per leaf and run (fresh memory's first touch, which costs more than
 copying 4 KiB on a VM, and how much of it a row pays depends on the allocator's state). On
 a GPU machine it adds CUDA PyTorch tensors to the host and back.
+
+The loops' figures depend on the C allocator's state: glibc, by default, gives freed memory
+at the top of its heap back to the system, so a loop whose 4 KiB results were freed by the
+run before touches fresh pages again (about one page fault a leaf); once the process has
+freed a block of a few MiB, glibc raises its thresholds and keeps such memory, and the same
+loop runs without faults. ``--warm-heap`` raises those thresholds (``mallopt``) before any
+row, so that every row, tensorferry's and the loops', runs on a heap that keeps its memory:
+the loops' best case.
 """
 
 import argparse
@@ -51,6 +59,18 @@ def best(fn, repeat, setup=None):
     return min(times), (minflt() - faults) / repeat
 
 
+def warm_heap():
+    """Makes glibc keep freed memory: no trimming of the heap's top, and blocks of up to
+    32 MiB (its limit) from the heap instead of their own maps (what it does by itself
+    after a process frees a large block)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not (libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 32 << 20)):
+        raise SystemExit("mallopt refused: --warm-heap needs glibc")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=20_000)
@@ -58,7 +78,10 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--cpu-time", action="store_true", help="time with the process's CPU time (a busy machine)")
     ap.add_argument("--faults", action="store_true", help="also print minor page faults per leaf and run")
+    ap.add_argument("--warm-heap", action="store_true", help="keep freed memory in the C heap (glibc mallopt)")
     args = ap.parse_args()
+    if args.warm_heap:
+        warm_heap()
     if args.cpu_time:
         global CLOCK
         CLOCK = time.process_time
@@ -125,6 +148,8 @@ def main():
                 "{k: v.cuda()}", lambda: ({k: v.cuda() for k, v in tensors.items()}, torch.cuda.synchronize()))
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {os.cpu_count()} cpus  python {platform.python_version()}")
     clock = "process CPU time" if args.cpu_time else "wall time"
+    if args.warm_heap:
+        clock += ", warm heap"
     print(f"# {n} leaves of 4 KiB (1024 float32), best of {r} ({clock}); us per leaf; x = loop time / tensorferry time")
     if args.faults:
         print("# faults = minor page faults per leaf and run (tensorferry / the loop)")

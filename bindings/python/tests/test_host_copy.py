@@ -232,6 +232,24 @@ def test_numpy_copies_equal_the_inputs_are_aligned_and_share_nothing():
     np.testing.assert_array_equal(src["blocks"][2], tf.to_host(src, copy=True)["blocks"][2])
 
 
+def test_a_numpy_row_kept_alone_keeps_only_its_block_alive():
+    """NumPy rows are cut from blocks too: a row kept after the others are freed holds at
+    most one block, not the memory of the whole call (20 MB here), and keeps its values."""
+    src = {f"k{i}": np.full(1024, float(i), np.float32) for i in range(5000)}
+    out = tf.to_host(src, copy=True)
+    keep = out["k3000"]
+    base = keep
+    while base.base is not None:
+        base = base.base
+    assert base.nbytes <= _host_copy._Blocks.BLOCK + _host_copy._Blocks.HUGE
+    del out
+    gc.collect()
+    junk = [np.full(1024, -1.0, np.float32) for _ in range(5000)]
+    np.testing.assert_array_equal(keep, np.full(1024, 3000.0, np.float32))
+    assert keep.__array_interface__["data"][0] % 64 == 0 and not np.shares_memory(keep, src["k3000"])
+    del junk
+
+
 def test_numpy_leaves_the_bulk_path_leaves_move_or_fail_by_name():
     blocks = [np.full(16, float(i), np.float32) for i in range(4)]  # 64 B rows: bulk
     objects = np.array([object(), None], dtype=object)
@@ -304,3 +322,28 @@ def test_random_groups_of_small_torch_tensors_copy_exactly(torch, target):
                 assert torch.equal(b.reshape(-1).view(torch.uint8), keep.reshape(-1).view(torch.uint8))
 
     check()
+
+
+def test_leaves_are_grouped_natively_by_key_in_order_skipping_others():
+    class Sub(np.ndarray):
+        pass
+
+    class Odd:
+        @property
+        def key(self):
+            raise ValueError("no key")
+
+    leaves = [np.zeros(2, np.float32), "x", np.zeros(3, np.int8), np.zeros(2, np.float32)]
+    leaves += [np.zeros(2, np.float32).view(Sub), np.zeros(3, np.int8), Odd(), np.zeros(2, np.float32)]
+    groups = _host_copy._groups(leaves, (np.ndarray, Odd))
+    # Keys in the order they first appear, indices in order; exact types only (the
+    # subclass is left out) and a leaf whose key raises is left out.
+    assert list(groups.items()) == [((np.dtype(np.float32), (2,)), [0, 3, 7]), ((np.dtype(np.int8), (3,)), [2, 5])]
+    assert _host_copy._groups(iter(leaves[:1]), [np.ndarray]) == {(np.dtype(np.float32), (2,)): [0]}
+
+    def interrupted(leaf):
+        raise KeyboardInterrupt
+
+    # Only an ordinary exception leaves a leaf out: an interrupt still stops the call.
+    with pytest.raises(KeyboardInterrupt):
+        _host_copy._groups(leaves, (np.ndarray,), interrupted)

@@ -1,4 +1,4 @@
-"""Host copies of many small PyTorch tensors in bulk, in PyTorch's own batch calls.
+"""Host copies of many small PyTorch tensors and NumPy arrays in bulk, in their own batch calls.
 
 ``to_host(..., copy=True)`` and ``to_device(..., "cpu", copy=True)`` of a dictionary of
 thousands of small PyTorch CPU tensors would otherwise cost one crossing into tensorferry
@@ -6,10 +6,12 @@ and one back per leaf (two DLPack capsules, one native tensor each): three times
 own ``{k: v.clone()}`` loop. Here tensors that share a dtype and a shape are grouped, and
 each group of up to :data:`CHUNK_BYTES` is copied by one ``torch.stack`` into memory cut
 from blocks of a few MiB (see :class:`_Blocks`), then handed out as its rows (``unbind``):
-two calls per group instead of several per leaf. NumPy leaves of a plain native dtype whose rows are whole multiples of 64 bytes
-(4 KiB float32 blocks, say) are joined by ``numpy.concatenate`` into one 64-byte-aligned buffer
-for all their groups, as the engine would place them, each row 64-byte aligned; other NumPy
-leaves keep the engine's path, which pads each tensor to 64 bytes.
+two calls per group instead of several per leaf. Leaves are grouped in one native pass
+(``_native.group_leaves``). NumPy leaves of a plain native dtype whose rows are whole
+multiples of 64 bytes (4 KiB float32 blocks, say) are joined the same way, chunk by chunk,
+by ``numpy.concatenate`` into the same kind of blocks, each row 64-byte aligned as the
+engine would place it; other NumPy leaves keep the engine's path, which pads each tensor to
+64 bytes.
 
 Results are copies: they share no memory with the inputs, and writing one never changes
 another's values. They do share memory blocks, as a consolidated tensordict's results
@@ -23,6 +25,8 @@ take, the ordinary path handles (and names).
 
 import operator
 import sys
+
+from ._native import group_leaves
 
 #: Leaves up to this many bytes are copied in bulk; larger ones go through the engine, where
 #: their bytes, not the crossing, set the time.
@@ -44,23 +48,9 @@ def _chunks(indices, item_bytes):
 
 def _groups(leaves, exact, key=None):
     """``{key: [index, …]}`` of the leaves whose type is one of ``exact``, in order, in
-    one pass; ``key`` (a leaf's ``(dtype, shape)`` unless given) is read by one C call per
-    leaf (a leaf whose key cannot be read is left out)."""
-    key = key or _DTYPE_SHAPE
-    groups = {}
-    for i, t in enumerate(leaves):
-        if type(t) not in exact:
-            continue
-        try:
-            k = key(t)
-        except Exception:  # a nested tensor, say
-            continue
-        group = groups.get(k)
-        if group is None:
-            groups[k] = [i]
-        else:
-            group.append(i)
-    return groups
+    one native pass; ``key`` (a leaf's ``(dtype, shape)`` unless given) is read by one C call
+    per leaf (a leaf whose key cannot be read is left out)."""
+    return group_leaves(leaves if type(leaves) is list else list(leaves), tuple(exact), key or _DTYPE_SHAPE)
 
 
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
@@ -79,10 +69,10 @@ ALIGN = 64
 def _numpy_copy_many(leaves, out, np):
     """Fills ``out`` with copies of the NumPy leaves the bulk path takes: every group of
     one plain native dtype and shape whose rows are a multiple of :data:`ALIGN` bytes and
-    at most :data:`SMALL_BYTES`, copied into its slice of one aligned buffer."""
+    at most :data:`SMALL_BYTES`, copied chunk by chunk (at most :data:`CHUNK_BYTES` each)
+    into memory cut from blocks (see :class:`_Blocks`), every row 64-byte aligned."""
     plain = _plain_numpy_dtypes(np)
     taken = []
-    total = 0
     for (dtype, shape), group in _groups(leaves, (np.ndarray,)).items():
         if dtype not in plain or not shape or len(group) < 2:
             continue
@@ -92,21 +82,21 @@ def _numpy_copy_many(leaves, out, np):
         if item == 0 or item % ALIGN or item > SMALL_BYTES:
             continue
         taken.append((dtype, shape, group, item))
-        total += item * len(group)
     if not taken:
         return
-    raw = np.empty(total + ALIGN, np.uint8)
-    at = -raw.__array_interface__["data"][0] % ALIGN
+    blocks = _Blocks(None, sum(item * len(group) for _, _, group, item in taken))
     for dtype, shape, group, item in taken:
-        end = at + item * len(group)
-        dest = raw[at:end].view(dtype).reshape((len(group),) + shape)
-        # One concatenate along the first axis fills the rows; numpy.stack would first
-        # make a view of each leaf.
-        flat = dest.reshape((len(group) * shape[0],) + shape[1:])
-        np.concatenate([leaves[j] for j in group], out=flat)
-        for j, row in zip(group, dest):
-            out[j] = row
-        at = end
+        for part in _chunks(group, item):
+            raw = blocks.raw(item * len(part))
+            if raw is None:  # no memory: the rest keep the engine's path
+                return
+            dest = raw.view(dtype).reshape((len(part),) + shape)
+            # One concatenate along the first axis fills the rows; numpy.stack would
+            # first make a view of each leaf.
+            flat = dest.reshape((len(part) * shape[0],) + shape[1:])
+            np.concatenate([leaves[j] for j in part], out=flat)
+            for j, row in zip(part, dest):
+                out[j] = row
 
 
 _PLAIN = None
@@ -229,6 +219,21 @@ class _Blocks:
         self.end = self.at + size
         self.need = max(0, self.need - size)
 
+    def raw(self, nbytes):
+        """``nbytes`` of new memory (a NumPy ``uint8`` array, 64-byte aligned), or None
+        when there is no memory left."""
+        if self.np is None:
+            return None
+        try:
+            if self.block is None or self.at + nbytes > self.end:
+                self._new(nbytes)
+        except MemoryError:
+            self.np = None
+            return None
+        self.undo = self.at
+        self.at += nbytes + (-nbytes % ALIGN)
+        return self.block[self.undo : self.undo + nbytes]
+
     def take(self, like, count, item):
         """A new tensor of ``count`` rows of ``like``'s dtype and shape (``item`` bytes
         each), 64-byte aligned, or None when these blocks cannot give it (PyTorch's own
@@ -236,17 +241,15 @@ class _Blocks:
         it keeps)."""
         if self.np is None or not like.is_contiguous():
             return None
-        nbytes = item * count
+        raw = self.raw(item * count)
+        if raw is None:
+            return None
         try:
-            if self.block is None or self.at + nbytes > self.end:
-                self._new(nbytes)
-            raw = self.torch.from_numpy(self.block[self.at : self.at + nbytes])
-        except (MemoryError, RuntimeError, TypeError, ValueError):  # no memory, no NumPy bridge
+            tensor = self.torch.from_numpy(raw)
+        except (RuntimeError, TypeError, ValueError):  # no NumPy bridge
             self.np = None
             return None
-        self.undo = self.at
-        self.at += nbytes + (-nbytes % ALIGN)
-        return raw.view(like.dtype).view((count,) + tuple(like.shape))
+        return tensor.view(like.dtype).view((count,) + tuple(like.shape))
 
     def give_back(self):
         """Returns the space of the last :meth:`take` (its stack was refused)."""
