@@ -179,27 +179,44 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         return Err(invalid("null data pointer for a non-empty array"));
     }
     // Version 3: the consumer synchronises on the producer's stream before reading.
-    match get("stream")? {
-        None => {}
+    let stream: Option<usize> = match get("stream")? {
+        None => None,
         Some(s) => {
             let handle: usize = s.extract().map_err(|_| invalid("stream must be an int"))?;
             if handle == 0 {
                 return Err(invalid("stream 0 is disallowed (ambiguous); use 1 or 2"));
             }
-            // SAFETY: the handle comes from the producer's `__cuda_array_interface__`
-            // (version 3 "stream"), which the protocol defines as a CUstream of this process
-            // or 1/2 for the default streams; 0 is refused above. We cannot check it: the
-            // driver validates handles it knows of, so a producer lying with an arbitrary
-            // integer is only as safe as that validation.
-            py.detach(|| unsafe { tensorferry::backend::cuda_device::stream_synchronize(handle) })
-                .py_err()?;
+            Some(handle)
         }
-    }
+    };
     let device = if address == 0 {
         0
     } else {
         tensorferry::backend::cuda_device::pointer_device(address).py_err()?
     };
+    // Without a stream, no synchronisation is required by the protocol, but producers that
+    // run on the legacy default stream (Numba's default) name none: tensorferry's streams
+    // are non-blocking, so its copies from this memory wait for that stream on the GPU.
+    let stream = match stream {
+        None if address != 0 => {
+            // SAFETY: 1 is `CU_STREAM_LEGACY`, the default stream of GPU `device`'s context.
+            unsafe { tensorferry::backend::cuda_device::order_after_stream(device, 1) }.py_err()?;
+            None
+        }
+        other => other,
+    };
+    if let Some(handle) = stream {
+        // SAFETY: the handle comes from the producer's `__cuda_array_interface__` (version
+        // 3 "stream"), which the protocol defines as a CUstream of this process or 1/2 for
+        // the default streams; 0 is refused above. We cannot check it: the driver validates
+        // handles it knows of, so a producer lying with an arbitrary integer is only as
+        // safe as that validation. It runs in the context of the memory's GPU, whose
+        // default stream the handles 1 and 2 name.
+        py.detach(|| unsafe {
+            tensorferry::backend::cuda_device::stream_synchronize(device, handle)
+        })
+        .py_err()?;
+    }
     let lowest = address.wrapping_add_signed(below) as *mut u8;
     let span = (above - below) as usize;
     let owner = Box::new(Producer(Some(obj.clone().unbind())));

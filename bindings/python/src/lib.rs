@@ -160,17 +160,20 @@ fn pinned_pool_stats<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, 
     })
 }
 
-/// Waits for a raw CUDA stream handle's queued work (the producer's stream).
+/// Waits for a raw CUDA stream handle's queued work (the producer's stream), in GPU
+/// `ordinal`'s context (the default-stream handles 1 and 2 name that GPU's).
 #[pyfunction]
-fn cuda_stream_synchronize(py: Python<'_>, handle: usize) -> PyResult<()> {
+fn cuda_stream_synchronize(py: Python<'_>, ordinal: usize, handle: usize) -> PyResult<()> {
     guard(|| {
         // SAFETY: the handle comes from the user (the `stream=` argument of the Python API:
         // a producer's raw `CUstream`, e.g. `torch.cuda.current_stream().cuda_stream`, or
         // 1/2 for the default streams), trusted as PyTorch's `ExternalStream` trusts its
         // integer. We cannot check it: the driver validates handles it knows of, so an
         // arbitrary integer is only as safe as that validation.
-        py.detach(|| unsafe { tensorferry::backend::cuda_device::stream_synchronize(handle) })
-            .py_err()
+        py.detach(|| unsafe {
+            tensorferry::backend::cuda_device::stream_synchronize(ordinal, handle)
+        })
+        .py_err()
     })
 }
 

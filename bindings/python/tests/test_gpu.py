@@ -119,7 +119,11 @@ def test_many_small_torch_cpu_tensors_go_to_the_gpu_with_their_values(torch_cuda
 def test_non_blocking_results_are_read_only_after_the_copy(torch_cuda):
     torch = torch_cuda
     src = {f"t{i}": torch.full((1024,), float(i), device="cuda") for i in range(100)}
-    out = tf.to_host(src, non_blocking=True)
+    pending = tf.to_host(src, non_blocking=True)
+    # PyTorch tensors cannot wait for a copy by themselves: they come through a Transfer,
+    # which gives the structure only once the copies have finished.
+    assert isinstance(pending, tf.Transfer)
+    out = pending.result()
     for i in range(100):
         assert out[f"t{i}"][0].item() == float(i)
 
@@ -287,7 +291,11 @@ def test_non_blocking_to_host_of_torch_gpu_tensors_is_a_transfer(torch_cuda):
 
 def test_non_blocking_upload_into_torch_orders_torchs_stream_instead_of_waiting(torch_cuda):
     torch = torch_cuda
-    src = {f"w{i}": torch.randn(8 << 20) for i in range(8)}  # 256 MB of pageable memory
+    # 256 MB of pinned memory: copied straight from it, on the GPU's stream. (From pageable
+    # memory this size goes through the staging ring, whose last chunk is queued by a host
+    # thread: PyTorch's stream can only be ordered after it once it is queued, and the
+    # call waits for the copies on the host instead.)
+    src = {f"w{i}": torch.randn(8 << 20).pin_memory() for i in range(8)}
     torch.cuda.synchronize()
     out = tf.to_device(src, "cuda:0", non_blocking=True)
     # Returned before the copies finished: PyTorch's stream waits for them on the GPU (a
@@ -305,3 +313,37 @@ def test_dlpack_consumer_streams_are_checked(cuda):
         t.__dlpack__(stream=0)
     with pytest.raises(TypeError, match="integer"):
         t.__dlpack__(stream="default")
+
+
+@pytest.mark.parametrize("stream", [1, 2])
+def test_default_stream_handles_are_waited_for_in_each_gpus_context(cuda, stream):
+    """The handles 1 and 2 name the default stream of the context they are used in: with
+    tensors on several GPUs (or none), the caller waits for each GPU's (GPU 0's), with
+    that GPU's context current, never with no context (which the driver refuses)."""
+    src = {"a": np.arange(4.0)}
+    there = {d: tf.to_device(src, d)["a"] for d in tf.devices() if d.startswith("cuda")}
+    out = tf.to_host(there, stream=stream)
+    assert set(out) == set(there)
+    for v in out.values():
+        np.testing.assert_array_equal(v, src["a"])
+    np.testing.assert_array_equal(tf.to_host(src, stream=stream, copy=True)["a"], src["a"])
+
+
+def test_memory_named_without_a_stream_is_read_after_the_legacy_default_stream(torch_cuda):
+    """A CUDA Array Interface producer that names no stream (Numba's default-stream arrays)
+    may still have work queued on the legacy default stream; tensorferry's streams are
+    non-blocking, so its copies wait for that stream explicitly, on the GPU."""
+    torch = torch_cuda
+    x = torch.zeros(1 << 20, device="cuda:0")
+    torch.cuda.synchronize()
+
+    class NoStream:
+        def __init__(self, owner):
+            self.owner = owner
+            self.__cuda_array_interface__ = {**owner.__cuda_array_interface__, "stream": None}
+
+    with torch.cuda.stream(torch.cuda.default_stream()):
+        torch.cuda._sleep(200_000_000)  # the legacy default stream stays busy a while
+        x.fill_(7.0)  # queued behind the sleep
+        out = tf.to_host({"p": NoStream(x)})["p"]
+    assert (np.asarray(out) == 7.0).all()

@@ -183,6 +183,8 @@ fn state() -> MutexGuard<'static, State> {
 thread_local! {
     /// The current context: device ordinal + 1, or 0 for none.
     static CURRENT: Cell<usize> = const { Cell::new(0) };
+    /// The thread's stream-capture mode (`cuThreadExchangeStreamCaptureMode`).
+    static CAPTURE_MODE: Cell<c_uint> = const { Cell::new(0) };
     /// Contexts under the current one, pushed by `cuCtxPushCurrent_v2`.
     static STACK: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -366,8 +368,13 @@ impl Stream {
 
 /// The stream behind a handle, if it is one of ours (null is the legacy stream: `None`).
 fn stream_of(s: &State, handle: *mut c_void) -> Result<Option<&'static Stream>, CUresult> {
-    // The default stream: null, CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2).
+    // The default stream: null, CU_STREAM_LEGACY (1) or CU_STREAM_PER_THREAD (2). Like a
+    // real driver, these name the current context's default stream: with no context
+    // current they are an error.
     if (handle as usize) <= 2 {
+        if CURRENT.with(Cell::get) == 0 {
+            return Err(INVALID_CONTEXT);
+        }
         return Ok(None);
     }
     if !s.streams.contains(&(handle as usize)) {
@@ -487,6 +494,25 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, dev: c_
     SUCCESS
 }
 
+/// Swaps the calling thread's stream-capture mode (0 global, the default; 1 thread-local;
+/// 2 relaxed). Nothing here captures: the mode is only kept, so that tests can check that
+/// tensorferry restores a thread's mode.
+#[no_mangle]
+pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_uint) -> CUresult {
+    try_cu!(enter(&state(), false));
+    if mode.is_null() {
+        return INVALID_VALUE;
+    }
+    // SAFETY: a valid in/out pointer (driver API contract), checked non-null above.
+    let wanted = unsafe { *mode };
+    if wanted > 2 {
+        return INVALID_VALUE;
+    }
+    // SAFETY: as above.
+    unsafe { *mode = CAPTURE_MODE.with(|m| m.replace(wanted)) };
+    SUCCESS
+}
+
 #[no_mangle]
 pub extern "C" fn cuCtxSetCurrent(ctx: *mut c_void) -> CUresult {
     try_cu!(enter(&state(), false));
@@ -577,6 +603,9 @@ pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut u64, len: usize) -> CUresult {
 
 /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`: the GPU that owns an address.
 const POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+const POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+const MEMORYTYPE_HOST: u32 = 1;
+const MEMORYTYPE_DEVICE: u32 = 2;
 
 /// Only the device ordinal is known: an address inside a live allocation gives its GPU;
 /// any other address is `CUDA_ERROR_INVALID_VALUE`, as the driver answers for host memory
@@ -589,10 +618,31 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
 ) -> CUresult {
     let s = state();
     try_cu!(enter(&s, false));
+    let address = address as usize;
+    if attribute == POINTER_ATTRIBUTE_MEMORY_TYPE {
+        let pinned = s
+            .pinned
+            .range(..=address)
+            .next_back()
+            .is_some_and(|(start, (len, _))| address < start + len);
+        let on_device = s
+            .device
+            .range(..=address)
+            .next_back()
+            .is_some_and(|(start, a)| address < start + a.len);
+        let kind = match (pinned, on_device) {
+            (true, _) => MEMORYTYPE_HOST,
+            (_, true) => MEMORYTYPE_DEVICE,
+            // Pageable memory: the driver knows nothing of it.
+            _ => return INVALID_VALUE,
+        };
+        // SAFETY: the attribute is an unsigned int; valid out pointer (driver API contract).
+        unsafe { *(out as *mut u32) = kind };
+        return SUCCESS;
+    }
     if attribute != POINTER_ATTRIBUTE_DEVICE_ORDINAL {
         return INVALID_VALUE;
     }
-    let address = address as usize;
     let owner = s
         .device
         .range(..=address)

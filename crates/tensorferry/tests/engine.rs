@@ -1030,3 +1030,63 @@ fn child_cuda_copy_call_1_fails() {
 
 #[path = "engine/save_streamed.rs"]
 mod save_streamed;
+
+/// Host memory page-locked by another library (PyTorch's `pin_memory()`, a registered
+/// NumPy array) is copied to the GPU straight from where it lies, as the pool's own pinned
+/// memory is: the staging ring, which only adds a host copy for such memory, is skipped.
+#[test]
+fn page_locked_memory_of_another_library_skips_the_staging_ring() {
+    if cuda_missing() {
+        return;
+    }
+    let _pool = pool_lock();
+    let gpu = Device::Cuda(0);
+    let pool = tensorferry::backend::backend_for(gpu)
+        .unwrap()
+        .pinned_pool()
+        .unwrap();
+    let values: Vec<f32> = (0..50_000).map(|x| x as f32).collect();
+    let source = Tensor::from_slice(&values, &[values.len()]).unwrap();
+    let pinned = MoveOptions {
+        pinned: true,
+        ..Default::default()
+    };
+    // Pinned memory handed to tensorferry as foreign memory, as a framework's tensor is.
+    let locked = tensorferry::move_tensors(&[&source.to(gpu, false).unwrap()], Device::Cpu, pinned)
+        .unwrap()
+        .pop()
+        .unwrap();
+    let len = locked.nbytes();
+    // SAFETY: `locked`'s bytes are host memory valid while it lives; the foreign memory
+    // owns a clone of it, and nothing writes to it.
+    let memory = unsafe {
+        tensorferry::storage::ForeignMemory::new(
+            locked.data_ptr() as *mut u8,
+            len,
+            Device::Cpu,
+            true,
+            Box::new(locked.clone()),
+        )
+    };
+    let foreign = Tensor::from_storage(
+        Arc::new(tensorferry::Storage::foreign(memory)),
+        0,
+        tensorferry::DType::F32,
+        vec![values.len()],
+        vec![1],
+    )
+    .unwrap();
+    let through_ring = MoveOptions {
+        staging: SMALL_RING,
+        ..Default::default()
+    };
+    for (tensor, page_locked) in [(&foreign, true), (&source, false)] {
+        let before = pool.stats();
+        let there = tensorferry::move_tensors(&[tensor], gpu, through_ring).unwrap();
+        let back = there[0].to(Device::Cpu, false).unwrap();
+        assert_eq!(back.to_vec::<f32>().unwrap(), values);
+        let after = pool.stats();
+        let ring_used = after.hits + after.misses > before.hits + before.misses;
+        assert_eq!(ring_used, !page_locked, "page-locked: {page_locked}");
+    }
+}

@@ -138,6 +138,7 @@ def _sync_producer(stream, leaves=(), target="cpu"):
     if stream is None:
         return
     handle, gpu = _stream_handle(stream)
+    gpus = set()
     if handle is not None:
         kinds = ((leaf, fw.kind_of(leaf)) for _, leaf in leaves)
         gpus = {fw.device_of(leaf, kind) for leaf, kind in kinds if kind is not None}
@@ -152,7 +153,12 @@ def _sync_producer(stream, leaves=(), target="cpu"):
     if hasattr(stream, "synchronize"):
         stream.synchronize()
     elif isinstance(stream, int):
-        _native.cuda_stream_synchronize(stream)
+        # A stream's handle names its GPU; the default-stream handles (1 and 2) name the
+        # default stream of the context they are used in: each GPU the tensors live on
+        # (GPU 0 when they all live on the host).
+        ordinals = sorted(int(g[5:]) for g in gpus if g.startswith("cuda:")) or [0]
+        for ordinal in ordinals if stream in (1, 2) else ordinals[:1]:
+            _native.cuda_stream_synchronize(ordinal, stream)
     else:
         raise TypeError(f"stream must be a framework stream or a CUDA stream handle, not {type(stream).__name__}")
 

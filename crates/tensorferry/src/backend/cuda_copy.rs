@@ -109,9 +109,16 @@ impl CopyQueue {
         let create = || {
             let mut stream: sys::CUstream = std::ptr::null_mut();
             // SAFETY: the context is current (caller's contract); `stream` is a live out
-            // pointer. Flags 0: a blocking stream, ordered after the legacy default stream.
+            // pointer. A non-blocking stream: no implicit synchronisation with the legacy
+            // default stream (PyTorch's default), so copies overlap the work queued there
+            // instead of stalling it; every order with a producer's stream is explicit.
             check(
-                unsafe { sys::cuStreamCreate(&mut stream, 0) },
+                unsafe {
+                    sys::cuStreamCreate(
+                        &mut stream,
+                        sys::CUstream_flags::CU_STREAM_NON_BLOCKING as std::ffi::c_uint,
+                    )
+                },
                 device,
                 "cuStreamCreate",
             )

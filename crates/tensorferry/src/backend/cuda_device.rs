@@ -3,9 +3,13 @@
 //! PyTorch, JAX and CuPy in the same process are valid here.
 //!
 //! Each GPU has two CUDA streams of its own (uploads; copies that read device memory), so
-//! that an upload and a download overlap, created *blocking* (flags 0) so that they run
-//! after work on the legacy default stream, which DLPack producers synchronise with when no
-//! stream is passed.
+//! that an upload and a download overlap, created *non-blocking*: the legacy default stream
+//! (PyTorch's default stream) neither waits for their copies nor makes them wait, so a
+//! save or an upload overlaps a training step instead of stalling it. Every order with
+//! another library's work is therefore explicit: DLPack producers are passed the read
+//! stream, PyTorch's current stream is waited for by an event ([`order_after_stream`]),
+//! memory from the CUDA Array Interface without a stream is ordered after the legacy
+//! default stream of its GPU, and a copy from another GPU waits for that GPU's read stream.
 //!
 //! Batches are queued from the calling thread (with the GPU's primary context pushed for
 //! the call and popped after, so the thread keeps its own current context): the batch's
@@ -63,6 +67,11 @@ impl Context {
     /// Makes the context current on the calling thread until the guard drops, then
     /// restores the thread's previous context — so a user's thread (and what PyTorch
     /// takes for its current device) is left as tensorferry found it.
+    ///
+    /// For the guard's life the thread's stream-capture mode is also *relaxed*: while
+    /// another thread captures a CUDA graph in PyTorch's default (global) mode, the calls
+    /// tensorferry makes (event queries, stream synchronisation) would otherwise invalidate
+    /// that capture. The thread's own mode comes back with its context.
     pub(crate) fn enter(self, device: Device) -> Result<Current> {
         // SAFETY: the handle came from `cuDevicePrimaryCtxRetain` and stays retained.
         check(
@@ -71,30 +80,49 @@ impl Context {
             "cuCtxPushCurrent",
         )?;
         Ok(Current {
+            capture_mode: exchange_capture_mode(
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            ),
             _not_send: std::marker::PhantomData,
         })
     }
 
-    /// Makes the context current on the calling thread for good (tensorferry's own
-    /// threads only).
+    /// Makes the context current on the calling thread for good, its stream-capture mode
+    /// relaxed (tensorferry's own threads only).
     pub(crate) fn make_current(self, device: Device) -> Result<()> {
         // SAFETY: the handle came from `cuDevicePrimaryCtxRetain` and stays retained.
         check(
             unsafe { sys::cuCtxSetCurrent(self.0) },
             device,
             "cuCtxSetCurrent",
-        )
+        )?;
+        exchange_capture_mode(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
+        Ok(())
     }
 }
 
+/// Sets the calling thread's stream-capture mode; returns the one it replaced (`None` if
+/// the driver refused, and then nothing changed).
+fn exchange_capture_mode(mode: sys::CUstreamCaptureMode) -> Option<sys::CUstreamCaptureMode> {
+    let mut mode = mode;
+    // SAFETY: the driver is loaded (a context exists); `mode` is a live in/out value of
+    // the enum's type, which the driver overwrites with the thread's previous mode.
+    let code = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    (code == CUresult::CUDA_SUCCESS).then_some(mode)
+}
+
 /// A context pushed on the calling thread by [`Context::enter`]; popped when dropped, on
-/// the same thread (the guard cannot move to another).
+/// the same thread (the guard cannot move to another), the thread's capture mode restored.
 pub(crate) struct Current {
+    capture_mode: Option<sys::CUstreamCaptureMode>,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
 impl Drop for Current {
     fn drop(&mut self) {
+        if let Some(mode) = self.capture_mode {
+            exchange_capture_mode(mode);
+        }
         let mut previous: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: `enter` pushed a context on this thread (the guard is not `Send`), so
         // there is one to pop; `previous` is a live out pointer.
@@ -248,6 +276,48 @@ impl Backend for CudaDevice {
     /// synchronous piece at a time: the engine's ring overlaps that with host copies.
     fn prefers_pinned_staging(&self) -> bool {
         true
+    }
+
+    /// A copy from another GPU's memory runs on this GPU's stream, while the producers of
+    /// that memory ordered the source GPU's read stream: an event recorded there (in the
+    /// source's context) is waited for on this GPU's stream for such copies.
+    fn order_after_device(&self, source: Device) -> Result<()> {
+        let Device::Cuda(from) = source else {
+            return Ok(());
+        };
+        if from == self.ordinal {
+            return Ok(());
+        }
+        let src = device(from)?;
+        let lane = lane_of(super::Direction::DeviceToDevice);
+        let mark = {
+            let _current = src.context.enter(source)?;
+            super::cuda_event::CudaEvent::record(src.context, source, src.queue.stream(lane))?
+        };
+        let here = Backend::device(self);
+        let _current = self.context.enter(here)?;
+        mark.wait_on(self.queue.stream(lane), here)
+    }
+
+    /// Asks the driver: host memory it knows (`cuMemHostAlloc`, `cuMemHostRegister`, by
+    /// any library of the process) has the memory type HOST; pageable memory is an error.
+    fn is_page_locked(&self, address: *const u8) -> bool {
+        let Ok(_current) = self.context.enter(Backend::device(self)) else {
+            return false;
+        };
+        let mut kind: std::ffi::c_uint = 0;
+        // SAFETY: the driver is loaded and this GPU's context is current; the out pointer
+        // is a live unsigned int, the size the memory-type attribute writes; an address
+        // the driver does not know is an error code, nothing is read at it.
+        let result = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut kind as *mut std::ffi::c_uint).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                address as sys::CUdeviceptr,
+            )
+        };
+        result == sys::CUresult::CUDA_SUCCESS
+            && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as std::ffi::c_uint
     }
 
     fn alloc(&self, len: usize) -> Result<DeviceMemory> {
@@ -431,8 +501,10 @@ fn driver_version_of(s: &CudaStatus) -> i32 {
 }
 
 /// Blocks until the work queued on a producer's CUDA stream (a raw `CUstream` handle from
-/// PyTorch, CuPy or JAX) has finished, so tensorferry reads what it computed. Without a
-/// CUDA driver it fails with `DeviceUnavailable` and touches nothing.
+/// PyTorch, CuPy or JAX) has finished, so tensorferry reads what it computed. The call runs
+/// in GPU `ordinal`'s primary context: the default-stream handles (1 and 2) name that
+/// context's default stream, and with no context current the driver would refuse them.
+/// Without a CUDA driver it fails with `DeviceUnavailable` and touches nothing.
 ///
 /// # Safety
 /// `handle` must be a live `CUstream` of this process (created in a context of this
@@ -440,18 +512,15 @@ fn driver_version_of(s: &CudaStatus) -> i32 {
 /// The driver rejects some bad handles with an error code, but it does not validate every
 /// integer: one that names no stream may be read as a stream object, which is undefined
 /// behaviour.
-pub unsafe fn stream_synchronize(handle: usize) -> Result<()> {
-    if let CudaStatus::Unavailable { reason } = status() {
-        return Err(Error::DeviceUnavailable {
-            device: "cuda".into(),
-            reason: reason.clone(),
-        });
-    }
-    // SAFETY: the driver is loaded and initialised; the handle is a live stream of this
-    // process or a default-stream constant (this function's contract).
+pub unsafe fn stream_synchronize(ordinal: usize, handle: usize) -> Result<()> {
+    let gpu = device(ordinal)?;
+    let _current = gpu.context.enter(Device::Cuda(ordinal))?;
+    // SAFETY: the driver is loaded and initialised (`device` succeeded) and GPU
+    // `ordinal`'s context is current; the handle is a live stream of this process or a
+    // default-stream constant (this function's contract).
     check(
         unsafe { sys::cuStreamSynchronize(handle as sys::CUstream) },
-        Device::Cuda(0),
+        Device::Cuda(ordinal),
         "cuStreamSynchronize",
     )
 }
@@ -528,6 +597,43 @@ mod tests {
             drop(there);
             assert_eq!(back.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
             assert!(current().is_null(), "tensorferry left a context current");
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn driver_calls_run_relaxed_and_leave_the_threads_capture_mode_as_it_was() {
+        use sys::CUstreamCaptureMode::{
+            CU_STREAM_CAPTURE_MODE_GLOBAL, CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        let Ok(gpu) = device(0) else {
+            eprintln!("skipped: no CUDA driver");
+            return;
+        };
+        std::thread::spawn(move || {
+            // A user's thread in the default (global) mode, as PyTorch's graph capture uses.
+            assert_eq!(
+                exchange_capture_mode(CU_STREAM_CAPTURE_MODE_GLOBAL),
+                Some(CU_STREAM_CAPTURE_MODE_GLOBAL)
+            );
+            {
+                let _current = gpu.context.enter(Device::Cuda(0)).unwrap();
+                let inside = exchange_capture_mode(CU_STREAM_CAPTURE_MODE_RELAXED);
+                assert_eq!(inside, Some(CU_STREAM_CAPTURE_MODE_RELAXED));
+            }
+            let host = crate::Tensor::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+            let back = host
+                .to(Device::Cuda(0), false)
+                .unwrap()
+                .to(Device::Cpu, false)
+                .unwrap();
+            assert_eq!(back.to_vec::<f32>().unwrap(), [1.0, 2.0]);
+            assert_eq!(
+                exchange_capture_mode(CU_STREAM_CAPTURE_MODE_GLOBAL),
+                Some(CU_STREAM_CAPTURE_MODE_GLOBAL),
+                "tensorferry left the thread's capture mode changed"
+            );
         })
         .join()
         .unwrap();

@@ -90,6 +90,21 @@ pub trait Backend: Send + Sync + fmt::Debug {
         false
     }
 
+    /// True when the host memory at `address` is page-locked for this device's copies
+    /// (pinned or registered by another library, such as PyTorch's `pin_memory()`), so
+    /// that the device copies it directly, at the bus's speed, without the staging ring.
+    fn is_page_locked(&self, _address: *const u8) -> bool {
+        false
+    }
+
+    /// Makes this device's copies from another device's memory, queued from now on, wait
+    /// for the work queued so far on the stream that `source`'s reads run on: the stream
+    /// producers of that memory were ordered before (DLPack's `stream`, a framework's
+    /// stream). A device whose copies run on the source's own queue needs nothing.
+    fn order_after_device(&self, _source: Device) -> Result<()> {
+        Ok(())
+    }
+
     /// Queues `batch` on the device's stream for its direction, after everything submitted
     /// to that stream before it (and after its `waits`), completing `event` when every
     /// copy is done, or with the first failure: a wait's own failure as it is, else one

@@ -535,3 +535,32 @@ fn copies_wait_for_a_producer_stream_on_the_gpu_and_the_caller_not_at_all() {
     held.open();
     assert_eq!(back.to_vec::<u32>().unwrap(), data);
 }
+
+#[test]
+fn a_copy_to_another_gpu_waits_for_the_producer_of_its_source() {
+    let _serial = serial();
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() || last_gpu() == Device::Cuda(0) {
+        return; // needs the fake driver's gate and two GPUs
+    }
+    let (from, to) = (Device::Cuda(0), last_gpu());
+    let producer = ForeignStream::new(from);
+    let (host, data) = sample(12);
+    let there = move_one(&host, from);
+    there.wait().unwrap();
+    // The producer of GPU 0's tensor is still writing it (its stream is held): the copy to
+    // the other GPU, which runs on that GPU's stream, must not run before it either.
+    let held = gate_stream(producer.raw as usize).unwrap();
+    // SAFETY: `producer` is a live stream of GPU 0's primary context.
+    unsafe { super::cuda_device::order_after_stream(0, producer.raw as usize) }.unwrap();
+    let across = move_one(&there, to);
+    std::thread::sleep(SETTLE);
+    assert!(
+        !across.is_ready(),
+        "the copy to {to} ran before the producer's stream on {from}"
+    );
+    held.open();
+    assert_eq!(
+        move_one(&across, Device::Cpu).to_vec::<u32>().unwrap(),
+        data
+    );
+}

@@ -127,7 +127,13 @@ pub fn move_tensors(
             } else {
                 Direction::DeviceToDevice
             };
-            let (moved, event) = to_device(&backend_for(target)?, direction, sources, options)?;
+            let backend = backend_for(target)?;
+            if direction == Direction::DeviceToDevice && from != target {
+                // The copies run on the target's stream: ordered after the source's, which
+                // the sources' producers were ordered before.
+                backend.order_after_device(from)?;
+            }
+            let (moved, event) = to_device(&backend, direction, sources, options)?;
             events.push(event);
             moved
         };
@@ -327,8 +333,11 @@ fn to_device(
     options: MoveOptions,
 ) -> Result<(Vec<Tensor>, Event)> {
     let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
-    // Sources already in pinned memory go straight to the device.
-    let pageable = sources.iter().any(|t| !t.storage().is_pinned());
+    // Sources already in pinned memory (the pool's, or page-locked by another library, as
+    // PyTorch's `pin_memory()` tensors are) go straight to the device.
+    let pageable = sources
+        .iter()
+        .any(|t| !t.storage().is_pinned() && !backend.is_page_locked(t.data_ptr()));
     let ring = (direction == Direction::HostToDevice && pageable)
         .then(|| options.staging.ring_for(&**backend, layout.total))
         .flatten();
