@@ -94,6 +94,7 @@ fn move_tensors(
             non_blocking,
             pinned,
             staging: parse_staging(staging.as_ref())?,
+            ..Default::default()
         };
         let moved = wait::move_tensors(py, &refs, target, options)?;
         Ok(moved.into_iter().map(PyTensor::new).collect())

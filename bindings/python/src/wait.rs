@@ -45,13 +45,19 @@ pub fn wait_until<'a>(
 /// Makes the consumer's CUDA stream `handle` wait on the GPU for the copy filling
 /// `tensor` (no host wait); a copy not on a GPU yet is waited for here, in slices.
 pub fn order_stream(py: Python<'_>, tensor: &Tensor, handle: usize) -> PyResult<()> {
-    // SAFETY: the handle is the stream a DLPack consumer named for this tensor's GPU (the
-    // protocol's contract: a live stream of the process, or 1/2 for the default streams).
-    let ordered = unsafe { tensorferry::transfer::order_stream_after(tensor, handle) }.py_err()?;
-    if !ordered {
-        wait_all(py, [tensor])?;
+    loop {
+        // SAFETY: the handle is the stream a DLPack consumer named for this tensor's GPU
+        // (the protocol's contract: a live stream of the process, or 1/2 for the default
+        // streams).
+        if unsafe { tensorferry::transfer::order_stream_after(tensor, handle) }.py_err()? {
+            return Ok(());
+        }
+        // Not on a GPU yet (a staging thread is still queuing it): wait until it is, or
+        // done, and ask again.
+        if !py.detach(|| tensorferry::transfer::wait_queued_timeout(tensor, SLICE)) {
+            py.check_signals()?;
+        }
     }
-    Ok(())
 }
 
 /// Moves `tensors` to `target` and waits for the copies in slices (see [`wait_all`]): a
@@ -64,6 +70,7 @@ pub fn move_tensors(
 ) -> PyResult<Vec<Tensor>> {
     let blocking = !options.non_blocking;
     options.non_blocking = true;
+    options.waits_at_once = blocking;
     let moved = py
         .detach(|| tensorferry::move_tensors(tensors, target, options))
         .py_err()?;

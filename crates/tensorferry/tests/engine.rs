@@ -1090,3 +1090,42 @@ fn page_locked_memory_of_another_library_skips_the_staging_ring() {
         assert_eq!(ring_used, !page_locked, "page-locked: {page_locked}");
     }
 }
+
+/// A small non-blocking move between a GPU and ordinary memory goes through the staging
+/// ring (the driver's own copies with ordinary memory would hold the caller until the GPU
+/// got to them); a blocking one, or one whose caller waits at once, stays direct.
+#[test]
+fn small_non_blocking_moves_never_wait_for_the_gpu_in_the_driver() {
+    if cuda_missing() {
+        return;
+    }
+    let _pool = pool_lock();
+    let gpu = Device::Cuda(0);
+    let pool = tensorferry::backend::backend_for(gpu)
+        .unwrap()
+        .pinned_pool()
+        .unwrap();
+    let d = many_tensors(50);
+    let there = d.to(gpu, false).unwrap();
+    let ring_used = |from: &TensorDict, to: Device, non_blocking: bool, waits_at_once: bool| {
+        let before = pool.stats();
+        let moved = from
+            .to_with(
+                to,
+                MoveOptions {
+                    non_blocking,
+                    waits_at_once,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        assert_eq!(host_values(&moved), host_values(&d));
+        let after = pool.stats();
+        after.hits + after.misses > before.hits + before.misses
+    };
+    for (from, to) in [(&there, Device::Cpu), (&d, gpu)] {
+        assert!(ring_used(from, to, true, false), "non-blocking to {to}");
+        assert!(!ring_used(from, to, false, false), "blocking to {to}");
+        assert!(!ring_used(from, to, true, true), "waited at once to {to}");
+    }
+}

@@ -186,6 +186,31 @@ impl Event {
         let mut done = self.0.lock();
         if done.outcome.is_none() {
             done.mark = Some(mark);
+            self.0.cv.notify_all();
+        }
+    }
+
+    /// Blocks until the work is queued on a GPU or finished, or `timeout` has passed:
+    /// `true` in the first two cases.
+    pub(crate) fn wait_queued_timeout(&self, timeout: Duration) -> bool {
+        let Some(deadline) = Instant::now().checked_add(timeout) else {
+            return true;
+        };
+        let mut done = self.0.lock();
+        loop {
+            if done.outcome.is_some() || done.mark.is_some() {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            done = self
+                .0
+                .cv
+                .wait_timeout(done, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 

@@ -183,10 +183,13 @@ fn last_gpu() -> Device {
     }
 }
 
+/// Non-blocking copies straight on the streams (the rules here are the streams'; a small
+/// non-blocking move would otherwise take the staging ring on CUDA).
 fn non_blocking() -> MoveOptions {
     MoveOptions {
         copy: true,
         non_blocking: true,
+        staging: crate::Staging::Off,
         ..Default::default()
     }
 }
@@ -563,4 +566,47 @@ fn a_copy_to_another_gpu_waits_for_the_producer_of_its_source() {
         move_one(&across, Device::Cpu).to_vec::<u32>().unwrap(),
         data
     );
+}
+
+#[test]
+fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() {
+    let _serial = serial();
+    use super::cuda_event::CudaEvent;
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return; // needs the fake driver's gate
+    }
+    let dev = last_gpu();
+    let consumer = ForeignStream::new(dev);
+    let (host, data) = sample(13);
+    let held = gate(dev, Direction::HostToDevice).unwrap();
+    // Through the ring (one chunk): a staging thread queues the copy, later than the call.
+    let staged = MoveOptions {
+        staging: crate::Staging::Ring {
+            chunk_bytes: 1 << 20,
+            depth: 1,
+        },
+        ..non_blocking()
+    };
+    let there = move_tensors(&[&host], dev, staged).unwrap().remove(0);
+    assert!(
+        crate::transfer::wait_queued_timeout(&there, PATIENCE),
+        "the staged upload was never queued on the GPU"
+    );
+    assert!(!there.is_ready(), "the held upload finished");
+    // SAFETY: `consumer` is a live stream of the GPU's primary context.
+    assert!(
+        unsafe { crate::transfer::order_stream_after(&there, consumer.raw as usize) }.unwrap(),
+        "a queued staged upload still needs a host wait"
+    );
+    let after = {
+        let _current = consumer.context.enter(dev).unwrap();
+        CudaEvent::record(consumer.context, dev, consumer.raw).unwrap()
+    };
+    std::thread::sleep(SETTLE);
+    assert!(
+        !after.query().unwrap(),
+        "the consumer's stream ran past the held upload"
+    );
+    held.open();
+    assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
 }

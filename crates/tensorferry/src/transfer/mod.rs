@@ -39,7 +39,7 @@ pub mod staging;
 pub(crate) mod stream_in;
 mod stream_out;
 
-pub use consumer::order_stream_after;
+pub use consumer::{order_stream_after, wait_queued_timeout};
 pub use staging::Staging;
 pub(crate) use stream_out::stream_to_sink;
 
@@ -57,6 +57,12 @@ pub struct MoveOptions {
     /// Whether copies between a device and ordinary host memory go through pinned
     /// staging buffers.
     pub staging: Staging,
+    /// With `non_blocking`: the caller waits for the results at once anyway (a blocking
+    /// call that waits in slices to stay interruptible, as the Python package does), so
+    /// the copies may hold the submitting thread: [`Staging::Auto`] then keeps small
+    /// transfers direct, as for a blocking move, instead of taking the ring that lets a
+    /// non-blocking call return without waiting for the GPU.
+    pub waits_at_once: bool,
 }
 
 /// Moves `tensors` to `target`, returning them in order. Tensors already there are
@@ -301,7 +307,13 @@ fn to_host(
     let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
     let event = Event::pending();
     let ring = (!options.pinned)
-        .then(|| options.staging.ring_for(&**backend, layout.total))
+        .then(|| {
+            options.staging.ring_for(
+                &**backend,
+                layout.total,
+                options.non_blocking && !options.waits_at_once,
+            )
+        })
         .flatten();
     let mut buffer = if options.pinned {
         HostBuffer::Pinned(backend.pinned_pool()?.take(layout.total)?)
@@ -339,7 +351,13 @@ fn to_device(
         .iter()
         .any(|t| !t.storage().is_pinned() && !backend.is_page_locked(t.data_ptr()));
     let ring = (direction == Direction::HostToDevice && pageable)
-        .then(|| options.staging.ring_for(&**backend, layout.total))
+        .then(|| {
+            options.staging.ring_for(
+                &**backend,
+                layout.total,
+                options.non_blocking && !options.waits_at_once,
+            )
+        })
         .flatten();
     let mut memory = backend.alloc(layout.total)?;
     let event = Event::pending();

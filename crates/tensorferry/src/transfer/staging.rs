@@ -18,7 +18,7 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 use super::{runs, submit_when_ready, Run};
-use crate::backend::event::{panic_message, Outcome};
+use crate::backend::event::{panic_message, Outcome, Progress};
 use crate::backend::worker::spawn_worker;
 use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event, Failure};
 use crate::consolidate::PackedLayout;
@@ -41,7 +41,9 @@ const MAX_CREW_THREADS: usize = 64;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Staging {
     /// Where the device copies faster from pinned memory (CUDA) and the transfer is at
-    /// least [`AUTO_MIN_BYTES`]: a ring of [`AUTO_DEPTH`] buffers of [`AUTO_CHUNK_BYTES`].
+    /// least [`AUTO_MIN_BYTES`]: a ring of [`AUTO_DEPTH`] buffers of [`AUTO_CHUNK_BYTES`];
+    /// there also for a smaller non-blocking transfer, so that the call never waits for
+    /// the GPU (a ring of two buffers of at most [`AUTO_CHUNK_BYTES`]).
     #[default]
     Auto,
     /// Never: the device copies straight to or from ordinary memory.
@@ -65,14 +67,29 @@ pub(crate) struct Ring {
 
 impl Staging {
     /// The ring for a transfer of `total` bytes on `backend`, or `None` to copy directly.
-    pub(crate) fn ring_for(self, backend: &dyn Backend, total: usize) -> Option<Ring> {
+    ///
+    /// With `Auto`, a `non_blocking` transfer on such a device takes a ring whatever its
+    /// size: the driver's own copies between a GPU and ordinary memory hold the calling
+    /// thread (a download until it is done, an upload until the stream's earlier work is),
+    /// which would make the call wait for the GPU; through the ring the GPU's copies are to
+    /// and from pinned memory, queued without waiting, and host threads do the rest.
+    pub(crate) fn ring_for(
+        self,
+        backend: &dyn Backend,
+        total: usize,
+        non_blocking: bool,
+    ) -> Option<Ring> {
         match self {
             Staging::Off => None,
-            Staging::Auto => (backend.prefers_pinned_staging() && total >= AUTO_MIN_BYTES)
-                .then_some(Ring {
-                    chunk_bytes: AUTO_CHUNK_BYTES,
-                    depth: AUTO_DEPTH,
-                }),
+            Staging::Auto if !backend.prefers_pinned_staging() || total == 0 => None,
+            Staging::Auto if total >= AUTO_MIN_BYTES => Some(Ring {
+                chunk_bytes: AUTO_CHUNK_BYTES,
+                depth: AUTO_DEPTH,
+            }),
+            Staging::Auto => non_blocking.then_some(Ring {
+                chunk_bytes: total.min(AUTO_CHUNK_BYTES),
+                depth: 2,
+            }),
             Staging::Ring { chunk_bytes, depth } => Some(Ring {
                 chunk_bytes: chunk_bytes.max(1),
                 depth: depth.max(1),
@@ -405,8 +422,10 @@ impl Transfer {
         Ok(())
     }
 
-    /// Host → device.
-    fn run_to_device(&self, crew: &Crew) -> Outcome {
+    /// Host → device. Once the last chunk is queued on the GPU (behind every other chunk,
+    /// on the same stream), its CUDA event marks `event` too: a consumer's stream can then
+    /// be ordered after the whole transfer on the GPU instead of waiting on the host.
+    fn run_to_device(&self, crew: &Crew, event: &Event) -> Outcome {
         for w in &self.waits {
             w.wait_outcome()?;
         }
@@ -440,6 +459,9 @@ impl Transfer {
                 .collect();
             events.push(self.queue(j, Direction::HostToDevice, ops));
         }
+        if let Some(Progress::Queued(mark)) = events.last().map(Event::progress) {
+            event.set_mark(mark);
+        }
         for e in &events {
             e.wait_outcome()?;
         }
@@ -464,10 +486,11 @@ pub(crate) fn start(
     let transfer = Transfer::prepare(backend, ring, sources, layout, dest, base)?;
     let device = transfer.backend.device();
     let threads = crate::consolidate::threads_for(ring.chunk_bytes).min(MAX_CREW_THREADS);
+    let marked = event.clone();
     spawn_worker("tensorferry-staging", device, event.clone(), move || {
         let outcome = with_crew(threads, copy_spans, |crew| match direction {
             Direction::DeviceToHost => transfer.run_to_host(crew),
-            _ => transfer.run_to_device(crew),
+            _ => transfer.run_to_device(crew, &marked),
         });
         drop(transfer); // buffers back to the pool before anyone is woken
         outcome
