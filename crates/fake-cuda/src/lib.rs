@@ -29,7 +29,8 @@
 //! - `tf_fake_cuda_fail_on_this_thread(kind, n)`: the `n`th call of `kind` made on the
 //!   calling thread from now fails with `CUDA_ERROR_UNKNOWN` (not sticky). Kinds:
 //!   [`FAULT_COPY`] (any copy call), [`FAULT_RECORD`] (`cuEventRecord`), [`FAULT_QUERY`]
-//!   (the `n`th event recorded on this thread: its queries and synchronisations fail).
+//!   (the `n`th event recorded on this thread: its queries and synchronisations fail),
+//!   [`FAULT_PIN`] (`cuMemHostAlloc`: pinned memory refused).
 //!   Counted per thread, so tests running in parallel in one process do not disturb each
 //!   other; `tf_fake_cuda_clear_faults()` forgets this thread's settings.
 //!
@@ -110,12 +111,14 @@ pub const FAULT_COPY: c_int = 0;
 pub const FAULT_RECORD: c_int = 1;
 /// Fault kind: events recorded on this thread whose queries and synchronisations fail.
 pub const FAULT_QUERY: c_int = 2;
+/// Fault kind: `cuMemHostAlloc` calls (pinned memory refused: `CUDA_ERROR_OUT_OF_MEMORY`).
+pub const FAULT_PIN: c_int = 3;
 
 #[derive(Default)]
 struct Faults {
     /// Per kind: calls counted since the kind was last set, and the call numbers to fail.
-    calls: [u64; 3],
-    fail: [Vec<u64>; 3],
+    calls: [u64; 4],
+    fail: [Vec<u64>; 4],
 }
 
 thread_local! {
@@ -141,7 +144,7 @@ fn thread_fault(kind: c_int) -> bool {
 /// first setting.
 #[no_mangle]
 pub extern "C" fn tf_fake_cuda_fail_on_this_thread(kind: c_int, n: u64) -> CUresult {
-    if !(FAULT_COPY..=FAULT_QUERY).contains(&kind) || n == 0 {
+    if !(FAULT_COPY..=FAULT_PIN).contains(&kind) || n == 0 {
         return INVALID_VALUE;
     }
     FAULTS.with(|f| f.borrow_mut().fail[kind as usize].push(n));
@@ -692,6 +695,9 @@ pub unsafe extern "C" fn cuMemHostAlloc(
 ) -> CUresult {
     let mut s = state();
     try_cu!(enter(&s, true));
+    if thread_fault(FAULT_PIN) {
+        return OUT_OF_MEMORY;
+    }
     let mut backing = vec![0u8; len.max(1)];
     let ptr = backing.as_mut_ptr();
     s.pinned.insert(ptr as usize, (len, Some(backing)));

@@ -142,6 +142,7 @@ impl Drop for ForeignStream {
 const FAULT_COPY: i32 = 0;
 const FAULT_RECORD: i32 = 1;
 const FAULT_QUERY: i32 = 2;
+const FAULT_PIN: i32 = 3;
 
 /// Makes the `n`th calls of `kind` on this thread fail (fake driver); forgotten on drop.
 struct Faults;
@@ -609,4 +610,51 @@ fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() 
     );
     held.open();
     assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
+}
+
+#[test]
+fn an_automatic_ring_that_gets_no_pinned_memory_copies_directly_an_explicit_one_fails() {
+    let _serial = serial();
+    if hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0").is_none() {
+        return; // needs the fake driver's fault injection
+    }
+    let dev = last_gpu();
+    let pool = backend_for(dev).unwrap().pinned_pool().unwrap();
+    let (host, data) = sample(14);
+    // Hold every cached buffer of the ring's size class, so that the ring must pin anew.
+    let mut cached = Vec::new();
+    loop {
+        let misses = pool.stats().misses;
+        cached.push(pool.take(host.nbytes()).unwrap());
+        if pool.stats().misses > misses {
+            break;
+        }
+    }
+    let _refused = Faults::inject(FAULT_PIN, &[1, 2, 3]).unwrap();
+    // A small non-blocking move: `Auto` takes the ring, which gets no pinned memory.
+    let auto = MoveOptions {
+        copy: true,
+        non_blocking: true,
+        ..Default::default()
+    };
+    let misses = pool.stats().misses;
+    let there = move_tensors(&[&host], dev, auto).unwrap().remove(0);
+    let back = move_tensors(&[&there], Device::Cpu, auto)
+        .unwrap()
+        .remove(0);
+    assert_eq!(back.to_vec::<u32>().unwrap(), data);
+    assert_eq!(
+        pool.stats().misses,
+        misses + 2,
+        "each move asked for pinned memory"
+    );
+    let explicit = MoveOptions {
+        staging: crate::Staging::Ring {
+            chunk_bytes: 1 << 20,
+            depth: 1,
+        },
+        ..auto
+    };
+    assert!(move_tensors(&[&host], dev, explicit).is_err());
+    drop(cached);
 }

@@ -264,11 +264,12 @@ fn submit(
 }
 
 /// Queues the copies of `sources` into `storage` (at `dst_base`, by `layout`): through
-/// the staging ring when there is one, else as one batch; `event` completes when done.
+/// the staging ring when there is one (`Auto` chose it: directly when it cannot be set
+/// up), else as one batch; `event` completes when done.
 #[allow(clippy::too_many_arguments)]
 fn fill(
     backend: &Arc<dyn Backend>,
-    ring: Option<staging::Ring>,
+    ring: Option<(staging::Ring, Staging)>,
     direction: Direction,
     sources: Vec<Tensor>,
     layout: &PackedLayout,
@@ -277,7 +278,7 @@ fn fill(
     event: &Event,
 ) -> Result<()> {
     match ring {
-        Some(ring) => staging::start(
+        Some((ring, staging)) => staging::start(
             backend.clone(),
             ring,
             direction,
@@ -286,6 +287,7 @@ fn fill(
             storage,
             dst_base,
             event,
+            staging == Staging::Auto,
         ),
         None => {
             let batch = plan(direction, &sources, layout, dst_base)?;
@@ -314,7 +316,8 @@ fn to_host(
                 options.non_blocking && !options.waits_at_once,
             )
         })
-        .flatten();
+        .flatten()
+        .map(|ring| (ring, options.staging));
     let mut buffer = if options.pinned {
         HostBuffer::Pinned(backend.pinned_pool()?.take(layout.total)?)
     } else {
@@ -358,7 +361,8 @@ fn to_device(
                 options.non_blocking && !options.waits_at_once,
             )
         })
-        .flatten();
+        .flatten()
+        .map(|ring| (ring, options.staging));
     let mut memory = backend.alloc(layout.total)?;
     let event = Event::pending();
     memory.set_written(event.clone());

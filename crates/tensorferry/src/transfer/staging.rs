@@ -471,7 +471,8 @@ impl Transfer {
 
 /// Runs one transfer through `ring` on a staging thread of its own, which completes
 /// `event` when done: device → ordinary host memory, or ordinary host memory → a device,
-/// as `direction` says, into the memory at `base` (inside `dest`).
+/// as `direction` says, into the memory at `base` (inside `dest`). With `fall_back`, a ring
+/// that cannot be set up (no pinned memory) leaves the transfer to one direct batch.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start(
     backend: Arc<dyn Backend>,
@@ -482,8 +483,21 @@ pub(crate) fn start(
     dest: Arc<Storage>,
     base: *mut u8,
     event: &Event,
+    fall_back: bool,
 ) -> Result<()> {
-    let transfer = Transfer::prepare(backend, ring, sources, layout, dest, base)?;
+    let retry = fall_back.then(|| (sources.clone(), dest.clone()));
+    let transfer = match Transfer::prepare(backend.clone(), ring, sources, layout, dest, base) {
+        Ok(transfer) => transfer,
+        // No pinned memory for the ring (a locked-memory limit, say): where staging was
+        // the automatic choice, the device copies straight from or to ordinary memory.
+        Err(_) if retry.is_some() => {
+            let (sources, dest) = retry.expect("checked");
+            let batch = super::plan(direction, &sources, layout, base)?;
+            super::submit(&backend, batch, sources, dest, event);
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
     let device = transfer.backend.device();
     let threads = crate::consolidate::threads_for(ring.chunk_bytes).min(MAX_CREW_THREADS);
     let marked = event.clone();
