@@ -23,6 +23,10 @@ for version in 12080 12020; do
     TENSORFERRY_EXPECT_CUDA=1 cargo test -q -p tensorferry --lib --test engine
   LD_LIBRARY_PATH="$PWD/target/fake-cuda" TF_FAKE_CUDA_VERSION=$version target/debug/tensorferry info
 done
+# The toolkit's stub libcuda found first (a `stubs` directory on LD_LIBRARY_PATH) is named
+# as such, not as a bare driver error.
+stub_info=$(LD_LIBRARY_PATH="$PWD/target/fake-cuda" TF_FAKE_CUDA_STUB=1 target/debug/tensorferry info)
+grep -q "toolkit's stub" <<<"$stub_info" || { echo "the stub libcuda was not named: $stub_info"; exit 1; }
 echo "== python package"; bash scripts/setup-python.sh
 echo "== pytest"
 .venv/bin/python -m pytest bindings/python/tests --doctest-modules --pyargs tensorferry -q -p no:cacheprovider

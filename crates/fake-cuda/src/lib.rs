@@ -16,7 +16,8 @@
 //!
 //! Configuration, read once: `TF_FAKE_CUDA_DEVICES` (default 1), `TF_FAKE_CUDA_VERSION`
 //! (default 12080), `TF_FAKE_CUDA_CAPACITY` (bytes per device, default 1 GiB),
-//! `TF_FAKE_CUDA_DELAY_US`, and for fault injection `TF_FAKE_CUDA_FAIL_COPY`: a list of
+//! `TF_FAKE_CUDA_DELAY_US`, `TF_FAKE_CUDA_STUB=1` (behave as the toolkit's stub library:
+//! `cuInit` fails with `CUDA_ERROR_STUB_LIBRARY`), and for fault injection `TF_FAKE_CUDA_FAIL_COPY`: a list of
 //! call numbers (`3` or `3,14`, counted from 1 over every copy call of the process:
 //! `cuMemcpy*`, `cuMemcpy*Async`, `cuMemcpyBatchAsync`) that fail with
 //! `CUDA_ERROR_UNKNOWN`, not sticky. A failing `cuMemcpyBatchAsync` first queues the
@@ -50,6 +51,7 @@ type CUresult = c_uint;
 const SUCCESS: CUresult = 0;
 const INVALID_VALUE: CUresult = 1;
 const OUT_OF_MEMORY: CUresult = 2;
+const STUB_LIBRARY: CUresult = 34;
 const NOT_INITIALIZED: CUresult = 3;
 const INVALID_DEVICE: CUresult = 101;
 const INVALID_CONTEXT: CUresult = 201;
@@ -68,6 +70,9 @@ struct Config {
     delay: Duration,
     /// Copy calls (1-based) that fail.
     fail_copy: Vec<u64>,
+    /// Behave as the CUDA toolkit's stub library: `cuInit` fails with
+    /// `CUDA_ERROR_STUB_LIBRARY`.
+    stub: bool,
 }
 
 fn config() -> &'static Config {
@@ -85,6 +90,7 @@ fn config() -> &'static Config {
             capacity: var("TF_FAKE_CUDA_CAPACITY", 1 << 30) as usize,
             delay: Duration::from_micros(var("TF_FAKE_CUDA_DELAY_US", 20)),
             fail_copy: fail_list(&std::env::var("TF_FAKE_CUDA_FAIL_COPY").unwrap_or_default()),
+            stub: var("TF_FAKE_CUDA_STUB", 0) == 1,
         }
     })
 }
@@ -443,6 +449,9 @@ unsafe fn copy_async(
 
 #[no_mangle]
 pub extern "C" fn cuInit(_flags: c_uint) -> CUresult {
+    if config().stub {
+        return STUB_LIBRARY;
+    }
     state().initialised = true;
     SUCCESS
 }

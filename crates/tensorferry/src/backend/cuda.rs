@@ -60,6 +60,14 @@ fn probe_loaded_driver() -> CudaStatus {
     // pointers to live, correctly typed locals, as the driver API requires.
     unsafe {
         let code = sys::cuInit(0);
+        if code == sys::CUresult::CUDA_ERROR_STUB_LIBRARY {
+            return CudaStatus::Unavailable {
+                reason: "the libcuda.so loaded is the CUDA toolkit's stub, not the driver (a \
+                         `stubs` directory on LD_LIBRARY_PATH?): put the driver's directory \
+                         first"
+                    .into(),
+            };
+        }
         if code != sys::CUresult::CUDA_SUCCESS {
             return unavailable("cuInit", code);
         }
