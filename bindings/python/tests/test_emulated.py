@@ -430,3 +430,35 @@ def test_many_small_torch_tensors_moved_without_blocking_are_read_after_their_co
     for k, v in src.items():
         if isinstance(v, torch.Tensor):
             np.testing.assert_array_equal(_values(back[k]), _values(v), err_msg=k)
+
+
+def _use_emu_in_forked_child(conn):
+    try:
+        tf.to_device({"a": np.ones(3, np.float32)}, "emu:0")
+        conn.send("moved")
+    except tf.DeviceUnavailableError as e:
+        conn.send(str(e))
+    except BaseException as e:  # anything else is the test's failure, said by name
+        conn.send(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_child_forked_after_devices_were_used_gets_a_clear_error_not_a_hang(state):
+    import multiprocessing
+    import warnings
+
+    tf.to_device(state, "emu:0")  # the device's stream thread runs in this process
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        child = ctx.Process(target=_use_emu_in_forked_child, args=(there,))
+        child.start()
+    try:
+        assert here.poll(60), "the forked child hung"
+        message = here.recv()
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert "forked" in message and "spawn" in message, message

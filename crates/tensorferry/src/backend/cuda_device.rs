@@ -171,6 +171,7 @@ impl std::fmt::Debug for CudaDevice {
 pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     static REGISTRY: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
     let name = Device::Cuda(ordinal);
+    super::same_process(name)?;
     match status() {
         CudaStatus::Unavailable { reason } => {
             return Err(Error::DeviceUnavailable {

@@ -206,6 +206,7 @@ fn registry() -> &'static Mutex<HashMap<usize, Arc<EmulatedDevice>>> {
 
 /// The emulated device `emu:index`, created (reading `TENSORFERRY_EMU`) on first use.
 pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
+    super::same_process(Device::Emulated(index))?;
     if index >= EMULATED_DEVICES {
         return Err(Error::DeviceUnavailable {
             device: Device::Emulated(index).to_string(),

@@ -215,6 +215,27 @@ impl fmt::Debug for DeviceMemory {
     }
 }
 
+/// Fails in a process forked after the device backends were first set up: their threads
+/// (a GPU's reaper, an emulated device's stream) exist only in the process that started
+/// them, and CUDA cannot be used across `fork` either, so a child would wait forever for
+/// copies nobody runs. The first call records the process.
+pub(crate) fn same_process(device: Device) -> Result<()> {
+    static OWNER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let me = std::process::id();
+    let owner = *OWNER.get_or_init(|| me);
+    if owner == me {
+        return Ok(());
+    }
+    Err(crate::error::Error::DeviceUnavailable {
+        device: device.to_string(),
+        reason: format!(
+            "this process ({me}) was forked from {owner} after tensorferry used devices \
+             there; device threads and CUDA do not survive fork: start workers with the \
+             'spawn' or 'forkserver' method, or use devices only in the children"
+        ),
+    })
+}
+
 /// The backend of a device (host memory has none).
 pub fn backend_for(device: Device) -> Result<std::sync::Arc<dyn Backend>> {
     match device {
