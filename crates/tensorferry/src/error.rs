@@ -28,7 +28,10 @@ pub enum Error {
     },
 
     /// An allocation failed on a device or on the host.
-    #[error("out of memory on {device}: asked for {requested} bytes, {free} free of {total}")]
+    #[error(
+        "out of memory on {device}: asked for {requested} bytes, {free} free of {total}{}",
+        out_of_memory_hint(device)
+    )]
     OutOfMemory {
         /// Where the allocation was attempted.
         device: String,
@@ -149,5 +152,15 @@ impl Error {
             path: path.into(),
             source,
         }
+    }
+}
+
+/// What a GPU's free count leaves out: memory another library keeps cached for itself.
+fn out_of_memory_hint(device: &str) -> &'static str {
+    if device.starts_with("cuda") {
+        " (the driver's count: memory another library caches, such as PyTorch's allocator, \
+         is not free; `torch.cuda.empty_cache()` gives it back)"
+    } else {
+        ""
     }
 }
