@@ -35,6 +35,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::cuda_copy::{lane_of, LANES};
 use super::cuda_event::CudaEvent;
+use super::cuda_freer::Freer;
 use super::cuda_reaper::{Entry, RawStream, Reaper};
 use super::event::Progress;
 use super::lane::{Lane, Refused, Submitted};
@@ -151,6 +152,7 @@ pub struct CudaDevice {
     pub(crate) context: Context,
     queue: Arc<CopyQueue>,
     lanes: [Arc<Lane>; LANES],
+    freer: Arc<Freer>,
 }
 
 /// What queuing a batch needs, shared by the GPU's lanes.
@@ -232,29 +234,47 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         context,
         queue,
         lanes: [lane(0), lane(1)],
+        freer: Arc::new(spawn_freer(name, context)?),
     });
     devices.insert(ordinal, d.clone());
     Ok(d)
 }
 
-/// Device memory from `cuMemAlloc`, freed with `cuMemFree` (which waits for the device).
+/// Device memory from `cuMemAlloc`, handed to the GPU's freeing thread when dropped
+/// (`cuMemFree` waits for the whole device: see [`super::cuda_freer`]).
 struct Allocation {
     address: sys::CUdeviceptr,
-    context: Context,
-    device: Device,
+    freer: Arc<Freer>,
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        if let Ok(_current) = self.context.enter(self.device) {
-            // SAFETY: `address` came from `cuMemAlloc_v2` in this context and is freed once;
-            // the engine drops it only after every batch using it has completed.
-            unsafe {
-                sys::cuMemFree_v2(self.address);
-            }
-        }
+        self.freer.free(self.address);
     }
 }
+
+/// The freeing thread of GPU `device`, whose context it makes current.
+fn spawn_freer(device: Device, context: Context) -> Result<Freer> {
+    Freer::spawn(
+        device,
+        move || {
+            let _ = context.make_current(device);
+        },
+        move |address| {
+            if let Ok(_current) = context.enter(device) {
+                // SAFETY: `address` came from `cuMemAlloc_v2` in this context and is freed
+                // once (its `Allocation` was dropped once); the engine drops an allocation
+                // only after every batch using it has completed, and nothing else holds it.
+                unsafe {
+                    sys::cuMemFree_v2(address);
+                }
+            }
+        },
+    )
+}
+
+/// How long an allocation that found the device full waits for queued frees.
+const FREES_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Backend for CudaDevice {
     fn device(&self) -> Device {
@@ -330,7 +350,12 @@ impl Backend for CudaDevice {
         let _current = self.context.enter(name)?;
         let mut address: sys::CUdeviceptr = 0;
         // SAFETY: the context is current; `address` is a live out pointer.
-        let code = unsafe { sys::cuMemAlloc_v2(&mut address, len) };
+        let mut code = unsafe { sys::cuMemAlloc_v2(&mut address, len) };
+        if code == CUresult::CUDA_ERROR_OUT_OF_MEMORY && self.freer.wait_idle(FREES_PATIENCE) {
+            // Memory given back on the freeing thread meanwhile: once more.
+            // SAFETY: as above.
+            code = unsafe { sys::cuMemAlloc_v2(&mut address, len) };
+        }
         if code == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
             let (mut free, mut total) = (0usize, 0usize);
             // SAFETY: live out pointers; the context is current.
@@ -345,8 +370,7 @@ impl Backend for CudaDevice {
         check(code, name, "cuMemAlloc")?;
         let release = Allocation {
             address,
-            context: self.context,
-            device: name,
+            freer: self.freer.clone(),
         };
         // SAFETY: `cuMemAlloc` succeeded: `address` is `len` bytes of this device's memory,
         // freed once, by `release`'s drop.

@@ -14,6 +14,7 @@ pub mod cuda;
 pub(crate) mod cuda_copy;
 pub mod cuda_device;
 pub(crate) mod cuda_event;
+pub(crate) mod cuda_freer;
 pub(crate) mod cuda_pinned;
 pub(crate) mod cuda_reaper;
 pub mod emulated;

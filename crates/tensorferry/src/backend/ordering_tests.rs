@@ -658,3 +658,22 @@ fn an_automatic_ring_that_gets_no_pinned_memory_copies_directly_an_explicit_one_
     assert!(move_tensors(&[&host], dev, explicit).is_err());
     drop(cached);
 }
+
+#[test]
+fn memory_freed_on_the_freeing_thread_is_there_for_the_next_allocation() {
+    let _serial = serial();
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return; // needs the fake driver (its capacity is the whole device)
+    }
+    let backend = backend_for(last_gpu()).unwrap();
+    let free = match backend.alloc(1 << 50) {
+        Err(crate::Error::OutOfMemory { free, .. }) => free,
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    };
+    // Over half the device, dropped and asked for again at once: its free is still queued
+    // on the freeing thread, which the next allocation waits for instead of failing.
+    let most = free / 2 + (1 << 20);
+    for _ in 0..5 {
+        drop(backend.alloc(most).unwrap());
+    }
+}
