@@ -462,3 +462,30 @@ def test_a_child_forked_after_devices_were_used_gets_a_clear_error_not_a_hang(st
         if child.is_alive():
             child.kill()
     assert "forked" in message and "spawn" in message, message
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_parent_that_only_failed_to_get_a_device_forks_children_that_can_use_one():
+    script = """
+import multiprocessing, warnings
+import numpy as np
+import tensorferry as tf
+
+try:
+    tf.to_device({"a": np.ones(2)}, "emu:99")
+except tf.DeviceUnavailableError:
+    pass
+
+def child(conn):
+    conn.send(float(tf.to_numpy(tf.to_device({"a": np.ones(2)}, "emu:0"))["a"].sum()))
+
+ctx = multiprocessing.get_context("fork")
+here, there = ctx.Pipe()
+p = ctx.Process(target=child, args=(there,))
+p.start()
+assert here.poll(60), "the child hung"
+print(here.recv())
+p.join(10)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "2.0", out.stderr

@@ -340,7 +340,10 @@ def test_memory_named_without_a_stream_is_read_after_the_legacy_default_stream(t
     class NoStream:
         def __init__(self, owner):
             self.owner = owner
-            self.__cuda_array_interface__ = {**owner.__cuda_array_interface__, "stream": None}
+
+        @property
+        def __cuda_array_interface__(self):  # looked up on the type, as the protocol is
+            return {**self.owner.__cuda_array_interface__, "stream": None}
 
     with torch.cuda.stream(torch.cuda.default_stream()):
         torch.cuda._sleep(200_000_000)  # the legacy default stream stays busy a while

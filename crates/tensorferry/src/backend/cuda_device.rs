@@ -81,9 +81,7 @@ impl Context {
             "cuCtxPushCurrent",
         )?;
         Ok(Current {
-            capture_mode: exchange_capture_mode(
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-            ),
+            capture_mode: exchange_capture_mode(RELAXED),
             _not_send: std::marker::PhantomData,
         })
     }
@@ -97,25 +95,35 @@ impl Context {
             device,
             "cuCtxSetCurrent",
         )?;
-        exchange_capture_mode(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
+        exchange_capture_mode(RELAXED);
         Ok(())
     }
 }
 
+/// The relaxed stream-capture mode (`CU_STREAM_CAPTURE_MODE_RELAXED`).
+const RELAXED: std::ffi::c_uint =
+    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED as std::ffi::c_uint;
+
 /// Sets the calling thread's stream-capture mode; returns the one it replaced (`None` if
-/// the driver refused, and then nothing changed).
-fn exchange_capture_mode(mode: sys::CUstreamCaptureMode) -> Option<sys::CUstreamCaptureMode> {
+/// the driver refused, and then nothing changed). Modes are kept as the driver's integers:
+/// one this build's enum does not name must not become an enum value.
+fn exchange_capture_mode(mode: std::ffi::c_uint) -> Option<std::ffi::c_uint> {
     let mut mode = mode;
-    // SAFETY: the driver is loaded (a context exists); `mode` is a live in/out value of
-    // the enum's type, which the driver overwrites with the thread's previous mode.
-    let code = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    // SAFETY: the driver is loaded (a context exists); `mode` is a live in/out integer of
+    // the enum's size (a C enum is an unsigned int), which the driver reads and overwrites
+    // with the thread's previous mode; Rust never reads it as the enum type.
+    let code = unsafe {
+        sys::cuThreadExchangeStreamCaptureMode(
+            (&mut mode as *mut std::ffi::c_uint).cast::<sys::CUstreamCaptureMode>(),
+        )
+    };
     (code == CUresult::CUDA_SUCCESS).then_some(mode)
 }
 
 /// A context pushed on the calling thread by [`Context::enter`]; popped when dropped, on
 /// the same thread (the guard cannot move to another), the thread's capture mode restored.
 pub(crate) struct Current {
-    capture_mode: Option<sys::CUstreamCaptureMode>,
+    capture_mode: Option<std::ffi::c_uint>,
     _not_send: std::marker::PhantomData<*const ()>,
 }
 
@@ -237,6 +245,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         freer: Arc::new(spawn_freer(name, context)?),
     });
     devices.insert(ordinal, d.clone());
+    super::backends_started_here();
     Ok(d)
 }
 
@@ -244,12 +253,13 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
 /// (`cuMemFree` waits for the whole device: see [`super::cuda_freer`]).
 struct Allocation {
     address: sys::CUdeviceptr,
+    len: usize,
     freer: Arc<Freer>,
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        self.freer.free(self.address);
+        self.freer.free(self.address, self.len);
     }
 }
 
@@ -351,15 +361,25 @@ impl Backend for CudaDevice {
         let mut address: sys::CUdeviceptr = 0;
         // SAFETY: the context is current; `address` is a live out pointer.
         let mut code = unsafe { sys::cuMemAlloc_v2(&mut address, len) };
-        if code == CUresult::CUDA_ERROR_OUT_OF_MEMORY && self.freer.wait_idle(FREES_PATIENCE) {
-            // Memory given back on the freeing thread meanwhile: once more.
+        let mem_info = || {
+            let (mut free, mut total) = (0usize, 0usize);
+            // SAFETY: live out pointers; the context is current.
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+            (free, total)
+        };
+        // Frees still queued on the freeing thread that would make room: wait for them,
+        // then once more (an allocation they cannot make room for fails at once).
+        let queued = self.freer.pending_bytes();
+        if code == CUresult::CUDA_ERROR_OUT_OF_MEMORY
+            && queued > 0
+            && mem_info().0.saturating_add(queued) >= len
+            && self.freer.wait_idle(FREES_PATIENCE)
+        {
             // SAFETY: as above.
             code = unsafe { sys::cuMemAlloc_v2(&mut address, len) };
         }
         if code == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-            let (mut free, mut total) = (0usize, 0usize);
-            // SAFETY: live out pointers; the context is current.
-            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+            let (free, total) = mem_info();
             return Err(Error::OutOfMemory {
                 device: name.to_string(),
                 requested: len,
@@ -370,6 +390,7 @@ impl Backend for CudaDevice {
         check(code, name, "cuMemAlloc")?;
         let release = Allocation {
             address,
+            len,
             freer: self.freer.clone(),
         };
         // SAFETY: `cuMemAlloc` succeeded: `address` is `len` bytes of this device's memory,
@@ -629,9 +650,8 @@ mod tests {
 
     #[test]
     fn driver_calls_run_relaxed_and_leave_the_threads_capture_mode_as_it_was() {
-        use sys::CUstreamCaptureMode::{
-            CU_STREAM_CAPTURE_MODE_GLOBAL, CU_STREAM_CAPTURE_MODE_RELAXED,
-        };
+        const CU_STREAM_CAPTURE_MODE_GLOBAL: std::ffi::c_uint = 0;
+        const CU_STREAM_CAPTURE_MODE_RELAXED: std::ffi::c_uint = RELAXED;
         let Ok(gpu) = device(0) else {
             eprintln!("skipped: no CUDA driver");
             return;

@@ -15,21 +15,21 @@ use std::time::Duration;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
-/// Frees handed over and not yet done.
+/// The bytes of the frees handed over and not yet done.
 #[derive(Default)]
 struct Pending {
-    count: Mutex<usize>,
+    bytes: Mutex<usize>,
     done: Condvar,
 }
 
 impl Pending {
-    fn add(&self) {
-        *self.count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    fn add(&self, len: usize) {
+        *self.bytes.lock().unwrap_or_else(|p| p.into_inner()) += len;
     }
 
-    fn finish(&self) {
-        let mut n = self.count.lock().unwrap_or_else(|p| p.into_inner());
-        *n = n.saturating_sub(1);
+    fn finish(&self, len: usize) {
+        let mut n = self.bytes.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(len);
         if *n == 0 {
             self.done.notify_all();
         }
@@ -38,7 +38,7 @@ impl Pending {
 
 /// The handle of a GPU's freeing thread.
 pub(crate) struct Freer {
-    queue: Mutex<Sender<u64>>,
+    queue: Mutex<Sender<(u64, usize)>>,
     pending: Arc<Pending>,
     free_now: Arc<dyn Fn(u64) + Send + Sync>,
 }
@@ -51,7 +51,7 @@ impl Freer {
         setup: impl FnOnce() + Send + 'static,
         free: impl Fn(u64) + Send + Sync + 'static,
     ) -> Result<Freer> {
-        let (tx, rx) = channel::<u64>();
+        let (tx, rx) = channel::<(u64, usize)>();
         let pending = Arc::new(Pending::default());
         let free: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(free);
         let (on_thread, done) = (free.clone(), pending.clone());
@@ -62,9 +62,9 @@ impl Freer {
             ))
             .spawn(move || {
                 setup();
-                for address in rx {
+                for (address, len) in rx {
                     on_thread(address);
-                    done.finish();
+                    done.finish(len);
                 }
             })
             .map_err(|e| Error::DeviceUnavailable {
@@ -78,24 +78,29 @@ impl Freer {
         })
     }
 
-    /// Hands `address` over to be freed; frees it here if the thread is gone.
-    pub(crate) fn free(&self, address: u64) {
-        self.pending.add();
+    /// Hands `address` (`len` bytes) over to be freed; frees it here if the thread is gone.
+    pub(crate) fn free(&self, address: u64, len: usize) {
+        self.pending.add(len);
         let sent = self
             .queue
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .send(address);
+            .send((address, len));
         if sent.is_err() {
             (self.free_now)(address);
-            self.pending.finish();
+            self.pending.finish(len);
         }
+    }
+
+    /// Bytes handed over and not freed yet.
+    pub(crate) fn pending_bytes(&self) -> usize {
+        *self.pending.bytes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Waits until every free handed over so far is done, or `timeout` has passed; true
     /// when none is left.
     pub(crate) fn wait_idle(&self, timeout: Duration) -> bool {
-        let n = self.pending.count.lock().unwrap_or_else(|p| p.into_inner());
+        let n = self.pending.bytes.lock().unwrap_or_else(|p| p.into_inner());
         let (n, _) = self
             .pending
             .done
@@ -133,8 +138,9 @@ mod tests {
         .unwrap();
         let start = Instant::now();
         for address in [1, 2, 3] {
-            freer.free(address);
+            freer.free(address, 100);
         }
+        assert_eq!(freer.pending_bytes(), 300);
         assert!(
             start.elapsed() < Duration::from_secs(5),
             "the caller waited"
@@ -148,6 +154,7 @@ mod tests {
         gate.1.notify_all();
         assert!(freer.wait_idle(Duration::from_secs(20)));
         assert_eq!(*freed.lock().unwrap(), [1, 2, 3]);
+        assert_eq!(freer.pending_bytes(), 0);
         assert!(set_up.load(Ordering::SeqCst));
     }
 
@@ -164,11 +171,11 @@ mod tests {
         .unwrap();
         // Its receiver is dropped once it has unwound.
         let start = Instant::now();
-        while freer.queue.lock().unwrap().send(0).is_ok() {
+        while freer.queue.lock().unwrap().send((0, 0)).is_ok() {
             assert!(start.elapsed() < Duration::from_secs(20));
             std::thread::sleep(Duration::from_millis(1));
         }
-        freer.free(7);
+        freer.free(7, 10);
         assert_eq!(*freed.lock().unwrap(), [7]);
         assert!(freer.wait_idle(Duration::from_secs(1)));
     }

@@ -250,6 +250,7 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         pool: PinnedPool::new(Box::new(PageableAllocator), PINNED_POOL_CAP),
     });
     devices.insert(index, d.clone());
+    super::backends_started_here();
     Ok(d)
 }
 

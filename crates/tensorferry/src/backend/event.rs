@@ -193,14 +193,17 @@ impl Event {
     /// Blocks until the work is queued on a GPU or finished, or `timeout` has passed:
     /// `true` in the first two cases.
     pub(crate) fn wait_queued_timeout(&self, timeout: Duration) -> bool {
-        let Some(deadline) = Instant::now().checked_add(timeout) else {
-            return true;
-        };
+        // A timeout too long for the clock waits as long as it takes.
+        let deadline = Instant::now().checked_add(timeout);
         let mut done = self.0.lock();
         loop {
             if done.outcome.is_some() || done.mark.is_some() {
                 return true;
             }
+            let Some(deadline) = deadline else {
+                done = self.0.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+                continue;
+            };
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
@@ -291,6 +294,20 @@ impl Event {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn waiting_to_be_queued_with_no_deadline_waits_for_completion() {
+        let e = Event::pending();
+        let done = e.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            done.complete(Ok(()));
+        });
+        assert!(e.wait_queued_timeout(Duration::MAX));
+        assert!(e.is_ready(), "returned before the work was queued or done");
+        t.join().unwrap();
+        assert!(!Event::pending().wait_queued_timeout(Duration::from_millis(5)));
+    }
 
     #[test]
     fn waiters_see_completion_from_another_thread() {

@@ -677,3 +677,35 @@ fn memory_freed_on_the_freeing_thread_is_there_for_the_next_allocation() {
         drop(backend.alloc(most).unwrap());
     }
 }
+
+#[test]
+fn automatic_rings_in_flight_are_bounded_and_the_rest_copy_directly() {
+    let _serial = serial();
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return; // needs the fake driver's gate
+    }
+    let dev = last_gpu();
+    let pool = backend_for(dev).unwrap().pinned_pool().unwrap();
+    let (host, data) = sample(15);
+    // Uploads held on the GPU: each ring's thread stays until its copy is done.
+    let held = gate(dev, Direction::HostToDevice).unwrap();
+    let before = pool.stats();
+    let auto = MoveOptions {
+        copy: true,
+        non_blocking: true,
+        ..Default::default()
+    };
+    let moved: Vec<Tensor> = (0..3 * super::super::transfer::MAX_AUTO_RINGS)
+        .map(|_| move_tensors(&[&host], dev, auto).unwrap().remove(0))
+        .collect();
+    let after = pool.stats();
+    let rings = (after.hits + after.misses) - (before.hits + before.misses);
+    assert!(
+        (1..=super::super::transfer::MAX_AUTO_RINGS as u64).contains(&rings),
+        "{rings} rings at once"
+    );
+    held.open();
+    for t in &moved {
+        assert_eq!(move_one(t, Device::Cpu).to_vec::<u32>().unwrap(), data);
+    }
+}

@@ -78,9 +78,12 @@ pub(crate) fn prepare(t: &Tensor, target: Device) -> Result<Option<Tensor>> {
     }
     let whole =
         Tensor::contiguous_view(t.storage().clone(), start as usize, DType::U8, vec![span])?;
+    // Its bytes are waited for before the gather (as for a blocking move): the span is
+    // copied direct, not through a staging ring of its own.
     let options = MoveOptions {
         copy: true,
         non_blocking: true,
+        waits_at_once: true,
         ..Default::default()
     };
     let on_host = move_tensors(&[&whole], Device::Cpu, options)?.remove(0);

@@ -41,6 +41,8 @@ mod stream_out;
 
 pub use consumer::{order_stream_after, wait_queued_timeout};
 pub use staging::Staging;
+#[cfg(test)]
+pub(crate) use staging::MAX_AUTO_RINGS;
 pub(crate) use stream_out::stream_to_sink;
 
 /// How to move.
@@ -349,11 +351,9 @@ fn to_device(
 ) -> Result<(Vec<Tensor>, Event)> {
     let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
     // Sources already in pinned memory (the pool's, or page-locked by another library, as
-    // PyTorch's `pin_memory()` tensors are) go straight to the device.
-    let pageable = sources
-        .iter()
-        .any(|t| !t.storage().is_pinned() && !backend.is_page_locked(t.data_ptr()));
-    let ring = (direction == Direction::HostToDevice && pageable)
+    // PyTorch's `pin_memory()` tensors are) go straight to the device: the driver is asked
+    // only when a ring would be used.
+    let ring = (direction == Direction::HostToDevice)
         .then(|| {
             options.staging.ring_for(
                 &**backend,
@@ -362,6 +362,11 @@ fn to_device(
             )
         })
         .flatten()
+        .filter(|_| {
+            sources
+                .iter()
+                .any(|t| !t.storage().is_pinned() && !backend.is_page_locked(t.data_ptr()))
+        })
         .map(|ring| (ring, options.staging));
     let mut memory = backend.alloc(layout.total)?;
     let event = Event::pending();

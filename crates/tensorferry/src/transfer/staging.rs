@@ -459,8 +459,16 @@ impl Transfer {
                 .collect();
             events.push(self.queue(j, Direction::HostToDevice, ops));
         }
-        if let Some(Progress::Queued(mark)) = events.last().map(Event::progress) {
-            event.set_mark(mark);
+        // Only when every chunk is on the GPU (or done) without a failure: a consumer
+        // ordered behind the mark must not read a range whose copy failed, whose error it
+        // would never see; otherwise it waits for the outcome on the host.
+        let all_queued = events
+            .iter()
+            .all(|e| matches!(e.progress(), Progress::Queued(_) | Progress::Done(Ok(()))));
+        if all_queued {
+            if let Some(Progress::Queued(mark)) = events.last().map(Event::progress) {
+                event.set_mark(mark);
+            }
         }
         for e in &events {
             e.wait_outcome()?;
@@ -485,6 +493,19 @@ pub(crate) fn start(
     event: &Event,
     fall_back: bool,
 ) -> Result<()> {
+    let direct = |sources: Vec<Tensor>, dest: Arc<Storage>| -> Result<()> {
+        let batch = super::plan(direction, &sources, layout, base)?;
+        super::submit(&backend, batch, sources, dest, event);
+        Ok(())
+    };
+    // Where staging was the automatic choice, at most `MAX_AUTO_RINGS` run at once (each
+    // has a thread and pinned buffers): many small non-blocking moves in a row copy
+    // directly beyond that, as they would without the ring.
+    let slot = match fall_back.then(AutoRing::take) {
+        Some(None) => return direct(sources, dest),
+        Some(Some(slot)) => Some(slot),
+        None => None,
+    };
     let retry = fall_back.then(|| (sources.clone(), dest.clone()));
     let transfer = match Transfer::prepare(backend.clone(), ring, sources, layout, dest, base) {
         Ok(transfer) => transfer,
@@ -492,9 +513,7 @@ pub(crate) fn start(
         // the automatic choice, the device copies straight from or to ordinary memory.
         Err(_) if retry.is_some() => {
             let (sources, dest) = retry.expect("checked");
-            let batch = super::plan(direction, &sources, layout, base)?;
-            super::submit(&backend, batch, sources, dest, event);
-            return Ok(());
+            return direct(sources, dest);
         }
         Err(e) => return Err(e),
     };
@@ -507,8 +526,35 @@ pub(crate) fn start(
             _ => transfer.run_to_device(crew, &marked),
         });
         drop(transfer); // buffers back to the pool before anyone is woken
+        drop(slot);
         outcome
     })
+}
+
+/// The most rings `Staging::Auto` runs at once.
+pub(crate) const MAX_AUTO_RINGS: usize = 8;
+
+/// One of the [`MAX_AUTO_RINGS`] places; given back when dropped.
+struct AutoRing;
+
+static AUTO_RINGS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl AutoRing {
+    fn take() -> Option<AutoRing> {
+        use std::sync::atomic::Ordering;
+        AUTO_RINGS
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < MAX_AUTO_RINGS).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| AutoRing)
+    }
+}
+
+impl Drop for AutoRing {
+    fn drop(&mut self) {
+        AUTO_RINGS.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 #[cfg(test)]
