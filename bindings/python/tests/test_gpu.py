@@ -350,3 +350,26 @@ def test_memory_named_without_a_stream_is_read_after_the_legacy_default_stream(t
         x.fill_(7.0)  # queued behind the sleep
         out = tf.to_host({"p": NoStream(x)})["p"]
     assert (np.asarray(out) == 7.0).all()
+
+
+def test_a_non_blocking_download_does_not_hold_pytorchs_default_stream(torch_cuda):
+    """tensorferry's streams are non-blocking: a kernel PyTorch queues on its default
+    (legacy) stream after a non-blocking move runs at once, not after the move's copies."""
+    import time
+
+    torch = torch_cuda
+    big = {"x": torch.empty(512 << 20, dtype=torch.uint8, device="cuda:0")}
+    torch.ones(16, device="cuda:0").add_(1)  # the kernels below loaded once, untimed
+    tf.to_host({"w": torch.ones(4, device="cuda:0")}, pinned=True)  # the pool warm
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    pending = tf.to_host(big, non_blocking=True, pinned=True)  # one batch, queued at once
+    y = torch.ones(16, device="cuda:0")
+    y.add_(1)
+    mark = torch.cuda.Event()
+    mark.record()
+    mark.synchronize()
+    kernel = time.perf_counter() - start
+    pending.result()
+    total = time.perf_counter() - start
+    assert kernel < total / 4, f"the default stream waited for the download ({kernel:.4f} of {total:.4f} s)"
