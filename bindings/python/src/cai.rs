@@ -194,28 +194,28 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     } else {
         tensorferry::backend::cuda_device::pointer_device(address).py_err()?
     };
-    // Without a stream, no synchronisation is required by the protocol, but producers that
-    // run on the legacy default stream (Numba's default) name none: tensorferry's streams
-    // are non-blocking, so its copies from this memory wait for that stream on the GPU.
-    let stream = match stream {
+    match stream {
+        Some(handle) => {
+            // SAFETY: the handle comes from the producer's `__cuda_array_interface__`
+            // (version 3 "stream"), which the protocol defines as a CUstream of this process
+            // or 1/2 for the default streams; 0 is refused above. We cannot check it: the
+            // driver validates handles it knows of, so a producer lying with an arbitrary
+            // integer is only as safe as that validation. It runs in the context of the
+            // memory's GPU, whose default stream the handles 1 and 2 name.
+            py.detach(|| unsafe {
+                tensorferry::backend::cuda_device::stream_synchronize(device, handle)
+            })
+            .py_err()?;
+        }
+        // Without a stream, no synchronisation is required by the protocol, but producers
+        // that run on the legacy default stream (Numba's default) name none: tensorferry's
+        // streams are non-blocking, so its copies from this memory wait for that stream on
+        // the GPU.
         None if address != 0 => {
             // SAFETY: 1 is `CU_STREAM_LEGACY`, the default stream of GPU `device`'s context.
-            unsafe { tensorferry::backend::cuda_device::order_after_stream(device, 1) }.py_err()?;
-            None
+            unsafe { tensorferry::backend::cuda_device::order_after_stream(device, 1) }.py_err()?
         }
-        other => other,
-    };
-    if let Some(handle) = stream {
-        // SAFETY: the handle comes from the producer's `__cuda_array_interface__` (version
-        // 3 "stream"), which the protocol defines as a CUstream of this process or 1/2 for
-        // the default streams; 0 is refused above. We cannot check it: the driver validates
-        // handles it knows of, so a producer lying with an arbitrary integer is only as
-        // safe as that validation. It runs in the context of the memory's GPU, whose
-        // default stream the handles 1 and 2 name.
-        py.detach(|| unsafe {
-            tensorferry::backend::cuda_device::stream_synchronize(device, handle)
-        })
-        .py_err()?;
+        None => {}
     }
     let lowest = address.wrapping_add_signed(below) as *mut u8;
     let span = (above - below) as usize;

@@ -153,6 +153,20 @@ fn pool_lock() -> std::sync::MutexGuard<'static, ()> {
     POOL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The pinned pool of `dev`'s backend.
+fn pinned_pool(dev: Device) -> Arc<tensorferry::memory::PinnedPool> {
+    tensorferry::backend::backend_for(dev)
+        .unwrap()
+        .pinned_pool()
+        .unwrap()
+}
+
+/// Buffers the pool has handed out so far, cached or newly pinned.
+fn pool_takes(pool: &tensorferry::memory::PinnedPool) -> u64 {
+    let s = pool.stats();
+    s.hits + s.misses
+}
+
 fn many_tensors(count: usize) -> TensorDict {
     let mut d = TensorDict::new();
     for i in 0..count {
@@ -217,10 +231,7 @@ fn a_repeated_pinned_transfer_pins_nothing_new(dev: Device) {
     if dev.is_host() {
         return; // pinned results come from a device's pool
     }
-    let pool = tensorferry::backend::backend_for(dev)
-        .unwrap()
-        .pinned_pool()
-        .unwrap();
+    let pool = pinned_pool(dev);
     let opts = MoveOptions {
         pinned: true,
         ..Default::default()
@@ -1046,10 +1057,7 @@ fn page_locked_memory_of_another_library_skips_the_staging_ring() {
     }
     let _pool = pool_lock();
     let gpu = Device::Cuda(0);
-    let pool = tensorferry::backend::backend_for(gpu)
-        .unwrap()
-        .pinned_pool()
-        .unwrap();
+    let pool = pinned_pool(gpu);
     let values: Vec<f32> = (0..50_000).map(|x| x as f32).collect();
     let source = Tensor::from_slice(&values, &[values.len()]).unwrap();
     let pinned = MoveOptions {
@@ -1086,12 +1094,11 @@ fn page_locked_memory_of_another_library_skips_the_staging_ring() {
         ..Default::default()
     };
     for (tensor, page_locked) in [(&foreign, true), (&source, false)] {
-        let before = pool.stats();
+        let before = pool_takes(&pool);
         let there = tensorferry::move_tensors(&[tensor], gpu, through_ring).unwrap();
         let back = there[0].to(Device::Cpu, false).unwrap();
         assert_eq!(back.to_vec::<f32>().unwrap(), values);
-        let after = pool.stats();
-        let ring_used = after.hits + after.misses > before.hits + before.misses;
+        let ring_used = pool_takes(&pool) > before;
         assert_eq!(ring_used, !page_locked, "page-locked: {page_locked}");
     }
 }
@@ -1106,14 +1113,11 @@ fn small_non_blocking_moves_never_wait_for_the_gpu_in_the_driver() {
     }
     let _pool = pool_lock();
     let gpu = Device::Cuda(0);
-    let pool = tensorferry::backend::backend_for(gpu)
-        .unwrap()
-        .pinned_pool()
-        .unwrap();
+    let pool = pinned_pool(gpu);
     let d = many_tensors(50);
     let there = d.to(gpu, false).unwrap();
     let ring_used = |from: &TensorDict, to: Device, non_blocking: bool, waits_at_once: bool| {
-        let before = pool.stats();
+        let before = pool_takes(&pool);
         let moved = from
             .to_with(
                 to,
@@ -1125,8 +1129,7 @@ fn small_non_blocking_moves_never_wait_for_the_gpu_in_the_driver() {
             )
             .unwrap();
         assert_eq!(host_values(&moved), host_values(&d));
-        let after = pool.stats();
-        after.hits + after.misses > before.hits + before.misses
+        pool_takes(&pool) > before
     };
     for (from, to) in [(&there, Device::Cpu), (&d, gpu)] {
         assert!(ring_used(from, to, true, false), "non-blocking to {to}");

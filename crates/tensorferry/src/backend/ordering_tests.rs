@@ -126,6 +126,13 @@ impl ForeignStream {
             device,
         }
     }
+
+    /// An event recorded on this stream now: it passes once the work queued on the
+    /// stream so far (and whatever that was made to wait for) has run.
+    fn mark(&self) -> super::cuda_event::CudaEvent {
+        let _current = self.context.enter(self.device).unwrap();
+        super::cuda_event::CudaEvent::record(self.context, self.device, self.raw).unwrap()
+    }
 }
 
 impl Drop for ForeignStream {
@@ -470,7 +477,6 @@ fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the
 #[test]
 fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at_all() {
     let _serial = serial();
-    use super::cuda_event::CudaEvent;
     if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
         return; // needs the fake driver's gate
     }
@@ -483,10 +489,7 @@ fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at
     assert!(unsafe { crate::transfer::order_stream_after(&there, consumer.raw as usize) }.unwrap());
     // The call returned with the upload still held: the consumer's next work waits on the GPU.
     assert!(!there.is_ready(), "the caller waited for the upload");
-    let after = {
-        let _current = consumer.context.enter(dev).unwrap();
-        CudaEvent::record(consumer.context, dev, consumer.raw).unwrap()
-    };
+    let after = consumer.mark();
     std::thread::sleep(SETTLE);
     assert!(
         !after.query().unwrap(),
@@ -572,7 +575,6 @@ fn a_copy_to_another_gpu_waits_for_the_producer_of_its_source() {
 #[test]
 fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() {
     let _serial = serial();
-    use super::cuda_event::CudaEvent;
     if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
         return; // needs the fake driver's gate
     }
@@ -599,10 +601,7 @@ fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() 
         unsafe { crate::transfer::order_stream_after(&there, consumer.raw as usize) }.unwrap(),
         "a queued staged upload still needs a host wait"
     );
-    let after = {
-        let _current = consumer.context.enter(dev).unwrap();
-        CudaEvent::record(consumer.context, dev, consumer.raw).unwrap()
-    };
+    let after = consumer.mark();
     std::thread::sleep(SETTLE);
     assert!(
         !after.query().unwrap(),

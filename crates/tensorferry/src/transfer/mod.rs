@@ -265,13 +265,24 @@ fn submit(
     unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone(), true) };
 }
 
+/// The staging ring `options` ask for a transfer of `total` bytes between `backend`'s
+/// device and ordinary host memory, if any.
+fn ring_of(
+    backend: &Arc<dyn Backend>,
+    options: &MoveOptions,
+    total: usize,
+) -> Option<staging::Ring> {
+    let non_blocking = options.non_blocking && !options.waits_at_once;
+    options.staging.ring_for(&**backend, total, non_blocking)
+}
+
 /// Queues the copies of `sources` into `storage` (at `dst_base`, by `layout`): through
-/// the staging ring when there is one (`Auto` chose it: directly when it cannot be set
+/// the staging ring when there is one (one `Auto` chose goes direct when it cannot be set
 /// up), else as one batch; `event` completes when done.
 #[allow(clippy::too_many_arguments)]
 fn fill(
     backend: &Arc<dyn Backend>,
-    ring: Option<(staging::Ring, Staging)>,
+    ring: Option<staging::Ring>,
     direction: Direction,
     sources: Vec<Tensor>,
     layout: &PackedLayout,
@@ -280,7 +291,7 @@ fn fill(
     event: &Event,
 ) -> Result<()> {
     match ring {
-        Some((ring, staging)) => staging::start(
+        Some(ring) => staging::start(
             backend.clone(),
             ring,
             direction,
@@ -289,7 +300,6 @@ fn fill(
             storage,
             dst_base,
             event,
-            staging == Staging::Auto,
         ),
         None => {
             let batch = plan(direction, &sources, layout, dst_base)?;
@@ -311,15 +321,8 @@ fn to_host(
     let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
     let event = Event::pending();
     let ring = (!options.pinned)
-        .then(|| {
-            options.staging.ring_for(
-                &**backend,
-                layout.total,
-                options.non_blocking && !options.waits_at_once,
-            )
-        })
-        .flatten()
-        .map(|ring| (ring, options.staging));
+        .then(|| ring_of(backend, &options, layout.total))
+        .flatten();
     let mut buffer = if options.pinned {
         HostBuffer::Pinned(backend.pinned_pool()?.take(layout.total)?)
     } else {
@@ -354,20 +357,13 @@ fn to_device(
     // PyTorch's `pin_memory()` tensors are) go straight to the device: the driver is asked
     // only when a ring would be used.
     let ring = (direction == Direction::HostToDevice)
-        .then(|| {
-            options.staging.ring_for(
-                &**backend,
-                layout.total,
-                options.non_blocking && !options.waits_at_once,
-            )
-        })
+        .then(|| ring_of(backend, &options, layout.total))
         .flatten()
         .filter(|_| {
             sources
                 .iter()
                 .any(|t| !t.storage().is_pinned() && !backend.is_page_locked(t.data_ptr()))
-        })
-        .map(|ring| (ring, options.staging));
+        });
     let mut memory = backend.alloc(layout.total)?;
     let event = Event::pending();
     memory.set_written(event.clone());

@@ -63,6 +63,9 @@ pub enum Staging {
 pub(crate) struct Ring {
     chunk_bytes: usize,
     depth: usize,
+    /// `Staging::Auto` chose it: a ring that cannot be set up, or one beyond
+    /// [`MAX_AUTO_RINGS`], leaves the transfer to a direct batch instead.
+    automatic: bool,
 }
 
 impl Staging {
@@ -85,14 +88,17 @@ impl Staging {
             Staging::Auto if total >= AUTO_MIN_BYTES => Some(Ring {
                 chunk_bytes: AUTO_CHUNK_BYTES,
                 depth: AUTO_DEPTH,
+                automatic: true,
             }),
             Staging::Auto => non_blocking.then_some(Ring {
                 chunk_bytes: total.min(AUTO_CHUNK_BYTES),
                 depth: 2,
+                automatic: true,
             }),
             Staging::Ring { chunk_bytes, depth } => Some(Ring {
                 chunk_bytes: chunk_bytes.max(1),
                 depth: depth.max(1),
+                automatic: false,
             }),
         }
     }
@@ -106,10 +112,12 @@ impl Staging {
             Staging::Auto => Some(Ring {
                 chunk_bytes: AUTO_CHUNK_BYTES,
                 depth: AUTO_DEPTH,
+                automatic: true,
             }),
             Staging::Ring { chunk_bytes, depth } => Some(Ring {
                 chunk_bytes: chunk_bytes.max(1),
                 depth: depth.max(1),
+                automatic: false,
             }),
         }
     }
@@ -479,8 +487,8 @@ impl Transfer {
 
 /// Runs one transfer through `ring` on a staging thread of its own, which completes
 /// `event` when done: device → ordinary host memory, or ordinary host memory → a device,
-/// as `direction` says, into the memory at `base` (inside `dest`). With `fall_back`, a ring
-/// that cannot be set up (no pinned memory) leaves the transfer to one direct batch.
+/// as `direction` says, into the memory at `base` (inside `dest`). A ring `Staging::Auto`
+/// chose that cannot be set up (no pinned memory) leaves the transfer to one direct batch.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start(
     backend: Arc<dyn Backend>,
@@ -491,8 +499,8 @@ pub(crate) fn start(
     dest: Arc<Storage>,
     base: *mut u8,
     event: &Event,
-    fall_back: bool,
 ) -> Result<()> {
+    let fall_back = ring.automatic;
     let direct = |sources: Vec<Tensor>, dest: Arc<Storage>| -> Result<()> {
         let batch = super::plan(direction, &sources, layout, base)?;
         super::submit(&backend, batch, sources, dest, event);
