@@ -469,11 +469,7 @@ fn wait_tensors(
 /// The `__metadata__` of a safetensors file, reading the header only.
 #[pyfunction]
 fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, String>> {
-    guard(|| {
-        py.detach(|| tensorferry::io::read_header(&path))
-            .py_err()
-            .map(|h| h.metadata)
-    })
+    guard(|| py.detach(|| tensorferry::io::read_metadata(&path)).py_err())
 }
 
 /// One tensor of a file's index: name, safetensors dtype code, shape, and its first and

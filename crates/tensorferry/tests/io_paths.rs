@@ -158,8 +158,21 @@ fn a_folder_is_an_io_error_with_eisdir() {
         assert_eq!(source.raw_os_error(), Some(eisdir), "{how}: {err}");
         assert_eq!(source.kind(), ErrorKind::IsADirectory, "{how}");
     }
-    let err = save(&one_tensor(), dir.path(), &SaveOptions::default()).unwrap_err();
-    assert_eq!(io_error(&err).1.raw_os_error(), Some(eisdir), "save: {err}");
+    for (how, err) in read_all_ways(dir.path()).into_iter().take(2) {
+        assert!(
+            err.to_string().contains("find a checkpoint"),
+            "{how}: {err}"
+        );
+    }
+}
+
+#[test]
+fn saving_to_a_folder_writes_model_safetensors_in_it() {
+    let dir = tempfile::tempdir().unwrap();
+    save(&one_tensor(), dir.path(), &SaveOptions::default()).unwrap();
+    assert!(dir.path().join("model.safetensors").is_file());
+    let (loaded, _) = tensorferry::load(dir.path(), LoadOptions::default()).unwrap();
+    assert_eq!(loaded.len(), 1);
 }
 
 #[test]
@@ -172,11 +185,15 @@ fn a_link_to_a_folder_or_fifo_is_refused_like_its_target() {
     for (how, err) in read_all_ways(&to_fifo) {
         assert!(err.to_string().contains("FIFO"), "{how}: {err}");
     }
+    // A link to a folder is that folder: its header cannot be read, and a load looks
+    // for the checkpoint in it (here two files, neither a checkpoint it can choose).
     let to_dir = dir.path().join("to_dir.safetensors");
     std::os::unix::fs::symlink(dir.path(), &to_dir).unwrap();
     let eisdir = kernel_eisdir(dir.path());
-    for (how, err) in read_all_ways(&to_dir) {
-        assert_eq!(io_error(&err).1.raw_os_error(), Some(eisdir), "{how}");
+    let err = read_header(&to_dir).unwrap_err();
+    assert_eq!(io_error(&err).1.raw_os_error(), Some(eisdir));
+    for (how, err) in read_all_ways(&to_dir).into_iter().take(2) {
+        assert!(err.to_string().contains("name the file"), "{how}: {err}");
     }
 }
 
@@ -214,8 +231,9 @@ fn a_missing_file_is_not_found_naming_it() {
     let in_missing_folder = dir.path().join("nope").join("x.safetensors");
     let err = save(&one_tensor(), &in_missing_folder, &SaveOptions::default()).unwrap_err();
     let (path, source) = io_error(&err);
-    assert_eq!(path, in_missing_folder);
+    assert_eq!(path, dir.path().join("nope"), "the missing folder is named");
     assert_eq!(source.kind(), ErrorKind::NotFound);
+    assert!(source.raw_os_error().is_some(), "the errno is kept");
 }
 
 #[test]

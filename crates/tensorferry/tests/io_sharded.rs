@@ -241,3 +241,245 @@ fn a_damaged_index_is_a_format_error() {
     let err = load_node(dir.path(), LoadOptions::default()).unwrap_err();
     assert!(matches!(err, Error::Format { .. }), "{err}");
 }
+
+/// The names in `dir`, sorted.
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+/// `model(layers)` with every value shifted by `by`: the same names, other weights.
+fn model_plus(layers: usize, by: f32) -> Node {
+    let mut d = TensorDict::new();
+    for i in 0..layers {
+        let values: Vec<f32> = (0..256).map(|j| (i * 1000 + j) as f32 + by).collect();
+        d.insert_path(
+            &["model", &format!("layer.{i}.weight")],
+            Tensor::from_slice(&values, &[16, 16]).unwrap(),
+        )
+        .unwrap();
+    }
+    Node::Dict(d)
+}
+
+#[test]
+fn an_index_that_names_itself_or_another_index_is_a_format_error_not_a_recursion() {
+    let dir = tempfile::tempdir().unwrap();
+    let index = dir.path().join(format!("model{INDEX_SUFFIX}"));
+    for shard in [
+        format!("model{INDEX_SUFFIX}"),
+        "other.index.json".to_string(),
+    ] {
+        let json = serde_json::json!({"weight_map": {"x": shard}});
+        std::fs::write(&index, json.to_string()).unwrap();
+        std::fs::write(dir.path().join("other.index.json"), json.to_string()).unwrap();
+        for err in [
+            load_node(&index, LoadOptions::default()).unwrap_err(),
+            load_node(dir.path(), LoadOptions::default()).unwrap_err(),
+            tensorferry::io::load_node_to(
+                &index,
+                tensorferry::Device::Emulated(0),
+                LoadOptions::default(),
+                tensorferry::Staging::Auto,
+            )
+            .unwrap_err(),
+        ] {
+            assert!(
+                matches!(err, Error::Format { .. }) && err.to_string().contains("an index"),
+                "{shard}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn an_index_of_many_distinct_shards_is_read_in_linear_time() {
+    // 300,000 distinct shard names, none present: a scan per name (quadratic) took
+    // minutes; one pass takes well under a second before the first missing shard fails.
+    let dir = tempfile::tempdir().unwrap();
+    let map: serde_json::Map<String, serde_json::Value> = (0..300_000)
+        .map(|i| (format!("t{i}"), format!("s{i}.safetensors").into()))
+        .collect();
+    let index = dir.path().join(format!("model{INDEX_SUFFIX}"));
+    std::fs::write(&index, serde_json::json!({ "weight_map": map }).to_string()).unwrap();
+    let started = std::time::Instant::now();
+    let err = load_node(&index, LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_name_held_by_two_shards_loads_from_the_shard_the_index_names() {
+    let dir = tempfile::tempdir().unwrap();
+    for (file, value) in [("a.safetensors", 1.0f32), ("b.safetensors", 2.0)] {
+        let data: Vec<u8> = [value, value]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &data).unwrap();
+        safetensors::serialize_to_file(
+            [("w", view.clone()), ("z", view)],
+            None,
+            &dir.path().join(file),
+        )
+        .unwrap();
+    }
+    for (w_in, expected) in [("a.safetensors", 1.0f32), ("b.safetensors", 2.0)] {
+        let z_in = if w_in == "a.safetensors" {
+            "b.safetensors"
+        } else {
+            "a.safetensors"
+        };
+        let index = serde_json::json!({"weight_map": {"w": w_in, "z": z_in}});
+        std::fs::write(
+            dir.path().join(format!("model{INDEX_SUFFIX}")),
+            index.to_string(),
+        )
+        .unwrap();
+        let back = load_node(dir.path(), LoadOptions::default()).unwrap().root;
+        let w = back.child("w").and_then(Node::as_tensor).unwrap();
+        assert_eq!(
+            w.to_vec::<f32>().unwrap(),
+            [expected, expected],
+            "w in {w_in}"
+        );
+    }
+}
+
+#[test]
+fn a_sharded_save_that_fails_part_way_leaves_the_previous_checkpoint_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    save_sharded(&model_plus(8, 0.0), &path, &SaveOptions::default(), 1024).unwrap();
+    let before = names_in(dir.path());
+    // Shard 5 of the new save cannot be written: its usual name is a folder.
+    std::fs::remove_file(dir.path().join("model-00005-of-00008.safetensors")).unwrap();
+    std::fs::create_dir(dir.path().join("model-00005-of-00008.safetensors")).unwrap();
+    let err = save_sharded(&model_plus(8, 0.5), &path, &SaveOptions::default(), 1024);
+    assert!(err.is_err());
+    std::fs::remove_dir(dir.path().join("model-00005-of-00008.safetensors")).unwrap();
+    // The old shard 5 is gone (removed above); every other name is as it was, and the
+    // old checkpoint's tensors that remain are the old values.
+    let after = names_in(dir.path());
+    assert_eq!(after.len(), before.len() - 1, "{after:?}");
+    let err = load_node(&path, LoadOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("model-00005-of-00008"), "{err}");
+    let shard = tensorferry::load(
+        dir.path().join("model-00004-of-00008.safetensors"),
+        LoadOptions::default(),
+    )
+    .unwrap()
+    .0;
+    let (_, t) = shard.iter().next().unwrap();
+    assert_eq!(t.as_tensor().unwrap().to_vec::<f32>().unwrap()[0], 3000.0);
+}
+
+#[test]
+fn a_save_replaces_a_checkpoint_of_the_other_layout_and_touches_nothing_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    let keep = [
+        "config.json",
+        "model-00001-of-00002.safetensors.bak",
+        "other-00001-of-00002.safetensors",
+        "other.safetensors.index.json",
+    ];
+    for name in keep {
+        std::fs::write(dir.path().join(name), "user's").unwrap();
+    }
+    let value = |loaded: Node| {
+        let t = loaded.tensors()[0].1.clone();
+        t.to_vec::<f32>().unwrap()[0]
+    };
+    // Sharded, then one file: the index and its shards go.
+    save_sharded(&model_plus(8, 0.0), &path, &SaveOptions::default(), 1024).unwrap();
+    tensorferry::save_node(&model_plus(8, 0.25), &path, &SaveOptions::default()).unwrap();
+    let mut expected: Vec<String> = keep.iter().map(|s| s.to_string()).collect();
+    expected.push("model.safetensors".into());
+    expected.sort();
+    assert_eq!(names_in(dir.path()), expected);
+    assert_eq!(
+        value(load_node(&path, LoadOptions::default()).unwrap().root),
+        0.25
+    );
+    // One file, then sharded: the file goes.
+    save_sharded(&model_plus(8, 0.5), &path, &SaveOptions::default(), 1024).unwrap();
+    assert!(!path.exists());
+    assert_eq!(
+        value(load_node(&path, LoadOptions::default()).unwrap().root),
+        0.5
+    );
+    assert_eq!(
+        value(
+            load_node(
+                dir.path().join(format!("model{INDEX_SUFFIX}")),
+                LoadOptions::default()
+            )
+            .unwrap()
+            .root
+        ),
+        0.5
+    );
+    for name in keep {
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(name)).unwrap(),
+            "user's",
+            "{name}"
+        );
+    }
+    let shards = names_in(dir.path())
+        .into_iter()
+        .filter(|n| n.starts_with("model-") && n.ends_with(".safetensors"))
+        .count();
+    assert_eq!(
+        shards,
+        8,
+        "only the new checkpoint's shards: {:?}",
+        names_in(dir.path())
+    );
+}
+
+#[test]
+fn a_folder_path_saves_model_safetensors_in_it_creating_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("ckpt/");
+    save_sharded(&model_plus(4, 0.0), &folder, &SaveOptions::default(), 1024).unwrap();
+    assert!(folder.join(format!("model{INDEX_SUFFIX}")).is_file());
+    assert_eq!(names_in(dir.path()), ["ckpt"]);
+    same(
+        &load_node(&folder, LoadOptions::default()).unwrap().root,
+        &model_plus(4, 0.0),
+    );
+}
+
+#[test]
+fn a_folder_with_both_layouts_loads_the_single_file_as_transformers_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    save_sharded(&model_plus(4, 0.0), &path, &SaveOptions::default(), 1024).unwrap();
+    // What a crash between a single-file save's rename and its removals leaves.
+    let single = tempfile::tempdir().unwrap();
+    tensorferry::save_node(
+        &model_plus(4, 9.0),
+        single.path().join("m.safetensors"),
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    std::fs::copy(single.path().join("m.safetensors"), &path).unwrap();
+    let t = load_node(dir.path(), LoadOptions::default())
+        .unwrap()
+        .root
+        .tensors()[0]
+        .1
+        .clone();
+    assert_eq!(t.to_vec::<f32>().unwrap()[0], 9.0);
+}

@@ -9,6 +9,7 @@ import numpy as np
 
 from . import _frameworks as fw
 from . import _native
+from . import _save_order
 from . import _select
 from ._errors import DeviceUnavailableError, FormatError, TensorferryOverflowError
 from ._gc_pause import gc_paused
@@ -569,10 +570,11 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
         if record["default"] == fw.TORCH and not record["except"]:
             # Hugging Face's loaders (transformers 4.x) require the key in PyTorch files.
             meta.setdefault("format", "pt")
+    turn = _save_order.take(path)
     if non_blocking:
-        future = _writers().submit(_native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
+        future = _writers().submit(turn.run, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
         return Transfer([], lambda: future.result() and None, future)
-    _native.save(tree, os.fspath(path), meta, fsync, shard_bytes, staging)
+    turn.run(_native.save, tree, os.fspath(path), meta, fsync, shard_bytes, staging)
 
 
 _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
@@ -746,7 +748,9 @@ def _numpy_can_hold(dtype):
 
 
 def metadata(path):
-    """The user metadata (str -> str) stored in a safetensors file."""
+    """The user metadata (str -> str) stored in a safetensors checkpoint: a file, a
+    sharded checkpoint's index (its first shard's metadata), or any path :func:`load`
+    accepts for them (a folder, or the path a sharded save was given)."""
     meta = _native.read_metadata(os.fspath(path))
     return {k: v for k, v in meta.items() if not k.startswith(_RESERVED_PREFIX)}
 

@@ -152,6 +152,15 @@ pub(crate) fn header_len(prefix: &[u8], file_len: u64) -> Result<u64> {
         ));
     }
     let n = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
+    if let Some(kind) = (n > MAX_HEADER_BYTES || n > file_len - 8)
+        .then(|| other_format(prefix))
+        .flatten()
+    {
+        return Err(Error::format_at(
+            0,
+            format!("not a safetensors file: {kind}"),
+        ));
+    }
     if n > MAX_HEADER_BYTES {
         return Err(Error::format_at(
             0,
@@ -171,6 +180,33 @@ pub(crate) fn header_len(prefix: &[u8], file_len: u64) -> Result<u64> {
         ));
     }
     Ok(n)
+}
+
+/// What a file that is not safetensors looks like from its first bytes, when it starts
+/// like a format people confuse with it.
+fn other_format(prefix: &[u8]) -> Option<&'static str> {
+    let starts = |magic: &[u8]| prefix.starts_with(magic);
+    Some(if starts(b"PK\x03\x04") {
+        "it starts like a zip archive, as torch.save writes (load it with \
+         torch.load(path, weights_only=True), then save it with tensorferry)"
+    } else if prefix.len() >= 2 && prefix[0] == 0x80 && (2..=5).contains(&prefix[1]) {
+        "it starts like a Python pickle (an old torch.save file?): tensorferry never \
+         unpickles"
+    } else if starts(b"\x89HDF") {
+        "it starts like an HDF5 file (Keras .h5?)"
+    } else if starts(b"\x93NUMPY") {
+        "it starts like a NumPy .npy file"
+    } else if starts(b"GGUF") {
+        "it starts like a GGUF file"
+    } else if prefix[..8]
+        .iter()
+        .all(|&b| b.is_ascii_graphic() || b.is_ascii_whitespace())
+    {
+        "it starts like text (a safetensors file starts with its header's length, 8 \
+         bytes little-endian)"
+    } else {
+        return None;
+    })
 }
 
 /// Parses and validates `header` (the JSON bytes) of a file whose data section holds

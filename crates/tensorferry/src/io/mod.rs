@@ -22,6 +22,7 @@
 
 mod budget;
 mod census;
+mod checkpoint;
 mod direct;
 mod fast_header;
 mod fast_tree;
@@ -45,7 +46,7 @@ mod write;
 
 pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
 pub use into_device::load_node_to;
-pub use read::{load, load_bytes, load_node, read_header, LoadOptions, Loaded};
+pub use read::{load, load_bytes, load_node, read_header, read_metadata, LoadOptions, Loaded};
 pub use sharded::{load_sharded, save_sharded, INDEX_SUFFIX};
 pub use write::{header_bytes, save, save_node, SaveOptions};
 

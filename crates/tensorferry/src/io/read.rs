@@ -107,11 +107,15 @@ pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded>
         }
         super::sharded::Target::File(file) => file,
     };
-    load_file(&path, options).map_err(|e| e.in_file(&path))
+    load_file(&path, options)
 }
 
-/// Loads one safetensors file.
-fn load_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
+/// Loads one safetensors file (never an index: shards are files).
+pub(super) fn load_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
+    load_one_file(path, options).map_err(|e| e.in_file(path))
+}
+
+fn load_one_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
     let (mut file, file_len) = open_regular(path)?;
     if options.direct {
         return read_direct(file, path, file_len);
@@ -132,6 +136,17 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
     header_of(&mut file, path, file_len)
         .map(|(header, _)| header)
         .map_err(|e| e.in_file(path))
+}
+
+/// The user metadata of the checkpoint at `path`, from headers alone: a file, an index
+/// (its first shard's metadata, as [`load_node`] returns), or a folder or path that
+/// [`load_node`] would read one from.
+pub fn read_metadata(path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
+    let file = match super::sharded::resolve(path.as_ref())? {
+        super::sharded::Target::Index(index) => super::sharded::first_shard(&index)?,
+        super::sharded::Target::File(file) => file,
+    };
+    Ok(read_header(file)?.metadata)
 }
 
 /// A header and what its census counted.

@@ -1,6 +1,7 @@
 //! Replacing a file atomically: a temporary file in the target's folder is written,
 //! synced and renamed over the target, so a failure at any point leaves the previous
-//! file as it was and no temporary file behind.
+//! file as it was and no temporary file behind. [`super::checkpoint`] decides when the
+//! rename happens.
 //!
 //! What a user expects of the replaced file is kept: its permission bits (and its owner
 //! and group, as far as the process may set them); a new file gets what `open` would give
@@ -19,18 +20,34 @@ use crate::error::{Error, Result};
 /// Links followed at most (as Linux's `MAXSYMLINKS`).
 const MAX_LINKS: usize = 40;
 
-/// Runs `write` into a temporary file beside the file `path` names, then syncs and renames
-/// it over that file; on any failure the temporary file is removed and the file left as
-/// it was.
-pub(crate) fn write_atomically(
+/// A file written (and synced, when asked) under a temporary name beside its target, not
+/// yet in place: [`Staged::commit`] renames it over the target; dropping it uncommitted
+/// removes it.
+pub(crate) struct Staged {
+    tmp: PathBuf,
+    target: PathBuf,
+    shown: PathBuf,
+}
+
+/// Writes with `write` a temporary file that will replace the file `path` names (links
+/// at its end followed) when committed. A file at `path` must be a regular file the
+/// process may write, as `open(path, "wb")` requires: a read-only file is a
+/// `PermissionError`, untouched. The temporary file gets that file's owner and mode.
+pub(crate) fn stage(
     path: &Path,
     fsync: bool,
     write: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
-) -> Result<()> {
+) -> Result<Staged> {
     let target = resolve_links(path)?;
     let existing = match fs::metadata(&target) {
         Ok(meta) => {
             require_regular("save to", path, &meta)?;
+            // Refused where `open(path, "wb")` would be (a read-only file for anyone but
+            // root): a read-only checkpoint is a user's way of keeping it.
+            fs::OpenOptions::new()
+                .write(true)
+                .open(&target)
+                .map_err(|e| Error::io("save to", path, e))?;
             Some(meta)
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => None,
@@ -38,34 +55,66 @@ pub(crate) fn write_atomically(
     };
     let folder = folder_of(&target);
     let (tmp, file) = temp_files::create_in(folder)
-        .map_err(|e| Error::io("create a temporary file for", path, e))?;
-    temp_files::remove_stale(folder, &tmp);
-    let result = (|| {
-        if let Some(meta) = &existing {
-            keep_owner_and_mode(&file, meta)
-                .map_err(|e| Error::io("keep the permissions of", path, e))?;
-        }
-        let mut out = BufWriter::with_capacity(1 << 20, file);
-        write(&mut out)?;
-        let file = out
-            .into_inner()
-            .map_err(|e| Error::io("write", path, e.into_error()))?;
-        if fsync {
-            file.sync_all().map_err(|e| Error::io("sync", path, e))?;
-        }
-        drop(file);
-        fs::rename(&tmp, &target).map_err(|e| Error::io("rename into", path, e))
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-        return result;
+        .map_err(|e| Error::io("create a temporary file for", missing_folder_or(path), e))?;
+    let staged = Staged {
+        tmp,
+        target,
+        shown: path.to_path_buf(),
+    };
+    if let Some(meta) = &existing {
+        keep_owner_and_mode(&file, meta)
+            .map_err(|e| Error::io("keep the permissions of", path, e))?;
     }
+    let mut out = BufWriter::with_capacity(1 << 20, file);
+    write(&mut out)?;
+    let file = out
+        .into_inner()
+        .map_err(|e| Error::io("write", path, e.into_error()))?;
     if fsync {
-        File::open(folder)
-            .and_then(|d| d.sync_all())
-            .map_err(|e| Error::io("sync folder", folder, e))?;
+        file.sync_all().map_err(|e| Error::io("sync", path, e))?;
     }
-    Ok(())
+    Ok(staged)
+}
+
+impl Staged {
+    /// Renames the file over its target (the folder is not synced: see [`sync_folder`]).
+    pub(crate) fn commit(self) -> Result<()> {
+        let target = self.target.clone();
+        self.commit_as(&target)
+    }
+
+    /// Renames the file to `other`, in the same folder, instead of its target.
+    pub(crate) fn commit_as(mut self, other: &Path) -> Result<()> {
+        let tmp = std::mem::take(&mut self.tmp);
+        fs::rename(&tmp, other).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            Error::io("rename into", &self.shown, e)
+        })
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.tmp.as_os_str().is_empty() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Flushes `folder`'s entries (renames, removals) to stable storage.
+pub(crate) fn sync_folder(folder: &Path) -> Result<()> {
+    File::open(folder)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io("sync folder", folder, e))
+}
+
+/// `path`'s folder when that folder does not exist (the error then names what is
+/// missing), else `path`.
+fn missing_folder_or(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() && !p.exists() => p,
+        _ => path,
+    }
 }
 
 /// The file a save to `path` replaces: `path` with the symbolic links at its end followed
@@ -98,7 +147,7 @@ fn resolve_links(path: &Path) -> Result<PathBuf> {
 }
 
 /// The folder a file lies in (`.` for a bare name).
-fn folder_of(file: &Path) -> &Path {
+pub(crate) fn folder_of(file: &Path) -> &Path {
     match file.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -142,13 +191,10 @@ mod tests {
             .join(temp_files::temp_name(std::process::id(), u64::MAX));
         fs::write(&live, b"being written").unwrap();
         let path = dir.path().join("x.safetensors");
-        write_atomically(&path, false, |out| {
-            use std::io::Write;
-            out.write_all(b"new")
-                .map_err(|e| Error::io("write", &path, e))
-        })
-        .unwrap();
-        assert_eq!(fs::read(&path).unwrap(), b"new");
+        let mut d = crate::TensorDict::new();
+        d.insert("x", crate::Tensor::from_slice(&[1.5f32], &[1]).unwrap());
+        crate::save(&d, &path, &crate::SaveOptions::default()).unwrap();
+        assert!(path.exists());
         assert!(live.exists(), "a live process's temporary file stays");
         if cfg!(target_os = "linux") {
             assert!(

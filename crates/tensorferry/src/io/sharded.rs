@@ -10,14 +10,14 @@
 //! of names. Shards are read in parallel.
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
+use super::checkpoint::{commit_sharded, Place, StagedShard};
 use super::file_kind::open_regular;
-use super::read::{load_node, LoadOptions, Loaded};
-use super::replace::write_atomically;
+use super::read::{load_file, LoadOptions, Loaded};
 use super::tree_decode::{decode, TensorSource};
-use super::write::{check_root, save_node, write_walked, SaveOptions};
+use super::write::{check_root, stage_node, write_walked, SaveOptions};
 use super::{header_writer, tree_census, tree_meta, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -35,11 +35,15 @@ const READERS: usize = 8;
 /// Saves `root` as shards of at most `max_shard_bytes` of tensor data each (a tensor
 /// larger than that gets a shard of its own), plus the index, next to `path`:
 /// `dir/model.safetensors` gives `dir/model-00001-of-0000N.safetensors` and
-/// `dir/model.safetensors.index.json`. A tree that fits one shard is saved as `path`
-/// itself, as Hugging Face does. Every shard's metadata holds `"format": "pt"` unless
-/// `options.metadata` names a format (transformers requires the key). Shards of an
-/// earlier save with the same stem that the new index does not name are removed once the
-/// index is written. Returns the files written, the index last.
+/// `dir/model.safetensors.index.json` (a folder `dir` gives the same). A tree that fits
+/// one shard is saved as `path` itself, as Hugging Face does. Every shard's metadata holds
+/// `"format": "pt"` unless `options.metadata` names a format (transformers requires the
+/// key).
+///
+/// The checkpoint is replaced as a whole ([`super::checkpoint`]): a failure or a crash at
+/// any point leaves the previous checkpoint of that name loadable, or the new one, never
+/// a mix; what the previous one held that the new one does not is removed, and nothing
+/// else in the folder. Returns the files written, the index last.
 pub fn save_sharded(
     root: &Node,
     path: impl AsRef<Path>,
@@ -67,41 +71,29 @@ pub fn save_sharded(
         .metadata
         .entry("format".into())
         .or_insert_with(|| "pt".into());
+    let place = Place::of(path)?;
     if groups.len() <= 1 {
-        write_walked(walked, paths, path, &shard_options)?;
-        return Ok(vec![path.to_path_buf()]);
+        write_walked(walked, paths, &place.single, &shard_options)?;
+        return Ok(vec![place.single]);
     }
     header_writer::check_names(&walked, paths)?;
-    let (dir, stem) = dir_and_stem(path)?;
     let count = groups.len();
-    let mut written = Vec::with_capacity(count + 1);
-    let mut weight_map = BTreeMap::new();
+    let mut staged = Vec::with_capacity(count);
     for (i, group) in groups.iter().enumerate() {
-        let file = shard_name(&stem, i + 1, count);
         let mut shard = TensorDict::new();
+        let mut names = Vec::with_capacity(group.len());
         for &at in group {
             let name = walked.name(at);
             shard.insert(name.to_string(), Node::Tensor(walked.tensors[at].clone()));
-            weight_map.insert(name.to_string(), file.clone());
+            names.push(name.to_string());
         }
-        let shard_path = dir.join(&file);
-        save_node(&Node::Dict(shard), &shard_path, &shard_options)?;
-        written.push(shard_path);
+        let file = place.dir.join(place.shard_name(i + 1, count));
+        let file = stage_node(&Node::Dict(shard), &file, &shard_options)?;
+        staged.push(StagedShard { file, names });
     }
     let total: u64 = walked.tensors.iter().map(|t| t.nbytes() as u64).sum();
-    let index = serde_json::json!({
-        "metadata": { "total_size": total, TREE_METADATA_KEY: walked.record() },
-        "weight_map": weight_map,
-    });
-    let text = serde_json::to_vec_pretty(&index).expect("an index always serialises");
-    let index_path = dir.join(format!("{stem}{INDEX_SUFFIX}"));
-    write_atomically(&index_path, options.fsync, |out| {
-        out.write_all(&text)
-            .map_err(|e| Error::io("write", &index_path, e))
-    })?;
-    remove_stale_shards(&dir, &stem, count);
-    written.push(index_path);
-    Ok(written)
+    let metadata = serde_json::json!({ "total_size": total, TREE_METADATA_KEY: walked.record() });
+    commit_sharded(&place, staged, metadata, options.fsync)
 }
 
 /// Groups tensor sizes, in order, into shards of at most `max` bytes (a larger tensor
@@ -122,54 +114,6 @@ fn plan_shards(sizes: impl Iterator<Item = u64>, max: u64) -> Vec<Vec<usize>> {
     groups
 }
 
-fn shard_name(stem: &str, i: usize, count: usize) -> String {
-    format!("{stem}-{i:05}-of-{count:05}.safetensors")
-}
-
-/// The folder and the stem of `dir/stem.safetensors` (or `dir/stem`).
-fn dir_and_stem(path: &Path) -> Result<(PathBuf, String)> {
-    let name = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .ok_or_else(|| Error::InvalidValue {
-            key: String::new(),
-            reason: format!("{path:?} does not end in a file name"),
-        })?;
-    let stem = name.strip_suffix(".safetensors").unwrap_or(name);
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    Ok((dir, stem.to_string()))
-}
-
-/// Removes `stem-NNNNN-of-MMMMM.safetensors` files of other shard counts: what an
-/// earlier, differently sharded save left. Best effort: a file that cannot be removed
-/// stays (the index does not name it).
-fn remove_stale_shards(dir: &Path, stem: &str, count: usize) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let Some(rest) = name
-            .strip_prefix(stem)
-            .and_then(|r| r.strip_prefix('-'))
-            .and_then(|r| r.strip_suffix(".safetensors"))
-        else {
-            continue;
-        };
-        let Some((i, n)) = rest.split_once("-of-") else {
-            continue;
-        };
-        let numbered = |s: &str| s.len() == 5 && s.bytes().all(|b| b.is_ascii_digit());
-        if numbered(i) && numbered(n) && n.parse::<usize>().ok() != Some(count) {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
-}
-
 /// What a load of a path reads.
 pub(crate) enum Target {
     /// An index of shards.
@@ -179,33 +123,76 @@ pub(crate) enum Target {
 }
 
 /// What a load of `path` should read: `path` itself when it names an index or a file;
-/// for a folder, the one index in it, else its one safetensors file. A folder with
-/// neither stays as it is (reading it is then the operating system's `EISDIR`).
+/// `x.safetensors` that does not exist but whose index `x.safetensors.index.json` does
+/// (a sharded save to `x.safetensors`), that index; for a folder, the checkpoint in it
+/// (see [`in_folder`]).
 pub(crate) fn resolve(path: &Path) -> Result<Target> {
     if path.to_str().is_some_and(|p| p.ends_with(INDEX_SUFFIX)) {
         return Ok(Target::Index(path.to_path_buf()));
     }
-    if !path.is_dir() {
-        return Ok(Target::File(path.to_path_buf()));
+    if path.is_dir() {
+        return in_folder(path);
     }
-    let mut indexes = Vec::new();
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(path).map_err(|e| Error::io("list", path, e))? {
-        let entry = entry.map_err(|e| Error::io("list", path, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.ends_with(INDEX_SUFFIX) {
-            indexes.push(entry.path());
-        } else if name.ends_with(".safetensors") {
-            files.push(entry.path());
+    if !path.exists() {
+        let mut index = path.as_os_str().to_owned();
+        index.push(".index.json");
+        let index = PathBuf::from(index);
+        if path.to_str().is_some_and(|p| p.ends_with(".safetensors")) && index.is_file() {
+            return Ok(Target::Index(index));
         }
     }
+    Ok(Target::File(path.to_path_buf()))
+}
+
+/// The checkpoint in the folder `dir`, in transformers' order: `model.safetensors`, else
+/// `model.safetensors.index.json`; else the one index in it (or the single file of the
+/// same name beside it, which a reader takes first), else its one safetensors file. A
+/// folder with several, or with none, is an error saying what it holds.
+fn in_folder(dir: &Path) -> Result<Target> {
+    let mut indexes = Vec::new();
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))? {
+        let entry = entry.map_err(|e| Error::io("list", dir, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(stem) = name.strip_suffix(INDEX_SUFFIX) {
+            indexes.push(stem.to_string());
+        } else if name.ends_with(".safetensors") {
+            files.push(name);
+        }
+    }
+    let single_of = |stem: &str| format!("{stem}.safetensors");
+    let choose = |stem: &str| {
+        let single = single_of(stem);
+        if files.contains(&single) {
+            Target::File(dir.join(single))
+        } else {
+            Target::Index(dir.join(format!("{stem}{INDEX_SUFFIX}")))
+        }
+    };
+    if files.iter().any(|f| f == "model.safetensors") || indexes.iter().any(|s| s == "model") {
+        return Ok(choose("model"));
+    }
     match (indexes.len(), files.len()) {
-        (1, _) => Ok(Target::Index(indexes.remove(0))),
-        (0, 1) => Ok(Target::File(files.remove(0))),
-        (0, _) => Ok(Target::File(path.to_path_buf())),
+        (1, _) => Ok(choose(&indexes[0])),
+        (0, 1) => Ok(Target::File(dir.join(&files[0]))),
+        // The error opening a folder as a file gives (EISDIR), with what was looked for.
+        (0, 0) => Err(Error::io(
+            "find a checkpoint (a *.safetensors file or a *.safetensors.index.json) in",
+            dir,
+            std::fs::File::open(dir)
+                .and_then(|mut f| f.read(&mut [0u8; 1]))
+                .err()
+                .unwrap_or_else(|| std::io::ErrorKind::IsADirectory.into()),
+        )),
+        (0, n) => Err(Error::InvalidValue {
+            key: String::new(),
+            reason: format!(
+                "{dir:?} holds {n} *.safetensors files and no index: name the file to load"
+            ),
+        }),
         (n, _) => Err(Error::InvalidValue {
             key: String::new(),
-            reason: format!("{path:?} holds {n} *{INDEX_SUFFIX} files: name one"),
+            reason: format!("{dir:?} holds {n} *{INDEX_SUFFIX} files: name one"),
         }),
     }
 }
@@ -214,11 +201,12 @@ pub(crate) fn resolve(path: &Path) -> Result<Target> {
 /// is the first shard's; [`Loaded::direct_fallback`] gives every shard's distinct reason.
 pub fn load_sharded(index_path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
     load_sharded_with(index_path.as_ref(), READERS, |file| {
-        load_node(file, options)
+        load_file(file, options)
     })
 }
 
-/// Loads every shard an index names with `load_one`, up to `readers` at once, as one tree.
+/// Loads every shard an index names with `load_one`, up to `readers` at once, as one
+/// tree. Each tensor comes from the shard the index names for it.
 pub(crate) fn load_sharded_with(
     index_path: &Path,
     readers: usize,
@@ -226,15 +214,10 @@ pub(crate) fn load_sharded_with(
 ) -> Result<Loaded> {
     let index = read_index(index_path)?;
     let dir = index_path.parent().unwrap_or(Path::new("."));
-    let mut shards: Vec<&str> = Vec::new();
-    for file in index.weight_map.values() {
-        if !shards.contains(&file.as_str()) {
-            shards.push(file);
-        }
-    }
+    let shards: Vec<&str> = index.files().collect();
     let loaded = load_in_parallel(dir, &shards, readers, load_one)?;
     let mut metadata = BTreeMap::new();
-    let mut found: HashMap<String, Tensor> = HashMap::new();
+    let mut found: HashMap<&str, Tensor> = HashMap::with_capacity(index.weight_map.len());
     let mut fallbacks: Vec<String> = Vec::new();
     for (i, shard) in loaded.into_iter().enumerate() {
         if i == 0 {
@@ -246,12 +229,17 @@ pub(crate) fn load_sharded_with(
             }
         }
         for (path, t) in shard.root.tensors() {
-            found.insert(path.dotted(), t.clone());
+            let name = path.dotted();
+            if let Some((name, file)) = index.weight_map.get_key_value(&name) {
+                if file == shards[i] {
+                    found.insert(name.as_str(), t.clone());
+                }
+            }
         }
     }
     let mut by_name = HashMap::with_capacity(index.weight_map.len());
     for (name, file) in &index.weight_map {
-        let t = found.remove(name).ok_or_else(|| {
+        let t = found.remove(name.as_str()).ok_or_else(|| {
             Error::format_in(
                 name,
                 format!("the index names it in {file:?}, which does not hold it"),
@@ -285,28 +273,54 @@ pub(crate) fn load_sharded_with(
     })
 }
 
-struct Index {
+/// The path of the first shard the index at `index_path` names.
+pub(crate) fn first_shard(index_path: &Path) -> Result<PathBuf> {
+    let index = read_index(index_path)?;
+    let first = index.files().next().ok_or_else(|| Error::Format {
+        at: format!("{index_path:?}"),
+        reason: "the index names no shard".into(),
+    })?;
+    Ok(index_path.parent().unwrap_or(Path::new(".")).join(first))
+}
+
+/// A sharded checkpoint's index.
+pub(crate) struct Index {
     /// Tensor name → shard file, sorted by name.
     weight_map: BTreeMap<String, String>,
     /// tensorferry's tree record, when tensorferry wrote the index.
     record: Option<String>,
 }
 
-fn read_index(path: &Path) -> Result<Index> {
-    let (mut file, len) = open_regular(path)?;
-    if len > MAX_INDEX_BYTES {
-        return Err(Error::Format {
-            at: format!("{path:?}"),
-            reason: format!("an index of {len} bytes is over the {MAX_INDEX_BYTES}-byte limit"),
-        });
+impl Index {
+    /// The shard files it names, each once, in order of first mention.
+    pub(crate) fn files(&self) -> impl Iterator<Item = &str> {
+        let mut seen = std::collections::HashSet::new();
+        self.weight_map
+            .values()
+            .map(String::as_str)
+            .filter(move |f| seen.insert(*f))
     }
-    let mut text = String::with_capacity(len as usize);
-    file.read_to_string(&mut text)
-        .map_err(|e| Error::io("read", path, e))?;
+}
+
+/// Reads and checks the index at `path`: JSON of at most [`MAX_INDEX_BYTES`], in UTF-8,
+/// whose shards are safetensors files in its own folder (an index naming an index, or a
+/// path, is refused: loading never recurses).
+pub(crate) fn read_index(path: &Path) -> Result<Index> {
+    let (mut file, len) = open_regular(path)?;
     let bad = |reason: String| Error::Format {
         at: format!("{path:?}"),
         reason,
     };
+    if len > MAX_INDEX_BYTES {
+        return Err(bad(format!(
+            "an index of {len} bytes is over the {MAX_INDEX_BYTES}-byte limit"
+        )));
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.read_to_end(&mut bytes)
+        .map_err(|e| Error::io("read", path, e))?;
+    let text = std::str::from_utf8(&bytes)
+        .map_err(|e| bad(format!("not a safetensors index: not UTF-8 text ({e})")))?;
     #[derive(serde::Deserialize)]
     struct Raw {
         #[serde(default)]
@@ -314,14 +328,23 @@ fn read_index(path: &Path) -> Result<Index> {
         weight_map: BTreeMap<String, String>,
     }
     let raw: Raw =
-        serde_json::from_str(&text).map_err(|e| bad(format!("not a safetensors index: {e}")))?;
+        serde_json::from_str(text).map_err(|e| bad(format!("not a safetensors index: {e}")))?;
+    let mut checked = std::collections::HashSet::new();
     for file in raw.weight_map.values() {
+        if !checked.insert(file.as_str()) {
+            continue;
+        }
         let plain = Path::new(file)
             .components()
             .all(|c| matches!(c, std::path::Component::Normal(_)));
         if !plain || file.contains('/') || file.contains('\\') || file.is_empty() {
             return Err(bad(format!(
                 "shard {file:?} is not a file name in the index's folder"
+            )));
+        }
+        if file.ends_with(".json") {
+            return Err(bad(format!(
+                "shard {file:?} is an index, not a safetensors file: an index names only shards"
             )));
         }
     }
@@ -390,13 +413,19 @@ mod tests {
     }
 
     #[test]
-    fn stems_come_from_the_path() {
-        let (dir, stem) = dir_and_stem(Path::new("/x/model.safetensors")).unwrap();
-        assert_eq!((dir, stem.as_str()), (PathBuf::from("/x"), "model"));
-        assert_eq!(dir_and_stem(Path::new("ckpt")).unwrap().1, "ckpt");
+    fn places_come_from_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let place = Place::of(&dir.path().join("model.safetensors")).unwrap();
         assert_eq!(
-            shard_name("model", 2, 13),
-            "model-00002-of-00013.safetensors"
+            (place.dir.as_path(), place.stem.as_str()),
+            (dir.path(), "model")
         );
+        assert_eq!(Place::of(&dir.path().join("ckpt")).unwrap().stem, "ckpt");
+        assert_eq!(place.shard_name(2, 13), "model-00002-of-00013.safetensors");
+        let folder = dir.path().join("new/");
+        let place = Place::of(&folder).unwrap();
+        assert!(folder.is_dir(), "a folder path is created");
+        assert_eq!(place.single, folder.join("model.safetensors"));
+        assert!(Place::of(&dir.path().join("missing/x.safetensors")).is_err());
     }
 }

@@ -65,31 +65,55 @@ pub(crate) fn create_in(folder: &Path) -> io::Result<(PathBuf, File)> {
     Err(last.unwrap_or_else(|| io::Error::from(io::ErrorKind::AlreadyExists)))
 }
 
-/// Removes from `folder` the temporary files left by processes that no longer exist
-/// (see the module's doc for which); `ours`, just created, tells the owner to match.
-/// Best effort: any failure leaves the file where it is.
-pub(crate) fn remove_stale(folder: &Path, ours: &Path) {
-    let Some(tag) = session_tag() else { return };
-    let Ok(me) = fs::symlink_metadata(ours) else {
-        return;
-    };
-    let Ok(entries) = fs::read_dir(folder) else {
-        return;
-    };
-    let own_pid = std::process::id();
-    for entry in entries.flatten() {
+/// Makes a new hard link to `file` under a temporary name in `folder`, and returns its
+/// path.
+pub(crate) fn link_in(folder: &Path, file: &Path) -> io::Result<PathBuf> {
+    let pid = std::process::id();
+    let mut last = None;
+    for _ in 0..64 {
+        let path = folder.join(temp_name(pid, COUNTER.fetch_add(1, Ordering::Relaxed)));
+        match fs::hard_link(file, &path) {
+            Ok(()) => return Ok(path),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| io::Error::from(io::ErrorKind::AlreadyExists)))
+}
+
+/// Tells the temporary files of dead processes (see the module's doc) in a folder's
+/// listing, so that a save sweeps its folder once for everything it removes.
+pub(crate) struct Stale {
+    tag: u64,
+    me: fs::Metadata,
+}
+
+impl Stale {
+    /// The judge for files of the owner of `ours` (a file just written); `None` where
+    /// `/proc` cannot tell which processes are alive.
+    pub(crate) fn like(ours: &Path) -> Option<Stale> {
+        Some(Stale {
+            tag: session_tag()?,
+            me: fs::symlink_metadata(ours).ok()?,
+        })
+    }
+
+    /// Removes `entry` if it is a temporary file of a dead process; whether it was one.
+    pub(crate) fn remove(&self, entry: &fs::DirEntry) -> bool {
         let name = entry.file_name();
         let Some((pid, their_tag)) = name.to_str().and_then(parse_temp_name) else {
-            continue;
+            return false;
         };
-        if their_tag != tag || pid == own_pid || process_may_exist(pid) {
-            continue;
+        if their_tag != self.tag || pid == std::process::id() || process_may_exist(pid) {
+            return false;
         }
         // `DirEntry::metadata` does not follow a link: only a regular file qualifies.
-        let Ok(meta) = entry.metadata() else { continue };
-        if meta.file_type().is_file() && same_owner(&meta, &me) {
-            let _ = fs::remove_file(entry.path());
-        }
+        let Ok(meta) = entry.metadata() else {
+            return false;
+        };
+        meta.file_type().is_file()
+            && same_owner(&meta, &self.me)
+            && fs::remove_file(entry.path()).is_ok()
     }
 }
 
@@ -148,6 +172,18 @@ impl Fnv1a {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Removes from `folder` the temporary files left by processes that no longer exist
+    /// (see the module's doc for which); `ours`, just created, tells the owner to match.
+    /// Best effort: any failure leaves the file where it is.
+    fn remove_stale(folder: &Path, ours: &Path) {
+        let Some(stale) = Stale::like(ours) else {
+            return;
+        };
+        for entry in fs::read_dir(folder).into_iter().flatten().flatten() {
+            stale.remove(&entry);
+        }
+    }
 
     /// The id of a process that has exited and been reaped.
     fn dead_pid() -> u32 {

@@ -14,10 +14,11 @@ use std::io::Write;
 use std::path::Path;
 
 use super::census::HeaderCensus;
+use super::checkpoint::{commit_single, Place};
 use super::gather_write::GatherWriter;
 use super::header::MAX_HEADER_BYTES;
 use super::header_writer;
-use super::replace::write_atomically;
+use super::replace::{stage, Staged};
 use super::{budget, tree_meta, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -76,8 +77,10 @@ pub fn save(dict: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) ->
 /// copied to the host first, all in one planned transfer.
 ///
 /// The file is replaced atomically and keeps its permission bits; a symbolic link at
-/// `path` stays a link to the replaced file. A folder, FIFO or device at `path` is an
-/// [`Error::Io`].
+/// `path` stays a link to the replaced file. A FIFO or device at `path`, a read-only file
+/// or a missing folder is an [`Error::Io`]; a folder at `path` means
+/// `path/model.safetensors`. A sharded checkpoint of that name
+/// (`stem.safetensors.index.json` and its shards) is removed once the file is in place.
 pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
     check_root(root, options)?;
     write_walked(
@@ -100,13 +103,39 @@ pub fn header_bytes(root: &Node, options: &SaveOptions) -> Result<Vec<u8>> {
     checked_header(&walked, options).map(|built| built.bytes)
 }
 
-/// Checks the names of a walked tree, builds its header and writes the file.
+/// Checks the names of a walked tree, builds its header and writes the file as the
+/// checkpoint at `path`, replacing whatever checkpoint of that name was there
+/// ([`super::checkpoint`]).
 pub(crate) fn write_walked(
     walked: header_writer::Walked<'_>,
     paths: impl FnOnce() -> Vec<KeyPath>,
     path: &Path,
     options: &SaveOptions,
 ) -> Result<()> {
+    let place = Place::of(path)?;
+    let staged = stage_walked(walked, paths, &place.single, options)?;
+    commit_single(&place, staged, options.fsync)
+}
+
+/// Saves `root` into a temporary file that will replace `path` once committed.
+pub(crate) fn stage_node(root: &Node, path: &Path, options: &SaveOptions) -> Result<Staged> {
+    check_root(root, options)?;
+    stage_walked(
+        header_writer::walk_node(root),
+        || root.tensors().into_iter().map(|(p, _)| p).collect(),
+        path,
+        options,
+    )
+}
+
+/// Checks the names of a walked tree, builds its header and writes it into a temporary
+/// file that will replace `path`.
+fn stage_walked(
+    walked: header_writer::Walked<'_>,
+    paths: impl FnOnce() -> Vec<KeyPath>,
+    path: &Path,
+    options: &SaveOptions,
+) -> Result<Staged> {
     header_writer::check_names(&walked, paths)?;
     let built = checked_header(&walked, options)?;
     let ring = options.staging.ring_for_stream();
@@ -120,7 +149,7 @@ pub(crate) fn write_walked(
         None => walked.tensors,
     };
     let ordered: Vec<&Tensor> = built.order.iter().map(|&i| tensors[i]).collect();
-    write_atomically(path, options.fsync, |out| {
+    stage(path, options.fsync, |out| {
         let io = |e| Error::io("write", path, e);
         out.write_all(&built.bytes).map_err(io)?;
         out.flush().map_err(io)?;
