@@ -4,9 +4,11 @@ use std::io::Write;
 
 use tensorferry::backend::cuda::{self, CudaStatus};
 
+use crate::escape::controls_escaped;
 use crate::out::{Failure, Out};
 
-/// Prints the version, the devices and the CUDA driver's state.
+/// Prints the version, the devices and the CUDA driver's state. GPU names and reasons
+/// come from the driver and the system: printed with control characters escaped.
 pub fn run(out: &mut Out<impl Write>) -> Result<(), Failure> {
     writeln!(out, "tensorferry {}", env!("CARGO_PKG_VERSION"))?;
     let devices: Vec<String> = tensorferry::available_devices()
@@ -25,20 +27,25 @@ pub fn run(out: &mut Out<impl Write>) -> Result<(), Failure> {
                 cuda::version_string(*driver_version)
             )?;
             for (i, name) in gpus.iter().enumerate() {
+                let name = controls_escaped(name);
                 match tensorferry::backend::cuda_device::device(i) {
                     Ok(d) => {
                         writeln!(out, "  cuda:{i}: {name}; copies: {}", d.copy_path())?;
                         if let Some(reason) = d.copy_fallback() {
+                            let reason = controls_escaped(&reason).into_owned();
                             writeln!(out, "    batched copies given up: {reason}")?;
                         }
                     }
                     Err(e) => {
+                        let e = controls_escaped(&e.to_string()).into_owned();
                         writeln!(out, "  cuda:{i}: {name}; unusable: {e}")?;
                     }
                 }
             }
         }
-        CudaStatus::Unavailable { reason } => writeln!(out, "cuda: unavailable: {}", reason)?,
+        CudaStatus::Unavailable { reason } => {
+            writeln!(out, "cuda: unavailable: {}", controls_escaped(reason))?
+        }
     }
     Ok(())
 }

@@ -1,4 +1,8 @@
 //! `tensorferry inspect FILE [--json]`.
+//!
+//! Names and metadata are whatever the file's author wrote: the table shows them with
+//! control characters escaped ([`escaped`]), the JSON with every such character as a JSON
+//! escape, so a file cannot act on the terminal that shows it.
 
 use std::io::Write;
 use std::path::Path;
@@ -6,6 +10,7 @@ use std::path::Path;
 use serde_json::json;
 use tensorferry::{load_node, LoadOptions, Loaded};
 
+use crate::escape::{escaped, json_escaped};
 use crate::out::{Failure, Out};
 
 /// Prints what the file holds: a table, or JSON.
@@ -45,12 +50,15 @@ fn print_json(out: &mut Out<impl Write>, loaded: &Loaded) -> Result<(), Failure>
     // A tree of strings and numbers always serialises: failing to is a bug.
     let text = serde_json::to_string_pretty(&doc)
         .map_err(|e| Failure::Internal(format!("the JSON output: {e}")))?;
-    writeln!(out, "{text}")
+    writeln!(out, "{}", json_escaped(&text))
 }
 
 fn print_table(out: &mut Out<impl Write>, loaded: &Loaded) -> Result<(), Failure> {
     let tensors = loaded.root.tensors();
-    let names: Vec<String> = tensors.iter().map(|(p, _)| p.to_string()).collect();
+    let names: Vec<String> = tensors
+        .iter()
+        .map(|(p, _)| escaped(&p.to_string()).into_owned())
+        .collect();
     let width = names
         .iter()
         .map(|n| n.chars().count())
@@ -76,7 +84,7 @@ fn print_table(out: &mut Out<impl Write>, loaded: &Loaded) -> Result<(), Failure
     }
     writeln!(out, "{} tensors, {} bytes", tensors.len(), total)?;
     for (k, v) in &loaded.metadata {
-        writeln!(out, "metadata {}: {}", k, v)?;
+        writeln!(out, "metadata {}: {}", escaped(k), escaped(v))?;
     }
     Ok(())
 }

@@ -7,7 +7,8 @@
 //! does not fail because `head` had read enough. Status 1 for any other failure,
 //! a full disk or an error of the library included, told in one line on stderr
 //! (`tensorferry: <cause>`); status 2 for a command line it cannot parse. Never a panic's
-//! backtrace, status 101 or an abort.
+//! backtrace, status 101 or an abort. Control characters in names, metadata and
+//! messages are printed escaped (`\u{1b}`), never raw.
 
 /// With the `mimalloc` feature, mimalloc: dictionaries of many small tensors make and free
 /// a name, a shape and a tensor per entry, and the allocator is much of that cost
@@ -17,6 +18,7 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench;
+mod escape;
 mod info;
 mod inspect;
 mod out;
@@ -35,7 +37,8 @@ Exit status:
   0  success; also when the reader of the output stops early
      (`tensorferry inspect f | head -1`): the command then ends quietly
   1  any other failure (a full disk, a damaged file, ...), told in one line on stderr
-  2  a command line that cannot be parsed";
+  2  a command line that cannot be parsed
+Control characters in names, metadata and messages are printed escaped (\\u{1b}).";
 
 /// Move whole dictionaries of tensors between GPU memory, host memory and files.
 #[derive(Parser)]

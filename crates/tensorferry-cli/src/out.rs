@@ -14,6 +14,8 @@ use std::panic::{self, AssertUnwindSafe};
 use std::process::ExitCode;
 use std::sync::Mutex;
 
+use crate::escape::controls_escaped;
+
 /// Why a command stopped before its end.
 #[derive(Debug)]
 pub enum Failure {
@@ -125,10 +127,16 @@ pub fn exit_status(result: Result<(), Failure>) -> ExitCode {
     }
 }
 
-/// One line on stderr, `tensorferry: <what>`. Nothing is left to tell of a failure to
-/// write it, so that failure is ignored (`eprintln!` would panic).
+/// One line on stderr, `tensorferry: <what>`, control characters escaped (a newline in a
+/// message included). Nothing is left to tell of a failure to write it, so that failure is
+/// ignored (`eprintln!` would panic).
 pub fn say(what: &dyn fmt::Display) {
-    let _ = writeln!(io::stderr().lock(), "tensorferry: {what}");
+    let line = what.to_string();
+    let _ = writeln!(
+        io::stderr().lock(),
+        "tensorferry: {}",
+        controls_escaped(&line)
+    );
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! What the command does when its output cannot be written: real runs of the built
-//! binary.
+//! What the command does when its output cannot be written, and how it prints what a
+//! hostile file holds: real runs of the built binary.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
@@ -144,6 +144,102 @@ fn an_error_with_stderr_unwritable_still_exits_1_without_a_panic() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
+}
+
+/// Names and metadata that would recolour the terminal and ring its bell.
+fn hostile_names(dir: &Path) -> PathBuf {
+    let path = dir.join("hostile.safetensors");
+    let names = [
+        "red\x1b[31m.weight".to_string(),
+        "bell\x07.bias".to_string(),
+        "csi\u{9b}31m.del\x7f".to_string(),
+    ];
+    write_safetensors(
+        &path,
+        &names,
+        &[("author\x1b]0;owned\x07", "me\x1b[2J\r\nfake line")],
+    );
+    path
+}
+
+/// Bytes that a terminal acts on: C0 controls but newline, DEL, C1 controls (UTF-8).
+fn raw_controls(text: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(text)
+        .chars()
+        .filter(|&c| c != '\n' && c.is_control())
+        .map(|c| format!("{c:?}"))
+        .collect()
+}
+
+#[test]
+fn inspect_prints_control_characters_of_names_and_metadata_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = hostile_names(dir.path());
+    let out = bin()
+        .args(["inspect", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert_eq!(raw_controls(&out.stdout), Vec::<String>::new());
+    let table = String::from_utf8(out.stdout).unwrap();
+    for shown in [
+        r"red\u{1b}[31m.weight",
+        r"bell\u{7}.bias",
+        r"csi\u{9b}31m.del\u{7f}",
+        r"metadata author\u{1b}]0;owned\u{7}: me\u{1b}[2J\r\nfake line",
+    ] {
+        assert!(table.contains(shown), "{shown} missing in\n{table}");
+    }
+    // One line per tensor and per metadata entry: a newline in a value starts none.
+    assert_eq!(table.lines().count(), 1 + 3 + 1 + 1, "{table}");
+}
+
+#[test]
+fn inspect_json_escapes_every_control_character_and_keeps_the_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = hostile_names(dir.path());
+    let out = bin()
+        .args(["inspect", "--json", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr_of(&out));
+    assert_eq!(raw_controls(&out.stdout), Vec::<String>::new());
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut names: Vec<&str> = doc["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            "bell\x07.bias",
+            "csi\u{9b}31m.del\x7f",
+            "red\x1b[31m.weight"
+        ]
+    );
+    assert_eq!(
+        doc["metadata"]["author\x1b]0;owned\x07"],
+        "me\x1b[2J\r\nfake line"
+    );
+}
+
+#[test]
+fn an_error_about_a_file_prints_control_characters_of_its_name_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad\x1b[31m\x07.safetensors");
+    std::fs::write(&file, [1, 2, 3]).unwrap();
+    let out = bin()
+        .args(["inspect", file.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(raw_controls(err.as_bytes()), Vec::<String>::new());
+    assert!(err.contains(r"bad\u{1b}[31m\u{7}.safetensors"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
 }
 
 /// Status 134 (an abort) on today's library: each level of a self-naming index loads on
