@@ -192,3 +192,38 @@ def test_a_numbered_os_error_keeps_errno_strerror_and_filename(tmp_path):
     e = info.value
     assert (e.errno, e.strerror, e.filename) == (errno.ENOENT, "open: No such file or directory", str(missing))
     assert str(e) == f"[Errno 2] open: No such file or directory: {str(missing)!r}"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"weight_map": {"a": "m-\xff.safetensors"}}',
+        b'\xff\xfe{"weight_map": {}}',
+        b'{"weight_map": {"a": "m.safetensors"}, "metadata": {"k": "\xc3\x28"}}',
+    ],
+    ids=["shard-name", "leading-bytes", "metadata-value"],
+)
+@pytest.mark.xfail(
+    strict=True,
+    reason="io/sharded.rs read_index reads the index with read_to_string, whose invalid "
+    "UTF-8 is an io::Error: needs from_slice (issue 20)",
+)
+def test_a_non_utf8_index_is_a_format_error_naming_it(tmp_path, text):
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_bytes(text)
+    with pytest.raises(tf.FormatError, match=re.escape(str(index))) as info:
+        tf.load(index)
+    assert not isinstance(info.value, OSError)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"", b"{", b"[]", b'{"weight_map": 5}', b'{"weight_map": {"a": 5}}'],
+    ids=["empty", "unclosed", "array", "map-not-object", "shard-not-string"],
+)
+def test_a_malformed_index_is_a_format_error_naming_it(tmp_path, text):
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_bytes(text)
+    with pytest.raises(tf.FormatError, match=re.escape(str(index))) as info:
+        tf.load(index)
+    assert not isinstance(info.value, OSError)
