@@ -53,7 +53,9 @@ pub fn to_py(err: Error) -> PyErr {
 }
 
 /// The `OSError` subclass Python picks for the errno (`FileNotFoundError`, …), made a
-/// `TensorferryIOError` too by `tensorferry._errors.io_error`, with errno, text and path.
+/// `TensorferryIOError` too by `tensorferry._errors.io_error`, with `errno` (an int, or
+/// `None` for a failure the OS did not number: a FIFO refused, a NUL in a name, a short
+/// read), `strerror` (what was done and what went wrong) and `filename` (the path).
 fn io_err(
     py: Python<'_>,
     op: &str,
@@ -62,11 +64,15 @@ fn io_err(
 ) -> PyResult<PyErr> {
     static MAKE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let make = MAKE.import(py, "tensorferry._errors", "io_error")?;
-    let errno = source.raw_os_error().unwrap_or(0);
+    let errno = source.raw_os_error();
     let text = source.to_string();
-    let text = text
-        .strip_suffix(&format!(" (os error {errno})"))
-        .unwrap_or(&text);
+    let text = match errno {
+        // Python shows the number itself: "[Errno 2] open: No such file or directory".
+        Some(n) => text
+            .strip_suffix(&format!(" (os error {n})"))
+            .unwrap_or(&text),
+        None => &text,
+    };
     let exc = make.call1((errno, format!("{op}: {text}"), path.as_os_str()))?;
     Ok(PyErr::from_value(exc))
 }

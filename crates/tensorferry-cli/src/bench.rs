@@ -15,6 +15,8 @@ use tensorferry::{
     Tensor, TensorDict,
 };
 
+use crate::out::{Failure, Out};
+
 /// Options of `tensorferry bench`.
 #[derive(Args)]
 pub struct BenchArgs {
@@ -201,7 +203,7 @@ struct Row {
 }
 
 /// Runs the benchmark and prints its table.
-pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
+pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
     let tmp = tempfile::tempdir_in(args.dir.clone().unwrap_or_else(std::env::temp_dir))
         .map_err(io_err("create a folder in", Path::new(".")))?;
     let dir = tmp.path();
@@ -387,8 +389,7 @@ pub fn run(args: &BenchArgs) -> tensorferry::Result<()> {
     }
     bar.finish_and_clear();
 
-    print_table(args, total, count, &rows);
-    Ok(())
+    print_table(out, args, total, count, &rows)
 }
 
 /// One timed move: its name, source, target, options and roof.
@@ -563,23 +564,31 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-fn print_table(args: &BenchArgs, total: usize, count: usize, rows: &[Row]) {
+fn print_table(
+    out: &mut Out<impl Write>,
+    args: &BenchArgs,
+    total: usize,
+    count: usize,
+    rows: &[Row],
+) -> Result<(), Failure> {
     let preset = args
         .preset
         .to_possible_value()
         .expect("named")
         .get_name()
         .to_string();
-    println!(
+    writeln!(
+        out,
         "preset {preset} (scale {}): {count} tensors, {:.1} MB, best of {}",
         args.scale,
         total as f64 / 1e6,
         args.repeat
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "{:<22} {:>10} {:>8} {:>10}  {:<22} {:>8}",
         "path", "time ms", "GB/s", "us/leaf", "roof", "% roof"
-    );
+    )?;
     for row in rows {
         let (roof_name, pct) = match row.roof {
             Some((name, roof)) => (
@@ -591,7 +600,8 @@ fn print_table(args: &BenchArgs, total: usize, count: usize, rows: &[Row]) {
             ),
             None => ("-", "-".to_string()),
         };
-        println!(
+        writeln!(
+            out,
             "{:<22} {:>10.2} {:>8.2} {:>10.3}  {:<22} {:>8}",
             row.path,
             row.time.as_secs_f64() * 1e3,
@@ -599,7 +609,7 @@ fn print_table(args: &BenchArgs, total: usize, count: usize, rows: &[Row]) {
             row.time.as_secs_f64() * 1e6 / count as f64,
             roof_name,
             pct
-        );
+        )?;
     }
     let mut roofs: Vec<String> = Vec::new();
     for (name, d) in rows.iter().filter_map(|r| r.roof) {
@@ -608,5 +618,5 @@ fn print_table(args: &BenchArgs, total: usize, count: usize, rows: &[Row]) {
             roofs.push(line);
         }
     }
-    println!("roofs measured in this run: {}", roofs.join("; "));
+    writeln!(out, "roofs measured in this run: {}", roofs.join("; "))
 }

@@ -1,34 +1,51 @@
 //! `tensorferry info`.
 
+use std::io::Write;
+
 use tensorferry::backend::cuda::{self, CudaStatus};
 
-/// Prints the version, the devices and the CUDA driver's state.
-pub fn run() -> tensorferry::Result<()> {
-    println!("tensorferry {}", env!("CARGO_PKG_VERSION"));
+use crate::escape::controls_escaped;
+use crate::out::{Failure, Out};
+
+/// Prints the version, the devices and the CUDA driver's state. GPU names and reasons
+/// come from the driver and the system: printed with control characters escaped.
+pub fn run(out: &mut Out<impl Write>) -> Result<(), Failure> {
+    writeln!(out, "tensorferry {}", env!("CARGO_PKG_VERSION"))?;
     let devices: Vec<String> = tensorferry::available_devices()
         .iter()
         .map(|d| d.to_string())
         .collect();
-    println!("devices: {}", devices.join(", "));
+    writeln!(out, "devices: {}", devices.join(", "))?;
     match cuda::status() {
         CudaStatus::Available {
             driver_version,
             gpus,
         } => {
-            println!("cuda: driver {}", cuda::version_string(*driver_version));
+            writeln!(
+                out,
+                "cuda: driver {}",
+                cuda::version_string(*driver_version)
+            )?;
             for (i, name) in gpus.iter().enumerate() {
+                let name = controls_escaped(name);
                 match tensorferry::backend::cuda_device::device(i) {
                     Ok(d) => {
-                        println!("  cuda:{i}: {name}; copies: {}", d.copy_path());
+                        writeln!(out, "  cuda:{i}: {name}; copies: {}", d.copy_path())?;
                         if let Some(reason) = d.copy_fallback() {
-                            println!("    batched copies given up: {reason}");
+                            let reason = controls_escaped(&reason).into_owned();
+                            writeln!(out, "    batched copies given up: {reason}")?;
                         }
                     }
-                    Err(e) => println!("  cuda:{i}: {name}; unusable: {e}"),
+                    Err(e) => {
+                        let e = controls_escaped(&e.to_string()).into_owned();
+                        writeln!(out, "  cuda:{i}: {name}; unusable: {e}")?;
+                    }
                 }
             }
         }
-        CudaStatus::Unavailable { reason } => println!("cuda: unavailable: {reason}"),
+        CudaStatus::Unavailable { reason } => {
+            writeln!(out, "cuda: unavailable: {}", controls_escaped(reason))?
+        }
     }
     Ok(())
 }

@@ -31,7 +31,17 @@ class TensorferryKeyError(TensorferryError, KeyError):
 
 
 class TensorferryIOError(TensorferryError, OSError):
-    """An operating-system error while reading or writing a file."""
+    """An operating-system error while reading or writing a file: ``errno`` (an int, or
+    ``None`` when the system gave no number, e.g. for a FIFO refused or a short read),
+    ``strerror`` (what was done and what went wrong) and ``filename`` (the path)."""
+
+    def __str__(self):
+        # OSError would say "[Errno None] …" when there is no number.
+        if self.errno is None and self.strerror is not None:
+            if self.filename is None:
+                return str(self.strerror)
+            return f"{self.strerror}: {self.filename!r}"
+        return super().__str__()
 
 
 class TensorferryOverflowError(TensorferryError, OverflowError):
@@ -46,14 +56,20 @@ def io_error(errno, strerror, filename):
     """The exception for an operating-system error: a :class:`TensorferryIOError` that is
     also the built-in ``OSError`` subclass Python picks for ``errno``
     (``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError``, …), with
-    ``errno``, ``strerror`` and ``filename`` set.
+    ``errno``, ``strerror`` and ``filename`` set. ``errno`` is ``None`` for a failure
+    the system did not number: a plain ``TensorferryIOError``, the attributes the same.
 
     >>> from tensorferry._errors import io_error
     >>> e = io_error(2, "open: No such file or directory", "/nowhere")
     >>> isinstance(e, FileNotFoundError), isinstance(e, TensorferryError), e.errno, e.filename
     (True, True, 2, '/nowhere')
+    >>> e = io_error(None, "open: is a FIFO, not a regular file", "/tmp/pipe")
+    >>> e.errno, e.strerror, e.filename
+    (None, 'open: is a FIFO, not a regular file', '/tmp/pipe')
+    >>> str(e)
+    "open: is a FIFO, not a regular file: '/tmp/pipe'"
     """
-    builtin = type(OSError(errno, strerror)) if errno else OSError
+    builtin = type(OSError(errno, strerror)) if errno is not None else OSError
     cls = _IO_CLASSES.get(builtin)
     if cls is None:
         if builtin is OSError:
@@ -65,4 +81,5 @@ def io_error(errno, strerror, filename):
                 {"__doc__": f"A {builtin.__name__} raised by tensorferry.", "__module__": __name__},
             )
         _IO_CLASSES[builtin] = cls
-    return cls(errno, strerror, filename) if errno else cls(strerror, filename)
+    # Always the three-argument form: with two, OSError reads them as (errno, strerror).
+    return cls(errno, strerror, filename)
