@@ -203,11 +203,6 @@ def test_a_numbered_os_error_keeps_errno_strerror_and_filename(tmp_path):
     ],
     ids=["shard-name", "leading-bytes", "metadata-value"],
 )
-@pytest.mark.xfail(
-    strict=True,
-    reason="io/sharded.rs read_index reads the index with read_to_string, whose invalid "
-    "UTF-8 is an io::Error: needs from_slice (issue 20)",
-)
 def test_a_non_utf8_index_is_a_format_error_naming_it(tmp_path, text):
     index = tmp_path / "m.safetensors.index.json"
     index.write_bytes(text)

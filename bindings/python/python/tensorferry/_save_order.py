@@ -16,10 +16,13 @@ _LATEST = {}
 
 def _key(path):
     """One key per checkpoint: ``ckpt/`` and ``ckpt/model.safetensors`` are the same."""
-    path = os.fspath(path)
-    if os.path.isdir(path) or path.endswith(("/", os.sep)):
-        path = os.path.join(path, "model.safetensors")
-    return os.path.realpath(path)
+    try:
+        path = os.fsdecode(path)
+        if os.path.isdir(path) or path.endswith(("/", os.sep)):
+            path = os.path.join(path, "model.safetensors")
+        return os.path.realpath(path)
+    except (OSError, ValueError, TypeError):
+        return path  # The save itself reports what is wrong with the path.
 
 
 class Turn:
