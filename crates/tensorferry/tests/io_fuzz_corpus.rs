@@ -152,3 +152,43 @@ fn the_tree_corpus_and_its_mutations_never_panic() {
         }
     }
 }
+
+/// What the `sharded_index` target checks: an index of any content, beside two valid
+/// shards, loads as a tree of what they hold or fails, without a panic or a recursion.
+fn load_index(dir: &std::path::Path, index: &[u8]) {
+    let path = dir.join("m.safetensors.index.json");
+    std::fs::write(&path, index).unwrap();
+    if let Ok(loaded) = tensorferry::load_node(&path, tensorferry::LoadOptions::default()) {
+        for (name, _) in loaded.root.tensors() {
+            let name = name.dotted();
+            assert!(["x", "y", "z"].contains(&name.as_str()), "{name}");
+        }
+    }
+}
+
+#[test]
+fn the_index_corpus_and_its_mutations_never_panic_or_recurse() {
+    let dir = tempfile::tempdir().unwrap();
+    for (file, names) in [
+        ("a.safetensors", &["x", "y"][..]),
+        ("b.safetensors", &["z"]),
+    ] {
+        let mut d = TensorDict::new();
+        for name in names {
+            d.insert(*name, Tensor::from_slice(&[1.0f32, 2.0], &[2]).unwrap());
+        }
+        save(&d, dir.path().join(file), &SaveOptions::default()).unwrap();
+    }
+    for index in corpus("sharded_index") {
+        load_index(dir.path(), &index);
+        if index.len() < 200 {
+            for at in 0..index.len() {
+                for b in [b'"', b'{', b'}', b'.', b'/', b'a', 0xff] {
+                    let mut changed = index.clone();
+                    changed[at] = b;
+                    load_index(dir.path(), &changed);
+                }
+            }
+        }
+    }
+}

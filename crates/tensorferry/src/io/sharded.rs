@@ -363,29 +363,40 @@ pub(crate) fn read_index(path: &Path) -> Result<Index> {
     })
 }
 
-/// Loads `files` (in `dir`) with `load_one` on up to `readers` threads, in order.
+/// Loads `files` (in `dir`) with `load_one` on up to `readers` threads, in order; the
+/// first failure (in order) is the error, and no new shard is started after a failure.
 fn load_in_parallel(
     dir: &Path,
     files: &[&str],
     readers: usize,
     load_one: impl Fn(&Path) -> Result<Loaded> + Sync,
 ) -> Result<Vec<Loaded>> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let mut slots: Vec<Option<Result<Loaded>>> = (0..files.len()).map(|_| None).collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
     let results = std::sync::Mutex::new(&mut slots);
     std::thread::scope(|s| {
         for _ in 0..readers.clamp(1, files.len().max(1)) {
             s.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if failed.load(Ordering::Relaxed) {
+                    break;
+                }
+                let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(file) = files.get(i) else { break };
                 let loaded = load_one(&dir.join(file));
+                if loaded.is_err() {
+                    failed.store(true, Ordering::Relaxed);
+                }
                 results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(loaded);
             });
         }
     });
+    // Shards are claimed in order, so one never started follows a failure, and the
+    // collection stops at that failure.
     slots
         .into_iter()
-        .map(|r| r.expect("every shard was read"))
+        .map(|r| r.expect("a shard not started follows a failure"))
         .collect()
 }
 
