@@ -234,3 +234,42 @@ def test_a_folder_without_a_checkpoint_says_what_it_looked_for(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(IsADirectoryError, match=r"find a checkpoint \(a \*\.safetensors file"):
         tf.load(tmp_path)
+
+
+def _as_nobody(code, folder):
+    """Runs `code` in a child process as the user `nobody` when this one is root (root
+    bypasses permission bits), else as this user."""
+    # Everything is imported first: nobody may not read the interpreter's own folders.
+    prelude = "import os, pathlib, numpy, tensorferry\nif os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+    if os.geteuid() == 0:
+        os.chmod(folder, 0o777)
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, env=_env(), timeout=60)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX permissions")
+def test_a_read_only_checkpoint_is_not_replaced():
+    import shutil
+    import tempfile
+
+    # A folder of its own in the system's temporary folder: nobody cannot enter pytest's.
+    folder = tempfile.mkdtemp()
+    path = os.path.join(folder, "ckpt.safetensors")
+    code = textwrap.dedent(
+        f"""
+        import os, numpy as np, tensorferry as tf
+        path = {path!r}
+        tf.save({{"w": np.zeros(4)}}, path)
+        os.chmod(path, 0o444)
+        try:
+            tf.save({{"w": np.ones(4)}}, path)
+        except PermissionError as e:
+            assert isinstance(e, tf.TensorferryError) and e.filename == path, (e, e.filename)
+            print("refused")
+        assert tf.load(path)["w"].tolist() == [0.0] * 4
+        """
+    )
+    try:
+        result = _as_nobody(code, folder)
+    finally:
+        shutil.rmtree(folder)
+    assert result.returncode == 0 and result.stdout.strip() == "refused", result.stderr
