@@ -14,15 +14,19 @@ when a thread makes no progress for ``--watchdog`` seconds.
 The last line is a one-line summary; the exit status is 0 only when no result was wrong,
 no unexpected exception was raised, no temporary file was left behind and nothing hung.
 Needs NumPy and tensorferry; PyTorch leaves are mixed in when PyTorch is importable
-(``--no-torch`` leaves them out).
+(``--no-torch`` leaves them out). Checkpoints are saved one file or sharded, each worker's
+own and one all of them share; with ``TENSORFERRY_CLI`` naming the ``tensorferry`` command,
+workers also inspect their files with it.
 """
 
 import argparse
 import collections
 import faulthandler
+import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -350,6 +354,9 @@ class Worker:
         self.record = record
         self.path = os.path.join(folder, f"w{index}.safetensors")
         self.saved = None  # (src, values) of the file at self.path
+        self.checkpoint = os.path.join(folder, f"checkpoint-{index}")  # sharded or not
+        self.checkpoint_saved = None
+        self.shared = os.path.join(folder, "shared")  # one checkpoint every worker saves
         self.held = []  # results kept to read again later: (src, values, result, where, outcomes)
         self.deadline = deadline
         self.progress = progress
@@ -361,6 +368,9 @@ class Worker:
             "save_load": (self.op_save_load, 3),
             "tensordict": (self.op_tensordict, 2),
             "reread": (self.op_reread, 2),
+            "checkpoint": (self.op_checkpoint, 2),
+            "shared_checkpoint": (self.op_shared_checkpoint, 2),
+            "cli": (self.op_cli, 1),
         }
         self.names = list(self.ops)
         self.weights = [w for _, w in self.ops.values()]
@@ -471,15 +481,65 @@ class Worker:
             loaded = tf.to_numpy(loaded)
         check(loaded, src, values, plain=True)
 
-    def check_previous_file(self):
-        """After a failed save, the file there before must be intact and load right."""
-        if self.saved is None:
-            if os.path.exists(self.path):
-                raise Wrong(f"a failed first save left a file at {self.path}")
-            return
-        src, values = self.saved
+    def op_checkpoint(self):
+        """A save switching at random between one file and shards of random size, over
+        this worker's previous checkpoint; after a failure the previous one loads whole."""
+        src = self.trees.tree()
+        values = expected_values(src)
+        tree = src
+        if self.rng.random() < 0.5:
+            tree = tf.to_device(src, self.device(), non_blocking=self.rng.random() < 0.5)
+        shard = self.rng.choice((None, 64, 1024, 1 << 16))
         try:
-            loaded = tf.load(self.path, mmap=self.rng.random() < 0.5)
+            self.checked(
+                src, values, lambda: tf.save(tree, self.checkpoint + "/", max_shard_size=shard, fsync=False)
+            )
+        except tf.TensorferryError:
+            self.check_previous_file(self.checkpoint, self.checkpoint_saved)
+            raise
+        self.checkpoint_saved = (src, values)
+        check(tf.load(self.checkpoint, mmap=self.rng.random() < 0.5), src, values, plain=True)
+
+    def op_shared_checkpoint(self):
+        """Every worker saves stamped trees (every value the stamp) into one checkpoint, one
+        file or shards, blocking or not; any load of it gives one whole save: one stamp,
+        or an error while another save replaces it, never a mix."""
+        stamp = self.rng.randrange(1, 1 << 30)
+        tree = {
+            "stamp": stamp,
+            "t": {f"x{i}": np.full(self.rng.randrange(1, 3000), stamp, np.int64) for i in range(self.rng.randrange(1, 12))},
+        }
+        shard = self.rng.choice((None, 512, 8192))
+        pending = tf.save(tree, self.shared + "/", max_shard_size=shard, fsync=False, non_blocking=self.rng.random() < 0.3)
+        if pending is not None:
+            pending.result()
+        loaded = tf.load(self.shared, mmap=self.rng.random() < 0.5)
+        stamps = {int(loaded["stamp"])} | {int(v) for a in loaded["t"].values() for v in np.unique(a)}
+        if len(stamps) != 1:
+            raise Wrong(f"the shared checkpoint loads as a mix of saves: stamps {sorted(stamps)[:5]}")
+
+    def op_cli(self):
+        """`tensorferry inspect` of this worker's file: status 0, or 1 with one line when a
+        save replaced it in between; never a crash."""
+        cli = os.environ.get("TENSORFERRY_CLI")
+        if not cli or not os.path.exists(self.path):
+            return
+        run = subprocess.run([cli, "inspect", self.path, *(("--json",) if self.rng.random() < 0.5 else ())],
+                             capture_output=True, timeout=30)
+        if run.returncode not in (0, 1) or (run.returncode == 1 and len(run.stderr.splitlines()) != 1):
+            raise Wrong(f"tensorferry inspect ended with status {run.returncode}: {run.stderr[-500:]!r}")
+
+    def check_previous_file(self, path=None, saved=None):
+        """After a failed save, the file there before must be intact and load right."""
+        if path is None:
+            path, saved = self.path, self.saved
+        if saved is None:
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise Wrong(f"a failed first save left a file at {path}")
+            return
+        src, values = saved
+        try:
+            loaded = tf.load(path, mmap=self.rng.random() < 0.5)
         except tf.TensorferryError as e:
             raise Wrong(f"after a failed save the previous file does not load: {type(e).__name__}: {e}") from None
         try:
@@ -578,7 +638,23 @@ def final_check(record):
 
 
 def leftover_files(folder):
-    return sorted(f for f in os.listdir(folder) if not (f.startswith("w") and f.endswith(".safetensors")))
+    """Files no checkpoint names: temporary files of failed saves, shards of saves that
+    did not commit, files of an earlier layout."""
+    left = []
+    for name in os.listdir(folder):
+        inner = os.path.join(folder, name)
+        if os.path.isdir(inner):
+            index = os.path.join(inner, "model.safetensors.index.json")
+            named = {"model.safetensors.index.json"}
+            if os.path.exists(index):
+                with open(index) as f:
+                    named |= set(json.load(f)["weight_map"].values())
+            else:
+                named = {"model.safetensors"}
+            left += [f"{name}/{f}" for f in os.listdir(inner) if f not in named]
+        elif not (name.startswith("w") and name.endswith(".safetensors")):
+            left.append(name)
+    return sorted(left)
 
 
 def parse_args(argv):

@@ -15,11 +15,17 @@ def _summary_numbers(line):
 
 
 def test_a_short_soak_under_injected_faults_gives_no_wrong_result():
+    env = dict(os.environ)
+    for build in ("release", "debug"):
+        cli = os.path.join(os.path.dirname(SOAK), "..", "target", build, "tensorferry")
+        if os.path.exists(cli):
+            env.setdefault("TENSORFERRY_CLI", os.path.abspath(cli))
     run = subprocess.run(
         [sys.executable, SOAK, "--seconds", "8", "--threads", "3", "--seed", "7", "--watchdog", "20"],
         capture_output=True,
         text=True,
         timeout=90,
+        env=env,
     )
     lines = run.stdout.strip().splitlines()
     assert lines, f"no summary; stderr:\n{run.stderr[-4000:]}"

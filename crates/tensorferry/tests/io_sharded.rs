@@ -483,3 +483,21 @@ fn a_folder_with_both_layouts_loads_the_single_file_as_transformers_does() {
         .clone();
     assert_eq!(t.to_vec::<f32>().unwrap()[0], 9.0);
 }
+
+#[test]
+fn a_shard_of_another_save_is_a_format_error_not_a_mix() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    for (dir, by) in [(&a, 0.0), (&b, 0.5)] {
+        let path = dir.path().join("model.safetensors");
+        save_sharded(&model_plus(4, by), &path, &SaveOptions::default(), 1024).unwrap();
+    }
+    // What a reader opening shards while a save replaced them would see, or a hand copy.
+    let shard = "model-00002-of-00004.safetensors";
+    std::fs::copy(b.path().join(shard), a.path().join(shard)).unwrap();
+    let err = load_node(a.path(), LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, Error::Format { .. }) && err.to_string().contains("another save"),
+        "{err}"
+    );
+    assert!(err.to_string().contains(shard), "{err}");
+}

@@ -114,6 +114,9 @@ impl Place {
     }
 }
 
+/// The metadata key, in a sharded checkpoint's index and shards, of the save that wrote it.
+pub(crate) const SAVE_ID_KEY: &str = "tensorferry.save";
+
 /// Hex digits of a save id.
 const ID_LEN: usize = 16;
 
@@ -191,10 +194,12 @@ pub(crate) struct StagedShard {
     pub(crate) names: Vec<String>,
 }
 
-/// Commits `shards` (in order) as the checkpoint at `place`, with an index whose
-/// `metadata` is `metadata`; returns the files of the checkpoint, the index last.
+/// Commits `shards` (in order), written by the save `id` ([`save_id`]), as the
+/// checkpoint at `place`, with an index whose `metadata` is `metadata`; returns the files
+/// of the checkpoint, the index last.
 pub(crate) fn commit_sharded(
     place: &Place,
+    id: &str,
     shards: Vec<StagedShard>,
     metadata: serde_json::Value,
     fsync: bool,
@@ -202,11 +207,10 @@ pub(crate) fn commit_sharded(
     let n = shards.len();
     let _lock = lock(&place.dir)?;
     let previous = previous_files(place);
-    let id = save_id();
     let mut saved = Vec::with_capacity(n);
     let mut names = Vec::with_capacity(n);
     for (i, shard) in shards.into_iter().enumerate() {
-        let name = place.saved_name(i + 1, n, &id);
+        let name = place.saved_name(i + 1, n, id);
         shard.file.commit_as(&place.dir.join(&name))?;
         saved.push(name);
         names.push(shard.names);
@@ -336,7 +340,9 @@ fn remove_unnamed(
 }
 
 /// A fresh id for one save: sixteen hex digits from the clock, the process and a counter.
-fn save_id() -> String {
+/// A sharded save records it in the index and in every shard ([`SAVE_ID_KEY`]), so that a
+/// load finds a shard of another save (read while a save replaced it, or left by hand).
+pub(crate) fn save_id() -> String {
     use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNT: AtomicU64 = AtomicU64::new(0);

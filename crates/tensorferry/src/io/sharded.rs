@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::checkpoint::{commit_sharded, Place, StagedShard};
+use super::checkpoint::{commit_sharded, save_id, Place, StagedShard, SAVE_ID_KEY};
 use super::file_kind::open_regular;
 use super::read::{load_file, LoadOptions, Loaded};
 use super::tree_decode::{decode, TensorSource};
@@ -76,6 +76,10 @@ pub fn save_sharded(
         write_walked(walked, paths, &place.single, &shard_options)?;
         return Ok(vec![place.single]);
     }
+    let id = save_id();
+    shard_options
+        .metadata
+        .insert(SAVE_ID_KEY.into(), id.clone());
     header_writer::check_names(&walked, paths)?;
     let count = groups.len();
     let mut staged = Vec::with_capacity(count);
@@ -92,8 +96,12 @@ pub fn save_sharded(
         staged.push(StagedShard { file, names });
     }
     let total: u64 = walked.tensors.iter().map(|t| t.nbytes() as u64).sum();
-    let metadata = serde_json::json!({ "total_size": total, TREE_METADATA_KEY: walked.record() });
-    commit_sharded(&place, staged, metadata, options.fsync)
+    let metadata = serde_json::json!({
+        "total_size": total,
+        TREE_METADATA_KEY: walked.record(),
+        SAVE_ID_KEY: id,
+    });
+    commit_sharded(&place, &id, staged, metadata, options.fsync)
 }
 
 /// Groups tensor sizes, in order, into shards of at most `max` bytes (a larger tensor
@@ -219,7 +227,17 @@ pub(crate) fn load_sharded_with(
     let mut metadata = BTreeMap::new();
     let mut found: HashMap<&str, Tensor> = HashMap::with_capacity(index.weight_map.len());
     let mut fallbacks: Vec<String> = Vec::new();
-    for (i, shard) in loaded.into_iter().enumerate() {
+    for (i, mut shard) in loaded.into_iter().enumerate() {
+        let id = shard.metadata.remove(SAVE_ID_KEY);
+        if index.save_id.is_some() && id != index.save_id {
+            return Err(Error::Format {
+                at: format!("{:?}", dir.join(shards[i])),
+                reason: format!(
+                    "the shard was written by another save than its index {index_path:?} \
+                     (the checkpoint changed while it was read, or a file was replaced by hand)"
+                ),
+            });
+        }
         if i == 0 {
             metadata = shard.metadata;
         }
@@ -289,6 +307,8 @@ pub(crate) struct Index {
     weight_map: BTreeMap<String, String>,
     /// tensorferry's tree record, when tensorferry wrote the index.
     record: Option<String>,
+    /// The save that wrote it, when tensorferry did ([`SAVE_ID_KEY`]).
+    save_id: Option<String>,
 }
 
 impl Index {
@@ -357,9 +377,15 @@ pub(crate) fn read_index(path: &Path) -> Result<Index> {
             )))
         }
     };
+    let save_id = match raw.metadata.as_ref().and_then(|m| m.get(SAVE_ID_KEY)) {
+        None => None,
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err(bad(format!("metadata.{SAVE_ID_KEY} must be a string"))),
+    };
     Ok(Index {
         weight_map: raw.weight_map,
         record,
+        save_id,
     })
 }
 
