@@ -501,3 +501,20 @@ fn a_shard_of_another_save_is_a_format_error_not_a_mix() {
     );
     assert!(err.to_string().contains(shard), "{err}");
 }
+
+#[test]
+fn the_path_a_sharded_save_was_given_loads_it_with_or_without_the_suffix() {
+    let dir = tempfile::tempdir().unwrap();
+    for path in ["model.safetensors", "weights"] {
+        let path = dir.path().join(path);
+        save_sharded(&model_plus(4, 1.0), &path, &SaveOptions::default(), 1024).unwrap();
+        assert!(
+            !path.exists(),
+            "{path:?} is the checkpoint's name, not a file"
+        );
+        same(
+            &load_node(&path, LoadOptions::default()).unwrap().root,
+            &model_plus(4, 1.0),
+        );
+    }
+}

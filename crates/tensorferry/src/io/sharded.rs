@@ -131,8 +131,8 @@ pub(crate) enum Target {
 }
 
 /// What a load of `path` should read: `path` itself when it names an index or a file;
-/// `x.safetensors` that does not exist but whose index `x.safetensors.index.json` does
-/// (a sharded save to `x.safetensors`), that index; for a folder, the checkpoint in it
+/// for `x.safetensors` (or `x`) that does not exist but whose index
+/// `x.safetensors.index.json` does (a sharded save to that path), that index; for a folder, the checkpoint in it
 /// (see [`in_folder`]).
 pub(crate) fn resolve(path: &Path) -> Result<Target> {
     if path.to_str().is_some_and(|p| p.ends_with(INDEX_SUFFIX)) {
@@ -142,10 +142,15 @@ pub(crate) fn resolve(path: &Path) -> Result<Target> {
         return in_folder(path);
     }
     if !path.exists() {
+        // A sharded save to `dir/stem.safetensors` (or `dir/stem`) wrote
+        // `dir/stem.safetensors.index.json`.
         let mut index = path.as_os_str().to_owned();
+        if !path.to_str().is_some_and(|p| p.ends_with(".safetensors")) {
+            index.push(".safetensors");
+        }
         index.push(".index.json");
         let index = PathBuf::from(index);
-        if path.to_str().is_some_and(|p| p.ends_with(".safetensors")) && index.is_file() {
+        if index.is_file() {
             return Ok(Target::Index(index));
         }
     }
