@@ -10,7 +10,7 @@ import numpy as np
 from . import _frameworks as fw
 from . import _native
 from . import _select
-from ._errors import DeviceUnavailableError, FormatError, TensorferryOverflowError
+from ._errors import DeviceUnavailableError, FormatError, OutOfMemoryError, TensorferryOverflowError
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many, torch_chunks
 from ._transfer import Transfer
@@ -211,8 +211,10 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     producer's stream (a torch/CuPy stream or a raw handle): its queued work comes before
     the tensors are read — on the GPU, without the caller waiting, when every tensor lives
     on that stream's GPU; else the caller waits for the stream. ``staging`` says whether copies into ordinary memory go through a
-    ring of pinned buffers: ``"auto"`` (on CUDA, for 64 MB and more), ``"off"``, ``"on"``,
-    or ``(chunk_bytes, depth)``.
+    ring of pinned buffers: ``"auto"`` (on CUDA, for 64 MB and more; direct copies where
+    pinned memory is refused), ``"off"``, ``"on"``, or ``(chunk_bytes, depth)``: chunks of
+    4 KiB to 1 GiB, a depth of 1 to 64, at most 4 GiB in all (the ring pins at most twice
+    that), else a :class:`FormatError` (a ``ValueError``) naming the value.
 
     With ``non_blocking=True`` the call returns before the copies finish, and no result can
     be read early: results that are ``tensorferry.Tensor`` wait on every read, so the
@@ -532,10 +534,11 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     save leaves the previous file intact.
 
     Tensors on a device (blocking saves) stream into the file through a ring of pinned
-    buffers — ``staging``: "auto" or "on" (3 × 32 MiB), ``(chunk_bytes, depth)``, or
-    "off" to copy them to host memory whole first — so host memory stays bounded by the
-    ring whatever their size, and the device copies the next chunk while this one is
-    written.
+    buffers — ``staging``: "auto" or "on" (3 × 32 MiB; with "auto", ordinary memory where
+    pinned memory is refused), ``(chunk_bytes, depth)`` within the limits of
+    :func:`to_host`, or "off" to copy them to host memory whole first — so host memory
+    stays bounded by the ring whatever their size, and the device copies the next chunk
+    while this one is written.
 
     >>> import os, tempfile, numpy as np, tensorferry as tf
     >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
@@ -560,8 +563,15 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
             raise FormatError(f"metadata keys starting with 'tensorferry' are reserved: {reserved}")
     shard_bytes = None if max_shard_size is None else _parse_size(max_shard_size)
     if non_blocking:
+        _native.check_staging(staging)  # refused now, not in the background
         # The snapshot: every tensor copied now (device ones into the pinned pool).
-        obj = to_host(obj, copy=True, pinned=True)
+        try:
+            obj = to_host(obj, copy=True, pinned=True)
+        except OutOfMemoryError:
+            if staging not in ("auto", None):
+                raise
+            # "auto" and no pinned memory to be had: the snapshot goes to ordinary memory.
+            obj = to_host(obj, copy=True)
     tree, record = _native_tree(obj)
     meta = dict(metadata or {})
     if record is not None:
@@ -616,7 +626,9 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     ``RuntimeWarning`` gives the reason (``TENSORFERRY_DIRECT_IO=0`` turns it off). With a
     ``device``, the file is read in chunks into the staging ring's pinned buffers, each
     copied to the device while the next is read, so host memory stays bounded by the ring
-    (``staging`` sizes it; "on", "off" and "auto" all mean 3 × 32 MiB). ``keys`` cannot
+    (``staging`` sizes it, within the limits of :func:`to_host`; "on", "off" and "auto" all
+    mean 3 × 32 MiB, "off" and "auto" in ordinary memory where pinned memory is refused).
+    ``keys`` cannot
     be combined with ``direct=True`` (a subset is read from a map, touching only its
     bytes), nor ``out`` with ``direct=True`` and a device.
 
@@ -638,6 +650,8 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
     target = _native.parse_device(device)
     on_device = target != "cpu"
+    if on_device:
+        _native.check_staging(staging)  # refused before the file is read
     if direct and keys is not None:
         raise ValueError(
             "keys= reads only the selected tensors' bytes, from a memory map; direct=True reads "
@@ -761,7 +775,8 @@ def configure_emulated(index=0, **settings):
     """Sets up the emulated device ``emu:index``, a GPU stand-in in host memory with its
     own stream, for testing pipelines on machines without a GPU. Settings (all optional):
     ``capacity_bytes``, ``bandwidth_gbps``, ``latency_us``, ``fail_alloc`` (the Nth
-    allocation from now fails), ``fail_copy`` (the Nth copy fails). The same keys are read
+    allocation from now fails), ``fail_copy`` (the Nth copy fails), ``fail_pin`` (the Nth
+    buffer pinned from now is refused, as a locked-memory limit refuses it). The same keys are read
     from ``TENSORFERRY_EMU`` ("latency_us=20000,capacity_bytes=1000000") on first use.
 
     >>> import tensorferry as tf

@@ -23,8 +23,8 @@ use crate::transfer::Staging;
 /// Loads the tree saved at `path` (a file, an index of shards, or a folder holding one)
 /// onto `device`, reading the data in chunks through a ring of pinned host buffers:
 /// `staging`'s `(chunk_bytes, depth)` when it names a ring, else [`AUTO_DEPTH`] buffers
-/// of [`AUTO_CHUNK_BYTES`] (chunks are rounded up to 4096 bytes). Host memory is bounded
-/// by the ring (shards are read one after another); device memory is the data's size.
+/// of [`AUTO_CHUNK_BYTES`] (chunks are rounded up to 4096 bytes; a ring beyond the limits
+/// of [`Staging::validate`] is refused first). Host memory is bounded by the ring (shards are read one after another); device memory is the data's size.
 ///
 /// With [`LoadOptions::direct`] the chunks are read with `O_DIRECT`, several reads in
 /// flight, and [`Loaded::direct_fallback`] says why where the filesystem refused it;
@@ -53,6 +53,7 @@ pub fn load_node_to(
     options: LoadOptions,
     staging: Staging,
 ) -> Result<Loaded> {
+    let staging = staging.validate()?;
     if device.is_host() {
         return load_node(path, options);
     }
@@ -68,8 +69,8 @@ pub fn load_node_to(
     }
 }
 
-/// The host buffers for `staging`: its ring, else the automatic one; chunks in whole
-/// 4096-byte blocks.
+/// The host buffers for `staging`: its ring, else the automatic one (ordinary memory
+/// where no pinned memory is to be had); chunks in whole 4096-byte blocks.
 fn ring_for(staging: Staging) -> StreamRing {
     let (chunk_bytes, depth) = match staging {
         Staging::Ring { chunk_bytes, depth } => (chunk_bytes, depth),
@@ -79,6 +80,7 @@ fn ring_for(staging: Staging) -> StreamRing {
         chunk_bytes: chunk_bytes.max(1).next_multiple_of(DIRECT_ALIGN),
         depth: depth.max(1),
         align: DIRECT_ALIGN,
+        automatic: !matches!(staging, Staging::Ring { .. }),
     }
 }
 

@@ -35,6 +35,7 @@ use crate::tensor::Tensor;
 mod consumer;
 pub(crate) mod fragmented;
 mod host_copy;
+mod ring_memory;
 pub mod staging;
 pub(crate) mod stream_in;
 mod stream_out;
@@ -82,6 +83,7 @@ pub fn move_tensors(
     target: Device,
     options: MoveOptions,
 ) -> Result<Vec<Tensor>> {
+    options.staging.validate()?;
     target.ensure_available()?;
     let mut results: Vec<Option<Tensor>> = vec![None; tensors.len()];
     // Group what must move by source device, keeping order within each group.

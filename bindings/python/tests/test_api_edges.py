@@ -1,0 +1,138 @@
+"""The edges of the Python API a careless or hostile caller reaches: staging rings beyond
+their limits, non-blocking saves nobody awaits, Ctrl-C during a streamed device load, a
+broadcast view bound for a device too small for it, and arguments of the wrong kind.
+Each answers at once with an error (or a warning) that names what is wrong."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+
+
+def _run(script, *args, timeout=60, env=None):
+    """Runs ``script`` in a fresh interpreter (so pools, emulated devices and exit are its
+    own); the completed process."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+# ---- staging rings: what was asked, within the limits, or refused --------------------------
+
+_BAD_RINGS = {(4096, 10_000): "depth=10000", (1, 10**9): "chunk_bytes=1"}
+
+_STAGED_CALLS = {
+    "to_device": lambda d, on, p, ring: tf.to_device(d, "emu:0", staging=ring, copy=True),
+    "to_host": lambda d, on, p, ring: tf.to_host(on, staging=ring),
+    "save": lambda d, on, p, ring: tf.save(on, p, staging=ring),
+    "save_non_blocking": lambda d, on, p, ring: tf.save(on, p, staging=ring, non_blocking=True),
+    "load_direct": lambda d, on, p, ring: tf.load(p + ".src", device="emu:0", direct=True, staging=ring),
+    "load_mapped": lambda d, on, p, ring: tf.load(p + ".src", device="emu:0", staging=ring),
+}
+
+
+@pytest.mark.parametrize("ring", _BAD_RINGS)
+@pytest.mark.parametrize("call", _STAGED_CALLS)
+def test_a_ring_beyond_the_limits_is_a_value_error_naming_staging_and_the_value(call, ring, tmp_path):
+    d = {"x": np.ones(1 << 16, np.uint8)}
+    p = str(tmp_path / "f.safetensors")
+    tf.save(d, p + ".src")
+    on = tf.to_device(d, "emu:0")
+    with pytest.raises(tf.FormatError) as info:
+        _STAGED_CALLS[call](d, on, p, ring)
+    assert isinstance(info.value, ValueError)
+    text = str(info.value)
+    assert "staging" in text and _BAD_RINGS[ring] in text and "depth from 1 to 64" in text, text
+    assert not os.path.exists(p)
+
+
+@pytest.mark.parametrize("bad", [(-1, 2), (2**70, 2), (True, 2), (4096, 2.5), (4096,), "sometimes"])
+def test_a_malformed_ring_is_the_same_value_error(bad):
+    with pytest.raises(tf.FormatError, match="staging"):
+        tf.to_device({"x": np.ones(4)}, "emu:0", staging=bad)
+
+
+_RING_MEMORY = """
+import json, sys, time, numpy as np, tensorferry as tf
+from resource import getrusage, RUSAGE_SELF
+p = sys.argv[1]
+def peak_mib():
+    return getrusage(RUSAGE_SELF).ru_maxrss / 1024
+d = {"x": np.ones(10 << 20, np.uint8)}
+tf.save(d, p + ".src")
+on = tf.to_device(d, "emu:0")
+calls = {
+    "to_device": lambda ring: tf.to_device(d, "emu:0", staging=ring, copy=True),
+    "to_host": lambda ring: tf.to_host(on, staging=ring),
+    "save": lambda ring: tf.save(on, p, staging=ring),
+    "load": lambda ring: tf.load(p + ".src", device="emu:0", direct=True, staging=ring),
+}
+for call in calls.values():  # every path warmed once: what follows is the ring's own
+    call("auto")
+out = {}
+for ring in [(4096, 10_000), (1, 10**9)]:
+    for name, call in calls.items():
+        before, start = peak_mib(), time.monotonic()
+        try:
+            call(ring)
+            outcome = "done"
+        except tf.FormatError:
+            outcome = "refused"
+        out[f"{name} {ring}"] = [outcome, peak_mib() - before, time.monotonic() - start]
+# A ring within the limits pins what it asks for: 64 chunks of 4 KiB are 256 KiB, not one
+# 64 KiB buffer each (emu:1's pool is untouched so far in this process).
+tf.to_device(d, "emu:1", staging=(4096, 64), copy=True)
+out["pinned (4096, 64)"] = tf.pinned_pool_stats("emu:1")["pinned_bytes"]
+print(json.dumps(out))
+"""
+
+
+def test_rings_beyond_the_limits_allocate_nothing_and_one_within_pins_what_it_asks(tmp_path):
+    done = _run(_RING_MEMORY, tmp_path / "r.safetensors")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out.pop("pinned (4096, 64)") == 64 * 4096, out
+    for what, (outcome, grew_mib, seconds) in out.items():
+        assert outcome == "refused", what
+        assert grew_mib < 8 and seconds < 1, (what, grew_mib, seconds)
+
+
+# ---- staging="auto" falls back when pinned memory is refused ---------------------------------
+
+_REFUSED_PIN = """
+import sys, numpy as np, tensorferry as tf
+p = sys.argv[1]
+d = {"x": np.arange(1 << 20, dtype=np.float32)}
+on = tf.to_device(d, "emu:1")
+for non_blocking in (False, True):
+    tf.configure_emulated(1, fail_pin=1)  # the next buffer pinned is refused
+    handle = tf.save(on, p, staging="auto", non_blocking=non_blocking)
+    if non_blocking:
+        handle.result(timeout=60)
+    assert (tf.load(p)["x"] == d["x"]).all()
+    print("auto fell back", non_blocking)
+tf.configure_emulated(1, fail_pin=1)
+try:
+    tf.save(on, p, staging=(1 << 20, 2))
+except tf.OutOfMemoryError as e:
+    print("explicit ring refused:", e)
+"""
+
+
+def test_a_save_from_a_device_with_staging_auto_goes_on_without_pinned_memory(tmp_path):
+    done = _run(_REFUSED_PIN, tmp_path / "p.safetensors")
+    assert done.returncode == 0, done.stderr
+    assert "auto fell back False" in done.stdout and "auto fell back True" in done.stdout, done.stdout
+    assert "explicit ring refused: out of memory on cpu (pinned" in done.stdout, done.stdout
