@@ -294,7 +294,11 @@ fn load(
             Some(d) => {
                 let target: Device = d.parse().py_err()?;
                 let staging = parse_staging(staging.as_ref())?;
-                py.detach(|| tensorferry::io::load_node_to(&path, target, options, staging))
+                // On a thread of its own, waited for in slices: Ctrl-C stops it between
+                // two chunks instead of after the whole file.
+                wait::run_interruptibly(py, "tensorferry-load", move |stop| {
+                    tensorferry::io::load_node_to_until(&path, target, options, staging, stop)
+                })?
             }
         }
         .py_err()?;

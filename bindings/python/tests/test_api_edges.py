@@ -136,3 +136,39 @@ def test_a_save_from_a_device_with_staging_auto_goes_on_without_pinned_memory(tm
     assert done.returncode == 0, done.stderr
     assert "auto fell back False" in done.stdout and "auto fell back True" in done.stdout, done.stdout
     assert "explicit ring refused: out of memory on cpu (pinned" in done.stdout, done.stdout
+
+
+# ---- Ctrl-C during a streamed device load --------------------------------------------------
+
+_SLOW_DIRECT_LOAD = """
+import sys, time, numpy as np, tensorferry as tf
+p = sys.argv[1]
+tf.save({"x": np.ones(20 << 20, np.uint8)}, p)
+tf.configure_emulated(0, bandwidth_gbps=0.002)  # 2 MB/s: the load would take 10 s
+print("loading", flush=True)
+start = time.monotonic()
+try:
+    tf.load(p, device="emu:0", direct=True, staging=(1 << 20, 2))
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_a_direct_load_onto_a_device_within_a_second(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_DIRECT_LOAD, str(tmp_path / "big.safetensors")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "loading"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert "interrupted" in out, (out, err)
+    assert time.monotonic() - sent < 2, "KeyboardInterrupt came only after the load"

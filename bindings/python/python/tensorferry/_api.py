@@ -628,7 +628,8 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     copied to the device while the next is read, so host memory stays bounded by the ring
     (``staging`` sizes it, within the limits of :func:`to_host`; "on", "off" and "auto" all
     mean 3 × 32 MiB, "off" and "auto" in ordinary memory where pinned memory is refused).
-    ``keys`` cannot
+    Ctrl-C stops such a load between two chunks and raises ``KeyboardInterrupt`` at once;
+    the device memory is released once the chunks in flight have been copied. ``keys`` cannot
     be combined with ``direct=True`` (a subset is read from a map, touching only its
     bytes), nor ``out`` with ``direct=True`` and a device.
 
