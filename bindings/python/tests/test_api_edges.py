@@ -172,3 +172,35 @@ def test_ctrl_c_interrupts_a_direct_load_onto_a_device_within_a_second(tmp_path)
         proc.kill()
     assert "interrupted" in out, (out, err)
     assert time.monotonic() - sent < 2, "KeyboardInterrupt came only after the load"
+
+
+# ---- a broadcast view bound for a device too small ----------------------------------------
+
+_BROADCAST = """
+import sys, time, numpy as np, tensorferry as tf
+from resource import getrusage, RUSAGE_SELF
+if sys.argv[1] == "torch":
+    import torch
+    view = torch.zeros(1, dtype=torch.float64).expand(1 << 26)  # 512 MiB logical, 8 bytes real
+else:
+    view = np.broadcast_to(np.zeros(1), (1 << 26,))
+tf.configure_emulated(0, capacity_bytes=1 << 20)
+before, start = getrusage(RUSAGE_SELF).ru_maxrss, time.monotonic()
+try:
+    tf.to_device({"x": view}, "emu:0")
+except tf.OutOfMemoryError as e:
+    print("refused:", e)
+print((getrusage(RUSAGE_SELF).ru_maxrss - before) // 1024, time.monotonic() - start)
+"""
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_a_broadcast_view_too_large_for_the_device_fails_before_any_host_copy(framework):
+    if framework == "torch":
+        pytest.importorskip("torch")
+    done = _run(_BROADCAST, framework)
+    assert done.returncode == 0, done.stderr
+    refused, measured = done.stdout.strip().splitlines()
+    assert "asked for 536870912 bytes, 1048576 free" in refused
+    grew_mib, seconds = measured.split()
+    assert int(grew_mib) < 64 and float(seconds) < 1, measured
