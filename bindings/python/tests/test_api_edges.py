@@ -204,3 +204,106 @@ def test_a_broadcast_view_too_large_for_the_device_fails_before_any_host_copy(fr
     assert "asked for 536870912 bytes, 1048576 free" in refused
     grew_mib, seconds = measured.split()
     assert int(grew_mib) < 64 and float(seconds) < 1, measured
+
+
+# ---- a lost save is loud ---------------------------------------------------------------------
+
+_LOST_SAVES = """\
+import gc, sys, numpy as np, tensorferry as tf
+dropped, kept, awaited = sys.argv[1:4]
+tf.save({"x": np.ones(3)}, dropped, non_blocking=True)  # the handle is dropped at once
+h = tf.save({"x": np.ones(3)}, kept, non_blocking=True)
+seen = tf.save({"x": np.ones(3)}, awaited, non_blocking=True)
+try:
+    seen.result(timeout=60)
+except FileNotFoundError:
+    print("awaited failure raised", flush=True)
+del h, seen
+gc.collect()
+alive = tf.save({"x": np.ones(3)}, kept + ".exit", non_blocking=True)  # alive at exit
+"""
+
+
+def test_a_failed_non_blocking_save_nobody_awaits_is_a_warning_on_stderr(tmp_path):
+    nowhere = tmp_path / "missing-folder"
+    paths = [nowhere / "dropped.safetensors", nowhere / "kept.safetensors", nowhere / "awaited.safetensors"]
+    done = _run(_LOST_SAVES, *paths)
+    assert done.returncode == 0, done.stderr
+    assert "awaited failure raised" in done.stdout, done.stdout
+    lost = [line for line in done.stderr.splitlines() if "RuntimeWarning" in line]
+    assert len(lost) == 3, done.stderr
+    for name, when, line in [
+        ("dropped.safetensors'", "last handle was collected", 3),
+        ("kept.safetensors'", "last handle was collected", 4),
+        ("kept.safetensors.exit'", "at interpreter exit", 12),
+    ]:
+        # Each names the path, the error and when, at the line that started the save.
+        assert any(
+            w.startswith(f"<string>:{line}:") and name in w and when in w and "FileNotFoundError" in w
+            for w in lost
+        ), (name, done.stderr)
+    assert "awaited.safetensors" not in done.stderr, "a failure the caller saw is not reported again"
+
+
+def test_a_non_blocking_save_into_a_file_used_as_a_folder_warns_when_lost(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    done = _run(
+        "import sys, numpy as np, tensorferry as tf\n"
+        "tf.save({'x': np.ones(3)}, sys.argv[1], non_blocking=True)\n",
+        tmp_path / "file" / "x.safetensors",
+    )
+    assert done.returncode == 0
+    assert "RuntimeWarning" in done.stderr and "NotADirectoryError" in done.stderr, done.stderr
+
+
+_SAVE_THEN_EXIT = """
+import sys, numpy as np, tensorferry as tf
+tf.save({"x": np.full(16 << 20, 7, np.int32)}, sys.argv[1], non_blocking=True)
+"""
+
+
+def test_an_interpreter_that_exits_during_a_non_blocking_save_finishes_it_whole(tmp_path):
+    p = tmp_path / "big.safetensors"
+    done = _run(_SAVE_THEN_EXIT, p)
+    assert done.returncode == 0, done.stderr
+    x = tf.load(p)["x"]
+    assert x.shape == (16 << 20,) and (x == 7).all()
+
+
+# A disk that takes a minute to write: the writer thread sleeps before the real save.
+_SLOW_SAVE_THEN_EXIT = """
+import sys, time, types, numpy as np, tensorferry as tf
+from tensorferry import _api
+native = _api._native
+slow = types.ModuleType("slow_native")
+slow.__dict__.update({k: getattr(native, k) for k in dir(native) if not k.startswith("__")})
+def slow_save(*args):
+    time.sleep(60)
+    return native.save(*args)
+slow.save = slow_save
+_api._native = slow
+tf.save({"x": np.ones(3)}, sys.argv[1], non_blocking=True)
+print("exiting", flush=True)
+"""
+
+
+def test_ctrl_c_while_exit_waits_for_a_save_is_loud_and_exits_130(tmp_path):
+    p = tmp_path / "slow.safetensors"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SAVE_THEN_EXIT, str(p)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "exiting"
+        time.sleep(0.5)  # the interpreter is in its exit, waiting for the save
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert time.monotonic() - sent < 3
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "interrupted at exit" in err and "slow.safetensors" in err, err
+    assert not p.exists()

@@ -13,7 +13,7 @@ from . import _select
 from ._errors import DeviceUnavailableError, FormatError, OutOfMemoryError, TensorferryOverflowError
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many, torch_chunks
-from ._transfer import Transfer
+from ._transfer import Transfer, run_in_background
 from ._tree import MAX_DEPTH, dotted, shown, container_kind, _LIST, _TUPLE
 
 _FRAMEWORKS_KEY = "tensorferry.frameworks"
@@ -494,20 +494,6 @@ def _parse_size(size):
     return n
 
 
-_WRITERS = None
-
-
-def _writers():
-    """The threads that write non-blocking saves (started on first use; the interpreter
-    waits for them at exit, so a checkpoint in flight is finished, not lost)."""
-    global _WRITERS
-    if _WRITERS is None:
-        import concurrent.futures
-
-        _WRITERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tensorferry-save")
-    return _WRITERS
-
-
 @gc_paused
 def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_blocking=False, staging="auto"):
     """Saves ``obj`` as a safetensors file at ``path``, atomically.
@@ -531,7 +517,10 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     snapshot of every tensor exists (copied into the pinned pool, reused by the next save,
     so the caller may overwrite its tensors at once); the file is written in the background
     with the GIL released. ``.wait()`` / ``.result()`` raise the save's error, and a failed
-    save leaves the previous file intact.
+    save leaves the previous file intact. A failure is never silent: one nobody awaited is a
+    ``RuntimeWarning`` on stderr when the last handle is collected, or at exit. The
+    interpreter's exit waits for saves still being written; Ctrl-C during that wait
+    abandons them (their paths untouched) with a line on stderr and exit status 130.
 
     Tensors on a device (blocking saves) stream into the file through a ring of pinned
     buffers — ``staging``: "auto" or "on" (3 × 32 MiB; with "auto", ordinary memory where
@@ -580,8 +569,8 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
             # Hugging Face's loaders (transformers 4.x) require the key in PyTorch files.
             meta.setdefault("format", "pt")
     if non_blocking:
-        future = _writers().submit(_native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
-        return Transfer([], lambda: future.result() and None, future)
+        what = f"tensorferry.save(..., non_blocking=True) to {os.fspath(path)!r}"
+        return run_in_background(what, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
     _native.save(tree, os.fspath(path), meta, fsync, shard_bytes, staging)
 
 
