@@ -138,74 +138,6 @@ def test_a_save_from_a_device_with_staging_auto_goes_on_without_pinned_memory(tm
     assert "explicit ring refused: out of memory on cpu (pinned" in done.stdout, done.stdout
 
 
-# ---- Ctrl-C during a streamed device load --------------------------------------------------
-
-_SLOW_DIRECT_LOAD = """
-import sys, time, numpy as np, tensorferry as tf
-p = sys.argv[1]
-tf.save({"x": np.ones(20 << 20, np.uint8)}, p)
-tf.configure_emulated(0, bandwidth_gbps=0.002)  # 2 MB/s: the load would take 10 s
-print("loading", flush=True)
-start = time.monotonic()
-try:
-    tf.load(p, device="emu:0", direct=True, staging=(1 << 20, 2))
-    print("finished", flush=True)
-except KeyboardInterrupt:
-    print("interrupted", flush=True)
-"""
-
-
-def test_ctrl_c_interrupts_a_direct_load_onto_a_device_within_a_second(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_DIRECT_LOAD, str(tmp_path / "big.safetensors")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout.readline().strip() == "loading"
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        out, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
-    assert "interrupted" in out, (out, err)
-    assert time.monotonic() - sent < 2, "KeyboardInterrupt came only after the load"
-
-
-# ---- a broadcast view bound for a device too small ----------------------------------------
-
-_BROADCAST = """
-import sys, time, numpy as np, tensorferry as tf
-from resource import getrusage, RUSAGE_SELF
-if sys.argv[1] == "torch":
-    import torch
-    view = torch.zeros(1, dtype=torch.float64).expand(1 << 26)  # 512 MiB logical, 8 bytes real
-else:
-    view = np.broadcast_to(np.zeros(1), (1 << 26,))
-tf.configure_emulated(0, capacity_bytes=1 << 20)
-before, start = getrusage(RUSAGE_SELF).ru_maxrss, time.monotonic()
-try:
-    tf.to_device({"x": view}, "emu:0")
-except tf.OutOfMemoryError as e:
-    print("refused:", e)
-print((getrusage(RUSAGE_SELF).ru_maxrss - before) // 1024, time.monotonic() - start)
-"""
-
-
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
-def test_a_broadcast_view_too_large_for_the_device_fails_before_any_host_copy(framework):
-    if framework == "torch":
-        pytest.importorskip("torch")
-    done = _run(_BROADCAST, framework)
-    assert done.returncode == 0, done.stderr
-    refused, measured = done.stdout.strip().splitlines()
-    assert "asked for 536870912 bytes, 1048576 free" in refused
-    grew_mib, seconds = measured.split()
-    assert int(grew_mib) < 64 and float(seconds) < 1, measured
-
-
 # ---- a lost save is loud ---------------------------------------------------------------------
 
 _LOST_SAVES = """\
@@ -307,3 +239,167 @@ def test_ctrl_c_while_exit_waits_for_a_save_is_loud_and_exits_130(tmp_path):
     assert proc.returncode == 130, (proc.returncode, err)
     assert "interrupted at exit" in err and "slow.safetensors" in err, err
     assert not p.exists()
+
+
+# ---- Ctrl-C during a streamed device load --------------------------------------------------
+
+_SLOW_DIRECT_LOAD = """
+import sys, time, numpy as np, tensorferry as tf
+p = sys.argv[1]
+tf.save({"x": np.ones(20 << 20, np.uint8)}, p)
+tf.configure_emulated(0, bandwidth_gbps=0.002)  # 2 MB/s: the load would take 10 s
+print("loading", flush=True)
+start = time.monotonic()
+try:
+    tf.load(p, device="emu:0", direct=True, staging=(1 << 20, 2))
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_a_direct_load_onto_a_device_within_a_second(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_DIRECT_LOAD, str(tmp_path / "big.safetensors")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "loading"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert "interrupted" in out, (out, err)
+    assert time.monotonic() - sent < 2, "KeyboardInterrupt came only after the load"
+
+
+# ---- a broadcast view bound for a device too small ----------------------------------------
+
+_BROADCAST = """
+import sys, time, numpy as np, tensorferry as tf
+from resource import getrusage, RUSAGE_SELF
+if sys.argv[1] == "torch":
+    import torch
+    view = torch.zeros(1, dtype=torch.float64).expand(1 << 26)  # 512 MiB logical, 8 bytes real
+else:
+    view = np.broadcast_to(np.zeros(1), (1 << 26,))
+tf.configure_emulated(0, capacity_bytes=1 << 20)
+before, start = getrusage(RUSAGE_SELF).ru_maxrss, time.monotonic()
+try:
+    tf.to_device({"x": view}, "emu:0")
+except tf.OutOfMemoryError as e:
+    print("refused:", e)
+print((getrusage(RUSAGE_SELF).ru_maxrss - before) // 1024, time.monotonic() - start)
+"""
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_a_broadcast_view_too_large_for_the_device_fails_before_any_host_copy(framework):
+    if framework == "torch":
+        pytest.importorskip("torch")
+    done = _run(_BROADCAST, framework)
+    assert done.returncode == 0, done.stderr
+    refused, measured = done.stdout.strip().splitlines()
+    assert "asked for 536870912 bytes, 1048576 free" in refused
+    grew_mib, seconds = measured.split()
+    assert int(grew_mib) < 64 and float(seconds) < 1, measured
+
+
+# ---- arguments of the wrong kind -------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    p = tmp_path / "s.safetensors"
+    tf.save({"a": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}, p)
+    return p
+
+
+@pytest.mark.parametrize("keys", [5, b"a", bytearray(b"a"), [b"a"], ["a", 3], 1.5])
+def test_keys_of_the_wrong_kind_are_a_type_error_naming_keys(saved, keys):
+    with pytest.raises(TypeError, match="keys") as info:
+        tf.load(saved, keys=keys)
+    assert isinstance(info.value, tf.TensorferryError)
+    assert "str" in str(info.value) and "tuple" in str(info.value)
+
+
+def test_keys_take_names_tuples_and_any_iterable_of_them(saved):
+    assert list(tf.load(saved, keys="a")) == ["a"]
+    assert list(tf.load(saved, keys=("b",))) == ["b"]
+    assert sorted(tf.load(saved, keys={"a", "b"})) == ["a", "b"]
+    assert sorted(tf.load(saved, keys=(k for k in ["a", "b"]))) == ["a", "b"]
+
+
+@pytest.mark.parametrize("size", ["inf", "-inf", "nan", "1e400GB", 2**70, 2**63, 0, -5, "0.1B", "5XB"])
+def test_max_shard_size_out_of_range_is_a_value_error_naming_it(tmp_path, size):
+    with pytest.raises(tf.FormatError, match="max_shard_size") as info:
+        tf.save({"a": np.ones(3)}, tmp_path / "m.safetensors", max_shard_size=size)
+    assert isinstance(info.value, ValueError)
+    assert "2**63 - 1" in str(info.value)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("size", [1.5e9, True, None.__class__])
+def test_max_shard_size_of_the_wrong_type_is_a_type_error_naming_it(tmp_path, size):
+    with pytest.raises(TypeError, match="max_shard_size") as info:
+        tf.save({"a": np.ones(3)}, tmp_path / "m.safetensors", max_shard_size=size)
+    assert isinstance(info.value, tf.TensorferryError)
+
+
+def test_the_largest_shard_size_is_accepted(tmp_path):
+    tf.save({"a": np.ones(3)}, tmp_path / "m.safetensors", max_shard_size=2**63 - 1)
+    assert tf.load(tmp_path / "m.safetensors")["a"].sum() == 3
+
+
+def _read_only():
+    a = np.zeros(3, np.float32)
+    a.flags.writeable = False
+    return a, "read-only"
+
+
+def _numpy_expanded():
+    return np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (3,), (0,)), "stride 0"
+
+
+def _torch_inference():
+    import torch
+
+    with torch.inference_mode():
+        return torch.zeros(3), "inference"
+
+
+def _torch_expanded():
+    import torch
+
+    return torch.zeros(1).expand(3), "stride 0"
+
+
+def _torch_sparse():
+    import torch
+
+    return torch.zeros(3).to_sparse(), "sparse"
+
+
+def _torch_meta():
+    import torch
+
+    return torch.empty(3, device="meta"), "meta"
+
+
+@pytest.mark.parametrize(
+    "target", [_read_only, _numpy_expanded, _torch_inference, _torch_expanded, _torch_sparse, _torch_meta]
+)
+def test_a_target_of_out_that_cannot_be_written_is_named_and_nothing_is_filled(saved, target):
+    if target.__name__.startswith("_torch"):
+        pytest.importorskip("torch")
+    bad, reason = target()
+    fine = np.full(2, 5, np.float32)
+    with pytest.raises(tf.FormatError) as info:
+        tf.load(saved, out={"a": bad, "b": fine})
+    text = str(info.value)
+    assert "a: " in text and reason in text, text
+    assert (fine == 5).all(), "nothing was written"

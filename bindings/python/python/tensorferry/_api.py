@@ -1,6 +1,7 @@
 """The public functions: moving, converting, saving and loading nested tensor trees."""
 
 import json
+import math
 import os
 import warnings
 from collections import Counter
@@ -13,6 +14,7 @@ from . import _select
 from ._errors import DeviceUnavailableError, FormatError, OutOfMemoryError, TensorferryOverflowError
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many, torch_chunks
+from ._select import TensorferryTypeError
 from ._transfer import Transfer, run_in_background
 from ._tree import MAX_DEPTH, dotted, shown, container_kind, _LIST, _TUPLE
 
@@ -160,7 +162,9 @@ def _sync_producer(stream, leaves=(), target="cpu"):
         for ordinal in ordinals if stream in (1, 2) else ordinals[:1]:
             _native.cuda_stream_synchronize(ordinal, stream)
     else:
-        raise TypeError(f"stream must be a framework stream or a CUDA stream handle, not {type(stream).__name__}")
+        raise TensorferryTypeError(
+            f"stream must be a framework stream or a CUDA stream handle, not {type(stream).__name__}"
+        )
 
 
 def _stream_handle(stream):
@@ -475,8 +479,17 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+_MAX_SHARD_BYTES = 2**63 - 1
+_SHARD_SIZES = (
+    f"max_shard_size takes a whole number of bytes from 1 to {_MAX_SHARD_BYTES} (2**63 - 1), "
+    "or a str such as '5GB' or '2GiB'"
+)
+
+
 def _parse_size(size):
-    """Bytes of ``5_000_000``, ``"5GB"`` (decimal, as transformers reads it) or ``"2GiB"``."""
+    """Bytes of ``5_000_000``, ``"5GB"`` (decimal, as transformers reads it) or ``"2GiB"``;
+    a :class:`FormatError` (a ``ValueError``) naming ``max_shard_size`` and the range for
+    anything else (``"inf"``, ``2**70``, ``0``)."""
     if isinstance(size, int) and not isinstance(size, bool):
         n = size
     elif isinstance(size, str):
@@ -484,13 +497,16 @@ def _parse_size(size):
         digits = text.rstrip("KMGTIB")
         unit = text[len(digits):]
         try:
-            n = int(float(digits) * _SIZE_UNITS[unit])
+            n = float(digits) * _SIZE_UNITS[unit]
         except (KeyError, ValueError):
-            raise ValueError(f"max_shard_size={size!r}: expected bytes or a size such as '5GB' or '2GiB'") from None
+            raise FormatError(f"max_shard_size={size!r} is not a size: {_SHARD_SIZES}") from None
+        if not math.isfinite(n):
+            raise FormatError(f"max_shard_size={size!r} is out of range: {_SHARD_SIZES}")
+        n = int(n)
     else:
-        raise TypeError(f"max_shard_size must be an int or a str such as '5GB', not {type(size).__name__}")
-    if n <= 0:
-        raise ValueError(f"max_shard_size={size!r} must be positive")
+        raise TensorferryTypeError(f"max_shard_size={size!r}: {_SHARD_SIZES}, not {type(size).__name__}")
+    if not 1 <= n <= _MAX_SHARD_BYTES:
+        raise FormatError(f"max_shard_size={size!r} is out of range: {_SHARD_SIZES}")
     return n
 
 
@@ -640,6 +656,7 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
     target = _native.parse_device(device)
     on_device = target != "cpu"
+    patterns = None if keys is None else _select.patterns(keys)
     if on_device:
         _native.check_staging(staging)  # refused before the file is read
     if direct and keys is not None:
@@ -680,7 +697,7 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     if fallback is not None:
         warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=3)
     if keys is not None:
-        tree = _select.select(tree, keys)
+        tree = _select.select(tree, patterns)
         if not (mmap or on_device):
             tree = to_host(tree, copy=True)
     if out is not None:
