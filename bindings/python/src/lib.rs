@@ -102,12 +102,19 @@ fn move_tensors(
 }
 
 /// `staging=`: None or "auto", "off", "on" (the automatic ring, whatever the device and
-/// size), or `(chunk_bytes, depth)`.
+/// size), or `(chunk_bytes, depth)` within the limits of `tensorferry::Staging::validate`,
+/// whose error (a `FormatError`, also a `ValueError`) names the value out of range.
 fn parse_staging(value: Option<&Bound<'_, PyAny>>) -> PyResult<tensorferry::Staging> {
-    use tensorferry::transfer::staging::{AUTO_CHUNK_BYTES, AUTO_DEPTH};
+    use tensorferry::transfer::staging::{AUTO_CHUNK_BYTES, AUTO_DEPTH, RING_LIMITS};
     use tensorferry::Staging;
     let Some(v) = value.filter(|v| !v.is_none()) else {
         return Ok(Staging::Auto);
+    };
+    let refused = |reason: String| {
+        errors::to_py(tensorferry::Error::InvalidValue {
+            key: "staging".into(),
+            reason,
+        })
     };
     if let Ok(text) = v.extract::<String>() {
         return match text.as_str() {
@@ -117,19 +124,47 @@ fn parse_staging(value: Option<&Bound<'_, PyAny>>) -> PyResult<tensorferry::Stag
                 chunk_bytes: AUTO_CHUNK_BYTES,
                 depth: AUTO_DEPTH,
             }),
-            other => Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "staging={other:?}: expected \"auto\", \"off\", \"on\" or (chunk_bytes, depth)"
+            other => Err(refused(format!(
+                "{other:?}: expected \"auto\", \"off\", \"on\" or (chunk_bytes, depth)"
             ))),
         };
     }
-    match v.extract::<(usize, usize)>() {
-        Ok((chunk_bytes, depth)) if chunk_bytes > 0 && depth > 0 => {
-            Ok(Staging::Ring { chunk_bytes, depth })
-        }
-        _ => Err(pyo3::exceptions::PyValueError::new_err(
-            "staging must be \"auto\", \"off\", \"on\" or (chunk_bytes, depth) with both positive",
-        )),
-    }
+    let pair = v
+        .extract::<(Bound<'_, PyAny>, Bound<'_, PyAny>)>()
+        .map_err(|_| {
+            refused(format!(
+                "{}: expected \"auto\", \"off\", \"on\" or (chunk_bytes, depth)",
+                shown(v)
+            ))
+        })?;
+    let whole = |x: &Bound<'_, PyAny>, name: &str| match x.extract::<usize>() {
+        Ok(n) if !x.is_instance_of::<pyo3::types::PyBool>() => Ok(n),
+        _ => Err(refused(format!(
+            "({}, {}): {name}={} is out of range: {RING_LIMITS}",
+            shown(&pair.0),
+            shown(&pair.1),
+            shown(x)
+        ))),
+    };
+    let chunk_bytes = whole(&pair.0, "chunk_bytes")?;
+    let depth = whole(&pair.1, "depth")?;
+    Staging::Ring { chunk_bytes, depth }.validate().py_err()
+}
+
+/// `repr(value)`, or a stand-in where even that fails.
+fn shown(value: &Bound<'_, PyAny>) -> String {
+    value
+        .repr()
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "<unprintable>".into())
+}
+
+/// Checks a `staging=` argument without moving anything (for calls that would otherwise
+/// take it only later, or not at all).
+#[pyfunction]
+#[pyo3(signature = (staging=None))]
+fn check_staging(staging: Option<Bound<'_, PyAny>>) -> PyResult<()> {
+    guard(|| parse_staging(staging.as_ref()).map(drop))
 }
 
 /// Sets up emulated device `index` from `key=value,…` settings (see `TENSORFERRY_EMU`).
@@ -259,7 +294,11 @@ fn load(
             Some(d) => {
                 let target: Device = d.parse().py_err()?;
                 let staging = parse_staging(staging.as_ref())?;
-                py.detach(|| tensorferry::io::load_node_to(&path, target, options, staging))
+                // On a thread of its own, waited for in slices: Ctrl-C stops it between
+                // two chunks instead of after the whole file.
+                wait::run_interruptibly(py, "tensorferry-load", move |stop| {
+                    tensorferry::io::load_node_to_until(&path, target, options, staging, stop)
+                })?
             }
         }
         .py_err()?;
@@ -512,6 +551,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(move_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(configure_emulated, m)?)?;
+    m.add_function(wrap_pyfunction!(check_staging, m)?)?;
     m.add_function(wrap_pyfunction!(pinned_pool_stats, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_stream_synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_order_after_stream, m)?)?;

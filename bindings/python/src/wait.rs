@@ -3,6 +3,8 @@
 //! `KeyboardInterrupt` (the copies themselves go on in the background, holding what they
 //! read and write until they finish).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
@@ -78,4 +80,49 @@ pub fn move_tensors(
         wait_all(py, &moved)?;
     }
     Ok(moved)
+}
+
+/// Runs `work` on a new thread named `name` and waits for it in slices (see [`wait_all`]),
+/// handing it a flag that is set when the wait is interrupted: `work` checks it between
+/// steps and gives up. The interruption reaches the caller at once; the thread ends on its
+/// own after its current step, releasing what it holds. A panic in `work` is an internal
+/// error, not a crash.
+pub fn run_interruptibly<T: Send + 'static>(
+    py: Python<'_>,
+    name: &str,
+    work: impl FnOnce(&AtomicBool) -> T + Send + 'static,
+) -> PyResult<T> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = mpsc::sync_channel(1);
+    let flag = stop.clone();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            // The receiver may have gone (interrupted): then the result is dropped here.
+            let _ = tx.send(work(&flag));
+        })
+        .map_err(|e| {
+            pyo3::exceptions::PyRuntimeError::new_err(format!("cannot start a {name} thread: {e}"))
+        })?;
+    let mut rx = rx;
+    loop {
+        // The receiver goes with the detached closure and comes back (it is `Send`, not
+        // `Sync`).
+        let (received, back) = py.detach(move || (rx.recv_timeout(SLICE), rx));
+        rx = back;
+        match received {
+            Ok(value) => return Ok(value),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if let Err(interrupted) = py.check_signals() {
+                    stop.store(true, Ordering::Relaxed);
+                    return Err(interrupted);
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                    "internal error in tensorferry (please report): the {name} thread stopped"
+                )))
+            }
+        }
+    }
 }

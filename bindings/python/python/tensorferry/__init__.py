@@ -29,6 +29,7 @@ from ._errors import (
     TensorferryIOError,
     TensorferryKeyError,
     TensorferryOverflowError,
+    TensorferryTypeError,
 )
 from ._tensordict import TensorDict
 from ._transfer import Transfer
@@ -47,6 +48,7 @@ __all__ = [
     "TensorferryIOError",
     "TensorferryKeyError",
     "TensorferryOverflowError",
+    "TensorferryTypeError",
     "Transfer",
     "__version__",
     "configure_emulated",

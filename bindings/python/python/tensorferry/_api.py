@@ -1,6 +1,7 @@
 """The public functions: moving, converting, saving and loading nested tensor trees."""
 
 import json
+import math
 import os
 import warnings
 from collections import Counter
@@ -11,10 +12,10 @@ from . import _frameworks as fw
 from . import _native
 from . import _save_order
 from . import _select
-from ._errors import DeviceUnavailableError, FormatError, TensorferryOverflowError
+from ._errors import DeviceUnavailableError, FormatError, OutOfMemoryError, TensorferryOverflowError, TensorferryTypeError
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many, torch_chunks
-from ._transfer import Transfer
+from ._transfer import Transfer, run_in_background
 from ._tree import MAX_DEPTH, dotted, shown, container_kind, _LIST, _TUPLE
 
 _FRAMEWORKS_KEY = "tensorferry.frameworks"
@@ -161,7 +162,9 @@ def _sync_producer(stream, leaves=(), target="cpu"):
         for ordinal in ordinals if stream in (1, 2) else ordinals[:1]:
             _native.cuda_stream_synchronize(ordinal, stream)
     else:
-        raise TypeError(f"stream must be a framework stream or a CUDA stream handle, not {type(stream).__name__}")
+        raise TensorferryTypeError(
+            f"stream must be a framework stream or a CUDA stream handle, not {type(stream).__name__}"
+        )
 
 
 def _stream_handle(stream):
@@ -212,8 +215,10 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     producer's stream (a torch/CuPy stream or a raw handle): its queued work comes before
     the tensors are read — on the GPU, without the caller waiting, when every tensor lives
     on that stream's GPU; else the caller waits for the stream. ``staging`` says whether copies into ordinary memory go through a
-    ring of pinned buffers: ``"auto"`` (on CUDA, for 64 MB and more), ``"off"``, ``"on"``,
-    or ``(chunk_bytes, depth)``.
+    ring of pinned buffers: ``"auto"`` (on CUDA, for 64 MB and more; direct copies where
+    pinned memory is refused), ``"off"``, ``"on"``, or ``(chunk_bytes, depth)``: chunks of
+    4 KiB to 1 GiB, a depth of 1 to 64, at most 4 GiB in all (the ring pins at most twice
+    that), else a :class:`FormatError` (a ``ValueError``) naming the value.
 
     With ``non_blocking=True`` the call returns before the copies finish, and no result can
     be read early: results that are ``tensorferry.Tensor`` wait on every read, so the
@@ -474,8 +479,17 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
+_MAX_SHARD_BYTES = 2**63 - 1
+_SHARD_SIZES = (
+    f"max_shard_size takes a whole number of bytes from 1 to {_MAX_SHARD_BYTES} (2**63 - 1), "
+    "or a str such as '5GB' or '2GiB'"
+)
+
+
 def _parse_size(size):
-    """Bytes of ``5_000_000``, ``"5GB"`` (decimal, as transformers reads it) or ``"2GiB"``."""
+    """Bytes of ``5_000_000``, ``"5GB"`` (decimal, as transformers reads it) or ``"2GiB"``;
+    a :class:`FormatError` (a ``ValueError``) naming ``max_shard_size`` and the range for
+    anything else (``"inf"``, ``2**70``, ``0``)."""
     if isinstance(size, int) and not isinstance(size, bool):
         n = size
     elif isinstance(size, str):
@@ -483,28 +497,17 @@ def _parse_size(size):
         digits = text.rstrip("KMGTIB")
         unit = text[len(digits):]
         try:
-            n = int(float(digits) * _SIZE_UNITS[unit])
+            n = float(digits) * _SIZE_UNITS[unit]
         except (KeyError, ValueError):
-            raise ValueError(f"max_shard_size={size!r}: expected bytes or a size such as '5GB' or '2GiB'") from None
+            raise FormatError(f"max_shard_size={size!r} is not a size: {_SHARD_SIZES}") from None
+        if not math.isfinite(n):
+            raise FormatError(f"max_shard_size={size!r} is out of range: {_SHARD_SIZES}")
+        n = int(n)
     else:
-        raise TypeError(f"max_shard_size must be an int or a str such as '5GB', not {type(size).__name__}")
-    if n <= 0:
-        raise ValueError(f"max_shard_size={size!r} must be positive")
+        raise TensorferryTypeError(f"max_shard_size={size!r}: {_SHARD_SIZES}, not {type(size).__name__}")
+    if not 1 <= n <= _MAX_SHARD_BYTES:
+        raise FormatError(f"max_shard_size={size!r} is out of range: {_SHARD_SIZES}")
     return n
-
-
-_WRITERS = None
-
-
-def _writers():
-    """The threads that write non-blocking saves (started on first use; the interpreter
-    waits for them at exit, so a checkpoint in flight is finished, not lost)."""
-    global _WRITERS
-    if _WRITERS is None:
-        import concurrent.futures
-
-        _WRITERS = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tensorferry-save")
-    return _WRITERS
 
 
 @gc_paused
@@ -530,13 +533,17 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     snapshot of every tensor exists (copied into the pinned pool, reused by the next save,
     so the caller may overwrite its tensors at once); the file is written in the background
     with the GIL released. ``.wait()`` / ``.result()`` raise the save's error, and a failed
-    save leaves the previous file intact.
+    save leaves the previous file intact. A failure is never silent: one nobody awaited is a
+    ``RuntimeWarning`` on stderr when the last handle is collected, or at exit. The
+    interpreter's exit waits for saves still being written; Ctrl-C during that wait
+    abandons them (their paths untouched) with a line on stderr and exit status 130.
 
     Tensors on a device (blocking saves) stream into the file through a ring of pinned
-    buffers — ``staging``: "auto" or "on" (3 × 32 MiB), ``(chunk_bytes, depth)``, or
-    "off" to copy them to host memory whole first — so host memory stays bounded by the
-    ring whatever their size, and the device copies the next chunk while this one is
-    written.
+    buffers — ``staging``: "auto" or "on" (3 × 32 MiB; with "auto", ordinary memory where
+    pinned memory is refused), ``(chunk_bytes, depth)`` within the limits of
+    :func:`to_host`, or "off" to copy them to host memory whole first — so host memory
+    stays bounded by the ring whatever their size, and the device copies the next chunk
+    while this one is written.
 
     >>> import os, tempfile, numpy as np, tensorferry as tf
     >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
@@ -561,8 +568,15 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
             raise FormatError(f"metadata keys starting with 'tensorferry' are reserved: {reserved}")
     shard_bytes = None if max_shard_size is None else _parse_size(max_shard_size)
     if non_blocking:
+        _native.check_staging(staging)  # refused now, not in the background
         # The snapshot: every tensor copied now (device ones into the pinned pool).
-        obj = to_host(obj, copy=True, pinned=True)
+        try:
+            obj = to_host(obj, copy=True, pinned=True)
+        except OutOfMemoryError:
+            if staging not in ("auto", None):
+                raise
+            # "auto" and no pinned memory to be had: the snapshot goes to ordinary memory.
+            obj = to_host(obj, copy=True)
     tree, record = _native_tree(obj)
     meta = dict(metadata or {})
     if record is not None:
@@ -572,8 +586,8 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
             meta.setdefault("format", "pt")
     turn = _save_order.take(path)
     if non_blocking:
-        future = _writers().submit(turn.run, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
-        return Transfer([], lambda: future.result() and None, future)
+        what = f"tensorferry.save(..., non_blocking=True) to {os.fspath(path)!r}"
+        return run_in_background(what, turn.run, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
     turn.run(_native.save, tree, os.fspath(path), meta, fsync, shard_bytes, staging)
 
 
@@ -618,7 +632,10 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     ``RuntimeWarning`` gives the reason (``TENSORFERRY_DIRECT_IO=0`` turns it off). With a
     ``device``, the file is read in chunks into the staging ring's pinned buffers, each
     copied to the device while the next is read, so host memory stays bounded by the ring
-    (``staging`` sizes it; "on", "off" and "auto" all mean 3 × 32 MiB). ``keys`` cannot
+    (``staging`` sizes it, within the limits of :func:`to_host`; "on", "off" and "auto" all
+    mean 3 × 32 MiB, "off" and "auto" in ordinary memory where pinned memory is refused).
+    Ctrl-C stops such a load between two chunks and raises ``KeyboardInterrupt`` at once;
+    the device memory is released once the chunks in flight have been copied. ``keys`` cannot
     be combined with ``direct=True`` (a subset is read from a map, touching only its
     bytes), nor ``out`` with ``direct=True`` and a device.
 
@@ -640,6 +657,9 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
     target = _native.parse_device(device)
     on_device = target != "cpu"
+    patterns = None if keys is None else _select.patterns(keys)
+    if on_device:
+        _native.check_staging(staging)  # refused before the file is read
     if direct and keys is not None:
         raise ValueError(
             "keys= reads only the selected tensors' bytes, from a memory map; direct=True reads "
@@ -678,7 +698,7 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     if fallback is not None:
         warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=3)
     if keys is not None:
-        tree = _select.select(tree, keys)
+        tree = _select.select(tree, patterns)
         if not (mmap or on_device):
             tree = to_host(tree, copy=True)
     if out is not None:
@@ -765,7 +785,8 @@ def configure_emulated(index=0, **settings):
     """Sets up the emulated device ``emu:index``, a GPU stand-in in host memory with its
     own stream, for testing pipelines on machines without a GPU. Settings (all optional):
     ``capacity_bytes``, ``bandwidth_gbps``, ``latency_us``, ``fail_alloc`` (the Nth
-    allocation from now fails), ``fail_copy`` (the Nth copy fails). The same keys are read
+    allocation from now fails), ``fail_copy`` (the Nth copy fails), ``fail_pin`` (the Nth
+    buffer pinned from now is refused, as a locked-memory limit refuses it). The same keys are read
     from ``TENSORFERRY_EMU`` ("latency_us=20000,capacity_bytes=1000000") on first use.
 
     >>> import tensorferry as tf

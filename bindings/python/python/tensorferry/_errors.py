@@ -44,6 +44,10 @@ class TensorferryIOError(TensorferryError, OSError):
         return super().__str__()
 
 
+class TensorferryTypeError(TensorferryError, TypeError):
+    """An argument of the wrong type; the message names the argument and what it takes."""
+
+
 class TensorferryOverflowError(TensorferryError, OverflowError):
     """A number that does not fit the type it must become: an integer beyond int64, a
     finite float beyond float32's range."""

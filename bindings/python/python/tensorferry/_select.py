@@ -6,17 +6,28 @@ import fnmatch
 import numpy as np
 
 from . import _frameworks as fw
-from ._errors import FormatError, TensorferryKeyError
+from ._errors import FormatError, TensorferryKeyError, TensorferryTypeError
 from ._tree import _DICT, _LEAF, _MAPPING, _NAMEDTUPLE, _TUPLE, collect, container_kind, dotted
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
-def _patterns(keys):
+_KEYS_TAKE = "a name or glob pattern (str), a key path (tuple), or a list of those"
+
+
+def patterns(keys):
     """``(text, literal)`` for each of ``keys``: a str is a dotted name or a glob pattern
-    ("model.*"); a tuple is a key path, matched literally (its parts may hold '*' or '[')."""
+    ("model.*"); a tuple is a key path, matched literally (its parts may hold '*' or '[').
+    Anything else is a :class:`TensorferryTypeError` naming ``keys`` and what it takes."""
     if isinstance(keys, (str, tuple)):
         keys = [keys]
+    elif isinstance(keys, (bytes, bytearray, memoryview)):
+        raise TensorferryTypeError(f"keys={keys!r}: bytes are not names; keys takes {_KEYS_TAKE}")
+    else:
+        try:
+            keys = list(keys)
+        except TypeError:
+            raise TensorferryTypeError(f"keys={keys!r}: keys takes {_KEYS_TAKE}, not {type(keys).__name__}") from None
     out = []
     for k in keys:
         if isinstance(k, tuple):
@@ -24,7 +35,9 @@ def _patterns(keys):
         elif isinstance(k, str):
             out.append((k, False))
         else:
-            raise TypeError(f"keys must be names, glob patterns or key-path tuples, not {type(k).__name__}")
+            raise TensorferryTypeError(
+                f"keys holds {k!r} ({type(k).__name__}): keys takes {_KEYS_TAKE}"
+            )
     return out
 
 
@@ -37,16 +50,16 @@ def _matches(name, pattern):
 
 
 def select(tree, keys):
-    """The part of ``tree`` whose leaves' dotted names ``keys`` match; containers left
-    empty are dropped. A pattern that matches nothing is a :class:`TensorferryKeyError`."""
-    patterns = _patterns(keys)
+    """The part of ``tree`` whose leaves' dotted names ``keys`` (as :func:`patterns` gives
+    them) match; containers left empty are dropped. A pattern that matches nothing is a
+    :class:`TensorferryKeyError`."""
     used = set()
 
     def prune(node, path):
         kind = container_kind(node)
         if kind == _LEAF:
             name = dotted(path)
-            hits = [p for p in patterns if _matches(name, p)]
+            hits = [p for p in keys if _matches(name, p)]
             used.update(hits)
             return node if hits else _DROP
         if kind in (_DICT, _MAPPING):
@@ -60,7 +73,7 @@ def select(tree, keys):
         return tuple(kept) if kind in (_TUPLE, _NAMEDTUPLE) else kept
 
     out = prune(tree, ())
-    missing = [text for text, literal in patterns if (text, literal) not in used]
+    missing = [text for text, literal in keys if (text, literal) not in used]
     if missing:
         raise TensorferryKeyError(f"no key matches {missing}")
     return {} if out is _DROP else out
@@ -122,8 +135,9 @@ def _numpy_dtype(name):
 
 def fill(out, loaded):
     """Copies each tensor of ``loaded`` into the tensor of ``out`` at the same dotted name
-    (a model's ``state_dict()``), after checking every name, shape and dtype and naming
-    every mismatch at once; returns ``out``."""
+    (a model's ``state_dict()``), after checking every name, shape and dtype, and that every
+    target can be written, naming every problem at once: nothing is written unless all
+    can be. Returns ``out``."""
     targets = {dotted(p): t for p, t in collect(out, lambda x, p: fw.kind_of(x) is not None)}
     sources = {dotted(p): t for p, t in collect(loaded, lambda x, p: fw.kind_of(x) is not None)}
     problems = []
@@ -133,12 +147,15 @@ def fill(out, loaded):
         problems.append(f"{name}: in the file but not in out=")
     for name in sorted(set(targets) & set(sources)):
         t, s = targets[name], sources[name]
-        if tuple(t.shape) != tuple(s.shape):
+        unwritable = _unwritable(t)
+        if unwritable:
+            problems.append(f"{name}: {unwritable}")
+        elif tuple(t.shape) != tuple(s.shape):
             problems.append(f"{name}: shape {tuple(s.shape)} in the file, {tuple(t.shape)} in out=")
         elif _name_of(t.dtype) != _name_of(s.dtype):
             problems.append(f"{name}: dtype {_name_of(s.dtype)} in the file, {_name_of(t.dtype)} in out=")
     if problems:
-        raise FormatError("out= does not match the file:\n  " + "\n  ".join(problems))
+        raise FormatError("out= cannot be filled from the file:\n  " + "\n  ".join(problems))
     for name, t in targets.items():
         _copy_into(t, sources[name])
     return out
@@ -146,6 +163,35 @@ def fill(out, loaded):
 
 def _name_of(dtype):
     return str(dtype).replace("torch.", "")
+
+
+def _unwritable(t):
+    """Why ``t`` (a leaf of ``out=``) cannot be filled in place, or None when it can."""
+    kind = fw.kind_of(t)
+    if kind == fw.TORCH:
+        import torch
+
+        if t.layout != torch.strided:
+            return f"a {t.layout} tensor cannot be filled in place; pass a dense (strided) tensor"
+        if t.is_meta:
+            return "a meta tensor has no memory to fill; materialise it first (to_empty)"
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            return "an inference tensor (made under torch.inference_mode()) cannot be written outside it; clone() it"
+        if _shares_elements(t.shape, t.stride()):
+            return "an expanded tensor (stride 0: several elements share memory) cannot be filled; clone() it"
+        return None
+    if kind == fw.NUMPY:
+        if not t.flags.writeable:
+            return "a read-only NumPy array cannot be filled; pass a writable array"
+        if _shares_elements(t.shape, t.strides):
+            return "an expanded array (stride 0: several elements share memory) cannot be filled; copy it"
+        return None
+    return f"out= holds {type(t).__name__}: PyTorch tensors and NumPy arrays can be filled"
+
+
+def _shares_elements(shape, strides):
+    """True when two elements of a layout share memory (a stride of 0 over two or more)."""
+    return any(n > 1 and st == 0 for n, st in zip(shape, strides))
 
 
 def _copy_into(dst, src):
@@ -159,7 +205,5 @@ def _copy_into(dst, src):
             # A mapped file's arrays are read-only; copy_ only reads them.
             warnings.simplefilter("ignore", UserWarning)
             dst.copy_(src if torch.is_tensor(src) else torch.from_numpy(np.asarray(src)))
-    elif kind == fw.NUMPY:
-        np.copyto(dst, np.asarray(src))
     else:
-        raise FormatError(f"out= holds {type(dst).__name__}: PyTorch tensors and NumPy arrays can be filled")
+        np.copyto(dst, np.asarray(src))

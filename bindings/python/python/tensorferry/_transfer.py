@@ -5,12 +5,23 @@ tensorferry tensors (to a device, or of tensorferry tensors) return the structur
 once. PyTorch CPU tensors, NumPy arrays, JAX and TensorFlow host arrays cannot wait: a
 non-blocking move that gives those returns a ``Transfer``, a future in the style of
 ``concurrent.futures.Future``, and the tensors exist only once their copies have finished.
+
+A non-blocking save is a ``Transfer`` too, written by a background thread. Its failure is
+never lost: the caller sees it through the handle (``wait``, ``result``, ``exception``,
+``await``); a failure nobody awaited is a ``RuntimeWarning`` on stderr once the last handle
+is collected, or at interpreter exit. The exit waits for saves still being written; Ctrl-C
+during that wait abandons them with a line on stderr naming each and exit status 130.
 """
 
 import asyncio
+import atexit
 import concurrent.futures
+import os
+import queue
+import sys
 import threading
 import time
+import warnings
 
 from . import _native
 
@@ -30,15 +41,26 @@ class Transfer:
     True
     """
 
-    __slots__ = ("_pending", "_finish", "_background", "_lock", "_value", "_error")
+    __slots__ = ("_pending", "_finish", "_background", "_lock", "_value", "_error", "_watch")
 
-    def __init__(self, pending, finish, background=None):
+    def __init__(self, pending, finish, background=None, watch=None):
         self._pending = list(pending)
         self._finish = finish
         self._background = background  # a concurrent.futures.Future doing the rest, if any
         self._lock = threading.Lock()
         self._value = _UNSET
         self._error = None
+        self._watch = watch  # a _Watch of the background job, reporting a failure nobody saw
+        if watch is not None:
+            watch.hold()
+
+    def __del__(self):
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            try:
+                watch.release()
+            except Exception:  # the interpreter is shutting down: _at_exit reported already
+                pass
 
     def done(self):
         """True when every copy has finished, successfully or not (never blocks)."""
@@ -65,6 +87,8 @@ class Transfer:
                 except concurrent.futures.TimeoutError:
                     continue
                 if error is not None:
+                    if self._watch is not None:
+                        self._watch.seen()
                     raise error
                 break
         return True
@@ -108,7 +132,7 @@ class Transfer:
 
     def then(self, fn):
         """A ``Transfer`` of ``fn(result)``, once this one's copies have finished."""
-        return Transfer(self._pending, lambda: fn(self.result()), self._background)
+        return Transfer(self._pending, lambda: fn(self.result()), self._background, self._watch)
 
     def __await__(self):
         return self._result_async().__await__()
@@ -122,3 +146,173 @@ class Transfer:
     def __repr__(self):
         state = "done" if self.done() else "running"
         return f"<tensorferry.Transfer of {len(self._pending)} tensors, {state}>"
+
+
+class _Watch:
+    """What became of one background job (a non-blocking save), watched so that a failure
+    reaches someone: the caller through its :class:`Transfer`, or — once every handle is
+    gone, or at interpreter exit — a ``RuntimeWarning`` on stderr. Never lost silently."""
+
+    __slots__ = ("future", "what", "where", "_lock", "_handles", "_seen", "_reported")
+
+    def __init__(self, future, what):
+        self.future = future
+        self.what = what
+        self.where = _caller()
+        self._lock = threading.Lock()
+        self._handles = 0
+        self._seen = False
+        self._reported = False
+        _WATCHED.add(self)
+        future.add_done_callback(self._finished)
+
+    def hold(self):
+        with self._lock:
+            self._handles += 1
+
+    def release(self):
+        """A handle went away; the last one reports a failure nobody saw."""
+        with self._lock:
+            self._handles -= 1
+        self._report_if_lost()
+
+    def seen(self):
+        """The failure reached the caller."""
+        with self._lock:
+            self._seen = True
+        _WATCHED.discard(self)
+
+    def _finished(self, future):
+        if future.cancelled() or future.exception() is None:
+            _WATCHED.discard(self)
+        else:
+            self._report_if_lost()
+
+    def _report_if_lost(self, at_exit=False):
+        with self._lock:
+            lost = (
+                not (self._seen or self._reported)
+                and (self._handles <= 0 or at_exit)
+                and self.future.done()
+                and not self.future.cancelled()
+                and self.future.exception() is not None
+            )
+            if lost:
+                self._reported = True
+        if lost:
+            _WATCHED.discard(self)
+            error = self.future.exception()
+            how = "at interpreter exit" if at_exit else "when its last handle was collected"
+            filename, lineno, module = self.where
+            # Attributed to the caller's line that started the job.
+            warnings.warn_explicit(
+                f"{self.what} failed and its Transfer was never awaited (reported {how}): "
+                f"{type(error).__name__}: {error}",
+                RuntimeWarning,
+                filename,
+                lineno,
+                module,
+            )
+
+
+def _caller():
+    """``(filename, line, module)`` of the first frame outside tensorferry on the stack."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "tensorferry":
+        frame = frame.f_back
+    if frame is None:
+        return ("<unknown>", 0, "tensorferry")
+    return (frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__", "<unknown>"))
+
+
+# Watches of background jobs not known to be over (unfinished, or failed unseen).
+_WATCHED = set()
+
+
+class _Writers:
+    """Two daemon threads that run background jobs (non-blocking saves), started on first
+    use. Daemon, so that the interpreter's exit waits for them through :func:`_at_exit`,
+    which Ctrl-C can interrupt loudly, not through a silent join."""
+
+    def __init__(self):
+        self._jobs = queue.SimpleQueue()
+        self._threads = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args):
+        future = concurrent.futures.Future()
+        with self._lock:
+            if len(self._threads) < 2:
+                t = threading.Thread(target=self._serve, name="tensorferry-save", daemon=True)
+                t.start()
+                self._threads.append(t)
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _serve(self):
+        while True:
+            future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:  # the caller's to see, through the future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            del future, fn, args
+
+
+_WRITERS = None
+_WRITERS_LOCK = threading.Lock()
+
+
+def run_in_background(what, fn, *args):
+    """A :class:`Transfer` of ``fn(*args)`` run on a writer thread (GIL released by ``fn``
+    where it is native). ``what`` names the job in the warning that reports a failure
+    nobody awaited. The interpreter's exit waits for every job (see :func:`_at_exit`)."""
+    global _WRITERS
+    with _WRITERS_LOCK:
+        if _WRITERS is None:
+            _WRITERS = _Writers()
+    future = _WRITERS.submit(fn, *args)
+    return Transfer([], lambda: future.result() and None, future, _Watch(future, what))
+
+
+def _at_exit():
+    """Waits for the background jobs still running, then reports every failure nobody saw.
+    Ctrl-C during the wait abandons them loudly: a line on stderr naming each, and exit
+    status 130 (as for Ctrl-C anywhere else), never a silent 0."""
+    watched = list(_WATCHED)
+    try:
+        for w in watched:
+            while not w.future.done():
+                concurrent.futures.wait([w.future], timeout=0.1)  # in slices: Ctrl-C is noticed
+    except KeyboardInterrupt:
+        left = [w.what for w in watched if not w.future.done()]
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        sys.stderr.write(
+            f"tensorferry: interrupted at exit while {len(left)} non-blocking save(s) were still "
+            "being written; they were abandoned (nothing replaced their paths): " + "; ".join(left) + "\n"
+        )
+        sys.stderr.flush()
+        os._exit(130)
+    for w in watched:
+        w._report_if_lost(at_exit=True)
+
+
+def _forget_in_child():
+    """A forked child has none of its parent's writer threads: its saves start afresh, and
+    the parent's jobs in flight are the parent's to wait for."""
+    global _WRITERS, _WRITERS_LOCK
+    _WRITERS = None
+    _WRITERS_LOCK = threading.Lock()
+    _WATCHED.clear()
+
+
+atexit.register(_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

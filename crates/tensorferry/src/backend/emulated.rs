@@ -2,8 +2,8 @@
 //! streams (uploads; copies that read device memory, as on a GPU) are worker threads that
 //! run copies in the order they were submitted ([`super::lane`]), and events complete as
 //! CUDA's do. Capacity, bandwidth and per-copy latency are configurable, and faults can be
-//! injected (fail the Nth allocation or the Nth copy, or make the Nth copy panic on the
-//! stream thread).
+//! injected (fail the Nth allocation or the Nth copy, refuse the Nth pinned buffer, or
+//! make the Nth copy panic on the stream thread).
 //!
 //! It exists so that machines without a GPU (CI among them) run the very same transfer
 //! engine, and so that users can test their pipelines on CPU-only machines.
@@ -22,7 +22,7 @@ use super::stream::{Job, StreamThread};
 use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::memory::pinned::PageableAllocator;
+use crate::memory::pinned::{HostBlock, PageableAllocator, PinnedAllocator};
 use crate::memory::{AlignedBuffer, PinnedPool};
 
 /// Most bytes the pinned pool of an emulated device keeps.
@@ -41,7 +41,8 @@ pub const MIN_BANDWIDTH_GBPS: f64 = 1e-6;
 /// The longest latency accepted, in microseconds (one minute).
 pub const MAX_LATENCY_US: u64 = 60_000_000;
 
-const KEYS: &str = "capacity_bytes, bandwidth_gbps, latency_us, fail_alloc, fail_copy, panic_copy";
+const KEYS: &str =
+    "capacity_bytes, bandwidth_gbps, latency_us, fail_alloc, fail_copy, fail_pin, panic_copy";
 
 /// Settings of an emulated device.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,6 +61,10 @@ pub struct EmuConfig {
     /// Fault injection: the Nth copy from now panics on the stream thread (1-based), to
     /// test that a bug in a job becomes an error for its waiters, not a hang.
     pub panic_copy: Option<u64>,
+    /// Fault injection: the Nth buffer the pinned pool pins from now (a buffer it had
+    /// cached is reused without pinning) is refused with out-of-memory (1-based), as a GPU
+    /// machine's locked-memory limit refuses it.
+    pub fail_pin: Option<u64>,
 }
 
 impl Default for EmuConfig {
@@ -71,6 +76,7 @@ impl Default for EmuConfig {
             fail_alloc: None,
             fail_copy: None,
             panic_copy: None,
+            fail_pin: None,
         }
     }
 }
@@ -86,7 +92,7 @@ fn bad_setting(key: &str, value: impl std::fmt::Display, why: &str) -> Error {
 impl EmuConfig {
     /// Parses comma-separated `key=value` pairs, e.g. `latency_us=20000,capacity_bytes=1000000`.
     /// Keys: `capacity_bytes`, `bandwidth_gbps`, `latency_us`, and the fault-injection keys
-    /// `fail_alloc`, `fail_copy` and `panic_copy`. An unknown key or a value out of range
+    /// `fail_alloc`, `fail_copy`, `fail_pin` and `panic_copy`. An unknown key or a value out of range
     /// (see [`EmuConfig::validate`]) is refused, naming the key.
     pub fn parse(text: &str) -> Result<EmuConfig> {
         let mut c = EmuConfig::default();
@@ -109,6 +115,7 @@ impl EmuConfig {
                 "fail_alloc" => c.fail_alloc = Some(int()?),
                 "fail_copy" => c.fail_copy = Some(int()?),
                 "panic_copy" => c.panic_copy = Some(int()?),
+                "fail_pin" => c.fail_pin = Some(int()?),
                 "bandwidth_gbps" => {
                     c.bandwidth_gbps = Some(
                         v.parse()
@@ -151,6 +158,7 @@ impl EmuConfig {
             ("fail_alloc", self.fail_alloc),
             ("fail_copy", self.fail_copy),
             ("panic_copy", self.panic_copy),
+            ("fail_pin", self.fail_pin),
         ] {
             if count == Some(0) {
                 return Err(bad_setting(key, 0, "counts from 1 (the first is 1)"));
@@ -182,6 +190,8 @@ pub struct EmulatedDevice {
     allocations: AtomicU64,
     copies: AtomicU64,
     ops: AtomicU64,
+    /// Buffers pinned since the settings were made (for `fail_pin`).
+    pins: Arc<AtomicU64>,
     lanes: [Arc<Lane>; LANES],
     #[cfg_attr(not(test), allow(dead_code))]
     streams: Arc<[StreamThread; LANES]>,
@@ -238,6 +248,11 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
             dispatch(name, &streams[index], &config, s)
         })
     };
+    let pins = Arc::new(AtomicU64::new(0));
+    let pinning = EmuPinned {
+        config: config.clone(),
+        pins: pins.clone(),
+    };
     let d = Arc::new(EmulatedDevice {
         index,
         lanes: [lane(0), lane(1)],
@@ -247,7 +262,8 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         allocations: AtomicU64::new(0),
         copies: AtomicU64::new(0),
         ops: AtomicU64::new(0),
-        pool: PinnedPool::new(Box::new(PageableAllocator), PINNED_POOL_CAP),
+        pins,
+        pool: PinnedPool::new(Box::new(pinning), PINNED_POOL_CAP),
     });
     devices.insert(index, d.clone());
     super::backends_started_here();
@@ -262,7 +278,37 @@ pub fn configure(index: usize, config: EmuConfig) -> Result<()> {
     *d.config.lock().unwrap_or_else(|p| p.into_inner()) = config;
     d.allocations.store(0, Ordering::SeqCst);
     d.copies.store(0, Ordering::SeqCst);
+    d.pins.store(0, Ordering::SeqCst);
     Ok(())
+}
+
+/// The emulated device's "pinned" memory: ordinary memory ([`PageableAllocator`]), refused
+/// on the injected `fail_pin`.
+struct EmuPinned {
+    config: Arc<Mutex<EmuConfig>>,
+    pins: Arc<AtomicU64>,
+}
+
+// SAFETY: every block comes from `PageableAllocator`, whose promise this passes on.
+unsafe impl PinnedAllocator for EmuPinned {
+    fn alloc(&self, len: usize) -> Result<HostBlock> {
+        let n = self.pins.fetch_add(1, Ordering::SeqCst) + 1;
+        let refused = self
+            .config
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .fail_pin
+            == Some(n);
+        if refused {
+            return Err(Error::OutOfMemory {
+                device: format!("cpu (pinned; injected fault: fail_pin={n})"),
+                requested: len,
+                free: 0,
+                total: 0,
+            });
+        }
+        PageableAllocator.alloc(len)
+    }
 }
 
 /// The host allocation standing in for device memory; returns its bytes to the device's
@@ -474,9 +520,10 @@ mod tests {
     #[test]
     fn config_parses_every_key_and_rejects_unknown_ones() {
         let c = EmuConfig::parse(
-            "latency_us=20000, capacity_bytes=1000000,bandwidth_gbps=12.5,fail_alloc=2,fail_copy=3,panic_copy=4",
+            "latency_us=20000, capacity_bytes=1000000,bandwidth_gbps=12.5,fail_alloc=2,fail_copy=3,panic_copy=4,fail_pin=5",
         )
         .unwrap();
+        assert_eq!(c.fail_pin, Some(5));
         assert_eq!(c.latency_us, 20000);
         assert_eq!(c.capacity_bytes, 1_000_000);
         assert_eq!(c.bandwidth_gbps, Some(12.5));
@@ -506,6 +553,7 @@ mod tests {
             ("fail_alloc=0", "fail_alloc"),
             ("fail_copy=0", "fail_copy"),
             ("panic_copy=0", "panic_copy"),
+            ("fail_pin=0", "fail_pin"),
         ] {
             let err = EmuConfig::parse(text).unwrap_err().to_string();
             assert!(err.contains(&format!("{key}=")), "{text}: {err}");

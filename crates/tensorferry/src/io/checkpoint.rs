@@ -69,13 +69,7 @@ impl Place {
         };
         match fs::metadata(&dir) {
             Ok(meta) if meta.is_dir() => {}
-            Ok(_) => {
-                return Err(Error::io(
-                    "save into the folder",
-                    &dir,
-                    io::Error::from(io::ErrorKind::NotADirectory),
-                ))
-            }
+            Ok(_) => return Err(Error::io("save into the folder", &dir, not_a_directory())),
             Err(e) => return Err(Error::io("save into the folder", &dir, e)),
         }
         Ok(Place {
@@ -116,6 +110,14 @@ impl Place {
 
 /// The metadata key, in a sharded checkpoint's index and shards, of the save that wrote it.
 pub(crate) const SAVE_ID_KEY: &str = "tensorferry.save";
+
+/// `ENOTDIR`, with its number (Python's `NotADirectoryError` needs it).
+fn not_a_directory() -> io::Error {
+    #[cfg(unix)]
+    return io::Error::from_raw_os_error(libc::ENOTDIR);
+    #[cfg(not(unix))]
+    return io::ErrorKind::NotADirectory.into();
+}
 
 /// Hex digits of a save id.
 const ID_LEN: usize = 16;

@@ -5,7 +5,9 @@
 //! device memory at their offsets, as they would view a host buffer.
 
 use std::fs::File;
+use std::io::ErrorKind;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::direct::{Reader, Window, DIRECT_ALIGN};
@@ -15,7 +17,7 @@ use super::read::{build, load_node, read_header_bytes, LoadOptions, Loaded};
 use super::sharded::{load_sharded_with, resolve, Target};
 use crate::backend::{backend_for, Backend};
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::transfer::staging::{AUTO_CHUNK_BYTES, AUTO_DEPTH};
 use crate::transfer::stream_in::{stream_to_device, Piece, StreamRing};
 use crate::transfer::Staging;
@@ -53,6 +55,40 @@ pub fn load_node_to(
     options: LoadOptions,
     staging: Staging,
 ) -> Result<Loaded> {
+    load_node_to_until(path, device, options, staging, &AtomicBool::new(false))
+}
+
+/// [`load_node_to`], given up between two chunks once `stop` is set (by another thread: a
+/// caller waiting for Ctrl-C, say): then an [`Error::Io`] of kind
+/// [`std::io::ErrorKind::Interrupted`], and the device memory taken so far is released
+/// once the copies in flight (at most the ring's depth of chunks) have run. Staging out of
+/// the limits is refused first ([`Staging::validate`]).
+///
+/// ```
+/// use std::sync::atomic::AtomicBool;
+/// use tensorferry::io::load_node_to_until;
+/// use tensorferry::{save, Device, LoadOptions, SaveOptions, Staging, Tensor, TensorDict};
+///
+/// let dir = tempfile::tempdir()?;
+/// let path = dir.path().join("x.safetensors");
+/// let mut d = TensorDict::new();
+/// d.insert("x", Tensor::from_slice(&[1u8; 10_000], &[10_000])?);
+/// save(&d, &path, &SaveOptions::default())?;
+/// let stop = AtomicBool::new(true); // already asked to stop
+/// let err = load_node_to_until(&path, Device::Emulated(0), LoadOptions::default(), Staging::Auto, &stop)
+///     .unwrap_err();
+/// assert!(matches!(err, tensorferry::Error::Io { ref source, .. }
+///     if source.kind() == std::io::ErrorKind::Interrupted), "{err}");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn load_node_to_until(
+    path: impl AsRef<Path>,
+    device: Device,
+    options: LoadOptions,
+    staging: Staging,
+    stop: &AtomicBool,
+) -> Result<Loaded> {
+    let staging = staging.validate()?;
     if device.is_host() {
         return load_node(path, options);
     }
@@ -60,7 +96,7 @@ pub fn load_node_to(
     let backend = backend_for(device)?;
     let ring = ring_for(staging);
     let load_one = |file: &Path| {
-        stream_file(file, &backend, options.direct, ring).map_err(|e| e.in_file(file))
+        stream_file(file, &backend, options.direct, ring, stop).map_err(|e| e.in_file(file))
     };
     match resolve(path.as_ref())? {
         Target::Index(index) => load_sharded_with(&index, 1, load_one),
@@ -68,8 +104,8 @@ pub fn load_node_to(
     }
 }
 
-/// The host buffers for `staging`: its ring, else the automatic one; chunks in whole
-/// 4096-byte blocks.
+/// The host buffers for `staging`: its ring, else the automatic one (ordinary memory
+/// where no pinned memory is to be had); chunks in whole 4096-byte blocks.
 fn ring_for(staging: Staging) -> StreamRing {
     let (chunk_bytes, depth) = match staging {
         Staging::Ring { chunk_bytes, depth } => (chunk_bytes, depth),
@@ -79,6 +115,7 @@ fn ring_for(staging: Staging) -> StreamRing {
         chunk_bytes: chunk_bytes.max(1).next_multiple_of(DIRECT_ALIGN),
         depth: depth.max(1),
         align: DIRECT_ALIGN,
+        automatic: !matches!(staging, Staging::Ring { .. }),
     }
 }
 
@@ -88,6 +125,7 @@ fn stream_file(
     backend: &Arc<dyn Backend>,
     direct: bool,
     ring: StreamRing,
+    stop: &AtomicBool,
 ) -> Result<Loaded> {
     let (mut file, file_len) = open_regular(path)?;
     let header = read_header_bytes(&mut file, path, file_len)?;
@@ -95,10 +133,20 @@ fn stream_file(
     let data_len = file_len - data_start;
     let parsed = parse_counted(&header, data_len)?;
     drop(header);
-    let (storage, fallback) = stream_data(file, path, file_len, data_start, backend, direct, ring)?;
+    let stream = Stream { direct, ring, stop };
+    let (storage, fallback) = stream_data(file, path, file_len, data_start, backend, stream)?;
     let mut loaded = build(parsed, storage, 0)?;
     loaded.direct_fallback = fallback;
     Ok(loaded)
+}
+
+/// How a file's data streams to a device.
+struct Stream<'a> {
+    /// Read with `O_DIRECT`.
+    direct: bool,
+    ring: StreamRing,
+    /// Give up before the next chunk once set.
+    stop: &'a AtomicBool,
 }
 
 /// Reads `[data_start, file_len)` of `file` into new device memory, chunk by chunk: the
@@ -110,9 +158,9 @@ fn stream_data(
     file_len: u64,
     data_start: u64,
     backend: &Arc<dyn Backend>,
-    direct: bool,
-    ring: StreamRing,
+    stream: Stream<'_>,
 ) -> Result<(Arc<crate::storage::Storage>, Option<String>)> {
+    let Stream { direct, ring, stop } = stream;
     let data_len = (file_len - data_start) as usize;
     let window = Window::covering(data_start, file_len);
     let ring = StreamRing {
@@ -122,6 +170,9 @@ fn stream_data(
     let chunks = chunks(window, data_start, file_len, ring.chunk_bytes);
     let mut reader = Reader::new(file, path, file_len, direct);
     let fill = |j: usize, buffer: *mut u8| {
+        if stop.load(Ordering::Relaxed) {
+            return Err(Error::io("read", path, ErrorKind::Interrupted.into()));
+        }
         let (at, len) = chunks[j].0;
         // SAFETY: the buffer holds `ring.chunk_bytes` writable bytes that only this chunk
         // uses until its copy completes (`stream_to_device`), and `len` is at most that;

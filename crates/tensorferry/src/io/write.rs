@@ -190,7 +190,7 @@ fn check_options(options: &SaveOptions) -> Result<()> {
             reason: "this metadata key is reserved for tensorferry".into(),
         });
     }
-    Ok(())
+    options.staging.validate().map(|_| ())
 }
 
 pub(crate) fn check_root(root: &Node, options: &SaveOptions) -> Result<()> {

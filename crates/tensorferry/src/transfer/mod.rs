@@ -24,7 +24,9 @@ use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use crate::backend::{backend_for, Backend, CopyBatch, CopyOp, Direction, Event, Failure};
+use crate::backend::{
+    backend_for, Backend, CopyBatch, CopyOp, DeviceMemory, Direction, Event, Failure,
+};
 use crate::consolidate::{views, PackedLayout};
 use crate::device::Device;
 use crate::error::Result;
@@ -35,6 +37,7 @@ use crate::tensor::Tensor;
 mod consumer;
 pub(crate) mod fragmented;
 mod host_copy;
+mod ring_memory;
 pub mod staging;
 pub(crate) mod stream_in;
 mod stream_out;
@@ -82,6 +85,7 @@ pub fn move_tensors(
     target: Device,
     options: MoveOptions,
 ) -> Result<Vec<Tensor>> {
+    options.staging.validate()?;
     target.ensure_available()?;
     let mut results: Vec<Option<Tensor>> = vec![None; tensors.len()];
     // Group what must move by source device, keeping order within each group.
@@ -98,11 +102,36 @@ pub fn move_tensors(
             None => groups.push((from, vec![i])),
         }
     }
-    // Fragmented sources are gathered on the host first; they may change group.
+    let events = if target.is_host() {
+        to_host_groups(tensors, groups, options, &mut results)?
+    } else {
+        to_device_groups(tensors, groups, target, options, &mut results)?
+    };
+    if !options.non_blocking {
+        for e in &events {
+            e.wait()?;
+        }
+    }
+    Ok(results
+        .into_iter()
+        .map(|t| t.expect("every tensor placed"))
+        .collect())
+}
+
+/// Moves each group (indices into `tensors`, by source device) to the host, into
+/// `results`: the events of the copies.
+fn to_host_groups(
+    tensors: &[&Tensor],
+    groups: Vec<(Device, Vec<usize>)>,
+    options: MoveOptions,
+    results: &mut [Option<Tensor>],
+) -> Result<Vec<Event>> {
+    // Fragmented sources on a device are gathered from a host copy of their span: they
+    // change group.
     let mut prepared: Vec<Option<Tensor>> = vec![None; tensors.len()];
     for (_, idx) in &groups {
         for &i in idx {
-            prepared[i] = fragmented::prepare(tensors[i], target)?;
+            prepared[i] = fragmented::prepare(tensors[i], Device::Cpu)?;
         }
     }
     let mut regrouped: Vec<(Device, Vec<usize>)> = Vec::new();
@@ -121,27 +150,12 @@ pub fn move_tensors(
             .iter()
             .map(|&i| prepared[i].clone().unwrap_or_else(|| tensors[i].clone()))
             .collect();
-        let moved = if from.is_host() && target.is_host() {
+        let moved = if from.is_host() {
             let (moved, event) = host_copy::pack_when_ready(sources)?;
             events.extend(event);
             moved
-        } else if target.is_host() {
-            let (moved, event) = to_host(&backend_for(from)?, sources, options)?;
-            events.push(event);
-            moved
         } else {
-            let direction = if from.is_host() {
-                Direction::HostToDevice
-            } else {
-                Direction::DeviceToDevice
-            };
-            let backend = backend_for(target)?;
-            if direction == Direction::DeviceToDevice && from != target {
-                // The copies run on the target's stream: ordered after the source's, which
-                // the sources' producers were ordered before.
-                backend.order_after_device(from)?;
-            }
-            let (moved, event) = to_device(&backend, direction, sources, options)?;
+            let (moved, event) = to_host(&backend_for(from)?, sources, options)?;
             events.push(event);
             moved
         };
@@ -149,15 +163,53 @@ pub fn move_tensors(
             results[i] = Some(t);
         }
     }
-    if !options.non_blocking {
-        for e in &events {
-            e.wait()?;
+    Ok(events)
+}
+
+/// Moves each group (indices into `tensors`, by source device) to the device `target`,
+/// into `results`: the events of the copies. The device memory of every group is taken
+/// first, so that a target too small fails at once, before any fragmented host source is
+/// gathered (a broadcast view's packed copy may be far larger than its memory).
+fn to_device_groups(
+    tensors: &[&Tensor],
+    groups: Vec<(Device, Vec<usize>)>,
+    target: Device,
+    options: MoveOptions,
+    results: &mut [Option<Tensor>],
+) -> Result<Vec<Event>> {
+    let backend = backend_for(target)?;
+    let mut reserved = Vec::with_capacity(groups.len());
+    for (_, idx) in &groups {
+        let layout = PackedLayout::plan(idx.iter().map(|&i| tensors[i].nbytes()));
+        let memory = backend.alloc(layout.total)?;
+        reserved.push((layout, memory));
+    }
+    let mut events = Vec::new();
+    for ((from, idx), (layout, memory)) in groups.into_iter().zip(reserved) {
+        // Fragmented host sources are packed on the host first (same group).
+        let sources = idx
+            .iter()
+            .map(|&i| {
+                Ok(fragmented::prepare(tensors[i], target)?.unwrap_or_else(|| tensors[i].clone()))
+            })
+            .collect::<Result<Vec<Tensor>>>()?;
+        let direction = if from.is_host() {
+            Direction::HostToDevice
+        } else {
+            Direction::DeviceToDevice
+        };
+        if direction == Direction::DeviceToDevice && from != target {
+            // The copies run on the target's stream: ordered after the source's, which
+            // the sources' producers were ordered before.
+            backend.order_after_device(from)?;
+        }
+        let (moved, event) = to_device(&backend, direction, sources, (layout, memory), options)?;
+        events.push(event);
+        for (i, t) in idx.into_iter().zip(moved) {
+            results[i] = Some(t);
         }
     }
-    Ok(results
-        .into_iter()
-        .map(|t| t.expect("every tensor placed"))
-        .collect())
+    Ok(events)
 }
 
 /// One contiguous run of a source, and where it goes in the packed layout.
@@ -344,15 +396,16 @@ fn to_host(
     Ok((results, event))
 }
 
-/// Host or device → a device: one allocation for the group, filled by one batch on the
-/// target's stream (or, from host memory, through the staging ring when it pays).
+/// Host or device → a device: `memory`, one allocation for the group by `layout`, filled
+/// by one batch on the target's stream (or, from host memory, through the staging ring
+/// when it pays).
 fn to_device(
     backend: &Arc<dyn Backend>,
     direction: Direction,
     sources: Vec<Tensor>,
+    (layout, mut memory): (PackedLayout, DeviceMemory),
     options: MoveOptions,
 ) -> Result<(Vec<Tensor>, Event)> {
-    let layout = PackedLayout::plan(sources.iter().map(Tensor::nbytes));
     // Sources already in pinned memory (the pool's, or page-locked by another library, as
     // PyTorch's `pin_memory()` tensors are) go straight to the device: the driver is asked
     // only when a ring would be used.
@@ -364,7 +417,6 @@ fn to_device(
                 .iter()
                 .any(|t| !t.storage().is_pinned() && !backend.is_page_locked(t.data_ptr()))
         });
-    let mut memory = backend.alloc(layout.total)?;
     let event = Event::pending();
     memory.set_written(event.clone());
     let dst_base = memory.as_ptr() as *mut u8;

@@ -17,13 +17,13 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
+use super::ring_memory::RingMemory;
 use super::{runs, submit_when_ready, Run};
 use crate::backend::event::{panic_message, Outcome, Progress};
 use crate::backend::worker::spawn_worker;
 use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event, Failure};
 use crate::consolidate::PackedLayout;
-use crate::error::Result;
-use crate::memory::PinnedBuffer;
+use crate::error::{Error, Result};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
 
@@ -35,6 +35,20 @@ pub const AUTO_DEPTH: usize = 3;
 pub const AUTO_MIN_BYTES: usize = 64 << 20;
 /// Most host threads copying a chunk, whatever `TENSORFERRY_COPY_THREADS` asks.
 const MAX_CREW_THREADS: usize = 64;
+
+/// Smallest chunk a [`Staging::Ring`] takes: a chunk is one device copy, and smaller ones
+/// cost more in calls than they move.
+pub const MIN_CHUNK_BYTES: usize = 4 << 10;
+/// Largest chunk a [`Staging::Ring`] takes.
+pub const MAX_CHUNK_BYTES: usize = 1 << 30;
+/// Most buffers a [`Staging::Ring`] takes.
+pub const MAX_DEPTH: usize = 64;
+/// Most bytes a [`Staging::Ring`] takes in all (`chunk_bytes × depth`).
+pub const MAX_RING_BYTES: usize = 4 << 30;
+
+/// The limits of a ring, as error messages state them.
+pub const RING_LIMITS: &str = "a staging ring takes chunk_bytes from 4096 (4 KiB) to \
+     1073741824 (1 GiB), depth from 1 to 64, and chunk_bytes × depth up to 4294967296 (4 GiB)";
 
 /// Whether copies between a device and ordinary host memory go through pinned staging
 /// buffers.
@@ -49,7 +63,11 @@ pub enum Staging {
     /// Never: the device copies straight to or from ordinary memory.
     Off,
     /// Always (for host memory that is not pinned already), through `depth` pinned
-    /// buffers of `chunk_bytes` each.
+    /// buffers of `chunk_bytes` each: within [`MIN_CHUNK_BYTES`]..=[`MAX_CHUNK_BYTES`],
+    /// `1..=`[`MAX_DEPTH`] and [`MAX_RING_BYTES`] in all, else refused
+    /// ([`Staging::validate`]). Small chunks share pinned buffers, so a ring pins at most
+    /// twice `chunk_bytes × depth` (the pool's size classes are powers of two), and at
+    /// least 64 KiB.
     Ring {
         /// Bytes per chunk (and per pinned buffer).
         chunk_bytes: usize,
@@ -69,6 +87,23 @@ pub(crate) struct Ring {
 }
 
 impl Staging {
+    /// `self`, when it is `Auto`, `Off`, or a `Ring` within the limits ([`RING_LIMITS`]);
+    /// else an [`Error::InvalidValue`] at key `staging` naming the value out of range.
+    /// Every call that takes a `Staging` checks it before allocating anything.
+    ///
+    /// ```
+    /// use tensorferry::Staging;
+    /// assert!(Staging::Ring { chunk_bytes: 1 << 20, depth: 4 }.validate().is_ok());
+    /// let err = Staging::Ring { chunk_bytes: 4096, depth: 10_000 }.validate().unwrap_err();
+    /// assert!(err.to_string().contains("depth=10000"), "{err}");
+    /// ```
+    pub fn validate(self) -> Result<Staging> {
+        if let Staging::Ring { chunk_bytes, depth } = self {
+            check_ring(chunk_bytes, depth)?;
+        }
+        Ok(self)
+    }
+
     /// The ring for a transfer of `total` bytes on `backend`, or `None` to copy directly.
     ///
     /// With `Auto`, a `non_blocking` transfer on such a device takes a ring whatever its
@@ -123,7 +158,41 @@ impl Staging {
     }
 }
 
+/// Refuses a ring of `depth` buffers of `chunk_bytes` beyond the limits.
+fn check_ring(chunk_bytes: usize, depth: usize) -> Result<()> {
+    let why = if !(MIN_CHUNK_BYTES..=MAX_CHUNK_BYTES).contains(&chunk_bytes) {
+        format!("chunk_bytes={chunk_bytes} is out of range")
+    } else if !(1..=MAX_DEPTH).contains(&depth) {
+        format!("depth={depth} is out of range")
+    } else if chunk_bytes.saturating_mul(depth) > MAX_RING_BYTES {
+        format!(
+            "chunk_bytes × depth = {} bytes is too much",
+            chunk_bytes.saturating_mul(depth)
+        )
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidValue {
+        key: "staging".into(),
+        reason: format!("({chunk_bytes}, {depth}): {why}: {RING_LIMITS}"),
+    })
+}
+
 impl Ring {
+    /// The ring's own limits ([`Staging::validate`]); the automatic rings are within them.
+    pub(crate) fn validate(self) -> Result<Ring> {
+        if !self.automatic {
+            check_ring(self.chunk_bytes, self.depth)?;
+        }
+        Ok(self)
+    }
+
+    /// True when `Staging::Auto` chose the ring: one that cannot get pinned memory copies
+    /// through ordinary memory instead.
+    pub(crate) fn automatic(self) -> bool {
+        self.automatic
+    }
+
     /// Bytes per chunk (and per pinned buffer).
     pub(crate) fn chunk_bytes(self) -> usize {
         self.chunk_bytes
@@ -329,14 +398,14 @@ struct Transfer {
     backend: Arc<dyn Backend>,
     chunks: Vec<Chunk>,
     waits: Vec<Event>,
-    buffers: Vec<Arc<PinnedBuffer>>,
+    ring: Arc<RingMemory>,
     sources: Arc<Vec<Tensor>>,
     dest: Arc<Storage>,
     base: *mut u8,
 }
 
 // SAFETY: the raw addresses in `chunks` and `base` name memory that the transfer itself
-// holds (`sources`, `dest`, `buffers`), so they stay valid on whichever thread owns it.
+// holds (`sources`, `dest`, `ring`), so they stay valid on whichever thread owns it.
 unsafe impl Send for Transfer {}
 
 impl Transfer {
@@ -352,34 +421,32 @@ impl Transfer {
         let chunks = chunks(&runs, ring.chunk_bytes);
         let pool = backend.pinned_pool()?;
         // A transfer smaller than a chunk needs no more than its own size.
-        let buffer_bytes = ring.chunk_bytes.min(layout.total);
-        let buffers = (0..ring.depth.min(chunks.len()))
-            .map(|_| pool.take(buffer_bytes).map(Arc::new))
-            .collect::<Result<Vec<_>>>()?;
+        let slot_bytes = ring.chunk_bytes.min(layout.total);
+        let depth = ring.depth.min(chunks.len());
+        let ring = RingMemory::pinned(&pool, slot_bytes, depth, 1)?;
         Ok(Transfer {
             backend,
             chunks,
             waits,
-            buffers,
+            ring: Arc::new(ring),
             sources: Arc::new(sources),
             dest,
             base,
         })
     }
 
-    /// Queues chunk `j`'s device copies; the batch holds its pinned buffer and the sources.
-    fn queue(&self, j: usize, direction: Direction, ops: Vec<CopyOp>) -> Event {
-        let buffer = self.buffers[j % self.buffers.len()].clone();
+    /// Queues chunk `j`'s device copies; the batch holds the ring's memory and the sources.
+    fn queue(&self, direction: Direction, ops: Vec<CopyOp>) -> Event {
         let batch = CopyBatch {
             direction,
             ops,
             waits: self.waits.clone(),
         };
         let event = Event::pending();
-        let keep = Box::new((self.sources.clone(), buffer, self.dest.clone()));
+        let keep = Box::new((self.sources.clone(), self.ring.clone(), self.dest.clone()));
         // Unordered: a deferred batch of the stream may be waiting for this very transfer.
-        // SAFETY: the ops address the sources (held by `keep`), the chunk's pinned buffer
-        // (held by `keep`; only this chunk uses it until its event completes, since the
+        // SAFETY: the ops address the sources (held by `keep`), the chunk's slot of the
+        // ring (held by `keep`; only this chunk uses it until its event completes, since the
         // staging thread waits for that before reusing it) and the destination (held by
         // `keep`, written only at this chunk's own packed range).
         unsafe { submit_when_ready(self.backend.clone(), batch, keep, event.clone(), false) };
@@ -400,16 +467,16 @@ impl Transfer {
     /// Device → host.
     fn run_to_host(&self, crew: &Crew) -> Outcome {
         let n = self.chunks.len();
-        let depth = self.buffers.len();
+        let depth = self.ring.depth();
         let queue_chunk = |j: usize| {
-            let ops = self.chunks[j].ops_into(self.buffers[j % depth].as_ptr());
-            self.queue(j, Direction::DeviceToHost, ops)
+            let ops = self.chunks[j].ops_into(self.ring.slot(j));
+            self.queue(Direction::DeviceToHost, ops)
         };
         let mut events: Vec<Event> = (0..depth.min(n)).map(queue_chunk).collect();
         for j in 0..n {
             events[j].wait_outcome()?;
             let c = &self.chunks[j];
-            let staging = self.buffers[j % depth].as_ptr();
+            let staging = self.ring.slot(j);
             let spans: Vec<Span> = covered(c)
                 .into_iter()
                 .map(|(at, len)| Span {
@@ -437,13 +504,13 @@ impl Transfer {
         for w in &self.waits {
             w.wait_outcome()?;
         }
-        let depth = self.buffers.len();
+        let depth = self.ring.depth();
         let mut events: Vec<Event> = Vec::with_capacity(self.chunks.len());
         for (j, c) in self.chunks.iter().enumerate() {
             if j >= depth {
                 events[j - depth].wait_outcome()?;
             }
-            let staging = self.buffers[j % depth].as_ptr();
+            let staging = self.ring.slot(j);
             let spans: Vec<Span> = c
                 .pieces
                 .iter()
@@ -465,7 +532,7 @@ impl Transfer {
                     len,
                 })
                 .collect();
-            events.push(self.queue(j, Direction::HostToDevice, ops));
+            events.push(self.queue(Direction::HostToDevice, ops));
         }
         // Only when every chunk is on the GPU (or done) without a failure: a consumer
         // ordered behind the mark must not read a range whose copy failed, whose error it
@@ -533,7 +600,7 @@ pub(crate) fn start(
             Direction::DeviceToHost => transfer.run_to_host(crew),
             _ => transfer.run_to_device(crew, &marked),
         });
-        drop(transfer); // buffers back to the pool before anyone is woken
+        drop(transfer); // the ring back to the pool before anyone is woken
         drop(slot);
         outcome
     })
@@ -575,6 +642,38 @@ mod tests {
             dst_offset,
             len,
         }
+    }
+
+    #[test]
+    fn rings_within_the_limits_are_kept_and_the_rest_refused_naming_the_value() {
+        let ring = |chunk_bytes, depth| Staging::Ring { chunk_bytes, depth }.validate();
+        for (chunk, depth) in [(4096, 1), (4096, 64), (1 << 30, 4), (32 << 20, 3)] {
+            assert_eq!(
+                ring(chunk, depth).unwrap(),
+                Staging::Ring {
+                    chunk_bytes: chunk,
+                    depth
+                }
+            );
+        }
+        for (chunk, depth, named) in [
+            (4095, 1, "chunk_bytes=4095"),
+            (1, 1_000_000_000, "chunk_bytes=1"),
+            ((1 << 30) + 1, 1, "chunk_bytes=1073741825"),
+            (4096, 0, "depth=0"),
+            (4096, 65, "depth=65"),
+            (4096, 10_000, "depth=10000"),
+            (1 << 30, 5, "5368709120 bytes"),
+        ] {
+            let err = ring(chunk, depth).unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidValue { key, reason }
+                    if key == "staging" && reason.contains(named) && reason.contains(RING_LIMITS)),
+                "{err}"
+            );
+        }
+        assert_eq!(Staging::Auto.validate().unwrap(), Staging::Auto);
+        assert_eq!(Staging::Off.validate().unwrap(), Staging::Off);
     }
 
     #[test]

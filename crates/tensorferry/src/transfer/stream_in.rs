@@ -12,10 +12,10 @@
 
 use std::sync::Arc;
 
+use super::ring_memory::RingMemory;
 use super::submit_when_ready;
 use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event, Failure};
 use crate::error::Result;
-use crate::memory::PinnedBuffer;
 use crate::storage::Storage;
 
 /// The host buffers of a stream.
@@ -27,6 +27,9 @@ pub(crate) struct StreamRing {
     pub depth: usize,
     /// Alignment of each buffer's start (a power of two).
     pub align: usize,
+    /// `Staging::Auto` (or `Off`) chose the ring: where no pinned memory is to be had, its
+    /// buffers are ordinary memory.
+    pub automatic: bool,
 }
 
 /// What goes to the device from one chunk: `len` bytes from `skip` in its buffer, to
@@ -39,44 +42,6 @@ pub(crate) struct Piece {
     pub len: usize,
     /// Where they go in the device memory.
     pub dst_offset: usize,
-}
-
-/// A pinned buffer whose usable part starts aligned.
-struct AlignedPinned {
-    /// Owns the memory `start` points into (back to the pool when dropped).
-    _buffer: PinnedBuffer,
-    start: *mut u8,
-}
-
-// SAFETY: `start` addresses memory that `buffer` owns; the buffer is itself `Send`, and
-// the ring hands it to one chunk at a time.
-unsafe impl Send for AlignedPinned {}
-// SAFETY: see `Send`; shared access only reads the address.
-unsafe impl Sync for AlignedPinned {}
-
-impl AlignedPinned {
-    /// A buffer of the ring from `backend`'s pinned pool: `ring.chunk_bytes` usable bytes
-    /// from an address aligned to `ring.align` (pinned memory is page aligned already;
-    /// where it is not, a larger buffer is taken and its start rounded up).
-    fn take(backend: &dyn Backend, ring: StreamRing) -> Result<AlignedPinned> {
-        let pool = backend.pinned_pool()?;
-        let buffer = pool.take(ring.chunk_bytes)?;
-        let start = buffer.as_ptr();
-        if start as usize % ring.align == 0 {
-            return Ok(AlignedPinned {
-                _buffer: buffer,
-                start,
-            });
-        }
-        drop(buffer);
-        let buffer = pool.take(ring.chunk_bytes + ring.align)?;
-        let start = buffer.as_ptr();
-        let start = start.wrapping_add(start.align_offset(ring.align));
-        Ok(AlignedPinned {
-            _buffer: buffer,
-            start,
-        })
-    }
 }
 
 /// Allocates `total` bytes on `backend`'s device and fills them chunk by chunk through
@@ -102,20 +67,25 @@ pub(crate) unsafe fn stream_to_device(
     memory.set_written(done.clone());
     let base = memory.as_ptr() as *mut u8;
     let dest = Arc::new(Storage::device_memory(memory));
-    let buffers = (0..ring.depth.max(1).min(pieces.len()))
-        .map(|_| AlignedPinned::take(&**backend, ring).map(Arc::new))
-        .collect::<Result<Vec<_>>>();
-    let outcome = buffers.and_then(|buffers| {
+    let memory = RingMemory::pinned_else_pageable(
+        backend.pinned_pool(),
+        ring.chunk_bytes,
+        ring.depth.max(1).min(pieces.len()),
+        ring.align,
+        ring.automatic,
+    );
+    let outcome = memory.and_then(|memory| {
+        let memory = Arc::new(memory);
+        let depth = memory.depth();
         let mut queued: Vec<Event> = Vec::with_capacity(pieces.len());
         let result = (|| {
             for (j, piece) in pieces.iter().enumerate() {
-                if j >= buffers.len() {
-                    // The buffer comes back: its last chunk's copy must be done.
-                    queued[j - buffers.len()].wait()?;
+                if j >= depth {
+                    // The slot comes back: its last chunk's copy must be done.
+                    queued[j - depth].wait()?;
                 }
-                let buffer = &buffers[j % buffers.len()];
-                fill(j, buffer.start)?;
-                queued.push(queue(backend, buffer, &dest, base, piece));
+                fill(j, memory.slot(j))?;
+                queued.push(queue(backend, &memory, j, &dest, base, piece));
             }
             Ok(())
         })();
@@ -136,11 +106,12 @@ pub(crate) unsafe fn stream_to_device(
     }
 }
 
-/// Queues the copy of `piece` from `buffer` to the device memory at `base`; the copy
-/// holds the buffer and the destination until it completes.
+/// Queues the copy of `piece` from chunk `j`'s slot of `memory` to the device memory at
+/// `base`; the copy holds the ring's memory and the destination until it completes.
 fn queue(
     backend: &Arc<dyn Backend>,
-    buffer: &Arc<AlignedPinned>,
+    memory: &Arc<RingMemory>,
+    j: usize,
     dest: &Arc<Storage>,
     base: *mut u8,
     piece: &Piece,
@@ -153,18 +124,18 @@ fn queue(
     let batch = CopyBatch {
         direction: Direction::HostToDevice,
         ops: vec![CopyOp {
-            src: buffer.start.wrapping_add(piece.skip),
+            src: memory.slot(j).wrapping_add(piece.skip),
             dst: base.wrapping_add(piece.dst_offset),
             len: piece.len,
         }],
         waits: Vec::new(),
     };
-    let keep = Box::new((buffer.clone(), dest.clone()));
+    let keep = Box::new((memory.clone(), dest.clone()));
     // Unordered: the stream's deferred batches never wait for memory nobody has seen yet,
     // and this one must not queue behind them.
-    // SAFETY: the source is the piece's bytes of the buffer (inside it, by
+    // SAFETY: the source is the piece's bytes of the chunk's slot (inside it, by
     // `stream_to_device`'s contract), written by `fill` before this and not again until
-    // this copy's event completes (the producer waits for it before reusing the buffer);
+    // this copy's event completes (the producer waits for it before reusing the slot);
     // the destination is the piece's own range of the new memory, which no other piece
     // overlaps and nobody reads before the stream's event. `keep` holds both.
     unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone(), false) };
@@ -184,6 +155,7 @@ mod tests {
             chunk_bytes: 4096,
             depth: 2,
             align: 4096,
+            automatic: false,
         };
         // Five chunks of a 20 000-byte "file" whose first 100 bytes are not wanted.
         let source: Vec<u8> = (0..20_480u32).map(|i| (i % 251) as u8).collect();
@@ -226,6 +198,7 @@ mod tests {
             chunk_bytes: 4096,
             depth: 1,
             align: 4096,
+            automatic: false,
         };
         let pieces = [Piece {
             skip: 0,

@@ -12,6 +12,7 @@
 
 use std::sync::Arc;
 
+use super::ring_memory::RingMemory;
 use super::staging::{chunks, Ring};
 use super::{fragmented, runs, submit_when_ready};
 use crate::backend::{backend_for, CopyBatch, Direction, Event};
@@ -25,7 +26,9 @@ use crate::transfer::Staging;
 /// Calls `sink` with the bytes of `tensors` (all on `device`), in order, each in C order,
 /// back to back: `sink` sees every byte once, in order, in pieces of at most
 /// `ring.chunk_bytes`. Waits for copies still filling a source first (on the device).
-/// The slices handed to `sink` live only for the call.
+/// The slices handed to `sink` live only for the call. A ring beyond the limits is refused
+/// before anything is allocated ([`crate::Staging::validate`]); one `Staging::Auto` chose
+/// goes through ordinary memory where no pinned memory is to be had.
 ///
 /// A tensor whose bytes lie in many tiny runs (a transposed matrix) is gathered on the
 /// host instead ([`fragmented::prepare`]) when the stream reaches it, so that at most one
@@ -36,6 +39,7 @@ pub(crate) fn stream_to_sink(
     ring: Ring,
     mut sink: impl FnMut(&[u8]) -> Result<()>,
 ) -> Result<()> {
+    let ring = ring.validate()?;
     // Consecutive device tensors go through the ring together; gathered ones in between.
     let mut pending: Vec<Tensor> = Vec::new();
     for &t in tensors {
@@ -70,27 +74,31 @@ fn through_ring(
     let (runs, waits) = runs(&sources, &layout)?;
     let chunks = chunks(&runs, ring.chunk_bytes());
     let backend = backend_for(device)?;
-    let pool = backend.pinned_pool()?;
-    let buffer_bytes = ring.chunk_bytes().min(total);
-    let buffers = (0..ring.depth().min(chunks.len()))
-        .map(|_| pool.take(buffer_bytes).map(Arc::new))
-        .collect::<Result<Vec<_>>>()?;
-    let depth = buffers.len();
+    // A ring `Staging::Auto` chose that gets no pinned memory streams through ordinary
+    // memory: the device copies there directly, and host memory stays bounded.
+    let memory = RingMemory::pinned_else_pageable(
+        backend.pinned_pool(),
+        ring.chunk_bytes().min(total),
+        ring.depth().min(chunks.len()),
+        1,
+        ring.automatic(),
+    )?;
+    let memory = Arc::new(memory);
+    let depth = memory.depth();
     let sources = Arc::new(sources);
     let queue = |j: usize| {
-        let buffer = buffers[j % depth].clone();
         let batch = CopyBatch {
             direction: Direction::DeviceToHost,
-            ops: chunks[j].ops_into(buffer.as_ptr()),
+            ops: chunks[j].ops_into(memory.slot(j)),
             waits: waits.clone(),
         };
         let event = Event::pending();
-        let keep = Box::new((sources.clone(), buffer));
+        let keep = Box::new((sources.clone(), memory.clone()));
         // SAFETY: the ops read the sources' elements (inside their storages, by
-        // `run_offsets`), held by `keep`, and write the chunk's pinned buffer inside its
-        // length (a chunk's pieces lie within `chunk_bytes` of its start), held by `keep`;
-        // only this chunk writes that buffer until its event completes, since the buffer
-        // is reused only after this thread has waited for it.
+        // `run_offsets`), held by `keep`, and write the chunk's slot of the ring inside
+        // its length (a chunk's pieces lie within `chunk_bytes` of its start), held by
+        // `keep`; only this chunk writes that slot until its event completes, since the
+        // slot is reused only after this thread has waited for it.
         unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone(), true) };
         event
     };
@@ -98,7 +106,9 @@ fn through_ring(
     for (j, c) in chunks.iter().enumerate() {
         events[j].wait()?;
         let len = c.end() - c.start;
-        sink(&buffers[j % depth].as_slice()[..len])?;
+        // SAFETY: chunk `j`'s copy has completed (its event), having written its `len`
+        // bytes of the slot, and the next chunk using the slot is queued only after this.
+        sink(unsafe { memory.bytes(j, len) })?;
         if j + depth < chunks.len() {
             events.push(queue(j + depth));
         }
@@ -126,9 +136,9 @@ mod tests {
     #[test]
     fn a_consumer_failing_mid_stream_is_the_error_and_every_buffer_comes_back() {
         let _serial = serial();
-        let t = on_device(10_000);
+        let t = on_device(40_000);
         let ring = Staging::Ring {
-            chunk_bytes: 1000,
+            chunk_bytes: 4096,
             depth: 3,
         }
         .ring_for_stream()
@@ -137,7 +147,7 @@ mod tests {
         let mut seen = Vec::new();
         let err = stream_to_sink(DEV, &[&t], ring, |bytes| {
             seen.extend_from_slice(bytes);
-            if seen.len() >= 3000 {
+            if seen.len() >= 3 * 4096 {
                 return Err(Error::InvalidValue {
                     key: String::new(),
                     reason: "the disk is full".into(),
@@ -147,7 +157,7 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.to_string().contains("the disk is full"), "{err}");
-        let expected: Vec<u8> = (0..3000).map(|i| (i % 251) as u8).collect();
+        let expected: Vec<u8> = (0..3 * 4096).map(|i| (i % 251) as u8).collect();
         assert_eq!(seen, expected, "the bytes before the failure, in order");
         // Chunks still queued hold their buffers until they have run, then give them back.
         for _ in 0..200 {
@@ -159,5 +169,70 @@ mod tests {
         }
         let s = pool.stats();
         assert_eq!(s.cached_bytes, s.pinned_bytes, "{s:?}");
+    }
+
+    #[test]
+    fn an_automatic_ring_refused_pinned_memory_streams_through_ordinary_memory() {
+        use crate::backend::emulated::{configure, EmuConfig};
+        let _serial = serial();
+        let t = on_device(100_000);
+        let pool = backend_for(DEV).unwrap().pinned_pool().unwrap();
+        // Hold every cached buffer of the ring's size class, so that the ring must pin anew.
+        let mut cached = Vec::new();
+        loop {
+            let misses = pool.stats().misses;
+            cached.push(pool.take(100_000).unwrap());
+            if pool.stats().misses > misses {
+                break;
+            }
+        }
+        let refuse_next = |n| {
+            let config = EmuConfig {
+                fail_pin: Some(n),
+                ..EmuConfig::default()
+            };
+            configure(1, config).unwrap();
+        };
+        refuse_next(1);
+        let mut seen = Vec::new();
+        let auto = Staging::Auto.ring_for_stream().unwrap();
+        stream_to_sink(DEV, &[&t], auto, |bytes| {
+            seen.extend_from_slice(bytes);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            seen,
+            t.to(Device::Cpu, false).unwrap().to_vec::<u8>().unwrap()
+        );
+        refuse_next(1);
+        let explicit = Staging::Ring {
+            chunk_bytes: 100_000,
+            depth: 2,
+        }
+        .ring_for_stream()
+        .unwrap();
+        let err = stream_to_sink(DEV, &[&t], explicit, |_| Ok(())).unwrap_err();
+        assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+        configure(1, EmuConfig::default()).unwrap();
+        drop(cached);
+    }
+
+    #[test]
+    fn a_ring_beyond_the_limits_is_refused_before_anything_is_copied() {
+        let t = on_device(10_000);
+        for (chunk_bytes, depth) in [(4096, 10_000), (1, 1_000_000_000), (1 << 31, 1)] {
+            let ring = Staging::Ring { chunk_bytes, depth }
+                .ring_for_stream()
+                .unwrap();
+            let mut called = false;
+            let err = stream_to_sink(DEV, &[&t], ring, |_| {
+                called = true;
+                Ok(())
+            })
+            .unwrap_err();
+            assert!(err.to_string().contains("staging"), "{err}");
+            assert!(!called);
+        }
     }
 }
