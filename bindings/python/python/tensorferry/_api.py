@@ -683,7 +683,9 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     # A subset is read from the mapping (only its bytes are touched), then copied when
     # fresh memory was asked for.
     mapped = (mmap and not direct) or on_device or keys is not None
-    streamed = direct and on_device
+    # A cast goes with the host's bytes (a device holds no kernels of tensorferry's own):
+    # a file read past the page cache is cast on the host before its move.
+    streamed = direct and on_device and dtype is None
     tree, meta, pending, fallback = _native.load(
         os.fspath(path),
         mapped,
@@ -702,8 +704,12 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
         if not (mmap or on_device):
             tree = to_host(tree, copy=True)
     if out is not None:
-        return _select.fill(out, tree)
+        return _select.fill(out, tree if dtype is None else _select.cast(tree, dtype))
     if on_device:
+        if dtype is not None:
+            # Narrowing casts before the bytes cross (half the traffic for float32 ->
+            # bfloat16); on the emulated device every cast, since nothing there casts.
+            tree = _select.cast(tree, dtype, narrowing_only=not target.startswith("emu"))
         if not streamed:
             tree = to_device(tree, target, staging=staging)
         pending = not target.startswith("emu")  # no framework holds emulated memory

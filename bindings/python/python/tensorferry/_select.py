@@ -92,12 +92,18 @@ def _dtype_name(dtype):
     return text
 
 
-def cast(tree, dtype):
+_ITEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def cast(tree, dtype, narrowing_only=False):
     """Every floating tensor of ``tree`` in ``dtype`` (integer and bool tensors stay), in
-    its own framework and on its own device (PyTorch casts on the GPU)."""
+    its own framework and on its own device (PyTorch casts on the GPU). With
+    ``narrowing_only``, only the tensors whose elements the cast makes smaller."""
     name = _dtype_name(dtype)
 
     def convert(x, path):
+        if narrowing_only and _ITEM_BYTES.get(_name_of(x.dtype), 0) <= _ITEM_BYTES[name]:
+            return x
         kind = fw.kind_of(x)
         if kind == fw.TORCH:
             import torch
@@ -154,11 +160,102 @@ def fill(out, loaded):
             problems.append(f"{name}: shape {tuple(s.shape)} in the file, {tuple(t.shape)} in out=")
         elif _name_of(t.dtype) != _name_of(s.dtype):
             problems.append(f"{name}: dtype {_name_of(s.dtype)} in the file, {_name_of(t.dtype)} in out=")
+    problems += _aliased(targets, sources)
     if problems:
         raise FormatError("out= cannot be filled from the file:\n  " + "\n  ".join(problems))
-    for name, t in targets.items():
-        _copy_into(t, sources[name])
+    # Every source in its target's framework before the first write: a conversion that
+    # fails leaves every target as it was.
+    ready = [(t, _like_target(t, sources[name])) for name, t in targets.items()]
+    for t, s in ready:
+        _copy_into(t, s)
     return out
+
+
+def _memory_of(t):
+    """``(first byte, end byte, layout)`` of a PyTorch tensor's or NumPy array's memory, or
+    None for other leaves. ``layout`` tells the same tensor from an overlapping view."""
+    kind = fw.kind_of(t)
+    if kind == fw.TORCH:
+        import torch
+
+        if t.is_meta or t.layout != torch.strided:
+            return None
+        start, size, shape, strides = t.data_ptr(), t.element_size(), tuple(t.shape), tuple(t.stride())
+        strides = tuple(st * size for st in strides)
+    elif kind == fw.NUMPY:
+        start, size, shape, strides = t.__array_interface__["data"][0], t.itemsize, t.shape, t.strides
+    else:
+        return None
+    if 0 in shape:
+        return None
+    low = start + sum(st * (n - 1) for n, st in zip(shape, strides) if st < 0)
+    high = start + sum(st * (n - 1) for n, st in zip(shape, strides) if st > 0) + size
+    return low, high, (start, shape, strides, str(t.dtype))
+
+
+def _aliased(targets, sources):
+    """Problems with targets that share memory: names of one tensor (tied weights) must
+    hold equal values in the file, and overlapping views cannot be filled at all."""
+    spans = sorted(
+        (m[0], m[1], m[2], name) for name, m in ((n, _memory_of(t)) for n, t in targets.items()) if m is not None
+    )
+    problems, group = [], []
+    groups = []
+    reach = None
+    for low, high, layout, name in spans:
+        if reach is not None and low < reach:
+            group.append((layout, name))
+            reach = max(reach, high)
+        else:
+            if len(group) > 1:
+                groups.append(group)
+            group, reach = [(layout, name)], high
+    if len(group) > 1:
+        groups.append(group)
+    for group in groups:
+        names = sorted(n for _, n in group)
+        if len({layout for layout, _ in group}) > 1:
+            problems.append(f"{', '.join(names)}: overlapping views of one memory in out= cannot be filled; clone() them")
+            continue
+        first = np.asarray(_bytes_of(sources[names[0]]))
+        differ = [n for n in names[1:] if not np.array_equal(first, np.asarray(_bytes_of(sources[n])))]
+        if differ:
+            problems.append(
+                f"{', '.join(names)}: one tensor in out= (tied), but the file holds different values for "
+                f"{', '.join([names[0]] + differ)}"
+            )
+    return problems
+
+
+def _bytes_of(x):
+    """The raw bytes of a loaded tensor, for comparing values whatever the dtype."""
+    if fw.kind_of(x) == fw.TORCH:
+        import torch
+
+        x = x.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+    return np.ascontiguousarray(np.asarray(x)).view(np.uint8)
+
+
+def _like_target(t, src):
+    """``src`` in the form ``_copy_into`` writes into ``t``: a PyTorch tensor for a
+    PyTorch target (NumPy's bfloat16 and float8 arrays through their bytes, which
+    ``torch.from_numpy`` refuses)."""
+    if fw.kind_of(t) != fw.TORCH:
+        return src
+    import warnings
+
+    import torch
+
+    if torch.is_tensor(src):
+        return src
+    arr = np.asarray(src)
+    with warnings.catch_warnings():
+        # A mapped file's arrays are read-only; the copy only reads them.
+        warnings.simplefilter("ignore", UserWarning)
+        if arr.dtype.name == "bfloat16" or arr.dtype.name.startswith("float8"):
+            raw = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8).reshape(-1))
+            return raw.view(t.dtype).reshape(arr.shape)
+        return torch.from_numpy(arr)
 
 
 def _name_of(dtype):
@@ -199,11 +296,7 @@ def _copy_into(dst, src):
     if kind == fw.TORCH:
         import torch
 
-        import warnings
-
-        with torch.no_grad(), warnings.catch_warnings():
-            # A mapped file's arrays are read-only; copy_ only reads them.
-            warnings.simplefilter("ignore", UserWarning)
-            dst.copy_(src if torch.is_tensor(src) else torch.from_numpy(np.asarray(src)))
+        with torch.no_grad():
+            dst.copy_(src)
     else:
         np.copyto(dst, np.asarray(src))

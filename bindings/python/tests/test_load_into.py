@@ -1,0 +1,100 @@
+"""Loading into a model's own tensors (`out=`) and casting on load (`dtype=`), as a
+training run resumes: every dtype PyTorch models hold, tied weights, and casts onto a
+device, before the bytes cross where the cast narrows."""
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+
+
+def test_out_fills_a_bfloat16_model_in_place(torch, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    tf.save(model.state_dict(), tmp_path / "m.safetensors")
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    before = {k: v.data_ptr() for k, v in fresh.state_dict().items()}
+    tf.load(tmp_path / "m.safetensors", out=fresh.state_dict())
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+        assert v.data_ptr() == before[k], "filled in place"
+
+
+@pytest.fixture
+def tied(torch):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8)
+    make = lambda: transformers.GPT2LMHeadModel(config).eval()  # noqa: E731
+    return make
+
+
+def test_out_fills_tied_weights_once_and_keeps_them_tied(tied, torch, tmp_path):
+    model, fresh = tied(), tied()
+    with torch.no_grad():
+        fresh.transformer.wte.weight.zero_()
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["transformer.wte.weight"].data_ptr()
+    tf.save({k: v.clone() for k, v in state.items()}, tmp_path / "m.safetensors")
+    tf.load(tmp_path / "m.safetensors", out=fresh.state_dict())
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr(), "still tied"
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(fresh(ids).logits, model(ids).logits)
+
+
+def test_tied_targets_with_different_values_in_the_file_are_named_and_nothing_is_written(tied, torch, tmp_path):
+    model, fresh = tied(), tied()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"] += 1
+    tf.save(state, tmp_path / "m.safetensors")
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(tf.FormatError, match=r"lm_head\.weight, transformer\.wte\.weight: one tensor in out= \(tied\)"):
+        tf.load(tmp_path / "m.safetensors", out=fresh.state_dict())
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} was written"
+
+
+@pytest.mark.parametrize("framework", ["torch", "numpy"])
+def test_overlapping_views_in_out_are_named(framework, tmp_path):
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        base = torch.zeros(8)
+    else:
+        base = np.zeros(8)
+    tf.save({"a": np.ones(5), "b": np.ones(5)}, tmp_path / "m.safetensors")
+    out = {"a": base[:5], "b": base[3:]}
+    with pytest.raises(tf.FormatError, match=r"a, b: overlapping views of one memory"):
+        tf.load(tmp_path / "m.safetensors", out=out)
+    assert (np.asarray(base) == 0).all(), "nothing is written"
+
+
+@pytest.mark.parametrize("saved_from", ["numpy", "torch", "tensorferry"])
+def test_a_cast_on_load_works_on_the_emulated_device_for_every_framework(saved_from, tmp_path):
+    values = np.linspace(-2, 2, 64, dtype=np.float32)
+    if saved_from == "torch":
+        torch = pytest.importorskip("torch")
+        tree = {"w": torch.from_numpy(values.copy()), "n": torch.arange(3)}
+    elif saved_from == "tensorferry":
+        tree = {"w": tf.Tensor.from_numpy(values.copy()), "n": tf.Tensor.from_numpy(np.arange(3))}
+    else:
+        tree = {"w": values, "n": np.arange(3)}
+    tf.save(tree, tmp_path / "m.safetensors")
+    for direct in (False, True):
+        got = tf.load(tmp_path / "m.safetensors", device="emu:0", dtype="bfloat16", direct=direct)
+        assert got["w"].device == "emu:0" and got["w"].dtype == "bfloat16", direct
+        assert got["n"].dtype == "int64", "integers keep their dtype"
+        back = tf.to_numpy(got)["w"].astype(np.float32)
+        np.testing.assert_allclose(back, values, rtol=1 / 128)
+
+
+def test_a_narrowing_cast_happens_before_the_bytes_reach_the_device(tmp_path):
+    # 4 MiB of float32: as bfloat16 it fits a device of 3 MiB, as float32 it does not.
+    tf.save({"w": np.ones(1 << 20, np.float32)}, tmp_path / "m.safetensors")
+    tf.configure_emulated(1, capacity_bytes=3 << 20)
+    try:
+        with pytest.raises(tf.OutOfMemoryError):
+            tf.load(tmp_path / "m.safetensors", device="emu:1")
+        got = tf.load(tmp_path / "m.safetensors", device="emu:1", dtype="bfloat16")
+        assert got["w"].dtype == "bfloat16" and tf.to_numpy(got)["w"].astype(np.float32).min() == 1
+    finally:
+        tf.configure_emulated(1, capacity_bytes=1 << 40)
