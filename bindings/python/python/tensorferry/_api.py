@@ -642,10 +642,14 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     ``keys`` loads a subset: dotted names ("model.layer.0.weight"), key-path tuples,
     prefixes of subtrees ("model.layer.0") or glob patterns ("model.layer.*.weight"); a
     pattern that matches nothing is a :class:`TensorferryKeyError`. ``dtype`` ("bfloat16",
-    "float16", "float32", "float64", or a torch/NumPy dtype) casts every floating tensor
-    after the move (on the device for PyTorch tensors). ``out`` is a dictionary of existing
-    tensors (a model's ``state_dict()``) to fill in place, after checking every name,
-    shape and dtype and naming every mismatch; it is returned.
+    "float16", "float32", "float64", or a torch/NumPy dtype) casts every floating tensor,
+    whatever the framework: on the host before the move when the cast narrows (half the
+    bytes cross for float32 -> bfloat16), else on the device for PyTorch tensors (on the
+    host for the emulated device). ``out`` is a dictionary of existing tensors (a model's
+    ``state_dict()``) to fill in place, after checking every name, shape, dtype and target
+    and naming every problem; nothing is written unless all can be. Names of one tensor
+    (tied weights) are filled once, and the file must hold equal values for them;
+    overlapping views are refused. It is returned.
 
     >>> import os, tempfile, numpy as np, tensorferry as tf
     >>> p = os.path.join(tempfile.mkdtemp(), "x.safetensors")
