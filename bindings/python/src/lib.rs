@@ -290,7 +290,11 @@ fn load(
             copy_on_write,
         };
         let loaded = match device {
-            None => py.detach(|| tensorferry::load_node(&path, options)),
+            // On a thread of its own too: Ctrl-C reaches the caller at once, whatever the
+            // index or header takes to read (the thread finishes and drops its result).
+            None => wait::run_interruptibly(py, "tensorferry-load", move |_| {
+                tensorferry::load_node(&path, options)
+            })?,
             Some(d) => {
                 let target: Device = d.parse().py_err()?;
                 let staging = parse_staging(staging.as_ref())?;

@@ -298,3 +298,46 @@ def test_messages_about_deep_paths_are_shortened():
     with pytest.raises(tf.FormatError) as info:
         tf.to_device(_deep(5000, [1.0]), "cpu")
     assert len(str(info.value)) < 400, str(info.value)
+
+
+_LOAD_A_HUGE_INDEX = """
+import json, os, sys, time
+import tensorferry as tf
+folder = sys.argv[1]
+index = os.path.join(folder, "m.safetensors.index.json")
+with open(index, "w") as f:
+    json.dump({"weight_map": {f"t{i}": f"s{i}.safetensors" for i in range(1_500_000)}}, f)
+print("go", flush=True)
+started = time.monotonic()
+try:
+    tf.load(index)
+except KeyboardInterrupt:
+    print(f"interrupted {time.monotonic() - started:.2f}", flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_the_load_of_a_huge_index_at_once(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _LOAD_A_HUGE_INDEX, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "go", child.stderr.read()
+        time.sleep(0.3)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        try:
+            out, err = child.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail("Ctrl-C was not answered within 10 s")
+        answered = time.monotonic() - sent
+    finally:
+        child.kill()
+        child.wait()
+    assert out.strip().startswith("interrupted"), (out, err)
+    # The index takes seconds to read; a load that ignored the signal answered after it.
+    assert answered < 1.0, f"Ctrl-C answered after {answered:.2f} s"
