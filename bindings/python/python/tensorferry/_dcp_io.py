@@ -11,10 +11,12 @@ straight into a destination buffer, on several threads, counting every byte it f
 
 import concurrent.futures
 import dataclasses
+import errno
 import os
+import stat
 
 from . import _native
-from ._errors import FormatError
+from ._errors import FormatError, TensorferryIOError, io_error
 
 #: Bytes per element of each safetensors dtype.
 ITEM_SIZE = {
@@ -71,9 +73,82 @@ else:  # Windows has no positional reads in os: seek, then read
         return len(data)
 
 
+def _kind(mode):
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_regular(path, mode):
+    """The error for a path that is not a regular file: ``IsADirectoryError`` for a folder,
+    else an OSError with no errno; either way a TensorferryIOError whose ``filename`` is
+    the path."""
+    kind = _kind(mode)
+    if stat.S_ISDIR(mode):
+        return io_error(errno.EISDIR, "is a folder, not a regular file", path)
+    return TensorferryIOError(None, f"is {kind}, not a regular file", path)
+
+
+_PSEUDO = []
+
+
+def _pseudo_devices():
+    """The devices of /proc and /sys, whose files look regular but are not files of bytes
+    (their sizes say nothing, some block)."""
+    if not _PSEUDO:
+        devices = set()
+        for root in ("/proc", "/sys"):
+            try:
+                devices.add(os.stat(root).st_dev)
+            except OSError:
+                pass
+        _PSEUDO.append(frozenset(devices))
+    return _PSEUDO[0]
+
+
 def open_read(path):
-    """A read-only file descriptor of ``path`` (binary on Windows)."""
-    return os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    """A read-only file descriptor of ``path``, refused at once (an OSError whose
+    ``filename`` is the path) unless ``path`` is a regular file: it is opened without
+    blocking (a FIFO would otherwise wait for a writer, however it came to be there), then
+    its descriptor checked, then made blocking again."""
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | nonblock)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(path, st.st_mode)
+        if st.st_dev in _pseudo_devices():
+            raise TensorferryIOError(None, "is a file of /proc or /sys, not a regular file", path)
+        if nonblock:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small_file(path, limit):
+    """The bytes of the regular file ``path`` (see :func:`open_read`); a file of more than
+    ``limit`` bytes is a FormatError naming it, read no further."""
+    fd = open_read(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise _fail(path, f"{size} bytes, more than the {limit} bytes this file may hold")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(limit + 1 - total, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise _fail(path, f"more than the {limit} bytes this file may hold")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _fail(path, what):

@@ -116,37 +116,11 @@ def _write_atomically(path, data):
         os.close(fd)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``Metadata`` and nothing that could run code: only DCP's metadata
-    and planner classes, this module's :class:`StorageInfo`, torch's Size, dtypes,
-    layouts and memory formats, and plain containers."""
-
-    _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
-    _ALLOWED = {
-        ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
-        ("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-        (__name__, "StorageInfo"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    }
-
-    def find_class(self, module, name):
-        import torch
-
-        if module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never holds")
-
-
 def _load_metadata(path):
-    with open(path, "rb") as f:
-        try:
-            return _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-            from ._errors import FormatError
+    """The checkpoint's ``Metadata``, read without running pickle (see _dcp_metadata)."""
+    from . import _dcp_metadata
 
-            raise FormatError(f"{path}: not a readable DCP metadata file ({e})") from None
+    return _dcp_metadata.load(path)
 
 
 def _byte_view(tensor):
