@@ -21,11 +21,13 @@ for a ``Metadata`` (protocols 2 to 5). It never imports or calls what a file nam
   are bounded.
 
 What comes out is then checked as a whole: a ``Metadata`` whose fields have the types DCP
-gives them, each tensor's chunks inside the tensor, each stored item in a rank file of
-this folder. Anything else is a :class:`~tensorferry.FormatError` naming the file.
+gives them, each tensor tiled by its chunks exactly (inside it, no overlap, no gap), each
+stored item in a rank file of this folder. Anything else is a
+:class:`~tensorferry.FormatError` naming the file.
 """
 
 import dataclasses
+import itertools
 import re
 import struct
 
@@ -656,6 +658,7 @@ def _validate(metadata):
             if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, item.size)):
                 raise _Refused(f"a chunk of {fqn} at {list(chunk.offsets)} of {list(chunk.sizes)} reaches beyond "
                                f"the tensor {list(item.size)}")
+        _check_cover(fqn, item.size, item.chunks)
     if metadata.planner_data is not None:
         for key, value in metadata.planner_data.items():
             if type(key) is not str or type(value) is not tuple or any(type(p) not in (str, int) for p in value):
@@ -666,6 +669,48 @@ def _validate(metadata):
                 raise _Refused(f"storage data {_what(key)}: {_what(where)}")
             if not RANK_FILE.fullmatch(where.file):
                 raise _Refused(f"{key.fqn} is stored in {where.file!r}, not in a rank file of this folder")
+
+
+def _check_cover(fqn, size, chunks):
+    """The chunks (each inside the tensor) must tile it: no element in two chunks, none in
+    no chunk. Checked on the grid the chunks' edges cut the tensor into, one mark per
+    cell, so the work is that of the cells (about one per chunk for the row, column and
+    block shards DCP writes), never that of the elements."""
+    if any(d == 0 for d in size):
+        return  # no element to cover
+    if len(chunks) == 1 and not any(chunks[0].offsets) and chunks[0].sizes == size:
+        return  # one chunk, the whole tensor: the usual case
+    cuts = []
+    for k, d in enumerate(size):
+        edges = {0, d}
+        for chunk in chunks:
+            edges.add(chunk.offsets[k])
+            edges.add(chunk.offsets[k] + chunk.sizes[k])
+        cuts.append(sorted(edges))
+    cells, strides = 1, []
+    for edges in reversed(cuts):
+        strides.append(cells)
+        cells *= len(edges) - 1
+    strides.reverse()
+    if cells > max(1 << 20, 16 * len(chunks)):
+        raise _Refused(f"the {len(chunks)} chunks of {fqn} cut it into {cells} blocks, not a grid of shards")
+    where = [{edge: i for i, edge in enumerate(edges)} for edges in cuts]
+    seen = bytearray(cells)
+    for chunk in chunks:
+        if any(n == 0 for n in chunk.sizes):
+            continue
+        spans = [range(where[k][o] * strides[k], where[k][o + n] * strides[k], strides[k])
+                 for k, (o, n) in enumerate(zip(chunk.offsets, chunk.sizes))]
+        for cell in itertools.product(*spans):
+            flat = sum(cell)
+            if seen[flat]:
+                raise _Refused(f"the chunks of {fqn} overlap (the chunk at {list(chunk.offsets)} of {list(chunk.sizes)} "
+                               f"covers elements another chunk holds)")
+            seen[flat] = 1
+    if 0 in seen:
+        flat = seen.index(0)
+        corner = [cuts[k][(flat // strides[k]) % (len(cuts[k]) - 1)] for k in range(len(size))]
+        raise _Refused(f"the chunks of {fqn} {list(size)} leave elements uncovered (from {corner})")
 
 
 def parse(data, path="<bytes>"):
