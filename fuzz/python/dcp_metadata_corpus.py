@@ -63,8 +63,13 @@ def obj(cls_name, fields):
     return out + SETITEMS + BUILD
 
 
+def integer(v):
+    """BININT1, or LONG1 of 8 bytes."""
+    return b"K" + bytes([v]) if v < 256 else b"\x8a\x08" + v.to_bytes(8, "little", signed=True)
+
+
 def size(*dims):
-    ints = b"".join(b"K" + bytes([d]) for d in dims)
+    ints = b"".join(integer(d) for d in dims)
     return stack_global("torch", "Size") + MARK + ints + b"t" + TUPLE1 + REDUCE
 
 
@@ -120,6 +125,12 @@ def hostile():
     entries = b"".join(s(f"t{i}") + (tensor + b"\x94" if i == 0 else b"j" + struct.pack("<I", 0)) for i in range(10_000))
     files["shared-chunks"] = P4 + stack_global(MD, "Metadata") + EMPTY_TUPLE + NEWOBJ + EMPTY_DICT + s("state_dict_metadata") + \
         EMPTY_DICT + MARK + entries + SETITEMS + SETITEM + BUILD + STOP
+    # A well-typed Metadata of a tensor of 2^80 elements (one chunk, the whole of it):
+    # a consolidation would ask for that much memory.
+    huge = obj("ChunkStorageMetadata", {"offsets": size(0, 0), "sizes": size(1 << 40, 1 << 40)})
+    tensor = obj("TensorStorageMetadata", {"properties": props, "size": size(1 << 40, 1 << 40),
+                                           "chunks": EMPTY_LIST + huge + APPEND})
+    files["huge-tensor"] = P4 + obj("Metadata", {"state_dict_metadata": EMPTY_DICT + s("w") + tensor + SETITEM}) + STOP
     # The C unpickler sizes its memo by the largest index it is given: 2^32 - 16 slots.
     files["memo-huge-index"] = P2 + b"N" + b"r" + struct.pack("<I", 0xFFFFFFF0) + STOP
     # Not a Metadata at all; a Metadata of the wrong shape.

@@ -28,6 +28,7 @@ stored item in a rank file of this folder. Anything else is a
 
 import dataclasses
 import itertools
+import math
 import re
 import struct
 
@@ -648,6 +649,8 @@ def _validate(metadata):
             raise _Refused(f"{fqn} is described by a {_what(item)}")
         if len(item.size) > MAX_DIMS:
             raise _Refused(f"{fqn} has {len(item.size)} dimensions")
+        if math.prod(item.size) >= 1 << 62:
+            raise _Refused(f"{fqn} is {list(item.size)}, more elements than a tensor holds")
         for chunk in item.chunks:
             if type(chunk) is not md.ChunkStorageMetadata:
                 raise _Refused(f"a chunk of {fqn} is a {_what(chunk)}")
