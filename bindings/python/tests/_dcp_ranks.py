@@ -168,12 +168,26 @@ def _load_and_check(mesh, ckpt, truth, seed):
 
 def scenario_four(rank, world, folder, mesh):
     """Save on 4 (overwrite=False refused next), load on 4; async_save with the stager; a write failing on one rank
-    fails the save everywhere and keeps the checkpoint; last, one rank is killed mid-save."""
+    fails the save everywhere and keeps the checkpoint; last, one rank is killed mid-save by the first save's writer,
+    used again."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from tensorferry.dcp import TensorferryWriter
+
+    class KillableWriter(TensorferryWriter):
+        """Kills its process (SIGKILL) on KILLED_RANK part-way through write_data, once
+        ``kill`` is set."""
+
+        kill = False
+
+        def write_data(self, plan, planner):
+            if self.kill and dist.get_rank() == KILLED_RANK:
+                threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGKILL)).start()
+                super().write_data(plan, planner)
+                time.sleep(60)
+            return super().write_data(plan, planner)
 
     ckpt = os.path.join(folder, "ckpt")
     out = {}
@@ -182,7 +196,8 @@ def scenario_four(rank, world, folder, mesh):
     truth = full(state)
     if rank == 0:
         torch.save(truth, os.path.join(folder, "truth.pt"))
-    dcp.save(state, storage_writer=TensorferryWriter(ckpt))
+    writer = KillableWriter(ckpt)  # used again, last, for the save that is killed
+    dcp.save(state, storage_writer=writer)
     dist.barrier()
     out["load4"] = _load_and_check(mesh, ckpt, truth, seed=1)
 
@@ -220,20 +235,15 @@ def scenario_four(rank, world, folder, mesh):
     out["load4_after_failed_write"] = _load_and_check(mesh, ckpt, truth, seed=1)
     _write(folder, "four", rank, out)
 
-    # Killed mid-save: the last step, as the group does not survive it.
-    class KilledWriter(TensorferryWriter):
-        def write_data(self, plan, planner):
-            if dist.get_rank() == KILLED_RANK:
-                threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGKILL)).start()
-                super().write_data(plan, planner)
-                time.sleep(60)
-            return super().write_data(plan, planner)
-
+    # Killed mid-save: the last step, as the group does not survive it. The writer of the
+    # first save, used again without a checkpoint_id (so DCP never calls its reset): the
+    # survivors' files must not replace the committed checkpoint's.
     big = dict(other)
     big["bulk"] = torch.full((4 << 20,), float(rank))  # 16 MiB per rank: the write takes a while
+    writer.kill = True
     start = time.perf_counter()
     try:
-        dcp.save(big, storage_writer=KilledWriter(ckpt))
+        dcp.save(big, storage_writer=writer)
         out["killed"] = "saved"
     except Exception as e:  # the survivors see the dead peer
         out["killed"] = type(e).__name__

@@ -176,6 +176,69 @@ def test_a_process_killed_mid_save_leaves_a_loadable_checkpoint_of_one_save(tmp_
     assert values in ({1.0}, {2.0}), f"a mix of two saves: {values}"
 
 
+def _named_files(folder):
+    """The rank files the checkpoint's metadata names."""
+    return {info.file for info in TensorferryReader(folder).read_metadata().storage_data.values()}
+
+
+def test_a_save_removes_the_files_of_the_checkpoint_it_replaces_and_nothing_else(tmp_path):
+    from safetensors.torch import save_file
+
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    first = _named_files(tmp_path)
+    # Files named like rank files that no save of this checkpoint wrote: a user's, and
+    # one of another tool.
+    save_file({"x": torch.ones(2)}, str(tmp_path / "__7_deadbeef.safetensors"))
+    (tmp_path / "__0_0123abcd.safetensors").write_bytes(b"not ours")
+    (tmp_path / "config.json").write_text("{}")
+    state = {"w": torch.arange(6.0) * 2}
+    _assert_same(_save_load_one_process(tmp_path, state), state)
+    second = _named_files(tmp_path)
+    assert not first & second
+    names = set(os.listdir(tmp_path))
+    assert not first & names, "the replaced checkpoint's files stay"
+    assert {"__7_deadbeef.safetensors", "__0_0123abcd.safetensors", "config.json"} <= names
+
+
+def test_a_reused_writer_gives_every_save_files_of_new_names(tmp_path):
+    # No checkpoint_id: DCP never calls reset(), yet the second save must not write over
+    # the committed checkpoint's files before its own metadata commits.
+    writer = TensorferryWriter(tmp_path)
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=writer, no_dist=True)
+    first = _named_files(tmp_path)
+    first_bytes = {n: (tmp_path / n).read_bytes() for n in first}
+    seen = {}
+
+    def write_data(plan, planner, _orig=writer.write_data):
+        # The committed checkpoint's files are untouched while the second save writes.
+        seen["before"] = {n: (tmp_path / n).read_bytes() for n in first}
+        return _orig(plan, planner)
+
+    writer.write_data = write_data
+    state = {"w": torch.arange(6.0) * 3}
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    second = _named_files(tmp_path)
+    assert not first & second, (first, second)
+    assert seen["before"] == first_bytes
+    target = {"w": torch.zeros(6)}
+    dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
+    assert torch.equal(target["w"], state["w"])
+
+
+def test_a_rank_file_of_another_save_with_the_same_shapes_is_a_format_error_naming_it(tmp_path):
+    import shutil
+
+    dcp.save({"w": torch.arange(6.0), "step": 1}, storage_writer=TensorferryWriter(tmp_path / "a"), no_dist=True)
+    dcp.save({"w": torch.arange(6.0) * 7, "step": 2}, storage_writer=TensorferryWriter(tmp_path / "b"), no_dist=True)
+    (victim,) = _named_files(tmp_path / "a")
+    (other,) = _named_files(tmp_path / "b")
+    shutil.copyfile(tmp_path / "b" / other, tmp_path / "a" / victim)
+    with pytest.raises((CheckpointException, tf.FormatError)) as info:
+        dcp.load({"w": torch.zeros(6), "step": 0}, storage_reader=TensorferryReader(tmp_path / "a"), no_dist=True)
+    err = _failure(info)
+    assert isinstance(err, tf.FormatError) and victim in str(err) and "another save" in str(err), err
+
+
 # ---- errors -------------------------------------------------------------------------
 
 def test_missing_rank_file_is_a_file_not_found_naming_it(tmp_path):

@@ -92,3 +92,88 @@ def test_corrupt_rank_file_is_a_format_error_naming_it(tmp_path):
     with pytest.raises(tf.FormatError, match=rank_file):
         consolidate(tmp_path / "dcp", tmp_path / "hf")
     assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def _rewrite_metadata(folder, change):
+    """Rewrites a checkpoint's .metadata after ``change(metadata)`` (a damaged checkpoint,
+    as a bad writer or a hand edit leaves it)."""
+    import pickle
+
+    from tensorferry.dcp import TensorferryReader
+
+    md = TensorferryReader(folder).read_metadata()
+    change(md)
+    (folder / ".metadata").write_bytes(pickle.dumps(md, protocol=5))
+
+
+def test_overlapping_chunks_are_a_format_error_not_uninitialised_memory(tmp_path):
+    # Two chunks at the same place, whose element count equals the tensor's.
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    _saved(tmp_path)
+
+    def overlap(md):
+        w = md.state_dict_metadata["model.w"]
+        w.size = torch.Size([128, 32])
+        w.chunks = [w.chunks[0], ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([64, 32]))]
+
+    _rewrite_metadata(tmp_path / "dcp", overlap)
+    with pytest.raises(tf.FormatError, match=r"model\.w.*overlap") as info:
+        consolidate(tmp_path / "dcp", tmp_path / "hf")
+    assert ".metadata" in str(info.value)
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+def test_chunks_leaving_a_gap_are_a_format_error(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    _saved(tmp_path)
+
+    def gap(md):
+        w = md.state_dict_metadata["model.w"]
+        w.size = torch.Size([64, 40])  # columns 32..40 held by no chunk; one chunk overlaps
+        w.chunks = [w.chunks[0], ChunkStorageMetadata(torch.Size([0, 24]), torch.Size([64, 16]))]
+
+    _rewrite_metadata(tmp_path / "dcp", gap)
+    with pytest.raises(tf.FormatError, match=r"model\.w"):
+        consolidate(tmp_path / "dcp", tmp_path / "hf")
+
+
+def test_a_rank_file_of_another_save_is_a_format_error_naming_it(tmp_path):
+    import shutil
+
+    state = _saved(tmp_path)
+    other = {"model": {k: (v + 1 if v.dtype != torch.bool else ~v) for k, v in state["model"].items()},
+             "optim": state["optim"]}
+    dcp.save(other, storage_writer=TensorferryWriter(tmp_path / "other"), no_dist=True)
+    (victim,) = [n for n in os.listdir(tmp_path / "dcp") if n.startswith("__0_")]
+    (theirs,) = [n for n in os.listdir(tmp_path / "other") if n.startswith("__0_")]
+    shutil.copyfile(tmp_path / "other" / theirs, tmp_path / "dcp" / victim)
+    with pytest.raises(tf.FormatError, match=f"{victim}.*another save"):
+        consolidate(tmp_path / "dcp", tmp_path / "hf")
+
+
+@pytest.mark.parametrize("first, second", [("1KB", None), (None, "1KB"), ("1KB", 500)])
+def test_consolidating_again_replaces_the_earlier_output_and_touches_nothing_else(tmp_path, first, second):
+    from safetensors.torch import save_file
+
+    state = _saved(tmp_path)
+    out = tmp_path / "hf"
+    consolidate(tmp_path / "dcp", out, max_shard_size=first, prefix="model.")
+    mine = {"config.json": b"{}", "model-00001-of-00002.safetensors.bak": b"backup", "notes.txt": b"x"}
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    save_file({"x": torch.ones(1)}, str(out / "other-00001-of-00001.safetensors"))
+    # The second consolidation writes other values: a stale file would show.
+    changed = {"model": {k: (v * 2 if v.dtype != torch.bool else v) for k, v in state["model"].items()}, "optim": {}}
+    dcp.save(changed, storage_writer=TensorferryWriter(tmp_path / "dcp"), no_dist=True)
+    written = consolidate(tmp_path / "dcp", out, max_shard_size=second, prefix="model.")
+    produced = {os.path.basename(p) for p in written}
+    assert set(os.listdir(out)) == produced | set(mine) | {"other-00001-of-00001.safetensors"}
+    for name, data in mine.items():
+        assert (out / name).read_bytes() == data
+    entry = "model.safetensors.index.json" if "model.safetensors.index.json" in produced else "model.safetensors"
+    loaded = tf.load(out / entry, like="torch")
+    assert sorted(loaded) == sorted(changed["model"])
+    for k, v in changed["model"].items():
+        assert torch.equal(loaded[k], v), k

@@ -167,8 +167,10 @@ def test_a_write_failing_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_
         assert r["load4_after_failed_write"]["needed"] > 0
 
 
-def test_a_rank_killed_mid_save_fails_the_others_and_leaves_the_previous_checkpoint(four, two):
-    # (`two` loaded after the kill too.) The survivors raised; the folder still loads, exactly.
+def test_a_rank_killed_mid_save_by_a_reused_writer_fails_the_others_and_leaves_the_previous_checkpoint(four, two):
+    # The killed save used the first save's writer again (no checkpoint_id: DCP never
+    # resets it). (`two` loaded after the kill too.) The survivors raised; the folder
+    # still loads as the first save, exactly.
     folder, results = four
     for rank in (0, 1, 2):
         assert results[rank]["killed"] != "saved", results[rank]

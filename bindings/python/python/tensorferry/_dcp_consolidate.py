@@ -3,12 +3,16 @@ into one Hugging Face style safetensors checkpoint (see :func:`consolidate`)."""
 
 import json
 import os
+import re
 
 from . import _dcp_io
 from ._errors import FormatError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+#: The largest index of an earlier consolidation read (to remove its shards).
+_MAX_INDEX_BYTES = 64 << 20
 
 
 def _shard_name(i, n):
@@ -44,12 +48,15 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
     turns DCP's ``model.lm_head.weight`` into ``lm_head.weight``). Non-tensor items (an
     optimizer's step counters, learning rates) have no place in such a checkpoint and are
     left out. Each output file is built in memory (at most ``max_shard_size`` of tensors,
-    or one tensor larger than it) and written atomically, the index last. Returns the
-    paths written.
+    or one tensor larger than it) and written atomically, the index last. Once all are
+    written, what an earlier consolidation left in ``out_dir`` and this one did not write
+    again is removed — ``model.safetensors``, ``model.safetensors.index.json`` and the
+    ``model-0000i-of-0000n.safetensors`` files its index named — and nothing else in the
+    folder. Returns the paths written.
 
-    A chunk missing or not covering its tensor, or a damaged rank file, is a
-    :class:`~tensorferry.FormatError` naming the file. Needs PyTorch (DCP's metadata is a
-    PyTorch pickle).
+    Chunks that overlap, leave a gap or lie outside their tensor, a chunk missing, a rank
+    file of another save, or a damaged file is a :class:`~tensorferry.FormatError` naming
+    the file. Needs PyTorch (for DCP's metadata classes).
 
     >>> from tensorferry.dcp import consolidate                 # doctest: +SKIP
     >>> consolidate("ckpt/step-100", "hf/step-100", max_shard_size="5GB", prefix="model.")  # doctest: +SKIP
@@ -74,31 +81,32 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
         raise ValueError(f"{dcp_dir}: no tensor to consolidate" + (f" under the prefix {prefix!r}" if prefix else ""))
 
     os.makedirs(out_dir, exist_ok=True)
+    earlier = _earlier_output(out_dir)
+    save_id = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
     shards = _plan(wanted, limit)
     headers, written, weight_map = {}, [], {}
-    for i, shard in enumerate(shards):
-        tensors = {}
-        for name, _, fqn, md in shard:
-            full = torch.empty(md.size, dtype=md.properties.dtype)
-            covered = 0
-            for index, chunk in enumerate(md.chunks):
-                info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets, index))
-                if info is None:
-                    info = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
-                if info is None:
-                    raise FormatError(f"{dcp_dir}: the metadata names no file for {fqn} at {list(chunk.offsets)}")
-                _read_chunk(os.path.join(dcp_dir, info.file), info.name, chunk, full, headers)
-                covered += chunk.sizes.numel()
-            if covered != full.numel():
-                raise FormatError(f"{dcp_dir}: the chunks of {fqn} hold {covered} elements of its {full.numel()}")
-            tensors[name] = full
-        file = SINGLE_FILE if len(shards) == 1 else _shard_name(i, len(shards))
-        path = os.path.join(out_dir, file)
-        _api.save(tensors, path, metadata={"format": "pt"}, fsync=fsync)
-        written.append(path)
-        weight_map.update({name: file for name in tensors})
-    for fd, _ in headers.values():
-        os.close(fd)
+    try:
+        for i, shard in enumerate(shards):
+            tensors = {}
+            for name, _, fqn, md in shard:
+                # The metadata reader checked that the chunks tile the tensor exactly: every
+                # element of ``full`` is read once.
+                full = torch.empty(md.size, dtype=md.properties.dtype)
+                for index, chunk in enumerate(md.chunks):
+                    info = (metadata.storage_data or {}).get(MetadataIndex(fqn, chunk.offsets, index))
+                    if info is None:
+                        raise FormatError(f"{os.path.join(dcp_dir, METADATA_FILE)}: names no file for {fqn} at "
+                                          f"{list(chunk.offsets)}")
+                    _read_chunk(os.path.join(dcp_dir, info.file), info.name, chunk, full, headers, save_id)
+                tensors[name] = full
+            file = SINGLE_FILE if len(shards) == 1 else _shard_name(i, len(shards))
+            path = os.path.join(out_dir, file)
+            _api.save(tensors, path, metadata={"format": "pt"}, fsync=fsync)
+            written.append(path)
+            weight_map.update({name: file for name in tensors})
+    finally:
+        for fd, _ in headers.values():
+            os.close(fd)
     if len(shards) > 1:
         from .dcp import _write_atomically
 
@@ -106,10 +114,29 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
         path = os.path.join(out_dir, INDEX_FILE)
         _write_atomically(path, json.dumps(index, indent=2).encode())
         written.append(path)
+    for name in earlier - {os.path.basename(p) for p in written}:
+        try:
+            os.remove(os.path.join(out_dir, name))
+        except FileNotFoundError:
+            pass
     return written
 
 
-def _read_chunk(path, name, chunk, full, headers):
+def _earlier_output(out_dir):
+    """The files of an earlier consolidation in ``out_dir``: its single file, its index
+    and the shards that index names (names of consolidate's pattern only)."""
+    found = {name for name in (SINGLE_FILE, INDEX_FILE) if os.path.isfile(os.path.join(out_dir, name))}
+    if INDEX_FILE in found:
+        try:
+            index = json.loads(_dcp_io.read_small_file(os.path.join(out_dir, INDEX_FILE), _MAX_INDEX_BYTES))
+            names = set(index["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            names = set()  # not an index of ours: its shards are left alone
+        found |= {n for n in names if isinstance(n, str) and _SHARD.fullmatch(n)}
+    return found
+
+
+def _read_chunk(path, name, chunk, full, headers, save_id):
     """Reads the stored chunk ``name`` of ``path`` into its place in ``full``."""
     import torch
 
@@ -118,7 +145,7 @@ def _read_chunk(path, name, chunk, full, headers):
     if path not in headers:
         fd = _dcp_io.open_read(path)
         try:
-            headers[path] = (fd, _dcp_io.read_header(fd, path))
+            headers[path] = (fd, _dcp_io.read_header(fd, path, save_id=save_id))
         except BaseException:
             os.close(fd)
             raise

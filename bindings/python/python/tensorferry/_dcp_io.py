@@ -11,10 +11,13 @@ straight into a destination buffer, on several threads, counting every byte it f
 
 import concurrent.futures
 import dataclasses
+import errno
+import json
 import os
+import stat
 
 from . import _native
-from ._errors import FormatError
+from ._errors import FormatError, TensorferryIOError, io_error
 
 #: Bytes per element of each safetensors dtype.
 ITEM_SIZE = {
@@ -71,9 +74,82 @@ else:  # Windows has no positional reads in os: seek, then read
         return len(data)
 
 
+def _kind(mode):
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_regular(path, mode):
+    """The error for a path that is not a regular file: ``IsADirectoryError`` for a folder,
+    else an OSError with no errno; either way a TensorferryIOError whose ``filename`` is
+    the path."""
+    kind = _kind(mode)
+    if stat.S_ISDIR(mode):
+        return io_error(errno.EISDIR, "is a folder, not a regular file", path)
+    return TensorferryIOError(None, f"is {kind}, not a regular file", path)
+
+
+_PSEUDO = []
+
+
+def _pseudo_devices():
+    """The devices of /proc and /sys, whose files look regular but are not files of bytes
+    (their sizes say nothing, some block)."""
+    if not _PSEUDO:
+        devices = set()
+        for root in ("/proc", "/sys"):
+            try:
+                devices.add(os.stat(root).st_dev)
+            except OSError:
+                pass
+        _PSEUDO.append(frozenset(devices))
+    return _PSEUDO[0]
+
+
 def open_read(path):
-    """A read-only file descriptor of ``path`` (binary on Windows)."""
-    return os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    """A read-only file descriptor of ``path``, refused at once (an OSError whose
+    ``filename`` is the path) unless ``path`` is a regular file: it is opened without
+    blocking (a FIFO would otherwise wait for a writer, however it came to be there), then
+    its descriptor checked, then made blocking again."""
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | nonblock)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise not_regular(path, st.st_mode)
+        if st.st_dev in _pseudo_devices():
+            raise TensorferryIOError(None, "is a file of /proc or /sys, not a regular file", path)
+        if nonblock:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small_file(path, limit):
+    """The bytes of the regular file ``path`` (see :func:`open_read`); a file of more than
+    ``limit`` bytes is a FormatError naming it, read no further."""
+    fd = open_read(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise _fail(path, f"{size} bytes, more than the {limit} bytes this file may hold")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(limit + 1 - total, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise _fail(path, f"more than the {limit} bytes this file may hold")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _fail(path, what):
@@ -92,16 +168,47 @@ def _pread_exact(fd, buffer, offset, path):
         offset += got
 
 
-def read_header(fd, path, stats=None):
+#: ``read_header``'s ``save_id`` when any save will do.
+ANY_SAVE = object()
+
+
+def read_header(fd, path, stats=None, save_id=ANY_SAVE):
     """``{name: Entry}`` of the safetensors file at ``path`` (open as ``fd`` for the reads
     that follow), from its header as tensorferry's reader validates it — a known dtype, a
     shape whose size matches its byte range, ranges inside the file; a malformed file is a
-    FormatError naming it. Counts the header's bytes in ``stats``."""
+    FormatError naming it. Counts the header's bytes in ``stats``.
+
+    With ``save_id``, the file must be a rank file of that DCP save: one whose metadata
+    names another save (its ``DCP_SAVE_ID``) is a FormatError naming it. A file that names
+    none was written before rank files carried it, and is taken as it is."""
     start, items = _native.read_index(path)
     if stats is not None:
         stats.header += start
         stats.files += 1
+    if save_id is not ANY_SAVE:
+        found = _header_metadata(fd, path, start, stats).get("DCP_SAVE_ID")
+        if found is not None and found != save_id:
+            raise _fail(path, f"a rank file of the save {found}, not of this checkpoint's save {save_id} "
+                              f"(a file of another save?)")
     return {name: Entry(code, tuple(shape), begin, end) for name, code, shape, begin, end in items}
+
+
+def _header_metadata(fd, path, start, stats):
+    """The ``__metadata__`` of the safetensors header in the first ``start`` bytes of
+    ``fd`` (a header the native reader has validated), read from this descriptor: the
+    file whose data is read next."""
+    raw = bytearray(start)
+    _pread_exact(fd, memoryview(raw), 0, path)
+    if stats is not None:
+        stats.header += start
+    try:
+        header = json.loads(bytes(raw[8:8 + int.from_bytes(raw[:8], "little")]))
+        meta = header.get("__metadata__") or {}
+    except (ValueError, AttributeError):
+        raise _fail(path, "a header that is not a JSON object") from None
+    if not isinstance(meta, dict):
+        raise _fail(path, "a header whose __metadata__ is not an object")
+    return meta
 
 
 def byte_runs(shape, item_size, offsets, lengths):

@@ -14,12 +14,20 @@ counts what it read in ``reader.read_stats``.
 >>> dcp.save(state, storage_writer=TensorferryWriter("ckpt/step-100"))  # doctest: +SKIP
 >>> dcp.load(state, storage_reader=TensorferryReader("ckpt/step-100"))  # doctest: +SKIP
 
-Failures: every save writes files of new names and commits by writing ``.metadata`` last
-(atomically), so a save that fails or is killed on any rank leaves the previous checkpoint
-in the folder loadable; an exception on one rank fails ``dcp.save`` on every rank (DCP
-gathers it); ``TensorferryWriter(..., overwrite=False)`` refuses an existing checkpoint. On
-load, a missing rank file is a ``FileNotFoundError`` naming it, a damaged one (or one of
-another save) a :class:`tensorferry.FormatError` naming it.
+Failures: every save — a writer used again without a ``checkpoint_id`` included — gets a
+new save id (the coordinator's, for all ranks), writes files of new names that carry it,
+and commits by writing ``.metadata`` last (atomically), so a save that fails or is killed
+on any rank leaves the previous checkpoint in the folder loadable; once committed, it
+removes the rank files the replaced ``.metadata`` named, and no other file (those of a
+save that failed stay, never read). An exception on one rank fails ``dcp.save`` on every
+rank (DCP gathers it); ``TensorferryWriter(..., overwrite=False)`` refuses an existing
+checkpoint. On load, a missing rank file is a ``FileNotFoundError`` naming it, a damaged
+one or one of another save (its ``DCP_SAVE_ID`` is not the metadata's) a
+:class:`tensorferry.FormatError` naming it; anything but a regular file is refused at once.
+
+``.metadata`` is read without ``pickle`` (see ``_dcp_metadata``): a checkpoint from a
+stranger cannot run code, and metadata that is not what a DCP save writes is a
+:class:`tensorferry.FormatError` naming it.
 
 :func:`consolidate` turns such a checkpoint (saved on any number of ranks) into one Hugging
 Face style checkpoint: whole tensors in ``model.safetensors`` or in
@@ -34,7 +42,7 @@ second chunk of the same name on one rank gets ``@`` and its offsets (``model.w@
 Non-tensor items (DCP pickles them into bytes: an optimizer's ``step``, ``lr``) are stored
 as uint8 tensors under their name. The header's ``DCP_SHARDING_INFO`` metadata, in the
 spelling of DCP's Hugging Face layer, gives each tensor's fqn, offsets in the full tensor
-and whether it holds bytes.
+and whether it holds bytes; ``DCP_SAVE_ID`` names the save that wrote the file.
 """
 
 import dataclasses
@@ -43,7 +51,6 @@ import io
 import json
 import os
 import pickle
-import re
 import uuid
 
 from ._dcp_consolidate import consolidate
@@ -54,6 +61,8 @@ __all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager", "ReadS
 METADATA_FILE = ".metadata"
 SUFFIX = ".safetensors"
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+#: The key, in a rank file's safetensors metadata, of the id of the save that wrote it.
+SAVE_ID_KEY = "DCP_SAVE_ID"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,26 +74,41 @@ class StorageInfo:
     name: str
 
 
-def _rank_file(rank, save_id):
+@dataclasses.dataclass(frozen=True)
+class _RankTarget:
+    """What a save's plan tells a rank: the file it writes and the save's id (the
+    coordinator's, so that every rank of one save names the same save)."""
+
+    file: str
+    save_id: str
+
+
+def _rank_target(rank, save_id):
     """The file of one rank in one save: a name of its own for every save, so that a save
     into a folder that holds a checkpoint never touches that checkpoint's files until the
     new metadata is committed (a rank killed mid-save leaves the previous one loadable)."""
-    return f"__{rank}_{save_id}{SUFFIX}"
+    return _RankTarget(f"__{rank}_{save_id}{SUFFIX}", save_id)
 
 
-_RANK_FILE = re.compile(r"__(\d+)_[0-9a-f]+" + re.escape(SUFFIX))
+def _files_named_by(path):
+    """The rank files the metadata at ``path`` names; none if there is no readable one."""
+    from . import _dcp_metadata
+
+    try:
+        metadata = _dcp_metadata.load(path)
+    except (OSError, ValueError):
+        return set()
+    return {info.file for info in (metadata.storage_data or {}).values()}
 
 
-def _remove_stale(folder, keep, rank=None):
-    """Removes rank files of earlier saves (of ``rank`` only, when given) that the metadata
-    just committed does not name. Best effort: a file that stays is never read."""
-    for name in os.listdir(folder):
-        match = _RANK_FILE.fullmatch(name)
-        if match and name not in keep and (rank is None or int(match.group(1)) == rank):
-            try:
-                os.remove(os.path.join(folder, name))
-            except OSError:
-                pass
+def _remove_files(folder, names):
+    """Removes the files ``names`` (rank files a replaced checkpoint named) from
+    ``folder``. Best effort: a file that stays is never read."""
+    for name in names:
+        try:
+            os.remove(os.path.join(folder, name))
+        except OSError:
+            pass
 
 
 def _metadata_file(rank=None):
@@ -116,37 +140,11 @@ def _write_atomically(path, data):
         os.close(fd)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``Metadata`` and nothing that could run code: only DCP's metadata
-    and planner classes, this module's :class:`StorageInfo`, torch's Size, dtypes,
-    layouts and memory formats, and plain containers."""
-
-    _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
-    _ALLOWED = {
-        ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex"),
-        ("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-        (__name__, "StorageInfo"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    }
-
-    def find_class(self, module, name):
-        import torch
-
-        if module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never holds")
-
-
 def _load_metadata(path):
-    with open(path, "rb") as f:
-        try:
-            return _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-            from ._errors import FormatError
+    """The checkpoint's ``Metadata``, read without running pickle (see _dcp_metadata)."""
+    from . import _dcp_metadata
 
-            raise FormatError(f"{path}: not a readable DCP metadata file ({e})") from None
+    return _dcp_metadata.load(path)
 
 
 def _byte_view(tensor):
@@ -194,8 +192,10 @@ def _build():
         metadata names data that never reached the disk). ``overwrite=False`` refuses to
         save into a folder that already holds a checkpoint (a ``FileExistsError`` on every
         rank, as DCP's ``FileSystemWriter(overwrite=False)``); with the default ``True`` a
-        new save replaces it safely: its files get new names and the old ones go only once
-        the new metadata is committed.
+        new save replaces it safely: every save (a writer used again included) gets a new
+        id, agreed by all ranks through the coordinator's plan, and files of new names that
+        carry it; once the new metadata is committed, the files the replaced metadata named
+        are removed, and no other file.
         """
 
         def __init__(self, path, *, sync_files=True, overwrite=True):
@@ -225,6 +225,9 @@ def _build():
             return self.path
 
         def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
+            # Called by every save on every rank, reset() only when a checkpoint_id is
+            # passed: a new save id here. The coordinator's is the one all ranks use.
+            self.save_id = uuid.uuid4().hex
             self.is_coordinator = is_coordinator
             self.rank = kwargs.get("rank")
             self.use_collectives = kwargs.get("use_collectives", True)
@@ -241,17 +244,20 @@ def _build():
                     raise FileExistsError(errno.EEXIST, "a checkpoint exists there and overwrite=False", existing)
             if self.rank is not None and not self.use_collectives:
                 # No global plan: every rank names its own file.
-                plan = dataclasses.replace(plan, storage_data=_rank_file(self.rank, self.save_id))
+                plan = dataclasses.replace(plan, storage_data=_rank_target(self.rank, self.save_id))
             return plan
 
         def prepare_global_plan(self, plans):
             return [
-                plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_rank_file(i, self.save_id))
+                plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=_rank_target(i, self.save_id))
                 for i, plan in enumerate(plans)
             ]
 
         def write_data(self, plan: SavePlan, planner: SavePlanner):
-            file = plan.storage_data or _rank_file(self.rank or 0, self.save_id)
+            target = plan.storage_data
+            if not isinstance(target, _RankTarget):
+                target = _rank_target(self.rank or 0, self.save_id)
+            file = target.file
             tensors, info, results = {}, {}, []
             for item in plan.items:
                 data = planner.resolve_data(item)
@@ -277,7 +283,7 @@ def _build():
             _api.save(
                 tensors,
                 os.path.join(self.path, file),
-                metadata={"format": "pt", SHARDING_INFO_KEY: json.dumps(info)},
+                metadata={"format": "pt", SHARDING_INFO_KEY: json.dumps(info), SAVE_ID_KEY: target.save_id},
                 fsync=self.sync_files,
             )
             return done(results)
@@ -288,8 +294,12 @@ def _build():
                 storage.update({r.index: r.storage_data for r in rank_results})
             metadata.storage_data = storage
             metadata.storage_meta = self.storage_meta()
+            named = {info.file for info in storage.values()}
+            if any(not name.endswith(f"_{self.save_id}{SUFFIX}") for name in named):
+                raise ValueError(f"{self.path}: the ranks wrote files of another save than {self.save_id}: {sorted(named)}")
             rank = self.rank if not self.use_collectives and self.rank is not None else None
             path = os.path.join(self.path, _metadata_file(rank))
+            replaced = _files_named_by(path)
             blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
             if self.sync_files:
                 _write_atomically(path, blob)
@@ -298,8 +308,8 @@ def _build():
                 with open(tmp, "wb") as f:
                     f.write(blob)
                 os.replace(tmp, path)
-            # Committed: the files of earlier saves into this folder are no longer named.
-            _remove_stale(self.path, {info.file for info in storage.values()}, rank)
+            # Committed: what the replaced checkpoint named is no longer needed.
+            _remove_files(self.path, replaced - named)
 
     # Scratch blocks (reads for targets that are not contiguous host memory) held at once.
     _SCRATCH_BYTES = 256 << 20
@@ -325,6 +335,7 @@ def _build():
             self.storage_data = {}
             self.chunk_sizes = {}
             self.load_id = uuid.uuid4().hex
+            self.save_id = None
             self.read_stats = _dcp_io.ReadStats()
 
         def reset(self, checkpoint_id=None):
@@ -356,6 +367,7 @@ def _build():
             if metadata.storage_data is None:
                 raise ValueError(f"{self.path}: the checkpoint's metadata says where no item is stored")
             self.storage_data = metadata.storage_data
+            self.save_id = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
             # Each saved chunk's size, by (fqn, offsets): a rank file must hold it as such.
             self.chunk_sizes = {
                 (fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
@@ -373,13 +385,17 @@ def _build():
         def read_data(self, plan: LoadPlan, planner: LoadPlanner):
             per_file = {}
             for item in plan.items:
-                where = self.storage_data[item.storage_index]
+                where = self.storage_data.get(item.storage_index)
+                if where is None:
+                    raise FormatError(
+                        f"{os.path.join(self.path, METADATA_FILE)}: says where no part of {item.storage_index.fqn} "
+                        f"at {list(item.storage_index.offset or ())} is stored")
                 per_file.setdefault(where.file, []).append((item, where.name))
             for file, items in per_file.items():
                 path = os.path.join(self.path, file)
                 fd = _dcp_io.open_read(path)
                 try:
-                    entries = _dcp_io.read_header(fd, path, self.read_stats)
+                    entries = _dcp_io.read_header(fd, path, self.read_stats, save_id=self.save_id)
                     # In file order: one forward pass over the file, whatever the plan's order.
                     items.sort(key=lambda pair: entries[pair[1]].begin if pair[1] in entries else -1)
                     batch, scratch = [], 0
