@@ -192,12 +192,15 @@ fn last_gpu() -> Device {
 }
 
 /// Non-blocking copies straight on the streams (the rules here are the streams'; a small
-/// non-blocking move would otherwise take the staging ring on CUDA).
+/// non-blocking move would otherwise take the staging ring on CUDA), results on the host in
+/// pinned memory: a copy from a GPU into pageable memory returns only once it is done,
+/// which a stream held by the test would make wait forever.
 fn non_blocking() -> MoveOptions {
     MoveOptions {
         copy: true,
         non_blocking: true,
         staging: crate::Staging::Off,
+        pinned: true,
         ..Default::default()
     }
 }
@@ -246,7 +249,15 @@ fn an_upload_and_a_download_overlap() {
             .remove(0);
         let held = gate(dev, Direction::HostToDevice).unwrap();
         let up = move_one(&host, dev);
-        let down = move_one(&resident, Device::Cpu);
+        // Into pageable memory: nothing is pinned meanwhile (on a GPU, pinning memory is
+        // a barrier between the work queued before and after it on every stream).
+        let pageable = MoveOptions {
+            pinned: false,
+            ..non_blocking()
+        };
+        let down = move_tensors(&[&resident], Device::Cpu, pageable)
+            .unwrap()
+            .remove(0);
         // On one stream the download would wait behind the held upload.
         assert!(down.wait_timeout(PATIENCE).unwrap(), "{dev}: download held");
         assert!(!up.is_ready(), "{dev}: the upload ran through its gate");
