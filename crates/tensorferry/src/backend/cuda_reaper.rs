@@ -11,6 +11,7 @@
 //! before releasing anything, so no copy still queued outlives the memory it uses.
 
 use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -92,7 +93,7 @@ impl Reaper {
             .send(entry);
         if let Err(mpsc::SendError(entry)) = sent {
             let failure = Failure::new(self.device, "the reaper thread has stopped");
-            finish(entry, Some(Err(failure)));
+            finish(self.device, entry, Some(Err(failure)));
         }
     }
 }
@@ -135,10 +136,10 @@ fn reap(device: Device, rx: Receiver<Entry>) {
                 None => i += 1,
                 Some(query_failure) => {
                     let entry = pending.swap_remove(i);
-                    // A panic in what `keep` drops must not stop the reaper.
-                    let guarded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        finish(entry, query_failure)
-                    }));
+                    // `finish` completes the event whatever the release does; this guard
+                    // only keeps the reaper alive for the other batches.
+                    let guarded =
+                        catch_unwind(AssertUnwindSafe(|| finish(device, entry, query_failure)));
                     drop(guarded);
                 }
             }
@@ -153,8 +154,10 @@ fn reap(device: Device, rx: Receiver<Entry>) {
 }
 
 /// Releases a batch whose copies are done (or, when `failure` says the event could not
-/// tell, after synchronising its stream), then completes its event.
-fn finish(entry: Entry, failure: Option<Outcome>) {
+/// tell, after synchronising its stream), then completes its event — with the panic as an
+/// internal error of `device` when releasing what the batch held panics, as the emulated
+/// device's stream does: a waiter is never left blocked.
+fn finish(device: Device, entry: Entry, failure: Option<Outcome>) {
     let Entry {
         done,
         stream,
@@ -169,12 +172,15 @@ fn finish(entry: Entry, failure: Option<Outcome>) {
         // on the reaper thread, or pushed by `Reaper::push`'s caller.
         let _ = unsafe { sys::cuStreamSynchronize(stream.0) };
     }
-    drop(keep);
+    let released = catch_unwind(AssertUnwindSafe(|| drop(keep)));
     drop(done);
-    let outcome = match failure {
+    let mut outcome = match failure {
         Some(f) => outcome.and(f),
         None => outcome,
     };
+    if let Err(panic) = released {
+        outcome = outcome.and(Err(Failure::internal(device, &*panic)));
+    }
     complete_after(event, outcome, device_waits);
 }
 

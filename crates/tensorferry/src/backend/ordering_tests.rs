@@ -719,3 +719,53 @@ fn automatic_rings_in_flight_are_bounded_and_the_rest_copy_directly() {
         assert_eq!(move_one(t, Device::Cpu).to_vec::<u32>().unwrap(), data);
     }
 }
+
+/// What a batch holds, panicking when it is released: a bug in a completion.
+struct PanicsWhenReleased;
+
+impl Drop for PanicsWhenReleased {
+    fn drop(&mut self) {
+        panic!("a completion fails");
+    }
+}
+
+#[test]
+fn a_panic_in_a_completion_fails_its_event_on_every_backend() {
+    let _serial = serial();
+    for dev in devices() {
+        let backend = backend_for(dev).unwrap();
+        let memory = backend.alloc(4096).unwrap();
+        let pool = backend.pinned_pool().unwrap();
+        let buffer = pool.take(4096).unwrap();
+        let batch = CopyBatch {
+            direction: Direction::HostToDevice,
+            ops: vec![CopyOp {
+                src: buffer.as_ptr(),
+                dst: memory.as_ptr() as *mut u8,
+                len: 4096,
+            }],
+            waits: Vec::new(),
+        };
+        let event = Event::pending();
+        let keep = Box::new((memory, buffer, PanicsWhenReleased));
+        // SAFETY: the op addresses `memory` and `buffer`, which the batch holds (`keep`)
+        // until its copies are done; nothing else touches them.
+        unsafe { backend.submit(batch, keep, &event) };
+        let outcome = event.wait_timeout(PATIENCE);
+        let err = match outcome {
+            Err(e) => e.to_string(),
+            Ok(done) => panic!(
+                "{dev}: the event {}",
+                if done { "succeeded" } else { "never completed" }
+            ),
+        };
+        assert!(
+            err.contains(&dev.to_string()) && err.contains("internal error: a completion fails"),
+            "{dev}: {err}"
+        );
+        // The device goes on working.
+        let (host, data) = sample(16);
+        let back = move_one(&move_one(&host, dev), Device::Cpu);
+        assert_eq!(back.to_vec::<u32>().unwrap(), data, "{dev}");
+    }
+}
