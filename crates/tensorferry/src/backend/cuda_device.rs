@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use super::cuda_copy::{lane_of, LANES};
 use super::cuda_event::CudaEvent;
 use super::cuda_freer::Freer;
-use super::cuda_reaper::{Entry, RawStream, Reaper};
+use super::cuda_reaper::{Entry, Health, RawStream, Reaper};
 use super::event::Progress;
 use super::lane::{Lane, Refused, Submitted};
 
@@ -161,6 +161,7 @@ pub struct CudaDevice {
     queue: Arc<CopyQueue>,
     lanes: [Arc<Lane>; LANES],
     freer: Arc<Freer>,
+    health: Arc<Health>,
 }
 
 /// What queuing a batch needs, shared by the GPU's lanes.
@@ -169,6 +170,7 @@ struct Shared {
     context: Context,
     queue: Arc<CopyQueue>,
     reaper: Reaper,
+    health: Arc<Health>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -225,11 +227,13 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         let _current = context.enter(name)?;
         Arc::new(CopyQueue::new(name, driver_version_of(status()))?)
     };
+    let health = Arc::new(Health::default());
     let shared = Arc::new(Shared {
         device: name,
         context,
         queue: queue.clone(),
-        reaper: Reaper::spawn(name, context)?,
+        reaper: Reaper::spawn(name, context, health.clone())?,
+        health: health.clone(),
     });
     let lane = |index: usize| {
         let shared = shared.clone();
@@ -243,6 +247,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         queue,
         lanes: [lane(0), lane(1)],
         freer: Arc::new(spawn_freer(name, context)?),
+        health,
     });
     devices.insert(ordinal, d.clone());
     super::backends_started_here();
@@ -353,6 +358,7 @@ impl Backend for CudaDevice {
 
     fn alloc(&self, len: usize) -> Result<DeviceMemory> {
         let name = Backend::device(self);
+        self.health.check(name)?;
         if len == 0 {
             // SAFETY: zero bytes: nothing is ever read or written at the null address.
             return Ok(unsafe { DeviceMemory::new(name, std::ptr::null_mut(), 0, Box::new(())) });
@@ -428,7 +434,11 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
             outcome: Err(failure),
         })
     };
-    let current = match shared.context.enter(device) {
+    let current = match shared
+        .health
+        .check(device)
+        .and_then(|()| shared.context.enter(device))
+    {
         Ok(c) => c,
         Err(e) => return refuse(keep, event, Failure::from_error(device, &e)),
     };

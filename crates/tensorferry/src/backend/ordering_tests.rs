@@ -769,3 +769,111 @@ fn a_panic_in_a_completion_fails_its_event_on_every_backend() {
         assert_eq!(back.to_vec::<u32>().unwrap(), data, "{dev}");
     }
 }
+
+// ------------------------------------------ scenarios the fake driver may end: in a child
+
+/// Set in the child processes that run a scenario which corrupts a GPU's context for good
+/// (a sticky fault) or that the fake driver aborts when the engine is wrong.
+const CHILD_VAR: &str = "TENSORFERRY_ORDERING_CHILD";
+/// What a child scenario prints once it has run to the end.
+const CHILD_RAN: &str = "child scenario ran to the end";
+
+fn in_child() -> bool {
+    std::env::var(CHILD_VAR).as_deref() == Ok("1")
+}
+
+/// Runs the test `name` of this module alone in a child process, and checks that it ran
+/// to the end (the fake driver aborts a process that uses memory too early).
+fn run_in_child(name: &str) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            &format!("backend::ordering_tests::{name}"),
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_VAR, "1")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains(CHILD_RAN),
+        "child {name}:\n{text}"
+    );
+}
+
+type FaultContextFn = unsafe extern "C" fn(i32, u32) -> u32;
+
+#[test]
+fn memory_a_gpu_may_still_use_is_kept_when_its_synchronisation_fails() {
+    if hook::<FaultContextFn>(b"tf_fake_cuda_fault_context\0").is_none()
+        || last_gpu() == Device::Cuda(0)
+    {
+        return eprintln!("skipped: needs the fake CUDA driver with two GPUs");
+    }
+    run_in_child("child_a_failed_synchronisation_keeps_the_batchs_memory");
+}
+
+#[test]
+fn child_a_failed_synchronisation_keeps_the_batchs_memory() {
+    if !in_child() {
+        return;
+    }
+    let (faulty, healthy) = (last_gpu(), Device::Cuda(0));
+    let Device::Cuda(ordinal) = faulty else {
+        unreachable!()
+    };
+    // The pinned pool pins through the healthy GPU (the first to ask).
+    let pool = backend_for(healthy).unwrap().pinned_pool().unwrap();
+    // A download into a pinned buffer of the pool, held on the faulty GPU's stream…
+    let backend = backend_for(faulty).unwrap();
+    let memory = backend.alloc(1 << 16).unwrap();
+    let buffer = pool.take(1 << 16).unwrap();
+    let batch = CopyBatch {
+        direction: Direction::DeviceToHost,
+        ops: vec![CopyOp {
+            src: memory.as_ptr(),
+            dst: buffer.as_ptr(),
+            len: 1 << 16,
+        }],
+        waits: Vec::new(),
+    };
+    let held = gate(faulty, Direction::DeviceToHost).unwrap();
+    let event = Event::pending();
+    // SAFETY: the op addresses `memory` and `buffer`, which the batch holds until its copy
+    // is done; nothing else touches them.
+    unsafe { backend.submit(batch, Box::new((memory, buffer)), &event) };
+    // …when a fault corrupts that GPU's context: its event can no longer be queried, nor its
+    // stream synchronised, and the copy may still run (DMA in flight).
+    let fault = hook::<FaultContextFn>(b"tf_fake_cuda_fault_context\0").unwrap();
+    // SAFETY: plain integers: the GPU's ordinal and CUDA_ERROR_ILLEGAL_ADDRESS.
+    assert_eq!(unsafe { fault(ordinal as i32, 700) }, 0);
+    let err = event.wait_timeout(PATIENCE).unwrap_err().to_string();
+    assert!(err.contains(&faulty.to_string()), "{err}");
+    // The buffer must not serve the next download (on the healthy GPU) while the held copy
+    // may still write it: the fake driver aborts the process if it does.
+    let (host, data) = sample(17);
+    let elsewhere = move_tensors(&[&host], healthy, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let back = move_tensors(
+        &[&elsewhere],
+        Device::Cpu,
+        MoveOptions {
+            pinned: true,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .remove(0);
+    assert_eq!(back.to_vec::<u32>().unwrap(), data);
+    // The faulty GPU is marked failed: later work there fails at once, naming why.
+    let refused = backend.alloc(64).unwrap_err().to_string();
+    assert!(refused.contains(&faulty.to_string()), "{refused}");
+    held.open();
+    println!("{CHILD_RAN}");
+}
