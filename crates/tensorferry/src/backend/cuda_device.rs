@@ -259,33 +259,36 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
 struct Allocation {
     address: sys::CUdeviceptr,
     len: usize,
+    context: Context,
+    device: Device,
     freer: Arc<Freer>,
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        self.freer.free(self.address, self.len);
+        let (address, context, device) = (self.address, self.context, self.device);
+        self.freer.run(
+            self.len,
+            Box::new(move || {
+                if let Ok(_current) = context.enter(device) {
+                    // SAFETY: `address` came from `cuMemAlloc_v2` in this context and is
+                    // freed once (its `Allocation` was dropped once); the engine drops an
+                    // allocation only after every batch using it has completed, and nothing
+                    // else holds it.
+                    unsafe {
+                        sys::cuMemFree_v2(address);
+                    }
+                }
+            }),
+        );
     }
 }
 
 /// The freeing thread of GPU `device`, whose context it makes current.
 fn spawn_freer(device: Device, context: Context) -> Result<Freer> {
-    Freer::spawn(
-        device,
-        move || {
-            let _ = context.make_current(device);
-        },
-        move |address| {
-            if let Ok(_current) = context.enter(device) {
-                // SAFETY: `address` came from `cuMemAlloc_v2` in this context and is freed
-                // once (its `Allocation` was dropped once); the engine drops an allocation
-                // only after every batch using it has completed, and nothing else holds it.
-                unsafe {
-                    sys::cuMemFree_v2(address);
-                }
-            }
-        },
-    )
+    Freer::spawn(device, move || {
+        let _ = context.make_current(device);
+    })
 }
 
 /// How long an allocation that found the device full waits for queued frees.
@@ -397,6 +400,8 @@ impl Backend for CudaDevice {
         let release = Allocation {
             address,
             len,
+            context: self.context,
+            device: name,
             freer: self.freer.clone(),
         };
         // SAFETY: `cuMemAlloc` succeeded: `address` is `len` bytes of this device's memory,
@@ -536,6 +541,11 @@ impl CudaDevice {
     #[cfg(test)]
     pub(crate) fn stream_of(&self, direction: super::Direction) -> usize {
         self.queue.stream(lane_of(direction)) as usize
+    }
+
+    /// The GPU's freeing thread, where calls that wait for the GPU run.
+    pub(crate) fn freer(&self) -> &Arc<Freer> {
+        &self.freer
     }
 
     /// Why this GPU gave up batched copies, if a batched call failed.

@@ -877,3 +877,67 @@ fn child_a_failed_synchronisation_keeps_the_batchs_memory() {
     held.open();
     println!("{CHILD_RAN}");
 }
+
+type ForbidFn = unsafe extern "C" fn(i32) -> u32;
+type RefusalsFn = unsafe extern "C" fn() -> u64;
+
+/// Marks the calling thread as one that must never wait for a GPU (a Python thread holding
+/// the GIL, in a DLPack deleter): the fake driver refuses and counts a call that would
+/// synchronise implicitly there. Unmarked when dropped.
+struct MustNotWait;
+
+impl MustNotWait {
+    fn mark() -> MustNotWait {
+        let forbid = hook::<ForbidFn>(b"tf_fake_cuda_forbid_implicit_sync\0").unwrap();
+        // SAFETY: a plain integer.
+        assert_eq!(unsafe { forbid(1) }, 0);
+        MustNotWait
+    }
+
+    /// The implicit synchronisations refused so far, on any thread.
+    fn refusals() -> u64 {
+        let count = hook::<RefusalsFn>(b"tf_fake_cuda_implicit_sync_refusals\0").unwrap();
+        // SAFETY: no arguments.
+        unsafe { count() }
+    }
+}
+
+impl Drop for MustNotWait {
+    fn drop(&mut self) {
+        if let Some(forbid) = hook::<ForbidFn>(b"tf_fake_cuda_forbid_implicit_sync\0") {
+            // SAFETY: a plain integer.
+            unsafe { forbid(0) };
+        }
+    }
+}
+
+#[test]
+fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
+    use crate::memory::pinned::{PinnedPool, MIN_CLASS};
+    let _serial = serial();
+    if hook::<ForbidFn>(b"tf_fake_cuda_forbid_implicit_sync\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    }
+    let Device::Cuda(ordinal) = last_gpu() else {
+        unreachable!()
+    };
+    // A pool that keeps one block: a second one given back is unpinned, and asking for
+    // another size unpins the cached one first.
+    let allocator = super::cuda_pinned::CudaPinnedAllocator::new(ordinal).unwrap();
+    let pool = PinnedPool::new(Box::new(allocator), MIN_CLASS);
+    let (a, b) = (pool.take(MIN_CLASS).unwrap(), pool.take(MIN_CLASS).unwrap());
+    let before = MustNotWait::refusals();
+    {
+        // cuMemFreeHost waits for the GPU: a thread that drops a pinned result (a Python
+        // thread in a DLPack deleter) must not be the one that calls it.
+        let _marked = MustNotWait::mark();
+        drop(a);
+        drop(b);
+        drop(pool.take(2 * MIN_CLASS).unwrap());
+    }
+    assert_eq!(
+        MustNotWait::refusals(),
+        before,
+        "pinned memory was unpinned on the thread that dropped it"
+    );
+}
