@@ -608,6 +608,53 @@ pub unsafe fn order_after_stream(ordinal: usize, handle: usize) -> Result<()> {
     unsafe { device(ordinal)?.wait_for_stream(handle as sys::CUstream) }
 }
 
+/// Waits until the work queued so far in every GPU's active primary context has run: the
+/// contexts tensorferry and the other libraries of the process (PyTorch, JAX, CuPy) use.
+/// The fence behind which memory lent to another library, whose streams are unknown, is
+/// unused again. It waits for the GPUs: freeing threads only.
+pub(crate) fn synchronize_active_gpus() -> Result<()> {
+    let CudaStatus::Available { gpus, .. } = status() else {
+        return Ok(());
+    };
+    for ordinal in 0..gpus.len() {
+        let name = Device::Cuda(ordinal);
+        let (mut dev, mut flags, mut active): (sys::CUdevice, std::ffi::c_uint, std::ffi::c_int) =
+            (0, 0, 0);
+        // SAFETY: the driver is loaded and initialised (`status()` is Available); the out
+        // pointers are live locals of the right types.
+        unsafe {
+            check(
+                sys::cuDeviceGet(&mut dev, ordinal as i32),
+                name,
+                "cuDeviceGet",
+            )?;
+            check(
+                sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active),
+                name,
+                "cuDevicePrimaryCtxGetState",
+            )?;
+        }
+        if active == 0 {
+            continue; // no context: no work
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: as above; retained here and released below.
+        check(
+            unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
+            name,
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        let synchronised = Context(ctx).enter(name).and_then(|_current| {
+            // SAFETY: the context is current on this thread.
+            check(unsafe { sys::cuCtxSynchronize() }, name, "cuCtxSynchronize")
+        });
+        // SAFETY: retained above, released once.
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
+        synchronised?;
+    }
+    Ok(())
+}
+
 /// The GPU that owns device memory at `address` — a pointer handed over by another
 /// producer (the CUDA Array Interface names no device) — as the driver reports it.
 pub fn pointer_device(address: usize) -> Result<usize> {

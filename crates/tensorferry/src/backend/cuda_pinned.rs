@@ -6,11 +6,12 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_device::{check, device, Context, CudaDevice};
+use super::cuda_device::{check, device, synchronize_active_gpus, Context, CudaDevice};
 use super::cuda_freer::Freer;
 use super::Backend;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::memory::pinned::{GiveBack, HostBlock};
 
 /// Pins host memory with `cuMemHostAlloc(PORTABLE)` — never write-combined, which would
 /// make CPU reads slow — for the pinned pool. Like the rest of this module it has not run
@@ -85,5 +86,18 @@ unsafe impl crate::memory::pinned::PinnedAllocator for CudaPinnedAllocator {
         // SAFETY: `cuMemHostAlloc` succeeded: `ptr` is `len` bytes of pinned host memory,
         // freed once by `release`.
         Ok(unsafe { crate::memory::pinned::HostBlock::new(ptr as *mut u8, len, release) })
+    }
+
+    /// Behind a synchronisation of every GPU's active primary context, on the freeing
+    /// thread: the consumer's streams are unknown, but its copies out of the block were
+    /// queued before it let the block go. A block whose fence fails is kept for good.
+    fn return_lent(&self, block: HostBlock, back: GiveBack) {
+        self.device.freer().run(
+            0,
+            Box::new(move || match synchronize_active_gpus() {
+                Ok(()) => back(block),
+                Err(_) => std::mem::forget(block),
+            }),
+        );
     }
 }

@@ -941,3 +941,103 @@ fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
         "pinned memory was unpinned on the thread that dropped it"
     );
 }
+
+#[test]
+fn a_pinned_result_lent_through_dlpack_is_not_reused_while_its_consumer_may_read_it() {
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    }
+    run_in_child("child_a_lent_pinned_block_comes_back_behind_its_consumers_copy");
+}
+
+#[test]
+fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
+    use cudarc::driver::sys;
+    if !in_child() {
+        return;
+    }
+    let dev = last_gpu();
+    let pinned = MoveOptions {
+        pinned: true,
+        ..Default::default()
+    };
+    let (host, data) = sample(18);
+    let there = move_tensors(&[&host], dev, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    // A pinned result, handed to another library through DLPack (`torch.from_dlpack`)…
+    let lent = move_tensors(&[&there], Device::Cpu, pinned)
+        .unwrap()
+        .remove(0);
+    lent.wait().unwrap();
+    let (address, len) = (lent.data_ptr() as usize, lent.nbytes());
+    let capsule = crate::dlpack::export_versioned(&lent);
+    drop(lent);
+    // …which copies it to the GPU on its own stream (`t.cuda(non_blocking=True)`), a stream
+    // still busy with earlier work (held here)…
+    let consumer = ForeignStream::new(dev);
+    let target = backend_for(dev).unwrap().alloc(len).unwrap();
+    let held = gate_stream(consumer.raw as usize).unwrap();
+    {
+        let _current = consumer.context.enter(dev).unwrap();
+        // SAFETY: `address` is the lent block's `len` bytes, alive while the capsule is,
+        // pinned, and only read; `target` is `len` bytes of the GPU's memory, which the
+        // test holds until the copy is done; the stream is the consumer's, in this context.
+        let code = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                target.as_ptr() as sys::CUdeviceptr,
+                address as *const c_void,
+                len,
+                consumer.raw,
+            )
+        };
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    }
+    // …and releases it at once (`del t`), on a thread that must not wait for the GPU.
+    let refusals = MustNotWait::refusals();
+    {
+        let _marked = MustNotWait::mark();
+        // SAFETY: the capsule came from `export_versioned` and is released once, by its
+        // consumer (DLPack's contract).
+        unsafe { ((*capsule).deleter.unwrap())(capsule) };
+    }
+    assert_eq!(MustNotWait::refusals(), refusals, "the release waited");
+    // The next pinned download of that size must not land in the lent block while the
+    // consumer's copy may still read it: the fake driver aborts the process if it does.
+    let (other, other_data) = sample(19);
+    let next_source = move_tensors(&[&other], dev, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let next = move_tensors(
+        &[&next_source],
+        Device::Cpu,
+        MoveOptions {
+            non_blocking: true,
+            ..pinned
+        },
+    )
+    .unwrap()
+    .remove(0);
+    held.open();
+    assert_eq!(next.to_vec::<u32>().unwrap(), other_data);
+    // The consumer read what it was lent.
+    let mut seen = vec![0u32; data.len()];
+    {
+        let _current = consumer.context.enter(dev).unwrap();
+        // SAFETY: the consumer's stream is live; `seen` holds `len` bytes; `target` is
+        // `len` bytes of the GPU's memory, written by the consumer's copy.
+        let codes = unsafe {
+            [
+                sys::cuStreamSynchronize(consumer.raw),
+                sys::cuMemcpyDtoH_v2(
+                    seen.as_mut_ptr().cast(),
+                    target.as_ptr() as sys::CUdeviceptr,
+                    len,
+                ),
+            ]
+        };
+        assert_eq!(codes, [sys::CUresult::CUDA_SUCCESS; 2]);
+    }
+    assert_eq!(seen, data, "the consumer read another download's bytes");
+    println!("{CHILD_RAN}");
+}
