@@ -655,18 +655,65 @@ pub(crate) fn synchronize_active_gpus() -> Result<()> {
     Ok(())
 }
 
-/// The GPU that owns device memory at `address` — a pointer handed over by another
-/// producer (the CUDA Array Interface names no device) — as the driver reports it.
-pub fn pointer_device(address: usize) -> Result<usize> {
-    if let CudaStatus::Unavailable { reason } = status() {
-        return Err(Error::DeviceUnavailable {
-            device: "cuda".into(),
-            reason: reason.clone(),
-        });
+/// A context to ask the driver about addresses in (under unified addressing any context
+/// answers for every GPU's memory): the primary context of the first GPU whose primary
+/// context is active — the producer's, for a pointer another library handed over — else
+/// GPU 0's, so that no GPU gets a context only for a question. Retained once and kept.
+fn lookup_context(gpus: usize) -> Result<(Context, Device)> {
+    static LOOKUP: OnceLock<(Context, Device)> = OnceLock::new();
+    if let Some(found) = LOOKUP.get() {
+        return Ok(*found);
     }
+    let mut chosen: sys::CUdevice = 0;
+    let mut ordinal = 0;
+    for i in 0..gpus {
+        let (mut dev, mut flags, mut active): (sys::CUdevice, std::ffi::c_uint, std::ffi::c_int) =
+            (0, 0, 0);
+        // SAFETY: the driver is loaded and initialised (`status()` is Available); the out
+        // pointers are live locals of the right types.
+        let asked = unsafe {
+            sys::cuDeviceGet(&mut dev, i as i32) == CUresult::CUDA_SUCCESS
+                && sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active)
+                    == CUresult::CUDA_SUCCESS
+        };
+        if i == 0 || (asked && active != 0) {
+            (chosen, ordinal) = (dev, i);
+        }
+        if asked && active != 0 {
+            break;
+        }
+    }
+    let name = Device::Cuda(ordinal);
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: as above; the context is retained for the life of the process.
+    check(
+        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, chosen) },
+        name,
+        "cuDevicePrimaryCtxRetain",
+    )?;
+    Ok(*LOOKUP.get_or_init(|| (Context(ctx), name)))
+}
+
+/// The GPU that owns device memory at `address` — a pointer handed over by another
+/// producer (the CUDA Array Interface names no device) — as the driver reports it. The
+/// driver answers in the current context, so one is pushed for the call (and popped: the
+/// calling thread keeps its own).
+pub fn pointer_device(address: usize) -> Result<usize> {
+    let gpus = match status() {
+        CudaStatus::Unavailable { reason } => {
+            return Err(Error::DeviceUnavailable {
+                device: "cuda".into(),
+                reason: reason.clone(),
+            })
+        }
+        CudaStatus::Available { gpus, .. } => gpus.len(),
+    };
+    let (context, name) = lookup_context(gpus)?;
+    let _current = context.enter(name)?;
     let mut ordinal: std::ffi::c_int = -1;
-    // SAFETY: the driver is loaded and initialised; the out pointer is a live int, the size
-    // the device-ordinal attribute writes; an unknown address is an error code.
+    // SAFETY: the driver is loaded and initialised, a context is current; the out pointer
+    // is a live int, the size the device-ordinal attribute writes; an unknown address is an
+    // error code.
     check(
         unsafe {
             sys::cuPointerGetAttribute(
@@ -709,6 +756,25 @@ mod tests {
             let back = there.to(Device::Cpu, false).unwrap();
             drop(there);
             assert_eq!(back.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+            assert!(current().is_null(), "tensorferry left a context current");
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn the_gpu_of_a_foreign_pointer_is_found_from_a_thread_with_no_context() {
+        let CudaStatus::Available { gpus, .. } = status() else {
+            return eprintln!("skipped: no CUDA driver");
+        };
+        let last = gpus.len() - 1;
+        let memory = device(last).unwrap().alloc(256).unwrap();
+        let address = memory.as_ptr() as usize;
+        // A thread with no context current, as a Python thread importing an array through
+        // the CUDA Array Interface may be.
+        std::thread::spawn(move || {
+            assert!(current().is_null());
+            assert_eq!(pointer_device(address).unwrap(), last);
             assert!(current().is_null(), "tensorferry left a context current");
         })
         .join()
