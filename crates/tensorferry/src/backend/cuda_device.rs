@@ -10,6 +10,9 @@
 //! stream, PyTorch's current stream is waited for by an event ([`order_after_stream`]),
 //! memory from the CUDA Array Interface without a stream is ordered after the legacy
 //! default stream of its GPU, and a copy from another GPU waits for that GPU's read stream.
+//! Such a copy goes directly over the GPUs' link once this GPU has peer access to the
+//! other's memory, which the first copy from there enables where the two can reach each
+//! other (`CudaDevice::reach`); otherwise the driver stages it through the host.
 //!
 //! Batches are queued from the calling thread (with the GPU's primary context pushed for
 //! the call and popped after, so the thread keeps its own current context): the batch's
@@ -162,6 +165,9 @@ pub struct CudaDevice {
     lanes: [Arc<Lane>; LANES],
     freer: Arc<Freer>,
     health: Arc<Health>,
+    /// By GPU ordinal: whether this GPU reads that GPU's memory directly (peer access),
+    /// settled the first time a copy from there is queued.
+    peers: Box<[OnceLock<bool>]>,
 }
 
 /// What queuing a batch needs, shared by the GPU's lanes.
@@ -248,6 +254,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         lanes: [lane(0), lane(1)],
         freer: Arc::new(spawn_freer(name, context)?),
         health,
+        peers: (0..gpu_count(status())).map(|_| OnceLock::new()).collect(),
     });
     devices.insert(ordinal, d.clone());
     super::backends_started_here();
@@ -328,6 +335,7 @@ impl Backend for CudaDevice {
             return Ok(());
         }
         let src = device(from)?;
+        self.reach(&src);
         let lane = lane_of(super::Direction::DeviceToDevice);
         let mark = {
             let _current = src.context.enter(source)?;
@@ -536,6 +544,41 @@ impl CudaDevice {
         (0..LANES).try_for_each(|lane| mark.wait_on(self.queue.stream(lane), device))
     }
 
+    /// Lets this GPU read `src`'s memory directly (peer access, one direction), once, where
+    /// the two can reach each other: copies from there then go over the GPUs' link instead
+    /// of being staged through the host by the driver. Whether they do; a refusal only
+    /// leaves the copies staged.
+    fn reach(&self, src: &CudaDevice) -> bool {
+        let Some(slot) = self.peers.get(src.ordinal) else {
+            return false;
+        };
+        *slot.get_or_init(|| {
+            let here = Backend::device(self);
+            let (mut dev, mut peer, mut can) = (0, 0, 0);
+            // SAFETY: the driver is loaded and initialised (both GPUs are set up); the out
+            // pointers are live locals of the right types.
+            let reachable = unsafe {
+                sys::cuDeviceGet(&mut dev, self.ordinal as i32) == CUresult::CUDA_SUCCESS
+                    && sys::cuDeviceGet(&mut peer, src.ordinal as i32) == CUresult::CUDA_SUCCESS
+                    && sys::cuDeviceCanAccessPeer(&mut can, dev, peer) == CUresult::CUDA_SUCCESS
+            };
+            if !reachable || can != 1 {
+                return false;
+            }
+            let Ok(_current) = self.context.enter(here) else {
+                return false;
+            };
+            // SAFETY: this GPU's context is current; `src.context` is the other GPU's
+            // primary context, retained for the life of the process.
+            let code = unsafe { sys::cuCtxEnablePeerAccess(src.context.0, 0) };
+            // Another library of the process (PyTorch) may have enabled it already.
+            matches!(
+                code,
+                CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            )
+        })
+    }
+
     /// The raw stream handle of `direction`'s copies (tests hold it with the fake
     /// driver's gate).
     #[cfg(test)]
@@ -556,6 +599,13 @@ impl CudaDevice {
     /// How this GPU's batches are queued: batched where the driver allows it.
     pub fn copy_path(&self) -> CopyPath {
         self.queue.path()
+    }
+}
+
+fn gpu_count(s: &CudaStatus) -> usize {
+    match s {
+        CudaStatus::Available { gpus, .. } => gpus.len(),
+        CudaStatus::Unavailable { .. } => 0,
     }
 }
 

@@ -782,9 +782,10 @@ fn in_child() -> bool {
     std::env::var(CHILD_VAR).as_deref() == Ok("1")
 }
 
-/// Runs the test `name` of this module alone in a child process, and checks that it ran
-/// to the end (the fake driver aborts a process that uses memory too early).
-fn run_in_child(name: &str) {
+/// Runs the test `name` of this module alone in a child process (with `env` set: the fake
+/// driver reads its settings once), and checks that it ran to the end (the fake driver
+/// aborts a process that uses memory too early).
+fn run_in_child(name: &str, env: &[(&str, &str)]) {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             &format!("backend::ordering_tests::{name}"),
@@ -793,6 +794,7 @@ fn run_in_child(name: &str) {
             "--test-threads=1",
         ])
         .env(CHILD_VAR, "1")
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     let text = format!(
@@ -815,7 +817,10 @@ fn memory_a_gpu_may_still_use_is_kept_when_its_synchronisation_fails() {
     {
         return eprintln!("skipped: needs the fake CUDA driver with two GPUs");
     }
-    run_in_child("child_a_failed_synchronisation_keeps_the_batchs_memory");
+    run_in_child(
+        "child_a_failed_synchronisation_keeps_the_batchs_memory",
+        &[],
+    );
 }
 
 #[test]
@@ -947,7 +952,10 @@ fn a_pinned_result_lent_through_dlpack_is_not_reused_while_its_consumer_may_read
     if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
         return eprintln!("skipped: needs the fake CUDA driver");
     }
-    run_in_child("child_a_lent_pinned_block_comes_back_behind_its_consumers_copy");
+    run_in_child(
+        "child_a_lent_pinned_block_comes_back_behind_its_consumers_copy",
+        &[],
+    );
 }
 
 #[test]
@@ -1039,5 +1047,69 @@ fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
         assert_eq!(codes, [sys::CUresult::CUDA_SUCCESS; 2]);
     }
     assert_eq!(seen, data, "the consumer read another download's bytes");
+    println!("{CHILD_RAN}");
+}
+
+type PeerCopiesFn = unsafe extern "C" fn(*mut u64, *mut u64) -> u32;
+
+/// The fake driver's copies between GPUs so far: (direct, staged through the host).
+fn peer_copies() -> (u64, u64) {
+    let count = hook::<PeerCopiesFn>(b"tf_fake_cuda_peer_copies\0").unwrap();
+    let (mut direct, mut staged) = (0, 0);
+    // SAFETY: live out pointers.
+    assert_eq!(unsafe { count(&mut direct, &mut staged) }, 0);
+    (direct, staged)
+}
+
+/// Moves a tensor from GPU 0 to the last GPU; the copies between GPUs it made, direct and
+/// staged.
+fn move_across() -> (u64, u64) {
+    let (from, to) = (Device::Cuda(0), last_gpu());
+    let (host, data) = sample(20);
+    let there = move_tensors(&[&host], from, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let before = peer_copies();
+    let across = move_tensors(&[&there], to, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let after = peer_copies();
+    assert_eq!(across.device(), to);
+    assert_eq!(
+        move_one(&across, Device::Cpu).to_vec::<u32>().unwrap(),
+        data
+    );
+    (after.0 - before.0, after.1 - before.1)
+}
+
+#[test]
+fn a_copy_between_gpus_goes_direct_where_they_can_reach_each_other() {
+    let _serial = serial();
+    if hook::<PeerCopiesFn>(b"tf_fake_cuda_peer_copies\0").is_none()
+        || last_gpu() == Device::Cuda(0)
+    {
+        return eprintln!("skipped: needs the fake CUDA driver with two GPUs");
+    }
+    let (direct, staged) = move_across();
+    assert!(
+        direct > 0 && staged == 0,
+        "{direct} direct, {staged} staged through the host"
+    );
+    run_in_child(
+        "child_gpus_that_cannot_reach_each_other_copy_through_the_host",
+        &[("TF_FAKE_CUDA_PEER", "0")],
+    );
+}
+
+#[test]
+fn child_gpus_that_cannot_reach_each_other_copy_through_the_host() {
+    if !in_child() {
+        return;
+    }
+    let (direct, staged) = move_across();
+    assert!(
+        direct == 0 && staged > 0,
+        "{direct} direct, {staged} staged through the host"
+    );
     println!("{CHILD_RAN}");
 }
