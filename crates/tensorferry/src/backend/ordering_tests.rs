@@ -1113,3 +1113,62 @@ fn child_gpus_that_cannot_reach_each_other_copy_through_the_host() {
     );
     println!("{CHILD_RAN}");
 }
+
+#[test]
+fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
+    use cudarc::driver::sys;
+    let _serial = serial();
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver (nothing here runs a graph)");
+    }
+    let dev = last_gpu();
+    let captured = ForeignStream::new(dev);
+    // This thread captures a graph in the global mode (PyTorch's default for CUDA graphs):
+    // a potentially unsafe call (allocating or freeing memory) on any thread still in the
+    // global mode would fail and invalidate it.
+    {
+        let _current = captured.context.enter(dev).unwrap();
+        // SAFETY: a live stream of this context; the mode is a valid enum value.
+        let code = unsafe {
+            sys::cuStreamBeginCapture_v2(
+                captured.raw,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            )
+        };
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    }
+    // Meanwhile another thread, in the global mode too, moves tensors both ways (device
+    // and pinned allocations, the staging ring) and drops them (frees on the freeing
+    // thread, which it waits for).
+    std::thread::spawn(move || {
+        let (host, data) = sample(23);
+        let auto = MoveOptions {
+            non_blocking: true,
+            ..Default::default()
+        };
+        let there = move_tensors(&[&host], dev, auto).unwrap().remove(0);
+        let pinned = MoveOptions {
+            pinned: true,
+            ..auto
+        };
+        let back = move_tensors(&[&there], Device::Cpu, pinned)
+            .unwrap()
+            .remove(0);
+        assert_eq!(back.to_vec::<u32>().unwrap(), data);
+        drop((there, back));
+        let Device::Cuda(i) = dev else { unreachable!() };
+        let freer = super::cuda_device::device(i).unwrap().freer().clone();
+        assert!(freer.wait_idle(PATIENCE));
+    })
+    .join()
+    .unwrap();
+    let _current = captured.context.enter(dev).unwrap();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: the stream is capturing, begun on this thread; a live out pointer.
+    let code = unsafe { sys::cuStreamEndCapture(captured.raw, &mut graph) };
+    assert_eq!(
+        code,
+        sys::CUresult::CUDA_SUCCESS,
+        "tensorferry broke the capture"
+    );
+}
