@@ -358,6 +358,8 @@ fn shape_strides(t: &Tensor) -> (Vec<i64>, Vec<i64>) {
 /// Exports `t` as a DLPack 1.x managed tensor that keeps `t`'s storage alive until its
 /// deleter is called. The caller hands the pointer to exactly one consumer.
 pub fn export_versioned(t: &Tensor) -> *mut DLManagedTensorVersioned {
+    // The consumer may queue device work on the memory and release it before that work ran.
+    t.storage().lend();
     let (shape, strides) = shape_strides(t);
     let mut b = Box::new(ExportVersioned {
         managed: DLManagedTensorVersioned {
@@ -380,6 +382,8 @@ pub fn export_versioned(t: &Tensor) -> *mut DLManagedTensorVersioned {
 /// Exports `t` as a pre-1.0 managed tensor (for consumers that do not ask for a version).
 /// Read-only memory cannot be marked as such in this form; callers decide whether to allow it.
 pub fn export_legacy(t: &Tensor) -> *mut DLManagedTensor {
+    // As in `export_versioned`.
+    t.storage().lend();
     let (shape, strides) = shape_strides(t);
     let mut b = Box::new(ExportLegacy {
         managed: DLManagedTensor {

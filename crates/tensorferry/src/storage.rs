@@ -187,6 +187,15 @@ impl Storage {
         )
     }
 
+    /// Marks the memory as lent to another library (a DLPack consumer), whose device work on
+    /// it tensorferry cannot see: a pinned result's buffer then returns to its pool only
+    /// behind a fence.
+    pub(crate) fn lend(&self) {
+        if let Inner::Incoming { buffer, .. } = &self.0 {
+            buffer.lend();
+        }
+    }
+
     /// True when the memory must not be written (a mapped file, a read-only array).
     pub fn is_read_only(&self) -> bool {
         match &self.0 {

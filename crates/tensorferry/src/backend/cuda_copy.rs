@@ -234,8 +234,10 @@ impl CopyQueue {
                     s,
                 ),
                 // The generic copy: under unified addressing the driver finds each side's
-                // GPU, so a source on another GPU is a peer copy (direct where the GPUs can
-                // reach each other, else through the host).
+                // GPU, so a source on another GPU is a peer copy: direct once this GPU has
+                // peer access to that one (enabled by the first copy from there, where the
+                // two can reach each other: `CudaDevice::reach`), else staged through the
+                // host by the driver.
                 Direction::DeviceToDevice => sys::cuMemcpyAsync(
                     op.dst as sys::CUdeviceptr,
                     op.src as sys::CUdeviceptr,

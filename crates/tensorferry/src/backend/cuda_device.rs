@@ -10,6 +10,9 @@
 //! stream, PyTorch's current stream is waited for by an event ([`order_after_stream`]),
 //! memory from the CUDA Array Interface without a stream is ordered after the legacy
 //! default stream of its GPU, and a copy from another GPU waits for that GPU's read stream.
+//! Such a copy goes directly over the GPUs' link once this GPU has peer access to the
+//! other's memory, which the first copy from there enables where the two can reach each
+//! other (`CudaDevice::reach`); otherwise the driver stages it through the host.
 //!
 //! Batches are queued from the calling thread (with the GPU's primary context pushed for
 //! the call and popped after, so the thread keeps its own current context): the batch's
@@ -36,7 +39,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use super::cuda_copy::{lane_of, LANES};
 use super::cuda_event::CudaEvent;
 use super::cuda_freer::Freer;
-use super::cuda_reaper::{Entry, RawStream, Reaper};
+use super::cuda_reaper::{Entry, Health, RawStream, Reaper};
 use super::event::Progress;
 use super::lane::{Lane, Refused, Submitted};
 
@@ -161,6 +164,10 @@ pub struct CudaDevice {
     queue: Arc<CopyQueue>,
     lanes: [Arc<Lane>; LANES],
     freer: Arc<Freer>,
+    health: Arc<Health>,
+    /// By GPU ordinal: whether this GPU reads that GPU's memory directly (peer access),
+    /// settled the first time a copy from there is queued.
+    peers: Box<[OnceLock<bool>]>,
 }
 
 /// What queuing a batch needs, shared by the GPU's lanes.
@@ -169,6 +176,7 @@ struct Shared {
     context: Context,
     queue: Arc<CopyQueue>,
     reaper: Reaper,
+    health: Arc<Health>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -225,11 +233,13 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         let _current = context.enter(name)?;
         Arc::new(CopyQueue::new(name, driver_version_of(status()))?)
     };
+    let health = Arc::new(Health::default());
     let shared = Arc::new(Shared {
         device: name,
         context,
         queue: queue.clone(),
-        reaper: Reaper::spawn(name, context)?,
+        reaper: Reaper::spawn(name, context, health.clone())?,
+        health: health.clone(),
     });
     let lane = |index: usize| {
         let shared = shared.clone();
@@ -243,6 +253,8 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         queue,
         lanes: [lane(0), lane(1)],
         freer: Arc::new(spawn_freer(name, context)?),
+        health,
+        peers: (0..gpu_count(status())).map(|_| OnceLock::new()).collect(),
     });
     devices.insert(ordinal, d.clone());
     super::backends_started_here();
@@ -254,33 +266,36 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
 struct Allocation {
     address: sys::CUdeviceptr,
     len: usize,
+    context: Context,
+    device: Device,
     freer: Arc<Freer>,
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        self.freer.free(self.address, self.len);
+        let (address, context, device) = (self.address, self.context, self.device);
+        self.freer.run(
+            self.len,
+            Box::new(move || {
+                if let Ok(_current) = context.enter(device) {
+                    // SAFETY: `address` came from `cuMemAlloc_v2` in this context and is
+                    // freed once (its `Allocation` was dropped once); the engine drops an
+                    // allocation only after every batch using it has completed, and nothing
+                    // else holds it.
+                    unsafe {
+                        sys::cuMemFree_v2(address);
+                    }
+                }
+            }),
+        );
     }
 }
 
 /// The freeing thread of GPU `device`, whose context it makes current.
 fn spawn_freer(device: Device, context: Context) -> Result<Freer> {
-    Freer::spawn(
-        device,
-        move || {
-            let _ = context.make_current(device);
-        },
-        move |address| {
-            if let Ok(_current) = context.enter(device) {
-                // SAFETY: `address` came from `cuMemAlloc_v2` in this context and is freed
-                // once (its `Allocation` was dropped once); the engine drops an allocation
-                // only after every batch using it has completed, and nothing else holds it.
-                unsafe {
-                    sys::cuMemFree_v2(address);
-                }
-            }
-        },
-    )
+    Freer::spawn(device, move || {
+        let _ = context.make_current(device);
+    })
 }
 
 /// How long an allocation that found the device full waits for queued frees.
@@ -320,6 +335,7 @@ impl Backend for CudaDevice {
             return Ok(());
         }
         let src = device(from)?;
+        self.reach(&src);
         let lane = lane_of(super::Direction::DeviceToDevice);
         let mark = {
             let _current = src.context.enter(source)?;
@@ -353,6 +369,7 @@ impl Backend for CudaDevice {
 
     fn alloc(&self, len: usize) -> Result<DeviceMemory> {
         let name = Backend::device(self);
+        self.health.check(name)?;
         if len == 0 {
             // SAFETY: zero bytes: nothing is ever read or written at the null address.
             return Ok(unsafe { DeviceMemory::new(name, std::ptr::null_mut(), 0, Box::new(())) });
@@ -391,6 +408,8 @@ impl Backend for CudaDevice {
         let release = Allocation {
             address,
             len,
+            context: self.context,
+            device: name,
             freer: self.freer.clone(),
         };
         // SAFETY: `cuMemAlloc` succeeded: `address` is `len` bytes of this device's memory,
@@ -428,7 +447,11 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
             outcome: Err(failure),
         })
     };
-    let current = match shared.context.enter(device) {
+    let current = match shared
+        .health
+        .check(device)
+        .and_then(|()| shared.context.enter(device))
+    {
         Ok(c) => c,
         Err(e) => return refuse(keep, event, Failure::from_error(device, &e)),
     };
@@ -521,11 +544,51 @@ impl CudaDevice {
         (0..LANES).try_for_each(|lane| mark.wait_on(self.queue.stream(lane), device))
     }
 
+    /// Lets this GPU read `src`'s memory directly (peer access, one direction), once, where
+    /// the two can reach each other: copies from there then go over the GPUs' link instead
+    /// of being staged through the host by the driver. Whether they do; a refusal only
+    /// leaves the copies staged.
+    fn reach(&self, src: &CudaDevice) -> bool {
+        let Some(slot) = self.peers.get(src.ordinal) else {
+            return false;
+        };
+        *slot.get_or_init(|| {
+            let here = Backend::device(self);
+            let (mut dev, mut peer, mut can) = (0, 0, 0);
+            // SAFETY: the driver is loaded and initialised (both GPUs are set up); the out
+            // pointers are live locals of the right types.
+            let reachable = unsafe {
+                sys::cuDeviceGet(&mut dev, self.ordinal as i32) == CUresult::CUDA_SUCCESS
+                    && sys::cuDeviceGet(&mut peer, src.ordinal as i32) == CUresult::CUDA_SUCCESS
+                    && sys::cuDeviceCanAccessPeer(&mut can, dev, peer) == CUresult::CUDA_SUCCESS
+            };
+            if !reachable || can != 1 {
+                return false;
+            }
+            let Ok(_current) = self.context.enter(here) else {
+                return false;
+            };
+            // SAFETY: this GPU's context is current; `src.context` is the other GPU's
+            // primary context, retained for the life of the process.
+            let code = unsafe { sys::cuCtxEnablePeerAccess(src.context.0, 0) };
+            // Another library of the process (PyTorch) may have enabled it already.
+            matches!(
+                code,
+                CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+            )
+        })
+    }
+
     /// The raw stream handle of `direction`'s copies (tests hold it with the fake
     /// driver's gate).
     #[cfg(test)]
     pub(crate) fn stream_of(&self, direction: super::Direction) -> usize {
         self.queue.stream(lane_of(direction)) as usize
+    }
+
+    /// The GPU's freeing thread, where calls that wait for the GPU run.
+    pub(crate) fn freer(&self) -> &Arc<Freer> {
+        &self.freer
     }
 
     /// Why this GPU gave up batched copies, if a batched call failed.
@@ -536,6 +599,13 @@ impl CudaDevice {
     /// How this GPU's batches are queued: batched where the driver allows it.
     pub fn copy_path(&self) -> CopyPath {
         self.queue.path()
+    }
+}
+
+fn gpu_count(s: &CudaStatus) -> usize {
+    match s {
+        CudaStatus::Available { gpus, .. } => gpus.len(),
+        CudaStatus::Unavailable { .. } => 0,
     }
 }
 
@@ -588,18 +658,112 @@ pub unsafe fn order_after_stream(ordinal: usize, handle: usize) -> Result<()> {
     unsafe { device(ordinal)?.wait_for_stream(handle as sys::CUstream) }
 }
 
-/// The GPU that owns device memory at `address` — a pointer handed over by another
-/// producer (the CUDA Array Interface names no device) — as the driver reports it.
-pub fn pointer_device(address: usize) -> Result<usize> {
-    if let CudaStatus::Unavailable { reason } = status() {
-        return Err(Error::DeviceUnavailable {
-            device: "cuda".into(),
-            reason: reason.clone(),
+/// Waits until the work queued so far in every GPU's active primary context has run: the
+/// contexts tensorferry and the other libraries of the process (PyTorch, JAX, CuPy) use.
+/// The fence behind which memory lent to another library, whose streams are unknown, is
+/// unused again. It waits for the GPUs: freeing threads only.
+pub(crate) fn synchronize_active_gpus() -> Result<()> {
+    let CudaStatus::Available { gpus, .. } = status() else {
+        return Ok(());
+    };
+    for ordinal in 0..gpus.len() {
+        let name = Device::Cuda(ordinal);
+        let (mut dev, mut flags, mut active): (sys::CUdevice, std::ffi::c_uint, std::ffi::c_int) =
+            (0, 0, 0);
+        // SAFETY: the driver is loaded and initialised (`status()` is Available); the out
+        // pointers are live locals of the right types.
+        unsafe {
+            check(
+                sys::cuDeviceGet(&mut dev, ordinal as i32),
+                name,
+                "cuDeviceGet",
+            )?;
+            check(
+                sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active),
+                name,
+                "cuDevicePrimaryCtxGetState",
+            )?;
+        }
+        if active == 0 {
+            continue; // no context: no work
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: as above; retained here and released below.
+        check(
+            unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
+            name,
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        let synchronised = Context(ctx).enter(name).and_then(|_current| {
+            // SAFETY: the context is current on this thread.
+            check(unsafe { sys::cuCtxSynchronize() }, name, "cuCtxSynchronize")
         });
+        // SAFETY: retained above, released once.
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
+        synchronised?;
     }
+    Ok(())
+}
+
+/// A context to ask the driver about addresses in (under unified addressing any context
+/// answers for every GPU's memory): the primary context of the first GPU whose primary
+/// context is active — the producer's, for a pointer another library handed over — else
+/// GPU 0's, so that no GPU gets a context only for a question. Retained once and kept.
+fn lookup_context(gpus: usize) -> Result<(Context, Device)> {
+    static LOOKUP: OnceLock<(Context, Device)> = OnceLock::new();
+    if let Some(found) = LOOKUP.get() {
+        return Ok(*found);
+    }
+    let mut chosen: sys::CUdevice = 0;
+    let mut ordinal = 0;
+    for i in 0..gpus {
+        let (mut dev, mut flags, mut active): (sys::CUdevice, std::ffi::c_uint, std::ffi::c_int) =
+            (0, 0, 0);
+        // SAFETY: the driver is loaded and initialised (`status()` is Available); the out
+        // pointers are live locals of the right types.
+        let asked = unsafe {
+            sys::cuDeviceGet(&mut dev, i as i32) == CUresult::CUDA_SUCCESS
+                && sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active)
+                    == CUresult::CUDA_SUCCESS
+        };
+        if i == 0 || (asked && active != 0) {
+            (chosen, ordinal) = (dev, i);
+        }
+        if asked && active != 0 {
+            break;
+        }
+    }
+    let name = Device::Cuda(ordinal);
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: as above; the context is retained for the life of the process.
+    check(
+        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, chosen) },
+        name,
+        "cuDevicePrimaryCtxRetain",
+    )?;
+    Ok(*LOOKUP.get_or_init(|| (Context(ctx), name)))
+}
+
+/// The GPU that owns device memory at `address` — a pointer handed over by another
+/// producer (the CUDA Array Interface names no device) — as the driver reports it. The
+/// driver answers in the current context, so one is pushed for the call (and popped: the
+/// calling thread keeps its own).
+pub fn pointer_device(address: usize) -> Result<usize> {
+    let gpus = match status() {
+        CudaStatus::Unavailable { reason } => {
+            return Err(Error::DeviceUnavailable {
+                device: "cuda".into(),
+                reason: reason.clone(),
+            })
+        }
+        CudaStatus::Available { gpus, .. } => gpus.len(),
+    };
+    let (context, name) = lookup_context(gpus)?;
+    let _current = context.enter(name)?;
     let mut ordinal: std::ffi::c_int = -1;
-    // SAFETY: the driver is loaded and initialised; the out pointer is a live int, the size
-    // the device-ordinal attribute writes; an unknown address is an error code.
+    // SAFETY: the driver is loaded and initialised, a context is current; the out pointer
+    // is a live int, the size the device-ordinal attribute writes; an unknown address is an
+    // error code.
     check(
         unsafe {
             sys::cuPointerGetAttribute(
@@ -642,6 +806,25 @@ mod tests {
             let back = there.to(Device::Cpu, false).unwrap();
             drop(there);
             assert_eq!(back.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+            assert!(current().is_null(), "tensorferry left a context current");
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn the_gpu_of_a_foreign_pointer_is_found_from_a_thread_with_no_context() {
+        let CudaStatus::Available { gpus, .. } = status() else {
+            return eprintln!("skipped: no CUDA driver");
+        };
+        let last = gpus.len() - 1;
+        let memory = device(last).unwrap().alloc(256).unwrap();
+        let address = memory.as_ptr() as usize;
+        // A thread with no context current, as a Python thread importing an array through
+        // the CUDA Array Interface may be.
+        std::thread::spawn(move || {
+            assert!(current().is_null());
+            assert_eq!(pointer_device(address).unwrap(), last);
             assert!(current().is_null(), "tensorferry left a context current");
         })
         .join()

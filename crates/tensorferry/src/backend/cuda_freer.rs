@@ -1,11 +1,12 @@
 //! A GPU's memory is given back on a thread of its own.
 //!
-//! `cuMemFree` waits until the whole device is idle. Called where the last reference to a
-//! result drops, it would stall that thread for as long as the GPU has work queued: a
-//! Python thread inside PyTorch's DLPack deleter (with the GIL held, so every Python
-//! thread), or the reaper that completes other transfers. Frees are handed to this thread
+//! `cuMemFree` and `cuMemFreeHost` wait until the GPU is idle. Called where the last
+//! reference to a result drops, they would stall that thread for as long as the GPU has
+//! work queued: a Python thread inside PyTorch's DLPack deleter (with the GIL held, so every
+//! Python thread), or the reaper that completes other transfers. Every call of that kind
+//! (device and pinned frees, the fence of lent pinned memory) is handed to this thread
 //! instead, in order; later is always safe (nothing uses the memory any more). An
-//! allocation that finds the device full waits for the frees still queued
+//! allocation that finds the device full waits for the device frees still queued
 //! ([`Freer::wait_idle`]) and tries again.
 
 use std::sync::mpsc::{channel, Sender};
@@ -15,7 +16,10 @@ use std::time::Duration;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
-/// The bytes of the frees handed over and not yet done.
+/// Work for the freeing thread: a driver call that may wait for the GPU.
+pub(crate) type Job = Box<dyn FnOnce() + Send>;
+
+/// The bytes of device memory handed over to be freed and not freed yet.
 #[derive(Default)]
 struct Pending {
     bytes: Mutex<usize>,
@@ -38,23 +42,17 @@ impl Pending {
 
 /// The handle of a GPU's freeing thread.
 pub(crate) struct Freer {
-    queue: Mutex<Sender<(u64, usize)>>,
+    queue: Mutex<Sender<(Job, usize)>>,
     pending: Arc<Pending>,
-    free_now: Arc<dyn Fn(u64) + Send + Sync>,
 }
 
 impl Freer {
     /// Starts the thread of `device`; `setup` runs on it first (making the GPU's context
-    /// current), then `free` for each address handed over.
-    pub(crate) fn spawn(
-        device: Device,
-        setup: impl FnOnce() + Send + 'static,
-        free: impl Fn(u64) + Send + Sync + 'static,
-    ) -> Result<Freer> {
-        let (tx, rx) = channel::<(u64, usize)>();
+    /// current), then each job handed over, in order.
+    pub(crate) fn spawn(device: Device, setup: impl FnOnce() + Send + 'static) -> Result<Freer> {
+        let (tx, rx) = channel::<(Job, usize)>();
         let pending = Arc::new(Pending::default());
-        let free: Arc<dyn Fn(u64) + Send + Sync> = Arc::new(free);
-        let (on_thread, done) = (free.clone(), pending.clone());
+        let done = pending.clone();
         std::thread::Builder::new()
             .name(format!(
                 "tensorferry-{}-freer",
@@ -62,8 +60,9 @@ impl Freer {
             ))
             .spawn(move || {
                 setup();
-                for (address, len) in rx {
-                    on_thread(address);
+                for (job, len) in rx {
+                    // A job that panics must not stop the frees behind it.
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                     done.finish(len);
                 }
             })
@@ -74,31 +73,31 @@ impl Freer {
         Ok(Freer {
             queue: Mutex::new(tx),
             pending,
-            free_now: free,
         })
     }
 
-    /// Hands `address` (`len` bytes) over to be freed; frees it here if the thread is gone.
-    pub(crate) fn free(&self, address: u64, len: usize) {
+    /// Hands `job` over: a free of `len` bytes of device memory (0 for other work, which
+    /// [`Freer::wait_idle`] does not wait for). Runs it here if the thread is gone.
+    pub(crate) fn run(&self, len: usize, job: Job) {
         self.pending.add(len);
         let sent = self
             .queue
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .send((address, len));
-        if sent.is_err() {
-            (self.free_now)(address);
+            .send((job, len));
+        if let Err(unsent) = sent {
+            (unsent.0 .0)();
             self.pending.finish(len);
         }
     }
 
-    /// Bytes handed over and not freed yet.
+    /// Bytes of device memory handed over and not freed yet.
     pub(crate) fn pending_bytes(&self) -> usize {
         *self.pending.bytes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Waits until every free handed over so far is done, or `timeout` has passed; true
-    /// when none is left.
+    /// Waits until every device free handed over so far is done, or `timeout` has passed;
+    /// true when none is left.
     pub(crate) fn wait_idle(&self, timeout: Duration) -> bool {
         let n = self.pending.bytes.lock().unwrap_or_else(|p| p.into_inner());
         let (n, _) = self
@@ -116,30 +115,37 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Instant;
 
+    /// A job that records `address` once `gate` opens, as `cuMemFree` returns once the GPU
+    /// is idle.
+    fn held_free(
+        gate: &Arc<(Mutex<bool>, Condvar)>,
+        freed: &Arc<Mutex<Vec<u64>>>,
+        address: u64,
+    ) -> Job {
+        let (g, f) = (gate.clone(), freed.clone());
+        Box::new(move || {
+            let (open, cv) = &*g;
+            let mut open = open.lock().unwrap();
+            while !*open {
+                open = cv.wait(open).unwrap();
+            }
+            f.lock().unwrap().push(address);
+        })
+    }
+
     #[test]
     fn frees_run_on_the_thread_in_order_and_the_caller_does_not_wait_for_them() {
         let gate = Arc::new((Mutex::new(false), Condvar::new()));
         let freed = Arc::new(Mutex::new(Vec::new()));
         let set_up = Arc::new(AtomicBool::new(false));
-        let (g, f, s) = (gate.clone(), freed.clone(), set_up.clone());
-        let freer = Freer::spawn(
-            Device::Cuda(0),
-            move || s.store(true, Ordering::SeqCst),
-            move |address| {
-                // Held until the gate opens, as `cuMemFree` is until the GPU is idle.
-                let (open, cv) = &*g;
-                let mut open = open.lock().unwrap();
-                while !*open {
-                    open = cv.wait(open).unwrap();
-                }
-                f.lock().unwrap().push(address);
-            },
-        )
-        .unwrap();
+        let s = set_up.clone();
+        let freer = Freer::spawn(Device::Cuda(0), move || s.store(true, Ordering::SeqCst)).unwrap();
         let start = Instant::now();
         for address in [1, 2, 3] {
-            freer.free(address, 100);
+            freer.run(100, held_free(&gate, &freed, address));
         }
+        // Other work (a pinned free) is in order too, and not counted as device bytes.
+        freer.run(0, held_free(&gate, &freed, 4));
         assert_eq!(freer.pending_bytes(), 300);
         assert!(
             start.elapsed() < Duration::from_secs(5),
@@ -153,29 +159,34 @@ mod tests {
         *gate.0.lock().unwrap() = true;
         gate.1.notify_all();
         assert!(freer.wait_idle(Duration::from_secs(20)));
-        assert_eq!(*freed.lock().unwrap(), [1, 2, 3]);
         assert_eq!(freer.pending_bytes(), 0);
         assert!(set_up.load(Ordering::SeqCst));
+        // The last job runs after the device frees: wait for it through one more.
+        let (tx, rx) = std::sync::mpsc::channel();
+        freer.run(0, Box::new(move || tx.send(()).unwrap()));
+        rx.recv_timeout(Duration::from_secs(20)).unwrap();
+        assert_eq!(*freed.lock().unwrap(), [1, 2, 3, 4]);
     }
 
     #[test]
     fn with_the_thread_gone_a_free_happens_at_once() {
         let freed = Arc::new(Mutex::new(Vec::new()));
-        let f = freed.clone();
         // A thread that stops at once (its setup panics), as one that did not survive.
-        let freer = Freer::spawn(
-            Device::Cuda(0),
-            || panic!("the freeing thread is gone"),
-            move |address| f.lock().unwrap().push(address),
-        )
-        .unwrap();
+        let freer = Freer::spawn(Device::Cuda(0), || panic!("the freeing thread is gone")).unwrap();
         // Its receiver is dropped once it has unwound.
         let start = Instant::now();
-        while freer.queue.lock().unwrap().send((0, 0)).is_ok() {
+        while freer
+            .queue
+            .lock()
+            .unwrap()
+            .send((Box::new(|| {}), 0))
+            .is_ok()
+        {
             assert!(start.elapsed() < Duration::from_secs(20));
             std::thread::sleep(Duration::from_millis(1));
         }
-        freer.free(7, 10);
+        let f = freed.clone();
+        freer.run(10, Box::new(move || f.lock().unwrap().push(7)));
         assert_eq!(*freed.lock().unwrap(), [7]);
         assert!(freer.wait_idle(Duration::from_secs(1)));
     }

@@ -6,10 +6,12 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_device::{check, device, Context, CudaDevice};
+use super::cuda_device::{check, device, synchronize_active_gpus, Context, CudaDevice};
+use super::cuda_freer::Freer;
 use super::Backend;
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::memory::pinned::{GiveBack, HostBlock};
 
 /// Pins host memory with `cuMemHostAlloc(PORTABLE)` — never write-combined, which would
 /// make CPU reads slow — for the pinned pool. Like the rest of this module it has not run
@@ -27,27 +29,32 @@ impl CudaPinnedAllocator {
     }
 }
 
-/// Memory from `cuMemHostAlloc`, freed with `cuMemFreeHost`.
+/// Memory from `cuMemHostAlloc`, freed with `cuMemFreeHost` on the GPU's freeing thread:
+/// `cuMemFreeHost` waits for the GPU, and a pinned block is dropped wherever the pool gives
+/// it up (a thread taking another size, a Python thread in a DLPack deleter).
 struct PinnedRelease {
-    ptr: *mut c_void,
+    /// The block's address (an integer: only the freeing thread uses it).
+    address: usize,
     context: Context,
     device: Device,
+    freer: Arc<Freer>,
 }
-
-// SAFETY: the pointer only names the pinned block this value frees once.
-unsafe impl Send for PinnedRelease {}
-// SAFETY: see `Send`.
-unsafe impl Sync for PinnedRelease {}
 
 impl Drop for PinnedRelease {
     fn drop(&mut self) {
-        if let Ok(_current) = self.context.enter(self.device) {
-            // SAFETY: `ptr` came from `cuMemHostAlloc` and is freed once, after the pool
-            // has given the block up.
-            unsafe {
-                sys::cuMemFreeHost(self.ptr);
-            }
-        }
+        let (address, context, device) = (self.address, self.context, self.device);
+        self.freer.run(
+            0,
+            Box::new(move || {
+                if let Ok(_current) = context.enter(device) {
+                    // SAFETY: `address` came from `cuMemHostAlloc` and is freed once, after
+                    // the pool has given the block up (no copy uses it any more).
+                    unsafe {
+                        sys::cuMemFreeHost(address as *mut c_void);
+                    }
+                }
+            }),
+        );
     }
 }
 
@@ -71,12 +78,26 @@ unsafe impl crate::memory::pinned::PinnedAllocator for CudaPinnedAllocator {
         }
         check(code, name, "cuMemHostAlloc")?;
         let release = Box::new(PinnedRelease {
-            ptr,
+            address: ptr as usize,
             context: self.device.context,
             device: name,
+            freer: self.device.freer().clone(),
         });
         // SAFETY: `cuMemHostAlloc` succeeded: `ptr` is `len` bytes of pinned host memory,
         // freed once by `release`.
         Ok(unsafe { crate::memory::pinned::HostBlock::new(ptr as *mut u8, len, release) })
+    }
+
+    /// Behind a synchronisation of every GPU's active primary context, on the freeing
+    /// thread: the consumer's streams are unknown, but its copies out of the block were
+    /// queued before it let the block go. A block whose fence fails is kept for good.
+    fn return_lent(&self, block: HostBlock, back: GiveBack) {
+        self.device.freer().run(
+            0,
+            Box::new(move || match synchronize_active_gpus() {
+                Ok(()) => back(block),
+                Err(_) => std::mem::forget(block),
+            }),
+        );
     }
 }

@@ -8,12 +8,15 @@
 //! after them, but on what a failed copy left).
 //!
 //! When an event cannot be recorded or queried, the reaper synchronises the batch's stream
-//! before releasing anything, so no copy still queued outlives the memory it uses.
+//! before releasing anything, so no copy still queued outlives the memory it uses. When that
+//! synchronisation fails too, nothing tells when the GPU stops using the batch's memory: it
+//! is kept (leaked), never freed or reused, and the GPU is taken out of service ([`Health`]).
 
 use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use cudarc::driver::sys;
@@ -53,16 +56,42 @@ pub(crate) struct Entry {
     pub device_waits: Vec<Event>,
 }
 
+/// Whether a GPU is still in service: taken out (for good, with the reason) once memory it
+/// may still use had to be kept because a synchronisation failed.
+#[derive(Debug, Default)]
+pub(crate) struct Health(OnceLock<String>);
+
+impl Health {
+    /// Takes the GPU out of service (the first reason stays).
+    fn fail(&self, why: String) {
+        let _ = self.0.set(why);
+    }
+
+    /// Fails when the GPU is out of service, saying why.
+    pub(crate) fn check(&self, device: Device) -> Result<()> {
+        match self.0.get() {
+            None => Ok(()),
+            Some(why) => Err(Error::DeviceUnavailable {
+                device: device.to_string(),
+                reason: format!("out of service since {why}"),
+            }),
+        }
+    }
+}
+
 /// The reaper thread of one GPU.
 pub(crate) struct Reaper {
     device: Device,
+    health: Arc<Health>,
     entries: Mutex<Sender<Entry>>,
 }
 
 impl Reaper {
-    /// Starts the reaper of `device`, with `context` current on its thread.
-    pub(crate) fn spawn(device: Device, context: Context) -> Result<Reaper> {
+    /// Starts the reaper of `device`, with `context` current on its thread; a failed
+    /// synchronisation takes the GPU out of service through `health`.
+    pub(crate) fn spawn(device: Device, context: Context, health: Arc<Health>) -> Result<Reaper> {
         let (tx, rx) = mpsc::channel::<Entry>();
+        let on_thread = health.clone();
         std::thread::Builder::new()
             .name(format!(
                 "tensorferry-{}-reaper",
@@ -70,7 +99,7 @@ impl Reaper {
             ))
             .spawn(move || {
                 let _ = context.make_current(device);
-                reap(device, rx);
+                reap(device, &on_thread, rx);
             })
             .map_err(|e| Error::DeviceUnavailable {
                 device: device.to_string(),
@@ -78,6 +107,7 @@ impl Reaper {
             })?;
         Ok(Reaper {
             device,
+            health,
             entries: Mutex::new(tx),
         })
     }
@@ -92,14 +122,14 @@ impl Reaper {
             .send(entry);
         if let Err(mpsc::SendError(entry)) = sent {
             let failure = Failure::new(self.device, "the reaper thread has stopped");
-            finish(entry, Some(Err(failure)));
+            finish(self.device, &self.health, entry, Some(Err(failure)));
         }
     }
 }
 
 /// The reaper loop: queries every pending entry, finishes those done, backs off while
 /// nothing completes, sleeps on the channel while nothing is pending.
-fn reap(device: Device, rx: Receiver<Entry>) {
+fn reap(device: Device, health: &Health, rx: Receiver<Entry>) {
     let mut pending: Vec<Entry> = Vec::new();
     let mut backoff = BACKOFF_MIN;
     loop {
@@ -135,9 +165,10 @@ fn reap(device: Device, rx: Receiver<Entry>) {
                 None => i += 1,
                 Some(query_failure) => {
                     let entry = pending.swap_remove(i);
-                    // A panic in what `keep` drops must not stop the reaper.
-                    let guarded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        finish(entry, query_failure)
+                    // `finish` completes the event whatever the release does; this guard
+                    // only keeps the reaper alive for the other batches.
+                    let guarded = catch_unwind(AssertUnwindSafe(|| {
+                        finish(device, health, entry, query_failure)
                     }));
                     drop(guarded);
                 }
@@ -153,8 +184,12 @@ fn reap(device: Device, rx: Receiver<Entry>) {
 }
 
 /// Releases a batch whose copies are done (or, when `failure` says the event could not
-/// tell, after synchronising its stream), then completes its event.
-fn finish(entry: Entry, failure: Option<Outcome>) {
+/// tell, after synchronising its stream), then completes its event — with the panic as an
+/// internal error of `device` when releasing what the batch held panics, as the emulated
+/// device's stream does: a waiter is never left blocked. When the stream cannot be
+/// synchronised either, what the batch held is kept for good and the GPU is taken out of
+/// service: a copy may still be reading or writing that memory.
+fn finish(device: Device, health: &Health, entry: Entry, failure: Option<Outcome>) {
     let Entry {
         done,
         stream,
@@ -163,18 +198,34 @@ fn finish(entry: Entry, failure: Option<Outcome>) {
         outcome,
         device_waits,
     } = entry;
-    if done.is_none() || failure.is_some() {
-        // Nothing else tells when the queued copies are done: wait for the whole stream.
-        // SAFETY: the stream is live (never destroyed); the device's context is current
-        // on the reaper thread, or pushed by `Reaper::push`'s caller.
-        let _ = unsafe { sys::cuStreamSynchronize(stream.0) };
-    }
-    drop(keep);
-    drop(done);
-    let outcome = match failure {
+    let unknown = done.is_none() || failure.is_some();
+    let mut outcome = match failure {
         Some(f) => outcome.and(f),
         None => outcome,
     };
+    if unknown {
+        // Nothing else tells when the queued copies are done: wait for the whole stream.
+        // SAFETY: the stream is live (never destroyed); the device's context is current
+        // on the reaper thread, or pushed by `Reaper::push`'s caller.
+        let code = unsafe { sys::cuStreamSynchronize(stream.0) };
+        if code != sys::CUresult::CUDA_SUCCESS {
+            let why = format!(
+                "cuStreamSynchronize failed ({code:?}) after a batch's copies were queued: the \
+                 memory they use was kept, as the GPU may still use it"
+            );
+            outcome = outcome.and(Err(Failure::new(device, why.clone())));
+            health.fail(why);
+            // Never freed nor reused: leaked.
+            std::mem::forget(keep);
+            drop(done);
+            return complete_after(event, outcome, device_waits);
+        }
+    }
+    let released = catch_unwind(AssertUnwindSafe(|| drop(keep)));
+    drop(done);
+    if let Err(panic) = released {
+        outcome = outcome.and(Err(Failure::internal(device, &*panic)));
+    }
     complete_after(event, outcome, device_waits);
 }
 

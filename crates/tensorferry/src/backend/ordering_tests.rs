@@ -192,12 +192,15 @@ fn last_gpu() -> Device {
 }
 
 /// Non-blocking copies straight on the streams (the rules here are the streams'; a small
-/// non-blocking move would otherwise take the staging ring on CUDA).
+/// non-blocking move would otherwise take the staging ring on CUDA), results on the host in
+/// pinned memory: a copy from a GPU into pageable memory returns only once it is done,
+/// which a stream held by the test would make wait forever.
 fn non_blocking() -> MoveOptions {
     MoveOptions {
         copy: true,
         non_blocking: true,
         staging: crate::Staging::Off,
+        pinned: true,
         ..Default::default()
     }
 }
@@ -246,7 +249,15 @@ fn an_upload_and_a_download_overlap() {
             .remove(0);
         let held = gate(dev, Direction::HostToDevice).unwrap();
         let up = move_one(&host, dev);
-        let down = move_one(&resident, Device::Cpu);
+        // Into pageable memory: nothing is pinned meanwhile (on a GPU, pinning memory is
+        // a barrier between the work queued before and after it on every stream).
+        let pageable = MoveOptions {
+            pinned: false,
+            ..non_blocking()
+        };
+        let down = move_tensors(&[&resident], Device::Cpu, pageable)
+            .unwrap()
+            .remove(0);
         // On one stream the download would wait behind the held upload.
         assert!(down.wait_timeout(PATIENCE).unwrap(), "{dev}: download held");
         assert!(!up.is_ready(), "{dev}: the upload ran through its gate");
@@ -707,4 +718,457 @@ fn automatic_rings_in_flight_are_bounded_and_the_rest_copy_directly() {
     for t in &moved {
         assert_eq!(move_one(t, Device::Cpu).to_vec::<u32>().unwrap(), data);
     }
+}
+
+/// What a batch holds, panicking when it is released: a bug in a completion.
+struct PanicsWhenReleased;
+
+impl Drop for PanicsWhenReleased {
+    fn drop(&mut self) {
+        panic!("a completion fails");
+    }
+}
+
+#[test]
+fn a_panic_in_a_completion_fails_its_event_on_every_backend() {
+    let _serial = serial();
+    for dev in devices() {
+        let backend = backend_for(dev).unwrap();
+        let memory = backend.alloc(4096).unwrap();
+        let pool = backend.pinned_pool().unwrap();
+        let buffer = pool.take(4096).unwrap();
+        let batch = CopyBatch {
+            direction: Direction::HostToDevice,
+            ops: vec![CopyOp {
+                src: buffer.as_ptr(),
+                dst: memory.as_ptr() as *mut u8,
+                len: 4096,
+            }],
+            waits: Vec::new(),
+        };
+        let event = Event::pending();
+        let keep = Box::new((memory, buffer, PanicsWhenReleased));
+        // SAFETY: the op addresses `memory` and `buffer`, which the batch holds (`keep`)
+        // until its copies are done; nothing else touches them.
+        unsafe { backend.submit(batch, keep, &event) };
+        let outcome = event.wait_timeout(PATIENCE);
+        let err = match outcome {
+            Err(e) => e.to_string(),
+            Ok(done) => panic!(
+                "{dev}: the event {}",
+                if done { "succeeded" } else { "never completed" }
+            ),
+        };
+        assert!(
+            err.contains(&dev.to_string()) && err.contains("internal error: a completion fails"),
+            "{dev}: {err}"
+        );
+        // The device goes on working.
+        let (host, data) = sample(16);
+        let back = move_one(&move_one(&host, dev), Device::Cpu);
+        assert_eq!(back.to_vec::<u32>().unwrap(), data, "{dev}");
+    }
+}
+
+// ------------------------------------------ scenarios the fake driver may end: in a child
+
+/// Set in the child processes that run a scenario which corrupts a GPU's context for good
+/// (a sticky fault) or that the fake driver aborts when the engine is wrong.
+const CHILD_VAR: &str = "TENSORFERRY_ORDERING_CHILD";
+/// What a child scenario prints once it has run to the end.
+const CHILD_RAN: &str = "child scenario ran to the end";
+
+fn in_child() -> bool {
+    std::env::var(CHILD_VAR).as_deref() == Ok("1")
+}
+
+/// Runs the test `name` of this module alone in a child process (with `env` set: the fake
+/// driver reads its settings once), and checks that it ran to the end (the fake driver
+/// aborts a process that uses memory too early).
+fn run_in_child(name: &str, env: &[(&str, &str)]) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            &format!("backend::ordering_tests::{name}"),
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_VAR, "1")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains(CHILD_RAN),
+        "child {name}:\n{text}"
+    );
+}
+
+type FaultContextFn = unsafe extern "C" fn(i32, u32) -> u32;
+
+#[test]
+fn memory_a_gpu_may_still_use_is_kept_when_its_synchronisation_fails() {
+    if hook::<FaultContextFn>(b"tf_fake_cuda_fault_context\0").is_none()
+        || last_gpu() == Device::Cuda(0)
+    {
+        return eprintln!("skipped: needs the fake CUDA driver with two GPUs");
+    }
+    run_in_child(
+        "child_a_failed_synchronisation_keeps_the_batchs_memory",
+        &[],
+    );
+}
+
+#[test]
+fn child_a_failed_synchronisation_keeps_the_batchs_memory() {
+    if !in_child() {
+        return;
+    }
+    let (faulty, healthy) = (last_gpu(), Device::Cuda(0));
+    let Device::Cuda(ordinal) = faulty else {
+        unreachable!()
+    };
+    // The pinned pool pins through the healthy GPU (the first to ask).
+    let pool = backend_for(healthy).unwrap().pinned_pool().unwrap();
+    // A download into a pinned buffer of the pool, held on the faulty GPU's stream…
+    let backend = backend_for(faulty).unwrap();
+    let memory = backend.alloc(1 << 16).unwrap();
+    let buffer = pool.take(1 << 16).unwrap();
+    let batch = CopyBatch {
+        direction: Direction::DeviceToHost,
+        ops: vec![CopyOp {
+            src: memory.as_ptr(),
+            dst: buffer.as_ptr(),
+            len: 1 << 16,
+        }],
+        waits: Vec::new(),
+    };
+    let held = gate(faulty, Direction::DeviceToHost).unwrap();
+    let event = Event::pending();
+    // SAFETY: the op addresses `memory` and `buffer`, which the batch holds until its copy
+    // is done; nothing else touches them.
+    unsafe { backend.submit(batch, Box::new((memory, buffer)), &event) };
+    // …when a fault corrupts that GPU's context: its event can no longer be queried, nor its
+    // stream synchronised, and the copy may still run (DMA in flight).
+    let fault = hook::<FaultContextFn>(b"tf_fake_cuda_fault_context\0").unwrap();
+    // SAFETY: plain integers: the GPU's ordinal and CUDA_ERROR_ILLEGAL_ADDRESS.
+    assert_eq!(unsafe { fault(ordinal as i32, 700) }, 0);
+    let err = event.wait_timeout(PATIENCE).unwrap_err().to_string();
+    assert!(err.contains(&faulty.to_string()), "{err}");
+    // The buffer must not serve the next download (on the healthy GPU) while the held copy
+    // may still write it: the fake driver aborts the process if it does.
+    let (host, data) = sample(17);
+    let elsewhere = move_tensors(&[&host], healthy, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let back = move_tensors(
+        &[&elsewhere],
+        Device::Cpu,
+        MoveOptions {
+            pinned: true,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+    .remove(0);
+    assert_eq!(back.to_vec::<u32>().unwrap(), data);
+    // The faulty GPU is marked failed: later work there fails at once, naming why.
+    let refused = backend.alloc(64).unwrap_err().to_string();
+    assert!(refused.contains(&faulty.to_string()), "{refused}");
+    held.open();
+    println!("{CHILD_RAN}");
+}
+
+type ForbidFn = unsafe extern "C" fn(i32) -> u32;
+type RefusalsFn = unsafe extern "C" fn() -> u64;
+
+/// Marks the calling thread as one that must never wait for a GPU (a Python thread holding
+/// the GIL, in a DLPack deleter): the fake driver refuses and counts a call that would
+/// synchronise implicitly there. Unmarked when dropped.
+struct MustNotWait;
+
+impl MustNotWait {
+    fn mark() -> MustNotWait {
+        let forbid = hook::<ForbidFn>(b"tf_fake_cuda_forbid_implicit_sync\0").unwrap();
+        // SAFETY: a plain integer.
+        assert_eq!(unsafe { forbid(1) }, 0);
+        MustNotWait
+    }
+
+    /// The implicit synchronisations refused so far, on any thread.
+    fn refusals() -> u64 {
+        let count = hook::<RefusalsFn>(b"tf_fake_cuda_implicit_sync_refusals\0").unwrap();
+        // SAFETY: no arguments.
+        unsafe { count() }
+    }
+}
+
+impl Drop for MustNotWait {
+    fn drop(&mut self) {
+        if let Some(forbid) = hook::<ForbidFn>(b"tf_fake_cuda_forbid_implicit_sync\0") {
+            // SAFETY: a plain integer.
+            unsafe { forbid(0) };
+        }
+    }
+}
+
+#[test]
+fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
+    use crate::memory::pinned::{PinnedPool, MIN_CLASS};
+    let _serial = serial();
+    if hook::<ForbidFn>(b"tf_fake_cuda_forbid_implicit_sync\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    }
+    let Device::Cuda(ordinal) = last_gpu() else {
+        unreachable!()
+    };
+    // A pool that keeps one block: a second one given back is unpinned, and asking for
+    // another size unpins the cached one first.
+    let allocator = super::cuda_pinned::CudaPinnedAllocator::new(ordinal).unwrap();
+    let pool = PinnedPool::new(Box::new(allocator), MIN_CLASS);
+    let (a, b) = (pool.take(MIN_CLASS).unwrap(), pool.take(MIN_CLASS).unwrap());
+    let before = MustNotWait::refusals();
+    {
+        // cuMemFreeHost waits for the GPU: a thread that drops a pinned result (a Python
+        // thread in a DLPack deleter) must not be the one that calls it.
+        let _marked = MustNotWait::mark();
+        drop(a);
+        drop(b);
+        drop(pool.take(2 * MIN_CLASS).unwrap());
+    }
+    assert_eq!(
+        MustNotWait::refusals(),
+        before,
+        "pinned memory was unpinned on the thread that dropped it"
+    );
+}
+
+#[test]
+fn a_pinned_result_lent_through_dlpack_is_not_reused_while_its_consumer_may_read_it() {
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    }
+    run_in_child(
+        "child_a_lent_pinned_block_comes_back_behind_its_consumers_copy",
+        &[],
+    );
+}
+
+#[test]
+fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
+    use cudarc::driver::sys;
+    if !in_child() {
+        return;
+    }
+    let dev = last_gpu();
+    let pinned = MoveOptions {
+        pinned: true,
+        ..Default::default()
+    };
+    let (host, data) = sample(18);
+    let there = move_tensors(&[&host], dev, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    // A pinned result, handed to another library through DLPack (`torch.from_dlpack`)…
+    let lent = move_tensors(&[&there], Device::Cpu, pinned)
+        .unwrap()
+        .remove(0);
+    lent.wait().unwrap();
+    let (address, len) = (lent.data_ptr() as usize, lent.nbytes());
+    let capsule = crate::dlpack::export_versioned(&lent);
+    drop(lent);
+    // …which copies it to the GPU on its own stream (`t.cuda(non_blocking=True)`), a stream
+    // still busy with earlier work (held here)…
+    let consumer = ForeignStream::new(dev);
+    let target = backend_for(dev).unwrap().alloc(len).unwrap();
+    let held = gate_stream(consumer.raw as usize).unwrap();
+    {
+        let _current = consumer.context.enter(dev).unwrap();
+        // SAFETY: `address` is the lent block's `len` bytes, alive while the capsule is,
+        // pinned, and only read; `target` is `len` bytes of the GPU's memory, which the
+        // test holds until the copy is done; the stream is the consumer's, in this context.
+        let code = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                target.as_ptr() as sys::CUdeviceptr,
+                address as *const c_void,
+                len,
+                consumer.raw,
+            )
+        };
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    }
+    // …and releases it at once (`del t`), on a thread that must not wait for the GPU.
+    let refusals = MustNotWait::refusals();
+    {
+        let _marked = MustNotWait::mark();
+        // SAFETY: the capsule came from `export_versioned` and is released once, by its
+        // consumer (DLPack's contract).
+        unsafe { ((*capsule).deleter.unwrap())(capsule) };
+    }
+    assert_eq!(MustNotWait::refusals(), refusals, "the release waited");
+    // The next pinned download of that size must not land in the lent block while the
+    // consumer's copy may still read it: the fake driver aborts the process if it does.
+    let (other, other_data) = sample(19);
+    let next_source = move_tensors(&[&other], dev, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let next = move_tensors(
+        &[&next_source],
+        Device::Cpu,
+        MoveOptions {
+            non_blocking: true,
+            ..pinned
+        },
+    )
+    .unwrap()
+    .remove(0);
+    held.open();
+    assert_eq!(next.to_vec::<u32>().unwrap(), other_data);
+    // The consumer read what it was lent.
+    let mut seen = vec![0u32; data.len()];
+    {
+        let _current = consumer.context.enter(dev).unwrap();
+        // SAFETY: the consumer's stream is live; `seen` holds `len` bytes; `target` is
+        // `len` bytes of the GPU's memory, written by the consumer's copy.
+        let codes = unsafe {
+            [
+                sys::cuStreamSynchronize(consumer.raw),
+                sys::cuMemcpyDtoH_v2(
+                    seen.as_mut_ptr().cast(),
+                    target.as_ptr() as sys::CUdeviceptr,
+                    len,
+                ),
+            ]
+        };
+        assert_eq!(codes, [sys::CUresult::CUDA_SUCCESS; 2]);
+    }
+    assert_eq!(seen, data, "the consumer read another download's bytes");
+    println!("{CHILD_RAN}");
+}
+
+type PeerCopiesFn = unsafe extern "C" fn(*mut u64, *mut u64) -> u32;
+
+/// The fake driver's copies between GPUs so far: (direct, staged through the host).
+fn peer_copies() -> (u64, u64) {
+    let count = hook::<PeerCopiesFn>(b"tf_fake_cuda_peer_copies\0").unwrap();
+    let (mut direct, mut staged) = (0, 0);
+    // SAFETY: live out pointers.
+    assert_eq!(unsafe { count(&mut direct, &mut staged) }, 0);
+    (direct, staged)
+}
+
+/// Moves a tensor from GPU 0 to the last GPU; the copies between GPUs it made, direct and
+/// staged.
+fn move_across() -> (u64, u64) {
+    let (from, to) = (Device::Cuda(0), last_gpu());
+    let (host, data) = sample(20);
+    let there = move_tensors(&[&host], from, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let before = peer_copies();
+    let across = move_tensors(&[&there], to, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let after = peer_copies();
+    assert_eq!(across.device(), to);
+    assert_eq!(
+        move_one(&across, Device::Cpu).to_vec::<u32>().unwrap(),
+        data
+    );
+    (after.0 - before.0, after.1 - before.1)
+}
+
+#[test]
+fn a_copy_between_gpus_goes_direct_where_they_can_reach_each_other() {
+    let _serial = serial();
+    if hook::<PeerCopiesFn>(b"tf_fake_cuda_peer_copies\0").is_none()
+        || last_gpu() == Device::Cuda(0)
+    {
+        return eprintln!("skipped: needs the fake CUDA driver with two GPUs");
+    }
+    let (direct, staged) = move_across();
+    assert!(
+        direct > 0 && staged == 0,
+        "{direct} direct, {staged} staged through the host"
+    );
+    run_in_child(
+        "child_gpus_that_cannot_reach_each_other_copy_through_the_host",
+        &[("TF_FAKE_CUDA_PEER", "0")],
+    );
+}
+
+#[test]
+fn child_gpus_that_cannot_reach_each_other_copy_through_the_host() {
+    if !in_child() {
+        return;
+    }
+    let (direct, staged) = move_across();
+    assert!(
+        direct == 0 && staged > 0,
+        "{direct} direct, {staged} staged through the host"
+    );
+    println!("{CHILD_RAN}");
+}
+
+#[test]
+fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
+    use cudarc::driver::sys;
+    let _serial = serial();
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver (nothing here runs a graph)");
+    }
+    let dev = last_gpu();
+    let captured = ForeignStream::new(dev);
+    // This thread captures a graph in the global mode (PyTorch's default for CUDA graphs):
+    // a potentially unsafe call (allocating or freeing memory) on any thread still in the
+    // global mode would fail and invalidate it.
+    {
+        let _current = captured.context.enter(dev).unwrap();
+        // SAFETY: a live stream of this context; the mode is a valid enum value.
+        let code = unsafe {
+            sys::cuStreamBeginCapture_v2(
+                captured.raw,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            )
+        };
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    }
+    // Meanwhile another thread, in the global mode too, moves tensors both ways (device
+    // and pinned allocations, the staging ring) and drops them (frees on the freeing
+    // thread, which it waits for).
+    std::thread::spawn(move || {
+        let (host, data) = sample(23);
+        let auto = MoveOptions {
+            non_blocking: true,
+            ..Default::default()
+        };
+        let there = move_tensors(&[&host], dev, auto).unwrap().remove(0);
+        let pinned = MoveOptions {
+            pinned: true,
+            ..auto
+        };
+        let back = move_tensors(&[&there], Device::Cpu, pinned)
+            .unwrap()
+            .remove(0);
+        assert_eq!(back.to_vec::<u32>().unwrap(), data);
+        drop((there, back));
+        let Device::Cuda(i) = dev else { unreachable!() };
+        let freer = super::cuda_device::device(i).unwrap().freer().clone();
+        assert!(freer.wait_idle(PATIENCE));
+    })
+    .join()
+    .unwrap();
+    let _current = captured.context.enter(dev).unwrap();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: the stream is capturing, begun on this thread; a live out pointer.
+    let code = unsafe { sys::cuStreamEndCapture(captured.raw, &mut graph) };
+    assert_eq!(
+        code,
+        sys::CUresult::CUDA_SUCCESS,
+        "tensorferry broke the capture"
+    );
 }

@@ -41,6 +41,14 @@ impl HostBuffer {
         }
     }
 
+    /// Marks the memory as lent to another library (see [`PinnedBuffer::lend`]); ordinary
+    /// memory needs nothing: no pool reuses it.
+    pub(crate) fn lend(&self) {
+        if let HostBuffer::Pinned(b) = self {
+            b.lend();
+        }
+    }
+
     /// The start address, for the one copy that fills the buffer.
     pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
         match self {

@@ -5,9 +5,16 @@
 //! reuse, the cap, statistics) is the same whatever pins the memory: CUDA's
 //! `cuMemHostAlloc` (flags 0 or PORTABLE, never write-combined, which makes CPU reads slow)
 //! on a GPU machine, a plain allocator in tests.
+//!
+//! A buffer lent to another library ([`PinnedBuffer::lend`]: a DLPack export) may still be
+//! read by device work that library queued on streams tensorferry does not know (PyTorch's
+//! `t.cuda(non_blocking=True); del t`): it comes back to the pool only behind a fence the
+//! allocator provides ([`PinnedAllocator::return_lent`]), as PyTorch's own host allocator
+//! waits for events recorded on the streams that used a block.
 
 use std::any::Any;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::Result;
@@ -43,6 +50,9 @@ impl HostBlock {
     }
 }
 
+/// What takes a lent block back into its pool, once it may be reused.
+pub(crate) type GiveBack = Box<dyn FnOnce(HostBlock) + Send>;
+
 /// Something that pins host memory.
 ///
 /// # Safety
@@ -52,6 +62,15 @@ impl HostBlock {
 pub(crate) unsafe trait PinnedAllocator: Send + Sync {
     /// Allocates `len` bytes of pinned host memory.
     fn alloc(&self, len: usize) -> Result<HostBlock>;
+
+    /// Takes back a block that was lent to another library, whose device work on it is
+    /// unknown, and passes it to `back` once no device work queued so far can still read or
+    /// write it — or never, keeping it for good, when that cannot be known. Must not wait
+    /// on the calling thread. By default at once: no device reads such memory behind the
+    /// host's back.
+    fn return_lent(&self, block: HostBlock, back: GiveBack) {
+        back(block);
+    }
 }
 
 /// What the pool holds and how it has served requests.
@@ -121,6 +140,7 @@ impl PinnedPool {
                 return Ok(PinnedBuffer {
                     block: Some(block),
                     len,
+                    lent: AtomicBool::new(false),
                     pool: self.clone(),
                 });
             }
@@ -149,6 +169,7 @@ impl PinnedPool {
         Ok(PinnedBuffer {
             block: Some(block),
             len,
+            lent: AtomicBool::new(false),
             pool: self.clone(),
         })
     }
@@ -166,14 +187,24 @@ impl PinnedPool {
     }
 }
 
-/// A pinned buffer from the pool; goes back to it when dropped.
+/// A pinned buffer from the pool; goes back to it when dropped (behind the allocator's
+/// fence once it was lent).
 pub(crate) struct PinnedBuffer {
     block: Option<HostBlock>,
     len: usize,
+    /// Handed to another library: see [`PinnedBuffer::lend`].
+    lent: AtomicBool,
     pool: Arc<PinnedPool>,
 }
 
 impl PinnedBuffer {
+    /// Marks the buffer as lent to another library (a DLPack consumer), whose device work on
+    /// it tensorferry cannot see: when dropped, it returns to the pool only behind the
+    /// allocator's fence ([`PinnedAllocator::return_lent`]).
+    pub(crate) fn lend(&self) {
+        self.lent.store(true, Ordering::Relaxed);
+    }
+
     /// Bytes asked for (the block may be larger).
     pub(crate) fn len(&self) -> usize {
         self.len
@@ -198,7 +229,14 @@ impl PinnedBuffer {
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
-        if let Some(block) = self.block.take() {
+        let Some(block) = self.block.take() else {
+            return;
+        };
+        if *self.lent.get_mut() {
+            let pool = self.pool.clone();
+            let back = Box::new(move |block| pool.give_back(block));
+            self.pool.allocator.return_lent(block, back);
+        } else {
             self.pool.give_back(block);
         }
     }
@@ -292,6 +330,41 @@ mod tests {
         assert_eq!(live.load(Ordering::SeqCst), 2 << 20);
         assert_eq!(p.stats().pinned_bytes, 2 << 20);
         drop(b);
+    }
+
+    /// Holds lent blocks back until the test lets them go, as a fence that has not passed.
+    struct Fenced(Arc<Mutex<Vec<(HostBlock, GiveBack)>>>);
+
+    // SAFETY: each block is a fresh `AlignedBuffer` of `len` bytes, freed with its release.
+    unsafe impl PinnedAllocator for Fenced {
+        fn alloc(&self, len: usize) -> Result<HostBlock> {
+            let mut buf = AlignedBuffer::zeroed(len)?;
+            let ptr = buf.as_mut_slice().as_mut_ptr();
+            // SAFETY: `ptr` addresses `buf`'s `len` bytes, owned and freed by the release.
+            Ok(unsafe { HostBlock::new(ptr, len, Box::new(buf)) })
+        }
+
+        fn return_lent(&self, block: HostBlock, back: GiveBack) {
+            self.0.lock().unwrap().push((block, back));
+        }
+    }
+
+    #[test]
+    fn a_lent_buffer_is_reused_only_once_its_fence_has_passed() {
+        let held = Arc::new(Mutex::new(Vec::new()));
+        let p = PinnedPool::new(Box::new(Fenced(held.clone())), 1 << 30);
+        drop(p.take(100).unwrap());
+        let lent = p.take(100).unwrap();
+        assert_eq!(p.stats().hits, 1, "a buffer never lent comes back at once");
+        lent.lend();
+        drop(lent);
+        let other = p.take(100).unwrap();
+        assert_eq!(p.stats().misses, 2, "reused behind its fence");
+        let (block, back) = held.lock().unwrap().pop().unwrap();
+        back(block); // the fence passes
+        drop(p.take(100).unwrap());
+        assert_eq!(p.stats().hits, 2);
+        drop(other);
     }
 
     #[test]
