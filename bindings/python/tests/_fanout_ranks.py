@@ -314,6 +314,41 @@ def errors(folder, pg, out, rank):
     assert_same(tf.load(tp, process_group=pg), tf.load(tp))
 
 
+def replaced(folder, pg, out, rank):
+    """A save replaces the checkpoint while rank 0 still reads it (throttled): every rank
+    gets the error, none mixes two saves."""
+    import shutil
+    import threading
+
+    import tensorferry as tf
+
+    path = os.path.join(folder, f"race_{pg.size()}.safetensors")
+    if rank == 0:
+        shutil.copy(os.path.join(folder, "mixed.safetensors"), path)
+    import torch.distributed as dist
+
+    dist.barrier(group=pg)
+    if rank == 0:
+        os.environ["TENSORFERRY_FANOUT_READ_MBPS"] = "0.05"
+        threading.Timer(0.5, tf.save, (mixed_tree(), path)).start()
+    out["error:replaced"] = expect_error(lambda: tf.load(path, process_group=pg))
+    os.environ.pop("TENSORFERRY_FANOUT_READ_MBPS", None)
+
+
+def devices_and_frameworks(folder, pg, out):
+    """device= a device that is no PyTorch one (the emulated GPU), and like=."""
+    import tensorferry as tf
+
+    path = os.path.join(folder, "mixed.safetensors")
+    got = tf.load(path, process_group=pg, device="emu:0")
+    want = tf.load(path, device="emu:0")
+    assert {type(t) for _, t in leaves(got)} == {type(t) for _, t in leaves(want)}
+    devices = [t.device for _, t in leaves(got) if isinstance(t, tf.Tensor)]
+    assert devices == [t.device for _, t in leaves(want) if isinstance(t, tf.Tensor)] and set(devices) == {"emu:0"}
+    assert_same(tf.to_numpy(got), tf.to_numpy(want))
+    assert_same(tf.load(path, process_group=pg, like="numpy"), tf.load(path, like="numpy"))
+
+
 def killed(folder, pg, out, rank):
     """One rank dies (SIGKILL) while it reads, throttled; the others fail, not hang."""
     import threading
@@ -341,7 +376,9 @@ def scenario_two(rank, world, folder, pg, out):
     replicated(folder, pg, out)
     sharded(folder, pg, out, rank, world)
     composed(folder, pg, out)
+    devices_and_frameworks(folder, pg, out)
     errors(folder, pg, out, rank)
+    replaced(folder, pg, out, rank)
 
 
 def save(folder, scenario, rank, out):

@@ -186,6 +186,12 @@ def test_errors_are_the_same_on_every_rank_and_name_the_rank_and_the_file(world,
     assert "other.safetensors" in e["message"] and "sees another checkpoint" in e["message"]
 
 
+def test_a_checkpoint_replaced_while_a_rank_reads_it_fails_on_every_rank(two):
+    e = _same_everywhere(two, "error:replaced")
+    assert e["type"] == "FormatError" and "on rank 0 of 2" in e["message"]
+    assert "race_2.safetensors" in e["message"] and "replaced during the load" in e["message"]
+
+
 def test_a_rank_killed_mid_load_fails_the_others_within_the_timeout(four):
     for r, res in four.items():
         e = res["error:killed"]

@@ -259,8 +259,12 @@ def _read_index(fd, path):
     size = os.fstat(fd).st_size
     if size > _MAX_INDEX_BYTES:
         raise FormatError(f"{path}: an index of {size} bytes is over the {_MAX_INDEX_BYTES}-byte limit")
-    data = bytearray(size)
-    _dcp_io._pread_exact(fd, memoryview(data), 0, path)
+    data = b""
+    while len(data) < size:
+        chunk = os.pread(fd, size - len(data), len(data))
+        if not chunk:
+            break
+        data += chunk
     try:
         index = json.loads(data)
         weight_map = index["weight_map"]
@@ -418,7 +422,10 @@ class _Throttle:
 
     def __init__(self):
         text = os.environ.get(READ_MBPS_ENV, "").strip()
-        self.rate = float(text) * 1e6 if text else None
+        try:
+            self.rate = float(text) * 1e6 if text else None
+        except ValueError:
+            raise ValueError(f"{READ_MBPS_ENV}={text!r}: expected a rate in MB/s, such as 200") from None
         self.start, self.done = time.monotonic(), 0
 
     def read(self, fd, path, todo, stats):
