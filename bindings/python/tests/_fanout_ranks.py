@@ -150,6 +150,16 @@ def make_checkpoints(folder):
         weight_map.update({n: shard for n in part})
     with open(os.path.join(hf, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": sum(t.nbytes for t in tp.values())}, "weight_map": weight_map}, f)
+    # The same shards recording the save that wrote them, as tensorferry's sharded saves
+    # do: once all of one save, once a shard of another save.
+    for copy, second in (("hf_saved", "a"), ("hf_two_saves", "b")):
+        os.makedirs(os.path.join(folder, copy))
+        for i, part in enumerate(halves):
+            shard = f"model-0000{i + 1}-of-00002.safetensors"
+            meta = {"format": "pt", "tensorferry.save": "a" if i == 0 else second}
+            save_file({n: tp[n] for n in part}, os.path.join(folder, copy, shard), metadata=meta)
+        with open(os.path.join(folder, copy, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"tensorferry.save": "a"}, "weight_map": weight_map}, f)
     other = mixed_tree()
     other["model"]["embed"] = other["model"]["embed"][:299]
     tf.save(other, os.path.join(folder, "other.safetensors"))
@@ -214,7 +224,7 @@ def replicated(folder, pg, out):
     import tensorferry as tf
     from tensorferry.dcp import ReadStats
 
-    for name in ("mixed.safetensors", "ts", "hf", "tp.safetensors", "ts/model.safetensors"):
+    for name in ("mixed.safetensors", "ts", "hf", "tp.safetensors", "ts/model.safetensors", "hf_saved"):
         path = os.path.join(folder, name)
         stats = ReadStats()
         try:
@@ -306,6 +316,8 @@ def errors(folder, pg, out, rank):
 
     dist.barrier(group=pg)
     out["error:missing_shard"] = expect_error(lambda: tf.load(broken, process_group=pg))
+    # A shard of another save than its index's.
+    out["error:two_saves"] = expect_error(lambda: tf.load(os.path.join(folder, "hf_two_saves"), process_group=pg))
     # The last rank loads another checkpoint than the others.
     last = pg.size() - 1
     path = os.path.join(folder, "other.safetensors" if rank == last else "mixed.safetensors")

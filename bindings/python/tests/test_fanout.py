@@ -136,6 +136,14 @@ def test_slice_runs_are_the_fewest_contiguous_runs():
     assert _fanout.slice_runs((3, 8, 5), 2, 2, 1, 0) == ([(0, 240)], (3, 8, 5))
 
 
+def test_parts_travel_on_the_gpu_only_through_a_gpu_backend_to_a_gpu():
+    assert _fanout._exchange_device("gloo", "cpu") == "cpu"
+    assert _fanout._exchange_device("gloo", "cuda:1") == "cpu"
+    assert _fanout._exchange_device("nccl", "cuda:1") == "cuda:1"
+    assert _fanout._exchange_device("cpu:gloo,cuda:nccl", "cuda:0") == "cuda:0"
+    assert _fanout._exchange_device("cpu:gloo,cuda:nccl", "cpu") == "cpu"
+
+
 def test_parts_are_contiguous_in_file_order_and_balanced_within_one_tensor():
     rng = random.Random(0)
     for world in (1, 2, 3, 4, 8):
@@ -181,6 +189,9 @@ def test_errors_are_the_same_on_every_rank_and_name_the_rank_and_the_file(world,
     e = _same_everywhere(results, "error:missing_shard")
     assert "FileNotFoundError" in e["mro"] and "model-00002-of-00002.safetensors" in e["message"]
     assert f"on rank 0 of {world}" in e["message"] and "failed too" in e["message"]
+    e = _same_everywhere(results, "error:two_saves")
+    assert e["type"] == "FormatError" and "model-00002-of-00002.safetensors" in e["message"]
+    assert "another save" in e["message"] and f"on rank 0 of {world}" in e["message"]
     e = _same_everywhere(results, "error:other_checkpoint")
     assert e["type"] == "FormatError" and f"rank {world - 1} (tensorferry.load(" in e["message"]
     assert "other.safetensors" in e["message"] and "sees another checkpoint" in e["message"]

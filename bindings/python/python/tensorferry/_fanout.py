@@ -470,13 +470,25 @@ def _torch_device(target):
     return target if target == "cpu" or target.startswith("cuda") else "cpu"
 
 
+def _exchange_device(backend, target):
+    """Where the parts travel: on the GPU when the group has a GPU backend (NCCL) and the
+    target is a GPU, or when it has no host backend (gloo, MPI); else on the host."""
+    import torch
+
+    backend = str(backend).lower()
+    on_gpu = "nccl" in backend
+    if on_gpu and (target.startswith("cuda") or not ("gloo" in backend or "mpi" in backend)):
+        return target if target.startswith("cuda") else f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
 def _exchange_and_build(plan, part, slices, target, dist, pg, agree):
     """Broadcasts every rank's part from its owner and builds the tree: the skeleton with
     each tensor leaf replaced by a tensor of the framework ``tensorferry.load`` gives it."""
     import torch
 
     built = _torch_device(target)
-    sending = "cpu" if dist.get_backend(pg) != "nccl" else f"cuda:{torch.cuda.current_device()}"
+    sending = _exchange_device(dist.get_backend(pg), target)
     parts = [None] * agree.world
     for owner, size in enumerate(plan.sizes):
         if not size:
