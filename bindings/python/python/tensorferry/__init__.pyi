@@ -143,6 +143,9 @@ def load(
     dtype: Any = None,
     out: Any = None,
     staging: Staging = "on",
+    process_group: Any = None,
+    shard: Optional[dict[Union[str, tuple[Any, ...]], Union[int, tuple[int, int]]]] = None,
+    read_stats: Any = None,
 ) -> Any: ...
 def metadata(path: Path) -> dict[str, str]: ...
 def devices() -> list[str]: ...

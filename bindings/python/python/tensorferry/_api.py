@@ -595,7 +595,8 @@ _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
 
 
 @gc_paused
-def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, dtype=None, out=None, staging="on"):
+def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, dtype=None, out=None, staging="on",
+         process_group=None, shard=None, read_stats=None):
     """Loads a safetensors file as plain containers (dict, list, tuple).
 
     ``path`` may also be a sharded checkpoint's ``*.safetensors.index.json``, or a folder
@@ -656,7 +657,24 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     >>> tf.save({"x": np.arange(3)}, p)
     >>> tf.load(p, like="tensorferry")["x"].dtype
     'int64'
+
+    With ``process_group`` (a ``torch.distributed`` group; every rank calls ``load`` with
+    the same arguments) each byte is read from storage once: each rank reads a part of the
+    tensors, balanced by bytes, and the parts are broadcast over the group, so every rank
+    gets what ``load`` gives (in fresh memory). ``shard={pattern: dim}`` (patterns as for
+    ``keys``) gives each rank only ``torch.tensor_split(full, world, dim)[rank]`` of the
+    tensors it matches, reading only that slice's byte runs (``{pattern: (dim, parts)}``:
+    part ``rank % parts``; a size that does not divide is an error). ``read_stats`` (a
+    ``tensorferry.dcp.ReadStats``) counts the bytes this rank read. Every rank raises the
+    same error, naming the failing rank. See ``tensorferry._fanout``.
     """
+    if process_group is not None or shard is not None or read_stats is not None:
+        from . import _fanout
+
+        return _fanout.load(
+            path, process_group=process_group, shard=shard, read_stats=read_stats, device=device, like=like,
+            keys=keys, dtype=dtype, out=out, direct=direct, mmap=mmap, staging=staging,
+        )
     if like is not None and like not in _LIKE:
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
     target = _native.parse_device(device)

@@ -1,0 +1,580 @@
+"""Loading one checkpoint onto every rank of a ``torch.distributed`` process group, each byte
+read from storage once, and tensor-parallel shards read as slices.
+
+When many ranks load the same checkpoint, storage (a network filesystem, a bucket, one
+NVMe) is the bottleneck if every rank reads all of it. Here the tensors a load returns are
+divided among the ranks on tensor boundaries, contiguous in file order (the data sections
+of a sharded checkpoint's files laid end to end) and balanced by bytes; each rank reads its
+part with positioned reads (:mod:`tensorferry._dcp_io`), then every part is broadcast from
+its owner over the process group, so that every rank ends with the whole dictionary while
+storage served each byte once. Names that ``shard=`` matches are not exchanged: each rank
+reads only the byte runs of its own slice.
+
+The structure (nesting, plain values, key order, each tensor's framework) is the one
+:func:`tensorferry.load` builds from the headers: it is taken from a memory-mapped load of
+the same checkpoint whose tensor pages are never touched, and its tensor leaves are
+replaced by the exchanged ones.
+
+Failures are agreed before any exchange: after planning and after reading, the ranks
+gather each one's status (``all_gather_object``), and if any rank failed, every rank raises
+the same error, naming the first failing rank and the checkpoint, so no rank waits on a
+broadcast its peers will never join. A rank that dies makes the others fail in the next
+collective, within the process group's timeout, with :class:`ProcessGroupError`.
+
+Reads can be throttled for benchmarks: ``TENSORFERRY_FANOUT_READ_MBPS=200`` makes each
+process read at most 200 MB/s (10^6 bytes), as if its link to storage had that rate.
+"""
+
+import builtins
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from . import _dcp_io
+from . import _errors
+from . import _frameworks as fw
+from . import _native
+from . import _select
+from ._errors import FormatError, TensorferryError, TensorferryKeyError, io_error
+from ._tree import dotted
+
+#: Each tensor starts at a multiple of this many bytes in a rank's part.
+ALIGN = 64
+#: The environment variable that throttles reads (MB/s per process); for benchmarks and tests.
+READ_MBPS_ENV = "TENSORFERRY_FANOUT_READ_MBPS"
+#: Threads reading one file at once (page-cache copies run side by side).
+READ_WORKERS = min(4, os.cpu_count() or 1)
+
+_INDEX_SUFFIX = ".safetensors.index.json"
+_SAVE_ID_KEY = "tensorferry.save"
+_MAX_INDEX_BYTES = 256 << 20  # as the native index reader
+_FLOAT_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
+_TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "U16": "uint16", "I16": "int16", "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32",
+    "F32": "float32", "C64": "complex64", "U64": "uint64", "I64": "int64", "F64": "float64",
+}
+
+
+class ProcessGroupError(TensorferryError, RuntimeError):
+    """A collective of a process-group load failed: a rank died, or the group timed out."""
+
+
+@dataclass
+class _Item:
+    """One tensor the load returns: where it lies in which file, and what the rank does
+    with it (``split``: ``(dim, parts)`` for a slice; else ``owner``, the rank that reads
+    it, and ``offset``, where it starts in the owner's part)."""
+
+    path: tuple
+    name: str
+    file: str
+    code: str
+    shape: tuple
+    begin: int
+    end: int
+    wire: str
+    split: Optional[tuple] = None
+    owner: int = 0
+    offset: int = 0
+
+    @property
+    def nbytes(self):
+        return self.end - self.begin
+
+    @property
+    def wire_nbytes(self):
+        return self.nbytes // _dcp_io.ITEM_SIZE[self.code] * _dcp_io.ITEM_SIZE[self.wire]
+
+
+@dataclass
+class _Plan:
+    skeleton: object  # the tree tensorferry.load builds, tensors still mapped
+    leaves: list  # [(path, leaf)] of the skeleton
+    items: list  # _Item per leaf, in the leaves' order
+    sizes: list  # bytes of each rank's part, as sent
+    fds: dict  # file -> descriptor
+    identities: dict  # file -> (st_dev, st_ino) when opened
+    digest: str  # what every rank must agree on
+
+
+def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, out, direct, mmap, staging):
+    """:func:`tensorferry.load` on every rank of ``process_group``; see its docstring.
+    ``mmap`` and ``staging`` have no effect (parts are read into fresh memory)."""
+    del mmap, staging
+    if process_group is None:
+        raise ValueError("shard= and read_stats= load through a process group: pass process_group=")
+    if direct:
+        raise ValueError("direct=True is not supported with process_group= (parts are read through the page cache)")
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    if rank < 0:
+        raise ValueError("this process is not a member of process_group")
+    where = f"tensorferry.load({os.fspath(path)!r})"
+    stats = read_stats if read_stats is not None else _dcp_io.ReadStats()
+    agree = _Agreement(dist, process_group, rank, world, where)
+    plan, error = None, None
+    try:
+        target = _native.parse_device(device)
+        if target != "cpu":
+            _native.ensure_device(target)
+        plan = _plan(os.fspath(path), rank, world, like, keys, dtype, shard, stats)
+    except Exception as e:  # every rank learns it below
+        error = e
+    try:
+        agreed = agree.status(error, plan.digest if plan else None, "the plan")
+        odd = [r for r, (digest, _) in enumerate(agreed) if digest != agreed[0][0]]
+        if odd:
+            raise FormatError(
+                f"{agreed[0][1]} on rank 0 of {world}: rank{'s' if len(odd) > 1 else ''} "
+                f"{', '.join(map(str, odd))} ({agreed[odd[0]][1]}) see{'' if len(odd) > 1 else 's'} another "
+                "checkpoint (tensor names, shapes, "
+                "offsets or save differ): every rank must load the same checkpoint"
+            )
+        try:
+            part, slices = _read(plan, rank, stats)
+            _check_unchanged(plan)
+        except Exception as e:
+            error = e
+    finally:
+        for fd in plan.fds.values() if plan else ():
+            os.close(fd)
+    agree.status(error, None, "reading")
+    tree = _exchange_and_build(plan, part, slices, target, dist, process_group, agree)
+    if dtype is not None:
+        tree = _select.cast(tree, dtype)
+    if out is not None:
+        return _select.fill(out, tree)
+    if _torch_device(target) != target:
+        from ._api import to_device
+
+        tree = to_device(tree, target)
+    return tree
+
+
+# ---- planning ----------------------------------------------------------------------------
+
+
+def _plan(path, rank, world, like, keys, dtype, shard, stats):
+    """The plan of the load on this rank (every rank computes the same one but for its
+    slices' places)."""
+    from . import _api
+
+    kind, top = _resolve(path)
+    fds, identities = {}, {}
+    try:
+        try:
+            _open(top, fds, identities)
+        except OSError as e:
+            _api.load(path, like=like, keys=keys)  # raises the error tensorferry.load gives
+            raise io_error(e.errno, f"open: {e.strerror}", e.filename) from None
+        # The structure as tensorferry.load builds it, from a map whose tensor pages stay untouched.
+        skeleton = _api.load(path, like=like, keys=keys)
+        folder = os.path.dirname(top)
+        save_id = None
+        if kind == "index":
+            weight_map, save_id = _read_index(fds[top], top)
+            file_of = {name: os.path.join(folder, f) for name, f in weight_map.items()}
+        leaves = _native.collect_tensors(skeleton, fw.kind_of)
+        names = [dotted(p) for p, _ in leaves]
+        files = [top] * len(names) if kind == "file" else [file_of.get(n) for n in names]
+        order = sorted(set(files) - {None})
+        headers = {}
+        for f in order:
+            _open(f, fds, identities)
+            headers[f] = _dcp_io.read_header(fds[f], f, stats)
+            if save_id is not None and _native.read_metadata(f).get(_SAVE_ID_KEY) != save_id:
+                raise FormatError(f"{f}: the shard was written by another save than its index {top!r}")
+        narrow = _narrowing(dtype)
+        items = []
+        for (p, leaf), name, f in zip(leaves, names, files):
+            e = headers.get(f, {}).get(name)
+            if e is None or tuple(leaf.shape) != e.shape:
+                raise FormatError(f"{f or top}: {name!r} is not there as the load found it (changed during the load?)")
+            items.append(_Item(p, name, f, e.dtype, e.shape, e.begin, e.end, narrow(e.dtype)))
+        if shard is not None:
+            _assign_splits(items, shard, world, path, keys)
+        file_rank = {f: i for i, f in enumerate(order)}
+        sizes = _assign_owners([it for it in items if it.split is None], world, file_rank)
+        digest = hashlib.sha256(
+            json.dumps(
+                [world, save_id, sizes]
+                + [[it.name, os.path.basename(it.file), it.code, it.shape, it.begin, it.end, it.wire, it.split,
+                    it.owner] for it in items],
+            ).encode()
+        ).hexdigest()
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return _Plan(skeleton, leaves, items, sizes, fds, identities, digest)
+
+
+def _resolve(path):
+    """``("index" | "file", path)``: what :func:`tensorferry.load` reads for ``path`` (an
+    index, a file, a folder holding one, or ``x.safetensors`` saved as shards), resolved as
+    the native loader does. Paths it would refuse resolve to themselves: its load names the
+    problem."""
+    if path.endswith(_INDEX_SUFFIX):
+        return "index", path
+    if os.path.isdir(path):
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return "file", path
+        indexes = [n[: -len(_INDEX_SUFFIX)] for n in names if n.endswith(_INDEX_SUFFIX)]
+        files = [n for n in names if n.endswith(".safetensors")]
+
+        def choose(stem):
+            if stem + ".safetensors" in files:
+                return "file", os.path.join(path, stem + ".safetensors")
+            return "index", os.path.join(path, stem + _INDEX_SUFFIX)
+
+        if "model.safetensors" in files or "model" in indexes:
+            return choose("model")
+        if len(indexes) == 1:
+            return choose(indexes[0])
+        if not indexes and len(files) == 1:
+            return "file", os.path.join(path, files[0])
+        return "file", path
+    if not os.path.exists(path) and path.endswith(".safetensors") and os.path.isfile(path + ".index.json"):
+        return "index", path + ".index.json"
+    return "file", path
+
+
+def _open(path, fds, identities):
+    if path not in fds:
+        fd = _dcp_io.open_read(path)
+        st = os.fstat(fd)
+        fds[path], identities[path] = fd, (st.st_dev, st.st_ino)
+
+
+def _read_index(fd, path):
+    """``(weight_map, save id or None)`` of the index open as ``fd`` (the native load has
+    validated its content already)."""
+    size = os.fstat(fd).st_size
+    if size > _MAX_INDEX_BYTES:
+        raise FormatError(f"{path}: an index of {size} bytes is over the {_MAX_INDEX_BYTES}-byte limit")
+    data = b""
+    while len(data) < size:
+        chunk = os.pread(fd, size - len(data), len(data))
+        if not chunk:
+            break
+        data += chunk
+    try:
+        index = json.loads(data)
+        weight_map = index["weight_map"]
+        meta = index.get("metadata") or {}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{path}: not a safetensors index ({e})") from None
+    return weight_map, meta.get(_SAVE_ID_KEY) if isinstance(meta, dict) else None
+
+
+def _narrowing(dtype):
+    """``code -> code`` sent for a tensor of that dtype: ``dtype=`` when it is a floating
+    dtype narrower than the file's (cast before the exchange), else the file's."""
+    if dtype is None:
+        return lambda code: code
+    to = _FLOAT_CODES[_select._dtype_name(dtype)]
+    size = _dcp_io.ITEM_SIZE[to]
+    return lambda code: to if code in _FLOAT_CODES.values() and _dcp_io.ITEM_SIZE[code] > size else code
+
+
+def _assign_splits(items, shard, world, path, keys):
+    """Marks each item that a pattern of ``shard`` matches with its ``(dim, parts)``."""
+    if not isinstance(shard, dict):
+        raise TypeError(f"shard must be a dict of name or pattern -> dim (or (dim, parts)), not {type(shard).__name__}")
+    specs = []
+    for key, value in shard.items():
+        if isinstance(value, tuple) and len(value) == 2:
+            dim, parts = value
+        else:
+            dim, parts = value, world
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (dim, parts)):
+            raise TypeError(f"shard[{key!r}] must be a dim (int) or (dim, parts), not {value!r}")
+        if parts < 1 or world % parts:
+            raise ValueError(f"shard[{key!r}] = {value!r}: {parts} parts do not divide the {world} ranks")
+        specs.append((_select.patterns(key)[0], dim, parts, key))
+    used = set()
+    for it in items:
+        hits = [s for s in specs if _select._matches(it.name, s[0])]
+        if not hits:
+            continue
+        used.update(s[3] for s in hits)
+        ndim = len(it.shape)
+        ways = {((d + ndim) if d < 0 else d, parts) for _, d, parts, _ in hits}
+        if len(ways) > 1:
+            raise ValueError(f"{it.name!r} is matched by shard= patterns {[s[3] for s in hits]} that split it differently")
+        ((dim, parts),) = ways
+        if not 0 <= dim < ndim:
+            raise FormatError(f"{it.file}: cannot split {it.name!r} of shape {it.shape} along dim {hits[0][1]}")
+        if it.shape[dim] % parts:
+            raise FormatError(
+                f"{it.file}: {it.name!r} of shape {it.shape} does not split evenly into {parts} parts along dim "
+                f"{dim} ({it.shape[dim]} is not a multiple of {parts}); uneven splits are refused"
+            )
+        it.split = (dim, parts)
+    missing = [k for k in shard if k not in used]
+    if missing:
+        among = " among those keys= selects" if keys is not None else ""
+        raise TensorferryKeyError(f"shard= names {missing}: no tensor of {path!r}{among} matches")
+
+
+def _assign_owners(items, world, file_rank):
+    """Gives each replicated item an owner and its offset in the owner's part; returns
+    each part's size. In file order, an item goes to the rank whose share of the bytes its
+    midpoint falls in: parts are contiguous, each within one tensor's size of total/world."""
+    items = sorted(items, key=lambda it: (file_rank[it.file], it.begin))
+    total = sum(it.nbytes for it in items)
+    sizes, done = [0] * world, 0
+    for it in items:
+        it.owner = min(world - 1, (2 * done + it.nbytes) * world // (2 * total)) if total else 0
+        done += it.nbytes
+        it.offset = sizes[it.owner]
+        sizes[it.owner] = _aligned(it.offset + it.wire_nbytes)
+    return sizes
+
+
+def _aligned(n):
+    return -(-n // ALIGN) * ALIGN
+
+
+def slice_runs(shape, item_size, dim, parts, part):
+    """``(runs, slice shape)``: the fewest contiguous byte runs ``[(start, nbytes)]``
+    (relative to the tensor's first byte, in C order) holding part ``part`` of ``parts``
+    equal parts of a C-ordered tensor of ``shape`` split along ``dim``."""
+    size = shape[dim] // parts
+    offsets = [0] * len(shape)
+    offsets[dim] = part * size
+    lengths = list(shape)
+    lengths[dim] = size
+    runs = []
+    for start, n in _dcp_io.byte_runs(shape, item_size, offsets, lengths):
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((start, n))
+    return runs, tuple(lengths)
+
+
+# ---- reading -----------------------------------------------------------------------------
+
+
+def _read(plan, rank, stats):
+    """``(part, {index of item: slice})``: this rank's part as sent (a uint8 tensor) and
+    the tensors of its slices, read from the files."""
+    import torch
+
+    throttle = _Throttle()
+    mine = sorted((it for it in plan.items if it.split is None and it.owner == rank), key=lambda it: it.offset)
+    # Read in the file's dtype at the same offsets as sent unless dtype= narrows some.
+    narrowed = any(it.wire != it.code for it in mine)
+    raw_at, size = [], 0
+    for it in mine:
+        raw_at.append(size)
+        size = _aligned(size + it.nbytes)
+    raw = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(raw.numpy())
+    todo = {}
+    for it, at in zip(mine, raw_at):
+        todo.setdefault(it.file, []).extend(_dcp_io.pieces(_entry(it), [(0, it.nbytes)], view[at : at + it.nbytes]))
+        stats.needed += it.nbytes
+    slices = {}
+    for i, it in enumerate(plan.items):
+        if it.split is None:
+            continue
+        dim, parts = it.split
+        runs, shape = slice_runs(it.shape, _dcp_io.ITEM_SIZE[it.code], dim, parts, rank % parts)
+        n = sum(k for _, k in runs)
+        buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            todo.setdefault(it.file, []).extend(_dcp_io.pieces(_entry(it), runs, memoryview(buf.numpy())))
+        stats.needed += n
+        slices[i] = buf.view(_torch_dtype(it.code)).reshape(shape)
+    for f in sorted(todo):
+        throttle.read(plan.fds[f], f, sorted(todo[f], key=lambda p: p[0]), stats)
+    for i, t in slices.items():
+        it = plan.items[i]
+        if it.wire != it.code:
+            slices[i] = t.to(_torch_dtype(it.wire))
+    if not narrowed:
+        return raw, slices
+    part = torch.empty(plan.sizes[rank], dtype=torch.uint8)
+    for it, at in zip(mine, raw_at):
+        src = raw[at : at + it.nbytes].view(_torch_dtype(it.code))
+        part[it.offset : it.offset + it.wire_nbytes].view(_torch_dtype(it.wire)).copy_(src)
+    return part, slices
+
+
+def _entry(it):
+    return _dcp_io.Entry(it.code, it.shape, it.begin, it.end)
+
+
+class _Throttle:
+    """Reads pieces, at most :data:`READ_MBPS_ENV` MB/s when it is set (a stand-in for
+    storage slower than the page cache)."""
+
+    BATCH = 8 << 20
+
+    def __init__(self):
+        text = os.environ.get(READ_MBPS_ENV, "").strip()
+        try:
+            self.rate = float(text) * 1e6 if text else None
+        except ValueError:
+            raise ValueError(f"{READ_MBPS_ENV}={text!r}: expected a rate in MB/s, such as 200") from None
+        self.start, self.done = time.monotonic(), 0
+
+    def read(self, fd, path, todo, stats):
+        if not self.rate:
+            _dcp_io.read_pieces(fd, path, todo, READ_WORKERS, stats)
+            return
+        batch, size = [], 0
+        for piece in todo + [None]:
+            if piece is not None:
+                batch.append(piece)
+                size += len(piece[1])
+            if batch and (piece is None or size >= self.BATCH):
+                _dcp_io.read_pieces(fd, path, batch, READ_WORKERS, stats)
+                self.done += size
+                time.sleep(max(0.0, self.start + self.done / self.rate - time.monotonic()))
+                batch, size = [], 0
+
+
+def _check_unchanged(plan):
+    """Every file still has the path it was opened by (a save that replaced one during the
+    load would have mixed two checkpoints)."""
+    for f, ident in plan.identities.items():
+        try:
+            st = os.stat(f)
+        except OSError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != ident:
+            raise FormatError(f"{f}: the file was replaced during the load (a save ran meanwhile?): load again")
+
+
+# ---- exchange and results ------------------------------------------------------------------
+
+
+def _torch_dtype(code):
+    import torch
+
+    return getattr(torch, _TORCH_NAMES[code])
+
+
+def _torch_device(target):
+    """Where the results are built: the target when PyTorch can hold it, else the host."""
+    return target if target == "cpu" or target.startswith("cuda") else "cpu"
+
+
+def _exchange_device(backend, target):
+    """Where the parts travel: on the GPU when the group has a GPU backend (NCCL) and the
+    target is a GPU, or when it has no host backend (gloo, MPI); else on the host."""
+    import torch
+
+    backend = str(backend).lower()
+    on_gpu = "nccl" in backend
+    if on_gpu and (target.startswith("cuda") or not ("gloo" in backend or "mpi" in backend)):
+        return target if target.startswith("cuda") else f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def _exchange_and_build(plan, part, slices, target, dist, pg, agree):
+    """Broadcasts every rank's part from its owner and builds the tree: the skeleton with
+    each tensor leaf replaced by a tensor of the framework ``tensorferry.load`` gives it."""
+    import torch
+
+    built = _torch_device(target)
+    sending = _exchange_device(dist.get_backend(pg), target)
+    parts = [None] * agree.world
+    for owner, size in enumerate(plan.sizes):
+        if not size:
+            continue
+        buf = part.to(sending) if owner == agree.rank else torch.empty(size, dtype=torch.uint8, device=sending)
+        if agree.world > 1:
+            agree.run(lambda: dist.broadcast(buf, src=dist.get_global_rank(pg, owner), group=pg), "the exchange")
+        parts[owner] = buf.to(built)
+    del part
+    tensors = []
+    for i, it in enumerate(plan.items):
+        if it.split is not None:
+            t = slices[i].to(built)
+        elif parts[it.owner] is None:
+            t = torch.empty(it.shape, dtype=_torch_dtype(it.wire), device=built)
+        else:
+            raw = parts[it.owner][it.offset : it.offset + it.wire_nbytes]
+            t = raw.view(_torch_dtype(it.wire)).reshape(it.shape)
+        tensors.append(t)
+    # Each result owns its own storage (as tensorferry.load's do: safetensors refuses to
+    # save tensors that share one), viewing the part it came in.
+    kinds = [fw.kind_of(leaf) for _, leaf in plan.leaves]
+    if built != "cpu":
+        kinds = [fw.NATIVE if k == fw.NUMPY else k for k in kinds]
+    results = [torch.from_dlpack(t) if k == fw.TORCH else None for t, k in zip(tensors, kinds)]
+    others = [i for i, k in enumerate(kinds) if k != fw.TORCH]
+    if others:
+        paths = [plan.leaves[i][0] for i in others]
+        natives = fw.to_native_many([tensors[i] for i in others], [fw.TORCH] * len(others), paths)
+        for i, r in zip(others, fw.from_native_many(natives, [kinds[i] for i in others], paths)):
+            results[i] = r
+    return _native.rebuild(plan.skeleton, {id(leaf): r for (_, leaf), r in zip(plan.leaves, results)})
+
+
+# ---- agreement -----------------------------------------------------------------------------
+
+
+class _Agreement:
+    """The collectives every rank joins, and errors that every rank raises alike."""
+
+    def __init__(self, dist, pg, rank, world, where):
+        self.dist, self.pg, self.rank, self.world, self.where = dist, pg, rank, world, where
+
+    def run(self, collective, phase):
+        try:
+            return collective()
+        except Exception as e:
+            raise ProcessGroupError(
+                f"{self.where} on rank {self.rank} of {self.world}: the process group failed during {phase} "
+                f"(a rank died or timed out): {e}"
+            ) from e
+
+    def status(self, error, digest, phase):
+        """Every rank's ``(digest, what it loads)`` once all ranks report; if any rank
+        reports an error, every rank raises the first failing rank's, the same everywhere."""
+        mine = (None if error is None else _describe(error), digest, self.where)
+        statuses = [mine]
+        if self.world > 1:
+            statuses = [None] * self.world
+            self.run(lambda: self.dist.all_gather_object(statuses, mine, group=self.pg), f"the agreement on {phase}")
+        failed = [r for r, (d, _, _) in enumerate(statuses) if d is not None]
+        if failed:
+            first, rest = failed[0], ", ".join(map(str, failed[1:]))
+            others = f" (rank{'s' if len(failed) > 2 else ''} {rest} failed too)" if rest else ""
+            description, _, where = statuses[first]
+            raised = _rebuilt(description, f"{where} failed on rank {first} of {self.world}", others)
+            raise raised from (error if self.rank == first else None)
+        return [(d, where) for _, d, where in statuses]
+
+
+def _describe(e):
+    """A picklable description of ``e`` that every rank can raise again as the same class."""
+    if isinstance(e, OSError) and (e.errno is not None or isinstance(e, _errors.TensorferryIOError)):
+        return ("os", None, e.errno, e.strerror if e.strerror is not None else str(e), e.filename)
+    message = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else str(e)
+    for cls in type(e).__mro__:
+        if getattr(_errors, cls.__name__, None) is cls:
+            return ("tensorferry", cls.__name__, None, message, None)
+        if getattr(builtins, cls.__name__, None) is cls and issubclass(cls, Exception):
+            return ("builtin", cls.__name__, None, message, None)
+    return ("tensorferry", "TensorferryError", None, f"{type(e).__name__}: {message}", None)
+
+
+def _rebuilt(description, prefix, suffix):
+    kind, name, errno, message, filename = description
+    if kind == "os":
+        return io_error(errno, f"{prefix}: {message}{suffix}", filename)
+    cls = getattr(_errors if kind == "tensorferry" else builtins, name)
+    return cls(f"{prefix}: {message}{suffix}")

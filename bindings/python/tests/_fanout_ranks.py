@@ -1,0 +1,418 @@
+"""Real torch.distributed ranks (gloo, loopback) for the process-group load tests.
+
+``make_checkpoints(folder)`` writes the checkpoints once, in the test process;
+``run_ranks(scenario, world, folder)`` starts ``world`` processes of this file, each
+joining one process group (with a short timeout) and running every step of ``scenario``
+in turn (starting ranks is the slow part). Each step checks its results itself against a
+plain ``tf.load`` on the same rank (a failed check fails the rank) and records what the
+test process asserts across ranks — bytes read, errors raised — in
+``folder/results/<scenario>_<rank>.json``.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+RANK_TIMEOUT_S = 90
+PG_TIMEOUT_S = 10
+KILLED_RANK = 3
+KILL_AFTER_S = 0.5
+
+# The tensor-parallel checkpoint: what each name is split along (None: replicated).
+TP_SPLITS = {
+    "embed.weight": 0,  # vocabulary-parallel
+    "layers.0.qkv.weight": 0,  # column-parallel
+    "layers.0.qkv.bias": 0,
+    "layers.0.o.weight": 1,  # row-parallel
+    "layers.1.qkv.weight": 0,
+    "layers.1.qkv.bias": 0,
+    "layers.1.o.weight": 1,
+    "conv.weight": 1,  # a 3-D tensor cut in its middle dim: one run per outer index
+    "norm.weight": None,
+}
+TP_SPEC = {"embed.weight": 0, "layers.*.qkv.*": 0, "layers.*.o.weight": 1, "conv.weight": 1}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario, world, folder, expect_killed=None):
+    """Runs ``scenario`` on ``world`` ranks; returns ``{rank: results}``. Every rank must
+    exit 0 within the deadline, except ``expect_killed``, which must die by SIGKILL."""
+    port = free_port()
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, scenario, str(rank), str(world), str(port), str(folder)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=RANK_TIMEOUT_S)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = {}
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        if rank == expect_killed:
+            assert p.returncode == -signal.SIGKILL, f"rank {rank} was to be killed, exited {p.returncode}:\n{out[-4000:]}"
+            continue
+        assert p.returncode == 0, f"rank {rank} failed:\n{out[-6000:]}"
+        with open(os.path.join(folder, "results", f"{scenario}_{rank}.json")) as f:
+            results[rank] = json.load(f)
+    return results
+
+
+# ---- the checkpoints ---------------------------------------------------------------------
+
+
+def mixed_tree():
+    """Nesting, plain values, a NumPy leaf among PyTorch ones, odd sizes and dtypes."""
+    import numpy as np
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    layers = [
+        {"w": torch.randn(37 + 11 * i, 29, generator=g), "b": torch.randn(29, generator=g).to(torch.bfloat16)}
+        for i in range(24)
+    ]
+    return {
+        "model": {
+            "layers": layers,
+            "embed": torch.randn(300, 64, generator=g).to(torch.float16),
+            "flags": torch.rand(17, generator=g) > 0.5,
+            "ids": torch.arange(-50, 50, dtype=torch.int64),
+            "bytes": torch.arange(255, dtype=torch.uint8),
+            "empty": torch.zeros(0, 3),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "table": np.arange(40, dtype=np.int32).reshape(8, 5),
+        },
+        "optim": {"step": 12, "lr": 3e-4, "betas": (0.9, 0.999), "name": "adam", "none": None},
+    }
+
+
+def tp_tensors():
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+    shapes = {
+        "embed.weight": (128, 32),
+        "layers.0.qkv.weight": (96, 32),
+        "layers.0.qkv.bias": (96,),
+        "layers.0.o.weight": (32, 32),
+        "layers.1.qkv.weight": (96, 32),
+        "layers.1.qkv.bias": (96,),
+        "layers.1.o.weight": (32, 32),
+        "conv.weight": (3, 8, 5),
+        "norm.weight": (32,),
+    }
+    return {name: torch.randn(*shape, generator=g).to(torch.bfloat16) for name, shape in shapes.items()}
+
+
+def make_checkpoints(folder):
+    """Writes, in ``folder``: ``mixed.safetensors`` (tensorferry's, nested), ``ts/``
+    (tensorferry's sharded save), ``hf/`` (a foreign sharded checkpoint: shards written by
+    safetensors, an index written by hand), ``tp.safetensors`` (a flat foreign file),
+    ``other.safetensors`` (the mixed tree with one shape changed)."""
+    from safetensors.torch import save_file
+
+    import tensorferry as tf
+
+    os.makedirs(os.path.join(folder, "results"), exist_ok=True)
+    tree = mixed_tree()
+    tf.save(tree, os.path.join(folder, "mixed.safetensors"))
+    os.makedirs(os.path.join(folder, "ts"))
+    tf.save(tree, os.path.join(folder, "ts", "model.safetensors"), max_shard_size=20_000)
+    tp = tp_tensors()
+    save_file(tp, os.path.join(folder, "tp.safetensors"), metadata={"format": "pt"})
+    hf = os.path.join(folder, "hf")
+    os.makedirs(hf)
+    names = sorted(tp)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map = {}
+    for i, part in enumerate(halves):
+        shard = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tp[n] for n in part}, os.path.join(hf, shard), metadata={"format": "pt"})
+        weight_map.update({n: shard for n in part})
+    with open(os.path.join(hf, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.nbytes for t in tp.values())}, "weight_map": weight_map}, f)
+    # The same shards recording the save that wrote them, as tensorferry's sharded saves
+    # do: once all of one save, once a shard of another save.
+    for copy, second in (("hf_saved", "a"), ("hf_two_saves", "b")):
+        os.makedirs(os.path.join(folder, copy))
+        for i, part in enumerate(halves):
+            shard = f"model-0000{i + 1}-of-00002.safetensors"
+            meta = {"format": "pt", "tensorferry.save": "a" if i == 0 else second}
+            save_file({n: tp[n] for n in part}, os.path.join(folder, copy, shard), metadata=meta)
+        with open(os.path.join(folder, copy, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"tensorferry.save": "a"}, "weight_map": weight_map}, f)
+    other = mixed_tree()
+    other["model"]["embed"] = other["model"]["embed"][:299]
+    tf.save(other, os.path.join(folder, "other.safetensors"))
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+
+def assert_same(got, want, path="<root>"):
+    """Same structure, container types, plain values, and tensors of the same framework,
+    dtype, shape and bytes."""
+    import numpy as np
+    import torch
+
+    assert type(got) is type(want), (path, type(got), type(want))
+    if isinstance(want, dict):
+        assert list(got) == list(want), (path, list(got), list(want))
+        for k in want:
+            assert_same(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{path}/{i}")
+    elif torch.is_tensor(want):
+        assert (got.dtype, got.shape, got.device) == (want.dtype, want.shape, want.device), (path, got.dtype, want.dtype)
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), path
+    elif isinstance(want, np.ndarray):
+        assert (got.dtype, got.shape) == (want.dtype, want.shape) and got.tobytes() == want.tobytes(), path
+    else:
+        assert got == want, (path, got, want)
+
+
+def leaves(tree, path=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from leaves(v, path + (k,))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from leaves(v, path + (i,))
+    else:
+        yield ".".join(map(str, path)), tree
+
+
+def stats_of(s):
+    return {"needed": s.needed, "data": s.data, "header": s.header, "files": s.files}
+
+
+def expect_error(fn):
+    """``{"type", "message"}`` of what ``fn`` raised; it must raise."""
+    try:
+        fn()
+    except Exception as e:
+        return {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+    raise AssertionError("expected an error")
+
+
+# ---- scenarios ---------------------------------------------------------------------------
+
+
+def replicated(folder, pg, out):
+    """Every checkpoint loads on every rank as tf.load loads it; bytes counted."""
+    import tensorferry as tf
+    from tensorferry.dcp import ReadStats
+
+    for name in ("mixed.safetensors", "ts", "hf", "tp.safetensors", "ts/model.safetensors", "hf_saved"):
+        path = os.path.join(folder, name)
+        stats = ReadStats()
+        try:
+            want = tf.load(path)
+        except Exception as e:
+            # A path this build's tf.load does not take (the path a sharded save was given,
+            # before native builds resolved it): the same error, through the group.
+            err = expect_error(lambda: tf.load(path, process_group=pg))
+            assert type(e).__name__ in err["mro"], (e, err)
+            continue
+        got = tf.load(path, process_group=pg, read_stats=stats)
+        assert_same(got, want)
+        out[f"replicated:{name}"] = stats_of(stats)
+
+
+def sharded(folder, pg, out, rank, world):
+    """Slices equal tensor_split of the full tensors, for a flat file and a foreign sharded
+    checkpoint; a subset of only sliced names reads exactly its slices' bytes."""
+    import torch
+
+    import tensorferry as tf
+    from tensorferry.dcp import ReadStats
+
+    for name in ("tp.safetensors", "hf"):
+        path = os.path.join(folder, name)
+        full = tf.load(path)
+        stats = ReadStats()
+        got = tf.load(path, process_group=pg, shard=TP_SPEC, read_stats=stats)
+        assert list(got) == list(full)
+        for n, dim in TP_SPLITS.items():
+            want = full[n] if dim is None else torch.tensor_split(full[n], world, dim)[rank]
+            assert torch.equal(got[n], want) and got[n].is_contiguous(), n
+        out[f"sharded:{name}"] = stats_of(stats)
+    stats = ReadStats()
+    sliced = [n for n, d in TP_SPLITS.items() if d is not None]
+    got = tf.load(os.path.join(folder, "tp.safetensors"), process_group=pg, shard=TP_SPEC, keys=sliced, read_stats=stats)
+    assert sorted(got) == sorted(sliced)
+    out["sharded_only"] = stats_of(stats)
+    # Two ranks per part: rank r holds part r % 2.
+    got = tf.load(os.path.join(folder, "tp.safetensors"), process_group=pg, shard={"embed.weight": (0, 2)})
+    assert torch.equal(got["embed.weight"], torch.tensor_split(full["embed.weight"], 2, 0)[rank % 2])
+    # out=: a tensor-parallel model's own parameters, filled in place.
+    params = {
+        n: torch.zeros_like(full[n] if dim is None else torch.tensor_split(full[n], world, dim)[rank])
+        for n, dim in TP_SPLITS.items()
+    }
+    before = {n: t.data_ptr() for n, t in params.items()}
+    filled = tf.load(os.path.join(folder, "tp.safetensors"), process_group=pg, shard=TP_SPEC, out=params)
+    assert filled is params and {n: t.data_ptr() for n, t in params.items()} == before
+    for n, dim in TP_SPLITS.items():
+        want = full[n] if dim is None else torch.tensor_split(full[n], world, dim)[rank]
+        assert torch.equal(params[n], want), n
+
+
+def composed(folder, pg, out):
+    """keys= and dtype= give what tf.load gives with them."""
+    import tensorferry as tf
+
+    path = os.path.join(folder, "mixed.safetensors")
+    for kwargs in ({"keys": "model.layers.*.w"}, {"dtype": "bfloat16"}, {"keys": ["model.embed", "optim"], "dtype": "float32"}):
+        assert_same(tf.load(path, process_group=pg, **kwargs), tf.load(path, **kwargs))
+    hf = os.path.join(folder, "hf")
+    import torch
+
+    got = tf.load(hf, process_group=pg, shard={"embed.weight": 0}, keys="embed.weight", dtype="float16")
+    want = torch.tensor_split(tf.load(hf, keys="embed.weight")["embed.weight"], pg.size(), 0)[pg.rank()].to(torch.float16)
+    assert torch.equal(got["embed.weight"], want)
+
+
+def errors(folder, pg, out, rank):
+    """Each failure is raised on every rank alike, and the group stays usable after it."""
+    import shutil
+
+    import tensorferry as tf
+
+    tp = os.path.join(folder, "tp.safetensors")
+    out["error:no_such_tensor"] = expect_error(lambda: tf.load(tp, process_group=pg, shard={"layers.*.mlp.weight": 0}))
+    out["error:uneven"] = expect_error(lambda: tf.load(tp, process_group=pg, shard={"conv.weight": 0}))
+    out["error:dim"] = expect_error(lambda: tf.load(tp, process_group=pg, shard={"norm.weight": 1}))
+    # One rank's path names no file.
+    path = os.path.join(folder, "missing.safetensors") if rank == 1 else tp
+    out["error:missing_file"] = expect_error(lambda: tf.load(path, process_group=pg))
+    # A sharded checkpoint whose second shard is gone (on every rank: one shared folder).
+    broken = os.path.join(folder, f"broken_{pg.size()}")
+    if rank == 0:
+        shutil.copytree(os.path.join(folder, "hf"), broken)
+        os.remove(os.path.join(broken, "model-00002-of-00002.safetensors"))
+    import torch.distributed as dist
+
+    dist.barrier(group=pg)
+    out["error:missing_shard"] = expect_error(lambda: tf.load(broken, process_group=pg))
+    # A shard of another save than its index's.
+    out["error:two_saves"] = expect_error(lambda: tf.load(os.path.join(folder, "hf_two_saves"), process_group=pg))
+    # The last rank loads another checkpoint than the others.
+    last = pg.size() - 1
+    path = os.path.join(folder, "other.safetensors" if rank == last else "mixed.safetensors")
+    out["error:other_checkpoint"] = expect_error(lambda: tf.load(path, process_group=pg))
+    # Still in step: a load after all that works.
+    assert_same(tf.load(tp, process_group=pg), tf.load(tp))
+
+
+def replaced(folder, pg, out, rank):
+    """A save replaces the checkpoint while rank 0 still reads it (throttled): every rank
+    gets the error, none mixes two saves."""
+    import shutil
+    import threading
+
+    import tensorferry as tf
+
+    path = os.path.join(folder, f"race_{pg.size()}.safetensors")
+    if rank == 0:
+        shutil.copy(os.path.join(folder, "mixed.safetensors"), path)
+    import torch.distributed as dist
+
+    dist.barrier(group=pg)
+    if rank == 0:
+        os.environ["TENSORFERRY_FANOUT_READ_MBPS"] = "0.05"
+        threading.Timer(0.5, tf.save, (mixed_tree(), path)).start()
+    out["error:replaced"] = expect_error(lambda: tf.load(path, process_group=pg))
+    os.environ.pop("TENSORFERRY_FANOUT_READ_MBPS", None)
+
+
+def devices_and_frameworks(folder, pg, out):
+    """device= a device that is no PyTorch one (the emulated GPU), and like=."""
+    import tensorferry as tf
+
+    path = os.path.join(folder, "mixed.safetensors")
+    got = tf.load(path, process_group=pg, device="emu:0")
+    want = tf.load(path, device="emu:0")
+    assert {type(t) for _, t in leaves(got)} == {type(t) for _, t in leaves(want)}
+    devices = [t.device for _, t in leaves(got) if isinstance(t, tf.Tensor)]
+    assert devices == [t.device for _, t in leaves(want) if isinstance(t, tf.Tensor)] and set(devices) == {"emu:0"}
+    assert_same(tf.to_numpy(got), tf.to_numpy(want))
+    assert_same(tf.load(path, process_group=pg, like="numpy"), tf.load(path, like="numpy"))
+
+
+def killed(folder, pg, out, rank):
+    """One rank dies (SIGKILL) while it reads, throttled; the others fail, not hang."""
+    import threading
+
+    import tensorferry as tf
+
+    if rank == KILLED_RANK:
+        os.environ["TENSORFERRY_FANOUT_READ_MBPS"] = "0.01"
+        threading.Timer(KILL_AFTER_S, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    out["error:killed"] = expect_error(lambda: tf.load(os.path.join(folder, "mixed.safetensors"), process_group=pg))
+    out["killed_after_s"] = time.monotonic() - start
+
+
+def scenario_four(rank, world, folder, pg, out):
+    replicated(folder, pg, out)
+    sharded(folder, pg, out, rank, world)
+    composed(folder, pg, out)
+    errors(folder, pg, out, rank)
+    save(folder, "four", rank, out)
+    killed(folder, pg, out, rank)
+
+
+def scenario_two(rank, world, folder, pg, out):
+    replicated(folder, pg, out)
+    sharded(folder, pg, out, rank, world)
+    composed(folder, pg, out)
+    devices_and_frameworks(folder, pg, out)
+    errors(folder, pg, out, rank)
+    replaced(folder, pg, out, rank)
+
+
+def save(folder, scenario, rank, out):
+    with open(os.path.join(folder, "results", f"{scenario}_{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def main():
+    scenario, rank, world, port, folder = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )
+    out = {}
+    globals()[f"scenario_{scenario}"](rank, world, folder, dist.group.WORLD, out)
+    save(folder, scenario, rank, out)
+    # A rank of a group that lost a member cannot tear it down cleanly: leave at once.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
