@@ -44,6 +44,10 @@ class TensorferryIOError(TensorferryError, OSError):
         return super().__str__()
 
 
+class ProcessGroupError(TensorferryError, RuntimeError):
+    """A collective of a process-group load failed: a rank died, or the group timed out."""
+
+
 class TensorferryTypeError(TensorferryError, TypeError):
     """An argument of the wrong type; the message names the argument and what it takes."""
 

@@ -38,7 +38,7 @@ from . import _errors
 from . import _frameworks as fw
 from . import _native
 from . import _select
-from ._errors import FormatError, TensorferryError, TensorferryKeyError, io_error
+from ._errors import FormatError, ProcessGroupError, TensorferryKeyError, io_error
 from ._tree import dotted
 
 #: Each tensor starts at a multiple of this many bytes in a rank's part.
@@ -57,10 +57,6 @@ _TORCH_NAMES = {
     "U16": "uint16", "I16": "int16", "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32",
     "F32": "float32", "C64": "complex64", "U64": "uint64", "I64": "int64", "F64": "float64",
 }
-
-
-class ProcessGroupError(TensorferryError, RuntimeError):
-    """A collective of a process-group load failed: a rank died, or the group timed out."""
 
 
 @dataclass
