@@ -742,9 +742,9 @@ def _recorded_frameworks(meta):
 
 
 def _numpy_can_hold(dtype):
-    if dtype not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        return True
-    return fw.importable("ml_dtypes")
+    from ._numpy import numpy_can_hold
+
+    return numpy_can_hold(dtype)
 
 
 def metadata(path):
