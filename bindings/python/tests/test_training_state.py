@@ -269,6 +269,9 @@ def test_integer_keys_of_plain_values_and_nested_dicts_come_back_as_integers(tmp
     src = {"counts": {3: 7, -1: "x", 10**12: [1.5, None]}, "t": np.arange(2)}
     tf.save(src, tmp_path / "i.safetensors")
     assert_exact(src, tf.load(tmp_path / "i.safetensors"))
+    flat = {-3: np.arange(2), "w": np.ones(1)}  # tensors only: a file without a record would lose -3
+    tf.save(flat, tmp_path / "f.safetensors")
+    assert_exact(flat, tf.load(tmp_path / "f.safetensors"))
 
 
 def test_a_file_with_a_record_of_format_1_still_loads(tmp_path):

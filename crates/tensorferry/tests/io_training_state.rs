@@ -79,6 +79,18 @@ fn integer_keys_come_back_as_integers_and_read_as_dotted_names_elsewhere() {
 }
 
 #[test]
+fn a_dict_of_tensors_under_integer_keys_keeps_its_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = TensorDict::new();
+    d.insert(-3i64, f32s(&[1.0], &[1]));
+    d.insert("w", f32s(&[2.0], &[1]));
+    let path = dir.path().join("flat.safetensors");
+    save(&d, &path, &SaveOptions::default()).unwrap();
+    let (back, _) = load(&path, LoadOptions::default()).unwrap();
+    assert_eq!(int_keys(&back), [("-3".into(), true), ("w".into(), false)]);
+}
+
+#[test]
 fn a_record_with_integer_keys_says_format_2_and_others_stay_format_1() {
     let dir = tempfile::tempdir().unwrap();
     let record = |d: &TensorDict| {

@@ -90,9 +90,11 @@ pub(crate) fn walk_node_recorded(node: &Node) -> Walked<'_> {
     walk(flat, true, sharing, |w| w.node(node))
 }
 
-/// Whether `dict` holds tensors only.
+/// Whether `dict` holds tensors only, under string keys (a file without a record reads
+/// back with string keys).
 fn flat_dict(dict: &TensorDict) -> bool {
-    dict.iter().all(|(_, node)| matches!(node, Node::Tensor(_)))
+    dict.iter_keyed()
+        .all(|(key, node)| matches!(node, Node::Tensor(_)) && !key.is_int())
 }
 
 /// Where the record's envelope writes its format version (one digit).
