@@ -300,7 +300,7 @@ impl Converter<'_, '_> {
         let keyed = self.shared && t.numel() > 0;
         if keyed {
             if let Some((seen, obj)) = self.made.get(&at) {
-                if same_tensor(seen, &t) {
+                if seen.is_same_view(&t) {
                     return Ok(obj.clone_ref(py));
                 }
             }
@@ -344,13 +344,4 @@ impl Converter<'_, '_> {
         }
         Ok(v)
     }
-}
-
-/// True when `a` and `b` are one tensor: one memory, dtype, shape and strides.
-fn same_tensor(a: &Tensor, b: &Tensor) -> bool {
-    a.data_ptr() == b.data_ptr()
-        && a.device() == b.device()
-        && a.dtype() == b.dtype()
-        && a.shape() == b.shape()
-        && a.strides() == b.strides()
 }

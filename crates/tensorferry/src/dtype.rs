@@ -313,18 +313,7 @@ impl DType {
     /// True for types NumPy holds natively (everything but bfloat16 and the 8-, 6- and
     /// 4-bit floats).
     pub const fn is_numpy_native(self) -> bool {
-        !matches!(
-            self,
-            DType::BF16
-                | DType::F8E4M3
-                | DType::F8E5M2
-                | DType::F8E8M0
-                | DType::F8E4M3Fnuz
-                | DType::F8E5M2Fnuz
-                | DType::F4x2
-                | DType::F6E2M3x4
-                | DType::F6E3M2x4
-        )
+        !self.is_ml_dtypes() && self.lanes() == 1
     }
 
     /// True for types NumPy holds with `ml_dtypes`, one value per element: bfloat16 and

@@ -186,7 +186,7 @@ impl Sharing {
             }
             let lead = spans[leader];
             let same = (lead.1, lead.2) == (cur.1, cur.2)
-                && same_tensor(tensors[lead.3 as usize], tensors[cur.3 as usize]);
+                && tensors[lead.3 as usize].is_same_view(tensors[cur.3 as usize]);
             if same {
                 if out.same_as.is_empty() {
                     out.same_as = vec![None; tensors.len()];
@@ -211,15 +211,6 @@ impl Sharing {
     fn is_none(&self) -> bool {
         self.same_as.is_empty() && self.overlap.is_none()
     }
-}
-
-/// True when `a` and `b` are one tensor: one memory, dtype, shape and strides.
-fn same_tensor(a: &Tensor, b: &Tensor) -> bool {
-    a.data_ptr() == b.data_ptr()
-        && a.device() == b.device()
-        && a.dtype() == b.dtype()
-        && a.shape() == b.shape()
-        && a.strides() == b.strides()
 }
 
 #[derive(Default)]
