@@ -280,8 +280,9 @@ def kind_of(x):
 
 
 def is_number_data(x, depth=0):
-    """What ``to_device`` makes a tensor of: a non-empty list/tuple of numbers, nested."""
-    if type(x) not in (list, tuple) or not x or depth >= tf._tree.MAX_DEPTH:
+    """What ``to_device`` makes a tensor of: a non-empty list of numbers, nested lists (a
+    tuple is a record, never data)."""
+    if type(x) is not list or not x or depth >= tf._tree.MAX_DEPTH:
         return False
     return all(
         (isinstance(v, (int, float)) and not isinstance(v, np.generic)) or is_number_data(v, depth + 1) for v in x

@@ -24,11 +24,13 @@ fn dtype_of(descr: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
     let size = descr.itemsize();
     if matches!(descr.kind(), b'V' | b'f') && size <= 2 {
         // ml_dtypes' types say who they are by name (float8_e5m2 even claims kind 'f').
-        match descr.typeobj().name()?.to_cow()?.as_ref() {
-            "bfloat16" => return Ok(Some(DType::BF16)),
-            "float8_e4m3fn" => return Ok(Some(DType::F8E4M3)),
-            "float8_e5m2" => return Ok(Some(DType::F8E5M2)),
-            _ => {}
+        let name = descr.typeobj().name()?;
+        let name = name.to_cow()?;
+        if let Some(d) = DType::ALL
+            .into_iter()
+            .find(|d| d.is_ml_dtypes() && d.name() == name.as_ref())
+        {
+            return Ok(Some(d));
         }
     }
     Ok(match (descr.kind(), size) {
@@ -109,9 +111,33 @@ pub fn array_to_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
     .map(Some)
 }
 
+/// The error for a dtype NumPy cannot hold even with ml_dtypes (the packed 4- and 6-bit
+/// floats: ml_dtypes holds one value a byte).
+pub fn no_numpy_dtype(dtype: DType, key: &str) -> PyErr {
+    let at = if key.is_empty() {
+        String::new()
+    } else {
+        format!(" at {key:?}")
+    };
+    crate::errors::to_py(tensorferry::Error::UnsupportedDType {
+        key: key.to_string(),
+        dtype: dtype.to_string(),
+        reason: format!(
+            "the tensor{at} holds {} values packed in each element, which no NumPy dtype \
+             holds (ml_dtypes keeps one value a byte): keep it a tensorferry.Tensor or a \
+             PyTorch tensor, or view its bytes as uint8 (.view(\"uint8\") in PyTorch)",
+            dtype.lanes()
+        ),
+    })
+}
+
 /// NumPy dtypes by tensorferry dtype, made once; bfloat16/float8 need ml_dtypes.
 fn descr_for<'py>(py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, PyArrayDescr>> {
-    static CACHE: [PyOnceLock<Py<PyArrayDescr>>; 17] = [const { PyOnceLock::new() }; 17];
+    const N: usize = DType::ALL.len();
+    static CACHE: [PyOnceLock<Py<PyArrayDescr>>; N] = [const { PyOnceLock::new() }; N];
+    if !dtype.is_numpy_native() && !dtype.is_ml_dtypes() {
+        return Err(no_numpy_dtype(dtype, ""));
+    }
     let index = DType::ALL.iter().position(|d| *d == dtype).expect("listed");
     let descr = CACHE[index].get_or_try_init(py, || -> PyResult<Py<PyArrayDescr>> {
         let spec: Bound<'py, PyAny> = if dtype.is_numpy_native() {
@@ -263,6 +289,12 @@ pub fn native_leaves_to_numpy<'py>(
     let mut ml_dtypes_found = false;
     for (path, leaf, tensor) in natives {
         let dtype = tensor.get().inner.dtype();
+        if !dtype.is_numpy_native() && !dtype.is_ml_dtypes() {
+            let key = py
+                .import("tensorferry._tree")?
+                .call_method1("shown", (path,))?;
+            return Err(no_numpy_dtype(dtype, &key.str()?.to_cow()?));
+        }
         if !dtype.is_numpy_native() && !ml_dtypes_found {
             // Raises the error naming the key (as the Python rules show paths) when
             // ml_dtypes is missing.

@@ -1,12 +1,16 @@
 //! Converting between Python containers and tensorferry trees, for save and load.
 //!
 //! The Python package has already turned every tensor leaf into a `tensorferry.Tensor`
-//! and every mapping into a dict; what is left here is exact: dict, list, tuple,
-//! `Tensor`, `None`, bool, int, float, str.
+//! and every mapping into a dict; what is left here is exact: dict (keys str or int),
+//! list, tuple, `Tensor`, `None`, bool, int, float, str. A tensor a file holds under
+//! several keys (tied weights) becomes one Python object in all of its places.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
-use tensorferry::{Error, Node, TensorDict, Value};
+use tensorferry::{DictKey, Error, Node, Tensor, TensorDict, Value};
 
 use crate::errors::to_py;
 use crate::tensor::PyTensor;
@@ -49,24 +53,27 @@ pub fn node_from_py(obj: &Bound<'_, PyAny>, path: &mut Vec<String>) -> PyResult<
         return Ok(Node::Tensor(t.get().inner.clone()));
     }
     if let Ok(d) = obj.cast::<PyDict>() {
-        let mut out = TensorDict::new();
+        let mut out = TensorDict::with_capacity(d.len());
         for (k, v) in d.iter() {
-            let key: String = match k.cast::<PyString>() {
-                Ok(s) => utf8(s, path, "the key")?,
-                Err(_) => {
-                    return Err(invalid(
-                        path,
-                        format!(
-                            "dictionary keys must be strings, found {}",
-                            k.get_type().name()?
-                        ),
-                    ))
-                }
-            };
-            path.push(key.clone());
+            let key = dict_key(&k, path)?;
+            path.push(key.as_str().to_string());
             let child = node_from_py(&v, path)?;
             path.pop();
-            out.insert(key, child);
+            let int = key.is_int();
+            if out.insert(key, child).is_some() {
+                // The key before was the other kind: the string of an integer's text, or
+                // the integer of a string's.
+                let text = k.str()?;
+                let earlier = if int { text.repr()? } else { text };
+                return Err(invalid(
+                    path,
+                    format!(
+                        "the keys {earlier} and {} are one name in a file (tensor names are \
+                         text); rename one",
+                        k.repr()?
+                    ),
+                ));
+            }
         }
         return Ok(Node::Dict(out));
     }
@@ -105,6 +112,29 @@ pub fn node_from_py(obj: &Bound<'_, PyAny>, path: &mut Vec<String>) -> PyResult<
         format!(
             "values of type {} cannot be saved (tensors, dict, list, tuple, str, int, float, bool and None can)",
             obj.get_type().name()?
+        ),
+    ))
+}
+
+/// A dict key: a string, or an integer (not a bool) that fits in 64 bits.
+fn dict_key(k: &Bound<'_, PyAny>, path: &[String]) -> PyResult<DictKey> {
+    if let Ok(s) = k.cast::<PyString>() {
+        return Ok(utf8(s, path, "the key")?.into());
+    }
+    if k.cast::<PyInt>().is_ok() && k.cast::<PyBool>().is_err() {
+        return k.extract::<i64>().map(DictKey::from).map_err(|_| {
+            crate::errors::overflow_err(format!(
+                "cannot handle the key {} at {:?}: it does not fit in 64 bits",
+                k.repr().map(|r| r.to_string()).unwrap_or_default(),
+                path.join("/")
+            ))
+        });
+    }
+    Err(invalid(
+        path,
+        format!(
+            "dictionary keys must be strings or integers, found {}",
+            k.get_type().name()?
         ),
     ))
 }
@@ -152,69 +182,166 @@ impl Output<'_> {
 }
 
 /// The Python containers of a tree: dict, list, tuple, plain values; tensors become NumPy
-/// arrays or `Tensor` objects as `out` says (other frameworks are left to Python).
+/// arrays or `Tensor` objects as `out` says (other frameworks are left to Python). One
+/// tensor in several places (a file's aliases: the same memory, dtype, shape and strides)
+/// becomes one object.
 pub fn node_to_py(
     py: Python<'_>,
     node: Node,
     out: &mut Output<'_>,
     path: &mut Vec<String>,
 ) -> PyResult<Py<PyAny>> {
-    Ok(match node {
-        Node::Dict(d) => {
-            let dict = PyDict::new(py);
-            for (k, v) in d {
-                path.push(k);
-                let value = node_to_py(py, v, out, path);
-                let k = path.pop().expect("pushed above");
-                dict.set_item(k, value?)?;
-            }
-            dict.into_any().unbind()
-        }
-        Node::List(items) => PyList::new(py, items_to_py(py, items, out, path)?)?
-            .into_any()
-            .unbind(),
-        Node::Tuple(items) => PyTuple::new(py, items_to_py(py, items, out, path)?)?
-            .into_any()
-            .unbind(),
-        Node::Tensor(t) => {
-            let kind = out.kind(path);
-            let numpy = match kind {
-                "numpy" => t.dtype().is_numpy_native() || out.ml_dtypes,
-                "tensorferry" => false,
-                _ => {
-                    out.pending = true;
-                    false
-                }
-            };
-            let obj = Bound::new(py, PyTensor::new(t))?;
-            if numpy {
-                crate::numpy_interop::tensor_to_array(&obj)?.unbind()
-            } else {
-                obj.into_any().unbind()
-            }
-        }
-        Node::Value(v) => match v {
-            Value::None => py.None(),
-            Value::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
-            Value::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
-            Value::Float(x) => PyFloat::new(py, x).into_any().unbind(),
-            Value::Str(s) => PyString::new(py, &s).into_any().unbind(),
-        },
-    })
+    Converter {
+        out,
+        made: HashMap::default(),
+        shared: has_shared_tensors(&node),
+    }
+    .node(py, node, path)
 }
 
-fn items_to_py(
-    py: Python<'_>,
-    items: Vec<Node>,
-    out: &mut Output<'_>,
-    path: &mut Vec<String>,
-) -> PyResult<Vec<Py<PyAny>>> {
-    let mut v = Vec::with_capacity(items.len());
-    for (i, n) in items.into_iter().enumerate() {
-        path.push(i.to_string());
-        let r = node_to_py(py, n, out, path);
-        path.pop();
-        v.push(r?);
+/// True when two tensors of `node` start at one address (aliases of one tensor: the
+/// distinct tensors of a file never do). Addresses in tree order mostly rise (a file lays
+/// out each dtype's tensors in tree order), so most trees are settled by one pass that
+/// allocates nothing; others by sorting their addresses.
+fn has_shared_tensors(node: &Node) -> bool {
+    let mut last = None;
+    if each_address(node, &mut |at| {
+        let rising = last.is_none_or(|l| l < at);
+        last = Some(at);
+        rising
+    }) {
+        return false;
     }
-    Ok(v)
+    let mut all = Vec::new();
+    each_address(node, &mut |at| {
+        all.push(at);
+        true
+    });
+    all.sort_unstable();
+    all.windows(2).any(|w| w[0] == w[1])
+}
+
+/// Calls `f` with the address of every tensor with elements of `node`, in tree order,
+/// while it says true; says whether it always did.
+fn each_address(node: &Node, f: &mut impl FnMut(usize) -> bool) -> bool {
+    match node {
+        Node::Tensor(t) => t.numel() == 0 || f(t.data_ptr() as usize),
+        Node::Value(_) => true,
+        Node::Dict(d) => d.iter().all(|(_, v)| each_address(v, f)),
+        Node::List(items) | Node::Tuple(items) => items.iter().all(|v| each_address(v, f)),
+    }
+}
+
+/// Hashes an address: a multiply spreads its bits upwards, and the rotation brings the
+/// mixed high bits down to where the table picks its bucket (aligned addresses have
+/// their low bits all zero, which a product keeps zero).
+#[derive(Default)]
+struct AddressHasher(u64);
+
+impl Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0.rotate_left(26)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+struct Converter<'o, 'a> {
+    out: &'o mut Output<'a>,
+    /// The object made for each tensor with elements so far, by the address of its first
+    /// element (distinct for the distinct tensors of a file), with the tensor to compare.
+    made: HashMap<usize, (Tensor, Py<PyAny>), BuildHasherDefault<AddressHasher>>,
+    /// Some tensors of the tree are one (else `made` is not kept).
+    shared: bool,
+}
+
+impl Converter<'_, '_> {
+    fn node(&mut self, py: Python<'_>, node: Node, path: &mut Vec<String>) -> PyResult<Py<PyAny>> {
+        Ok(match node {
+            Node::Dict(d) => {
+                let dict = PyDict::new(py);
+                for (k, v) in d.into_keyed_iter() {
+                    let int = k.as_int();
+                    path.push(k.into_string());
+                    let value = self.node(py, v, path);
+                    let k = path.pop().expect("pushed above");
+                    match int {
+                        Some(i) => dict.set_item(i, value?)?,
+                        None => dict.set_item(k, value?)?,
+                    }
+                }
+                dict.into_any().unbind()
+            }
+            Node::List(items) => PyList::new(py, self.items(py, items, path)?)?
+                .into_any()
+                .unbind(),
+            Node::Tuple(items) => PyTuple::new(py, self.items(py, items, path)?)?
+                .into_any()
+                .unbind(),
+            Node::Tensor(t) => self.tensor(py, t, path)?,
+            Node::Value(v) => match v {
+                Value::None => py.None(),
+                Value::Bool(b) => PyBool::new(py, b).to_owned().into_any().unbind(),
+                Value::Int(i) => i.into_pyobject(py)?.into_any().unbind(),
+                Value::Float(x) => PyFloat::new(py, x).into_any().unbind(),
+                Value::Str(s) => PyString::new(py, &s).into_any().unbind(),
+            },
+        })
+    }
+
+    fn tensor(&mut self, py: Python<'_>, t: Tensor, path: &[String]) -> PyResult<Py<PyAny>> {
+        let at = t.data_ptr() as usize;
+        let keyed = self.shared && t.numel() > 0;
+        if keyed {
+            if let Some((seen, obj)) = self.made.get(&at) {
+                if seen.is_same_view(&t) {
+                    return Ok(obj.clone_ref(py));
+                }
+            }
+        }
+        let kind = self.out.kind(path);
+        let numpy = match kind {
+            "numpy" => {
+                t.dtype().is_numpy_native() || (self.out.ml_dtypes && t.dtype().is_ml_dtypes())
+            }
+            "tensorferry" => false,
+            _ => {
+                self.out.pending = true;
+                false
+            }
+        };
+        let kept = keyed.then(|| t.clone());
+        let obj = Bound::new(py, PyTensor::new(t))?;
+        let obj = if numpy {
+            crate::numpy_interop::tensor_to_array(&obj)?.unbind()
+        } else {
+            obj.into_any().unbind()
+        };
+        if let Some(t) = kept {
+            self.made.insert(at, (t, obj.clone_ref(py)));
+        }
+        Ok(obj)
+    }
+
+    fn items(
+        &mut self,
+        py: Python<'_>,
+        items: Vec<Node>,
+        path: &mut Vec<String>,
+    ) -> PyResult<Vec<Py<PyAny>>> {
+        let mut v = Vec::with_capacity(items.len());
+        for (i, n) in items.into_iter().enumerate() {
+            path.push(i.to_string());
+            let r = self.node(py, n, path);
+            path.pop();
+            v.push(r?);
+        }
+        Ok(v)
+    }
 }

@@ -131,8 +131,10 @@ impl Ancestors {
 /// `[(path, leaf)]` for every tensor leaf (as `kind_of` says) in traversal order; NumPy
 /// arrays are left out when `skip_numpy` (for callers that have nothing to do on them).
 /// With `select` (a `(obj, path) -> bool` that also takes some lists as leaves, such as
-/// lists of numbers to become tensors), a list or tuple whose first item is a number or a
-/// list is a leaf when `select` says so, and subtrees left to the Python rules use it.
+/// lists of numbers to become tensors), a list whose first item is a number, a list or a
+/// tuple is a leaf when `select` says so, and subtrees left to the Python rules use it;
+/// within the state dict of a PyTorch optimizer or scheduler (`is_torch_state`) it is not
+/// asked: only tensors are leaves there.
 /// `kind_of`'s answer must depend on the object's type alone (as `_frameworks.kind_of`'s,
 /// cached by type, does): it is asked once per type of tensor leaf in a call.
 #[pyfunction]
@@ -166,8 +168,24 @@ struct Walker<'a, 'py> {
     tensor_types: Vec<Bound<'py, PyType>>,
 }
 
-/// True when a list or tuple could be data for `select`: its first item is a number or
-/// a list or tuple (lists of tensors and of strings are never asked about).
+/// True for the state dict of a PyTorch optimizer (it holds "state" and "param_groups")
+/// or learning-rate scheduler (it holds "_last_lr", as every scheduler's does, or
+/// "base_lrs" and "last_epoch"): records of hyper-parameters, whose lists of numbers
+/// (`params`, `base_lrs`, `_last_lr`, `milestones`) are no data for `select`
+/// (`tensorferry._tree.is_torch_state` says the same for the Python walk).
+fn is_torch_state(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = obj.py();
+    let has = |key: &Bound<'_, PyString>| obj.contains(key);
+    Ok(
+        (has(pyo3::intern!(py, "state"))? && has(pyo3::intern!(py, "param_groups"))?)
+            || has(pyo3::intern!(py, "_last_lr"))?
+            || (has(pyo3::intern!(py, "base_lrs"))? && has(pyo3::intern!(py, "last_epoch"))?),
+    )
+}
+
+/// True when a list could be data for `select`: its first item is a number or a list or
+/// tuple (lists of tensors and of strings are never asked about; a tuple is a record,
+/// never data).
 fn may_be_data(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     let Ok(first) = obj.get_item(0) else {
         return Ok(false);
@@ -188,17 +206,31 @@ impl<'py> Walker<'_, 'py> {
         let py = obj.py();
         if let Some((items, _)) = mapping_items(obj)? {
             self.ancestors.enter(obj, path)?;
+            // In a PyTorch optimizer's or scheduler's state, only tensors are leaves.
+            let select = match &self.select {
+                Some(_) if is_torch_state(obj)? => self.select.take(),
+                _ => None,
+            };
+            let mut walked = Ok(());
             for (k, v) in items {
                 path.push(k);
-                self.collect(&v, path, out)?;
+                walked = self.collect(&v, path, out);
                 path.pop();
+                if walked.is_err() {
+                    break;
+                }
             }
+            if select.is_some() {
+                self.select = select;
+            }
+            walked?;
             self.ancestors.leave();
             return Ok(());
         }
         if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
             if let Some(select) = &self.select {
-                if may_be_data(obj)?
+                if obj.is_exact_instance_of::<PyList>()
+                    && may_be_data(obj)?
                     && select
                         .call1((obj, PyTuple::new(py, path.iter())?))?
                         .is_truthy()?

@@ -1,4 +1,11 @@
-//! Element types: every type of DLPack and safetensors that users meet.
+//! Element types: every type of the safetensors format, and DLPack's description of each.
+//!
+//! Sub-byte floats are held packed, as PyTorch holds them: an element of
+//! [`DType::F4x2`] is one byte holding two 4-bit values (`float4_e2m1fn_x2`), one of
+//! [`DType::F6E2M3x4`]/[`DType::F6E3M2x4`] three bytes holding four 6-bit values. A
+//! safetensors header counts values, not elements: its shape for such a tensor has a last
+//! dimension [`DType::lanes`] times the tensor's ([`DType::file_shape`],
+//! [`DType::tensor_shape`]), and its bytes are the same.
 
 use std::fmt;
 use std::str::FromStr;
@@ -42,6 +49,20 @@ pub enum DType {
     F8E4M3,
     /// 8-bit float, 5 exponent bits, 2 mantissa bits.
     F8E5M2,
+    /// 8-bit float, 8 exponent bits and no sign or mantissa: a power of two (OCP `e8m0fnu`,
+    /// the scales of microscaling formats).
+    F8E8M0,
+    /// 8-bit float, 4 exponent bits, 3 mantissa bits, finite, no negative zero (`e4m3fnuz`).
+    F8E4M3Fnuz,
+    /// 8-bit float, 5 exponent bits, 2 mantissa bits, finite, no negative zero (`e5m2fnuz`).
+    F8E5M2Fnuz,
+    /// Two 4-bit floats (OCP `e2m1fn`) packed in one byte, the first in the low nibble
+    /// (PyTorch's `float4_e2m1fn_x2`; safetensors' `F4`).
+    F4x2,
+    /// Four 6-bit floats (OCP `e2m3fn`) packed in three bytes (safetensors' `F6_E2M3`).
+    F6E2M3x4,
+    /// Four 6-bit floats (OCP `e3m2fn`) packed in three bytes (safetensors' `F6_E3M2`).
+    F6E3M2x4,
 }
 
 /// A DLPack `DLDataType`: type code, bits per lane, lanes.
@@ -64,11 +85,17 @@ const DL_BFLOAT: u8 = 4;
 const DL_COMPLEX: u8 = 5;
 const DL_BOOL: u8 = 6;
 const DL_FLOAT8_E4M3FN: u8 = 10;
+const DL_FLOAT8_E4M3FNUZ: u8 = 11;
 const DL_FLOAT8_E5M2: u8 = 12;
+const DL_FLOAT8_E5M2FNUZ: u8 = 13;
+const DL_FLOAT8_E8M0FNU: u8 = 14;
+const DL_FLOAT6_E2M3FN: u8 = 15;
+const DL_FLOAT6_E3M2FN: u8 = 16;
+const DL_FLOAT4_E2M1FN: u8 = 17;
 
 impl DType {
     /// Every dtype, in a stable order.
-    pub const ALL: [DType; 17] = [
+    pub const ALL: [DType; 23] = [
         DType::Bool,
         DType::U8,
         DType::I8,
@@ -86,17 +113,73 @@ impl DType {
         DType::Complex128,
         DType::F8E4M3,
         DType::F8E5M2,
+        DType::F8E8M0,
+        DType::F8E4M3Fnuz,
+        DType::F8E5M2Fnuz,
+        DType::F4x2,
+        DType::F6E2M3x4,
+        DType::F6E3M2x4,
     ];
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
-            DType::Bool | DType::U8 | DType::I8 | DType::F8E4M3 | DType::F8E5M2 => 1,
+            DType::Bool
+            | DType::U8
+            | DType::I8
+            | DType::F8E4M3
+            | DType::F8E5M2
+            | DType::F8E8M0
+            | DType::F8E4M3Fnuz
+            | DType::F8E5M2Fnuz
+            | DType::F4x2 => 1,
+            DType::F6E2M3x4 | DType::F6E3M2x4 => 3,
             DType::U16 | DType::I16 | DType::F16 | DType::BF16 => 2,
             DType::U32 | DType::I32 | DType::F32 => 4,
             DType::U64 | DType::I64 | DType::F64 | DType::Complex64 => 8,
             DType::Complex128 => 16,
         }
+    }
+
+    /// The alignment an element needs: the largest power of two dividing its size.
+    pub const fn alignment(self) -> usize {
+        1 << self.size().trailing_zeros()
+    }
+
+    /// Values per element: 2 for [`DType::F4x2`], 4 for the packed 6-bit floats, else 1.
+    pub const fn lanes(self) -> usize {
+        match self {
+            DType::F4x2 => 2,
+            DType::F6E2M3x4 | DType::F6E3M2x4 => 4,
+            _ => 1,
+        }
+    }
+
+    /// The shape a safetensors header records for a tensor of this dtype and `shape`: the
+    /// same, but for packed dtypes, whose last dimension counts [`DType::lanes`] values per
+    /// element. `None` for a packed scalar, which has no dimension to count its values in.
+    pub fn file_shape(self, shape: &[usize]) -> Option<Vec<usize>> {
+        let mut out = shape.to_vec();
+        if self.lanes() > 1 {
+            let last = out.last_mut()?;
+            *last = last.checked_mul(self.lanes())?;
+        }
+        Some(out)
+    }
+
+    /// The tensor shape of a header's `shape` of this dtype, [`DType::file_shape`]
+    /// undone: `None` when a packed dtype's values do not fill whole elements along the
+    /// last dimension (no last dimension, or one not a multiple of [`DType::lanes`]).
+    pub fn tensor_shape(self, mut shape: Vec<usize>) -> Option<Vec<usize>> {
+        let lanes = self.lanes();
+        if lanes > 1 {
+            let last = shape.last_mut()?;
+            if *last % lanes != 0 {
+                return None;
+            }
+            *last /= lanes;
+        }
+        Some(shape)
     }
 
     /// The name users see, as NumPy and PyTorch spell it ("float32", "bfloat16", …).
@@ -119,6 +202,12 @@ impl DType {
             DType::Complex128 => "complex128",
             DType::F8E4M3 => "float8_e4m3fn",
             DType::F8E5M2 => "float8_e5m2",
+            DType::F8E8M0 => "float8_e8m0fnu",
+            DType::F8E4M3Fnuz => "float8_e4m3fnuz",
+            DType::F8E5M2Fnuz => "float8_e5m2fnuz",
+            DType::F4x2 => "float4_e2m1fn_x2",
+            DType::F6E2M3x4 => "float6_e2m3fn_x4",
+            DType::F6E3M2x4 => "float6_e3m2fn_x4",
         }
     }
 
@@ -141,6 +230,12 @@ impl DType {
             DType::Complex64 => "C64",
             DType::F8E4M3 => "F8_E4M3",
             DType::F8E5M2 => "F8_E5M2",
+            DType::F8E8M0 => "F8_E8M0",
+            DType::F8E4M3Fnuz => "F8_E4M3FNUZ",
+            DType::F8E5M2Fnuz => "F8_E5M2FNUZ",
+            DType::F4x2 => "F4",
+            DType::F6E2M3x4 => "F6_E2M3",
+            DType::F6E3M2x4 => "F6_E3M2",
             DType::Complex128 => return None,
         })
     }
@@ -164,11 +259,18 @@ impl DType {
             "C64" => DType::Complex64,
             "F8_E4M3" => DType::F8E4M3,
             "F8_E5M2" => DType::F8E5M2,
+            "F8_E8M0" => DType::F8E8M0,
+            "F8_E4M3FNUZ" => DType::F8E4M3Fnuz,
+            "F8_E5M2FNUZ" => DType::F8E5M2Fnuz,
+            "F4" => DType::F4x2,
+            "F6_E2M3" => DType::F6E2M3x4,
+            "F6_E3M2" => DType::F6E3M2x4,
             _ => return None,
         })
     }
 
-    /// The DLPack description of this dtype.
+    /// The DLPack description of this dtype (packed floats as PyTorch describes its
+    /// `float4_e2m1fn_x2`: bits of one value, lanes per element).
     pub const fn dlpack(self) -> DLDataType {
         let (code, bits) = match self {
             DType::Bool => (DL_BOOL, 8),
@@ -188,26 +290,44 @@ impl DType {
             DType::Complex128 => (DL_COMPLEX, 128),
             DType::F8E4M3 => (DL_FLOAT8_E4M3FN, 8),
             DType::F8E5M2 => (DL_FLOAT8_E5M2, 8),
+            DType::F8E8M0 => (DL_FLOAT8_E8M0FNU, 8),
+            DType::F8E4M3Fnuz => (DL_FLOAT8_E4M3FNUZ, 8),
+            DType::F8E5M2Fnuz => (DL_FLOAT8_E5M2FNUZ, 8),
+            DType::F4x2 => (DL_FLOAT4_E2M1FN, 4),
+            DType::F6E2M3x4 => (DL_FLOAT6_E2M3FN, 6),
+            DType::F6E3M2x4 => (DL_FLOAT6_E3M2FN, 6),
         };
         DLDataType {
             code,
             bits,
-            lanes: 1,
+            lanes: self.lanes() as u16,
         }
     }
 
     /// The dtype of a DLPack description, or `None` for one tensorferry does not handle
-    /// (vector lanes, opaque handles, sub-byte floats).
+    /// (vector lanes of whole-byte types, opaque handles, sub-byte floats one per byte).
     pub fn from_dlpack(dl: DLDataType) -> Option<DType> {
-        if dl.lanes != 1 {
-            return None;
-        }
         DType::ALL.into_iter().find(|d| d.dlpack() == dl)
     }
 
-    /// True for types NumPy holds natively (everything but bfloat16 and float8).
+    /// True for types NumPy holds natively (everything but bfloat16 and the 8-, 6- and
+    /// 4-bit floats).
     pub const fn is_numpy_native(self) -> bool {
-        !matches!(self, DType::BF16 | DType::F8E4M3 | DType::F8E5M2)
+        !self.is_ml_dtypes() && self.lanes() == 1
+    }
+
+    /// True for types NumPy holds with `ml_dtypes`, one value per element: bfloat16 and
+    /// the 8-bit floats (its 4- and 6-bit floats take a byte per value, not packed).
+    pub const fn is_ml_dtypes(self) -> bool {
+        matches!(
+            self,
+            DType::BF16
+                | DType::F8E4M3
+                | DType::F8E5M2
+                | DType::F8E8M0
+                | DType::F8E4M3Fnuz
+                | DType::F8E5M2Fnuz
+        )
     }
 }
 
@@ -248,7 +368,8 @@ mod tests {
     fn every_dtype_round_trips_through_dlpack() {
         for d in DType::ALL {
             assert_eq!(DType::from_dlpack(d.dlpack()), Some(d));
-            assert_eq!(d.dlpack().bits as usize, d.size() * 8);
+            let dl = d.dlpack();
+            assert_eq!(dl.bits as usize * dl.lanes as usize, d.size() * 8, "{d}");
         }
     }
 
@@ -267,5 +388,58 @@ mod tests {
         let mut dl = DType::F32.dlpack();
         dl.lanes = 4;
         assert_eq!(DType::from_dlpack(dl), None);
+        // One 4-bit value per byte is not PyTorch's packed layout.
+        let mut f4 = DType::F4x2.dlpack();
+        f4.lanes = 1;
+        assert_eq!(DType::from_dlpack(f4), None);
+    }
+
+    #[test]
+    fn every_code_of_the_safetensors_format_is_a_dtype() {
+        // The `Dtype` enum of safetensors 0.8 (safetensors/src/tensor.rs), all of it.
+        for code in [
+            "BOOL",
+            "F4",
+            "F6_E2M3",
+            "F6_E3M2",
+            "U8",
+            "I8",
+            "F8_E5M2",
+            "F8_E4M3",
+            "F8_E8M0",
+            "F8_E4M3FNUZ",
+            "F8_E5M2FNUZ",
+            "I16",
+            "U16",
+            "F16",
+            "BF16",
+            "I32",
+            "U32",
+            "F32",
+            "C64",
+            "F64",
+            "I64",
+            "U64",
+        ] {
+            let d = DType::from_safetensors_code(code).unwrap_or_else(|| panic!("{code}"));
+            assert_eq!(d.safetensors_code(), Some(code));
+        }
+    }
+
+    #[test]
+    fn packed_floats_count_values_along_the_last_dimension_of_a_file() {
+        assert_eq!(DType::F4x2.file_shape(&[2, 3]), Some(vec![2, 6]));
+        assert_eq!(DType::F4x2.tensor_shape(vec![2, 6]), Some(vec![2, 3]));
+        assert_eq!(DType::F4x2.tensor_shape(vec![2, 3]), None);
+        assert_eq!(DType::F4x2.tensor_shape(vec![]), None);
+        assert_eq!(DType::F4x2.file_shape(&[]), None);
+        assert_eq!(DType::F4x2.tensor_shape(vec![3, 0]), Some(vec![3, 0]));
+        assert_eq!(DType::F6E2M3x4.file_shape(&[5]), Some(vec![20]));
+        assert_eq!(DType::F6E3M2x4.tensor_shape(vec![2, 6]), None);
+        assert_eq!(DType::F32.file_shape(&[]), Some(vec![]));
+        assert_eq!(
+            (DType::F6E2M3x4.alignment(), DType::F64.alignment()),
+            (1, 8)
+        );
     }
 }

@@ -24,4 +24,4 @@ pub use storage::Storage;
 pub use tensor::Tensor;
 pub use transfer::{move_tensors, MoveOptions, Staging};
 pub use tree::{consolidate, consolidate_node};
-pub use tree::{KeyPath, Node, TensorDict, Value};
+pub use tree::{DictKey, KeyPath, Node, TensorDict, Value};

@@ -314,6 +314,17 @@ impl Tensor {
         self.storage.as_ptr().wrapping_add(self.offset)
     }
 
+    /// True when `self` and `other` are one tensor: the same memory (device and address of
+    /// element 0), dtype, shape and strides, whatever storage object holds them (two
+    /// imports of one framework tensor are one tensor).
+    pub fn is_same_view(&self, other: &Tensor) -> bool {
+        self.data_ptr() == other.data_ptr()
+            && self.device() == other.device()
+            && self.dtype == other.dtype
+            && self.shape() == other.shape()
+            && self.strides() == other.strides()
+    }
+
     /// True when the elements lie in C order with no gaps (dimensions of size 1 ignored).
     pub fn is_contiguous(&self) -> bool {
         if self.numel() == 0 {

@@ -1,10 +1,13 @@
 //! `TensorDict`: an ordered, nested tree of tensors and plain values.
 //!
-//! Keys are any strings ("layer.0.weight" is one key); a node is a dict, a list or a
-//! tuple; a leaf is a tensor or a plain value. Paths address nested entries: list
-//! items by their index written as a string.
+//! Keys are any strings ("layer.0.weight" is one key) or integers (the parameter indices
+//! that key PyTorch's optimizer state), an integer held as its decimal text; a node is a
+//! dict, a list or a tuple; a leaf is a tensor or a plain value. Paths address nested
+//! entries: list items by their index written as a string, integer keys by their text.
 
+use std::borrow::Borrow;
 use std::fmt;
+use std::hash::{Hash, Hasher};
 
 use indexmap::IndexMap;
 
@@ -59,10 +62,95 @@ impl fmt::Display for KeyPath {
     }
 }
 
-/// An ordered dictionary of string keys to [`Node`]s.
+/// A key of a [`TensorDict`]: a string, or an integer held as its decimal text. Keys are
+/// equal when their texts are: the integer `0` and the string `"0"` are one key, as they
+/// are one name in a file.
+#[derive(Clone, Debug)]
+pub struct DictKey {
+    text: String,
+    int: bool,
+}
+
+impl DictKey {
+    /// The key's text (an integer's in decimal).
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// True when the key is an integer.
+    pub fn is_int(&self) -> bool {
+        self.int
+    }
+
+    /// The integer, when the key is one.
+    pub fn as_int(&self) -> Option<i64> {
+        if self.int {
+            self.text.parse().ok()
+        } else {
+            None
+        }
+    }
+
+    /// The key's text, by value.
+    pub fn into_string(self) -> String {
+        self.text
+    }
+}
+
+impl PartialEq for DictKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.text == other.text
+    }
+}
+impl Eq for DictKey {}
+
+impl Hash for DictKey {
+    /// As the text hashes, so that a dict is searched by `&str`.
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.text.as_str().hash(state);
+    }
+}
+
+impl Borrow<str> for DictKey {
+    fn borrow(&self) -> &str {
+        &self.text
+    }
+}
+
+impl From<String> for DictKey {
+    fn from(text: String) -> Self {
+        DictKey { text, int: false }
+    }
+}
+impl From<&str> for DictKey {
+    fn from(text: &str) -> Self {
+        DictKey::from(text.to_string())
+    }
+}
+impl From<&String> for DictKey {
+    fn from(text: &String) -> Self {
+        DictKey::from(text.clone())
+    }
+}
+impl From<i64> for DictKey {
+    fn from(i: i64) -> Self {
+        DictKey {
+            text: i.to_string(),
+            int: true,
+        }
+    }
+}
+
+impl fmt::Display for DictKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// An ordered dictionary of keys (strings or integers) to [`Node`]s.
 #[derive(Clone, Debug, Default)]
 pub struct TensorDict {
-    entries: IndexMap<String, Node>,
+    entries: IndexMap<DictKey, Node>,
 }
 
 impl From<Tensor> for Node {
@@ -156,7 +244,7 @@ impl Node {
             Node::Value(_) => {}
             Node::Dict(d) => {
                 for (k, v) in &d.entries {
-                    path.0.push(k.clone());
+                    path.0.push(k.text.clone());
                     v.visit_tensors_at(path, f);
                     path.0.pop();
                 }
@@ -250,7 +338,7 @@ impl Node {
             Node::Dict(d) => {
                 let mut out = IndexMap::with_capacity(d.entries.len());
                 for (k, v) in &d.entries {
-                    path.0.push(k.clone());
+                    path.0.push(k.text.clone());
                     let mapped = v.map_at(path, f);
                     path.0.pop();
                     out.insert(k.clone(), mapped?);
@@ -294,9 +382,28 @@ impl TensorDict {
         self.entries.is_empty()
     }
 
-    /// Inserts at a top-level key, keeping the key's position if it existed; returns the old node.
-    pub fn insert(&mut self, key: impl Into<String>, node: impl Into<Node>) -> Option<Node> {
-        self.entries.insert(key.into(), node.into())
+    /// An empty dictionary with room for `n` entries.
+    pub fn with_capacity(n: usize) -> Self {
+        TensorDict {
+            entries: IndexMap::with_capacity(n),
+        }
+    }
+
+    /// Inserts at a top-level key (a string, or an `i64` for an integer key), keeping the
+    /// key's position if it existed (and taking the new key's kind); returns the old node.
+    pub fn insert(&mut self, key: impl Into<DictKey>, node: impl Into<Node>) -> Option<Node> {
+        use indexmap::map::MutableKeys;
+        let key = key.into();
+        match self.entries.get_full_mut2(key.as_str()) {
+            Some((_, k, v)) => {
+                k.int = key.int;
+                Some(std::mem::replace(v, node.into()))
+            }
+            None => {
+                self.entries.insert(key, node.into());
+                None
+            }
+        }
     }
 
     /// Inserts at a nested path, creating missing dictionaries on the way.
@@ -308,7 +415,7 @@ impl TensorDict {
         for (depth, key) in parents.iter().enumerate() {
             let slot = dict
                 .entries
-                .entry(key.to_string())
+                .entry(DictKey::from(*key))
                 .or_insert_with(|| Node::Dict(TensorDict::new()));
             dict = match slot {
                 Node::Dict(d) => d,
@@ -369,14 +476,29 @@ impl TensorDict {
         }
     }
 
-    /// The top-level keys in order.
+    /// The top-level keys in order (integers as their text).
     pub fn keys(&self) -> impl Iterator<Item = &str> {
-        self.entries.keys().map(String::as_str)
+        self.entries.keys().map(DictKey::as_str)
     }
 
-    /// The top-level entries in order.
+    /// The top-level entries in order (integer keys as their text).
     pub fn iter(&self) -> impl Iterator<Item = (&str, &Node)> {
         self.entries.iter().map(|(k, v)| (k.as_str(), v))
+    }
+
+    /// The top-level entries in order, with their keys as held (string or integer).
+    pub fn iter_keyed(&self) -> impl Iterator<Item = (&DictKey, &Node)> {
+        self.entries.iter()
+    }
+
+    /// The top-level entries in order, by value, with their keys as held.
+    pub fn into_keyed_iter(self) -> impl Iterator<Item = (DictKey, Node)> {
+        self.entries.into_iter()
+    }
+
+    /// True when some top-level key is an integer.
+    pub fn has_int_keys(&self) -> bool {
+        self.entries.keys().any(DictKey::is_int)
     }
 
     /// Every tensor leaf with its full path, in tree order.
@@ -384,7 +506,7 @@ impl TensorDict {
         let mut out = Vec::new();
         let mut path = KeyPath::default();
         for (k, v) in &self.entries {
-            path.0.push(k.clone());
+            path.0.push(k.text.clone());
             v.visit_tensors_at(&mut path, &mut |p, t| out.push((p.clone(), t)));
             path.0.pop();
         }
@@ -428,7 +550,7 @@ impl TensorDict {
         let mut out = IndexMap::with_capacity(self.entries.len());
         let mut path = KeyPath::default();
         for (k, v) in &self.entries {
-            path.0.push(k.clone());
+            path.0.push(k.text.clone());
             let mapped = v.map_at(&mut path, &mut f);
             path.0.pop();
             out.insert(k.clone(), mapped?);
@@ -485,18 +607,44 @@ impl TensorDict {
     }
 }
 
+/// The top-level entries of a [`TensorDict`] by value, keys as text.
+pub struct IntoIter(indexmap::map::IntoIter<DictKey, Node>);
+
+impl Iterator for IntoIter {
+    type Item = (String, Node);
+    fn next(&mut self) -> Option<(String, Node)> {
+        self.0.next().map(|(k, v)| (k.text, v))
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.0.size_hint()
+    }
+}
+
 impl IntoIterator for TensorDict {
     type Item = (String, Node);
-    type IntoIter = indexmap::map::IntoIter<String, Node>;
+    type IntoIter = IntoIter;
 
-    /// The top-level entries in order, by value.
-    fn into_iter(self) -> Self::IntoIter {
-        self.entries.into_iter()
+    /// The top-level entries in order, by value (integer keys as their text;
+    /// [`TensorDict::into_keyed_iter`] keeps their kind).
+    fn into_iter(self) -> IntoIter {
+        IntoIter(self.entries.into_iter())
     }
 }
 
 impl FromIterator<(String, Node)> for TensorDict {
     fn from_iter<I: IntoIterator<Item = (String, Node)>>(iter: I) -> Self {
+        TensorDict {
+            entries: iter
+                .into_iter()
+                .map(|(k, v)| (DictKey::from(k), v))
+                .collect(),
+        }
+    }
+}
+
+impl FromIterator<(DictKey, Node)> for TensorDict {
+    /// A dict of the entries in order; of keys given twice, the last entry wins.
+    fn from_iter<I: IntoIterator<Item = (DictKey, Node)>>(iter: I) -> Self {
         TensorDict {
             entries: iter.into_iter().collect(),
         }
@@ -618,6 +766,27 @@ mod tests {
         });
         assert!(matches!(res, Err(Error::KeyNotFound { path }) if path == "model/layer.0.bias"));
         assert_eq!(d.tensor_count(), 3);
+    }
+
+    #[test]
+    fn integer_keys_are_found_by_their_text_and_keep_their_kind() {
+        let mut d = TensorDict::new();
+        d.insert(0i64, t(&[1.0]));
+        d.insert("lr", 0.1);
+        assert!(d.tensor(&["0"]).is_some());
+        let kinds: Vec<(String, bool)> = d
+            .iter_keyed()
+            .map(|(k, _)| (k.to_string(), k.is_int()))
+            .collect();
+        assert_eq!(kinds, [("0".into(), true), ("lr".into(), false)]);
+        assert_eq!(d.iter_keyed().next().unwrap().0.as_int(), Some(0));
+        assert!(d.has_int_keys());
+        // The string "0" is the same key: it replaces the entry in place, as a string.
+        assert!(d.insert("0", 2i64).is_some());
+        assert_eq!(d.keys().collect::<Vec<_>>(), ["0", "lr"]);
+        assert!(!d.has_int_keys());
+        let copied = d.try_map_tensors(|_, t| Ok(t.clone())).unwrap();
+        assert_eq!(copied.len(), 2);
     }
 
     #[test]

@@ -323,11 +323,11 @@ def _is_number(x):
 
 
 def _numeric_data(obj, depth=0):
-    """True for a non-empty list/tuple (not a namedtuple) holding only numbers and
-    such lists: data to become one tensor. Lists nested deeper than a walk goes are not
-    data (the walk then refuses them with the depth)."""
+    """True for a non-empty list holding only numbers and such lists: data to become one
+    tensor (a tuple is a record, never data). Lists nested deeper than a walk goes are
+    not data (the walk then refuses them with the depth)."""
     kind = container_kind(obj)
-    if kind not in (_LIST, _TUPLE) or not obj or depth >= MAX_DEPTH:
+    if kind != _LIST or not obj or depth >= MAX_DEPTH:
         return False
     for x in obj:
         if _is_number(x):
@@ -393,10 +393,16 @@ def _all_ints(data):
 def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, staging="auto", like=None):
     """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1").
 
-    Lists and tuples of Python numbers (rectangular, nested) become ``tensorferry.Tensor``
-    leaves in a standard dtype: float -> float32, int -> int64, bool -> bool; a ragged
-    list is a :class:`FormatError` naming its key, and an empty list stays a list; integers
-    beyond int64 and finite floats beyond float32 are a :class:`TensorferryOverflowError`.
+    Lists of Python numbers (rectangular, nested lists) are data: they become
+    ``tensorferry.Tensor`` leaves in a standard dtype: float -> float32, int -> int64, bool
+    -> bool; a ragged list is a :class:`FormatError` naming its key, and an empty list stays
+    a list; integers beyond int64 and finite floats beyond float32 are a
+    :class:`TensorferryOverflowError`. A tuple is a record (``betas=(0.9, 0.999)``, a
+    shape) and stays as it is, and so does a list holding one. The state dict of a PyTorch
+    optimizer (a dict holding ``"state"`` and ``"param_groups"``) or learning-rate
+    scheduler (holding ``"_last_lr"``, or ``"base_lrs"`` and ``"last_epoch"``) holds
+    hyper-parameters: in it only existing tensors move (``params=[0, 1]``,
+    ``base_lrs=[0.1]`` stay lists), so ``load_state_dict`` takes the result.
     ``like="torch" | "jax" | "tensorflow" | "numpy"`` gives the tensors made from lists in
     that framework (NumPy on the host only).
     Many small PyTorch CPU tensors of one dtype and shape (rows of a multiple of 64
@@ -790,9 +796,9 @@ def _recorded_frameworks(meta):
 
 
 def _numpy_can_hold(dtype):
-    if dtype not in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        return True
-    return fw.importable("ml_dtypes")
+    from ._numpy import numpy_can_hold
+
+    return numpy_can_hold(dtype)
 
 
 def metadata(path):

@@ -11,8 +11,9 @@ from ._tree import _enter, collect, container_kind, _DICT, _MAPPING, _LEAF
 class TensorDict:
     """A nested dictionary of tensors and plain values with one-call moves.
 
-    Keys are strings (``"layer.0.weight"`` is one key); a tuple key is a path into
-    nested dicts. Values keep their framework.
+    Keys are strings (``"layer.0.weight"`` is one key) or integers (the parameter indices
+    of an optimizer's state); a tuple key is a path into nested dicts. Values keep their
+    framework.
 
     >>> import numpy as np, tensorferry as tf
     >>> td = tf.TensorDict({"model": {"w": np.ones(2, np.float32)}, "step": 1})

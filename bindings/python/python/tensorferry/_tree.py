@@ -51,11 +51,25 @@ def _enter(obj, path, ancestors):
     return ancestors + (id(obj),)
 
 
+def is_torch_state(obj):
+    """True for the state dict of a PyTorch optimizer (it holds ``"state"`` and
+    ``"param_groups"``) or learning-rate scheduler (it holds ``"_last_lr"``, as every
+    scheduler's does, or ``"base_lrs"`` and ``"last_epoch"``): records of hyper-parameters,
+    whose lists of numbers are no data (the native walker's rule, in ``walk.rs``)."""
+    try:
+        return ("state" in obj and "param_groups" in obj) or "_last_lr" in obj or (
+            "base_lrs" in obj and "last_epoch" in obj
+        )
+    except Exception:  # a Mapping whose ``in`` fails holds no such state
+        return False
+
+
 def collect(obj, select, path=(), out=None, ancestors=()):
     """``[(path, leaf)]`` for every leaf (or data list) for which ``select(obj, path)``
     is true, in traversal order. ``select`` sees containers too, so that it can claim a
-    list of numbers as one leaf. ``ancestors`` are the ids of the enclosing containers
-    (for a walk that starts inside a tree)."""
+    list of numbers as one leaf; within a PyTorch optimizer's or scheduler's state
+    (:func:`is_torch_state`) only tensors are leaves. ``ancestors`` are the ids of the
+    enclosing containers (for a walk that starts inside a tree)."""
     if out is None:
         out = []
     if select(obj, path):
@@ -66,6 +80,8 @@ def collect(obj, select, path=(), out=None, ancestors=()):
         return out
     ancestors = _enter(obj, path, ancestors)
     if kind == _DICT or kind == _MAPPING:
+        if select is not select_tensors and is_torch_state(obj):
+            select = select_tensors
         for k, v in list(obj.items()):
             collect(v, select, path + (k,), out, ancestors)
     else:

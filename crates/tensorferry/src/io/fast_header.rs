@@ -99,6 +99,8 @@ pub(crate) fn build(text: &str, counted: Counted) -> Option<Built> {
                 shape
             }
         };
+        // Packed floats: the header counts values, the tensor elements.
+        let shape = fields.dtype.tensor_shape(shape)?;
         entries.push(TensorEntry {
             name: key.to_string(),
             dtype: fields.dtype,
@@ -223,7 +225,9 @@ fn entry(c: &mut Cursor<'_>, mut dim: impl FnMut(usize)) -> Option<Fields> {
         }
     }
     let (dtype, (begin, end), numel) = (dtype?, offsets?, shape_bytes?);
-    let nbytes = numel.checked_mul(dtype.size())?;
+    // Packed floats: `numel` counts values, [`DType::lanes`] to an element.
+    let lanes = dtype.lanes();
+    let nbytes = (numel % lanes == 0).then(|| (numel / lanes).checked_mul(dtype.size()))??;
     (begin <= end && end - begin == nbytes).then_some(Fields { dtype, begin, end })
 }
 

@@ -1,17 +1,17 @@
 //! The fast reader of the tree records tensorferry writes, in two passes over borrowed
 //! text: [`count`] checks the record against its regular form (the document as
-//! `{"format":1,"tree":NODE}`, every node of a kind other than `float`, keys, names and
-//! strings without escapes) and takes the census [`super::tree_census`] takes; [`decode`]
+//! `{"format":1,"tree":NODE}` or format 2, every node of a kind other than `float`, keys,
+//! names and strings without escapes, integer keys) and takes the census [`super::tree_census`] takes; [`decode`]
 //! then builds the tree with containers at their exact sizes, taking tensors by names
 //! borrowed from the text. A record outside the regular form makes [`count`] say `None`,
 //! and the `serde_json` readers, which accept all of it and word every error, take over.
 
 use super::scan::Cursor;
 use super::tree_census::TreeCensus;
-use super::tree_decode::TensorSource;
-use super::tree_meta::{bad, Kind, MAX_DEPTH};
+use super::tree_decode::{Aliasing, TensorSource};
+use super::tree_meta::{bad, decimal_len, version_understood, Kind, MAX_DEPTH};
 use crate::error::Result;
-use crate::tree::{Node, TensorDict, Value};
+use crate::tree::{DictKey, Node, TensorDict, Value};
 
 /// Checks and counts the record `text`: the fast way when it is regular, else with the
 /// `serde_json` census, which words every fault.
@@ -33,6 +33,7 @@ pub(crate) fn count(text: &str) -> Option<TreeCensus> {
     c.eat(b'}')?;
     c.finish()?;
     census.lengths.shrink_to_fit();
+    census.settle_aliases();
     Some(census)
 }
 
@@ -42,7 +43,7 @@ fn document(text: &str) -> Option<Cursor<'_>> {
     c.eat(b'{')?;
     (c.plain_str()? == "format").then_some(())?;
     c.eat(b':')?;
-    (c.uint()? == super::tree_meta::FORMAT_VERSION).then_some(())?;
+    version_understood(c.uint()?).then_some(())?;
     c.eat(b',')?;
     (c.plain_str()? == "tree").then_some(())?;
     c.eat(b':')?;
@@ -79,10 +80,39 @@ fn items<'a>(
     }
 }
 
+/// A dict key as the text holds it.
+enum Key<'a> {
+    Str(&'a str),
+    Int(i64),
+}
+
+impl Key<'_> {
+    /// The length of the key's text, as held in a dict.
+    fn len(&self) -> usize {
+        match self {
+            Key::Str(s) => s.len(),
+            Key::Int(i) => decimal_len(*i),
+        }
+    }
+}
+
+impl From<Key<'_>> for DictKey {
+    fn from(key: Key<'_>) -> DictKey {
+        match key {
+            Key::Str(s) => s.into(),
+            Key::Int(i) => i.into(),
+        }
+    }
+}
+
 /// The key of a `[key, node]` pair, the cursor moved to the node.
-fn pair_key<'a>(c: &mut Cursor<'a>) -> Option<&'a str> {
+fn pair_key<'a>(c: &mut Cursor<'a>) -> Option<Key<'a>> {
     c.eat(b'[')?;
-    let key = c.plain_str()?;
+    let key = if c.peek()? == b'"' {
+        Key::Str(c.plain_str()?)
+    } else {
+        Key::Int(c.int()?)
+    };
     c.eat(b',')?;
     Some(key)
 }
@@ -119,6 +149,11 @@ fn count_node(c: &mut Cursor<'_>, census: &mut TreeCensus, depth: usize) -> Opti
                 census.string_bytes += len as u64;
             }
         }
+        Kind::Alias => {
+            let name = c.plain_str()?;
+            census.saw_string(name.len());
+            census.aliased.push(name.to_string());
+        }
         Kind::None => c.word("null")?,
         Kind::Bool => bool_value(c).map(drop)?,
         Kind::Int => c.int().map(drop)?,
@@ -143,7 +178,7 @@ pub(crate) fn decode(
 ) -> Result<Node> {
     let mut build = Build {
         lengths: census.lengths.iter(),
-        tensors,
+        tensors: Aliasing::new(census, tensors),
     };
     let unexpected = || bad("the tree record changed between its census and its decoding");
     let mut c = document(text).ok_or_else(unexpected)?;
@@ -153,7 +188,7 @@ pub(crate) fn decode(
 /// What every level of a decoding shares.
 struct Build<'c> {
     lengths: std::slice::Iter<'c, u32>,
-    tensors: &'c mut dyn TensorSource,
+    tensors: Aliasing<'c>,
 }
 
 impl Build<'_> {
@@ -195,6 +230,10 @@ impl Build<'_> {
             }
             Kind::Tensor => match c.plain_str() {
                 Some(name) => Node::Tensor(self.tensors.take(name)?),
+                None => return Ok(None),
+            },
+            Kind::Alias => match c.plain_str() {
+                Some(name) => Node::Tensor(self.tensors.alias(name)?),
                 None => return Ok(None),
             },
             leaf => match value(c, leaf) {
@@ -260,7 +299,7 @@ struct DictPairs<'b, 'c, 't> {
 
 impl DictPairs<'_, '_, '_> {
     /// The next pair; `Ok(None)` at the end, `Err(None)` where the text is not as counted.
-    fn pair(&mut self) -> std::result::Result<Option<(String, Node)>, Option<crate::Error>> {
+    fn pair(&mut self) -> std::result::Result<Option<(DictKey, Node)>, Option<crate::Error>> {
         let c = &mut *self.c;
         if !self.started {
             self.started = true;
@@ -278,13 +317,13 @@ impl DictPairs<'_, '_, '_> {
             .map_err(Some)?
             .ok_or(None)?;
         c.eat(b']').ok_or(None)?;
-        Ok(Some((key.to_string(), node)))
+        Ok(Some((key.into(), node)))
     }
 }
 
 impl Iterator for DictPairs<'_, '_, '_> {
-    type Item = (String, Node);
-    fn next(&mut self) -> Option<(String, Node)> {
+    type Item = (DictKey, Node);
+    fn next(&mut self) -> Option<(DictKey, Node)> {
         if self.failure.is_some() || *self.broken {
             return None;
         }
@@ -387,7 +426,7 @@ mod tests {
             r#"{"tree":{"none":null},"format":1}"#,
             r#"{"format":1,"tree":{"float":1.5}}"#,
             r#"{"format":1,"tree":{"str":"a\"b"}}"#,
-            r#"{"format":2,"tree":{"none":null}}"#,
+            r#"{"format":3,"tree":{"none":null}}"#,
             r#"{"format":1,"tree":{"none":null},"x":1}"#,
             r#"{"format":1,"tree":{"int":1,"str":"x"}}"#,
             r#"{"format":1,"tree":{"dict":[["a"]]}}"#,

@@ -311,7 +311,7 @@ fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {
         .dtype
         .0
         .map_err(|code| Error::format_in(&at, format!("unknown dtype {code:?}")))?;
-    let shape = e.shape;
+    let shape = packed_shape(dtype, e.shape, &at)?;
     let (begin, end) = e.data_offsets;
     if begin > end {
         return Err(Error::format_in(
@@ -338,6 +338,29 @@ fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {
         begin,
         end,
     })
+}
+
+/// The tensor shape of a header's `shape` of `dtype` (packed floats hold several values an
+/// element, [`DType::tensor_shape`]); a shape whose values do not fill whole elements is
+/// an [`Error::UnsupportedDType`] naming the tensor.
+pub(crate) fn packed_shape(dtype: DType, shape: Vec<usize>, at: &str) -> Result<Vec<usize>> {
+    if dtype.lanes() == 1 {
+        return Ok(shape);
+    }
+    let text = shape_text(&shape);
+    dtype
+        .tensor_shape(shape)
+        .ok_or_else(|| Error::UnsupportedDType {
+            key: at.to_string(),
+            dtype: dtype.safetensors_code().unwrap_or("?").to_string(),
+            reason: format!(
+                "shape {text}: tensorferry holds these values packed, {} to an element along the \
+             last dimension (as PyTorch's {}), which must then be a multiple of {}",
+                dtype.lanes(),
+                dtype.name(),
+                dtype.lanes()
+            ),
+        })
 }
 
 /// A shape for a message: in full when short, else its first dims and its length.

@@ -6,6 +6,12 @@
 //! written by hand. The counts feed [`super::budget`] directly, so the writer refuses a
 //! header the reader would refuse without parsing its own output; debug builds parse it
 //! anyway and check that the counts agree.
+//!
+//! A tensor given under several keys (the same memory, dtype, shape and strides: tied
+//! weights) is written once, under its first name in tree order, and its other places
+//! are recorded as aliases of that name ([`super::tree_meta`]), so a load gives one tensor
+//! in every place; tensors whose memory overlaps without being the same tensor are
+//! refused, as a file cannot keep the overlap.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -14,7 +20,7 @@ use super::census::HeaderCensus;
 use super::name_hash::NameHasher;
 use super::scan::special_from;
 use super::tree_census::TreeCensus;
-use super::tree_meta::FORMAT_VERSION;
+use super::tree_meta::{FORMAT_VERSION, FORMAT_VERSION_NEWEST};
 use super::TREE_METADATA_KEY;
 use crate::error::{Error, Result};
 use crate::memory::HOST_ALIGNMENT;
@@ -36,6 +42,12 @@ pub(crate) struct Walked<'a> {
     /// The tree is a dict of tensors only: a file listing them in its order reads back as
     /// it without a record, and its names are the dict's keys (unique).
     flat: bool,
+    /// The tree-order index of each walked tensor, when some tensors of the tree are
+    /// aliases (not walked); empty when the two orders are one.
+    tree_index: Vec<u32>,
+    /// Two tensors of the tree (tree-order indexes) whose memory overlaps without their
+    /// being the same tensor.
+    overlap: Option<(usize, usize)>,
 }
 
 impl Walked<'_> {
@@ -49,38 +61,56 @@ impl Walked<'_> {
         let start = if i == 0 { 0 } else { self.ends[i - 1] };
         &self.names[start..self.ends[i]]
     }
+
+    /// The tree-order index of walked tensor `i` (the index into the tree's key paths).
+    fn tree_index(&self, i: usize) -> usize {
+        self.tree_index.get(i).map_or(i, |&k| k as usize)
+    }
 }
 
 /// Walks a dict at the root for one file (no record written for a flat dict, which the
 /// file does not carry).
 pub(crate) fn walk_dict(dict: &TensorDict) -> Walked<'_> {
-    let flat = flat_dict(dict);
-    walk(flat, !flat, |w| w.dict(dict))
+    let sharing = Sharing::of(&dict.tensor_refs());
+    let flat = flat_dict(dict) && sharing.is_none();
+    walk(flat, !flat, sharing, |w| w.dict(dict))
 }
 
 /// Walks any node at the root for one file, as [`walk_dict`] does.
 pub(crate) fn walk_node(node: &Node) -> Walked<'_> {
-    let flat = node.as_dict().is_some_and(flat_dict);
-    walk(flat, !flat, |w| w.node(node))
+    let sharing = Sharing::of(&node.tensor_refs());
+    let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();
+    walk(flat, !flat, sharing, |w| w.node(node))
 }
 
 /// Walks any node at the root, always writing its record (an index of shards keeps it).
 pub(crate) fn walk_node_recorded(node: &Node) -> Walked<'_> {
-    walk(node.as_dict().is_some_and(flat_dict), true, |w| {
-        w.node(node)
-    })
+    let sharing = Sharing::of(&node.tensor_refs());
+    let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();
+    walk(flat, true, sharing, |w| w.node(node))
 }
 
-/// Whether `dict` holds tensors only.
+/// Whether `dict` holds tensors only, under string keys (a file without a record reads
+/// back with string keys).
 fn flat_dict(dict: &TensorDict) -> bool {
-    dict.iter().all(|(_, node)| matches!(node, Node::Tensor(_)))
+    dict.iter_keyed()
+        .all(|(key, node)| matches!(node, Node::Tensor(_)) && !key.is_int())
 }
+
+/// Where the record's envelope writes its format version (one digit).
+const VERSION_AT: usize = b"{\"format\":".len();
 
 /// Walks the tree `tree` walks, the root `flat` or not; with `recording`, inside the
-/// record's envelope.
-fn walk<'a>(flat: bool, recording: bool, tree: impl FnOnce(&mut Walker<'a>)) -> Walked<'a> {
+/// record's envelope, marked format 2 when it holds an integer key or an alias.
+fn walk<'a>(
+    flat: bool,
+    recording: bool,
+    sharing: Sharing,
+    tree: impl FnOnce(&mut Walker<'a>),
+) -> Walked<'a> {
     let mut w = Walker {
         recording,
+        same_as: sharing.same_as,
         ..Walker::default()
     };
     if recording {
@@ -91,8 +121,96 @@ fn walk<'a>(flat: bool, recording: bool, tree: impl FnOnce(&mut Walker<'a>)) -> 
     tree(&mut w);
     if recording {
         w.record.push(b'}');
+        if w.newest {
+            debug_assert_eq!(w.record[VERSION_AT], b'0' + FORMAT_VERSION as u8);
+            w.record[VERSION_AT] = b'0' + FORMAT_VERSION_NEWEST as u8;
+        }
     }
-    w.finish(flat)
+    let mut walked = w.finish(flat);
+    walked.overlap = sharing.overlap;
+    walked
+}
+
+/// Which tensors of a tree share memory.
+#[derive(Default)]
+struct Sharing {
+    /// For each tensor in tree order, the tree-order index of the earlier tensor it is
+    /// the same as; empty when no tensor is another's.
+    same_as: Vec<Option<u32>>,
+    /// The first two tensors (tree-order indexes, the earlier first) whose memory overlaps
+    /// without their being the same tensor.
+    overlap: Option<(usize, usize)>,
+}
+
+impl Sharing {
+    /// Finds the tensors of `tensors` (in tree order) that are one tensor, or overlap: their
+    /// byte spans sorted by device and start, each compared with the span reaching
+    /// furthest before it. Tensors without elements share nothing.
+    fn of(tensors: &[&Tensor]) -> Sharing {
+        let mut out = Sharing::default();
+        if tensors.len() < 2 {
+            return out;
+        }
+        // (device, first byte, end, tree index)
+        let mut spans: Vec<((u8, usize), usize, usize, u32)> = Vec::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            if t.numel() == 0 {
+                continue;
+            }
+            let (below, above) =
+                crate::tensor::byte_extent(t.shape(), t.strides(), t.dtype().size());
+            let at = t.data_ptr() as usize;
+            let device = match t.device() {
+                crate::Device::Cpu => (0, 0),
+                crate::Device::Cuda(n) => (1, n),
+                crate::Device::Emulated(n) => (2, n),
+            };
+            spans.push((
+                device,
+                at.wrapping_add_signed(below),
+                at.wrapping_add_signed(above),
+                i as u32,
+            ));
+        }
+        spans.sort_unstable();
+        // The span reaching furthest so far on this device, and the first of the run of
+        // spans identical to the last one.
+        let mut furthest = 0usize;
+        let mut leader = 0usize;
+        for k in 1..spans.len() {
+            let (prev, cur) = (spans[k - 1], spans[k]);
+            if cur.0 != prev.0 {
+                furthest = k;
+                leader = k;
+                continue;
+            }
+            let lead = spans[leader];
+            let same = (lead.1, lead.2) == (cur.1, cur.2)
+                && tensors[lead.3 as usize].is_same_view(tensors[cur.3 as usize]);
+            if same {
+                if out.same_as.is_empty() {
+                    out.same_as = vec![None; tensors.len()];
+                }
+                out.same_as[cur.3 as usize] = Some(lead.3);
+                continue;
+            }
+            if cur.1 < spans[furthest].2 {
+                let (a, b) = (spans[furthest].3 as usize, cur.3 as usize);
+                if out.overlap.is_none_or(|(_, later)| a.max(b) < later) {
+                    out.overlap = Some((a.min(b), a.max(b)));
+                }
+            }
+            if cur.2 > spans[furthest].2 {
+                furthest = k;
+            }
+            leader = k;
+        }
+        out
+    }
+
+    fn is_none(&self) -> bool {
+        self.same_as.is_empty() && self.overlap.is_none()
+    }
 }
 
 #[derive(Default)]
@@ -106,6 +224,16 @@ struct Walker<'a> {
     /// Whether the record is written (not for a flat dict's single file).
     recording: bool,
     tree: TreeCensus,
+    /// The record uses what format 2 added (integer keys, aliases).
+    newest: bool,
+    /// [`Sharing::same_as`]: for each tensor in tree order, the one it is an alias of.
+    same_as: Vec<Option<u32>>,
+    /// Tensors met so far in tree order, aliases included.
+    met: usize,
+    /// For each tensor met (when there are aliases), the walked index it is written as.
+    written_as: Vec<u32>,
+    /// For each walked tensor (when there are aliases), its tree-order index.
+    tree_index: Vec<u32>,
 }
 
 impl<'a> Walker<'a> {
@@ -117,6 +245,8 @@ impl<'a> Walker<'a> {
             record: self.record,
             tree: self.tree,
             flat,
+            tree_index: self.tree_index,
+            overlap: None,
         }
     }
 
@@ -138,18 +268,25 @@ impl<'a> Walker<'a> {
         if self.recording {
             self.record.extend_from_slice(b"{\"dict\":[");
         }
-        for (i, (k, v)) in d.iter().enumerate() {
+        for (i, (k, v)) in d.iter_keyed().enumerate() {
+            let k_text = k.as_str();
             if self.recording {
                 if i > 0 {
                     self.record.push(b',');
                 }
                 self.record.push(b'[');
-                push_json_str(&mut self.record, k);
+                if k.is_int() {
+                    // An integer key: its text is its JSON number.
+                    self.record.extend_from_slice(k_text.as_bytes());
+                    self.newest = true;
+                } else {
+                    push_json_str(&mut self.record, k_text);
+                }
                 self.record.push(b',');
-                self.saw_string(k.len());
-                self.tree.string_bytes += k.len() as u64;
+                self.saw_string(k_text.len());
+                self.tree.string_bytes += k_text.len() as u64;
             }
-            let back = self.enter(k);
+            let back = self.enter(k_text);
             self.node(v);
             self.path.truncate(back);
             if self.recording {
@@ -184,6 +321,9 @@ impl<'a> Walker<'a> {
             Node::List(items) => self.items(b"{\"list\":[", items),
             Node::Tuple(items) => self.items(b"{\"tuple\":[", items),
             Node::Tensor(t) => {
+                if !self.same_as.is_empty() && self.alias_or_note() {
+                    return;
+                }
                 self.tensors.push(t);
                 self.names.push_str(&self.path);
                 self.ends.push(self.names.len());
@@ -197,6 +337,29 @@ impl<'a> Walker<'a> {
             }
             Node::Value(v) => self.value(v),
         }
+    }
+
+    /// For a tree with aliases, at a tensor: records an alias of the earlier tensor it
+    /// is the same as and says true; else notes where it will be written and says false.
+    fn alias_or_note(&mut self) -> bool {
+        let k = self.met;
+        self.met += 1;
+        let Some(first) = self.same_as[k] else {
+            self.written_as.push(self.tensors.len() as u32);
+            self.tree_index.push(k as u32);
+            return false;
+        };
+        let at = self.written_as[first as usize] as usize;
+        self.written_as.push(at as u32);
+        let start = if at == 0 { 0 } else { self.ends[at - 1] };
+        let name = &self.names[start..self.ends[at]];
+        self.record.extend_from_slice(b"{\"alias\":");
+        push_json_str(&mut self.record, name);
+        self.record.push(b'}');
+        let len = name.len();
+        self.saw_string(len);
+        self.newest = true;
+        true
     }
 
     fn value(&mut self, v: &Value) {
@@ -290,14 +453,15 @@ fn push_u64(out: &mut Vec<u8>, mut n: u64) {
     out.extend_from_slice(&digits[at..]);
 }
 
-/// Refuses tensors whose dtype the format lacks, a tensor named `__metadata__` and two
-/// paths giving one name; `paths` recomputes the key paths for the message.
+/// Refuses tensors whose dtype the format lacks (or that a file cannot shape: a packed
+/// scalar), a tensor named `__metadata__`, two paths giving one name, and tensors whose
+/// memory overlaps without their being one tensor; `paths` recomputes the key paths (of
+/// every tensor of the tree, in tree order) for the message.
 pub(crate) fn check_names(walked: &Walked<'_>, paths: impl FnOnce() -> Vec<KeyPath>) -> Result<()> {
     let n = walked.tensors.len();
-    let bad_dtype = walked
-        .tensors
-        .iter()
-        .position(|t| t.dtype().safetensors_code().is_none());
+    let bad_dtype = walked.tensors.iter().position(|t| {
+        t.dtype().safetensors_code().is_none() || t.dtype().file_shape(t.shape()).is_none()
+    });
     let reserved = (0..n).find(|&i| walked.name(i) == "__metadata__");
     let mut collision = None;
     // A flat dict's names are its keys: unique already.
@@ -314,20 +478,32 @@ pub(crate) fn check_names(walked: &Walked<'_>, paths: impl FnOnce() -> Vec<KeyPa
     let first_fault = [bad_dtype, reserved, collision.map(|(_, second)| second)]
         .into_iter()
         .flatten()
+        .map(|i| walked.tree_index(i))
+        .chain(walked.overlap.map(|(_, later)| later))
         .min();
     let Some(at) = first_fault else {
         return Ok(());
     };
     let paths = paths();
-    if bad_dtype == Some(at) {
-        let t = walked.tensors[at];
+    let walked_at = |i: Option<usize>| i.filter(|&i| walked.tree_index(i) == at);
+    if let Some(i) = walked_at(bad_dtype) {
+        let t = walked.tensors[i];
+        let reason = if t.dtype().safetensors_code().is_none() {
+            "the safetensors format has no code for it".to_string()
+        } else {
+            format!(
+                "a scalar cannot be stored: a file counts its {} values along the last \
+                 dimension; reshape it to [1]",
+                t.dtype().lanes()
+            )
+        };
         return Err(Error::UnsupportedDType {
             key: paths[at].to_string(),
             dtype: t.dtype().to_string(),
-            reason: "the safetensors format has no code for it".into(),
+            reason,
         });
     }
-    if reserved == Some(at) {
+    if walked_at(reserved).is_some() {
         return Err(Error::InvalidValue {
             key: paths[at].to_string(),
             reason: "a tensor named \"__metadata__\" cannot be stored: safetensors \
@@ -335,11 +511,25 @@ pub(crate) fn check_names(walked: &Walked<'_>, paths: impl FnOnce() -> Vec<KeyPa
                 .into(),
         });
     }
-    let (first, second) = collision.expect("the remaining fault");
-    Err(Error::NameCollision {
-        name: walked.name(second).to_string(),
-        first: paths[first].to_string(),
-        second: paths[second].to_string(),
+    if let Some((first, second)) =
+        collision.filter(|&(_, second)| walked_at(Some(second)).is_some())
+    {
+        return Err(Error::NameCollision {
+            name: walked.name(second).to_string(),
+            first: paths[walked.tree_index(first)].to_string(),
+            second: paths[at].to_string(),
+        });
+    }
+    let (earlier, later) = walked.overlap.expect("the remaining fault");
+    Err(Error::InvalidValue {
+        key: paths[later].to_string(),
+        reason: format!(
+            "its memory overlaps that of {:?} (views of one storage that are not the same \
+             tensor); a file stores each tensor's bytes apart and cannot keep the overlap: \
+             save a copy of one (`.clone()`), or leave one out (a tensor given under two \
+             keys, tied weights, is stored once and shared again on load)",
+            paths[earlier].to_string()
+        ),
     })
 }
 
@@ -363,7 +553,7 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
         ..HeaderCensus::default()
     };
     let mut order: Vec<usize> = (0..walked.tensors.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(walked.tensors[i].dtype().size()));
+    order.sort_by_key(|&i| std::cmp::Reverse(walked.tensors[i].dtype().alignment()));
     let recorded = !walked.flat;
     let mut json = Vec::with_capacity(64 + record.len() * 2 + walked.names.len() * 2);
     json.extend_from_slice(b"{\"__metadata__\":{");
@@ -407,7 +597,15 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
         json.extend_from_slice(b":{\"dtype\":\"");
         json.extend_from_slice(code.as_bytes());
         json.extend_from_slice(b"\",\"shape\":[");
-        for (d, &n) in t.shape().iter().enumerate() {
+        // Packed floats: the header counts values, not elements.
+        let file_shape;
+        let shape = if t.dtype().lanes() > 1 {
+            file_shape = t.dtype().file_shape(t.shape()).expect("checked");
+            &file_shape[..]
+        } else {
+            t.shape()
+        };
+        for (d, &n) in shape.iter().enumerate() {
             if d > 0 {
                 json.push(b',');
             }
@@ -441,6 +639,7 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
             string_bytes: walked.tree.string_bytes,
             longest_string: walked.tree.longest_string,
             lengths: Vec::new(),
+            aliased: Vec::new(),
             fast: false,
         })
     });

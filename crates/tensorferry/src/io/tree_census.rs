@@ -9,7 +9,7 @@ use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::tree_meta::{bad, node_kind, FloatSeed, Kind, FORMAT_VERSION};
+use super::tree_meta::{bad, decimal_len, node_kind, version_understood, FloatSeed, Kind};
 use crate::error::Result;
 
 /// What a tree record holds, counted.
@@ -29,6 +29,9 @@ pub(crate) struct TreeCensus {
     pub(crate) longest_string: u64,
     /// The length of every dict, list and tuple, in the order the record lists them.
     pub(crate) lengths: Vec<u32>,
+    /// The names `{"alias": name}` nodes refer to, sorted, each once: the decoder keeps
+    /// the tensors of these names when it takes them (none for most records).
+    pub(crate) aliased: Vec<String>,
     /// Counted by [`super::fast_tree`], whose decoder then builds the tree.
     pub(crate) fast: bool,
 }
@@ -42,6 +45,7 @@ pub(crate) fn count_tree(text: &str) -> Result<TreeCensus> {
         .and_then(|()| de.end())
         .map_err(|e| bad(format!("not a valid tree record: {e}")))?;
     census.lengths.shrink_to_fit();
+    census.settle_aliases();
     Ok(census)
 }
 
@@ -49,6 +53,22 @@ impl TreeCensus {
     /// Notes a string of `len` bytes.
     pub(crate) fn saw_string(&mut self, len: usize) {
         self.longest_string = self.longest_string.max(len as u64);
+    }
+
+    /// Sorts the aliased names and keeps each once, for the decoder's searches.
+    pub(crate) fn settle_aliases(&mut self) {
+        if !self.aliased.is_empty() {
+            self.aliased.sort_unstable();
+            self.aliased.dedup();
+        }
+    }
+
+    /// Where `name` is in [`TreeCensus::aliased`], when aliases refer to it.
+    pub(crate) fn aliased_at(&self, name: &str) -> Option<usize> {
+        if self.aliased.is_empty() {
+            return None;
+        }
+        self.aliased.binary_search_by(|a| a.as_str().cmp(name)).ok()
     }
 }
 
@@ -77,7 +97,7 @@ impl<'de> Visitor<'de> for CountDoc<'_> {
                 DocField::Format => {
                     format = true;
                     let version: u64 = map.next_value()?;
-                    if version != FORMAT_VERSION {
+                    if !version_understood(version) {
                         return Err(A::Error::custom(format!(
                             "unsupported format version {version}"
                         )));
@@ -168,6 +188,11 @@ impl<'de> Visitor<'de> for CountNode<'_> {
                     census.string_bytes += len as u64;
                 }
             }
+            Kind::Alias => {
+                let name: String = map.next_value()?;
+                census.saw_string(name.len());
+                census.aliased.push(name);
+            }
             Kind::None => map.next_value::<()>()?,
             Kind::Bool => map.next_value::<bool>().map(drop)?,
             Kind::Int => map.next_value::<i64>().map(drop)?,
@@ -257,7 +282,7 @@ impl<'de> Visitor<'de> for CountPair<'_> {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<(), A::Error> {
         use serde::de::Error as _;
         let len = seq
-            .next_element_seed(StrLen)?
+            .next_element_seed(KeyLen)?
             .ok_or_else(|| A::Error::invalid_length(0, &self))?;
         self.census.saw_string(len);
         self.census.string_bytes += len as u64;
@@ -270,6 +295,34 @@ impl<'de> Visitor<'de> for CountPair<'_> {
             return Err(A::Error::invalid_length(3, &"a [key, node] pair"));
         }
         Ok(())
+    }
+}
+
+/// The length of a dict key's text: a string's, or an integer key's decimal text.
+struct KeyLen;
+
+impl<'de> DeserializeSeed<'de> for KeyLen {
+    type Value = usize;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<usize, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeyLen {
+    type Value = usize;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a dict key (a string or an integer)")
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<usize, E> {
+        Ok(v.len())
+    }
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<usize, E> {
+        Ok(decimal_len(v))
+    }
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<usize, E> {
+        i64::try_from(v)
+            .map(decimal_len)
+            .map_err(|_| E::custom(format!("the integer key {v} does not fit in 64 bits")))
     }
 }
 
@@ -326,13 +379,33 @@ mod tests {
             record(r#"{"float":"nope"}"#),
             record(r#"{"int":1.5}"#),
             record(r#"{"what":1}"#),
-            r#"{"format":2,"tree":{"none":null}}"#.to_string(),
+            r#"{"format":3,"tree":{"none":null}}"#.to_string(),
             r#"{"tree":{"none":null}}"#.to_string(),
             r#"{"format":1}"#.to_string(),
             r#"{"format":1,"format":1,"tree":{"none":null}}"#.to_string(),
         ] {
             let e = count_tree(&bad).unwrap_err();
             assert!(matches!(e, crate::Error::Format { .. }), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn integer_keys_and_aliases_are_counted() {
+        let c = count_tree(
+            r#"{"format":2,"tree":{"dict":[[0,{"tensor":"a"}],[-12,{"alias":"a"}],["x",{"alias":"a"}]]}}"#,
+        )
+        .unwrap();
+        assert_eq!((c.dicts, c.dict_entries), (1, 3));
+        assert_eq!(c.string_bytes, 1 + 3 + 1);
+        assert_eq!(c.aliased, ["a"]);
+        assert_eq!((c.aliased_at("a"), c.aliased_at("b")), (Some(0), None));
+        for bad in [
+            r#"{"format":2,"tree":{"dict":[[1.5,{"none":null}]]}}"#,
+            r#"{"format":2,"tree":{"dict":[[9223372036854775808,{"none":null}]]}}"#,
+            r#"{"format":3,"tree":{"none":null}}"#,
+            r#"{"format":2,"tree":{"alias":1}}"#,
+        ] {
+            assert!(count_tree(bad).is_err(), "{bad}");
         }
     }
 

@@ -3,7 +3,7 @@
 //! The census has already refused every malformed record and counted every dict, list
 //! and tuple, so each is allocated at its exact size and no intermediate form of the
 //! tree is ever built; what can still fail here is a tensor reference (missing, or used
-//! twice) and a dict key given twice.
+//! twice), an alias to a tensor not taken before it, and a dict key given twice.
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -11,10 +11,10 @@ use std::marker::PhantomData;
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use super::tree_census::{DocField, DocKey, TreeCensus};
-use super::tree_meta::{bad, node_kind, FloatSeed, Kind};
+use super::tree_meta::{bad, node_kind, FloatSeed, KeySeed, Kind};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
-use crate::tree::{Node, TensorDict, Value};
+use crate::tree::{DictKey, Node, TensorDict, Value};
 
 /// Where the tensors a record refers to come from.
 pub(crate) trait TensorSource {
@@ -34,7 +34,7 @@ pub(crate) fn decode(
     }
     let mut ctx = Ctx {
         lengths: census.lengths.iter(),
-        tensors,
+        tensors: Aliasing::new(census, tensors),
         failure: None,
     };
     let mut de = serde_json::Deserializer::from_str(text);
@@ -49,11 +49,53 @@ pub(crate) fn decode(
     }
 }
 
+/// The tensors of a record: taken from their source, and those that aliases refer to kept
+/// for them, so that every alias of a name is the very tensor its `tensor` node took.
+pub(crate) struct Aliasing<'c> {
+    census: &'c TreeCensus,
+    source: &'c mut dyn TensorSource,
+    /// The tensors taken so far that aliases refer to, at their names' places in
+    /// [`TreeCensus::aliased`] (empty when no alias does).
+    kept: Vec<Option<Tensor>>,
+}
+
+impl<'c> Aliasing<'c> {
+    pub(crate) fn new(census: &'c TreeCensus, source: &'c mut dyn TensorSource) -> Self {
+        Aliasing {
+            census,
+            source,
+            kept: vec![None; census.aliased.len()],
+        }
+    }
+
+    /// The tensor of a `{"tensor": name}` node, kept when an alias refers to it.
+    pub(crate) fn take(&mut self, name: &str) -> Result<Tensor> {
+        let t = self.source.take(name)?;
+        if let Some(at) = self.census.aliased_at(name) {
+            self.kept[at] = Some(t.clone());
+        }
+        Ok(t)
+    }
+
+    /// The tensor of an `{"alias": name}` node: the one an earlier node took.
+    pub(crate) fn alias(&self, name: &str) -> Result<Tensor> {
+        self.census
+            .aliased_at(name)
+            .and_then(|at| self.kept[at].clone())
+            .ok_or_else(|| {
+                bad(format!(
+                    "an alias refers to tensor {:?}, which no earlier node of the tree took",
+                    super::tree_meta::shorten(name)
+                ))
+            })
+    }
+}
+
 /// What every level of the build shares.
 struct Ctx<'c> {
     /// The census's container lengths, consumed in the same order.
     lengths: std::slice::Iter<'c, u32>,
-    tensors: &'c mut dyn TensorSource,
+    tensors: Aliasing<'c>,
     /// An error of ours raised inside the parse (serde's errors carry only text).
     failure: Option<Error>,
 }
@@ -124,7 +166,8 @@ impl<'de> Visitor<'de> for BuildNode<'_, '_> {
             Kind::Dict => Node::Dict(map.next_value_seed(BuildDict { ctx, depth })?),
             Kind::List => Node::List(map.next_value_seed(BuildItems { ctx, depth })?),
             Kind::Tuple => Node::Tuple(map.next_value_seed(BuildItems { ctx, depth })?),
-            Kind::Tensor => Node::Tensor(map.next_value_seed(TakeTensor(ctx))?),
+            Kind::Tensor => Node::Tensor(map.next_value_seed(TakeTensor { ctx, alias: false })?),
+            Kind::Alias => Node::Tensor(map.next_value_seed(TakeTensor { ctx, alias: true })?),
             Kind::None => map.next_value::<()>().map(|()| Node::Value(Value::None))?,
             Kind::Bool => Node::Value(Value::Bool(map.next_value()?)),
             Kind::Int => Node::Value(Value::Int(map.next_value()?)),
@@ -222,8 +265,8 @@ struct Pairs<'s, 'c, 'de, A: SeqAccess<'de>> {
 }
 
 impl<'de, A: SeqAccess<'de>> Iterator for Pairs<'_, '_, 'de, A> {
-    type Item = (String, Node);
-    fn next(&mut self) -> Option<(String, Node)> {
+    type Item = (DictKey, Node);
+    fn next(&mut self) -> Option<(DictKey, Node)> {
         if self.failure.is_some() {
             return None;
         }
@@ -255,27 +298,27 @@ struct BuildPair<'a, 'c> {
 }
 
 impl<'de> DeserializeSeed<'de> for BuildPair<'_, '_> {
-    type Value = (String, Node);
+    type Value = (DictKey, Node);
     fn deserialize<D: Deserializer<'de>>(
         self,
         d: D,
-    ) -> std::result::Result<(String, Node), D::Error> {
+    ) -> std::result::Result<(DictKey, Node), D::Error> {
         d.deserialize_seq(self)
     }
 }
 
 impl<'de> Visitor<'de> for BuildPair<'_, '_> {
-    type Value = (String, Node);
+    type Value = (DictKey, Node);
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a [key, node] pair")
     }
     fn visit_seq<A: SeqAccess<'de>>(
         self,
         mut seq: A,
-    ) -> std::result::Result<(String, Node), A::Error> {
+    ) -> std::result::Result<(DictKey, Node), A::Error> {
         use serde::de::Error as _;
-        let key: String = seq
-            .next_element()?
+        let key = seq
+            .next_element_seed(KeySeed)?
             .ok_or_else(|| A::Error::invalid_length(0, &"a [key, node] pair"))?;
         let node = seq
             .next_element_seed(BuildNode {
@@ -290,8 +333,12 @@ impl<'de> Visitor<'de> for BuildPair<'_, '_> {
     }
 }
 
-/// A tensor reference: the tensor, taken from the source.
-struct TakeTensor<'a, 'c>(&'a mut Ctx<'c>);
+/// A tensor reference: the tensor, taken from the source, or for an alias the tensor an
+/// earlier reference took.
+struct TakeTensor<'a, 'c> {
+    ctx: &'a mut Ctx<'c>,
+    alias: bool,
+}
 
 impl<'de> DeserializeSeed<'de> for TakeTensor<'_, '_> {
     type Value = Tensor;
@@ -306,8 +353,14 @@ impl<'de> Visitor<'de> for TakeTensor<'_, '_> {
         f.write_str("a tensor name")
     }
     fn visit_str<E: serde::de::Error>(self, name: &str) -> std::result::Result<Tensor, E> {
-        self.0.tensors.take(name).map_err(|e| {
-            self.0.failure = Some(e);
+        let ctx = self.ctx;
+        let taken = if self.alias {
+            ctx.tensors.alias(name)
+        } else {
+            ctx.tensors.take(name)
+        };
+        taken.map_err(|e| {
+            ctx.failure = Some(e);
             E::custom("tensor reference failed")
         })
     }

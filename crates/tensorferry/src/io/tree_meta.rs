@@ -2,10 +2,17 @@
 //! and the pieces its two readers share ([`super::tree_census`] counts a record and checks
 //! it, [`super::tree_decode`] builds the tree from it); [`super::header_writer`] writes it.
 //!
-//! Encoding (JSON): `{"format": 1, "tree": NODE}` where NODE is one of
+//! Encoding (JSON): `{"format": 1 | 2, "tree": NODE}` where NODE is one of
 //! `{"dict": [[key, NODE], …]}`, `{"list": [NODE, …]}`, `{"tuple": [NODE, …]}`,
 //! `{"tensor": name}`, `{"none": null}`, `{"bool": b}`, `{"int": i}`,
 //! `{"float": x | "nan" | "inf" | "-inf"}`, `{"str": s}`.
+//!
+//! Format 2 adds two forms: a dict key that is a JSON integer (an integer key, such as
+//! the parameter indices of PyTorch's optimizer state; its tensors are named by its
+//! decimal text), and `{"alias": name}`, the tensor that an earlier `{"tensor": name}`
+//! node (in record order) took: one tensor under several keys, its bytes stored once. A
+//! writer marks a record 2 only when it uses them, so that every other file stays
+//! readable by readers of format 1; readers take both.
 
 use std::fmt;
 
@@ -13,8 +20,16 @@ use serde::de::{DeserializeSeed, Deserializer, Visitor};
 
 use crate::error::Error;
 
-/// The version of the record written and understood.
+/// The version of a record that uses nothing of format 2.
 pub(crate) const FORMAT_VERSION: u64 = 1;
+
+/// The newest version understood: integer keys and aliases.
+pub(crate) const FORMAT_VERSION_NEWEST: u64 = 2;
+
+/// True for the versions of the record this build reads.
+pub(crate) fn version_understood(version: u64) -> bool {
+    (FORMAT_VERSION..=FORMAT_VERSION_NEWEST).contains(&version)
+}
 const WHERE: &str = "__metadata__.tensorferry";
 
 /// Deepest tree recorded (the root is at depth 0): deeper ones would exceed the JSON
@@ -36,6 +51,7 @@ pub(crate) enum Kind {
     List,
     Tuple,
     Tensor,
+    Alias,
     None,
     Bool,
     Int,
@@ -51,6 +67,7 @@ impl Kind {
             "list" => Kind::List,
             "tuple" => Kind::Tuple,
             "tensor" => Kind::Tensor,
+            "alias" => Kind::Alias,
             "none" => Kind::None,
             "bool" => Kind::Bool,
             "int" => Kind::Int,
@@ -62,7 +79,7 @@ impl Kind {
 }
 
 const KINDS: &[&str] = &[
-    "dict", "list", "tuple", "tensor", "none", "bool", "int", "float", "str",
+    "dict", "list", "tuple", "tensor", "alias", "none", "bool", "int", "float", "str",
 ];
 
 /// Reads a node's kind.
@@ -99,6 +116,46 @@ impl<'de> Visitor<'de> for KindSeed {
     fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Kind, E> {
         Kind::from_name(v).ok_or_else(|| E::unknown_variant(&shorten(v), KINDS))
     }
+}
+
+/// Reads a dict key: a string, or an integer (format 2).
+pub(crate) struct KeySeed;
+
+impl<'de> DeserializeSeed<'de> for KeySeed {
+    type Value = crate::tree::DictKey;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeySeed {
+    type Value = crate::tree::DictKey;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a dict key (a string or an integer)")
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+        i64::try_from(v)
+            .map(Into::into)
+            .map_err(|_| E::custom(format!("the integer key {v} does not fit in 64 bits")))
+    }
+}
+
+/// The length of the decimal text of `i`, which an integer key is held as.
+pub(crate) fn decimal_len(i: i64) -> usize {
+    let digits = i
+        .unsigned_abs()
+        .checked_ilog10()
+        .map_or(1, |l| l as usize + 1);
+    digits + usize::from(i < 0)
 }
 
 /// Reads a float: a JSON number, or "nan", "inf", "-inf".
@@ -140,5 +197,15 @@ pub(crate) fn shorten(s: &str) -> String {
     match s.char_indices().nth(64) {
         Some((at, _)) => format!("{}…", &s[..at]),
         None => s.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn decimal_lengths_are_those_of_the_text() {
+        for i in [0i64, 7, -7, 10, -10, 99, 100, i64::MAX, i64::MIN] {
+            assert_eq!(super::decimal_len(i), i.to_string().len(), "{i}");
+        }
     }
 }
