@@ -103,7 +103,9 @@ def _checkpoint_files(folder):
 def test_a_save_killed_at_random_points_leaves_the_old_or_the_new_checkpoint_whole(gpt2, tmp_path):
     transformers, config, names, nbytes = gpt2
     config.save_pretrained(tmp_path)
-    rng = random.Random(int(os.environ.get("TF_CRASH_SEED", "0")) or None)
+    # A new seed each run (TF_CRASH_SEED replays one); every failure names it.
+    seed = int(os.environ.get("TF_CRASH_SEED") or random.randrange(1 << 30))
+    rng = random.Random(seed)
     layouts = ["none", nbytes // 8, nbytes // 3]
     # A first whole save, timed: the kill points spread over a save's length.
     proc = _start_save(tmp_path, 1, layouts[1], names)
@@ -124,8 +126,11 @@ def test_a_save_killed_at_random_points_leaves_the_old_or_the_new_checkpoint_who
         proc.wait(60)
         killed = proc.returncode == -signal.SIGKILL
         kills += killed
-        seen = _versions_seen(str(tmp_path), transformers if run % 3 == 0 else None)
-        assert seen in (current, version), f"run {run}: found version {seen}, expected {current} or {version}"
+        try:
+            seen = _versions_seen(str(tmp_path), transformers if run % 3 == 0 else None)
+        except Exception as e:
+            raise AssertionError(f"seed {seed}, run {run}: {e}") from e
+        assert seen in (current, version), f"seed {seed}, run {run}: found version {seen}, expected {current} or {version}"
         commits += killed and seen == version
         current = seen
     print(f"save: {length * 1e3:.1f} ms, kills: {kills}, kills after the commit: {commits}")
@@ -135,7 +140,7 @@ def test_a_save_killed_at_random_points_leaves_the_old_or_the_new_checkpoint_who
     assert _versions_seen(str(tmp_path), transformers) == 99
     files = _checkpoint_files(tmp_path)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert files == sorted(set(index["weight_map"].values()) | {"model.safetensors.index.json"}), files
+    assert files == sorted(set(index["weight_map"].values()) | {"model.safetensors.index.json"}), (seed, files)
 
 
 def test_a_save_that_fails_part_way_leaves_the_previous_checkpoint(tmp_path):

@@ -108,6 +108,10 @@ impl Place {
     }
 }
 
+/// The metadata key, in a sharded checkpoint's index, of the files of the checkpoint it
+/// replaced: a save that dies after its commit leaves them, and the next save removes them.
+pub(crate) const REPLACES_KEY: &str = "tensorferry.replaces";
+
 /// The metadata key, in a sharded checkpoint's index and shards, of the save that wrote it.
 pub(crate) const SAVE_ID_KEY: &str = "tensorferry.save";
 
@@ -185,8 +189,13 @@ pub(crate) fn commit_single(place: &Place, staged: Staged, fsync: bool) -> Resul
     if fsync {
         sync_folder(&place.dir)?;
     }
-    let _ = fs::remove_file(place.index());
-    remove_unnamed(place, previous, &[], &place.single, fsync)
+    // The index goes last: until then it names what is left to remove, for the next
+    // save to finish if this process dies here (the single file loads first meanwhile).
+    remove_unnamed(place, previous, &[], &place.single, fsync)?;
+    match fs::remove_file(place.index()) {
+        Ok(()) if fsync => sync_folder(&place.dir),
+        _ => Ok(()),
+    }
 }
 
 /// A shard written, waiting for its commit.
@@ -209,6 +218,15 @@ pub(crate) fn commit_sharded(
     let n = shards.len();
     let _lock = lock(&place.dir)?;
     let previous = previous_files(place);
+    let usual: Vec<String> = (1..=n).map(|i| place.shard_name(i, n)).collect();
+    let mut metadata = metadata;
+    let replaced: Vec<&String> = previous
+        .iter()
+        .filter(|f| !usual.contains(f) && f.ends_with(".safetensors"))
+        .collect();
+    if let Some(map) = metadata.as_object_mut() {
+        map.insert(REPLACES_KEY.into(), serde_json::json!(replaced));
+    }
     let mut saved = Vec::with_capacity(n);
     let mut names = Vec::with_capacity(n);
     for (i, shard) in shards.into_iter().enumerate() {
@@ -258,7 +276,6 @@ pub(crate) fn commit_sharded(
             ))
         }
     }
-    let usual: Vec<String> = (1..=n).map(|i| place.shard_name(i, n)).collect();
     let files = if link_all(place, &saved, &usual) {
         write_index(&usual)?;
         usual
@@ -286,14 +303,17 @@ fn link_all(place: &Place, saved: &[String], usual: &[String]) -> bool {
     })
 }
 
-/// The files of the checkpoint at `place` before this save: what its index names (and
-/// the usual names of shards it names by a save's name, which a save that died in step 3
-/// may have linked).
+/// The files of the checkpoint at `place` before this save: what its index names, what
+/// it records as replaced ([`REPLACES_KEY`]: the save that wrote it may have died before
+/// removing them), and the usual names of shards it names by a save's name (which a save
+/// that died in step 3 may have linked).
 fn previous_files(place: &Place) -> Vec<String> {
     let Ok(index) = read_index(&place.index()) else {
         return Vec::new();
     };
     let mut files: Vec<String> = index.files().map(str::to_string).collect();
+    // What the save that wrote it replaced and may have died before removing.
+    files.extend(index.replaces.iter().cloned());
     let usual: Vec<String> = files
         .iter()
         .filter_map(|f| place.usual_name_of_saved(f))

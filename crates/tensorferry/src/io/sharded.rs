@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::checkpoint::{commit_sharded, save_id, Place, StagedShard, SAVE_ID_KEY};
+use super::checkpoint::{commit_sharded, save_id, Place, StagedShard, REPLACES_KEY, SAVE_ID_KEY};
 use super::file_kind::open_regular;
 use super::read::{load_file, LoadOptions, Loaded};
 use super::tree_decode::{decode, TensorSource};
@@ -314,6 +314,8 @@ pub(crate) struct Index {
     record: Option<String>,
     /// The save that wrote it, when tensorferry did ([`SAVE_ID_KEY`]).
     save_id: Option<String>,
+    /// The files of the checkpoint it replaced ([`REPLACES_KEY`]), plain names only.
+    pub(crate) replaces: Vec<String>,
 }
 
 impl Index {
@@ -325,6 +327,19 @@ impl Index {
             .map(String::as_str)
             .filter(move |f| seen.insert(*f))
     }
+}
+
+/// Whether `file` is a plain file name (no folder, no `..`), as an index may name.
+fn is_plain_name(file: &str) -> bool {
+    let plain = Path::new(file)
+        .components()
+        .all(|c| matches!(c, std::path::Component::Normal(_)));
+    plain && !file.contains('/') && !file.contains('\\') && !file.is_empty()
+}
+
+/// Whether `file` is a plain name of a safetensors file.
+fn is_plain_shard_name(file: &str) -> bool {
+    is_plain_name(file) && file.ends_with(".safetensors")
 }
 
 /// Reads and checks the index at `path`: JSON of at most [`MAX_INDEX_BYTES`], in UTF-8,
@@ -359,10 +374,7 @@ pub(crate) fn read_index(path: &Path) -> Result<Index> {
         if !checked.insert(file.as_str()) {
             continue;
         }
-        let plain = Path::new(file)
-            .components()
-            .all(|c| matches!(c, std::path::Component::Normal(_)));
-        if !plain || file.contains('/') || file.contains('\\') || file.is_empty() {
+        if !is_plain_name(file) {
             return Err(bad(format!(
                 "shard {file:?} is not a file name in the index's folder"
             )));
@@ -387,10 +399,21 @@ pub(crate) fn read_index(path: &Path) -> Result<Index> {
         Some(serde_json::Value::String(s)) => Some(s.clone()),
         Some(_) => return Err(bad(format!("metadata.{SAVE_ID_KEY} must be a string"))),
     };
+    // Only a hint for the next save's clean-up: anything but plain shard names is ignored.
+    let replaces = match raw.metadata.as_ref().and_then(|m| m.get(REPLACES_KEY)) {
+        Some(serde_json::Value::Array(names)) => names
+            .iter()
+            .filter_map(|n| n.as_str())
+            .filter(|n| is_plain_shard_name(n))
+            .map(str::to_string)
+            .collect(),
+        _ => Vec::new(),
+    };
     Ok(Index {
         weight_map: raw.weight_map,
         record,
         save_id,
+        replaces,
     })
 }
 
