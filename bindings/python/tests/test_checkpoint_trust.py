@@ -278,3 +278,23 @@ def test_a_read_only_checkpoint_is_not_replaced():
     finally:
         shutil.rmtree(folder)
     assert result.returncode == 0 and result.stdout.strip() == "refused", result.stderr
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_tied_tensors_are_stored_once_and_overlaps_refused_blocking_or_not(torch, tmp_path, non_blocking):
+    w = torch.randn(4, 4)
+    path = tmp_path / "tied.safetensors"
+    pending = tf.save({"wte": w.detach(), "lm_head": w.detach(), "other": torch.ones(2)}, path, non_blocking=non_blocking)
+    if pending is not None:
+        pending.result()
+    back = tf.load(path)
+    assert back["wte"] is back["lm_head"] and torch.equal(back["wte"], w)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        assert sorted(f.keys()) == ["other", "wte"], "stored once"
+    with pytest.raises(tf.FormatError, match="overlaps"):
+        pending = tf.save({"w": w, "row": w[1]}, path, non_blocking=non_blocking)
+        if pending is not None:
+            pending.result()
+    assert tf.load(path)["wte"] is not None, "the previous file is intact"

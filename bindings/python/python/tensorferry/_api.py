@@ -575,6 +575,9 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     shard_bytes = None if max_shard_size is None else _parse_size(max_shard_size)
     if non_blocking:
         _native.check_staging(staging)  # refused now, not in the background
+        # Tensors given under several keys (tied weights) stay one tensor in the snapshot,
+        # so the file stores them once, as a blocking save does; overlaps are refused.
+        obj = _select.tie_shared(obj)
         # The snapshot: every tensor copied now (device ones into the pinned pool).
         try:
             obj = to_host(obj, copy=True, pinned=True)

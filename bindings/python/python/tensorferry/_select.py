@@ -193,6 +193,36 @@ def _memory_of(t):
     return low, high, (start, shape, strides, str(t.dtype))
 
 
+def tie_shared(tree):
+    """``tree`` with every PyTorch tensor or NumPy array that is the same view of memory as
+    an earlier one (tied weights: ``lm_head.weight`` and ``wte.weight`` of one storage)
+    replaced by that earlier object, so that a copy of the tree keeps them one tensor.
+    Views that overlap without being the same are a :class:`FormatError` naming both, as a
+    save refuses them."""
+    leaves = collect(tree, lambda x, p: fw.kind_of(x) in (fw.TORCH, fw.NUMPY))
+    spans = sorted((m[0], m[1], m[2], i) for i, m in enumerate(_memory_of(x) for _, x in leaves) if m is not None)
+    ties, reach, first = {}, None, None
+    for low, high, layout, i in spans:
+        if reach is not None and low < reach:
+            j = first[1]
+            if layout != first[0]:
+                a, b = sorted((i, j))
+                raise FormatError(
+                    f"{dotted(leaves[b][0])!r}: its memory overlaps that of {dotted(leaves[a][0])!r} (views of "
+                    "one storage that are not the same tensor); a file stores each tensor's bytes apart and "
+                    "cannot keep the overlap: save a copy of one (`.clone()`), or leave one out"
+                )
+            ties[id(leaves[i][1])] = leaves[j][1]
+            reach = max(reach, high)
+        else:
+            reach, first = high, (layout, i)
+    if not ties:
+        return tree
+    from ._tree import rebuild
+
+    return rebuild(tree, ties)
+
+
 def _aliased(targets, sources):
     """Problems with targets that share memory: names of one tensor (tied weights) must
     hold equal values in the file, and overlapping views cannot be filled at all."""
