@@ -15,8 +15,9 @@ The last line is a one-line summary; the exit status is 0 only when no result wa
 no unexpected exception was raised, no temporary file was left behind and nothing hung.
 Needs NumPy and tensorferry; PyTorch leaves are mixed in when PyTorch is importable
 (``--no-torch`` leaves them out). Checkpoints are saved one file or sharded, each worker's
-own and one all of them share; with ``TENSORFERRY_CLI`` naming the ``tensorferry`` command,
-workers also inspect their files with it.
+own and one all of them share, and (with PyTorch) as DCP checkpoints; with
+``TENSORFERRY_CLI`` naming the ``tensorferry`` command, workers also inspect their files
+with it.
 """
 
 import argparse
@@ -357,6 +358,7 @@ class Worker:
         self.checkpoint = os.path.join(folder, f"checkpoint-{index}")  # sharded or not
         self.checkpoint_saved = None
         self.shared = os.path.join(folder, "shared")  # one checkpoint every worker saves
+        self.dcp = os.path.join(folder, f"dcp-{index}")  # a PyTorch DCP checkpoint
         self.held = []  # results kept to read again later: (src, values, result, where, outcomes)
         self.deadline = deadline
         self.progress = progress
@@ -371,6 +373,7 @@ class Worker:
             "checkpoint": (self.op_checkpoint, 2),
             "shared_checkpoint": (self.op_shared_checkpoint, 2),
             "cli": (self.op_cli, 1),
+            "dcp": (self.op_dcp, 1),
         }
         self.names = list(self.ops)
         self.weights = [w for _, w in self.ops.values()]
@@ -518,6 +521,27 @@ class Worker:
         if len(stamps) != 1:
             raise Wrong(f"the shared checkpoint loads as a mix of saves: stamps {sorted(stamps)[:5]}")
 
+    def op_dcp(self):
+        """A PyTorch DCP save through tensorferry's storage layer (one process), over this
+        worker's previous one, then a load into fresh tensors: the values just saved."""
+        torch = self.trees.torch
+        if torch is None:
+            return
+        import torch.distributed.checkpoint as dcp
+
+        from tensorferry.dcp import TensorferryReader, TensorferryWriter
+
+        stamp = self.rng.randrange(1, 1 << 20)
+        state = {f"w{i}": torch.full((self.rng.randrange(1, 5000),), stamp) for i in range(self.rng.randrange(1, 6))}
+        state["step"] = stamp
+        dcp.save(state, storage_writer=TensorferryWriter(self.dcp, sync_files=False), no_dist=True)
+        target = {k: (torch.zeros_like(v) if torch.is_tensor(v) else 0) for k, v in state.items()}
+        dcp.load(target, storage_reader=TensorferryReader(self.dcp), no_dist=True)
+        for k, v in state.items():
+            same = torch.equal(target[k], v) if torch.is_tensor(v) else target[k] == v
+            if not same:
+                raise Wrong(f"a DCP checkpoint loads {k} other than it was saved")
+
     def op_cli(self):
         """`tensorferry inspect` of this worker's file: status 0, or 1 with one line when a
         save replaced it in between; never a crash."""
@@ -643,7 +667,10 @@ def leftover_files(folder):
     left = []
     for name in os.listdir(folder):
         inner = os.path.join(folder, name)
-        if os.path.isdir(inner):
+        if os.path.isdir(inner) and name.startswith("dcp-"):
+            # A DCP checkpoint: its metadata, and the rank files of the last save.
+            left += [f"{name}/{f}" for f in os.listdir(inner) if not (f == ".metadata" or f.endswith(".safetensors"))]
+        elif os.path.isdir(inner):
             index = os.path.join(inner, "model.safetensors.index.json")
             named = {"model.safetensors.index.json"}
             if os.path.exists(index):
