@@ -22,11 +22,14 @@ fn ring_save() -> SaveOptions {
 /// empty, and host tensors between device ones.
 fn mixed_on(dev: Device) -> (TensorDict, TensorDict) {
     let mut host = TensorDict::new();
-    let big: Vec<f32> = (0..40_000).map(|x| x as f32 * 0.5).collect();
-    let big = Tensor::from_slice(&big, &[200, 200]).unwrap();
+    let values: Vec<f32> = (0..40_000).map(|x| x as f32 * 0.5).collect();
+    // Views of storages of their own: views that overlap cannot be saved (a file stores
+    // each tensor's bytes apart).
+    let [big, rows_of, columns_of] =
+        [(); 3].map(|()| Tensor::from_slice(&values, &[200, 200]).unwrap());
     host.insert("a.big", big.clone());
-    host.insert("b.rows", big.step(0, 3).unwrap());
-    host.insert("c.transposed", big.transpose(0, 1).unwrap());
+    host.insert("b.rows", rows_of.step(0, 3).unwrap());
+    host.insert("c.transposed", columns_of.transpose(0, 1).unwrap());
     host.insert(
         "d.empty",
         Tensor::zeros(tensorferry::DType::F16, &[0, 3]).unwrap(),
@@ -41,9 +44,10 @@ fn mixed_on(dev: Device) -> (TensorDict, TensorDict) {
     there.insert("e.ids", host.tensor(&["e.ids"]).unwrap().clone());
     there.insert("f.t7", host.tensor(&["f.t7"]).unwrap().clone());
     // Views of device memory, strided and transposed.
-    let whole = big.to(dev, false).unwrap();
-    there.insert("b.rows", whole.step(0, 3).unwrap());
-    there.insert("c.transposed", whole.transpose(0, 1).unwrap());
+    let rows_there = rows_of.to(dev, false).unwrap();
+    let columns_there = columns_of.to(dev, false).unwrap();
+    there.insert("b.rows", rows_there.step(0, 3).unwrap());
+    there.insert("c.transposed", columns_there.transpose(0, 1).unwrap());
     (host, there)
 }
 
