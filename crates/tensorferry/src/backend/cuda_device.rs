@@ -212,23 +212,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     if let Some(d) = devices.get(&ordinal) {
         return Ok(d.clone());
     }
-    let mut dev: sys::CUdevice = 0;
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: the driver is loaded and initialised (`status()` is Available); the out
-    // pointers are live locals of the right types.
-    unsafe {
-        check(
-            sys::cuDeviceGet(&mut dev, ordinal as i32),
-            name,
-            "cuDeviceGet",
-        )?;
-        check(
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-            name,
-            "cuDevicePrimaryCtxRetain",
-        )?;
-    }
-    let context = Context(ctx);
+    let context = Context(retain_primary(cu_device(ordinal)?, name)?);
     let queue = {
         let _current = context.enter(name)?;
         Arc::new(CopyQueue::new(name, driver_version_of(status()))?)
@@ -668,32 +652,12 @@ pub(crate) fn synchronize_active_gpus() -> Result<()> {
     };
     for ordinal in 0..gpus.len() {
         let name = Device::Cuda(ordinal);
-        let (mut dev, mut flags, mut active): (sys::CUdevice, std::ffi::c_uint, std::ffi::c_int) =
-            (0, 0, 0);
-        // SAFETY: the driver is loaded and initialised (`status()` is Available); the out
-        // pointers are live locals of the right types.
-        unsafe {
-            check(
-                sys::cuDeviceGet(&mut dev, ordinal as i32),
-                name,
-                "cuDeviceGet",
-            )?;
-            check(
-                sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active),
-                name,
-                "cuDevicePrimaryCtxGetState",
-            )?;
-        }
-        if active == 0 {
+        let dev = cu_device(ordinal)?;
+        if !primary_is_active(dev, name)? {
             continue; // no context: no work
         }
-        let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: as above; retained here and released below.
-        check(
-            unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
-            name,
-            "cuDevicePrimaryCtxRetain",
-        )?;
+        // Retained here and released below.
+        let ctx = retain_primary(dev, name)?;
         let synchronised = Context(ctx).enter(name).and_then(|_current| {
             // SAFETY: the context is current on this thread.
             check(unsafe { sys::cuCtxSynchronize() }, name, "cuCtxSynchronize")
@@ -714,34 +678,53 @@ fn lookup_context(gpus: usize) -> Result<(Context, Device)> {
     if let Some(found) = LOOKUP.get() {
         return Ok(*found);
     }
-    let mut chosen: sys::CUdevice = 0;
+    let mut chosen = cu_device(0)?;
     let mut ordinal = 0;
     for i in 0..gpus {
-        let (mut dev, mut flags, mut active): (sys::CUdevice, std::ffi::c_uint, std::ffi::c_int) =
-            (0, 0, 0);
-        // SAFETY: the driver is loaded and initialised (`status()` is Available); the out
-        // pointers are live locals of the right types.
-        let asked = unsafe {
-            sys::cuDeviceGet(&mut dev, i as i32) == CUresult::CUDA_SUCCESS
-                && sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active)
-                    == CUresult::CUDA_SUCCESS
-        };
-        if i == 0 || (asked && active != 0) {
+        let name = Device::Cuda(i);
+        // A GPU the driver cannot answer about is passed over.
+        let active = cu_device(i).and_then(|dev| Ok((dev, primary_is_active(dev, name)?)));
+        if let Ok((dev, true)) = active {
             (chosen, ordinal) = (dev, i);
-        }
-        if asked && active != 0 {
             break;
         }
     }
     let name = Device::Cuda(ordinal);
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: as above; the context is retained for the life of the process.
-    check(
-        unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, chosen) },
-        name,
-        "cuDevicePrimaryCtxRetain",
-    )?;
+    // Retained for the life of the process.
+    let ctx = retain_primary(chosen, name)?;
     Ok(*LOOKUP.get_or_init(|| (Context(ctx), name)))
+}
+
+/// The driver's handle of GPU `ordinal`. Call only with the driver available.
+fn cu_device(ordinal: usize) -> Result<sys::CUdevice> {
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: the driver is loaded and initialised (callers checked that `status()` is
+    // Available); the out pointer is a live local of the right type.
+    let result = unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) };
+    check(result, Device::Cuda(ordinal), "cuDeviceGet")?;
+    Ok(dev)
+}
+
+/// Whether the primary context of GPU `dev` is active (some library of the process uses
+/// it).
+fn primary_is_active(dev: sys::CUdevice, name: Device) -> Result<bool> {
+    let (mut flags, mut active): (std::ffi::c_uint, std::ffi::c_int) = (0, 0);
+    // SAFETY: `dev` came from `cuDeviceGet`; the out pointers are live locals of the
+    // right types.
+    let result = unsafe { sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) };
+    check(result, name, "cuDevicePrimaryCtxGetState")?;
+    Ok(active != 0)
+}
+
+/// Retains the primary context of GPU `dev`: the caller releases it
+/// (`cuDevicePrimaryCtxRelease_v2`) or keeps it for the life of the process.
+fn retain_primary(dev: sys::CUdevice, name: Device) -> Result<sys::CUcontext> {
+    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `dev` came from `cuDeviceGet`; the out pointer is a live local of the right
+    // type.
+    let result = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) };
+    check(result, name, "cuDevicePrimaryCtxRetain")?;
+    Ok(ctx)
 }
 
 /// The GPU that owns device memory at `address` — a pointer handed over by another
