@@ -14,12 +14,12 @@ DCP), which every load, on any number of ranks, is compared with exactly.
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from datetime import timedelta
+
+import _ranks
 
 RANK_TIMEOUT_S = 120
 PG_TIMEOUT_S = 20
@@ -27,43 +27,13 @@ KILLED_RANK = 3
 FAILING_RANK = 2
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario, world, folder, expect_killed=None):
     """Runs ``scenario`` on ``world`` ranks; returns ``{rank: results}``. Every rank must
     exit 0, except ``expect_killed``, which must die by SIGKILL."""
-    port = free_port()
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, scenario, str(rank), str(world), str(port), str(folder)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=RANK_TIMEOUT_S)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = {}
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        if rank == expect_killed:
-            assert p.returncode == -signal.SIGKILL, f"rank {rank} was to be killed, exited {p.returncode}:\n{out[-4000:]}"
-        else:
-            assert p.returncode == 0, f"rank {rank} failed:\n{out[-6000:]}"
-        with open(os.path.join(folder, "results", f"{scenario}_{rank}.json")) as f:
-            results[rank] = json.load(f)
-    return results
+    return _ranks.run_ranks(
+        __file__, scenario, world, folder, timeout=RANK_TIMEOUT_S, expect_killed=expect_killed,
+        results_of_killed=True,
+    )
 
 
 # ---- the state -------------------------------------------------------------------------

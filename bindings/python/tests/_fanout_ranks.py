@@ -12,11 +12,11 @@ test process asserts across ranks — bytes read, errors raised — in
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from datetime import timedelta
+
+import _ranks
 
 RANK_TIMEOUT_S = 90
 PG_TIMEOUT_S = 10
@@ -38,43 +38,13 @@ TP_SPLITS = {
 TP_SPEC = {"embed.weight": 0, "layers.*.qkv.*": 0, "layers.*.o.weight": 1, "conv.weight": 1}
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario, world, folder, expect_killed=None):
     """Runs ``scenario`` on ``world`` ranks; returns ``{rank: results}``. Every rank must
     exit 0 within the deadline, except ``expect_killed``, which must die by SIGKILL."""
-    port = free_port()
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, scenario, str(rank), str(world), str(port), str(folder)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-        )
-        for rank in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=RANK_TIMEOUT_S)
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    results = {}
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        if rank == expect_killed:
-            assert p.returncode == -signal.SIGKILL, f"rank {rank} was to be killed, exited {p.returncode}:\n{out[-4000:]}"
-            continue
-        assert p.returncode == 0, f"rank {rank} failed:\n{out[-6000:]}"
-        with open(os.path.join(folder, "results", f"{scenario}_{rank}.json")) as f:
-            results[rank] = json.load(f)
-    return results
+    return _ranks.run_ranks(
+        __file__, scenario, world, folder, timeout=RANK_TIMEOUT_S, expect_killed=expect_killed,
+        results_of_killed=False,
+    )
 
 
 # ---- the checkpoints ---------------------------------------------------------------------
