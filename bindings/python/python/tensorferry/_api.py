@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 
+from . import _devices
 from . import _frameworks as fw
 from . import _native
 from . import _save_order
@@ -391,7 +392,9 @@ def _all_ints(data):
 
 @gc_paused
 def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, staging="auto", like=None):
-    """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1").
+    """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1", "emu:0"; or a
+    GPU index, a ``torch.device``, a JAX or a CuPy device, as every function that takes a
+    device does).
 
     Lists of Python numbers (rectangular, nested lists) are data: they become
     ``tensorferry.Tensor`` leaves in a standard dtype: float -> float32, int -> int64, bool
@@ -419,7 +422,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     >>> out["embedding_1"].dtype, out["ids"].dtype, out["ids"].shape
     ('float32', 'int64', (2, 2))
     """
-    target = _native.parse_device(device)
+    target = _devices.name_of(device)
     _native.ensure_device(target)
     if like is not None and like not in _LIKE:
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
@@ -686,7 +689,7 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
         )
     if like is not None and like not in _LIKE:
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
-    target = _native.parse_device(device)
+    target = _devices.name_of(device)
     on_device = target != "cpu"
     patterns = None if keys is None else _select.patterns(keys)
     if on_device:
@@ -815,7 +818,7 @@ def metadata(path):
 def pinned_pool_stats(device):
     """Statistics of the pinned host pool that copies from ``device`` land in with
     ``pinned=True``: ``{"pinned_bytes", "cached_bytes", "hits", "misses"}``."""
-    return _native.pinned_pool_stats(device)
+    return _native.pinned_pool_stats(_devices.name_of(device))
 
 
 def configure_emulated(index=0, **settings):

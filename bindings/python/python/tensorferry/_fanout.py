@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import _dcp_io
+from . import _devices
 from . import _errors
 from . import _frameworks as fw
 from . import _native
@@ -115,7 +116,7 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
     agree = _Agreement(dist, process_group, rank, world, where)
     plan, error = None, None
     try:
-        target = _native.parse_device(device)
+        target = _devices.name_of(device)
         if target != "cpu":
             _native.ensure_device(target)
         plan = _plan(os.fspath(path), rank, world, like, keys, dtype, shard, stats)
