@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 use tensorferry::io::{header_bytes, parse_header};
 use tensorferry::memory::AlignedBuffer;
 use tensorferry::{
@@ -208,9 +207,7 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
         .map_err(io_err("create a folder in", Path::new(".")))?;
     let dir = tmp.path();
     let steps = 10u64;
-    let bar = ProgressBar::new(steps).with_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
-    );
+    let bar = crate::progress::steps(steps);
     bar.set_message("building the dictionary");
     let dict = build(args.preset, args.scale)?;
     let total = dict.nbytes();

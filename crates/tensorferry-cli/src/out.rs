@@ -11,7 +11,6 @@ use std::cell::RefCell;
 use std::fmt;
 use std::io::{self, Write};
 use std::panic::{self, AssertUnwindSafe};
-use std::process::ExitCode;
 use std::sync::Mutex;
 
 use crate::escape::controls_escaped;
@@ -23,6 +22,8 @@ pub enum Failure {
     Library(tensorferry::Error),
     /// Standard output could not be written (a closed pipe, a full disk, …).
     Output(io::Error),
+    /// The command cannot be done here, and the message says where it can.
+    Refused(String),
     /// A bug: the command panicked, with the panic's message and place.
     Internal(String),
 }
@@ -38,6 +39,7 @@ impl fmt::Display for Failure {
         match self {
             Failure::Library(e) => write!(f, "{e}"),
             Failure::Output(e) => write!(f, "cannot write the output: {e}"),
+            Failure::Refused(why) => write!(f, "{why}"),
             Failure::Internal(what) => write!(f, "internal error (please report): {what}"),
         }
     }
@@ -75,10 +77,13 @@ thread_local! {
 }
 
 /// Runs `command`, a panic in it a [`Failure::Internal`] rather than a backtrace and
-/// status 101. Panics print nothing: those of the library's worker threads come back as
-/// the library's errors, the command's own as the one line of [`exit_status`], which names
-/// the first panic of the process too when that is another (a thread's, re-raised).
+/// status 101. Panics print nothing while it runs: those of the library's worker threads
+/// come back as the library's errors, the command's own as the one line of
+/// [`exit_status`], which names the first panic of the process too when that is another
+/// (a thread's, re-raised). The hook in place before is put back after: in a Python
+/// process, PyO3's panics print as before once the command is done.
 pub fn catching_panics(command: impl FnOnce() -> Result<(), Failure>) -> Result<(), Failure> {
+    let previous = panic::take_hook();
     panic::set_hook(Box::new(|info| {
         let place = info
             .location()
@@ -90,7 +95,9 @@ pub fn catching_panics(command: impl FnOnce() -> Result<(), Failure>) -> Result<
         }
         THIS_PANIC.with(|this| *this.borrow_mut() = Some(what));
     }));
-    match panic::catch_unwind(AssertUnwindSafe(command)) {
+    let outcome = panic::catch_unwind(AssertUnwindSafe(command));
+    panic::set_hook(previous);
+    match outcome {
         Ok(result) => result,
         Err(payload) => {
             let this = THIS_PANIC
@@ -116,13 +123,13 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 /// Status 0, when the reader of the output stopped early (`| head`): the command had
 /// nothing left to say to anyone, so it ends quietly, as ripgrep does. Status 1 for
 /// any other failure, told in one line on stderr.
-pub fn exit_status(result: Result<(), Failure>) -> ExitCode {
+pub fn exit_status(result: Result<(), Failure>) -> u8 {
     match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(Failure::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Ok(()) => 0,
+        Err(Failure::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe => 0,
         Err(failure) => {
             say(&failure);
-            ExitCode::FAILURE
+            1
         }
     }
 }
@@ -167,7 +174,6 @@ mod tests {
     #[test]
     fn a_panic_becomes_an_internal_failure_naming_it_and_its_place() {
         let result = catching_panics(|| panic!("boom {}", 7));
-        let _ = panic::take_hook();
         match result {
             Err(Failure::Internal(what)) => {
                 assert!(what.starts_with("boom 7 at "), "{what}");
@@ -180,8 +186,8 @@ mod tests {
     #[test]
     fn a_closed_pipe_ends_with_success_and_other_failures_do_not() {
         let pipe = Failure::Output(io::ErrorKind::BrokenPipe.into());
-        assert_eq!(exit_status(Err(pipe)), ExitCode::SUCCESS);
+        assert_eq!(exit_status(Err(pipe)), 0);
         let full = Failure::Output(io::ErrorKind::StorageFull.into());
-        assert_eq!(exit_status(Err(full)), ExitCode::FAILURE);
+        assert_eq!(exit_status(Err(full)), 1);
     }
 }

@@ -87,3 +87,33 @@ fn bench_prints_a_table_against_measured_roofs() {
     }
     assert!(out.contains("roofs measured in this run"));
 }
+
+#[test]
+fn help_lists_every_subcommand_convert_included() {
+    let (ok, out, _) = tensorferry(&["--help"]);
+    assert!(ok);
+    for command in ["info", "inspect", "convert", "bench"] {
+        assert!(
+            out.contains(&format!("\n  {command} ")),
+            "{command} in {out}"
+        );
+    }
+}
+
+#[test]
+fn convert_from_the_binary_says_in_one_line_that_it_needs_the_python_package() {
+    for args in [
+        &["convert"][..],
+        &["convert", "pytorch_model.bin", "--max-shard-size", "5GB"][..],
+    ] {
+        let (ok, out, err) = tensorferry(args);
+        assert!(!ok);
+        assert_eq!(out, "");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.starts_with("tensorferry: convert ")
+                && err.contains("pip install tensorferry torch"),
+            "{err}"
+        );
+    }
+}
