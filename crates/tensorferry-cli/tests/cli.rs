@@ -2,7 +2,11 @@
 
 use std::process::Command;
 
-use tensorferry::{save, SaveOptions, Tensor, TensorDict};
+use std::path::Path;
+
+use serde_json::Value;
+use tensorferry::io::{read_header, save_sharded};
+use tensorferry::{save, DType, Node, SaveOptions, Tensor, TensorDict};
 
 fn tensorferry(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_tensorferry"))
@@ -116,4 +120,143 @@ fn convert_from_the_binary_says_in_one_line_that_it_needs_the_python_package() {
             "{err}"
         );
     }
+}
+
+/// What the headers of `files` store: tensors and bytes.
+fn stored_in(files: &[&Path]) -> (u64, u64) {
+    let mut totals = (0, 0);
+    for file in files {
+        for t in read_header(file).unwrap().tensors {
+            totals.0 += 1;
+            totals.1 += (t.end - t.begin) as u64;
+        }
+    }
+    totals
+}
+
+fn inspect_json(path: &Path) -> Value {
+    let (ok, json, err) = tensorferry(&["inspect", "--json", path.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    serde_json::from_str(&json).unwrap()
+}
+
+#[test]
+fn inspect_totals_count_tensors_and_bytes_per_dtype_as_the_file_stores_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    let mut d = TensorDict::new();
+    let wte = Tensor::from_slice(&[1.0f32; 6], &[2, 3]).unwrap();
+    d.insert("wte", wte.clone());
+    d.insert(
+        "norm",
+        Tensor::from_bytes(DType::BF16, vec![4], &[0u8; 8]).unwrap(),
+    );
+    // Tied: stored once, shown at both places, counted once.
+    d.insert("lm_head", wte);
+    save(&d, &path, &SaveOptions::default()).unwrap();
+    assert_eq!(stored_in(&[&path]), (2, 32));
+
+    let doc = inspect_json(&path);
+    assert_eq!(doc["total_tensors"], 2);
+    assert_eq!(doc["total_bytes"], 32);
+    assert_eq!(
+        doc["dtypes"],
+        serde_json::json!({"float32": {"tensors": 1, "bytes": 24}, "bfloat16": {"tensors": 1, "bytes": 8}})
+    );
+    assert_eq!(doc["tensors"][2]["name"], "lm_head");
+    assert_eq!(doc["tensors"][2]["same_as"], "wte");
+
+    let (ok, table, _) = tensorferry(&["inspect", path.to_str().unwrap()]);
+    assert!(ok);
+    for line in [
+        "2 tensors, 32 bytes (32 B)",
+        "  float32: 1 tensor, 24 bytes (24 B)",
+        "  bfloat16: 1 tensor, 8 bytes (8 B)",
+        "  1 more paths name a tied tensor (stored once, counted once)",
+    ] {
+        assert!(table.lines().any(|l| l == line), "{line:?} in\n{table}");
+    }
+    assert!(table.contains("same as wte"), "{table}");
+}
+
+#[test]
+fn inspect_of_a_sharded_checkpoint_reads_every_shard_by_its_index_or_its_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = TensorDict::new();
+    for i in 0..5 {
+        d.insert(
+            format!("layer.{i}.weight"),
+            Tensor::from_slice(&[i as f32; 250], &[25, 10]).unwrap(),
+        );
+    }
+    d.insert("head", Tensor::from_slice(&[1i64; 3], &[3]).unwrap());
+    let written = save_sharded(
+        &Node::Dict(d),
+        dir.path().join("model.safetensors"),
+        &SaveOptions::default(),
+        2500,
+    )
+    .unwrap();
+    let (index, shards) = written.split_last().unwrap();
+    assert!(shards.len() >= 3, "{written:?}");
+    let shard_paths: Vec<&Path> = shards.iter().map(|p| p.as_path()).collect();
+    let (tensors, bytes) = stored_in(&shard_paths);
+    assert_eq!((tensors, bytes), (6, 5 * 1000 + 24));
+
+    for path in [index.as_path(), dir.path()] {
+        let doc = inspect_json(path);
+        assert_eq!(doc["total_tensors"], tensors);
+        assert_eq!(doc["total_bytes"], bytes);
+        assert_eq!(
+            doc["dtypes"],
+            serde_json::json!({"float32": {"tensors": 5, "bytes": 5000}, "int64": {"tensors": 1, "bytes": 24}})
+        );
+        assert!(
+            doc["index"]
+                .as_str()
+                .unwrap()
+                .ends_with("model.safetensors.index.json"),
+            "{doc}"
+        );
+        let listed: Vec<&str> = doc["shards"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["file"].as_str().unwrap())
+            .collect();
+        let on_disk: Vec<String> = shards
+            .iter()
+            .map(|p| p.file_name().unwrap().to_str().unwrap().to_string())
+            .collect();
+        assert_eq!(listed, on_disk);
+        for (shard, file) in doc["shards"].as_array().unwrap().iter().zip(shards) {
+            let (n, b) = stored_in(&[file]);
+            assert_eq!(
+                (shard["tensors"].as_u64(), shard["bytes"].as_u64()),
+                (Some(n), Some(b))
+            );
+        }
+    }
+    let (ok, table, _) = tensorferry(&["inspect", dir.path().to_str().unwrap()]);
+    assert!(ok);
+    assert!(table.contains("6 tensors, 5024 bytes (5.0 KB)"), "{table}");
+    assert!(
+        table.contains(&format!("{} shards of ", shards.len())),
+        "{table}"
+    );
+}
+
+#[test]
+fn inspect_of_an_index_naming_a_missing_shard_fails_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let index = dir.path().join("model.safetensors.index.json");
+    std::fs::write(
+        &index,
+        r#"{"metadata": {"total_size": 4}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}"#,
+    )
+    .unwrap();
+    let (ok, _, err) = tensorferry(&["inspect", index.to_str().unwrap()]);
+    assert!(!ok);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("model-00001-of-00001.safetensors"), "{err}");
 }

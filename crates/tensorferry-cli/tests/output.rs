@@ -190,8 +190,9 @@ fn inspect_prints_control_characters_of_names_and_metadata_escaped() {
     ] {
         assert!(table.contains(shown), "{shown} missing in\n{table}");
     }
-    // One line per tensor and per metadata entry: a newline in a value starts none.
-    assert_eq!(table.lines().count(), 1 + 3 + 1 + 1, "{table}");
+    // The heading, one line per tensor, the totals (all, then the one dtype) and one line
+    // per metadata entry: a newline in a value starts none.
+    assert_eq!(table.lines().count(), 1 + 3 + 2 + 1, "{table}");
 }
 
 #[test]

@@ -47,7 +47,7 @@ mod write;
 pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
 pub use into_device::{load_node_to, load_node_to_until};
 pub use read::{load, load_bytes, load_node, read_header, read_metadata, LoadOptions, Loaded};
-pub use sharded::{load_sharded, save_sharded, INDEX_SUFFIX};
+pub use sharded::{load_sharded, save_sharded, shard_files, INDEX_SUFFIX};
 pub use write::{header_bytes, save, save_node, SaveOptions};
 
 /// The `__metadata__` key under which tensorferry records a tree's structure.

@@ -296,6 +296,22 @@ pub(crate) fn load_sharded_with(
     })
 }
 
+/// The shard files of the sharded checkpoint at `path` (an index, or a folder or path
+/// that [`super::load_node`] reads an index from), each once in the index's order of first
+/// mention, with the index; `None` when `path` is one safetensors file. Reads the index
+/// alone, so that a caller can read the shards' headers without their tensors.
+pub fn shard_files(path: impl AsRef<Path>) -> Result<Option<(PathBuf, Vec<PathBuf>)>> {
+    let Target::Index(index_path) = resolve(path.as_ref())? else {
+        return Ok(None);
+    };
+    let dir = index_path.parent().unwrap_or(Path::new("."));
+    let files = read_index(&index_path)?
+        .files()
+        .map(|f| dir.join(f))
+        .collect();
+    Ok(Some((index_path, files)))
+}
+
 /// The path of the first shard the index at `index_path` names.
 pub(crate) fn first_shard(index_path: &Path) -> Result<PathBuf> {
     let index = read_index(index_path)?;
