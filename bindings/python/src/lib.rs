@@ -545,9 +545,12 @@ fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<(u64, Vec<IndexEntry>)>
     })
 }
 
+mod cli;
+
 /// The native module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    cli::register(m)?;
     m.add_class::<PyTensor>()?;
     m.add_function(wrap_pyfunction!(parse_device, m)?)?;
     m.add_function(wrap_pyfunction!(ensure_device, m)?)?;
