@@ -2,15 +2,42 @@
 
 from collections.abc import Iterator, KeysView, Mapping
 from os import PathLike
-from typing import Any, Callable, Generator, Generic, Literal, Optional, TypeVar, Union, overload
+from typing import Any, Callable, Generator, Generic, Literal, Optional, TypeVar, Union, final, overload
 
 import numpy as np
 
 __version__: str
 
-T = TypeVar("T")
-Device = str
-Path = Union[str, PathLike[str]]
+__all__ = [
+    "DeviceUnavailableError",
+    "FormatError",
+    "InvalidDeviceError",
+    "OutOfMemoryError",
+    "ProcessGroupError",
+    "Tensor",
+    "TensorDict",
+    "TensorferryError",
+    "TensorferryIOError",
+    "TensorferryKeyError",
+    "TensorferryOverflowError",
+    "TensorferryTypeError",
+    "Transfer",
+    "__version__",
+    "configure_emulated",
+    "devices",
+    "load",
+    "metadata",
+    "pinned_pool_stats",
+    "save",
+    "to_device",
+    "to_host",
+    "to_numpy",
+]
+
+# Names of the stubs alone (private: the package has no such attributes at run time).
+_T = TypeVar("_T")
+_Device = str
+_Path = Union[str, PathLike[str]]
 
 class TensorferryError(Exception): ...
 class FormatError(TensorferryError, ValueError): ...
@@ -23,6 +50,7 @@ class TensorferryOverflowError(TensorferryError, OverflowError): ...
 class TensorferryTypeError(TensorferryError, TypeError): ...
 class ProcessGroupError(TensorferryError, RuntimeError): ...
 
+@final
 class Tensor:
     """A tensor in host or device memory, shared with its views."""
 
@@ -46,6 +74,10 @@ class Tensor:
     def data_ptr(self) -> int: ...
     @property
     def is_ready(self) -> bool: ...
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The CUDA Array Interface (version 3) of a tensor in CUDA memory; tensors
+        elsewhere have none (``hasattr`` is false)."""
     def wait(self) -> Tensor: ...
     def numpy(self) -> np.ndarray: ...
     def __array__(self, dtype: Any = None, copy: Optional[bool] = None) -> np.ndarray: ...
@@ -60,95 +92,95 @@ class Tensor:
     def __dlpack_device__(self) -> tuple[int, int]: ...
     def __len__(self) -> int: ...
     def copy(self) -> Tensor: ...
-    def to(self, device: Device, *, copy: bool = False) -> Tensor: ...
+    def to(self, device: _Device, *, copy: bool = False) -> Tensor: ...
     @staticmethod
     def from_dlpack(obj: Any) -> Tensor: ...
     @staticmethod
     def from_numpy(array: np.ndarray) -> Tensor: ...
 
-Staging = Union[Literal["auto", "off", "on"], tuple[int, int]]
+_Staging = Union[Literal["auto", "off", "on"], tuple[int, int]]
 
-class Transfer(Generic[T]):
+class Transfer(Generic[_T]):
     def done(self) -> bool: ...
     def wait(self, timeout: Optional[float] = None) -> bool: ...
-    def result(self, timeout: Optional[float] = None) -> T: ...
+    def result(self, timeout: Optional[float] = None) -> _T: ...
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]: ...
-    def then(self, fn: Callable[[T], Any]) -> Transfer[Any]: ...
-    def __await__(self) -> Generator[Any, None, T]: ...
+    def then(self, fn: Callable[[_T], Any]) -> Transfer[Any]: ...
+    def __await__(self) -> Generator[Any, None, _T]: ...
 
 @overload
 def to_host(
-    obj: T,
+    obj: _T,
     *,
     non_blocking: Literal[False] = False,
     copy: bool = False,
     pinned: bool = False,
     stream: Any = None,
-    staging: Staging = "auto",
-) -> T: ...
+    staging: _Staging = "auto",
+) -> _T: ...
 @overload
 def to_host(
-    obj: T,
+    obj: _T,
     *,
     non_blocking: bool,
     copy: bool = False,
     pinned: bool = False,
     stream: Any = None,
-    staging: Staging = "auto",
-) -> Union[T, Transfer[T]]: ...
-def pinned_pool_stats(device: Device) -> dict[str, int]: ...
+    staging: _Staging = "auto",
+) -> Union[_T, Transfer[_T]]: ...
+def pinned_pool_stats(device: _Device) -> dict[str, int]: ...
 @overload
-def to_numpy(obj: T, *, non_blocking: Literal[False] = False) -> T: ...
+def to_numpy(obj: _T, *, non_blocking: Literal[False] = False) -> _T: ...
 @overload
-def to_numpy(obj: T, *, non_blocking: Literal[True]) -> Transfer[T]: ...
+def to_numpy(obj: _T, *, non_blocking: Literal[True]) -> Transfer[_T]: ...
 def to_device(
-    obj: T,
-    device: Device,
+    obj: _T,
+    device: _Device,
     *,
     non_blocking: bool = False,
     copy: bool = False,
     stream: Any = None,
-    staging: Staging = "auto",
+    staging: _Staging = "auto",
     like: Optional[Literal["numpy", "torch", "tensorferry", "jax", "tensorflow"]] = None,
-) -> T: ...
+) -> _T: ...
 @overload
 def save(
     obj: Any,
-    path: Path,
+    path: _Path,
     *,
     metadata: Optional[dict[str, str]] = None,
     fsync: bool = True,
     max_shard_size: Union[int, str, None] = None,
     non_blocking: Literal[False] = False,
-    staging: Staging = "auto",
+    staging: _Staging = "auto",
 ) -> None: ...
 @overload
 def save(
     obj: Any,
-    path: Path,
+    path: _Path,
     *,
     metadata: Optional[dict[str, str]] = None,
     fsync: bool = True,
     max_shard_size: Union[int, str, None] = None,
     non_blocking: Literal[True],
-    staging: Staging = "auto",
+    staging: _Staging = "auto",
 ) -> Transfer[None]: ...
 def load(
-    path: Path,
+    path: _Path,
     *,
-    device: Device = "cpu",
+    device: _Device = "cpu",
     mmap: bool = True,
     direct: bool = False,
     like: Optional[Literal["numpy", "torch", "tensorferry", "jax", "tensorflow"]] = None,
     keys: Union[str, tuple[Any, ...], list[Union[str, tuple[Any, ...]]], None] = None,
     dtype: Any = None,
     out: Any = None,
-    staging: Staging = "on",
+    staging: _Staging = "on",
     process_group: Any = None,
     shard: Optional[dict[Union[str, tuple[Any, ...]], Union[int, tuple[int, int]]]] = None,
     read_stats: Any = None,
 ) -> Any: ...
-def metadata(path: Path) -> dict[str, str]: ...
+def metadata(path: _Path) -> dict[str, str]: ...
 def devices() -> list[str]: ...
 def configure_emulated(
     index: int = 0,
@@ -177,15 +209,15 @@ class TensorDict(Mapping[Any, Any]):
     def values(self) -> list[Any]: ...  # type: ignore[override]
     def items(self) -> list[tuple[str, Any]]: ...  # type: ignore[override]
     def get(self, key: Any, default: Any = None) -> Any: ...
-    def to(self, device: Device, *, non_blocking: bool = False, copy: bool = False) -> TensorDict: ...
+    def to(self, device: _Device, *, non_blocking: bool = False, copy: bool = False) -> TensorDict: ...
     def cpu(self, *, non_blocking: bool = False, pinned: bool = False) -> TensorDict: ...
     def cuda(self, index: int = 0, *, non_blocking: bool = False) -> TensorDict: ...
     def numpy(self) -> dict[str, Any]: ...
     def to_dict(self) -> dict[str, Any]: ...
     def consolidate(self) -> TensorDict: ...
-    def save(self, path: Path, *, metadata: Optional[dict[str, str]] = None) -> None: ...
+    def save(self, path: _Path, *, metadata: Optional[dict[str, str]] = None) -> None: ...
     @classmethod
-    def load(cls, path: Path, **kwargs: Any) -> TensorDict: ...
+    def load(cls, path: _Path, **kwargs: Any) -> TensorDict: ...
     def wait(self) -> TensorDict: ...
     def is_ready(self) -> bool: ...
     @property
