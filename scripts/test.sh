@@ -30,6 +30,11 @@ grep -q "toolkit's stub" <<<"$stub_info" || { echo "the stub libcuda was not nam
 echo "== python package"; bash scripts/setup-python.sh
 echo "== pytest"
 .venv/bin/python -m pytest bindings/python/tests --doctest-modules --pyargs tensorferry -q -p no:cacheprovider
+# The hand-written stubs (__init__.pyi) against the installed package: every public name,
+# signature and keyword; what stubtest cannot check is listed, with why, in the allowlist.
+echo "== stubs against the package (mypy.stubtest)"
+.venv/bin/python -m mypy.stubtest tensorferry --mypy-config-file bindings/python/stubtest/mypy.ini \
+  --allowlist bindings/python/stubtest/allowlist.txt
 # Again with the fake CUDA driver where there is no real one (frameworks would use the
 # real driver beside the fake): the GPU tests that need no framework GPU support (NumPy to
 # cuda:0 and back, staging, the pinned pool, save/load) run against it.
@@ -45,6 +50,7 @@ if [ ! -x .venv-tf/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv-tf
 fi
 .venv-tf/bin/python -m pip install -q --upgrade pip
+echo "-- pip: TensorFlow (CPU) into .venv-tf (about 1.5 GB: minutes the first time)"
 .venv-tf/bin/python -m pip install -q "tensorflow-cpu==2.21.0" pytest hypothesis safetensors
 .venv-tf/bin/python -m pip install -q --force-reinstall --no-deps dist/tensorferry-*.whl
 .venv-tf/bin/python -m pytest bindings/python/tests-tensorflow -q -p no:cacheprovider
@@ -56,6 +62,7 @@ if [ ! -x .venv-np1/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv-np1
 fi
 .venv-np1/bin/python -m pip install -q --upgrade pip
+echo "-- pip: NumPy 1.23.5 and the test tools into .venv-np1 (seconds once cached)"
 .venv-np1/bin/python -m pip install -q "numpy==1.23.5" pytest hypothesis ml_dtypes safetensors
 .venv-np1/bin/python -m pip install -q --force-reinstall --no-deps dist/tensorferry-*.whl
 .venv-np1/bin/python -m pytest bindings/python/tests -q -p no:cacheprovider
