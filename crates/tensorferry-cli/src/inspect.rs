@@ -67,6 +67,9 @@ impl Total {
     }
 }
 
+/// What makes two tensors of one load the same tensor: address, dtype, shape and strides.
+type View = (usize, &'static str, Vec<usize>, Vec<isize>);
+
 /// What inspect shows of a checkpoint.
 struct Checkpoint {
     rows: Vec<Row>,
@@ -89,7 +92,7 @@ impl Checkpoint {
             },
         )?;
         // A tied tensor is one tensor at several places: the first is the stored one.
-        let mut stored: HashMap<(usize, &str, Vec<usize>, Vec<isize>), String> = HashMap::new();
+        let mut stored: HashMap<View, String> = HashMap::new();
         let rows = loaded
             .root
             .tensors()
