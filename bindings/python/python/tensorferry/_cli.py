@@ -97,7 +97,7 @@ def _convert_main(args):
     try:
         summary = _convert(parsed.input, parsed.output, parsed.max_shard_size, parsed.overwrite)
     except KeyboardInterrupt:
-        _say("interrupted: the output was left as it was")
+        _say("interrupted: the output, written atomically, is as it was or complete, never in part")
         return 130
     except (_Refused, TensorferryError, OSError, ValueError, TypeError, RuntimeError, MemoryError) as e:
         # PyTorch's errors are among these built-ins; so are tensorferry's.
