@@ -101,6 +101,9 @@ pub fn load(
 /// one index or one file, too); see [`load`] for what is refused and
 /// what a memory map implies.
 pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
+    if let Some(url) = super::object::url_of(path.as_ref()) {
+        return super::object::load_url(url, &super::object::ObjectOptions::from_env(), None);
+    }
     let path = match super::sharded::resolve(path.as_ref())? {
         super::sharded::Target::Index(index) => {
             return super::sharded::load_sharded(index, options)
