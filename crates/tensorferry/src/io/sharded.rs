@@ -377,7 +377,7 @@ pub(crate) fn parse_index(bytes: &[u8], path: &Path) -> Result<Index> {
         at: format!("{path:?}"),
         reason,
     };
-    let text = std::str::from_utf8(&bytes)
+    let text = std::str::from_utf8(bytes)
         .map_err(|e| bad(format!("not a safetensors index: not UTF-8 text ({e})")))?;
     #[derive(serde::Deserialize)]
     struct Raw {

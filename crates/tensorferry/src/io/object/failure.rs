@@ -137,7 +137,17 @@ fn classify(e: &object_store::Error, text: &str) -> Cause {
         E::InvalidPath { .. } | E::UnknownConfigurationKey { .. } | E::NotSupported { .. } => {
             Cause::BadConfig
         }
-        _ if has("credential") || has("Credential") => Cause::NoCredentials,
+        // Without keys the clients ask the cloud's metadata service for some: a failure
+        // there means no credentials were found.
+        _ if has("credential")
+            || has("Credential")
+            || has("/latest/api/token")
+            || has("/latest/meta-data/")
+            || has("computeMetadata")
+            || has("metadata/identity") =>
+        {
+            Cause::NoCredentials
+        }
         _ if has("error sending request")
             || has("onnection refused")
             || has("timed out")

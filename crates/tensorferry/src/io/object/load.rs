@@ -315,7 +315,7 @@ fn load_object(
     let parsed = parse_counted(&header.json, header.data_len).map_err(in_object)?;
     test_pause_after_header();
     let wanted: Vec<Range<u64>> = match only {
-        None => vec![0..header.data_len],
+        None => std::iter::once(0..header.data_len).collect(),
         Some(names) => parsed
             .0
             .tensors

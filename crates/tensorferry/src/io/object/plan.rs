@@ -58,6 +58,7 @@ pub(crate) fn upload_part_bytes(len: u64, wanted: u64) -> u64 {
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one range is a case like any other here
 mod tests {
     use super::*;
 
