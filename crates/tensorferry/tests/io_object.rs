@@ -266,3 +266,24 @@ fn refused_credentials_are_named() {
     .unwrap_err();
     assert_eq!(cause_of(&e), Some(Cause::BadCredentials), "{e}");
 }
+
+#[test]
+fn a_load_called_from_inside_an_async_runtime_blocks_a_helper_thread_not_the_runtime() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(1, 4.0);
+    save_node(
+        &tree,
+        "s3://bucket/in-async.safetensors",
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let callers_runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let loaded = callers_runtime
+        .block_on(async { load_node("s3://bucket/in-async.safetensors", Default::default()) })
+        .unwrap();
+    assert_eq!(values(&loaded.root), values(&tree));
+}

@@ -54,6 +54,7 @@ pub(crate) struct Location {
 impl Location {
     /// The object at `url`, with a client built from the environment and `options`.
     pub(crate) fn open(url: &str, options: &ObjectOptions) -> Result<Location> {
+        super::runtime::install_tls_provider();
         let bad = |detail: String| failed("open", url, Cause::BadConfig, detail);
         let parsed = Url::parse(url).map_err(|e| bad(format!("not a URL: {e}")))?;
         let (scheme, key) = ObjectStoreScheme::parse(&parsed).map_err(|e| bad(e.to_string()))?;

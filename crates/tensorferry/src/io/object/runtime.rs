@@ -29,6 +29,7 @@ fn runtime() -> Result<Arc<Runtime>> {
         // dropped: dropping would wait for threads that will never answer.
         std::mem::forget(slot.take());
     }
+    install_tls_provider();
     let rt = Builder::new_multi_thread()
         .worker_threads(WORKERS)
         .thread_name("tensorferry-object")
@@ -40,7 +41,29 @@ fn runtime() -> Result<Arc<Runtime>> {
     Ok(rt)
 }
 
-/// Runs `future` to completion on the runtime, blocking this thread.
-pub(crate) fn block_on<F: Future>(future: F) -> Result<F::Output> {
-    Ok(runtime()?.block_on(future))
+/// Runs `future` to completion on the runtime, blocking this thread. Called from inside
+/// an asynchronous runtime (a Rust caller's own), where blocking the thread is refused, it
+/// blocks a helper thread instead.
+pub(crate) fn block_on<F>(future: F) -> Result<F::Output>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    let rt = runtime()?;
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Ok(rt.block_on(future));
+    }
+    std::thread::scope(|s| s.spawn(|| rt.block_on(future)).join()).map_err(|_| {
+        Error::io(
+            "run an object-storage request",
+            "",
+            std::io::Error::other("the request's thread panicked"),
+        )
+    })
+}
+
+/// Makes ring the TLS provider of this process's `rustls`, unless one was chosen already
+/// (by tensorferry or by the application).
+pub(crate) fn install_tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
