@@ -47,14 +47,24 @@ class S3Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(
-            [binary, "--host", "127.0.0.1", "--port", str(self.port),
-             "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY, root],
-            # With a log: every request, its headers (ranges) included.
-            stdout=open(log, "w") if log else subprocess.DEVNULL,
-            stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
-            env=dict(os.environ, RUST_LOG="s3s::service=debug") if log else None,
-        )
+        self.binary = binary
+        self.start()
+
+    def start(self):
+        """Starts the server (again: same port, same folder) and waits until it answers."""
+        # With a log: every request, its headers (ranges) included.
+        out = open(self.log, "a") if self.log else subprocess.DEVNULL
+        try:
+            self.process = subprocess.Popen(
+                [self.binary, "--host", "127.0.0.1", "--port", str(self.port),
+                 "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY, self.root],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, RUST_LOG="s3s::service=debug") if self.log else None,
+            )
+        finally:
+            if self.log:
+                out.close()
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -362,4 +372,39 @@ def test_a_save_killed_mid_upload_leaves_the_previous_object_whole(s3, url, tmp_
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
+    _same(tf.load(target), previous)
+
+
+def _files(root):
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_a_save_that_fails_mid_upload_leaves_the_previous_object_whole(own_server, monkeypatch):
+    target = "s3://bucket/big.safetensors"
+    previous = {"w": np.full(1_000_000, 3.0, np.float32)}
+    tf.save(previous, target)
+    before = _files(own_server.root)
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CONCURRENCY", "1")
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(5 << 20))
+    outcome = []
+
+    def save():
+        try:
+            tf.save({"w": np.full(24 << 20, 4.0, np.float32)}, target)  # 96 MiB, 20 parts
+            outcome.append(("ok", None))
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            outcome.append(("error", e))
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not _files(own_server.root) - before:
+        assert thread.is_alive(), "the save finished before the server could be stopped"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    own_server.stop()
+    thread.join(60)
+    kind, value = outcome[0]
+    assert kind == "error" and isinstance(value, ConnectionError), value
+    own_server.start()
     _same(tf.load(target), previous)

@@ -457,21 +457,20 @@ fn blank_unwanted(node: Node, path: &mut Vec<String>, only: &HashSet<String>) ->
                 .map(|(k, v)| at(k, v, path))
                 .collect::<TensorDict>(),
         ),
-        Node::List(items) => Node::List(
-            items
-                .into_iter()
-                .enumerate()
-                .map(|(i, v)| at(i.to_string(), v, path).1)
-                .collect(),
-        ),
-        Node::Tuple(items) => Node::Tuple(
-            items
-                .into_iter()
-                .enumerate()
-                .map(|(i, v)| at(i.to_string(), v, path).1)
-                .collect(),
-        ),
+        Node::List(items) => Node::List(blank_items(items, path, only)),
+        Node::Tuple(items) => Node::Tuple(blank_items(items, path, only)),
     }
+}
+
+/// [`blank_unwanted`] on each item of a list or tuple.
+fn blank_items(items: Vec<Node>, path: &mut Vec<String>, only: &HashSet<String>) -> Vec<Node> {
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        path.push(i.to_string());
+        out.push(blank_unwanted(item, path, only));
+        path.pop();
+    }
+    out
 }
 
 /// For tests only: with `TENSORFERRY_TEST_OBJECT_PAUSE=<path>` set, a load that has its
