@@ -263,6 +263,30 @@ def test_the_stored_object_is_what_a_local_save_writes_and_safetensors_reads(s3,
         np.testing.assert_array_equal(array, d[name])
 
 
+def test_metadata_comes_from_the_header_of_an_object_or_the_first_shard(s3, url):
+    tf.save({"x": np.zeros(3)}, url + "one.safetensors", metadata={"run": "7"})
+    assert tf.metadata(url + "one.safetensors") == {"run": "7"}
+    tf.save(_model(size=8192), url + "many/", max_shard_size=40_000, metadata={"run": "8"})
+    assert tf.metadata(url + "many/")["run"] == "8"
+
+
+def test_device_dtype_and_out_work_as_for_files(s3, url, ml_dtypes):
+    tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.arange(3)}
+    tf.save(tree, url + "m.safetensors")
+    got = tf.load(url + "m.safetensors", device="emu:0", dtype="bfloat16")
+    assert got["w"].device == "emu:0" and got["w"].dtype == "bfloat16"
+    np.testing.assert_array_equal(tf.to_numpy(got)["w"].astype(np.float32), tree["w"])
+    out = {"w": np.zeros((2, 3), np.float32), "n": np.zeros(3, np.int64)}
+    tf.load(url + "m.safetensors", out=out)
+    _same(out, tree)
+
+
+def test_tensors_on_a_device_are_saved_through_host_memory(s3, url):
+    tree = {"w": np.arange(1000, dtype=np.float32)}
+    tf.save(tf.to_device(tree, "emu:0"), url + "dev.safetensors")
+    _same(tf.load(url + "dev.safetensors", like="numpy"), tree)
+
+
 def test_a_missing_object_is_file_not_found_naming_it(s3, url):
     with pytest.raises(FileNotFoundError) as e:
         tf.load(url + "absent.safetensors")

@@ -11,7 +11,7 @@
 //!
 //! Sharded checkpoints load through their index, each shard as above, several at once.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -76,6 +76,27 @@ pub fn tensor_names(url: &str, options: &ObjectOptions) -> Result<Vec<String>> {
                 .collect())
         },
     )
+}
+
+/// The user metadata of the checkpoint at `url` (as [`load_url`] finds it), from headers
+/// alone: an object's, or an index's first shard's, as [`crate::io::read_metadata`] gives
+/// for files.
+pub fn read_metadata_url(url: &str, options: &ObjectOptions) -> Result<BTreeMap<String, String>> {
+    let at = Location::open(url, options)?;
+    let of_object = |object: &Location| {
+        let header = fetch_header(object, options)?;
+        let parsed = parse_counted(&header.json, header.data_len)
+            .map_err(|e| e.in_file(Path::new(object.url())))?;
+        Ok(parsed.0.metadata)
+    };
+    resolved(at, of_object, |index| {
+        let first = read_index(index, options)?.files().next().map(String::from);
+        let first = first.ok_or_else(|| Error::Format {
+            at: index.url().to_string(),
+            reason: "the index names no shard".into(),
+        })?;
+        of_object(&index.sibling(&first))
+    })
 }
 
 /// What a load of `at` reads, as [`load_url`] says, read by `object` (one safetensors

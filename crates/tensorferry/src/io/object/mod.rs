@@ -21,7 +21,7 @@ mod save;
 use std::time::Duration;
 
 pub use failure::{cause_of, Cause, ObjectFailure};
-pub use load::{load_url, tensor_names};
+pub use load::{load_url, read_metadata_url, tensor_names};
 pub use location::is_url;
 pub(crate) use location::url_of;
 pub use save::save_url;
