@@ -2,9 +2,10 @@
 beside boto3 (download_file, then safetensors.torch.load_file; get_object, then
 safetensors.torch.load) and s3fs (cat, then safetensors.torch.load), on one object served
 by a real S3 server on the loopback interface (s3s-fs, as the tests use), in one run, with
-a roof measured in the same run: parallel ranged GETs of the same bytes (presigned URLs,
-one connection per thread, each answer read straight into one preallocated buffer) with
-no parsing.
+roofs measured in the same run: parallel ranged GETs of the same bytes with no parsing, by
+curl (--parallel, into files in /dev/shm) and by Python threads (presigned URLs, one
+connection per thread, each answer read straight into one preallocated buffer). "of roof"
+compares with the faster roof.
 
     python bench/object_store.py [--mb 256] [--tensors 300] [--repeat 3]
                                  [--part-mb 8] [--concurrency 16] [--out FILE]
@@ -113,6 +114,24 @@ def roof(endpoint, boto3, size, part, concurrency):
     return buf
 
 
+def curl_roof(endpoint, boto3, size, part, concurrency, into):
+    """The same ranged GETs by curl (C, no parsing, --parallel) into files in memory
+    (``into``, a tmpfs folder); returns their bytes, joined (not timed by the caller's
+    check)."""
+    client = boto_client(endpoint, boto3)
+    url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": KEY}, ExpiresIn=3600)
+    os.makedirs(into, exist_ok=True)
+    config = os.path.join(into, "curl.cfg")
+    parts = [(a, min(a + part, size)) for a in range(0, size, part)]
+    with open(config, "w") as f:
+        for i, (a, b) in enumerate(parts):
+            # "next": the range is an option of this transfer, not of all of them.
+            f.write(("next\n" if i else "") + f'url = "{url}"\nrange = {a}-{b - 1}\noutput = "{into}/part-{i}"\n')
+    subprocess.run(["curl", "-sS", "--no-progress-meter", "--fail", "--parallel", "--parallel-max", str(concurrency), "-K", config],
+                   check=True)
+    return lambda: b"".join(open(f"{into}/part-{i}", "rb").read() for i in range(len(parts)))
+
+
 def check(torch, got, want):
     assert set(got) == set(want), "names differ"
     for k, v in want.items():
@@ -170,8 +189,11 @@ def main():
             return st.load(client.get_object(Bucket=BUCKET, Key=KEY)["Body"].read())
 
         part = args.part_mb << 20
+        shm = tempfile.mkdtemp(prefix="tf-object-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         methods = [
-            ("roof: ranged GETs, no parsing", lambda: roof(endpoint, boto3, size, part, args.concurrency), None),
+            ("roof: curl --parallel ranged GETs", lambda: curl_roof(endpoint, boto3, size, part, args.concurrency,
+                                                                   shm), "curl"),
+            ("roof: python threads ranged GETs", lambda: roof(endpoint, boto3, size, part, args.concurrency), "bytes"),
             ("tensorferry.load(s3://)", lambda: tf.load(url), True),
             ("boto3 download_file + st.load_file", boto_download, True),
             ("boto3 get_object + st.load", boto_get, True),
@@ -186,22 +208,29 @@ def main():
         say(f"{'method':40} {'best s':>8} {'GB/s':>7} {'of roof':>8}   all repeats (s)")
         best_roof = None
         for name, run, checked in methods:
+            if checked == "curl" and not shutil.which("curl"):
+                say(f"{name:40} (no curl here)")
+                continue
             times = []
             for i in range(args.repeat):
                 start = time.perf_counter()
                 out = run()
                 times.append(time.perf_counter() - start)
                 if i == 0:
-                    if checked:
-                        check(torch, out, tree)
-                    else:
+                    if checked in ("curl", "bytes"):
+                        got = out() if checked == "curl" else out
                         with open(os.path.join(work, "s3", BUCKET, KEY), "rb") as f:
-                            assert bytes(out) == f.read(), "roof bytes differ"
+                            assert bytes(got) == f.read(), "roof bytes differ"
+                        del got
+                    else:
+                        check(torch, out, tree)
                 del out
             best = min(times)
-            best_roof = best_roof or best
+            if checked in ("curl", "bytes"):
+                best_roof = min(best_roof or best, best)
             say(f"{name:40} {best:8.3f} {size / best / 1e9:7.2f} {best_roof / best:8.0%}   "
                 + " ".join(f"{t:.3f}" for t in times))
+        shutil.rmtree(shm, ignore_errors=True)
     finally:
         proc.kill()
         proc.wait()
