@@ -287,3 +287,18 @@ fn a_load_called_from_inside_an_async_runtime_blocks_a_helper_thread_not_the_run
         .unwrap();
     assert_eq!(values(&loaded.root), values(&tree));
 }
+
+#[test]
+fn an_object_too_short_for_a_header_is_a_format_error_naming_it() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    std::fs::write(server.file("empty.safetensors"), b"").unwrap();
+    std::fs::write(server.file("short.safetensors"), b"abc").unwrap();
+    for name in ["empty.safetensors", "short.safetensors"] {
+        let url = format!("s3://bucket/{name}");
+        let e = load_url(&url, &ObjectOptions::from_env(), None).unwrap_err();
+        assert!(matches!(e, tensorferry::Error::Format { .. }), "{e}");
+        assert!(e.to_string().contains(&url), "{e}");
+    }
+}

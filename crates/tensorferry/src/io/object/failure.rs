@@ -187,3 +187,77 @@ pub fn cause_of(e: &Error) -> Option<Cause> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store_error(text: &str) -> object_store::Error {
+        object_store::Error::Generic {
+            store: "S3",
+            source: text.to_string().into(),
+        }
+    }
+
+    #[test]
+    fn the_server_s_error_code_names_the_cause_the_status_alone_cannot() {
+        let not_found = |text: &str| object_store::Error::NotFound {
+            path: "k".into(),
+            source: text.to_string().into(),
+        };
+        let cause = |e: &object_store::Error| classify(e, &chain(e));
+        assert_eq!(cause(&not_found("<Code>NoSuchKey</Code>")), Cause::NotFound);
+        assert_eq!(
+            cause(&not_found("<Code>NoSuchBucket</Code>")),
+            Cause::NoBucket
+        );
+        let denied = |text: &str| object_store::Error::PermissionDenied {
+            path: "k".into(),
+            source: text.to_string().into(),
+        };
+        assert_eq!(
+            cause(&denied("<Code>AccessDenied</Code>")),
+            Cause::AccessDenied
+        );
+        assert_eq!(
+            cause(&denied("<Code>SignatureDoesNotMatch</Code>")),
+            Cause::BadCredentials
+        );
+        assert_eq!(
+            cause(&denied("<Code>InvalidAccessKeyId</Code>")),
+            Cause::BadCredentials
+        );
+    }
+
+    #[test]
+    fn connection_failures_and_missing_credentials_are_told_apart() {
+        let cause = |text: &str| {
+            let e = store_error(text);
+            classify(&e, &chain(&e))
+        };
+        assert_eq!(
+            cause("HTTP error: error sending request: tcp connect error: Connection refused"),
+            Cause::Unreachable
+        );
+        assert_eq!(
+            cause("Error performing PUT http://169.254.169.254/latest/api/token: HTTP error: error sending request"),
+            Cause::NoCredentials
+        );
+        assert_eq!(cause("something else"), Cause::Other);
+    }
+
+    #[test]
+    fn a_failure_carries_its_cause_to_the_caller_and_the_object_to_the_message() {
+        let e = failed("read", "s3://b/k", Cause::Changed, "ETag \"a\" then \"b\"");
+        assert_eq!(cause_of(&e), Some(Cause::Changed));
+        let text = e.to_string();
+        assert!(
+            text.contains("s3://b/k") && text.contains("replaced"),
+            "{text}"
+        );
+        assert_eq!(
+            cause_of(&Error::io("read", "/x", io::Error::other("plain"))),
+            None
+        );
+    }
+}
