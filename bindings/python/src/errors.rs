@@ -7,6 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
+use tensorferry::io::object;
 use tensorferry::Error;
 
 macro_rules! exception_class {
@@ -64,7 +65,14 @@ fn io_err(
 ) -> PyResult<PyErr> {
     static MAKE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let make = MAKE.import(py, "tensorferry._errors", "io_error")?;
-    let errno = source.raw_os_error();
+    // Object-storage failures name the errno of their cause (a missing object is
+    // `FileNotFoundError`, access refused `PermissionError`, …).
+    let object = source
+        .get_ref()
+        .and_then(|e| e.downcast_ref::<object::ObjectFailure>());
+    let errno = source
+        .raw_os_error()
+        .or(object.and_then(|f| f.cause.errno()));
     let text = source.to_string();
     let text = match errno {
         // Python shows the number itself: "[Errno 2] open: No such file or directory".

@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use tensorferry::backend::cuda;
+use tensorferry::io::object;
 use tensorferry::{Device, LoadOptions, SaveOptions};
 
 use errors::{guard, IntoPy};
@@ -270,7 +271,7 @@ const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
 /// file streams onto it through the ring `staging` names (`tensorferry::io::load_node_to`).
 /// With `copy_on_write`, a map is private and writable (`LoadOptions::copy_on_write`).
 #[pyfunction]
-#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false))]
+#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn load(
     py: Python<'_>,
@@ -282,6 +283,7 @@ fn load(
     device: Option<&str>,
     staging: Option<Bound<'_, PyAny>>,
     copy_on_write: bool,
+    only: Option<std::collections::HashSet<String>>,
 ) -> PyResult<(Py<PyAny>, BTreeMap<String, String>, bool, Option<String>)> {
     guard(|| {
         let options = LoadOptions {
@@ -289,13 +291,21 @@ fn load(
             direct,
             copy_on_write,
         };
-        let loaded = match device {
+        // An object-storage URL loads into host memory; `only` fetches just those tensors.
+        let url = path
+            .to_str()
+            .filter(|p| object::is_url(p))
+            .map(String::from);
+        let loaded = match (url, device) {
+            (Some(url), _) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
+                object::load_url(&url, &object::ObjectOptions::from_env(), only.as_ref())
+            })?,
             // On a thread of its own too: Ctrl-C reaches the caller at once, whatever the
             // index or header takes to read (the thread finishes and drops its result).
-            None => wait::run_interruptibly(py, "tensorferry-load", move |_| {
+            (None, None) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
                 tensorferry::load_node(&path, options)
             })?,
-            Some(d) => {
+            (None, Some(d)) => {
                 let target: Device = d.parse().py_err()?;
                 let staging = parse_staging(staging.as_ref())?;
                 // On a thread of its own, waited for in slices: Ctrl-C stops it between
@@ -509,6 +519,19 @@ fn wait_tensors(
     })
 }
 
+/// The tensor names of the checkpoint at an object-storage URL, from its index or header.
+#[pyfunction]
+fn object_names(py: Python<'_>, url: &str) -> PyResult<Vec<String>> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| py.detach(|| object::tensor_names(url, &options)).py_err())
+}
+
+/// Whether `path` is an object-storage URL (`s3://`, `gs://`, `az://`, `http(s)://`).
+#[pyfunction]
+fn is_url(path: &str) -> bool {
+    object::is_url(path)
+}
+
 /// The `__metadata__` of a safetensors file, reading the header only.
 #[pyfunction]
 fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, String>> {
@@ -573,6 +596,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(object_names, m)?)?;
+    m.add_function(wrap_pyfunction!(is_url, m)?)?;
     m.add_function(wrap_pyfunction!(wait_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_array_interface_device, m)?)?;

@@ -692,6 +692,14 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     target = _devices.name_of(device)
     on_device = target != "cpu"
     patterns = None if keys is None else _select.patterns(keys)
+    # Object storage (s3://, gs://, az://, http(s)://): read into host memory, a subset
+    # fetching only the byte ranges of the tensors its keys match.
+    url = isinstance(path, str) and _native.is_url(path)
+    if url and direct:
+        raise ValueError(f"direct=True reads local files past the page cache; {path!r} is in object storage")
+    only = None
+    if url and patterns is not None:
+        only = {n for n in _native.object_names(path) if any(_select._matches(n, p) for p in patterns)}
     if on_device:
         _native.check_staging(staging)  # refused before the file is read
     if direct and keys is not None:
@@ -730,12 +738,13 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
         staging if streamed else None,
         # Frameworks that need writable memory (PyTorch) share a private, copy-on-write map.
         mapped and not on_device and like not in (fw.NUMPY, fw.NATIVE),
+        only=only,
     )
     if fallback is not None:
         warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=3)
     if keys is not None:
         tree = _select.select(tree, patterns)
-        if not (mmap or on_device):
+        if not (mmap or on_device or url):
             tree = to_host(tree, copy=True)
     if out is not None:
         return _select.fill(out, tree if dtype is None else _select.cast(tree, dtype))

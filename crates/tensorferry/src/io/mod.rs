@@ -19,6 +19,9 @@
 //! Files are read through the page cache (mapped, or read into fresh memory), or with
 //! `O_DIRECT` past it ([`LoadOptions::direct`]), and [`load_node_to`] reads one straight
 //! into a device's memory through a bounded ring of host buffers.
+//!
+//! Paths that are object-storage URLs (`s3://…`, `gs://…`, `az://…`, `http(s)://…`) are
+//! loaded and saved through [`object`].
 
 mod budget;
 mod census;
@@ -33,6 +36,7 @@ mod header;
 mod header_writer;
 mod into_device;
 mod name_hash;
+pub mod object;
 mod pool;
 mod read;
 mod replace;

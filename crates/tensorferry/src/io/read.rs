@@ -101,6 +101,9 @@ pub fn load(
 /// one index or one file, too); see [`load`] for what is refused and
 /// what a memory map implies.
 pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
+    if let Some(url) = super::object::url_of(path.as_ref()) {
+        return super::object::load_url(url, &super::object::ObjectOptions::from_env(), None);
+    }
     let path = match super::sharded::resolve(path.as_ref())? {
         super::sharded::Target::Index(index) => {
             return super::sharded::load_sharded(index, options)
@@ -142,6 +145,9 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
 /// (its first shard's metadata, as [`load_node`] returns), or a folder or path that
 /// [`load_node`] would read one from.
 pub fn read_metadata(path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
+    if let Some(url) = super::object::url_of(path.as_ref()) {
+        return super::object::read_metadata_url(url, &super::object::ObjectOptions::from_env());
+    }
     let file = match super::sharded::resolve(path.as_ref())? {
         super::sharded::Target::Index(index) => super::sharded::first_shard(&index)?,
         super::sharded::Target::File(file) => file,

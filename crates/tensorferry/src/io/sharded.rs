@@ -30,7 +30,7 @@ pub const INDEX_SUFFIX: &str = ".safetensors.index.json";
 const MAX_INDEX_BYTES: u64 = 256 << 20;
 
 /// Shards read at once.
-const READERS: usize = 8;
+pub(super) const READERS: usize = 8;
 
 /// Saves `root` as shards of at most `max_shard_bytes` of tensor data each (a tensor
 /// larger than that gets a shard of its own), plus the index, next to `path`:
@@ -58,6 +58,10 @@ pub fn save_sharded(
         });
     }
     check_root(root, options)?;
+    if let Some(url) = super::object::url_of(path) {
+        let written = super::object::save_url(root, url, options, Some(max_shard_bytes))?;
+        return Ok(written.into_iter().map(PathBuf::from).collect());
+    }
     // One walk gives what a single file and the shards both need: the tensors in tree
     // order, their names (checked as a single file's are) and the tree record.
     let walked = header_writer::walk_node_recorded(root);
@@ -106,7 +110,7 @@ pub fn save_sharded(
 
 /// Groups tensor sizes, in order, into shards of at most `max` bytes (a larger tensor
 /// alone): the indexes of each shard's tensors.
-fn plan_shards(sizes: impl Iterator<Item = u64>, max: u64) -> Vec<Vec<usize>> {
+pub(super) fn plan_shards(sizes: impl Iterator<Item = u64>, max: u64) -> Vec<Vec<usize>> {
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut filled = 0u64;
     for (i, size) in sizes.enumerate() {
@@ -227,8 +231,20 @@ pub(crate) fn load_sharded_with(
 ) -> Result<Loaded> {
     let index = read_index(index_path)?;
     let dir = index_path.parent().unwrap_or(Path::new("."));
+    load_index_with(index, index_path, readers, |name| load_one(&dir.join(name)))
+}
+
+/// Loads every shard `index` names with `load_one` (given the shard's file name), up to
+/// `readers` at once, as one tree; `index_path` names the index in messages.
+pub(crate) fn load_index_with(
+    index: Index,
+    index_path: &Path,
+    readers: usize,
+    load_one: impl Fn(&str) -> Result<Loaded> + Sync,
+) -> Result<Loaded> {
+    let dir = index_path.parent().unwrap_or(Path::new("."));
     let shards: Vec<&str> = index.files().collect();
-    let loaded = load_in_parallel(dir, &shards, readers, load_one)?;
+    let loaded = load_in_parallel(&shards, readers, load_one)?;
     let mut metadata = BTreeMap::new();
     let mut found: HashMap<&str, Tensor> = HashMap::with_capacity(index.weight_map.len());
     let mut fallbacks: Vec<String> = Vec::new();
@@ -335,6 +351,11 @@ pub(crate) struct Index {
 }
 
 impl Index {
+    /// The tensor names it maps, sorted.
+    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
+        self.weight_map.keys().map(String::as_str)
+    }
+
     /// The shard files it names, each once, in order of first mention.
     pub(crate) fn files(&self) -> impl Iterator<Item = &str> {
         let mut seen = std::collections::HashSet::new();
@@ -363,19 +384,31 @@ fn is_plain_shard_name(file: &str) -> bool {
 /// path, is refused: loading never recurses).
 pub(crate) fn read_index(path: &Path) -> Result<Index> {
     let (mut file, len) = open_regular(path)?;
+    check_index_len(len, path)?;
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.read_to_end(&mut bytes)
+        .map_err(|e| Error::io("read", path, e))?;
+    parse_index(&bytes, path)
+}
+
+/// Refuses an index of `len` bytes over [`MAX_INDEX_BYTES`].
+pub(crate) fn check_index_len(len: u64, path: &Path) -> Result<()> {
+    match len > MAX_INDEX_BYTES {
+        true => Err(Error::Format {
+            at: format!("{path:?}"),
+            reason: format!("an index of {len} bytes is over the {MAX_INDEX_BYTES}-byte limit"),
+        }),
+        false => Ok(()),
+    }
+}
+
+/// Checks the index bytes read from `path`, as [`read_index`] does.
+pub(crate) fn parse_index(bytes: &[u8], path: &Path) -> Result<Index> {
     let bad = |reason: String| Error::Format {
         at: format!("{path:?}"),
         reason,
     };
-    if len > MAX_INDEX_BYTES {
-        return Err(bad(format!(
-            "an index of {len} bytes is over the {MAX_INDEX_BYTES}-byte limit"
-        )));
-    }
-    let mut bytes = Vec::with_capacity(len as usize);
-    file.read_to_end(&mut bytes)
-        .map_err(|e| Error::io("read", path, e))?;
-    let text = std::str::from_utf8(&bytes)
+    let text = std::str::from_utf8(bytes)
         .map_err(|e| bad(format!("not a safetensors index: not UTF-8 text ({e})")))?;
     #[derive(serde::Deserialize)]
     struct Raw {
@@ -433,13 +466,12 @@ pub(crate) fn read_index(path: &Path) -> Result<Index> {
     })
 }
 
-/// Loads `files` (in `dir`) with `load_one` on up to `readers` threads, in order; the
+/// Loads `files` with `load_one` on up to `readers` threads, in order; the
 /// first failure (in order) is the error, and no new shard is started after a failure.
 fn load_in_parallel(
-    dir: &Path,
     files: &[&str],
     readers: usize,
-    load_one: impl Fn(&Path) -> Result<Loaded> + Sync,
+    load_one: impl Fn(&str) -> Result<Loaded> + Sync,
 ) -> Result<Vec<Loaded>> {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let mut slots: Vec<Option<Result<Loaded>>> = (0..files.len()).map(|_| None).collect();
@@ -454,7 +486,7 @@ fn load_in_parallel(
                 }
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let Some(file) = files.get(i) else { break };
-                let loaded = load_one(&dir.join(file));
+                let loaded = load_one(file);
                 if loaded.is_err() {
                     failed.store(true, Ordering::Relaxed);
                 }

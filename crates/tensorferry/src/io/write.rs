@@ -52,6 +52,9 @@ impl Default for SaveOptions {
 
 /// Saves a dictionary; see [`save_node`].
 pub fn save(dict: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
+    if super::object::url_of(path.as_ref()).is_some() {
+        return save_node(&Node::Dict(dict.clone()), path, options);
+    }
     check_options(options)?;
     check_dict_depth(dict)?;
     write_walked(
@@ -83,6 +86,9 @@ pub fn save(dict: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) ->
 /// (`stem.safetensors.index.json` and its shards) is removed once the file is in place.
 pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
     check_root(root, options)?;
+    if let Some(url) = super::object::url_of(path.as_ref()) {
+        return super::object::save_url(root, url, options, None).map(|_| ());
+    }
     write_walked(
         header_writer::walk_node(root),
         || root.tensors().into_iter().map(|(p, _)| p).collect(),
@@ -115,6 +121,21 @@ pub(crate) fn write_walked(
     let place = Place::of(path)?;
     let staged = stage_walked(walked, paths, &place.single, options)?;
     commit_single(&place, staged, options.fsync)
+}
+
+/// The bytes before the data and the tensors in file order (host copies of device ones,
+/// in one planned transfer), refused as [`stage_walked`] refuses: for writers other than
+/// files (object storage).
+pub(crate) fn header_and_tensors(
+    walked: header_writer::Walked<'_>,
+    paths: impl FnOnce() -> Vec<KeyPath>,
+    options: &SaveOptions,
+) -> Result<(Vec<u8>, Vec<Tensor>)> {
+    header_writer::check_names(&walked, paths)?;
+    let built = checked_header(&walked, options)?;
+    let hosted = on_host(&walked.tensors)?;
+    let host = |i: usize| hosted.as_ref().map_or(walked.tensors[i], |h| &h[i]).clone();
+    Ok((built.bytes, built.order.iter().map(|&i| host(i)).collect()))
 }
 
 /// Saves `root` into a temporary file that will replace `path` once committed.

@@ -1,0 +1,434 @@
+"""Checkpoints in object storage, against a real S3 server on the loopback interface:
+``s3s-fs`` from crates.io (SigV4, ranged GETs, multipart uploads over a local folder),
+started by the fixtures on a free port with fixed credentials and stopped after them.
+
+Without the server's binary these tests skip with the reason (``bash
+scripts/s3-server.sh install`` builds it); ``scripts/test.sh`` installs it and sets
+``TENSORFERRY_REQUIRE_S3=1``, which makes its absence a failure.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+
+ACCESS_KEY = "tensorferry-test"
+SECRET_KEY = "tensorferry-test-secret"
+REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
+
+def _server_binary():
+    """``TENSORFERRY_S3S_FS``, else the repository's ``target/tools``, else the PATH."""
+    given = os.environ.get("TENSORFERRY_S3S_FS")
+    if given:
+        return given if os.path.isfile(given) else None
+    tools = os.path.join(REPO, "target", "tools", "bin", "s3s-fs")
+    return tools if os.path.isfile(tools) else shutil.which("s3s-fs")
+
+
+class S3Server:
+    """An ``s3s-fs`` process serving ``root`` (bucket ``bucket``) on 127.0.0.1."""
+
+    def __init__(self, binary, root, log=None):
+        self.root = root
+        self.log = log
+        os.makedirs(os.path.join(root, "bucket"), exist_ok=True)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.binary = binary
+        self.start()
+
+    def start(self):
+        """Starts the server (again: same port, same folder) and waits until it answers."""
+        # With a log: every request, its headers (ranges) included.
+        out = open(self.log, "a") if self.log else subprocess.DEVNULL
+        try:
+            self.process = subprocess.Popen(
+                [self.binary, "--host", "127.0.0.1", "--port", str(self.port),
+                 "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY, self.root],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, RUST_LOG="s3s::service=debug") if self.log else None,
+            )
+        finally:
+            if self.log:
+                out.close()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"s3s-fs did not answer on port {self.port}")
+                time.sleep(0.02)
+
+    def file(self, key):
+        """The file in which the server keeps ``key`` of the bucket."""
+        return os.path.join(self.root, "bucket", key)
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def server_binary():
+    binary = _server_binary()
+    if binary is None:
+        if os.environ.get("TENSORFERRY_REQUIRE_S3"):
+            pytest.fail("TENSORFERRY_REQUIRE_S3 is set and no s3s-fs binary was found")
+        pytest.skip("no s3s-fs binary: bash scripts/s3-server.sh install")
+    return binary
+
+
+@pytest.fixture(scope="module")
+def shared_server(server_binary, tmp_path_factory):
+    server = S3Server(server_binary, str(tmp_path_factory.mktemp("s3")))
+    yield server
+    server.stop()
+
+
+def _point_at(monkeypatch, server):
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": server.endpoint,
+        # Without keys the client asks the instance-metadata service: on loopback here.
+        "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
+        "TENSORFERRY_OBJECT_RETRIES": "1",
+        "TENSORFERRY_OBJECT_RETRY_TIMEOUT": "2",
+    }.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture
+def s3(shared_server, monkeypatch):
+    """The shared server, the client's environment pointing at it."""
+    _point_at(monkeypatch, shared_server)
+    return shared_server
+
+
+@pytest.fixture
+def own_server(server_binary, tmp_path, monkeypatch):
+    """A server of the test's own (it may be stopped; it logs every request to
+    ``.log``), the environment pointing at it."""
+    server = S3Server(server_binary, str(tmp_path / "s3"), log=str(tmp_path / "s3.log"))
+    _point_at(monkeypatch, server)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def url(request):
+    """A key prefix of the test's own in the bucket."""
+    return f"s3://bucket/{request.node.name}/"
+
+
+def _model(layers=3, salt=0.0, size=4096):
+    return {
+        "model": {f"layer.{i}.weight": np.arange(size, dtype=np.float32) + salt + i for i in range(layers)},
+        "step": 7,
+        "betas": (0.9, 0.999),
+        "name": "run-1",
+    }
+
+
+def _same(a, b):
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    else:
+        assert a == b
+
+
+def test_a_flat_dict_round_trips(s3, url):
+    d = {"a": np.arange(10, dtype=np.float32), "b": np.ones((3, 4), np.int64)}
+    tf.save(d, url + "flat.safetensors")
+    _same(tf.load(url + "flat.safetensors"), d)
+
+
+def test_a_nested_tree_with_plain_values_round_trips(s3, url, state):
+    tf.save(state, url + "model.safetensors")
+    _same(tf.load(url + "model.safetensors"), state)
+    _same(tf.load(url), state)  # the folder: its model.safetensors
+
+
+def test_a_sharded_save_uploads_shards_then_the_index_and_loads_whole(s3, url):
+    tree = _model(layers=4, size=8192)
+    written = tf.save(tree, url, max_shard_size=40_000)
+    assert written is None or True
+    index = s3.file(f"{url[len('s3://bucket/'):]}model.safetensors.index.json")
+    assert os.path.isfile(index)
+    for path in (url, url + "model.safetensors", url + "model.safetensors.index.json"):
+        _same(tf.load(path), tree)
+
+
+def test_a_sharded_save_replaces_a_single_object_and_the_other_way_round(s3, url):
+    first, second, third = _model(salt=1), _model(salt=2, size=8192), _model(salt=3)
+    tf.save(first, url + "model.safetensors")
+    tf.save(second, url + "model.safetensors", max_shard_size=40_000)
+    folder = s3.file(url[len("s3://bucket/"):])
+    assert "model.safetensors" not in os.listdir(folder)
+    _same(tf.load(url), second)
+    tf.save(third, url + "model.safetensors")
+    assert sorted(os.listdir(folder)) == ["model.safetensors"]
+    _same(tf.load(url), third)
+
+
+def test_keys_load_only_the_matching_tensors(s3, url):
+    tree = _model(layers=4)
+    tf.save(tree, url + "model.safetensors")
+    got = tf.load(url + "model.safetensors", keys=["model.layer.2.weight", "step"])
+    _same(got, {"model": {"layer.2.weight": tree["model"]["layer.2.weight"]}, "step": 7})
+    got = tf.load(url + "model.safetensors", keys="model.layer.*.weight")
+    assert list(got["model"]) == [f"layer.{i}.weight" for i in range(4)]
+    with pytest.raises(KeyError):
+        tf.load(url + "model.safetensors", keys="nothing.here")
+
+
+def test_keys_of_a_sharded_checkpoint(s3, url):
+    tree = _model(layers=4, size=8192)
+    tf.save(tree, url, max_shard_size=40_000)
+    got = tf.load(url, keys=("model", "layer.3.weight"))
+    _same(got, {"model": {"layer.3.weight": tree["model"]["layer.3.weight"]}})
+
+
+def _ranges_read(log):
+    """``(start, end)`` of every ranged GET in a server's log, in order."""
+    import re
+
+    with open(log) as f:
+        return [(int(a), int(b) + 1) for a, b in re.findall(r'"range": "bytes=(\d+)-(\d+)"', f.read())]
+
+
+def test_a_subset_fetches_only_its_byte_ranges(own_server):
+    tree = {"keep": np.full(300_000, 1.0, np.float32), "skip": np.full(300_000, 2.0, np.float32)}
+    tf.save(tree, "s3://bucket/m.safetensors")
+    got = tf.load("s3://bucket/m.safetensors", keys="keep")
+    assert list(got) == ["keep"]
+    np.testing.assert_array_equal(got["keep"], tree["keep"])
+    ranges = _ranges_read(own_server.log)
+    size = os.path.getsize(own_server.file("m.safetensors"))
+    data_start = size - 2_400_000
+    assert ranges, "no ranged GET logged"
+    # Headers (read twice: once for the names, once for the load) and "keep"'s bytes,
+    # none of "skip"'s (the last 1.2 MB).
+    assert max(end for _, end in ranges) <= data_start + 1_200_000, ranges
+    assert sum(end - start for start, end in ranges) < 1_200_000 + 4 * data_start + (2 << 20)
+
+
+def test_bfloat16_round_trips_with_torch(s3, url, torch):
+    d = {"w": torch.randn(64, 32).to(torch.bfloat16), "b": torch.arange(5)}
+    tf.save(d, url + "bf16.safetensors")
+    got = tf.load(url + "bf16.safetensors")
+    assert got["w"].dtype == torch.bfloat16
+    assert torch.equal(got["w"], d["w"]) and torch.equal(got["b"], d["b"])
+
+
+def test_the_stored_object_is_what_a_local_save_writes_and_safetensors_reads(s3, url, tmp_path):
+    numpy_st = pytest.importorskip("safetensors.numpy", reason="safetensors is not installed")
+    d = {"x": np.arange(1000, dtype=np.float32).reshape(10, 100), "y": np.arange(7, dtype=np.int32)}
+    tf.save(d, url + "x.safetensors")
+    local = str(tmp_path / "x.safetensors")
+    tf.save(d, local)
+    stored = s3.file(url[len("s3://bucket/"):] + "x.safetensors")
+    with open(stored, "rb") as f, open(local, "rb") as g:
+        assert f.read() == g.read()
+    for name, array in numpy_st.load_file(stored).items():
+        np.testing.assert_array_equal(array, d[name])
+
+
+def test_metadata_comes_from_the_header_of_an_object_or_the_first_shard(s3, url):
+    tf.save({"x": np.zeros(3)}, url + "one.safetensors", metadata={"run": "7"})
+    assert tf.metadata(url + "one.safetensors") == {"run": "7"}
+    tf.save(_model(size=8192), url + "many/", max_shard_size=40_000, metadata={"run": "8"})
+    assert tf.metadata(url + "many/")["run"] == "8"
+
+
+def test_device_dtype_and_out_work_as_for_files(s3, url, ml_dtypes):
+    tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.arange(3)}
+    tf.save(tree, url + "m.safetensors")
+    got = tf.load(url + "m.safetensors", device="emu:0", dtype="bfloat16")
+    assert got["w"].device == "emu:0" and got["w"].dtype == "bfloat16"
+    np.testing.assert_array_equal(tf.to_numpy(got)["w"].astype(np.float32), tree["w"])
+    out = {"w": np.zeros((2, 3), np.float32), "n": np.zeros(3, np.int64)}
+    tf.load(url + "m.safetensors", out=out)
+    _same(out, tree)
+
+
+def test_tensors_on_a_device_are_saved_through_host_memory(s3, url):
+    tree = {"w": np.arange(1000, dtype=np.float32)}
+    tf.save(tf.to_device(tree, "emu:0"), url + "dev.safetensors")
+    _same(tf.load(url + "dev.safetensors", like="numpy"), tree)
+
+
+def test_a_missing_object_is_file_not_found_naming_it(s3, url):
+    with pytest.raises(FileNotFoundError) as e:
+        tf.load(url + "absent.safetensors")
+    assert "absent.safetensors" in str(e.value) and "no such object" in str(e.value)
+    assert isinstance(e.value, tf.TensorferryError)
+
+
+def test_a_missing_bucket_is_named(s3):
+    with pytest.raises(FileNotFoundError, match="no such bucket"):
+        tf.load("s3://no-such-bucket/model.safetensors")
+
+
+def test_refused_credentials_are_a_permission_error(s3, url, monkeypatch):
+    tf.save({"x": np.zeros(3)}, url + "x.safetensors")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(PermissionError, match="credentials were refused"):
+        tf.load(url + "x.safetensors")
+    with pytest.raises(PermissionError):
+        tf.save({"x": np.ones(3)}, url + "x.safetensors")
+
+
+def test_no_credentials_at_all_is_named(s3, url, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(PermissionError, match="no credentials"):
+        tf.load(url + "x.safetensors")
+
+
+def _paused_load(monkeypatch, tmp_path, target):
+    """Starts ``tf.load(target)`` on a thread that stops after the header (the loader's
+    test hook); returns ``(go, outcome)``: ``go()`` lets it read the data and returns
+    once it finished, ``outcome`` then holds ``("ok", tree)`` or ``("error", exc)``."""
+    base = str(tmp_path / "pause")
+    monkeypatch.setenv("TENSORFERRY_TEST_OBJECT_PAUSE", base)
+    monkeypatch.setenv("TENSORFERRY_OBJECT_HEADER_BYTES", "64")
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(("ok", tf.load(target)))
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            outcome.append(("error", e))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not os.path.exists(base + ".ready"):
+        assert time.monotonic() < deadline and thread.is_alive(), outcome
+        time.sleep(0.01)
+
+    def go():
+        open(base + ".go", "w").close()
+        thread.join(60)
+        assert not thread.is_alive()
+
+    return go, outcome
+
+
+def test_an_object_replaced_during_the_read_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path):
+    target = url + "m.safetensors"
+    tf.save({"w": np.full(100_000, 1.0, np.float32)}, target)
+    go, outcome = _paused_load(monkeypatch, tmp_path, target)
+    tf.save({"w": np.full(100_000, 2.0, np.float32)}, target)  # same size, other bytes
+    go()
+    kind, value = outcome[0]
+    assert kind == "error", value
+    assert "replaced while it was read" in str(value) and "m.safetensors" in str(value)
+    monkeypatch.delenv("TENSORFERRY_TEST_OBJECT_PAUSE")
+    np.testing.assert_array_equal(tf.load(target)["w"], 2.0)
+
+
+def test_the_server_stopped_mid_load_is_a_clear_error(own_server, monkeypatch, tmp_path):
+    target = "s3://bucket/m.safetensors"
+    tf.save({"w": np.ones(200_000, np.float32)}, target)
+    go, outcome = _paused_load(monkeypatch, tmp_path, target)
+    own_server.stop()
+    started = time.monotonic()
+    go()
+    kind, value = outcome[0]
+    assert kind == "error", value
+    assert isinstance(value, ConnectionError) and "could not be reached" in str(value)
+    assert time.monotonic() - started < 30
+
+
+def test_a_save_killed_mid_upload_leaves_the_previous_object_whole(s3, url, tmp_path):
+    target = url + "big.safetensors"
+    previous = {"w": np.full(1_000_000, 3.0, np.float32)}
+    tf.save(previous, target)
+    before = {os.path.join(d, f) for d, _, fs in os.walk(s3.root) for f in fs}
+    # A child process uploads 48 MiB in 5 MiB parts, one at a time; it is killed as soon
+    # as the server holds a part of it.
+    script = textwrap.dedent(f"""
+        import numpy as np, tensorferry as tf
+        tf.save({{"w": np.full(12 << 20, 4.0, np.float32)}}, {target!r})
+    """)
+    env = dict(os.environ, TENSORFERRY_OBJECT_CONCURRENCY="1", TENSORFERRY_OBJECT_PART_BYTES=str(5 << 20))
+    child = subprocess.Popen([sys.executable, "-c", script], env=env)
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            now = {os.path.join(d, f) for d, _, fs in os.walk(s3.root) for f in fs}
+            if now - before:
+                break
+            assert child.poll() is None, "the save finished before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    _same(tf.load(target), previous)
+
+
+def _files(root):
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_a_save_that_fails_mid_upload_leaves_the_previous_object_whole(own_server, monkeypatch):
+    target = "s3://bucket/big.safetensors"
+    previous = {"w": np.full(1_000_000, 3.0, np.float32)}
+    tf.save(previous, target)
+    before = _files(own_server.root)
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CONCURRENCY", "1")
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(5 << 20))
+    outcome = []
+
+    def save():
+        try:
+            tf.save({"w": np.full(24 << 20, 4.0, np.float32)}, target)  # 96 MiB, 20 parts
+            outcome.append(("ok", None))
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            outcome.append(("error", e))
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not _files(own_server.root) - before:
+        assert thread.is_alive(), "the save finished before the server could be stopped"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    own_server.stop()
+    thread.join(60)
+    kind, value = outcome[0]
+    assert kind == "error" and isinstance(value, ConnectionError), value
+    own_server.start()
+    _same(tf.load(target), previous)

@@ -1,0 +1,516 @@
+//! Loading checkpoints from object storage into host memory.
+//!
+//! One object: the header comes from one small ranged GET (the first
+//! [`ObjectOptions::header_bytes`], which holds the whole object when it is small), and a
+//! second only when the header is longer. Then the data section comes in parallel ranged
+//! GETs ([`ObjectOptions::part_bytes`] each, [`ObjectOptions::concurrency`] at once),
+//! written straight into one aligned buffer, which goes through the same validated
+//! header → tree path as a local file ([`crate::io::read`]). Every GET after the first
+//! is conditional on the first one's ETag, and its answer is checked against it: an
+//! object replaced during the read is an error, never a mix of two versions.
+//!
+//! Sharded checkpoints load through their index, each shard as above, several at once.
+
+use std::collections::{BTreeMap, HashSet};
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::{StreamExt, TryStreamExt};
+use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt};
+
+use super::failure::{cause_of, failed, from_store, Cause};
+use super::location::Location;
+use super::{plan, runtime, ObjectOptions};
+use crate::error::{Error, Result};
+use crate::io::header::{header_len, parse_counted};
+use crate::io::read::{build, Loaded};
+use crate::io::sharded::{check_index_len, load_index_with, parse_index, INDEX_SUFFIX, READERS};
+use crate::memory::AlignedBuffer;
+use crate::storage::Storage;
+use crate::tree::{Node, TensorDict, Value};
+
+/// Loads the checkpoint at `url`: one safetensors object, an index of shards
+/// (`…/model.safetensors.index.json`), the index a sharded save to `url` wrote
+/// (`url` + `.index.json`), or the checkpoint in a folder (`url` ending in `/`:
+/// `model.safetensors`, else `model.safetensors.index.json`, else the one index or the
+/// one safetensors object in it).
+///
+/// With `only`, only the tensors of those names are fetched (their byte ranges, and the
+/// headers); every other tensor comes back as a `None` value in its place, so the tree
+/// keeps its shape for a caller that then selects.
+pub fn load_url(
+    url: &str,
+    options: &ObjectOptions,
+    only: Option<&HashSet<String>>,
+) -> Result<Loaded> {
+    let at = Location::open(url, options)?;
+    let mut loaded = resolved(
+        at,
+        |object| load_object(object, options, only),
+        |index| load_index(index, options, only),
+    )?;
+    if let Some(names) = only {
+        loaded.root = blank_unwanted(loaded.root, &mut Vec::new(), names);
+    }
+    Ok(loaded)
+}
+
+/// The names of the tensors the checkpoint at `url` holds (as [`load_url`] finds it),
+/// from its index or its header alone.
+pub fn tensor_names(url: &str, options: &ObjectOptions) -> Result<Vec<String>> {
+    let at = Location::open(url, options)?;
+    resolved(
+        at,
+        |object| {
+            let header = fetch_header(object, options)?;
+            let parsed = parse_counted(&header.json, header.data_len)
+                .map_err(|e| e.in_file(Path::new(object.url())))?;
+            Ok(parsed.0.tensors.into_iter().map(|t| t.name).collect())
+        },
+        |index| {
+            Ok(read_index(index, options)?
+                .names()
+                .map(String::from)
+                .collect())
+        },
+    )
+}
+
+/// The user metadata of the checkpoint at `url` (as [`load_url`] finds it), from headers
+/// alone: an object's, or an index's first shard's, as [`crate::io::read_metadata`] gives
+/// for files.
+pub fn read_metadata_url(url: &str, options: &ObjectOptions) -> Result<BTreeMap<String, String>> {
+    let at = Location::open(url, options)?;
+    let of_object = |object: &Location| {
+        let header = fetch_header(object, options)?;
+        let parsed = parse_counted(&header.json, header.data_len)
+            .map_err(|e| e.in_file(Path::new(object.url())))?;
+        Ok(parsed.0.metadata)
+    };
+    resolved(at, of_object, |index| {
+        let first = read_index(index, options)?.files().next().map(String::from);
+        let first = first.ok_or_else(|| Error::Format {
+            at: index.url().to_string(),
+            reason: "the index names no shard".into(),
+        })?;
+        of_object(&index.sibling(&first))
+    })
+}
+
+/// What a load of `at` reads, as [`load_url`] says, read by `object` (one safetensors
+/// object) or `index` (an index of shards). A missing object is found missing by its
+/// first GET, whose answer names the cause (a HEAD's has no body to tell a missing
+/// bucket from a missing object).
+fn resolved<T>(
+    at: Location,
+    object: impl Fn(&Location) -> Result<T>,
+    index: impl Fn(&Location) -> Result<T>,
+) -> Result<T> {
+    if at.name().ends_with(INDEX_SUFFIX) {
+        return index(&at);
+    }
+    if at.is_folder() {
+        return match in_folder(&at)? {
+            Target::Index(found) => index(&found),
+            Target::Object(found) => object(&found),
+        };
+    }
+    match object(&at) {
+        // Not there: the index a sharded save to that name wrote, if there is one.
+        Err(e) if cause_of(&e) == Some(Cause::NotFound) => {
+            let name = at.name();
+            let stem = name.strip_suffix(".safetensors").unwrap_or(name);
+            let found = at.sibling(&format!("{stem}{INDEX_SUFFIX}"));
+            match head(&found) {
+                Ok(_) => index(&found),
+                Err(_) => Err(missing_bucket(&at).unwrap_or(e)),
+            }
+        }
+        other => other,
+    }
+}
+
+/// The error saying the bucket of `at` does not exist, when a listing says so (some
+/// servers answer a GET in a missing bucket with "no such key"); `None` otherwise.
+fn missing_bucket(at: &Location) -> Option<Error> {
+    let listed = runtime::block_on(at.store().list_with_delimiter(Some(at.key()))).ok()?;
+    let e = from_store("read", at.url(), listed.err()?);
+    (cause_of(&e) == Some(Cause::NoBucket)).then_some(e)
+}
+
+/// What a folder's checkpoint is.
+enum Target {
+    Object(Location),
+    Index(Location),
+}
+
+/// The checkpoint in the folder `dir`, in transformers' order (as local folders).
+fn in_folder(dir: &Location) -> Result<Target> {
+    let single = dir.sibling("model.safetensors");
+    if head(&single).is_ok() {
+        return Ok(Target::Object(single));
+    }
+    let index = dir.sibling(&format!("model{INDEX_SUFFIX}"));
+    if head(&index).is_ok() {
+        return Ok(Target::Index(index));
+    }
+    let listing = runtime::block_on(dir.store().list_with_delimiter(Some(dir.key())))?
+        .map_err(|e| from_store("list", dir.url(), e))?;
+    let names: Vec<&str> = listing
+        .objects
+        .iter()
+        .filter_map(|o| o.location.filename())
+        .collect();
+    let indexes: Vec<&&str> = names.iter().filter(|n| n.ends_with(INDEX_SUFFIX)).collect();
+    let files: Vec<&&str> = names
+        .iter()
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    match (indexes.as_slice(), files.as_slice()) {
+        ([index], _) => {
+            let stem = index.strip_suffix(INDEX_SUFFIX).unwrap_or(index);
+            let single = format!("{stem}.safetensors");
+            match names.contains(&single.as_str()) {
+                true => Ok(Target::Object(dir.sibling(&single))),
+                false => Ok(Target::Index(dir.sibling(index))),
+            }
+        }
+        ([], [file]) => Ok(Target::Object(dir.sibling(file))),
+        ([], []) => Err(failed(
+            "find a checkpoint (a *.safetensors object or a *.safetensors.index.json) in",
+            dir.url(),
+            Cause::NotFound,
+            "the folder holds neither",
+        )),
+        ([], many) => Err(Error::InvalidValue {
+            key: String::new(),
+            reason: format!(
+                "{} holds {} *.safetensors objects and no index: name the one to load",
+                dir.url(),
+                many.len()
+            ),
+        }),
+        (many, _) => Err(Error::InvalidValue {
+            key: String::new(),
+            reason: format!(
+                "{} holds {} *{INDEX_SUFFIX} objects: name one",
+                dir.url(),
+                many.len()
+            ),
+        }),
+    }
+}
+
+/// The object's size and version, or why it cannot be read.
+fn head(at: &Location) -> Result<ObjectMeta> {
+    runtime::block_on(at.store().head(at.key()))?.map_err(|e| from_store("read", at.url(), e))
+}
+
+/// Reads and checks the index at `at`.
+fn read_index(at: &Location, options: &ObjectOptions) -> Result<crate::io::sharded::Index> {
+    let label = Path::new(at.url());
+    let (first, meta) = get(at, GetRange::Bounded(0..options.header_bytes as u64), None)?;
+    check_index_len(meta.size, label)?;
+    let bytes = match (first.len() as u64) < meta.size {
+        true => get(at, GetRange::Offset(0), meta.e_tag)?.0,
+        false => first,
+    };
+    parse_index(&bytes, label)
+}
+
+/// Loads every shard the index at `at` names, several at once, as one tree.
+fn load_index(
+    at: &Location,
+    options: &ObjectOptions,
+    only: Option<&HashSet<String>>,
+) -> Result<Loaded> {
+    let index = read_index(at, options)?;
+    load_index_with(index, Path::new(at.url()), READERS, |name| {
+        load_object(&at.sibling(name), options, only)
+    })
+}
+
+/// One GET of `range` of the object at `at` (conditional on `etag` when given): its
+/// bytes and what the store says of the object.
+fn get(at: &Location, range: GetRange, etag: Option<String>) -> Result<(Bytes, ObjectMeta)> {
+    runtime::block_on(async {
+        let result = at
+            .store()
+            .get_opts(
+                at.key(),
+                GetOptions {
+                    range: Some(range),
+                    if_match: etag,
+                    ..Default::default()
+                },
+            )
+            .await?;
+        let meta = result.meta.clone();
+        Ok((result.bytes().await?, meta))
+    })?
+    .map_err(|e| from_store("read", at.url(), e))
+}
+
+/// An object's header and the start of its data section, from the first GET.
+struct FetchedHeader {
+    /// The header's JSON.
+    json: Vec<u8>,
+    /// The data section's length.
+    data_len: u64,
+    /// The data section's offset in the object.
+    data_start: u64,
+    /// The first bytes of the data section, fetched with the header.
+    data_head: Bytes,
+    /// The object's version, which every later GET must find.
+    etag: Option<String>,
+    /// The object's size.
+    size: u64,
+}
+
+/// The header of the object at `at`: one GET of its first bytes, a second one only
+/// when the header is longer.
+fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<FetchedHeader> {
+    let in_object = |e: Error| e.in_file(Path::new(at.url()));
+    let first_len = options.header_bytes.max(8) as u64;
+    let (first, meta) = match get(at, GetRange::Bounded(0..first_len), None) {
+        // An empty object has no range to give.
+        Err(e) if is_empty_object(&e) => (
+            Bytes::new(),
+            ObjectMeta {
+                size: 0,
+                ..head(at)?
+            },
+        ),
+        other => other?,
+    };
+    let size = meta.size;
+    let n = header_len(&first, size).map_err(in_object)?;
+    let data_start = 8 + n;
+    let (json, data_head) = if data_start <= first.len() as u64 {
+        let json = first[8..data_start as usize].to_vec();
+        (json, first.slice(data_start as usize..))
+    } else {
+        let (rest, _) = get(
+            at,
+            GetRange::Bounded(first.len() as u64..data_start),
+            meta.e_tag.clone(),
+        )?;
+        let mut json = Vec::with_capacity(n as usize);
+        json.extend_from_slice(&first[8..]);
+        json.extend_from_slice(&rest);
+        (json, Bytes::new())
+    };
+    if json.len() as u64 != n {
+        return Err(failed(
+            "read",
+            at.url(),
+            Cause::Other,
+            "the server sent a short header",
+        ));
+    }
+    Ok(FetchedHeader {
+        json,
+        data_len: size - data_start,
+        data_start,
+        data_head,
+        etag: meta.e_tag,
+        size,
+    })
+}
+
+/// Whether a GET failed only because the object holds no bytes (no range to give).
+fn is_empty_object(e: &Error) -> bool {
+    e.to_string().contains("InvalidRange") || e.to_string().contains("416")
+}
+
+/// Loads one safetensors object (never an index).
+fn load_object(
+    at: &Location,
+    options: &ObjectOptions,
+    only: Option<&HashSet<String>>,
+) -> Result<Loaded> {
+    let in_object = |e: Error| e.in_file(Path::new(at.url()));
+    let header = fetch_header(at, options)?;
+    let parsed = parse_counted(&header.json, header.data_len).map_err(in_object)?;
+    test_pause_after_header();
+    let wanted: Vec<Range<u64>> = match only {
+        None => std::iter::once(0..header.data_len).collect(),
+        Some(names) => parsed
+            .0
+            .tensors
+            .iter()
+            .filter(|t| names.contains(&t.name))
+            .map(|t| t.begin as u64..t.end as u64)
+            .collect(),
+    };
+    let mut data = AlignedBuffer::zeroed(header.data_len as usize)?;
+    let head_len = header.data_head.len();
+    data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
+    let ranges = plan::after(plan::merged(wanted, plan::MERGE_GAP), head_len as u64);
+    let parts = plan::parts(&ranges, options.part_bytes as u64);
+    let version = Version {
+        etag: header.etag.clone(),
+        size: header.size,
+    };
+    fetch_into(
+        at,
+        data.as_mut_slice(),
+        header.data_start,
+        &parts,
+        &version,
+        options,
+    )?;
+    build(parsed, Arc::new(Storage::owned(data)), 0).map_err(in_object)
+}
+
+/// What every GET of one load must find: the object the first GET found.
+struct Version {
+    etag: Option<String>,
+    size: u64,
+}
+
+/// Fetches `parts` (ranges of the data section, sorted and disjoint) into `data`, at most
+/// `options.concurrency` at once; the first failure stops the others.
+fn fetch_into(
+    at: &Location,
+    data: &mut [u8],
+    data_start: u64,
+    parts: &[Range<u64>],
+    version: &Version,
+    options: &ObjectOptions,
+) -> Result<()> {
+    let mut slices = Vec::with_capacity(parts.len());
+    let mut rest = data;
+    let mut rest_at = 0u64;
+    for part in parts {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut((part.start - rest_at) as usize);
+        let (slice, tail) = tail.split_at_mut((part.end - part.start) as usize);
+        slices.push((data_start + part.start..data_start + part.end, slice));
+        rest = tail;
+        rest_at = part.end;
+    }
+    runtime::block_on(
+        futures_util::stream::iter(slices)
+            .map(|(range, slice)| fetch_part(at, range, slice, version))
+            .buffer_unordered(options.concurrency.max(1))
+            .try_for_each(|()| async { Ok(()) }),
+    )?
+}
+
+/// One ranged GET into `into`, checked against the version the load started with.
+async fn fetch_part(
+    at: &Location,
+    range: Range<u64>,
+    into: &mut [u8],
+    version: &Version,
+) -> Result<()> {
+    let store: &dyn ObjectStore = at.store();
+    let read_err = |e| from_store("read", at.url(), e);
+    let result = store
+        .get_opts(
+            at.key(),
+            GetOptions {
+                range: Some(GetRange::Bounded(range.clone())),
+                if_match: version.etag.clone(),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(read_err)?;
+    let changed = result.meta.size != version.size
+        || (version.etag.is_some() && result.meta.e_tag != version.etag);
+    if changed {
+        return Err(failed(
+            "read",
+            at.url(),
+            Cause::Changed,
+            format!(
+                "first read found ETag {:?} and {} bytes, a later one {:?} and {} bytes",
+                version.etag, version.size, result.meta.e_tag, result.meta.size
+            ),
+        ));
+    }
+    let mut stream = result.into_stream();
+    let mut filled = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(read_err)?;
+        let end = filled + chunk.len();
+        if end > into.len() {
+            return Err(failed(
+                "read",
+                at.url(),
+                Cause::Other,
+                "the server sent more bytes than asked",
+            ));
+        }
+        into[filled..end].copy_from_slice(&chunk);
+        filled = end;
+    }
+    if filled != into.len() {
+        return Err(failed(
+            "read",
+            at.url(),
+            Cause::Other,
+            format!(
+                "bytes {range:?}: the server sent {filled} of {} bytes",
+                into.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `node` with every tensor whose name is not in `only` replaced by a `None` value.
+fn blank_unwanted(node: Node, path: &mut Vec<String>, only: &HashSet<String>) -> Node {
+    let at = |key: String, child: Node, path: &mut Vec<String>| {
+        path.push(key);
+        let child = blank_unwanted(child, path, only);
+        (path.pop().expect("pushed above"), child)
+    };
+    match node {
+        Node::Tensor(t) if only.contains(&path.join(".")) => Node::Tensor(t),
+        Node::Tensor(_) => Node::Value(Value::None),
+        Node::Value(v) => Node::Value(v),
+        Node::Dict(d) => Node::Dict(
+            d.into_iter()
+                .map(|(k, v)| at(k, v, path))
+                .collect::<TensorDict>(),
+        ),
+        Node::List(items) => Node::List(blank_items(items, path, only)),
+        Node::Tuple(items) => Node::Tuple(blank_items(items, path, only)),
+    }
+}
+
+/// [`blank_unwanted`] on each item of a list or tuple.
+fn blank_items(items: Vec<Node>, path: &mut Vec<String>, only: &HashSet<String>) -> Vec<Node> {
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        path.push(i.to_string());
+        out.push(blank_unwanted(item, path, only));
+        path.pop();
+    }
+    out
+}
+
+/// For tests only: with `TENSORFERRY_TEST_OBJECT_PAUSE=<path>` set, a load that has its
+/// header creates `<path>.ready` and waits (up to 30 s) for `<path>.go` before it reads
+/// the data, so a test can replace the object between the two deterministically.
+fn test_pause_after_header() {
+    let Some(base) = std::env::var_os("TENSORFERRY_TEST_OBJECT_PAUSE") else {
+        return;
+    };
+    let base = std::path::PathBuf::from(base);
+    let with = |suffix: &str| {
+        let mut p = base.clone().into_os_string();
+        p.push(suffix);
+        std::path::PathBuf::from(p)
+    };
+    let _ = std::fs::write(with(".ready"), b"");
+    let go = with(".go");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !go.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}

@@ -1,0 +1,211 @@
+//! Where an object lives: a URL (`s3://bucket/key`, `gs://`, `az://`, `http(s)://`)
+//! turned into a client for its store and the object's path in it.
+//!
+//! Credentials and settings come from the environment as each store's own tools read
+//! them (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION`,
+//! `AWS_ENDPOINT_URL` for S3-compatible servers, …; `GOOGLE_*`; `AZURE_*`), through
+//! `object_store`'s builders. Retries (with backoff) are the client's, bounded by
+//! [`super::ObjectOptions`].
+
+use std::sync::Arc;
+
+use object_store::path::Path as ObjectPath;
+use object_store::{BackoffConfig, ObjectStore, ObjectStoreScheme, RetryConfig};
+use url::Url;
+
+use super::failure::{failed, Cause};
+use super::ObjectOptions;
+use crate::error::Result;
+
+/// The URL schemes read from object storage (compared without case).
+const SCHEMES: &[&str] = &[
+    "s3", "s3a", "gs", "az", "adl", "azure", "abfs", "abfss", "http", "https",
+];
+
+/// Whether `text` is an object-storage URL (`s3://…`, `gs://…`, `az://…`, `http(s)://…`)
+/// rather than a local path.
+///
+/// ```
+/// use tensorferry::io::object::is_url;
+/// assert!(is_url("s3://bucket/model.safetensors"));
+/// assert!(!is_url("/data/model.safetensors"));
+/// assert!(!is_url("s3:/relative/folder"));
+/// ```
+pub fn is_url(text: &str) -> bool {
+    text.split_once("://")
+        .is_some_and(|(scheme, _)| SCHEMES.iter().any(|s| s.eq_ignore_ascii_case(scheme)))
+}
+
+/// The URL a path holds, when it holds one.
+pub(crate) fn url_of(path: &std::path::Path) -> Option<&str> {
+    path.to_str().filter(|p| is_url(p))
+}
+
+/// An object (or a folder of objects, for a URL ending in `/`) and its store's client.
+#[derive(Clone, Debug)]
+pub(crate) struct Location {
+    store: Arc<dyn ObjectStore>,
+    /// The object's path in the store.
+    key: ObjectPath,
+    /// The URL as given, for messages.
+    url: String,
+}
+
+impl Location {
+    /// The object at `url`, with a client built from the environment and `options`.
+    pub(crate) fn open(url: &str, options: &ObjectOptions) -> Result<Location> {
+        super::runtime::install_tls_provider();
+        let bad = |detail: String| failed("open", url, Cause::BadConfig, detail);
+        let parsed = Url::parse(url).map_err(|e| bad(format!("not a URL: {e}")))?;
+        let (scheme, key) = ObjectStoreScheme::parse(&parsed).map_err(|e| bad(e.to_string()))?;
+        let retry = RetryConfig {
+            backoff: BackoffConfig::default(),
+            max_retries: options.max_retries,
+            retry_timeout: options.retry_timeout,
+        };
+        let built: object_store::Result<Arc<dyn ObjectStore>> = match scheme {
+            ObjectStoreScheme::AmazonS3 => object_store::aws::AmazonS3Builder::from_env()
+                .with_url(url)
+                // An endpoint the user set to plain HTTP (a server on the same network)
+                // is taken as given.
+                .with_allow_http(true)
+                .with_retry(retry)
+                .build()
+                .map(|s| Arc::new(s) as _),
+            ObjectStoreScheme::GoogleCloudStorage => {
+                object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                    .with_url(url)
+                    .with_retry(retry)
+                    .build()
+                    .map(|s| Arc::new(s) as _)
+            }
+            ObjectStoreScheme::MicrosoftAzure => {
+                object_store::azure::MicrosoftAzureBuilder::from_env()
+                    .with_url(url)
+                    .with_retry(retry)
+                    .build()
+                    .map(|s| Arc::new(s) as _)
+            }
+            ObjectStoreScheme::Http => object_store::http::HttpBuilder::new()
+                .with_url(&parsed[..url::Position::BeforePath])
+                .with_retry(retry)
+                .with_client_options(object_store::ClientOptions::new().with_allow_http(true))
+                .build()
+                .map(|s| Arc::new(s) as _),
+            other => return Err(bad(format!("{other:?} is not an object store"))),
+        };
+        let store = built.map_err(|e| super::failure::from_store("open", url, e))?;
+        Ok(Location {
+            store,
+            key,
+            url: url.to_string(),
+        })
+    }
+
+    /// The store's client.
+    pub(crate) fn store(&self) -> &dyn ObjectStore {
+        &*self.store
+    }
+
+    /// The object's path in its store.
+    pub(crate) fn key(&self) -> &ObjectPath {
+        &self.key
+    }
+
+    /// The URL, for messages.
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Whether the URL names a folder (ends in `/`) rather than an object.
+    pub(crate) fn is_folder(&self) -> bool {
+        self.url.ends_with('/') || self.key.as_ref().is_empty()
+    }
+
+    /// The object's name: the last part of its path.
+    pub(crate) fn name(&self) -> &str {
+        self.key.filename().unwrap_or("")
+    }
+
+    /// The object `name` in the same folder as this one (in this folder, for a folder).
+    pub(crate) fn sibling(&self, name: &str) -> Location {
+        let (folder_key, folder_url) = if self.is_folder() {
+            (self.key.clone(), self.url.trim_end_matches('/').to_string())
+        } else {
+            let parts: Vec<_> = self.key.parts().collect();
+            let parent =
+                ObjectPath::from_iter(parts[..parts.len().saturating_sub(1)].iter().cloned());
+            let url = self.url.rsplit_once('/').map_or("", |(head, _)| head);
+            (parent, url.to_string())
+        };
+        Location {
+            store: self.store.clone(),
+            key: folder_key.clone().join(name),
+            url: format!("{folder_url}/{name}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opened(url: &str) -> Location {
+        // Explicit settings: no environment, no network (building a client connects to
+        // nothing).
+        Location::open(url, &ObjectOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn object_urls_are_told_from_local_paths() {
+        for url in [
+            "s3://b/k",
+            "S3://b/k",
+            "gs://b/k",
+            "az://c/k",
+            "https://h/x",
+            "http://h/x",
+        ] {
+            assert!(is_url(url), "{url}");
+        }
+        for path in [
+            "/tmp/x.safetensors",
+            "x.safetensors",
+            "file:///tmp/x",
+            "s3:/b",
+            "ftp://h/x",
+        ] {
+            assert!(!is_url(path), "{path}");
+        }
+    }
+
+    #[test]
+    fn an_s3_url_gives_the_key_inside_the_bucket() {
+        let at = opened("s3://bucket/run/7/model.safetensors");
+        assert_eq!(at.key().as_ref(), "run/7/model.safetensors");
+        assert_eq!(at.name(), "model.safetensors");
+        assert!(!at.is_folder());
+    }
+
+    #[test]
+    fn siblings_share_the_folder_of_an_object_or_live_in_a_folder() {
+        let file = opened("s3://bucket/run/model.safetensors");
+        let index = file.sibling("model.safetensors.index.json");
+        assert_eq!(index.key().as_ref(), "run/model.safetensors.index.json");
+        assert_eq!(index.url(), "s3://bucket/run/model.safetensors.index.json");
+        let folder = opened("s3://bucket/run/");
+        assert!(folder.is_folder());
+        let inside = folder.sibling("model.safetensors");
+        assert_eq!(inside.key().as_ref(), "run/model.safetensors");
+        assert_eq!(inside.url(), "s3://bucket/run/model.safetensors");
+        let root = opened("s3://bucket/").sibling("x.safetensors");
+        assert_eq!(root.key().as_ref(), "x.safetensors");
+        assert_eq!(root.url(), "s3://bucket/x.safetensors");
+    }
+
+    #[test]
+    fn a_url_that_names_no_store_is_a_configuration_error() {
+        let e = Location::open("s3://", &ObjectOptions::default()).unwrap_err();
+        assert_eq!(super::super::cause_of(&e), Some(Cause::BadConfig), "{e}");
+    }
+}

@@ -1,0 +1,347 @@
+//! Saving checkpoints to object storage.
+//!
+//! A file is one upload: a single PUT when it fits one part, else a multipart upload
+//! whose parts (the header, then the tensors' bytes, sliced straight from their memory
+//! without a copy) go up several at once. The object appears whole when the upload
+//! completes; a failed upload is aborted, and the previous object stays as it was.
+//!
+//! A sharded save uploads each shard under a name of its own for this save
+//! (`stem-00001-of-00004.<save id>.safetensors`, which no earlier checkpoint names), then
+//! the index naming them, last: the commit. Until then the previous checkpoint, index and
+//! shards, is untouched and loads whole; after it, what the previous checkpoint held and
+//! the new one does not is deleted (a single `stem.safetensors`, which readers would take
+//! before an index, first).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use bytes::Bytes;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use object_store::{MultipartUpload, PutPayload};
+
+use super::failure::{cause_of, from_store, Cause};
+use super::location::Location;
+use super::{plan, runtime, ObjectOptions};
+use crate::error::{Error, Result};
+use crate::io::checkpoint::{save_id, SAVE_ID_KEY};
+use crate::io::header_writer;
+use crate::io::sharded::{parse_index, plan_shards, INDEX_SUFFIX};
+use crate::io::write::{header_and_tensors, SaveOptions};
+use crate::io::TREE_METADATA_KEY;
+use crate::storage::Storage;
+use crate::tensor::Tensor;
+use crate::tree::{Node, TensorDict};
+
+/// Saves `root` (checked by the caller as a local save checks it) to `url`: one object,
+/// or with `max_shard_bytes` shards of at most that much tensor data and their index
+/// (one object when it all fits). A URL ending in `/` means `url/model.safetensors`.
+/// Tensors on a device are copied to host memory first. Returns the objects written,
+/// the index last.
+pub fn save_url(
+    root: &Node,
+    url: &str,
+    options: &SaveOptions,
+    max_shard_bytes: Option<u64>,
+) -> Result<Vec<String>> {
+    let object_options = ObjectOptions::from_env();
+    let at = Location::open(url, &object_options)?;
+    let at = match at.is_folder() {
+        true => at.sibling("model.safetensors"),
+        false => at,
+    };
+    let paths = |node: &Node| node.tensors().into_iter().map(|(p, _)| p).collect();
+    let Some(max) = max_shard_bytes else {
+        let walked = header_writer::walk_node(root);
+        let (header, tensors) = header_and_tensors(walked, || paths(root), options)?;
+        return save_single(&at, header, &tensors, &object_options);
+    };
+    let walked = header_writer::walk_node_recorded(root);
+    let groups = plan_shards(walked.tensors.iter().map(|t| t.nbytes() as u64), max);
+    let mut shard_options = options.clone();
+    shard_options
+        .metadata
+        .entry("format".into())
+        .or_insert_with(|| "pt".into());
+    if groups.len() <= 1 {
+        let (header, tensors) = header_and_tensors(walked, || paths(root), &shard_options)?;
+        return save_single(&at, header, &tensors, &object_options);
+    }
+    let id = save_id();
+    shard_options
+        .metadata
+        .insert(SAVE_ID_KEY.into(), id.clone());
+    header_writer::check_names(&walked, || paths(root))?;
+    let stem = stem_of(&at);
+    let count = groups.len();
+    let mut shards = Vec::with_capacity(count);
+    for (i, group) in groups.iter().enumerate() {
+        let mut names = Vec::with_capacity(group.len());
+        let mut shard = TensorDict::new();
+        for &k in group {
+            let name = walked.name(k);
+            shard.insert(name.to_string(), Node::Tensor(walked.tensors[k].clone()));
+            names.push(name.to_string());
+        }
+        let shard = Node::Dict(shard);
+        let file = format!("{stem}-{:05}-of-{count:05}.{id}.safetensors", i + 1);
+        shards.push((file, names));
+        let (header, tensors) = header_and_tensors(
+            header_writer::walk_node(&shard),
+            || paths(&shard),
+            &shard_options,
+        )?;
+        let uploaded = upload(&at.sibling(&shards[i].0), header, &tensors, &object_options);
+        if let Err(e) = uploaded {
+            // Shards of this save that no index names: gone, as far as the store lets us.
+            for (file, _) in &shards[..i] {
+                let _ = delete(&at.sibling(file));
+            }
+            return Err(e);
+        }
+    }
+    let total: u64 = walked.tensors.iter().map(|t| t.nbytes() as u64).sum();
+    let mut weight_map = BTreeMap::new();
+    for (file, names) in &shards {
+        for name in names {
+            weight_map.insert(name.as_str(), file.as_str());
+        }
+    }
+    let text = serde_json::to_vec_pretty(&serde_json::json!({
+        "metadata": {"total_size": total, TREE_METADATA_KEY: walked.record(), SAVE_ID_KEY: id},
+        "weight_map": weight_map,
+    }))
+    .expect("an index always serialises");
+    let index = at.sibling(&format!("{stem}{INDEX_SUFFIX}"));
+    let previous = previous_shards(&index)?;
+    put(&index, Bytes::from(text))?;
+    // Committed. A single object of that name would be read before the index: it goes
+    // first, then the previous checkpoint's shards.
+    delete(&at)?;
+    let mut written: Vec<String> = Vec::with_capacity(count + 1);
+    for (file, _) in &shards {
+        written.push(at.sibling(file).url().to_string());
+    }
+    for old in previous {
+        if !shards.iter().any(|(file, _)| *file == old) {
+            delete(&at.sibling(&old))?;
+        }
+    }
+    written.push(index.url().to_string());
+    Ok(written)
+}
+
+/// The name of the checkpoint at `at` without `.safetensors`.
+fn stem_of(at: &Location) -> String {
+    let name = at.name();
+    name.strip_suffix(".safetensors")
+        .unwrap_or(name)
+        .to_string()
+}
+
+/// Uploads one object, then removes a sharded checkpoint of the same name (which the
+/// object now stands before).
+fn save_single(
+    at: &Location,
+    header: Vec<u8>,
+    tensors: &[Tensor],
+    options: &ObjectOptions,
+) -> Result<Vec<String>> {
+    upload(at, header, tensors, options)?;
+    let index = at.sibling(&format!("{}{INDEX_SUFFIX}", stem_of(at)));
+    let previous = previous_shards(&index)?;
+    if !previous.is_empty() {
+        delete(&index)?;
+        for old in previous {
+            delete(&at.sibling(&old))?;
+        }
+    }
+    Ok(vec![at.url().to_string()])
+}
+
+/// The shard names of the index at `index`; none when there is no index.
+fn previous_shards(index: &Location) -> Result<Vec<String>> {
+    let got = runtime::block_on(async {
+        let result = index
+            .store()
+            .get_opts(index.key(), Default::default())
+            .await?;
+        result.bytes().await
+    })?;
+    match got {
+        Ok(bytes) => {
+            // An index we cannot read names nothing we may delete.
+            let Ok(parsed) = parse_index(&bytes, Path::new(index.url())) else {
+                return Ok(Vec::new());
+            };
+            Ok(parsed.files().map(String::from).collect())
+        }
+        Err(e) => {
+            let e = from_store("read", index.url(), e);
+            match cause_of(&e) {
+                Some(Cause::NotFound) => Ok(Vec::new()),
+                _ => Err(e),
+            }
+        }
+    }
+}
+
+/// One PUT of a whole object.
+fn put(at: &Location, bytes: Bytes) -> Result<()> {
+    runtime::block_on(
+        at.store()
+            .put_opts(at.key(), PutPayload::from(bytes), Default::default()),
+    )?
+    .map(|_| ())
+    .map_err(|e| from_store("write", at.url(), e))
+}
+
+/// Deletes the object at `at`; an object already absent is no error.
+fn delete(at: &Location) -> Result<()> {
+    use object_store::ObjectStoreExt;
+    match runtime::block_on(at.store().delete(at.key()))? {
+        Ok(()) => Ok(()),
+        Err(object_store::Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(from_store("delete", at.url(), e)),
+    }
+}
+
+/// Uploads `header` then the bytes of `tensors` (host tensors, in file order) as the
+/// object at `at`, replacing it when complete.
+fn upload(
+    at: &Location,
+    header: Vec<u8>,
+    tensors: &[Tensor],
+    options: &ObjectOptions,
+) -> Result<()> {
+    let mut segments = vec![Bytes::from(header)];
+    for t in tensors {
+        t.wait()?;
+        let storage = t.storage().clone();
+        if storage.try_host_bytes()?.is_none() {
+            return Err(Error::InvalidValue {
+                key: String::new(),
+                reason: "a tensor to upload is not in host memory".into(),
+            });
+        }
+        t.run_offsets(|offset, len| {
+            segments.push(Bytes::from_owner(HostRun {
+                storage: storage.clone(),
+                offset,
+                len,
+            }));
+            Ok(())
+        })?;
+    }
+    let total: u64 = segments.iter().map(|s| s.len() as u64).sum();
+    let part = plan::upload_part_bytes(total, options.part_bytes as u64);
+    if total <= part {
+        return put_segments(at, segments);
+    }
+    let parts = cut(segments, part as usize);
+    runtime::block_on(async {
+        let mut upload = at
+            .store()
+            .put_multipart_opts(at.key(), Default::default())
+            .await
+            .map_err(|e| from_store("write", at.url(), e))?;
+        match send_parts(&mut *upload, parts, options.concurrency).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // The object stays as it was; the parts sent are dropped by the store.
+                let _ = upload.abort().await;
+                Err(from_store("write", at.url(), e))
+            }
+        }
+    })?
+}
+
+/// A single PUT of the concatenation of `segments`.
+fn put_segments(at: &Location, segments: Vec<Bytes>) -> Result<()> {
+    let payload: PutPayload = segments.into_iter().collect();
+    runtime::block_on(at.store().put_opts(at.key(), payload, Default::default()))?
+        .map(|_| ())
+        .map_err(|e| from_store("write", at.url(), e))
+}
+
+/// Uploads `parts` in order, at most `concurrency` at once, then completes the upload.
+async fn send_parts(
+    upload: &mut dyn MultipartUpload,
+    parts: Vec<PutPayload>,
+    concurrency: usize,
+) -> object_store::Result<()> {
+    let mut in_flight = FuturesUnordered::new();
+    for part in parts {
+        if in_flight.len() >= concurrency.max(1) {
+            in_flight.next().await.expect("a part in flight")?;
+        }
+        in_flight.push(upload.put_part(part));
+    }
+    while let Some(done) = in_flight.next().await {
+        done?;
+    }
+    upload.complete().await.map(|_| ())
+}
+
+/// `segments` cut into payloads of `part` bytes (the last shorter), slicing without
+/// copying.
+fn cut(segments: Vec<Bytes>, part: usize) -> Vec<PutPayload> {
+    let mut parts = Vec::new();
+    let mut current: Vec<Bytes> = Vec::new();
+    let mut filled = 0usize;
+    for mut segment in segments {
+        while !segment.is_empty() {
+            let take = segment.len().min(part - filled);
+            current.push(segment.split_to(take));
+            filled += take;
+            if filled == part {
+                parts.push(current.drain(..).collect());
+                filled = 0;
+            }
+        }
+    }
+    if !current.is_empty() {
+        parts.push(current.into_iter().collect());
+    }
+    parts
+}
+
+/// A run of a host tensor's bytes, kept alive by its storage while the upload holds it.
+struct HostRun {
+    storage: std::sync::Arc<Storage>,
+    offset: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for HostRun {
+    fn as_ref(&self) -> &[u8] {
+        let bytes = self
+            .storage
+            .host_bytes()
+            .expect("checked to be host memory, filled, before the upload");
+        &bytes[self.offset..self.offset + self.len]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_are_cut_into_parts_of_the_part_size_without_losing_a_byte() {
+        let segments = vec![
+            Bytes::from_static(b"abc"),
+            Bytes::from_static(b"defghij"),
+            Bytes::from_static(b""),
+            Bytes::from_static(b"k"),
+        ];
+        let parts = cut(segments, 4);
+        let flat: Vec<Vec<u8>> = parts
+            .iter()
+            .map(|p| p.iter().flat_map(|b| b.to_vec()).collect())
+            .collect();
+        assert_eq!(
+            flat,
+            vec![b"abcd".to_vec(), b"efgh".to_vec(), b"ijk".to_vec()]
+        );
+    }
+}

@@ -1,0 +1,304 @@
+//! Checkpoints in object storage, against a real S3 server on the loopback interface
+//! (`s3s-fs`: SigV4, ranged GETs, multipart uploads over a local folder). Each test starts
+//! its own server; the tests take turns, since the client reads its settings from the
+//! process's environment. Without the server's binary the tests pass over themselves
+//! saying so, unless `TENSORFERRY_REQUIRE_S3=1` (as `scripts/test.sh` sets) makes that a
+//! failure.
+
+use std::collections::HashSet;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tensorferry::io::object::{cause_of, load_url, save_url, tensor_names, Cause, ObjectOptions};
+use tensorferry::{load_node, save_node, Node, SaveOptions, Tensor, TensorDict, Value};
+
+/// The fixed credentials the servers accept.
+const ACCESS_KEY: &str = "tensorferry-test";
+const SECRET_KEY: &str = "tensorferry-test-secret";
+
+/// An `s3s-fs` server on 127.0.0.1, serving a temporary folder, stopped when dropped.
+struct S3Server {
+    child: Child,
+    port: u16,
+    root: tempfile::TempDir,
+    _turn: MutexGuard<'static, ()>,
+}
+
+/// The server's binary: `TENSORFERRY_S3S_FS`, else the workspace's `target/tools`, else
+/// `s3s-fs` on the `PATH`.
+fn server_binary() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TENSORFERRY_S3S_FS") {
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
+    }
+    let tools = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/tools/bin/s3s-fs");
+    if tools.is_file() {
+        return Some(tools);
+    }
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("s3s-fs"))
+            .find(|p| p.is_file())
+    })
+}
+
+static TURNS: Mutex<()> = Mutex::new(());
+
+impl S3Server {
+    /// A server with the bucket `bucket`, the client's environment pointing at it; `None`
+    /// (after saying why) when the binary is absent and not required.
+    fn start() -> Option<S3Server> {
+        let turn = TURNS.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(binary) = server_binary() else {
+            assert!(
+                std::env::var_os("TENSORFERRY_REQUIRE_S3").is_none(),
+                "TENSORFERRY_REQUIRE_S3 is set and no s3s-fs binary was found"
+            );
+            eprintln!("skipped: no s3s-fs binary (bash scripts/s3-server.sh install)");
+            return None;
+        };
+        let root = tempfile::tempdir().unwrap();
+        std::fs::create_dir(root.path().join("bucket")).unwrap();
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(binary)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+            .arg(root.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let server = S3Server {
+            child,
+            port,
+            root,
+            _turn: turn,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "s3s-fs did not answer on port {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for (k, v) in [
+            ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+            ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+            ("AWS_REGION", "us-east-1"),
+            ("AWS_ENDPOINT_URL", &format!("http://127.0.0.1:{port}")),
+            // Never the instance-metadata address: nothing but loopback.
+            ("AWS_METADATA_ENDPOINT", "http://127.0.0.1:9"),
+            ("TENSORFERRY_OBJECT_RETRIES", "1"),
+            ("TENSORFERRY_OBJECT_RETRY_TIMEOUT", "2"),
+        ] {
+            std::env::set_var(k, v);
+        }
+        // Small parts, so that the small trees of these tests still take many requests.
+        std::env::set_var("TENSORFERRY_OBJECT_HEADER_BYTES", "64");
+        std::env::set_var("TENSORFERRY_OBJECT_PART_BYTES", "4096");
+        Some(server)
+    }
+
+    /// The file the server keeps for `key` of the bucket.
+    fn file(&self, key: &str) -> PathBuf {
+        self.root.path().join("bucket").join(key)
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = self.port;
+    }
+}
+
+/// `layers` tensors of 64 KiB (16384 f32) nested under `model`, with plain values.
+fn model(layers: usize, salt: f32) -> Node {
+    let mut d = TensorDict::new();
+    for i in 0..layers {
+        let values: Vec<f32> = (0..16384)
+            .map(|j| salt + (i * 100_000 + j) as f32)
+            .collect();
+        d.insert_path(
+            &["model", &format!("layer.{i}.weight")],
+            Tensor::from_slice(&values, &[128, 128]).unwrap(),
+        )
+        .unwrap();
+    }
+    d.insert("step", 42i64);
+    d.insert(
+        "betas",
+        Node::Tuple(vec![
+            Node::Value(Value::Float(0.9)),
+            Node::Value(Value::Float(0.999)),
+        ]),
+    );
+    Node::Dict(d)
+}
+
+fn values(node: &Node) -> Vec<(String, Vec<f32>)> {
+    node.tensors()
+        .into_iter()
+        .map(|(p, t)| (p.dotted(), t.to_vec::<f32>().unwrap()))
+        .collect()
+}
+
+#[test]
+fn a_tree_saved_to_s3_loads_back_the_same_through_the_generic_load() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(3, 0.5);
+    let url = "s3://bucket/run/model.safetensors";
+    save_node(&tree, url, &SaveOptions::default()).unwrap();
+    let loaded = load_node(url, Default::default()).unwrap();
+    assert_eq!(values(&loaded.root), values(&tree));
+    let d = loaded.root.as_dict().unwrap();
+    assert!(matches!(d.get("step"), Some(Node::Value(Value::Int(42)))));
+}
+
+#[test]
+fn the_bytes_stored_are_the_bytes_a_local_save_writes() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(2, 1.0);
+    save_node(&tree, "s3://bucket/a.safetensors", &SaveOptions::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let local = dir.path().join("a.safetensors");
+    save_node(&tree, &local, &SaveOptions::default()).unwrap();
+    assert_eq!(
+        std::fs::read(server.file("a.safetensors")).unwrap(),
+        std::fs::read(&local).unwrap()
+    );
+}
+
+#[test]
+fn a_sharded_save_loads_through_its_index_from_the_folder_and_the_file_name() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(4, 2.0);
+    let written = save_url(
+        &tree,
+        "s3://bucket/ckpt/",
+        &SaveOptions::default(),
+        Some(150_000),
+    )
+    .unwrap();
+    assert_eq!(written.len(), 3, "{written:?}");
+    assert!(written
+        .last()
+        .unwrap()
+        .ends_with("model.safetensors.index.json"));
+    assert!(server.file("ckpt/model.safetensors.index.json").is_file());
+    let options = ObjectOptions::from_env();
+    for url in ["s3://bucket/ckpt/", "s3://bucket/ckpt/model.safetensors"] {
+        let loaded = load_url(url, &options, None).unwrap();
+        assert_eq!(values(&loaded.root), values(&tree), "{url}");
+    }
+}
+
+#[test]
+fn a_subset_fetches_only_its_tensors_and_blanks_the_others_in_place() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(3, 3.0);
+    save_node(&tree, "s3://bucket/s.safetensors", &SaveOptions::default()).unwrap();
+    let options = ObjectOptions::from_env();
+    let names = tensor_names("s3://bucket/s.safetensors", &options).unwrap();
+    assert_eq!(names.len(), 3);
+    let only: HashSet<String> = ["model.layer.1.weight".to_string()].into();
+    let loaded = load_url("s3://bucket/s.safetensors", &options, Some(&only)).unwrap();
+    let got = values(&loaded.root);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0], values(&tree)[1]);
+    let model = loaded
+        .root
+        .as_dict()
+        .unwrap()
+        .get("model")
+        .unwrap()
+        .as_dict()
+        .unwrap();
+    assert!(matches!(
+        model.get("layer.0.weight"),
+        Some(Node::Value(Value::None))
+    ));
+}
+
+#[test]
+fn a_missing_object_and_a_missing_bucket_are_told_apart() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    let options = ObjectOptions::from_env();
+    let e = load_url("s3://bucket/absent.safetensors", &options, None).unwrap_err();
+    assert_eq!(cause_of(&e), Some(Cause::NotFound), "{e}");
+    assert!(
+        e.to_string().contains("s3://bucket/absent.safetensors"),
+        "{e}"
+    );
+    let e = load_url("s3://no-such-bucket/x.safetensors", &options, None).unwrap_err();
+    assert_eq!(cause_of(&e), Some(Cause::NoBucket), "{e}");
+}
+
+#[test]
+fn refused_credentials_are_named() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "wrong");
+    let e = load_url(
+        "s3://bucket/x.safetensors",
+        &ObjectOptions::from_env(),
+        None,
+    )
+    .unwrap_err();
+    assert_eq!(cause_of(&e), Some(Cause::BadCredentials), "{e}");
+}
+
+#[test]
+fn a_load_called_from_inside_an_async_runtime_blocks_a_helper_thread_not_the_runtime() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(1, 4.0);
+    save_node(
+        &tree,
+        "s3://bucket/in-async.safetensors",
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let callers_runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let loaded = callers_runtime
+        .block_on(async { load_node("s3://bucket/in-async.safetensors", Default::default()) })
+        .unwrap();
+    assert_eq!(values(&loaded.root), values(&tree));
+}
+
+#[test]
+fn an_object_too_short_for_a_header_is_a_format_error_naming_it() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    std::fs::write(server.file("empty.safetensors"), b"").unwrap();
+    std::fs::write(server.file("short.safetensors"), b"abc").unwrap();
+    for name in ["empty.safetensors", "short.safetensors"] {
+        let url = format!("s3://bucket/{name}");
+        let e = load_url(&url, &ObjectOptions::from_env(), None).unwrap_err();
+        assert!(matches!(e, tensorferry::Error::Format { .. }), "{e}");
+        assert!(e.to_string().contains(&url), "{e}");
+    }
+}
