@@ -2,6 +2,7 @@
 //! Python objects and errors; every behaviour lives in the `tensorferry` crate.
 
 mod cai;
+mod direct_runs;
 mod dlpack;
 mod errors;
 mod groups;
@@ -593,6 +594,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(to_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(runs::host_runs, m)?)?;
     m.add_function(wrap_pyfunction!(read_index, m)?)?;
+    m.add_function(wrap_pyfunction!(direct_runs::read_runs, m)?)?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;

@@ -249,6 +249,110 @@ def sharded(folder, pg, out, rank, world):
         assert torch.equal(params[n], want), n
 
 
+def direct(folder, pg, out, rank, world):
+    """direct=True: each rank reads its part with O_DIRECT; results as tf.load's, slices
+    as tensor_split's; the bytes read (whole blocks) recorded, with any fallback."""
+    import warnings
+
+    import torch
+
+    import tensorferry as tf
+    from tensorferry.dcp import ReadStats
+
+    for name in ("mixed.safetensors", "hf"):
+        path = os.path.join(folder, name)
+        stats = ReadStats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = tf.load(path, process_group=pg, direct=True, read_stats=stats)
+        assert_same(got, tf.load(path))
+        out[f"direct:{name}"] = {**stats_of(stats), "warnings": [str(w.message) for w in caught]}
+    path = os.path.join(folder, "tp.safetensors")
+    full = tf.load(path)
+    stats = ReadStats()
+    got = tf.load(path, process_group=pg, shard=TP_SPEC, direct=True, read_stats=stats)
+    for n, dim in TP_SPLITS.items():
+        want = full[n] if dim is None else torch.tensor_split(full[n], world, dim)[rank]
+        assert torch.equal(got[n], want) and got[n].is_contiguous(), n
+    out["direct_sharded"] = stats_of(stats)
+
+
+# What each tensor of the DCP-trained state is split along on the training mesh (None:
+# replicated); the same spec loads its consolidated checkpoint tensor-parallel.
+DCP_SPLITS = {"embed.weight": 0, "layers.0.qkv.weight": 0, "layers.0.o.weight": 1, "norm.weight": None}
+
+
+def dcp_full_tensors():
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {"embed.weight": (64, 16), "layers.0.qkv.weight": (48, 16), "layers.0.o.weight": (16, 48), "norm.weight": (16,)}
+    return {n: torch.randn(*shape, generator=g) for n, shape in shapes.items()}
+
+
+def dcp_state(mesh, fill):
+    """A training state as DCP saves it: DTensors sharded by rows, by columns, replicated,
+    and an optimizer's values."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = dcp_full_tensors()
+
+    def dt(name):
+        t = full[name] if fill else torch.zeros_like(full[name])
+        dim = DCP_SPLITS[name]
+        return distribute_tensor(t, mesh, [Replicate() if dim is None else Shard(dim)])
+
+    return {
+        "model": {n: dt(n) for n in DCP_SPLITS},
+        "optim": {"step": 7 if fill else 0, "exp_avg": dt("embed.weight")},
+    }
+
+
+def dcp_interplay(folder, pg, out, rank, world):
+    """Training saves with DCP and tensorferry's writer; rank 0 consolidates it into a
+    Hugging Face checkpoint (tensorferry.dcp.consolidate); every rank loads that
+    tensor-parallel with process_group= and shard= — and gets back the local shards of the
+    DTensors it saved, reading only their bytes — or replicated, reading ~1/N. The DCP
+    checkpoint itself loads through dcp.load and TensorferryReader on the same ranks,
+    reading exactly the bytes each rank needs."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tensorferry as tf
+    from tensorferry.dcp import ReadStats, TensorferryReader, TensorferryWriter, consolidate
+
+    mesh = init_device_mesh("cpu", (world,))
+    ckpt, hf = os.path.join(folder, f"dcp_{world}"), os.path.join(folder, f"dcp_{world}_hf")
+    saved = dcp_state(mesh, True)
+    dcp.save(saved, storage_writer=TensorferryWriter(ckpt))
+    if rank == 0:
+        consolidate(ckpt, hf, prefix="model.")
+    dist.barrier(group=pg)
+    spec = {n: dim for n, dim in DCP_SPLITS.items() if dim is not None}
+    stats = ReadStats()
+    got = tf.load(hf, process_group=pg, shard=spec, read_stats=stats)
+    assert list(got) == list(tf.load(hf))
+    for n, dim in DCP_SPLITS.items():
+        want = saved["model"][n].to_local()
+        assert torch.equal(got[n], want), n
+    out["dcp:sharded"] = stats_of(stats)
+    stats = ReadStats()
+    got = tf.load(hf, process_group=pg, read_stats=stats)
+    full = dcp_full_tensors()
+    assert all(torch.equal(got[n], full[n]) for n in full) and sorted(got) == sorted(full)
+    out["dcp:replicated"] = stats_of(stats)
+    state = dcp_state(mesh, False)
+    reader = TensorferryReader(ckpt)
+    dcp.load(state, storage_reader=reader)
+    for n in DCP_SPLITS:
+        assert torch.equal(state["model"][n].to_local(), saved["model"][n].to_local()), n
+    assert state["optim"]["step"] == 7
+    out["dcp:reader"] = stats_of(reader.read_stats)
+
+
 def composed(folder, pg, out):
     """keys= and dtype= give what tf.load gives with them."""
     import tensorferry as tf
@@ -348,6 +452,8 @@ def killed(folder, pg, out, rank):
 def scenario_four(rank, world, folder, pg, out):
     replicated(folder, pg, out)
     sharded(folder, pg, out, rank, world)
+    direct(folder, pg, out, rank, world)
+    dcp_interplay(folder, pg, out, rank, world)
     composed(folder, pg, out)
     errors(folder, pg, out, rank)
     save(folder, "four", rank, out)
@@ -357,6 +463,8 @@ def scenario_four(rank, world, folder, pg, out):
 def scenario_two(rank, world, folder, pg, out):
     replicated(folder, pg, out)
     sharded(folder, pg, out, rank, world)
+    direct(folder, pg, out, rank, world)
+    dcp_interplay(folder, pg, out, rank, world)
     composed(folder, pg, out)
     devices_and_frameworks(folder, pg, out)
     errors(folder, pg, out, rank)

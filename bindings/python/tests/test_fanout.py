@@ -109,6 +109,55 @@ def test_headers_are_counted_once_per_file_and_rank(two, folder):
         assert two[r]["replicated:hf"]["files"] == 2
 
 
+# ---- direct=True: each rank's part read past the page cache ---------------------------------
+
+DIRECT_BLOCK = 4096
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_direct_reads_each_ranks_part_past_the_page_cache_once(world, folder, four, two):
+    results = {4: four, 2: two}[world]
+    for name, files in (("mixed.safetensors", 1), ("hf", 2)):
+        total, largest = checkpoint_sizes(str(folder / name))
+        needed = [results[r][f"direct:{name}"]["needed"] for r in results]
+        for r, res in results.items():
+            d = res[f"direct:{name}"]
+            # About 1/N of the file; read in whole blocks: at most two more per file.
+            assert abs(d["needed"] - total / world) <= largest, (name, r, d)
+            assert d["needed"] <= d["data"] <= d["needed"] + 2 * DIRECT_BLOCK * files, (name, r, d)
+            # This filesystem takes O_DIRECT: no fallback through the page cache.
+            assert not d["warnings"], d["warnings"]
+        if len(results) == world:
+            assert sum(needed) == total, name
+    for r, res in results.items():
+        # The same slices (and replicated tensors) as the page-cache load, in whole blocks.
+        d = res["direct_sharded"]
+        assert d["data"] >= d["needed"] == res["sharded:tp.safetensors"]["needed"], (r, d)
+
+
+# ---- DCP: a checkpoint trained with DCP, consolidated, loaded tensor-parallel --------------
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_a_dcp_checkpoint_consolidated_loads_tensor_parallel_reading_only_each_ranks_shards(world, folder, four, two):
+    # The ranks checked that each got back the local shards of the DTensors it saved.
+    results = {4: four, 2: two}[world]
+    hf = str(folder / f"dcp_{world}_hf" / "model.safetensors")
+    h = header(hf)
+    want = sum(h[n][2] // world for n, dim in ranks.DCP_SPLITS.items() if dim is not None)
+    norm = h["norm.weight"][2]
+    total, largest = checkpoint_sizes(hf)
+    for r, res in results.items():
+        s = res["dcp:sharded"]
+        assert s["data"] == s["needed"] and s["data"] in (want, want + norm), (r, s, want)
+        s = res["dcp:replicated"]
+        assert s["data"] == s["needed"] and abs(s["data"] - total / world) <= largest, (r, s)
+        # dcp.load through TensorferryReader on the same ranks: exactly the chunks asked for.
+        s = res["dcp:reader"]
+        assert s["data"] == s["needed"] > 0, (r, s)
+    assert sum(res["dcp:sharded"]["data"] == want + norm for res in results.values()) <= 1
+
+
 # ---- sharded loads read exactly their slices -------------------------------------------------
 
 

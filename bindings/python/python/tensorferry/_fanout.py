@@ -7,7 +7,8 @@ divided among the ranks on tensor boundaries, contiguous in file order (the data
 of a sharded checkpoint's files laid end to end) and balanced by bytes; each rank reads its
 part with positioned reads (:mod:`tensorferry._dcp_io`), then every part is broadcast from
 its owner over the process group, so that every rank ends with the whole dictionary while
-storage served each byte once. Names that ``shard=`` matches are not exchanged: each rank
+storage served each byte once. With ``direct=True`` a rank reads its part with ``O_DIRECT``
+(the native reader of ``tf.load(direct=True)``, past the page cache) instead. Names that ``shard=`` matches are not exchanged: each rank
 reads only the byte runs of its own slice.
 
 The structure (nesting, plain values, key order, each tensor's framework) is the one
@@ -22,7 +23,10 @@ broadcast its peers will never join. A rank that dies makes the others fail in t
 collective, within the process group's timeout, with :class:`ProcessGroupError`.
 
 Reads can be throttled for benchmarks: ``TENSORFERRY_FANOUT_READ_MBPS=200`` makes each
-process read at most 200 MB/s (10^6 bytes), as if its link to storage had that rate.
+process read at most 200 MB/s (10^6 bytes), as if its link to storage had that rate; with
+``TENSORFERRY_FANOUT_READ_LINK=<file>`` too, the rate is shared by every process naming
+that file (one storage link, a lock on the file ordering its turns), as when N ranks read
+from one drive or one filesystem server.
 """
 
 import builtins
@@ -30,6 +34,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -46,6 +51,9 @@ from ._tree import dotted
 ALIGN = 64
 #: The environment variable that throttles reads (MB/s per process); for benchmarks and tests.
 READ_MBPS_ENV = "TENSORFERRY_FANOUT_READ_MBPS"
+#: The environment variable naming a file that makes the throttle's rate shared by all
+#: processes naming it.
+READ_LINK_ENV = "TENSORFERRY_FANOUT_READ_LINK"
 #: Threads reading one file at once (page-cache copies run side by side).
 READ_WORKERS = min(4, os.cpu_count() or 1)
 
@@ -104,8 +112,6 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
     del mmap, staging
     if process_group is None:
         raise ValueError("shard= and read_stats= load through a process group: pass process_group=")
-    if direct:
-        raise ValueError("direct=True is not supported with process_group= (parts are read through the page cache)")
     import torch.distributed as dist
 
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
@@ -133,7 +139,7 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
                 "offsets or save differ): every rank must load the same checkpoint"
             )
         try:
-            part, slices = _read(plan, rank, stats)
+            part, slices = _read(plan, rank, stats, direct)
             _check_unchanged(plan)
         except Exception as e:
             error = e
@@ -361,9 +367,9 @@ def slice_runs(shape, item_size, dim, parts, part):
 # ---- reading -----------------------------------------------------------------------------
 
 
-def _read(plan, rank, stats):
+def _read(plan, rank, stats, direct=False):
     """``(part, {index of item: slice})``: this rank's part as sent (a uint8 tensor) and
-    the tensors of its slices, read from the files."""
+    the tensors of its slices, read from the files (with ``O_DIRECT`` when ``direct``)."""
     import torch
 
     throttle = _Throttle()
@@ -374,30 +380,30 @@ def _read(plan, rank, stats):
     for it in mine:
         raw_at.append(size)
         size = _aligned(size + it.nbytes)
-    raw = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(raw.numpy())
-    todo = {}
+    # What to read, per file: [(file offset, bytes, destination, offset in it)], where a
+    # destination is None (the raw part) or the index of a sliced item.
+    runs = {}
     for it, at in zip(mine, raw_at):
-        todo.setdefault(it.file, []).extend(_dcp_io.pieces(_entry(it), [(0, it.nbytes)], view[at : at + it.nbytes]))
+        runs.setdefault(it.file, []).append((it.begin, it.nbytes, None, at))
         stats.needed += it.nbytes
-    slices = {}
+    shapes = {}
     for i, it in enumerate(plan.items):
         if it.split is None:
             continue
         dim, parts = it.split
-        runs, shape = slice_runs(it.shape, _dcp_io.ITEM_SIZE[it.code], dim, parts, rank % parts)
-        n = sum(k for _, k in runs)
-        buf = torch.empty(n, dtype=torch.uint8)
-        if n:
-            todo.setdefault(it.file, []).extend(_dcp_io.pieces(_entry(it), runs, memoryview(buf.numpy())))
-        stats.needed += n
-        slices[i] = buf.view(_torch_dtype(it.code)).reshape(shape)
-    for f in sorted(todo):
-        throttle.read(plan.fds[f], f, sorted(todo[f], key=lambda p: p[0]), stats)
-    for i, t in slices.items():
+        cuts, shapes[i] = slice_runs(it.shape, _dcp_io.ITEM_SIZE[it.code], dim, parts, rank % parts)
+        pos = 0
+        for start, n in cuts:
+            runs.setdefault(it.file, []).append((it.begin + start, n, i, pos))
+            pos += n
+        stats.needed += pos
+    reader = _read_direct if direct else _read_cached
+    raw, bufs = reader(plan, runs, size, throttle, stats)
+    slices = {}
+    for i, shape in shapes.items():
         it = plan.items[i]
-        if it.wire != it.code:
-            slices[i] = t.to(_torch_dtype(it.wire))
+        t = bufs.get(i, raw[:0]).view(_torch_dtype(it.code)).reshape(shape)
+        slices[i] = t.to(_torch_dtype(it.wire)) if it.wire != it.code else t
     if not narrowed:
         return raw, slices
     part = torch.empty(plan.sizes[rank], dtype=torch.uint8)
@@ -407,13 +413,79 @@ def _read(plan, rank, stats):
     return part, slices
 
 
-def _entry(it):
-    return _dcp_io.Entry(it.code, it.shape, it.begin, it.end)
+def _slice_sizes(runs):
+    sizes = {}
+    for file_runs in runs.values():
+        for _, n, dest, _ in file_runs:
+            if dest is not None:
+                sizes[dest] = sizes.get(dest, 0) + n
+    return sizes
+
+
+def _read_cached(plan, runs, size, throttle, stats):
+    """``(raw part, {item index: slice bytes})`` read through the page cache, with
+    positioned reads on several threads."""
+    import torch
+
+    raw = torch.empty(size, dtype=torch.uint8)
+    bufs = {i: torch.empty(n, dtype=torch.uint8) for i, n in _slice_sizes(runs).items()}
+    views = {None: memoryview(raw.numpy())}
+    views.update((i, memoryview(b.numpy())) for i, b in bufs.items())
+    for f in sorted(runs):
+        todo = []
+        for at, n, dest, to in runs[f]:
+            todo.extend(_dcp_io.pieces(_dcp_io.Entry("U8", (n,), at, at + n), [(0, n)], views[dest][to : to + n]))
+        throttle.read(plan.fds[f], f, sorted(todo, key=lambda p: p[0]), stats)
+    return raw, bufs
+
+
+def _read_direct(plan, runs, size, throttle, stats):
+    """As :func:`_read_cached`, with ``O_DIRECT`` (the native reader): per file, one call
+    reads its runs into fresh buffers, the raw part's among them when one file holds it
+    all (else its pieces are copied into place). A filesystem that refuses ``O_DIRECT``
+    is read through the page cache, with a ``RuntimeWarning`` saying why, as
+    ``tf.load(direct=True)`` does."""
+    import torch
+
+    files_of_raw = [f for f in runs if any(dest is None for _, _, dest, _ in runs[f])]
+    raw = None if len(files_of_raw) == 1 else torch.empty(size, dtype=torch.uint8)
+    bufs = {}
+    for f in sorted(runs):
+        mine = [r for r in runs[f] if r[2] is None]
+        lo = 0 if raw is None else min((to for _, _, _, to in mine), default=0)
+        hi = size if raw is None else max((to + n for _, n, _, to in mine), default=0)
+        dests = ([None] if mine else []) + sorted({dest for _, _, dest, _ in runs[f] if dest is not None})
+        index = {dest: k for k, dest in enumerate(dests)}
+        sizes = [hi - lo if dest is None else 0 for dest in dests]
+        native_runs = []
+        for at, n, dest, to in runs[f]:
+            k = index[dest]
+            if dest is not None:
+                sizes[k] += n
+            native_runs.append((at, n, k, to - lo if dest is None else to))
+        throttle.wait(sum(n for _, n, _, _ in native_runs))
+        got, read, fallback = _native.read_runs(f, sizes, native_runs)
+        stats.data += read
+        if fallback is not None:
+            warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=5)
+        for dest, t in zip(dests, got):
+            t = torch.from_dlpack(t)
+            if dest is not None:
+                bufs[dest] = t
+            elif raw is None:
+                raw = t
+            else:
+                raw[lo:hi].copy_(t)
+    if raw is None:
+        raw = torch.empty(size, dtype=torch.uint8)
+    return raw, bufs
 
 
 class _Throttle:
-    """Reads pieces, at most :data:`READ_MBPS_ENV` MB/s when it is set (a stand-in for
-    storage slower than the page cache)."""
+    """Lets bytes through at most :data:`READ_MBPS_ENV` MB/s when it is set (a stand-in for
+    storage slower than the page cache): each batch of bytes takes a turn on a link of that
+    rate, this process's own or, with :data:`READ_LINK_ENV`, one shared by every process
+    naming the same file (which holds the time the link is busy until, under ``flock``)."""
 
     BATCH = 8 << 20
 
@@ -423,7 +495,8 @@ class _Throttle:
             self.rate = float(text) * 1e6 if text else None
         except ValueError:
             raise ValueError(f"{READ_MBPS_ENV}={text!r}: expected a rate in MB/s, such as 200") from None
-        self.start, self.done = time.monotonic(), 0
+        self.link = os.environ.get(READ_LINK_ENV) or None
+        self.busy_until = 0.0
 
     def read(self, fd, path, todo, stats):
         if not self.rate:
@@ -435,10 +508,38 @@ class _Throttle:
                 batch.append(piece)
                 size += len(piece[1])
             if batch and (piece is None or size >= self.BATCH):
+                self.wait(size)
                 _dcp_io.read_pieces(fd, path, batch, READ_WORKERS, stats)
-                self.done += size
-                time.sleep(max(0.0, self.start + self.done / self.rate - time.monotonic()))
                 batch, size = [], 0
+
+    def wait(self, nbytes):
+        """Returns once ``nbytes`` have passed the link, in turns of :attr:`BATCH` bytes."""
+        while self.rate and nbytes > 0:
+            n = min(nbytes, self.BATCH)
+            nbytes -= n
+            end = self._take_turn(n / self.rate)
+            time.sleep(max(0.0, end - time.time()))
+
+    def _take_turn(self, seconds):
+        """The time at which a turn of ``seconds`` on the link, queued now, ends."""
+        if self.link is None:
+            self.busy_until = max(time.time(), self.busy_until) + seconds
+            return self.busy_until
+        import fcntl
+
+        fd = os.open(self.link, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                busy_until = float(os.pread(fd, 64, 0) or b"0")
+            except ValueError:
+                busy_until = 0.0
+            end = max(time.time(), busy_until) + seconds
+            data = f"{end:.6f}".encode().ljust(32)
+            os.pwrite(fd, data, 0)
+            return end
+        finally:
+            os.close(fd)  # releases the lock
 
 
 def _check_unchanged(plan):

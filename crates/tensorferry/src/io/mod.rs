@@ -27,6 +27,7 @@ mod budget;
 mod census;
 mod checkpoint;
 mod direct;
+mod direct_runs;
 mod fast_header;
 mod fast_tree;
 mod file_kind;
@@ -48,6 +49,7 @@ mod tree_decode;
 mod tree_meta;
 mod write;
 
+pub use direct_runs::{read_runs, Run, RunsRead};
 pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
 pub use into_device::{load_node_to, load_node_to_until};
 pub use read::{load, load_bytes, load_node, read_header, read_metadata, LoadOptions, Loaded};
