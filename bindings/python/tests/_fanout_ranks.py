@@ -130,6 +130,10 @@ def make_checkpoints(folder):
             save_file({n: tp[n] for n in part}, os.path.join(folder, copy, shard), metadata=meta)
         with open(os.path.join(folder, copy, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"tensorferry.save": "a"}, "weight_map": weight_map}, f)
+    import torch
+
+    big = {f"w{i}": torch.full(BIG_SHAPE, float(i)) for i in range(BIG_TENSORS)}
+    tf.save(big, os.path.join(folder, "big.safetensors"))
     other = mixed_tree()
     other["model"]["embed"] = other["model"]["embed"][:299]
     tf.save(other, os.path.join(folder, "other.safetensors"))
@@ -353,6 +357,57 @@ def dcp_interplay(folder, pg, out, rank, world):
     out["dcp:reader"] = stats_of(reader.read_stats)
 
 
+BIG_TENSORS, BIG_SHAPE = 32, (512, 1024)  # 64 MB of float32
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1])
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL("libc.so.6")
+
+
+def peak_rss_growth(fn):
+    """Bytes the process's peak resident set grew by while ``fn`` ran (its result held
+    until the peak is read): memory freed earlier is given back first (malloc_trim), and
+    the peak reset (/proc/self/clear_refs)."""
+    import gc
+
+    gc.collect()
+    _libc().malloc_trim(0)
+    base = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    result = fn()
+    peak = _status_kb("VmHWM")
+    del result
+    gc.collect()
+    return (peak - base) * 1024
+
+
+def memory(folder, pg, out):
+    """Peak host memory of a replicated load onto the host and onto the emulated device
+    (whose memory is host memory too), against a plain tf.load(mmap=False)."""
+    import tensorferry as tf
+
+    path = os.path.join(folder, "big.safetensors")
+    # Large blocks from their own maps, unmapped when freed (glibc would otherwise raise
+    # its threshold and keep freed blocks resident, hiding what a load takes anew).
+    M_MMAP_THRESHOLD = -3
+    _libc().mallopt(M_MMAP_THRESHOLD, 1 << 16)
+    # Warm-up: the staging ring and the allocators' first touches stay out of the measure.
+    for device in ("cpu", "emu:0"):
+        tf.load(path, process_group=pg, device=device)
+    out["memory"] = {
+        device: peak_rss_growth(lambda: tf.load(path, process_group=pg, device=device)) for device in ("cpu", "emu:0")
+    }
+    out["memory"]["plain"] = peak_rss_growth(lambda: tf.load(path, mmap=False))
+
+
 def composed(folder, pg, out):
     """keys= and dtype= give what tf.load gives with them."""
     import tensorferry as tf
@@ -454,6 +509,7 @@ def scenario_four(rank, world, folder, pg, out):
     sharded(folder, pg, out, rank, world)
     direct(folder, pg, out, rank, world)
     dcp_interplay(folder, pg, out, rank, world)
+    memory(folder, pg, out)
     composed(folder, pg, out)
     errors(folder, pg, out, rank)
     save(folder, "four", rank, out)
@@ -465,6 +521,7 @@ def scenario_two(rank, world, folder, pg, out):
     sharded(folder, pg, out, rank, world)
     direct(folder, pg, out, rank, world)
     dcp_interplay(folder, pg, out, rank, world)
+    memory(folder, pg, out)
     composed(folder, pg, out)
     devices_and_frameworks(folder, pg, out)
     errors(folder, pg, out, rank)

@@ -147,15 +147,17 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
         for fd in plan.fds.values() if plan else ():
             os.close(fd)
     agree.status(error, None, "reading")
-    tree = _exchange_and_build(plan, part, slices, target, dist, process_group, agree)
+    # A device PyTorch cannot hold (the emulated one): each part goes there as it arrives.
+    streamed = out is None and _torch_device(target) != target
+    read = [part, slices]
+    del part, slices  # held by `read` alone, which the exchange empties
+    tree = _exchange_and_build(plan, read, target, dist, process_group, agree, dtype if streamed else None, streamed)
+    if streamed:
+        return tree
     if dtype is not None:
         tree = _select.cast(tree, dtype)
     if out is not None:
         return _select.fill(out, tree)
-    if _torch_device(target) != target:
-        from ._api import to_device
-
-        tree = to_device(tree, target)
     return tree
 
 
@@ -580,31 +582,68 @@ def _exchange_device(backend, target):
     return "cpu"
 
 
-def _exchange_and_build(plan, part, slices, target, dist, pg, agree):
-    """Broadcasts every rank's part from its owner and builds the tree: the skeleton with
-    each tensor leaf replaced by a tensor of the framework ``tensorferry.load`` gives it."""
+def _view(part, it):
+    """Item ``it`` in the part it came in (``None``: a part of no bytes)."""
     import torch
 
+    if part is None:
+        return torch.empty(it.shape, dtype=_torch_dtype(it.wire))
+    return part[it.offset : it.offset + it.wire_nbytes].view(_torch_dtype(it.wire)).reshape(it.shape)
+
+
+def _moved(plan, indices, tensors, target, dtype):
+    """``{item index: tensor on target}``: host ``tensors`` (items ``indices``) cast to
+    ``dtype`` and moved to ``target`` (one move for all, through the staging ring)."""
+    from ._api import to_device
+
+    if not indices:
+        return {}
+    if dtype is not None:
+        tensors = _select.cast(tensors, dtype)
+    moved = to_device({str(i): t for i, t in zip(indices, tensors)}, target)
+    return {i: moved[str(i)] for i in indices}
+
+
+def _exchange_and_build(plan, read, target, dist, pg, agree, dtype, streamed):
+    """Broadcasts every rank's part from its owner and builds the tree: the skeleton with
+    each tensor leaf replaced by a tensor of the framework ``tensorferry.load`` gives it.
+    ``read`` is ``[part, slices]`` (emptied here: the part is freed once sent or moved).
+
+    With ``streamed`` (a target PyTorch cannot hold), each part's tensors are cast to
+    ``dtype`` and moved to the target as soon as the part arrives, so the host holds this
+    rank's part and one part in flight, never the whole dictionary."""
+    import torch
+
+    part, slices = read
+    read.clear()
     built = _torch_device(target)
     sending = _exchange_device(dist.get_backend(pg), target)
     parts = [None] * agree.world
+    moved = {}
     for owner, size in enumerate(plan.sizes):
-        if not size:
-            continue
-        buf = part.to(sending) if owner == agree.rank else torch.empty(size, dtype=torch.uint8, device=sending)
-        if agree.world > 1:
-            agree.run(lambda: dist.broadcast(buf, src=dist.get_global_rank(pg, owner), group=pg), "the exchange")
-        parts[owner] = buf.to(built)
-    del part
+        buf = None
+        if size:
+            buf = part.to(sending) if owner == agree.rank else torch.empty(size, dtype=torch.uint8, device=sending)
+            if agree.world > 1:
+                agree.run(lambda: dist.broadcast(buf, src=dist.get_global_rank(pg, owner), group=pg), "the exchange")
+        if owner == agree.rank:
+            part = None
+        if streamed:
+            mine = [i for i, it in enumerate(plan.items) if it.split is None and it.owner == owner]
+            moved.update(_moved(plan, mine, [_view(buf, plan.items[i]) for i in mine], target, dtype))
+        elif buf is not None:
+            parts[owner] = buf.to(built)
+        del buf
+    if streamed:
+        moved.update(_moved(plan, list(slices), list(slices.values()), target, dtype))
+        results = [moved[i] for i in range(len(plan.items))]
+        return _native.rebuild(plan.skeleton, {id(leaf): r for (_, leaf), r in zip(plan.leaves, results)})
     tensors = []
     for i, it in enumerate(plan.items):
         if it.split is not None:
             t = slices[i].to(built)
-        elif parts[it.owner] is None:
-            t = torch.empty(it.shape, dtype=_torch_dtype(it.wire), device=built)
         else:
-            raw = parts[it.owner][it.offset : it.offset + it.wire_nbytes]
-            t = raw.view(_torch_dtype(it.wire)).reshape(it.shape)
+            t = _view(parts[it.owner], it).to(built)
         tensors.append(t)
     # Each result owns its own storage (as tensorferry.load's do: safetensors refuses to
     # save tensors that share one), viewing the part it came in.
