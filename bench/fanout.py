@@ -6,13 +6,22 @@
 One safetensors file of ``--tensors`` bf16 tensors, ``--gb`` GB in all, written once (it
 stays in the page cache). For each number of ranks, every rank runs, in turn (each a
 barrier, then the rank's own wall time; a row shows the slowest rank's):
-  independent        tf.load(path, mmap=False) on every rank: each reads the whole file
-  fanout             tf.load(path, process_group=pg): each reads its part, then broadcasts
-Then with storage made the bottleneck: TENSORFERRY_FANOUT_READ_MBPS=--mbps throttles the
-reads of every process to that many MB/s (its link to storage), and
-  independent        each rank loads through a process group of its own (new_group([r])),
-                     so it reads the whole file through the same throttled reader
-  fanout             as above, throttled
+  independent            tf.load(path, mmap=False) on every rank: each reads the whole file
+  fanout                 tf.load(path, process_group=pg): each reads its part, then broadcasts
+  independent, O_DIRECT  tf.load(path, direct=True): each reads the whole file from the drive
+  fanout, O_DIRECT       tf.load(path, process_group=pg, direct=True): each its part, from the
+                         drive (one virtual disk shared by all ranks: a real shared bottleneck)
+Then with storage made the bottleneck by the library's read throttle (each batch of 8 MB
+takes a turn on a link of --mbps MB/s), in two shapes:
+  ..., link per rank     TENSORFERRY_FANOUT_READ_MBPS: every process has a link of its own
+                         (a node per rank, each with its own path to storage): the read phase
+                         of fanout scales as 1/N
+  ..., shared link       and TENSORFERRY_FANOUT_READ_LINK=<one file>: one link for all
+                         processes (one drive, one filesystem server, one bucket's quota):
+                         N independent loads queue for it and take N times as long; fanout
+                         reads the file once whatever N
+  the independent loads there go through a process group of their own (new_group([r])), so
+  that each reads the whole file through the same throttled reader.
 Columns: bytes each rank read (the library's read_stats; min-max over ranks), their total,
 the bytes read() returned to the rank (/proc/self/io rchar, counted by the kernel: a check
 on the library's counter, headers included), the slowest rank's wall time, and the read
@@ -52,7 +61,7 @@ def make_file(path, gb, count):
     return sum(t.nbytes for t in tree.values())
 
 
-def rank_main(rank, world, port, path, mbps):
+def rank_main(rank, world, port, path, mbps, link):
     import torch
     import torch.distributed as dist
 
@@ -81,11 +90,13 @@ def rank_main(rank, world, port, path, mbps):
     del warm
     rows = {}
 
-    def measure(label, fn, throttled):
-        if throttled:
+    def measure(label, fn, throttle=None):
+        os.environ.pop(_fanout.READ_MBPS_ENV, None)
+        os.environ.pop(_fanout.READ_LINK_ENV, None)
+        if throttle:
             os.environ[_fanout.READ_MBPS_ENV] = str(mbps)
-        else:
-            os.environ.pop(_fanout.READ_MBPS_ENV, None)
+        if throttle == "shared":
+            os.environ[_fanout.READ_LINK_ENV] = link
         stats = ReadStats()
         phases.clear()
         dist.barrier()
@@ -99,10 +110,15 @@ def rank_main(rank, world, port, path, mbps):
         rows[label] = {"data": stats.data if stats.files else None, "rchar": after - before, "wall": wall,
                        "read": phases[0] if phases else None}
 
-    measure("independent", lambda s: tf.load(path, mmap=False), False)
-    measure("fanout", lambda s: tf.load(path, process_group=dist.group.WORLD, read_stats=s), False)
-    measure("independent, throttled", lambda s: tf.load(path, process_group=own, read_stats=s), True)
-    measure("fanout, throttled", lambda s: tf.load(path, process_group=dist.group.WORLD, read_stats=s), True)
+    world_pg = dist.group.WORLD
+    measure("independent", lambda s: tf.load(path, mmap=False))
+    measure("fanout", lambda s: tf.load(path, process_group=world_pg, read_stats=s))
+    measure("independent, O_DIRECT", lambda s: tf.load(path, direct=True))
+    measure("fanout, O_DIRECT", lambda s: tf.load(path, process_group=world_pg, direct=True, read_stats=s))
+    for shape in ("link per rank", "shared link"):
+        throttle = "shared" if shape == "shared link" else "own"
+        measure(f"independent, {shape}", lambda s: tf.load(path, process_group=own, read_stats=s), throttle)
+        measure(f"fanout, {shape}", lambda s: tf.load(path, process_group=world_pg, read_stats=s), throttle)
     print(json.dumps(rows), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -116,8 +132,9 @@ def free_port():
 
 def run(world, path, mbps):
     port = free_port()
+    link = os.path.join(os.path.dirname(path), "storage-link")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), str(world), str(port), path, str(mbps)],
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), str(world), str(port), path, str(mbps), link],
                               stdout=subprocess.PIPE, env=env, text=True) for r in range(world)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     for r, p in enumerate(procs):
@@ -132,7 +149,7 @@ def mb(n):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--rank":
-        rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6]))
+        rank_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6]), sys.argv[7])
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=1.0)
@@ -150,8 +167,8 @@ def main():
         print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  commit {commit}  "
               f"{platform.node()}  {os.cpu_count()} cpus  python {platform.python_version()}")
         print(f"# {args.tensors} bf16 tensors, {data / 1e9:.3f} GB of data, file {os.path.getsize(path) / 1e9:.3f} GB "
-              f"(page cache warm); throttled rows: {args.mbps:g} MB/s per process")
-        print(f"# {'ranks':>5}  {'load':<24} {'MB read/rank (min-max)':>22} {'MB total':>9} {'rchar MB':>9} "
+              f"(page cache warm); throttled rows: links of {args.mbps:g} MB/s, one per rank or one shared")
+        print(f"# {'ranks':>5}  {'load':<30} {'MB read/rank (min-max)':>22} {'MB total':>9} {'rchar MB':>9} "
               f"{'wall s':>7} {'read s':>7}")
         for world in args.ranks:
             rows = run(world, path, args.mbps)
@@ -159,10 +176,11 @@ def main():
                 per = [r[label] for r in rows]
                 counted = [p["data"] if p["data"] is not None else p["rchar"] for p in per]
                 read = max((p["read"] for p in per if p["read"] is not None), default=None)
-                print(f"  {world:>5}  {label:<24} {mb(min(counted))}-{mb(max(counted)).strip():<10} "
+                print(f"  {world:>5}  {label:<30} {mb(min(counted))}-{mb(max(counted)).strip():<10} "
                       f"{mb(sum(counted))} {mb(sum(p['rchar'] for p in per))} "
                       f"{max(p['wall'] for p in per):7.2f} {'' if read is None else f'{read:7.2f}':>7}")
-        print("# MB read: the library's read_stats.data (independent tf.load: rchar, it has no counter)")
+        print("# MB read: the library's read_stats.data (O_DIRECT: whole 4096-byte blocks); independent "
+              "tf.load without a process group: rchar, it has no counter")
     finally:
         for name in os.listdir(folder):
             os.remove(os.path.join(folder, name))
