@@ -8,9 +8,11 @@
 # when any step failed; the summary at the end lists each step.
 #
 # Environment: KIT_PYTHON (default python3), KIT_OUT, KIT_QUICK=1 (small benchmarks only),
-# KIT_SKIP_BENCH=1, KIT_ONLY=checkpoint | checkpoint-load | checkpoint-save | dcp (install, then
-# only those benchmarks: a device call of their own; dcp: PyTorch DCP's storage layers on a
-# GPU state dict, bench/dcp_compare.py --device cuda), KIT_DEADLINE_S (seconds from the start
+# KIT_SKIP_BENCH=1, KIT_ONLY=checkpoint | checkpoint-load | checkpoint-save | dcp | fanout (install,
+# then only those benchmarks: a device call of their own; dcp: PyTorch DCP's storage layers on a
+# GPU state dict, bench/dcp_compare.py --device cuda; fanout: one checkpoint loaded on 1, 2, 4, 8
+# GPUs with process_group= over NCCL, InstantTensor's and fastsafetensors' process-group loaders
+# beside it, bench/fanout.py --device cuda; it needs torch to see 2 GPUs or more), KIT_DEADLINE_S (seconds from the start
 # by which the checkpoint benchmarks must have ended; default 570, inside a 10-minute call:
 # each gets `timeout` and --budget from what is left, and is skipped below a minute),
 # KIT_BENCH_DIR (their scratch folder; default /var/tmp or /tmp, the one with more room that
@@ -103,6 +105,39 @@ dcp_bench() { # DCP's storage layers side by side on a state dict in GPU memory 
   rm -rf "$dir"
 }
 
+fanout_bench() { # fanout_bench SHARE: read once, fan out over NCCL (needs 2 GPUs or more), with peers
+  local share=$1 gpus ranks gb=1 left dir
+  if [ "${KIT_QUICK:-}" = 1 ]; then gb=0.1; fi
+  gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
+  left=$(((DEADLINE - (SECONDS - START) - 20) * share / 100))
+  if [ "$left" -gt 900 ]; then left=900; fi
+  if [ "$left" -lt 60 ]; then
+    echo
+    echo "skipped fanout: $((DEADLINE - (SECONDS - START))) s left before KIT_DEADLINE_S=$DEADLINE"
+    SUMMARY+=("skip  fanout (time: KIT_DEADLINE_S=$DEADLINE; KIT_ONLY=fanout runs it in a call of its own)")
+    return
+  fi
+  CKPT_BASE=$(ckpt_base)
+  dir=$(mktemp -d "$CKPT_BASE/tf-kit-fanout-XXXXXX")
+  if [ "$gpus" -ge 2 ]; then
+    ranks="1 2"
+    if [ "$gpus" -ge 4 ]; then ranks="$ranks 4"; fi
+    if [ "$gpus" -ge 8 ]; then ranks="$ranks 8"; fi
+    # shellcheck disable=SC2086 # the ranks are words
+    step "fanout (cuda, nccl, $gb GB, ranks $ranks, peers)" timeout -k 10 "$left" "$PY" "$KIT/src/bench/fanout.py" \
+      --device cuda --backend nccl --gb "$gb" --shards 8 --peers --mbps 0 --ranks $ranks --dir "$dir"
+  elif [ "${KIT_QUICK:-}" = 1 ]; then
+    # The kit's check: the script runs from the kit (CPU, gloo), the GPU rows wait for GPUs.
+    step "fanout (cpu, gloo: torch sees $gpus GPU(s), the script only)" timeout -k 10 "$left" "$PY" \
+      "$KIT/src/bench/fanout.py" --gb 0.02 --tensors 20 --ranks 2 --mbps 0 --peers --dir "$dir"
+  else
+    echo
+    echo "skipped fanout: torch sees $gpus GPU(s); the NCCL fan-out needs 2 or more"
+    SUMMARY+=("skip  fanout (torch sees $gpus GPU(s); needs 2 or more)")
+  fi
+  rm -rf "$dir"
+}
+
 run() {
   echo "# tensorferry GPU kit, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(tr '\n' ' ' <"$KIT/COMMIT")"
   if command -v nvidia-smi >/dev/null; then
@@ -128,8 +163,9 @@ run() {
     "") tests_and_benches ;;
     checkpoint | checkpoint-load | checkpoint-save) checkpoint_benches ;;
     dcp) dcp_bench ;;
+    fanout) fanout_bench 100 ;;
     *)
-      echo "KIT_ONLY=$ONLY: unknown (checkpoint, checkpoint-load, checkpoint-save or dcp)"
+      echo "KIT_ONLY=$ONLY: unknown (checkpoint, checkpoint-load, checkpoint-save, dcp or fanout)"
       FAILED=1
       ;;
   esac
@@ -165,6 +201,7 @@ tests_and_benches() {
       step "gpu_compare $p" "$PY" "$KIT/src/bench/gpu_compare.py" --preset "$p" --scale "$scale"
     done
     step "python_leaf_floor (per-leaf cost, torch CPU and CUDA)" "$PY" "$KIT/src/bench/python_leaf_floor.py" --count 10000
+    fanout_bench 30
     checkpoint_benches
   fi
 }

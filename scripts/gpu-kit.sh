@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the GPU kit: everything a GPU machine without Rust and without network needs to
 # prove tensorferry there, in one ignored folder under 64 MiB (.gpu-kit/):
-#   wheels/   the abi3 tensorferry wheel, and wheels of peers that machine lacks (tensordict)
+#   wheels/   the abi3 tensorferry wheel, and wheels of peers that machine lacks (tensordict,
+#             fastsafetensors, instanttensor)
 #   bin/      the engine and library test binaries (release, stripped), the release CLI
 #   src/      the Python tests, the test corpus and the bench scripts, in their repo layout
 #   run.sh    the runner: needs only python3 (and the CUDA driver) on the GPU machine
@@ -43,6 +44,9 @@ echo "== peers the GPU machine lacks (cp312 wheels)"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$KIT/wheels/peers" fastsafetensors || echo "   (fastsafetensors wheel unavailable: its rows will say so)"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$KIT/wheels/peers" instanttensor || echo "   (instanttensor wheel unavailable: its fan-out rows will say so)"
 
 echo "== tests and bench scripts"
 mkdir -p "$KIT/src/bindings/python" "$KIT/src/crates/tensorferry/tests"
