@@ -101,9 +101,7 @@ pub fn run_interruptibly<T: Send + 'static>(
             // The receiver may have gone (interrupted): then the result is dropped here.
             let _ = tx.send(work(&flag));
         })
-        .map_err(|e| {
-            pyo3::exceptions::PyRuntimeError::new_err(format!("cannot start a {name} thread: {e}"))
-        })?;
+        .map_err(|e| crate::errors::runtime_err(format!("cannot start a {name} thread: {e}")))?;
     let mut rx = rx;
     loop {
         // The receiver goes with the detached closure and comes back (it is `Send`, not
@@ -119,7 +117,7 @@ pub fn run_interruptibly<T: Send + 'static>(
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                return Err(crate::errors::runtime_err(format!(
                     "internal error in tensorferry (please report): the {name} thread stopped"
                 )))
             }

@@ -9,6 +9,7 @@ import numpy as np
 __version__: str
 
 __all__ = [
+    "CopyError",
     "DeviceUnavailableError",
     "FormatError",
     "InvalidDeviceError",
@@ -16,10 +17,12 @@ __all__ = [
     "ProcessGroupError",
     "Tensor",
     "TensorDict",
+    "TensorferryBufferError",
     "TensorferryError",
     "TensorferryIOError",
     "TensorferryKeyError",
     "TensorferryOverflowError",
+    "TensorferryRuntimeError",
     "TensorferryTypeError",
     "Transfer",
     "__version__",
@@ -51,6 +54,14 @@ class TensorferryIOError(TensorferryError, OSError): ...
 class TensorferryOverflowError(TensorferryError, OverflowError): ...
 class TensorferryTypeError(TensorferryError, TypeError): ...
 class ProcessGroupError(TensorferryError, RuntimeError): ...
+class TensorferryRuntimeError(TensorferryError, RuntimeError): ...
+class TensorferryBufferError(TensorferryError, BufferError): ...
+
+class CopyError(TensorferryError, RuntimeError):
+    device: str
+    cause: str
+    key: Optional[str]
+    def __init__(self, device: str, cause: str, key: Optional[str] = None) -> None: ...
 
 @final
 class Tensor:
