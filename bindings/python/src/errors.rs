@@ -135,6 +135,18 @@ pub fn buffer_err(message: impl Into<String>) -> PyErr {
     raised(buffer_error, message.into())
 }
 
+/// `err` with `index` set on it when it is a `CopyError`: the position, among the tensors
+/// a caller waited for, of the one whose copy failed (see `tensorferry._errors.naming_key`).
+pub fn at_index(py: Python<'_>, err: PyErr, index: usize) -> PyErr {
+    if let Ok(cls) = copy_error(py) {
+        if err.is_instance(py, cls) {
+            // Setting an attribute on an exception instance does not fail.
+            let _ = err.value(py).setattr("index", index);
+        }
+    }
+    err
+}
+
 /// Result alias for library calls.
 pub trait IntoPy<T> {
     /// Converts the error side into a Python exception.

@@ -152,6 +152,17 @@ def test_a_failed_copy_is_caught_as_runtime_error_and_as_the_base(failing_emu0, 
         pytest.fail("the injected fault raised nothing")
 
 
+def test_a_failed_copy_says_which_of_the_waited_tensors_met_it(failing_emu0):
+    # The native wait gives the position of the tensor; a caller that knows the key paths
+    # names the key with naming_key.
+    from tensorferry._errors import naming_key
+
+    with pytest.raises(tf.CopyError) as info:
+        tf.to_device({"x": np.ones(10)}, failing_emu0)
+    assert info.value.index == 0
+    assert naming_key(info.value, ["x"]).key == "x"
+
+
 def test_a_copy_error_survives_pickling():
     e = pickle.loads(pickle.dumps(tf.CopyError("cuda:1", "an illegal address", key="w")))
     assert (type(e), e.device, e.cause, e.key) == (tf.CopyError, "cuda:1", "an illegal address", "w")

@@ -61,6 +61,7 @@ class CopyError(TensorferryError, RuntimeError):
     device: str
     cause: str
     key: Optional[str]
+    index: Optional[int]
     def __init__(self, device: str, cause: str, key: Optional[str] = None) -> None: ...
 
 @final

@@ -25,7 +25,10 @@ class CopyError(TensorferryError, RuntimeError):
     the copy, a crash of the thread that ran it): not :class:`DeviceUnavailableError`, the
     device exists and other copies may well succeed. ``device`` is the device whose work
     failed (``"cuda:1"``, ``"emu:0"``), ``cause`` what went wrong, ``key`` the key path of a
-    tensor the failed copy was filling, when the caller knows it (else ``None``).
+    tensor the failed copy was filling, when the caller knows it (else ``None``). A copy
+    fails as a batch: ``key`` names the tensor whose wait met the failure, and others
+    filled by the same batch have failed too. ``index``, set by the native waits, is the
+    position of that tensor among those waited for (``None`` otherwise).
 
     >>> from tensorferry import CopyError
     >>> e = CopyError("emu:0", "injected fault", key="model/w")
@@ -34,6 +37,8 @@ class CopyError(TensorferryError, RuntimeError):
     >>> isinstance(e, RuntimeError), e.device, e.cause
     (True, 'emu:0', 'injected fault')
     """
+
+    index = None
 
     def __init__(self, device, cause, key=None):
         super().__init__(device, cause, key)
@@ -52,12 +57,26 @@ class CopyError(TensorferryError, RuntimeError):
 def naming_key(error, key):
     """``error`` (a :class:`CopyError` that names no key yet) as the same failure naming
     ``key``, the path of the tensor whose copy the caller waited for; any other error as it
-    is. Raise the result ``from None`` (the original says nothing more)."""
-    if isinstance(error, CopyError) and error.key is None:
-        named = CopyError(error.device, error.cause, key)
-        named.__traceback__ = error.__traceback__
-        return named
-    return error
+    is. ``key`` may also be a sequence of the key paths of the tensors waited for, in
+    order: the error's ``index`` picks one. Raise the result ``from None`` (the original
+    says nothing more).
+
+    >>> from tensorferry._errors import CopyError, naming_key
+    >>> e = CopyError("emu:0", "injected fault")
+    >>> e.index = 1
+    >>> str(naming_key(e, ["a", "model/w"]))
+    "a copy on emu:0 failed (filling 'model/w'): injected fault"
+    """
+    if not isinstance(error, CopyError) or error.key is not None:
+        return error
+    if not isinstance(key, str):
+        if error.index is None or not 0 <= error.index < len(key):
+            return error
+        key = key[error.index]
+    named = CopyError(error.device, error.cause, key)
+    named.index = error.index
+    named.__traceback__ = error.__traceback__
+    return named
 
 
 class OutOfMemoryError(TensorferryError, MemoryError):
