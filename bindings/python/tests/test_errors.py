@@ -29,6 +29,7 @@ import tensorferry as tf
         (tf.ProcessGroupError, RuntimeError),
         (tf.TensorferryRuntimeError, RuntimeError),
         (tf.OutOfMemoryError, MemoryError),
+        (tf.OutOfMemoryError, RuntimeError),  # as torch.OutOfMemoryError is
         (tf.TensorferryIOError, OSError),
         (tf.TensorferryKeyError, KeyError),
         (tf.TensorferryTypeError, TypeError),

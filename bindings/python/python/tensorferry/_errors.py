@@ -79,8 +79,10 @@ def naming_key(error, key):
     return named
 
 
-class OutOfMemoryError(TensorferryError, MemoryError):
-    """An allocation failed; the message gives the bytes asked and free."""
+class OutOfMemoryError(TensorferryError, MemoryError, RuntimeError):
+    """An allocation failed; the message gives the bytes asked and free. Also a
+    ``RuntimeError``, as PyTorch's ``torch.OutOfMemoryError`` is: code written to catch a
+    GPU running out of memory in PyTorch catches it too."""
 
 
 class InvalidDeviceError(TensorferryError, ValueError):
