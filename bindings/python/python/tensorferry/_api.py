@@ -546,6 +546,9 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     ``RuntimeWarning`` on stderr when the last handle is collected, or at exit. The
     interpreter's exit waits for saves still being written; Ctrl-C during that wait
     abandons them (their paths untouched) with a line on stderr and exit status 130.
+    Ctrl-C during a blocking save raises ``KeyboardInterrupt`` at once; the save goes on
+    in the background as a non-blocking one would (the path holds the old checkpoint or the
+    new one, whole), and the exit waits for it the same way.
 
     Tensors on a device (blocking saves) stream into the file through a ring of pinned
     buffers — ``staging``: "auto" or "on" (3 × 32 MiB; with "auto", ordinary memory where
@@ -600,7 +603,10 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     if non_blocking:
         what = f"tensorferry.save(..., non_blocking=True) to {os.fspath(path)!r}"
         return run_in_background(what, turn.run, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
-    turn.run(_native.save, tree, os.fspath(path), meta, fsync, shard_bytes, staging)
+    # Blocking, on a writer thread waited for in slices, so that Ctrl-C is answered at once:
+    # the save goes on, and the path then holds the old checkpoint or the new one, whole.
+    what = f"tensorferry.save to {os.fspath(path)!r} (interrupted)"
+    run_in_background(what, turn.run, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes, staging).result()
 
 
 _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)

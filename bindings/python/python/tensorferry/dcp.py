@@ -27,7 +27,10 @@ one or one of another save (its ``DCP_SAVE_ID`` is not the metadata's) a
 
 ``.metadata`` is read without ``pickle`` (see ``_dcp_metadata``): a checkpoint from a
 stranger cannot run code, and metadata that is not what a DCP save writes is a
-:class:`tensorferry.FormatError` naming it.
+:class:`tensorferry.FormatError` naming it. Non-tensor items (byte items), which DCP's
+planner unpickles, are first read by ``torch.load(weights_only=True)``: one whose pickle
+would load more than plain values and tensors is a :class:`tensorferry.FormatError` naming
+it, and nothing of it runs.
 
 :func:`consolidate` turns such a checkpoint (saved on any number of ranks) into one Hugging
 Face style checkpoint: whole tensors in ``model.safetensors`` or in
@@ -81,6 +84,33 @@ class _RankTarget:
 
     file: str
     save_id: str
+
+
+def _check_plain_pickle(raw, path, fqn):
+    """Refuses a byte item (a non-tensor value DCP pickled: an optimizer's ``step``, a
+    list) whose pickle would load anything but plain values and tensors.
+
+    DCP's planners unpickle byte items with ``torch.load(weights_only=False)``, which runs
+    whatever a crafted pickle asks. The same bytes are first read with
+    ``torch.load(weights_only=True)``, PyTorch's restricted unpickler: a pickle it accepts
+    names only the globals it allows (plain containers, numbers, strings, tensors, and the
+    types a user allowed with ``torch.serialization.add_safe_globals``), so the planner's
+    full unpickling of it runs nothing else.
+    """
+    import torch
+
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # the restricted unpickler's refusal (UnpicklingError, ...)
+        from ._errors import FormatError
+
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FormatError(
+            f"{path}: the value {fqn!r} is a pickle that loads more than plain values and tensors "
+            f"(torch.load(weights_only=True) refused it: {reason}); tensorferry never unpickles such "
+            "an item. A type of your own that you trust can be allowed with "
+            "torch.serialization.add_safe_globals([...])"
+        ) from None
 
 
 def _rank_target(rank, save_id):
@@ -422,6 +452,7 @@ def _build():
             raw = bytearray(entry.end - entry.begin)
             self.read_stats.needed += len(raw)
             _dcp_io.read_runs(fd, path, entry, [(0, len(raw))] if raw else [], memoryview(raw), self.read_stats)
+            _check_plain_pickle(raw, path, item.storage_index.fqn)
             planner.load_bytes(item, io.BytesIO(raw))
 
         def _read_batch(self, planner, batch, fd, path):
