@@ -49,7 +49,7 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     stream was named), so that blocking moves to the host may stack them there."""
     out = {}
     # Leaves on devices the engine does not drive (ROCm, MPS, TPU, …): their frameworks' copies.
-    leaves, fallback = _fallback.start(leaves, target, copy, non_blocking, pinned, staging)
+    leaves, fallback = _fallback.start(leaves, target, non_blocking, pinned, staging)
     # Blocking host copies of many small PyTorch leaves: in bulk, by PyTorch itself.
     if copy and target == "cpu" and not packed and not non_blocking:
         bulk = copy_many([leaf for _, leaf in leaves])

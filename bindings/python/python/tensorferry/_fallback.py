@@ -16,13 +16,18 @@ is copied by the framework it belongs to, in the same call as the rest of its di
   ``numpy.from_dlpack(x, device="cpu", copy=True)`` asks for), whose producer synchronises
   before it returns; the capsule becomes a host ``tensorferry.Tensor``.
 
-The tree's rules are the engine's: results are copies, in the leaf's framework; a leaf
-already where it should be stays as it is unless a copy is asked for; errors name the key
-and the device. What only the engine has — its pinned pool (``pinned=True``) and its staging
-ring (``staging="on"`` or a size) — is refused for such leaves with a
-:class:`DeviceUnavailableError` that names the fallback. Results on an engine device other
-than the host (``to_device(d, "emu:0")`` of a TPU leaf) cross the host: the framework's copy
-first, then the engine's.
+The tree's rules are the engine's: results are copies (such a leaf is never already where
+it goes: targets are the engine's devices), in the leaf's framework; a tensor under several
+keys is copied once; errors name the key and the device. What only the engine has — its
+pinned pool (``pinned=True``) and its staging ring (``staging="on"`` or a size) — is refused
+for such leaves with a :class:`DeviceUnavailableError` that names the fallback. Results on an
+engine device other than the host (``to_device(d, "emu:0")`` of a TPU leaf) cross the host:
+the framework's copy first, then the engine's. Moving leaves onto devices the engine does
+not drive (``to_device(d, "mps")``) is the frameworks' own business: tensorferry's device
+names are the engine's.
+
+None of this has run on ROCm, MPS, TPU, XLA or oneAPI hardware: the tests use stand-ins that
+report those devices as the real producers do (``tests/test_other_devices.py``).
 """
 
 import sys
@@ -71,14 +76,15 @@ def split(leaves):
     return [(p, x) for p, x in leaves if id(x) not in taken], other
 
 
-def start(leaves, target, copy, non_blocking, pinned=False, staging=None):
+def start(leaves, target, non_blocking, pinned=False, staging=None):
     """Takes the leaves of ``[(path, leaf)]`` the engine cannot move and starts their
-    frameworks' copies to ``target``: ``(the engine's leaves, Started or None)``."""
+    frameworks' copies to ``target`` (an engine device, never theirs: the results are
+    always copies): ``(the engine's leaves, Started or None)``."""
     leaves, other = split(leaves)
     if not other:
         return leaves, None
     _refuse_engine_options(other, pinned, staging)
-    return leaves, Started(other, target, copy, non_blocking)
+    return leaves, Started(other, target, non_blocking)
 
 
 def _refuse_engine_options(other, pinned, staging):
@@ -97,7 +103,9 @@ def _refuse_engine_options(other, pinned, staging):
         )
 
 
-_NAMES = {fw.TORCH: "PyTorch", fw.JAX: "JAX", fw.TENSORFLOW: "TensorFlow", fw.CUPY: "CuPy", fw.DLPACK: "its DLPack producer"}
+_NAMES = {
+    fw.TORCH: "PyTorch", fw.JAX: "JAX", fw.TENSORFLOW: "TensorFlow", fw.CUPY: "CuPy", fw.DLPACK: "its DLPack producer",
+}
 
 
 class Started:
@@ -105,26 +113,17 @@ class Started:
     makes asynchronously are queued, the others made. :meth:`results` hands them out once
     the frameworks say they have finished, so that nothing reads them early."""
 
-    def __init__(self, items, target, copy, non_blocking):
+    def __init__(self, items, target, non_blocking):
         self.leaves = [leaf for _, leaf, _, _ in items]
         self._target = target
         self._waits = {}  # what to wait for before the results exist: (path, device, kind, wait)
         self._results = {}
-        engine_target = fw.engine_drives(target)
         hop = []  # (leaf, path, kind, host result): crosses to an engine device after the wait
         seen = set()
         for path, leaf, kind, device in items:
             if id(leaf) in seen:
                 continue  # one tensor under several keys: one copy, as the engine makes
             seen.add(id(leaf))
-            if not copy and device == target:
-                self._results[id(leaf)] = leaf
-                continue
-            if not engine_target:
-                raise DeviceUnavailableError(
-                    f"cannot move the value at {shown(path)!r} from {device} to {target}: tensorferry moves "
-                    "leaves off devices its engine does not drive to the host, or to cpu, cuda and emu devices"
-                )
             result, wait = _framework_call(path, device, kind, lambda: _to_host(leaf, kind, device, non_blocking))
             if wait is not None:
                 # PyTorch waits once per device; JAX once per array.
@@ -252,7 +251,7 @@ def on_host(tensors, kinds, paths):
     other = [item for item in items if item[3] is not None]
     if not other:
         return tensors, kinds
-    hosted = Started(other, "cpu", True, False).results()
+    hosted = Started(other, "cpu", False).results()
     tensors = [hosted.get(id(t), t) for t in tensors]
     return tensors, [fw.kind_of(t) for t in tensors]
 
@@ -263,4 +262,4 @@ def on_host_tree(obj):
     other = split(_native.collect_tensors(obj, fw.kind_of))[1]
     if not other:
         return obj
-    return _native.rebuild(obj, Started(other, "cpu", True, False).results(), False)
+    return _native.rebuild(obj, Started(other, "cpu", False).results(), False)
