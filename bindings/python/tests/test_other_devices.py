@@ -402,7 +402,7 @@ def test_to_device_cpu_and_emulated_take_every_device(others):
         _check_mixed(tf.to_numpy(there), d, host_results=False)
 
 
-def test_copies_are_fresh_and_the_source_untouched(rocm_torch):
+def test_copies_are_fresh_and_the_source_untouched():
     x = DeviceArray(np.arange(3.0), (KDL_ROCM, 0))
     first, second = (tf.to_numpy({"x": x})["x"] for _ in range(2))
     first[:] = -1
