@@ -450,3 +450,18 @@ def test_the_engine_keeps_its_own_leaves():
     # Host, CUDA and emulated leaves never take the fallback: one native call moves them.
     leaves = [(("a",), np.ones(1)), (("b",), _emulated([1]))]
     assert _fallback.split(leaves) == (leaves, [])
+
+
+def test_a_rocm_build_asked_for_cuda_says_its_gpus_are_amd_gpus_and_names_the_fallback(rocm_torch, tmp_path):
+    if any(d.startswith("cuda") for d in tf.devices()):
+        pytest.skip("a CUDA driver is present: cuda:0 is tensorferry's")
+    tf.save({"x": np.ones(2)}, tmp_path / "f.safetensors")
+    calls = (
+        lambda: tf.to_device({"x": np.ones(1)}, "cuda"),
+        lambda: tf.load(tmp_path / "f.safetensors", device="cuda:0"),
+    )
+    for call in calls:
+        with pytest.raises(tf.DeviceUnavailableError) as info:
+            call()
+        text = str(info.value)
+        assert "ROCm" in text and "AMD" in text and "fallback" in text and "to_host" in text, text

@@ -431,7 +431,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     ('float32', 'int64', (2, 2))
     """
     target = _devices.name_of(device)
-    _native.ensure_device(target)
+    _fallback.ensure_device(target)
     if like is not None and like not in _LIKE:
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
     if like not in (None, fw.NATIVE) and (target.startswith("emu") or (like == fw.NUMPY and target != "cpu")):
@@ -724,7 +724,7 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
             "streams the file onto the device: drop device= (out= decides where data goes)"
         )
     if on_device:
-        _native.ensure_device(target)
+        _fallback.ensure_device(target)
         if like == fw.NUMPY or (like not in (None, fw.NATIVE) and target.startswith("emu")):
             raise ValueError(f"like={like!r} cannot hold memory of {target}")
     # NumPy (the common case) and tensorferry results are built natively in one pass;

@@ -51,6 +51,22 @@ def off_engine(leaf, kind):
     return device
 
 
+def ensure_device(target):
+    """``_native.ensure_device(target)``; where PyTorch is a ROCm build, the error for an
+    absent CUDA GPU says that its "cuda" GPUs are AMD GPUs, which only the fallback reaches
+    (and only to move tensors off them)."""
+    try:
+        return _native.ensure_device(target)
+    except DeviceUnavailableError as e:
+        if not (target.startswith("cuda") and fw._torch_is_rocm()):
+            raise
+        raise DeviceUnavailableError(
+            f"{e}. PyTorch here is a ROCm build: its \"cuda\" GPUs are AMD GPUs, which tensorferry's engine "
+            "does not drive (it drives CUDA). Its fallback moves tensors off them through PyTorch's own copies "
+            "(to_host, to_numpy, save); to put tensors on them, use PyTorch (tensor.to('cuda'))"
+        ) from None
+
+
 def split(leaves):
     """``(the engine's [(path, leaf)], the fallback's [(path, leaf, kind, device)])``. The
     common leaves (NumPy arrays, tensorferry tensors, PyTorch tensors on the host or on
