@@ -465,3 +465,16 @@ def test_a_rocm_build_asked_for_cuda_says_its_gpus_are_amd_gpus_and_names_the_fa
             call()
         text = str(info.value)
         assert "ROCm" in text and "AMD" in text and "fallback" in text and "to_host" in text, text
+
+
+def test_saved_leaves_load_back_in_their_framework(rocm_torch, tpu_jax, tmp_path):
+    torch, jax = rocm_torch, tpu_jax
+    d = {"rocm": TorchDeviceTensor(torch, [1.0, 2.0], "cuda"), "mps": TorchDeviceTensor(torch, [3.0], "mps")}
+    tf.save(d, tmp_path / "torch.safetensors")
+    back = tf.load(tmp_path / "torch.safetensors")
+    assert all(type(back[k]) is torch.Tensor for k in d)
+    assert torch.equal(back["rocm"], torch.tensor([1.0, 2.0])) and torch.equal(back["mps"], torch.tensor([3.0]))
+    tf.save({"kernel": jax.on_tpu(np.arange(3.0))}, tmp_path / "jax.safetensors")
+    kernel = tf.load(tmp_path / "jax.safetensors")["kernel"]
+    assert isinstance(kernel, jax.Array)
+    np.testing.assert_array_equal(np.asarray(kernel), np.arange(3.0))
