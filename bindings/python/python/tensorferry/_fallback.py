@@ -51,22 +51,6 @@ def off_engine(leaf, kind):
     return device
 
 
-def ensure_device(target):
-    """``_native.ensure_device(target)``; where PyTorch is a ROCm build, the error for an
-    absent CUDA GPU says that its "cuda" GPUs are AMD GPUs, which only the fallback reaches
-    (and only to move tensors off them)."""
-    try:
-        return _native.ensure_device(target)
-    except DeviceUnavailableError as e:
-        if not (target.startswith("cuda") and fw._torch_is_rocm()):
-            raise
-        raise DeviceUnavailableError(
-            f"{e}. PyTorch here is a ROCm build: its \"cuda\" GPUs are AMD GPUs, which tensorferry's engine "
-            "does not drive (it drives CUDA). Its fallback moves tensors off them through PyTorch's own copies "
-            "(to_host, to_numpy, save); to put tensors on them, use PyTorch (tensor.to('cuda'))"
-        ) from None
-
-
 def split(leaves):
     """``(the engine's [(path, leaf)], the fallback's [(path, leaf, kind, device)])``. The
     common leaves (NumPy arrays, tensorferry tensors, PyTorch tensors on the host or on
@@ -83,9 +67,10 @@ def split(leaves):
                 continue
         elif t is ndarray or t is native:
             continue
-        device = off_engine(leaf, fw.kind_of(leaf))
+        kind = fw.kind_of(leaf)
+        device = off_engine(leaf, kind)
         if device is not None:
-            other.append((path, leaf, fw.kind_of(leaf), device))
+            other.append((path, leaf, kind, device))
     if not other:
         return leaves, []
     taken = {id(leaf) for _, leaf, _, _ in other}
@@ -104,6 +89,8 @@ def start(leaves, target, non_blocking, pinned=False, staging=None):
 
 
 def _refuse_engine_options(other, pinned, staging):
+    """A :class:`DeviceUnavailableError` for what only the engine gives (its pinned pool, a
+    staging ring asked for), naming the first such leaf, its device and the fallback."""
     path, _, kind, device = other[0]
     where = f"the value at {shown(path)!r} lives on {device}, which tensorferry's engine does not drive"
     how = f"it moves through {_NAMES.get(kind, kind)}'s own copies instead (tensorferry's fallback)"
@@ -263,13 +250,12 @@ def on_host(tensors, kinds, paths):
     """``(tensors, kinds)`` with every leaf off the engine's devices replaced by a host copy
     from its framework (and that copy's kind), for a writer that reads host and engine
     memory only."""
-    items = [(p, t, k, off_engine(t, k)) for p, t, k in zip(paths, tensors, kinds)]
-    other = [item for item in items if item[3] is not None]
+    other = split(list(zip(paths, tensors)))[1]
     if not other:
         return tensors, kinds
     hosted = Started(other, "cpu", False).results()
-    tensors = [hosted.get(id(t), t) for t in tensors]
-    return tensors, [fw.kind_of(t) for t in tensors]
+    copies = [hosted.get(id(t), t) for t in tensors]
+    return copies, [fw.kind_of(c) if c is not t else k for c, t, k in zip(copies, tensors, kinds)]
 
 
 def on_host_tree(obj):
@@ -279,3 +265,19 @@ def on_host_tree(obj):
     if not other:
         return obj
     return _native.rebuild(obj, Started(other, "cpu", False).results(), False)
+
+
+def ensure_device(target):
+    """``_native.ensure_device(target)``; where PyTorch is a ROCm build, the error for an
+    absent CUDA GPU says that its "cuda" GPUs are AMD GPUs, which only the fallback reaches
+    (and only to move tensors off them)."""
+    try:
+        return _native.ensure_device(target)
+    except DeviceUnavailableError as e:
+        if not (target.startswith("cuda") and fw._torch_is_rocm()):
+            raise
+        raise DeviceUnavailableError(
+            f"{e}. PyTorch here is a ROCm build: its \"cuda\" GPUs are AMD GPUs, which tensorferry's engine "
+            "does not drive (it drives CUDA). Its fallback moves tensors off them through PyTorch's own copies "
+            "(to_host, to_numpy, save); to put tensors on them, use PyTorch (tensor.to('cuda'))"
+        ) from None
