@@ -8,7 +8,9 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};
+// `AttributeError` is the protocol's answer for "no interface here" (`hasattr` says no):
+// the one bare built-in the binding raises.
+use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use tensorferry::storage::ForeignMemory;
@@ -32,7 +34,7 @@ impl Drop for Producer {
 /// The element type of a typestr such as `"<f4"`, `"|b1"` or `"<c8"`.
 fn dtype_of(typestr: &str) -> PyResult<DType> {
     let bad = || {
-        PyTypeError::new_err(format!(
+        crate::errors::type_err(format!(
             "unsupported CUDA Array Interface typestr {typestr:?}"
         ))
     };
@@ -46,7 +48,7 @@ fn dtype_of(typestr: &str) -> PyResult<DType> {
         '|' => {}
         '>' if size == 1 => {}
         _ => {
-            return Err(PyTypeError::new_err(format!(
+            return Err(crate::errors::type_err(format!(
                 "typestr {typestr:?}: byte-swapped device data is not supported"
             )))
         }
@@ -93,7 +95,7 @@ fn typestr_of(dtype: DType) -> Option<&'static str> {
 }
 
 fn invalid(what: impl std::fmt::Display) -> PyErr {
-    PyValueError::new_err(format!("invalid __cuda_array_interface__: {what}"))
+    crate::errors::format_err(format!("invalid __cuda_array_interface__: {what}"))
 }
 
 /// Where the elements lie around element 0, in bytes, `(below, above)`, with overflow

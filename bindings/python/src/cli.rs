@@ -29,7 +29,7 @@ impl CliProgress {
         match kind {
             "bytes" => Ok(CliProgress(progress::bytes(total))),
             "steps" => Ok(CliProgress(progress::steps(total))),
-            _ => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            _ => Err(crate::errors::format_err(format!(
                 "kind={kind:?}: \"bytes\" or \"steps\""
             ))),
         }

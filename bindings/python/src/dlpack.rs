@@ -3,7 +3,6 @@
 
 use std::ffi::{c_void, CStr};
 
-use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use tensorferry::dlpack::{self, DLManagedTensor, DLManagedTensorVersioned, ManagedTensor};
@@ -52,7 +51,7 @@ pub fn import_capsule(capsule: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             // As above, for a legacy capsule.
             ManagedTensor::legacy(p)
         } else {
-            return Err(PyTypeError::new_err(
+            return Err(crate::errors::type_err(
                 "expected an unused DLPack capsule (\"dltensor\" or \"dltensor_versioned\")",
             ));
         }
@@ -75,7 +74,7 @@ pub fn import_object(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     kwargs.set_item("max_version", (1, 1))?;
     let capsule = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
         Ok(c) => c,
-        Err(e) if e.is_instance_of::<PyTypeError>(py) => {
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyTypeError>(py) => {
             kwargs.del_item("max_version")?;
             obj.call_method("__dlpack__", (), Some(&kwargs))?
         }
@@ -145,7 +144,7 @@ pub fn export_capsule(
             let owned;
             let src = if t.is_read_only() {
                 if !allow_copy {
-                    return Err(PyBufferError::new_err(
+                    return Err(crate::errors::buffer_err(
                         "read-only memory cannot be exported through DLPack < 1.0 without a copy",
                     ));
                 }

@@ -26,6 +26,22 @@ exception_class!(oom_error, "OutOfMemoryError");
 exception_class!(invalid_device_error, "InvalidDeviceError");
 exception_class!(key_error, "TensorferryKeyError");
 exception_class!(overflow_error, "TensorferryOverflowError");
+exception_class!(type_error, "TensorferryTypeError");
+exception_class!(runtime_error, "TensorferryRuntimeError");
+exception_class!(buffer_error, "TensorferryBufferError");
+exception_class!(copy_error, "CopyError");
+
+/// An exception of `class` (looked up once) with `message`; if the class cannot be
+/// imported, that import error.
+fn raised(
+    class: for<'py> fn(Python<'py>) -> PyResult<&'py Bound<'py, PyType>>,
+    message: String,
+) -> PyErr {
+    Python::attach(|py| match class(py) {
+        Ok(cls) => PyErr::from_type(cls.clone(), message),
+        Err(e) => e,
+    })
+}
 
 /// Converts a library error into the matching Python exception.
 pub fn to_py(err: Error) -> PyErr {
@@ -41,6 +57,11 @@ pub fn to_py(err: Error) -> PyErr {
             Error::OutOfMemory { .. } => oom_error(py),
             Error::InvalidDevice { .. } => invalid_device_error(py),
             Error::KeyNotFound { .. } => key_error(py),
+            Error::Copy { device, reason } => {
+                return copy_error(py)
+                    .and_then(|cls| cls.call1((device, reason)))
+                    .map_or_else(|e| e, PyErr::from_value);
+            }
             Error::Io { op, source, path } => {
                 return io_err(py, op, source, path).unwrap_or_else(|e| e);
             }
@@ -86,19 +107,44 @@ fn io_err(
 }
 
 /// A `TensorferryOverflowError` (also an `OverflowError`) with a message.
-pub fn overflow_err(message: String) -> PyErr {
-    Python::attach(|py| match overflow_error(py) {
-        Ok(cls) => PyErr::from_type(cls.clone(), message),
-        Err(e) => e,
-    })
+pub fn overflow_err(message: impl Into<String>) -> PyErr {
+    raised(overflow_error, message.into())
 }
 
-/// A `FormatError` with a message (bad data found on the Python side).
-pub fn format_err(message: String) -> PyErr {
-    to_py(Error::InvalidValue {
-        key: String::new(),
-        reason: message,
-    })
+/// A `FormatError` (also a `ValueError`) with a message: bad data or a bad argument
+/// value found on the Python side.
+pub fn format_err(message: impl Into<String>) -> PyErr {
+    raised(format_error, message.into())
+}
+
+/// A `TensorferryTypeError` (also a `TypeError`) with a message: an argument of the
+/// wrong type.
+pub fn type_err(message: impl Into<String>) -> PyErr {
+    raised(type_error, message.into())
+}
+
+/// A `TensorferryRuntimeError` (also a `RuntimeError`) with a message: a failure of the
+/// run, not of its inputs (a thread that would not start, a structure changed meanwhile).
+pub fn runtime_err(message: impl Into<String>) -> PyErr {
+    raised(runtime_error, message.into())
+}
+
+/// A `TensorferryBufferError` (also a `BufferError`) with a message: memory that cannot
+/// be lent or read as asked.
+pub fn buffer_err(message: impl Into<String>) -> PyErr {
+    raised(buffer_error, message.into())
+}
+
+/// `err` with `index` set on it when it is a `CopyError`: the position, among the tensors
+/// a caller waited for, of the one whose copy failed (see `tensorferry._errors.naming_key`).
+pub fn at_index(py: Python<'_>, err: PyErr, index: usize) -> PyErr {
+    if let Ok(cls) = copy_error(py) {
+        if err.is_instance(py, cls) {
+            // Setting an attribute on an exception instance does not fail.
+            let _ = err.value(py).setattr("index", index);
+        }
+    }
+    err
 }
 
 /// Result alias for library calls.
@@ -124,13 +170,9 @@ pub fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
                 .map(|s| s.to_string())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
-            Python::attach(|py| match base_error(py) {
-                Ok(cls) => Err(PyErr::from_type(
-                    cls.clone(),
-                    format!("internal error in tensorferry (please report): {what}"),
-                )),
-                Err(e) => Err(e),
-            })
+            Err(runtime_err(format!(
+                "internal error in tensorferry (please report): {what}"
+            )))
         }
     }
 }

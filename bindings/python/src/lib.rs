@@ -385,7 +385,7 @@ fn unbind(tensor: &Bound<'_, PyTensor>) -> PyResult<Vec<PyTensor>> {
     guard(|| {
         let t = &tensor.get().inner;
         let Some((&rows, row_shape)) = t.shape().split_first().filter(|_| t.is_contiguous()) else {
-            return Err(pyo3::exceptions::PyValueError::new_err(
+            return Err(errors::format_err(
                 "unbind takes a contiguous tensor of at least one dimension",
             ));
         };
@@ -463,7 +463,7 @@ fn to_dlpack_capsules(
             .iter()
             .map(|t| {
                 if matches!(t.device(), Device::Emulated(_)) {
-                    return Err(pyo3::exceptions::PyBufferError::new_err(format!(
+                    return Err(errors::buffer_err(format!(
                         "{} memory has no DLPack device: move it to the host first",
                         t.device()
                     )));
@@ -513,7 +513,7 @@ fn wait_tensors(
                     std::time::Instant::now() + std::time::Duration::from_secs_f64(s.min(1e9));
                 wait::wait_until(py, inner, Some(deadline))
             }
-            Some(s) => Err(pyo3::exceptions::PyValueError::new_err(format!(
+            Some(s) => Err(errors::format_err(format!(
                 "timeout must be a non-negative number of seconds, not {s}"
             ))),
         }

@@ -56,9 +56,7 @@ fn dtype_of(descr: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
 /// array's layout or dtype cannot be viewed (the caller converts it first).
 pub fn array_to_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
     if !is_ndarray(obj)? {
-        return Err(pyo3::exceptions::PyTypeError::new_err(
-            "expected a numpy.ndarray",
-        ));
+        return Err(crate::errors::type_err("expected a numpy.ndarray"));
     }
     // SAFETY: checked just above that `obj` is a numpy.ndarray (or a subclass).
     let arr = unsafe { obj.cast_unchecked::<PyUntypedArray>() };

@@ -1,6 +1,5 @@
 //! `tensorferry.Tensor`: a native tensor seen from Python, with NumPy and DLPack exchange.
 
-use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use tensorferry::{Device, Tensor};
@@ -133,7 +132,7 @@ impl PyTensor {
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
         if matches!(self.inner.device(), Device::Emulated(_)) {
-            return Err(PyBufferError::new_err(format!(
+            return Err(crate::errors::buffer_err(format!(
                 "{} memory has no DLPack device: move it to the host first",
                 self.inner.device()
             )));
@@ -146,7 +145,7 @@ impl PyTensor {
         }
         if let Some(dev) = dl_device {
             if dev != self.__dlpack_device__() {
-                return Err(PyBufferError::new_err(format!(
+                return Err(crate::errors::buffer_err(format!(
                     "cannot export a tensor on {} to DLPack device {dev:?}",
                     self.inner.device()
                 )));
@@ -218,7 +217,7 @@ impl PyTensor {
             .shape()
             .first()
             .copied()
-            .ok_or_else(|| PyTypeError::new_err("len() of a 0-d tensor"))
+            .ok_or_else(|| crate::errors::type_err("len() of a 0-d tensor"))
     }
 
     fn __repr__(&self) -> String {
@@ -245,17 +244,15 @@ pub fn consumer_stream(
         return Ok(None);
     }
     let handle: i128 = stream.extract().map_err(|_| {
-        pyo3::exceptions::PyTypeError::new_err(
-            "__dlpack__(stream=…) takes an integer CUDA stream handle",
-        )
+        crate::errors::type_err("__dlpack__(stream=…) takes an integer CUDA stream handle")
     })?;
     match handle {
         -1 => Ok(None),
-        0 => Err(PyBufferError::new_err(
+        0 => Err(crate::errors::buffer_err(
             "stream 0 is ambiguous in DLPack: pass 1 (legacy default) or 2 (per-thread default)",
         )),
         h if h > 0 && h <= usize::MAX as i128 => Ok(Some(h as usize)),
-        h => Err(PyBufferError::new_err(format!(
+        h => Err(crate::errors::buffer_err(format!(
             "{h} is not a CUDA stream handle"
         ))),
     }

@@ -15,8 +15,10 @@ use crate::errors::IntoPy;
 /// How long one slice of a wait lasts before signals are checked.
 const SLICE: Duration = Duration::from_millis(50);
 
-/// Waits until every copy into `tensors` has finished; the first failure as its error;
-/// an interruption (a signal handler that raises) as that exception.
+/// Waits until every copy into `tensors` has finished; the first failure as its error (a
+/// `CopyError` carries the position of the tensor in `tensors` as `index`, so that a caller
+/// that knows their key paths can name one); an interruption (a signal handler that
+/// raises) as that exception.
 pub fn wait_all<'a>(py: Python<'_>, tensors: impl IntoIterator<Item = &'a Tensor>) -> PyResult<()> {
     wait_until(py, tensors, None).map(|_| ())
 }
@@ -28,11 +30,15 @@ pub fn wait_until<'a>(
     tensors: impl IntoIterator<Item = &'a Tensor>,
     deadline: Option<Instant>,
 ) -> PyResult<bool> {
-    for t in tensors {
+    for (index, t) in tensors.into_iter().enumerate() {
         loop {
             let left = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()));
             // A failed copy is ready too: `wait_timeout` reports its error either way.
-            if py.detach(|| t.wait_timeout(left.min(SLICE))).py_err()? {
+            let ready = py
+                .detach(|| t.wait_timeout(left.min(SLICE)))
+                .py_err()
+                .map_err(|e| crate::errors::at_index(py, e, index))?;
+            if ready {
                 break;
             }
             if deadline.is_some() && left <= SLICE {
@@ -101,9 +107,7 @@ pub fn run_interruptibly<T: Send + 'static>(
             // The receiver may have gone (interrupted): then the result is dropped here.
             let _ = tx.send(work(&flag));
         })
-        .map_err(|e| {
-            pyo3::exceptions::PyRuntimeError::new_err(format!("cannot start a {name} thread: {e}"))
-        })?;
+        .map_err(|e| crate::errors::runtime_err(format!("cannot start a {name} thread: {e}")))?;
     let mut rx = rx;
     loop {
         // The receiver goes with the detached closure and comes back (it is `Send`, not
@@ -119,7 +123,7 @@ pub fn run_interruptibly<T: Send + 'static>(
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                return Err(crate::errors::runtime_err(format!(
                     "internal error in tensorferry (please report): the {name} thread stopped"
                 )))
             }

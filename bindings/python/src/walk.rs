@@ -409,7 +409,7 @@ impl<'py> Rebuilder<'_, 'py> {
     }
 
     fn changed(&self) -> PyErr {
-        pyo3::exceptions::PyRuntimeError::new_err(format!(
+        crate::errors::runtime_err(format!(
             "the structure changed during the call at {:?}: a tensor appeared that was not \
              there when its leaves were collected (another thread modified it?)",
             shown_path(&self.path)

@@ -122,3 +122,38 @@ def test_strided_views_are_copied_in_order():
     x = tensorflow.transpose(tensorflow.reshape(tensorflow.range(12, dtype=tensorflow.float32), (3, 4)))
     out = tf.to_host({"x": x}, copy=True)
     np.testing.assert_array_equal(out["x"].numpy(), x.numpy())
+
+
+@pytest.fixture
+def on_tpu(monkeypatch):
+    """TensorFlow whose tensors report a TPU ("/device:TPU:0"), as TensorFlow names one; the
+    fallback's ``tf.identity`` calls recorded with the device they ran on."""
+    from tensorferry import _frameworks
+
+    monkeypatch.setattr(_frameworks, "_tf_device", lambda name: "tpu:0")
+    calls = []
+    real = tensorflow.identity
+
+    def identity(x, *args, **kwargs):
+        out = real(x, *args, **kwargs)
+        calls.append(out.device)
+        return out
+
+    monkeypatch.setattr(tensorflow, "identity", identity)
+    return calls
+
+
+@pytest.mark.parametrize("call", ["to_host", "to_numpy", "save"])
+def test_a_tensor_on_a_tpu_moves_through_tf_identity_on_the_host(on_tpu, call, tmp_path):
+    d = {"model": {"w": tensorflow.constant([1.0, 2.0])}, "host": np.arange(3), "step": 4}
+    if call == "to_host":
+        out = tf.to_host(d)
+        assert isinstance(out["model"]["w"], tensorflow.Tensor) and out["host"] is d["host"]
+    elif call == "to_numpy":
+        out = tf.to_numpy(d)
+    else:
+        tf.save(d, tmp_path / "f.safetensors")
+        out = tf.load(tmp_path / "f.safetensors", like="numpy")
+    np.testing.assert_array_equal(np.asarray(out["model"]["w"]), [1.0, 2.0])
+    assert out["step"] == 4
+    assert len(on_tpu) == 1 and on_tpu[0].endswith("CPU:0"), on_tpu

@@ -191,7 +191,7 @@ def scenario_four(rank, world, folder, mesh):
             t.to_local().sub_(1.0)
 
     out["overwrite_false"] = _expect_checkpoint_failure(
-        lambda: dcp.save(state, storage_writer=TensorferryWriter(ckpt, overwrite=False)), "FileExistsError")
+        lambda: dcp.save(state, storage_writer=TensorferryWriter(ckpt, overwrite=False)), "TensorferryFileExistsError")
 
     class FailingWriter(TensorferryWriter):
         def write_data(self, plan, planner):

@@ -277,6 +277,45 @@ def test_ctrl_c_interrupts_a_direct_load_onto_a_device_within_a_second(tmp_path)
     assert time.monotonic() - sent < 2, "KeyboardInterrupt came only after the load"
 
 
+_SLOW_SAVE = """
+import os, sys, time, numpy as np, tensorferry as tf
+p = sys.argv[1]
+tf.save({"old": np.zeros(4, np.uint8)}, p)
+on_device = tf.to_device({"x": np.ones(20 << 20, np.uint8)}, "emu:0")
+tf.configure_emulated(0, bandwidth_gbps=0.002)  # 2 MB/s: the save would take 10 s
+print("saving", flush=True)
+try:
+    tf.save(on_device, p, staging=(1 << 20, 2))
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", sorted(tf.load(p)), flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_a_blocking_save_within_a_second_and_the_file_stays_whole(tmp_path):
+    p = tmp_path / "slow.safetensors"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SAVE, str(p)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "saving"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        line = proc.stdout.readline()
+        answered = time.monotonic() - sent
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert line.startswith("interrupted"), (line, out, err)
+    assert answered < 2, f"KeyboardInterrupt came {answered:.1f} s after Ctrl-C"
+    # Read while the save went on: the old checkpoint, whole; the exit then waited for the
+    # save, so the new one is there once the process has ended.
+    assert "['old']" in line, line
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert sorted(tf.load(p)) == ["x"]
+
+
 # ---- a broadcast view bound for a device too small ----------------------------------------
 
 _BROADCAST = """

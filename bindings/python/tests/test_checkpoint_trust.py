@@ -26,6 +26,11 @@ _SAVER = textwrap.dedent(
     folder, version, shard, names = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
     shapes = {n: tuple(s) for n, s in __import__("json").loads(open(names).read()).items()}
     state = {n: np.full(s, version, np.float32) for n, s in shapes.items()}
+    # Plain values travel in the checkpoint's record (the index's, when sharded): a mix of
+    # new tensors and old values shows as a step that is not the tensors' version.
+    import os
+    state["step"] = int(version)
+    state["notes"] = f"v{int(version)}" + "x" * int(os.environ.get("TF_NOTES_BYTES", "0"))
     print("go", flush=True)
     tf.save(state, folder + "/model.safetensors", metadata={"format": "pt"},
             max_shard_size=None if shard == "none" else int(shard))
@@ -69,11 +74,15 @@ def _versions_seen(folder, transformers=None):
 
     seen = {}
     loaded = tf.load(folder, like="numpy")
+    step, notes = loaded.pop("step"), loaded.pop("notes")
     per_tensor = [np.unique(v) for v in loaded.values()]
     assert all(u.size == 1 for u in per_tensor), "a tensor mixes two saves"
     values = {float(u[0]) for u in per_tensor}
     assert len(values) == 1, f"tensorferry loads a mix of saves: {sorted(values)}"
     seen["tensorferry"] = values.pop()
+    assert step == seen["tensorferry"] and notes.startswith(f"v{step}"), (
+        f"tensorferry loads the plain values of save {step} with the tensors of save {seen['tensorferry']}"
+    )
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
         files = {name: single for name in loaded}
@@ -168,6 +177,34 @@ def test_a_save_that_fails_part_way_leaves_the_previous_checkpoint(tmp_path):
         )
         assert result.returncode != 0 and "File too large" in result.stderr, result.stderr
         assert _versions_seen(str(folder)) == 1
+    assert not [n for n in os.listdir(folder) if n.endswith(".tmp")], "no temporary file is left"
+
+
+def test_a_failed_index_write_leaves_the_previous_tensors_and_plain_values(tmp_path):
+    # Shards of 1 MiB fit a file-size limit of 2 MiB; the index, which carries the plain
+    # values' record (a 3 MiB note), does not: the save fails at its last file.
+    mib = 1 << 18
+    names = tmp_path / "names.json"
+    names.write_text(json.dumps({f"t{i}": [mib] for i in range(4)}))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    assert _start_save(folder, 1, 1 << 20, names).wait(60) == 0
+    limited = textwrap.dedent(
+        """
+        import resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+        """
+    ) + _SAVER
+    env = {**_env(), "TF_NOTES_BYTES": str(3 << 20)}
+    result = subprocess.run(
+        [sys.executable, "-c", limited, str(folder), "2", str(1 << 20), str(names)],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert result.returncode != 0 and "File too large" in result.stderr, result.stderr
+    assert "index.json" in result.stderr.splitlines()[-1], "the index write failed: " + result.stderr
+    assert _versions_seen(str(folder)) == 1
+    assert tf.load(folder)["notes"] == "v1"
     assert not [n for n in os.listdir(folder) if n.endswith(".tmp")], "no temporary file is left"
 
 

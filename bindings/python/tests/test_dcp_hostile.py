@@ -336,3 +336,39 @@ def test_a_fifo_as_a_rank_file_is_refused_at_once_every_way_in(tmp_path):
     _assert_not_regular(_cause(got.get("error")), path)
     got = _run_with_deadline(lambda: consolidate(ckpt, tmp_path / "hf"), [path])
     _assert_not_regular(got.get("error"), path)
+
+
+class _RunsCode:
+    """A value whose pickle calls ``os.system`` when unpickled in full."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_byte_item_that_would_run_code_is_refused_and_nothing_runs(tmp_path):
+    # DCP pickles non-tensor values into byte items, and its planner unpickles them in
+    # full (torch.load(weights_only=False)): a crafted rank file would run code there.
+    marker = tmp_path / "PWNED"
+    ckpt = _checkpoint(tmp_path, {"w": torch.arange(12.0).reshape(3, 4), "extra": _RunsCode(marker)})
+    assert not marker.exists()  # saving pickles the value; nothing ran
+    (info,) = {i.file for i in TensorferryReader(ckpt).read_metadata().storage_data.values()}
+    target = {"w": torch.zeros(3, 4), "extra": None}
+    with pytest.raises(dcp.api.CheckpointException) as raised:
+        dcp.load(target, storage_reader=TensorferryReader(ckpt), no_dist=True)
+    (cause,) = raised.value.failures.values()
+    text = str(cause)
+    assert "FormatError" in repr(cause) or isinstance(cause, tf.FormatError) or "weights_only=True" in text, text
+    assert "'extra'" in text and info in text, text
+    assert not marker.exists(), "the byte item's pickle ran"
+
+
+def test_plain_byte_items_still_load(tmp_path):
+    state = {"w": torch.arange(6.0), "step": 7, "betas": (0.9, 0.999), "note": "run-1", "cfg": {"lr": 0.1}}
+    ckpt = _checkpoint(tmp_path, state)
+    target = {"w": torch.zeros(6), "step": 0, "betas": (0.0, 0.0), "note": "", "cfg": {"lr": 0.0}}
+    dcp.load(target, storage_reader=TensorferryReader(ckpt), no_dist=True)
+    assert torch.equal(target["w"], state["w"])
+    assert {k: v for k, v in target.items() if k != "w"} == {k: v for k, v in state.items() if k != "w"}

@@ -158,7 +158,7 @@ def _plain_target_like(truth):
 
 def test_overwrite_false_refuses_an_existing_checkpoint_on_every_rank(four):
     for rank, r in four[1].items():
-        assert r["overwrite_false"] == {str(i): "FileExistsError" for i in range(4)}, (rank, r)
+        assert r["overwrite_false"] == {str(i): "TensorferryFileExistsError" for i in range(4)}, (rank, r)
 
 
 def test_a_write_failing_on_one_rank_fails_the_save_on_every_rank_and_keeps_the_checkpoint(four):

@@ -1,7 +1,11 @@
 """Errors: one base class, each kind also its built-in, with the reason in the message."""
 
+import ast
+import builtins
 import errno
 import os
+import pathlib
+import pickle
 import re
 import stat
 import subprocess
@@ -15,12 +19,164 @@ import pytest
 import tensorferry as tf
 
 
-def test_every_error_class_derives_from_the_base_and_its_builtin():
-    assert issubclass(tf.FormatError, tf.TensorferryError) and issubclass(tf.FormatError, ValueError)
-    assert issubclass(tf.DeviceUnavailableError, RuntimeError)
-    assert issubclass(tf.OutOfMemoryError, MemoryError)
-    assert issubclass(tf.InvalidDeviceError, ValueError)
-    assert issubclass(tf.TensorferryIOError, OSError)
+@pytest.mark.parametrize(
+    "cls, builtin",
+    [
+        (tf.FormatError, ValueError),
+        (tf.InvalidDeviceError, ValueError),
+        (tf.DeviceUnavailableError, RuntimeError),
+        (tf.CopyError, RuntimeError),
+        (tf.ProcessGroupError, RuntimeError),
+        (tf.TensorferryRuntimeError, RuntimeError),
+        (tf.OutOfMemoryError, MemoryError),
+        (tf.OutOfMemoryError, RuntimeError),  # as torch.OutOfMemoryError is
+        (tf.TensorferryIOError, OSError),
+        (tf.TensorferryKeyError, KeyError),
+        (tf.TensorferryTypeError, TypeError),
+        (tf.TensorferryOverflowError, OverflowError),
+        (tf.TensorferryBufferError, BufferError),
+    ],
+)
+def test_every_error_class_derives_from_the_base_and_its_builtin(cls, builtin):
+    assert issubclass(cls, tf.TensorferryError) and issubclass(cls, builtin)
+
+
+def test_every_exported_error_class_is_in_the_hierarchy():
+    exported = [getattr(tf, n) for n in tf.__all__ if n.endswith("Error")]
+    assert tf.CopyError in exported
+    assert all(issubclass(c, tf.TensorferryError) for c in exported)
+
+
+# ---- no bare built-in raise: every error the package raises is a TensorferryError
+
+PACKAGE = pathlib.Path(tf.__file__).parent
+BINDING_SRC = pathlib.Path(__file__).parent.parent / "src"
+_BUILTIN_ERRORS = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+# Raises that are protocol, not failure: what Python itself requires them to be.
+_PROTOCOL = {"StopIteration", "StopAsyncIteration", "KeyboardInterrupt", "SystemExit", "GeneratorExit"}
+# A branch that cannot run: a bug of tensorferry's, not an error of the caller's.
+_UNREACHABLE = {"AssertionError"}
+# By the function that raises: `__getattr__` must raise AttributeError (hasattr, module
+# attributes made on first use); a Future's `result(timeout=)` raises TimeoutError, as
+# concurrent.futures does.
+_BY_FUNCTION = {"__getattr__": {"AttributeError"}, "result": {"TimeoutError"}}
+
+
+def _bare_raises(path):
+    """``(line, class name)`` of every ``raise`` of a built-in exception class in the
+    file, outside the exemptions above."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+
+    def visit(node, function):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Attribute) and isinstance(exc.value, ast.Name) and exc.value.id == "builtins":
+                name = exc.attr
+            else:
+                name = exc.id if isinstance(exc, ast.Name) else None
+            allowed = _PROTOCOL | _UNREACHABLE | _BY_FUNCTION.get(function, set())
+            if name in _BUILTIN_ERRORS and name not in allowed:
+                found.append((node.lineno, name))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(tree, None)
+    return found
+
+
+def test_the_package_raises_no_bare_builtin_exception():
+    files = sorted(PACKAGE.glob("*.py"))
+    assert files, PACKAGE
+    bare = [f"{p.name}:{line}: raise {name}" for p in files for line, name in _bare_raises(p)]
+    assert not bare, "raise a class of tensorferry._errors instead (each is also its built-in):\n" + "\n".join(bare)
+
+
+def test_the_binding_creates_no_bare_builtin_exception():
+    if not BINDING_SRC.is_dir():
+        pytest.skip("the binding's Rust source is not beside the tests")
+    # `AttributeError` alone: `__cuda_array_interface__` on a tensor that has none (so
+    # that `hasattr` says no).
+    bare = [
+        f"{p.name}:{i}: {m.group(0)}"
+        for p in sorted(BINDING_SRC.glob("*.rs"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        for m in re.finditer(r"Py(\w+)::new_err", line)
+        if m.group(1) != "AttributeError"
+    ]
+    assert not bare, "use the constructors of errors.rs instead:\n" + "\n".join(bare)
+
+
+def test_the_scan_finds_a_bare_raise(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "def f(x):\n"
+        "    if x:\n"
+        "        raise ValueError('bare')\n"
+        "    raise builtins.TypeError\n"
+        "def __getattr__(name):\n"
+        "    raise AttributeError(name)\n"
+    )
+    assert _bare_raises(src) == [(3, "ValueError"), (4, "TypeError")]
+
+
+# ---- a failed copy is a CopyError, not an unavailable device
+
+
+@pytest.fixture
+def failing_emu0():
+    """emu:0 with its next copy failing (an injected fault); reset afterwards."""
+    tf.configure_emulated(0, fail_copy=1)
+    yield "emu:0"
+    tf.configure_emulated(0)
+
+
+def test_a_failed_copy_is_a_copy_error_naming_the_device_and_the_cause(failing_emu0):
+    src = {"x": np.arange(100, dtype=np.float32)}
+    with pytest.raises(tf.CopyError, match=r"a copy on emu:0 failed: injected fault") as info:
+        tf.to_device(src, failing_emu0)
+    e = info.value
+    assert (e.device, e.key) == ("emu:0", None) and "fail_copy=1" in e.cause
+    assert not isinstance(e, tf.DeviceUnavailableError)
+    np.testing.assert_array_equal(src["x"], np.arange(100, dtype=np.float32))
+
+
+@pytest.mark.parametrize("catch", [RuntimeError, tf.TensorferryError], ids=["RuntimeError", "TensorferryError"])
+def test_a_failed_copy_is_caught_as_runtime_error_and_as_the_base(failing_emu0, catch):
+    try:
+        tf.to_device({"x": np.ones(10)}, failing_emu0)
+    except catch as e:
+        assert isinstance(e, tf.CopyError) and "emu:0" in str(e)
+    else:
+        pytest.fail("the injected fault raised nothing")
+
+
+def test_a_failed_copy_says_which_of_the_waited_tensors_met_it(failing_emu0):
+    # The native wait gives the position of the tensor; a caller that knows the key paths
+    # names the key with naming_key.
+    from tensorferry._errors import naming_key
+
+    with pytest.raises(tf.CopyError) as info:
+        tf.to_device({"x": np.ones(10)}, failing_emu0)
+    assert info.value.index == 0
+    assert naming_key(info.value, ["x"]).key == "x"
+
+
+def test_a_copy_error_survives_pickling():
+    e = pickle.loads(pickle.dumps(tf.CopyError("cuda:1", "an illegal address", key="w")))
+    assert (type(e), e.device, e.cause, e.key) == (tf.CopyError, "cuda:1", "an illegal address", "w")
+    assert str(e) == "a copy on cuda:1 failed (filling 'w'): an illegal address"
+
+
+def test_an_os_error_subclass_survives_pickling():
+    # Errors cross processes so (DCP gathers every rank's failure).
+    from tensorferry._errors import io_error
+
+    e = pickle.loads(pickle.dumps(io_error(errno.EEXIST, "a checkpoint exists there", "/ckpt/.metadata")))
+    assert isinstance(e, FileExistsError) and isinstance(e, tf.TensorferryIOError)
+    assert (e.errno, e.filename) == (errno.EEXIST, "/ckpt/.metadata")
 
 
 @pytest.mark.parametrize("bad", ["gpu", "cuda:", "cuda:x", "", "cpu:0:1"])

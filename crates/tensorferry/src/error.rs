@@ -27,6 +27,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// A queued copy that failed on a device that is there: an injected fault, a driver
+    /// error on the copy, a panic on the thread that ran it. Not
+    /// [`Error::DeviceUnavailable`]: the device exists and other copies may well succeed.
+    #[error("a copy on {device} failed: {reason}")]
+    Copy {
+        /// The device whose work failed, e.g. `cuda:1` or `emu:0` (never the host a
+        /// result was meant for).
+        device: String,
+        /// What went wrong.
+        reason: String,
+    },
+
     /// An allocation failed on a device or on the host.
     #[error(
         "out of memory on {device}: asked for {requested} bytes, {free} free of {total}{}",

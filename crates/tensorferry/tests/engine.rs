@@ -633,13 +633,18 @@ fn failed_host_result() -> Tensor {
     back.into_iter().next().unwrap()
 }
 
-/// Checks that `result` is the injected failure of emu:1, named as such (not as the host
-/// the result was meant for).
+/// Checks that `result` is the injected failure of emu:1: a failed copy (not an unavailable
+/// device), named as emu:1's (not as the host the result was meant for).
 #[track_caller]
 fn assert_emu1_failure<T: std::fmt::Debug>(what: &str, result: tensorferry::Result<T>) {
-    let err = result.expect_err(what).to_string();
+    let err = result.expect_err(what);
     assert!(
-        err.contains("device emu:1") && err.contains("injected fault"),
+        matches!(&err, Error::Copy { device, reason } if device == "emu:1" && reason.contains("injected fault")),
+        "{what}: {err:?}"
+    );
+    assert!(
+        err.to_string()
+            .starts_with("a copy on emu:1 failed: injected fault"),
         "{what}: {err}"
     );
 }

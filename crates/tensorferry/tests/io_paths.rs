@@ -114,6 +114,89 @@ fn a_fifo_is_refused_at_once_without_blocking() {
     }
 }
 
+/// A FIFO where a sharded checkpoint's index or one of its shards should be, and a FIFO
+/// read with `O_DIRECT`: each refused at once, naming the FIFO, never a blocked read.
+#[test]
+fn a_fifo_as_an_index_a_shard_or_under_direct_reads_is_refused_at_once() {
+    use tensorferry::io::{load_sharded, save_sharded};
+    let load = |p: PathBuf, direct: bool| {
+        load_node(
+            &p,
+            LoadOptions {
+                mmap: !direct,
+                direct,
+                copy_on_write: false,
+            },
+        )
+    };
+    // O_DIRECT on a FIFO.
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("pipe.safetensors");
+    mkfifo(&fifo);
+    let p = fifo.clone();
+    let err = within_five_seconds("a direct read of a FIFO", move || {
+        load(p, true).unwrap_err()
+    });
+    assert_eq!(io_error(&err).0, fifo);
+    assert!(
+        err.to_string().contains("is a FIFO, not a regular file"),
+        "{err}"
+    );
+
+    // A sharded checkpoint whose index, then whose second shard, is a FIFO.
+    let mut d = TensorDict::new();
+    for i in 0..4 {
+        d.insert(
+            format!("w{i}"),
+            Tensor::from_slice(&[i as f32; 256], &[256]).unwrap(),
+        );
+    }
+    let tree = tensorferry::Node::Dict(d);
+    for victim in ["index", "shard"] {
+        let dir = tempfile::tempdir().unwrap();
+        let written = save_sharded(
+            &tree,
+            dir.path().join("model.safetensors"),
+            &SaveOptions::default(),
+            2048,
+        )
+        .unwrap();
+        let index = dir.path().join("model.safetensors.index.json");
+        assert!(index.exists() && written.len() > 2, "{written:?}");
+        let target = if victim == "index" {
+            index.clone()
+        } else {
+            written
+                .iter()
+                .find(|p| p.to_string_lossy().contains("-00002-of-"))
+                .unwrap()
+                .clone()
+        };
+        std::fs::remove_file(&target).unwrap();
+        mkfifo(&target);
+        let (i, f) = (index.clone(), dir.path().to_path_buf());
+        let errs =
+            within_five_seconds(&format!("loading with a FIFO as the {victim}"), move || {
+                [
+                    ("the index", load_sharded(&i, LoadOptions::default()).err()),
+                    ("the folder", load(f, false).err()),
+                ]
+            });
+        for (how, err) in errs {
+            let err = err.unwrap_or_else(|| panic!("a FIFO as the {victim} loaded through {how}"));
+            let msg = err.to_string();
+            assert!(
+                msg.contains("is a FIFO, not a regular file"),
+                "{victim} via {how}: {msg}"
+            );
+            assert!(
+                msg.contains(&*target.file_name().unwrap().to_string_lossy()),
+                "{msg}"
+            );
+        }
+    }
+}
+
 #[test]
 fn character_devices_are_refused_at_once() {
     for dev in ["/dev/zero", "/dev/null", "/dev/tty", "/dev/urandom"] {

@@ -518,3 +518,63 @@ fn the_path_a_sharded_save_was_given_loads_it_with_or_without_the_suffix() {
         );
     }
 }
+
+/// Seconds of the fastest of two sharded saves of `tensors` one-tensor shards into a fresh
+/// folder holding `unrelated` files of another program (left untouched).
+fn sharded_save_seconds(tensors: usize, unrelated: usize) -> f64 {
+    let mut d = TensorDict::new();
+    for i in 0..tensors {
+        d.insert(
+            format!("t{i}"),
+            Tensor::from_slice(&[i as f32], &[1]).unwrap(),
+        );
+    }
+    let tree = Node::Dict(d);
+    let options = SaveOptions {
+        fsync: false,
+        ..SaveOptions::default()
+    };
+    let mut best = f64::INFINITY;
+    for _ in 0..2 {
+        let dir = tempfile::tempdir().unwrap();
+        for i in 0..unrelated {
+            std::fs::write(dir.path().join(format!("photo-{i}.jpg")), b"").unwrap();
+        }
+        let started = std::time::Instant::now();
+        let written =
+            save_sharded(&tree, dir.path().join("model.safetensors"), &options, 1).unwrap();
+        best = best.min(started.elapsed().as_secs_f64());
+        assert!(written.len() > tensors, "{} files", written.len());
+        let others = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with("photo-")
+            })
+            .count();
+        assert_eq!(others, unrelated, "a save touched files it did not write");
+    }
+    best
+}
+
+#[test]
+fn a_sharded_save_costs_linear_time_in_its_shards_and_one_scan_of_its_folder() {
+    // A scan of the folder per shard (quadratic) took 47 s for 16,000 shards. Four times
+    // the shards may cost at most about four times as much (quadratic would be 16x), and
+    // 10,000 unrelated files in the folder add one scan, not one per shard (12,000,000
+    // directory entries read).
+    let small = sharded_save_seconds(300, 0);
+    let large = sharded_save_seconds(1200, 0);
+    assert!(
+        large < 8.0 * small.max(0.02),
+        "1200 shards took {large:.3} s, 300 took {small:.3} s: not linear"
+    );
+    let crowded = sharded_save_seconds(1200, 10_000);
+    assert!(
+        crowded < 3.0 * large.max(0.05),
+        "1200 shards took {crowded:.3} s beside 10,000 unrelated files, {large:.3} s alone"
+    );
+}

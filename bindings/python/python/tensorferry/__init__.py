@@ -21,6 +21,7 @@ from ._api import (
     to_numpy,
 )
 from ._errors import (
+    CopyError,
     DeviceUnavailableError,
     FormatError,
     InvalidDeviceError,
@@ -28,8 +29,10 @@ from ._errors import (
     ProcessGroupError,
     TensorferryError,
     TensorferryIOError,
+    TensorferryBufferError,
     TensorferryKeyError,
     TensorferryOverflowError,
+    TensorferryRuntimeError,
     TensorferryTypeError,
 )
 from ._tensordict import TensorDict
@@ -39,6 +42,7 @@ Tensor = _native.Tensor
 __version__ = _native.__version__
 
 __all__ = [
+    "CopyError",
     "DeviceUnavailableError",
     "FormatError",
     "InvalidDeviceError",
@@ -46,10 +50,12 @@ __all__ = [
     "ProcessGroupError",
     "Tensor",
     "TensorDict",
+    "TensorferryBufferError",
     "TensorferryError",
     "TensorferryIOError",
     "TensorferryKeyError",
     "TensorferryOverflowError",
+    "TensorferryRuntimeError",
     "TensorferryTypeError",
     "Transfer",
     "__version__",

@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 
 from . import _devices
+from . import _fallback
 from . import _frameworks as fw
 from . import _native
 from . import _save_order
@@ -47,6 +48,8 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     that PyTorch's current stream may read the PyTorch GPU tensors (no other producer
     stream was named), so that blocking moves to the host may stack them there."""
     out = {}
+    # Leaves on devices the engine does not drive (ROCm, MPS, TPU, …): their frameworks' copies.
+    leaves, fallback = _fallback.start(leaves, target, non_blocking, pinned, staging)
     # Blocking host copies of many small PyTorch leaves: in bulk, by PyTorch itself.
     if copy and target == "cpu" and not packed and not non_blocking:
         bulk = copy_many([leaf for _, leaf in leaves])
@@ -65,7 +68,7 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
         pending.append(leaf)
         kinds.append(kind)
     if not pending:
-        return out, None
+        return out, None if fallback is None else ([], [], [], [], None, fallback)
     # Many small PyTorch CPU tensors bound for a device cross into tensorferry as stacks,
     # one per group of one dtype and shape (of at most 1 MiB), not one by one; each stack
     # moves as one tensor and is handed back as its rows.
@@ -94,8 +97,8 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
         kinds = [fw.NATIVE if k in (fw.NUMPY, fw.DLPACK, fw.CAI) else k for k in kinds]
     if chunks:
         stacks = (groups, moved[len(pending):], fw.NATIVE if target.startswith("emu") else fw.TORCH)
-        return out, (pending, moved[: len(pending)], kinds, paths, stacks)
-    return out, (pending, moved, kinds, paths, None)
+        return out, (pending, moved[: len(pending)], kinds, paths, stacks, fallback)
+    return out, (pending, moved, kinds, paths, None, fallback)
 
 
 def _finish(out, queued, order=False):
@@ -104,7 +107,9 @@ def _finish(out, queued, order=False):
     results come at once, PyTorch's current stream made to wait for them on the GPU)."""
     if queued is None:
         return
-    pending, moved, kinds, paths, stacks = queued
+    pending, moved, kinds, paths, stacks, fallback = queued
+    if fallback is not None:
+        out.update(fallback.results())
     for leaf, result in zip(pending, fw.from_native_many(moved, kinds, paths, order)):
         out[id(leaf)] = result
     if stacks is not None:
@@ -124,7 +129,7 @@ def _finish(out, queued, order=False):
 
 def _can_wait(queued):
     """True when every result of ``queued`` waits for its copy by itself."""
-    return queued is None or all(k in _WAITING_KINDS for k in queued[2])
+    return queued is None or (queued[5] is None and all(k in _WAITING_KINDS for k in queued[2]))
 
 
 def _sync_producer(stream, leaves=(), target="cpu"):
@@ -241,12 +246,15 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     # Results that cannot wait (PyTorch, NumPy, JAX, TensorFlow): the structure is taken
     # now, with tensorferry tensors in their places, and converted once the copies finish.
     pending_leaves, moved = queued[0], queued[1]
-    skeleton = _native.rebuild(obj, {**out, **{id(x): t for x, t in zip(pending_leaves, moved)}}, False, fw.kind_of)
+    # Leaves moved by their frameworks (_fallback) hold their places until then.
+    held = [(x, x) for x in queued[5].leaves] if queued[5] is not None else []
+    stand_ins = list(zip(pending_leaves, moved)) + held
+    skeleton = _native.rebuild(obj, {**out, **{id(x): t for x, t in stand_ins}}, False, fw.kind_of)
 
     def finish():
         converted = {}
         _finish(converted, queued)
-        return _native.rebuild(skeleton, {id(t): converted[id(x)] for x, t in zip(pending_leaves, moved)})
+        return _native.rebuild(skeleton, {id(t): converted[id(x)] for x, t in stand_ins})
 
     return Transfer(moved, finish)
 
@@ -423,7 +431,7 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     ('float32', 'int64', (2, 2))
     """
     target = _devices.name_of(device)
-    _native.ensure_device(target)
+    _fallback.ensure_device(target)
     if like is not None and like not in _LIKE:
         raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
     if like not in (None, fw.NATIVE) and (target.startswith("emu") or (like == fw.NUMPY and target != "cpu")):
@@ -472,7 +480,8 @@ def _native_tree(obj):
     paths = [path for path, _ in leaves]
     tensors = [leaf for _, leaf in leaves]
     kinds = [fw.kind_of(leaf) for leaf in tensors]
-    natives = fw.to_native_many(tensors, kinds, paths)
+    # Leaves on devices the engine does not drive reach the writer as host copies.
+    natives = fw.to_native_many(*_fallback.on_host(tensors, kinds, paths), paths)
     tree = _native.rebuild(obj, {id(leaf): t for leaf, t in zip(tensors, natives)}, True, fw.kind_of)
     if not kinds:
         return tree, None
@@ -546,6 +555,9 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     ``RuntimeWarning`` on stderr when the last handle is collected, or at exit. The
     interpreter's exit waits for saves still being written; Ctrl-C during that wait
     abandons them (their paths untouched) with a line on stderr and exit status 130.
+    Ctrl-C during a blocking save raises ``KeyboardInterrupt`` at once; the save goes on
+    in the background as a non-blocking one would (the path holds the old checkpoint or the
+    new one, whole), and the exit waits for it the same way.
 
     Tensors on a device (blocking saves) stream into the file through a ring of pinned
     buffers — ``staging``: "auto" or "on" (3 × 32 MiB; with "auto", ordinary memory where
@@ -581,6 +593,8 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
         # Tensors given under several keys (tied weights) stay one tensor in the snapshot,
         # so the file stores them once, as a blocking save does; overlaps are refused.
         obj = _select.tie_shared(obj)
+        # Leaves the engine cannot reach are copied by their frameworks (the pinned pool is the engine's).
+        obj = _fallback.on_host_tree(obj)
         # The snapshot: every tensor copied now (device ones into the pinned pool).
         try:
             obj = to_host(obj, copy=True, pinned=True)
@@ -600,7 +614,10 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     if non_blocking:
         what = f"tensorferry.save(..., non_blocking=True) to {os.fspath(path)!r}"
         return run_in_background(what, turn.run, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
-    turn.run(_native.save, tree, os.fspath(path), meta, fsync, shard_bytes, staging)
+    # Blocking, on a writer thread waited for in slices, so that Ctrl-C is answered at once:
+    # the save goes on, and the path then holds the old checkpoint or the new one, whole.
+    what = f"tensorferry.save to {os.fspath(path)!r} (interrupted)"
+    run_in_background(what, turn.run, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes, staging).result()
 
 
 _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
@@ -713,7 +730,7 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
             "streams the file onto the device: drop device= (out= decides where data goes)"
         )
     if on_device:
-        _native.ensure_device(target)
+        _fallback.ensure_device(target)
         if like == fw.NUMPY or (like not in (None, fw.NATIVE) and target.startswith("emu")):
             raise ValueError(f"like={like!r} cannot hold memory of {target}")
     # NumPy (the common case) and tensorferry results are built natively in one pass;

@@ -78,7 +78,7 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
         nbytes = md.size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
         wanted.append((name, nbytes, fqn, md))
     if not wanted:
-        raise ValueError(f"{dcp_dir}: no tensor to consolidate" + (f" under the prefix {prefix!r}" if prefix else ""))
+        raise FormatError(f"{dcp_dir}: no tensor to consolidate" + (f" under the prefix {prefix!r}" if prefix else ""))
 
     os.makedirs(out_dir, exist_ok=True)
     earlier = _earlier_output(out_dir)

@@ -251,7 +251,7 @@ def pieces(entry, runs, dest):
             out.append((at, dest[pos : pos + k]))
             at, pos, n = at + k, pos + k, n - k
     if pos != len(dest):
-        raise ValueError(f"{pos} bytes planned for a destination of {len(dest)}")
+        raise FormatError(f"{pos} bytes planned for a destination of {len(dest)}")
     return out
 
 

@@ -44,7 +44,7 @@ from . import _errors
 from . import _frameworks as fw
 from . import _native
 from . import _select
-from ._errors import FormatError, ProcessGroupError, TensorferryKeyError, io_error
+from ._errors import FormatError, ProcessGroupError, TensorferryKeyError, TensorferryTypeError, io_error
 from ._tree import dotted
 
 #: Each tensor starts at a multiple of this many bytes in a rank's part.
@@ -111,12 +111,12 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
     ``mmap`` and ``staging`` have no effect (parts are read into fresh memory)."""
     del mmap, staging
     if process_group is None:
-        raise ValueError("shard= and read_stats= load through a process group: pass process_group=")
+        raise FormatError("shard= and read_stats= load through a process group: pass process_group=")
     import torch.distributed as dist
 
     rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     if rank < 0:
-        raise ValueError("this process is not a member of process_group")
+        raise FormatError("this process is not a member of process_group")
     where = f"tensorferry.load({os.fspath(path)!r})"
     stats = read_stats if read_stats is not None else _dcp_io.ReadStats()
     agree = _Agreement(dist, process_group, rank, world, where)
@@ -292,7 +292,7 @@ def _narrowing(dtype):
 def _assign_splits(items, shard, world, path, keys):
     """Marks each item that a pattern of ``shard`` matches with its ``(dim, parts)``."""
     if not isinstance(shard, dict):
-        raise TypeError(f"shard must be a dict of name or pattern -> dim (or (dim, parts)), not {type(shard).__name__}")
+        raise TensorferryTypeError(f"shard must be a dict of name or pattern -> dim (or (dim, parts)), not {type(shard).__name__}")
     specs = []
     for key, value in shard.items():
         if isinstance(value, tuple) and len(value) == 2:
@@ -300,9 +300,9 @@ def _assign_splits(items, shard, world, path, keys):
         else:
             dim, parts = value, world
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (dim, parts)):
-            raise TypeError(f"shard[{key!r}] must be a dim (int) or (dim, parts), not {value!r}")
+            raise TensorferryTypeError(f"shard[{key!r}] must be a dim (int) or (dim, parts), not {value!r}")
         if parts < 1 or world % parts:
-            raise ValueError(f"shard[{key!r}] = {value!r}: {parts} parts do not divide the {world} ranks")
+            raise FormatError(f"shard[{key!r}] = {value!r}: {parts} parts do not divide the {world} ranks")
         specs.append((_select.patterns(key)[0], dim, parts, key))
     used = set()
     for it in items:
@@ -313,7 +313,7 @@ def _assign_splits(items, shard, world, path, keys):
         ndim = len(it.shape)
         ways = {((d + ndim) if d < 0 else d, parts) for _, d, parts, _ in hits}
         if len(ways) > 1:
-            raise ValueError(f"{it.name!r} is matched by shard= patterns {[s[3] for s in hits]} that split it differently")
+            raise FormatError(f"{it.name!r} is matched by shard= patterns {[s[3] for s in hits]} that split it differently")
         ((dim, parts),) = ways
         if not 0 <= dim < ndim:
             raise FormatError(f"{it.file}: cannot split {it.name!r} of shape {it.shape} along dim {hits[0][1]}")
@@ -496,7 +496,7 @@ class _Throttle:
         try:
             self.rate = float(text) * 1e6 if text else None
         except ValueError:
-            raise ValueError(f"{READ_MBPS_ENV}={text!r}: expected a rate in MB/s, such as 200") from None
+            raise FormatError(f"{READ_MBPS_ENV}={text!r}: expected a rate in MB/s, such as 200") from None
         self.link = os.environ.get(READ_LINK_ENV) or None
         self.busy_until = 0.0
 

@@ -5,6 +5,12 @@ variables, anything that exports DLPack (PyTorch, JAX, CuPy), and CUDA memory de
 ``__cuda_array_interface__`` (Numba device arrays, others). Results follow the
 input's framework. A leaf that its framework cannot export (a quantized or meta PyTorch
 tensor, a TensorFlow string tensor) is a :class:`FormatError` naming its key.
+
+:func:`device_of` names every device a leaf can live on, also those tensorferry's engine
+does not drive ("rocm:0", "mps:0", "tpu:0", "xla:0", "xpu:0", "metal:0", "oneapi:0"):
+:func:`engine_drives` tells them apart, and ``_fallback`` moves the others through their
+framework's own copies. ROCm is named ROCm, never CUDA: PyTorch's ROCm builds call their
+GPUs "cuda" (``torch.version.hip`` tells them apart), DLPack calls them kDLROCM.
 """
 
 import sys
@@ -72,7 +78,8 @@ def kind_of(obj):
 
 
 def device_of(obj, kind):
-    """The canonical device string of a tensor leaf ("cpu", "cuda:0")."""
+    """The canonical device string of a tensor leaf ("cpu", "cuda:0", "rocm:0", "mps:0",
+    "tpu:0", "metal:0", …)."""
     if kind == NUMPY:
         return "cpu"
     if kind == NATIVE:
@@ -86,18 +93,79 @@ def device_of(obj, kind):
         if obj.is_cpu:
             return "cpu"
         if obj.is_cuda:
-            return f"cuda:{obj.get_device()}"
+            # PyTorch's ROCm builds call their GPUs "cuda" too.
+            return f"{'rocm' if _torch_is_rocm() else 'cuda'}:{obj.get_device()}"
         dev = obj.device
         return f"{dev.type}:{dev.index or 0}"
-    dev_type, dev_id = obj.__dlpack_device__()
-    return {1: "cpu", 3: "cpu", 2: f"cuda:{dev_id}", 13: f"cuda:{dev_id}"}.get(int(dev_type), f"dlpack:{dev_type}")
+    if kind == JAX:
+        return _jax_device(obj)
+    return dlpack_device_name(*obj.__dlpack_device__())
+
+
+def engine_drives(device):
+    """True for the devices tensorferry's engine copies to and from: the host, CUDA GPUs
+    and the emulated devices. Leaves anywhere else move through their framework."""
+    return device == "cpu" or device.startswith(("cuda:", "emu:"))
+
+
+# DLPack's device types (dlpack.h, DLDeviceType), by the names tensorferry gives them.
+_DLPACK_DEVICES = {
+    2: "cuda", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi", 10: "rocm", 11: "rocm_host", 12: "ext_dev",
+    13: "cuda", 14: "oneapi", 15: "webgpu", 16: "hexagon", 17: "maia",
+}
+
+
+def dlpack_device_name(dev_type, dev_id):
+    """The device string of a DLPack device: kDLCPU and kDLCUDAHost (1, 3) are "cpu",
+    kDLCUDA and kDLCUDAManaged (2, 13) "cuda:N", kDLROCM (10) "rocm:N", kDLMetal (8)
+    "metal:N", kDLOneAPI (14) "oneapi:N", …; a type DLPack does not define "dlpack-T:N"."""
+    dev_type = int(dev_type)
+    if dev_type in (1, 3):
+        return "cpu"
+    return f"{_DLPACK_DEVICES.get(dev_type, f'dlpack-{dev_type}')}:{int(dev_id)}"
+
+
+def _torch_is_rocm():
+    """True in a PyTorch built for ROCm (HIP), whose "cuda" tensors live on AMD GPUs."""
+    version = getattr(sys.modules.get("torch"), "version", None)
+    return getattr(version, "hip", None) is not None
+
+
+def _jax_platform(obj):
+    """The platform of the device a JAX array lives on ("cpu", "gpu", "tpu", …)."""
+    return next(iter(obj.devices())).platform
+
+
+def _jax_device(obj):
+    """The device string of a JAX array: its DLPack device on CPU and GPU (CUDA or
+    ROCm, which JAX both call "gpu"), "tpu:N" and the like elsewhere, where JAX exports
+    no DLPack."""
+    platform = _jax_platform(obj)
+    if platform == "cpu":
+        return "cpu"
+    if platform in ("gpu", "cuda", "rocm"):
+        return dlpack_device_name(*obj.__dlpack_device__())
+    return f"{platform}:{next(iter(obj.devices())).id}"
 
 
 def _tf_device(name):
-    """"/job:localhost/replica:0/task:0/device:GPU:1" -> "cuda:1"."""
+    """"/job:localhost/replica:0/task:0/device:GPU:1" -> "cuda:1" ("rocm:1" in a ROCm
+    build of TensorFlow), "…/device:TPU:0" -> "tpu:0"."""
     tail = name.rsplit("device:", 1)[-1]
     kind, _, index = tail.partition(":")
-    return f"cuda:{index or 0}" if kind == "GPU" else "cpu"
+    if kind == "GPU":
+        return f"{'rocm' if _tf_is_rocm() else 'cuda'}:{index or 0}"
+    if kind in ("CPU", ""):
+        return "cpu"
+    return f"{kind.lower()}:{index or 0}"
+
+
+def _tf_is_rocm():
+    tf = sys.modules.get("tensorflow")
+    try:
+        return bool(tf.test.is_built_with_rocm())
+    except AttributeError:
+        return False
 
 
 def _plain_tf(obj, key):

@@ -88,7 +88,7 @@ def _dtype_name(dtype):
     text = {"bf16": "bfloat16", "f16": "float16", "half": "float16", "f32": "float32", "float": "float32",
             "f64": "float64", "double": "float64"}.get(text, text)
     if text not in _FLOATS:
-        raise ValueError(f"dtype={dtype!r}: loads cast to one of {_FLOATS}")
+        raise FormatError(f"dtype={dtype!r}: loads cast to one of {_FLOATS}")
     return text
 
 

@@ -1,11 +1,15 @@
 """``TensorDict``: the object form of a nested tensor dictionary, tensordict-style."""
 
+import operator
 from collections.abc import Mapping
+
+import numpy as np
 
 from . import _api
 from . import _frameworks as fw
-from ._errors import TensorferryKeyError
-from ._tree import _enter, collect, container_kind, _DICT, _MAPPING, _LEAF
+from ._errors import FormatError, TensorferryKeyError, TensorferryTypeError, naming_key
+from ._transfer import Transfer
+from ._tree import _enter, collect, container_kind, shown, _DICT, _LIST, _MAPPING, _LEAF, _NAMEDTUPLE, _TUPLE
 
 
 class TensorDict:
@@ -15,22 +19,74 @@ class TensorDict:
     of an optimizer's state); a tuple key is a path into nested dicts. Values keep their
     framework.
 
+    ``batch_size`` (keyword-only, as in tensordict) is the leading dimensions every tensor
+    shares, checked when the dictionary is made and at every ``td[key] = value``: a
+    :class:`FormatError` names the first tensor whose shape does not start with it. It
+    is kept by every move (:meth:`to`, :meth:`cpu`, :meth:`consolidate`) and by nested
+    dictionaries read with ``td[key]``. The default, ``[]``, checks nothing (or, from a
+    TensorDict, keeps its batch size).
+
+    Unlike tensordict's, ``len()``, ``iter()`` and ``in`` are those of a mapping (top-level
+    keys), not of the first batch dimension, and ``==`` is a single ``bool`` (see
+    :meth:`__eq__`).
+
     >>> import numpy as np, tensorferry as tf
     >>> td = tf.TensorDict({"model": {"w": np.ones(2, np.float32)}, "step": 1})
     >>> td["model", "w"]
     array([1., 1.], dtype=float32)
     >>> len(td), td.nbytes, td.device
     (2, 8, 'cpu')
+    >>> batch = tf.TensorDict({"obs": np.zeros((4, 3)), "reward": np.zeros(4)}, batch_size=[4])
+    >>> batch.batch_size
+    (4,)
+    >>> batch.cpu() == batch
+    True
     """
 
-    __slots__ = ("_data",)
+    __slots__ = ("_data", "_batch_size")
+    __hash__ = None  # mutable, and == compares contents
 
-    def __init__(self, obj=None, /, **kwargs):
+    def __init__(self, obj=None, /, *, batch_size=None, **kwargs):
         if isinstance(obj, TensorDict):
+            if batch_size is None:
+                batch_size = obj._batch_size
             obj = obj._data
         data = dict(obj) if obj is not None else {}
         data.update(kwargs)
         self._data = data
+        self._batch_size = ()
+        self.batch_size = () if batch_size is None else batch_size
+
+    @classmethod
+    def _wrap(cls, data, batch_size=()):
+        """A TensorDict over ``data`` as it is (no copy, no check)."""
+        td = cls.__new__(cls)
+        td._data = data
+        td._batch_size = batch_size
+        return td
+
+    # -- batch size -------------------------------------------------------------
+    @property
+    def batch_size(self):
+        """The leading dimensions every tensor shares, a tuple of ints (``()``: none).
+        Setting it checks every tensor."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value):
+        size = _as_batch_size(value)
+        _check_batch(self._data, size, ())
+        self._batch_size = size
+
+    @property
+    def shape(self):
+        """The batch size (tensordict's other name for it)."""
+        return self._batch_size
+
+    @property
+    def batch_dims(self):
+        """The number of batch dimensions: ``len(batch_size)``."""
+        return len(self._batch_size)
 
     # -- mapping protocol -------------------------------------------------------
     def _resolve(self, key):
@@ -48,19 +104,14 @@ class TensorDict:
     def __getitem__(self, key):
         value = self._resolve(key)
         if type(value) is dict:
-            return TensorDict._wrap(value)
+            return TensorDict._wrap(value, self._batch_size)
         return value
-
-    @classmethod
-    def _wrap(cls, data):
-        td = cls.__new__(cls)
-        td._data = data
-        return td
 
     def __setitem__(self, key, value):
         if isinstance(value, TensorDict):
             value = value._data
         path = key if isinstance(key, tuple) else (key,)
+        _check_batch(value, self._batch_size, path)
         node = self._data
         for k in path[:-1]:
             node = node.setdefault(k, {})
@@ -120,13 +171,23 @@ class TensorDict:
             return default
 
     # -- moves ------------------------------------------------------------------
+    def _moved(self, result):
+        """A move's result as a TensorDict of this batch size; a :class:`Transfer` (a
+        non-blocking move) as a Transfer whose ``result()`` is that TensorDict."""
+        if isinstance(result, Transfer):
+            return result.then(self._moved)
+        return TensorDict._wrap(result, self._batch_size)
+
     def to(self, device, *, non_blocking=False, copy=False):
-        """A new TensorDict with every tensor on ``device``."""
-        return TensorDict._wrap(_api.to_device(self._data, device, non_blocking=non_blocking, copy=copy))
+        """A new TensorDict with every tensor on ``device``, of the same batch size. With
+        ``non_blocking=True``, what :func:`tensorferry.to_device` returns: a
+        :class:`Transfer` gives the TensorDict from its ``result()``."""
+        return self._moved(_api.to_device(self._data, device, non_blocking=non_blocking, copy=copy))
 
     def cpu(self, *, non_blocking=False, pinned=False):
-        """A new TensorDict with every tensor in host memory (``pinned``: in the pool)."""
-        return TensorDict._wrap(_api.to_host(self._data, non_blocking=non_blocking, pinned=pinned))
+        """A new TensorDict with every tensor in host memory (``pinned``: in the pool), of
+        the same batch size; with ``non_blocking=True``, as :meth:`to`."""
+        return self._moved(_api.to_host(self._data, non_blocking=non_blocking, pinned=pinned))
 
     def cuda(self, index=0, *, non_blocking=False):
         """A new TensorDict with every tensor on CUDA device ``index``."""
@@ -144,7 +205,7 @@ class TensorDict:
 
     def consolidate(self):
         """A new TensorDict whose host tensors all live in one 64-byte-aligned buffer."""
-        return TensorDict._wrap(_api.to_host(self._data, copy=True, _packed=True))
+        return TensorDict._wrap(_api.to_host(self._data, copy=True, _packed=True), self._batch_size)
 
     def save(self, path, *, metadata=None):
         """Saves to a safetensors file (see :func:`tensorferry.save`)."""
@@ -157,10 +218,17 @@ class TensorDict:
 
     def wait(self):
         """Waits for every copy into this dictionary's tensors (``non_blocking`` moves
-        return before they finish); raises the first copy's error. Returns self."""
-        for t in self._tensors():
+        return before they finish); raises the first copy's error, a :class:`CopyError`
+        naming the key of the tensor it was filling. Returns self."""
+        for path, t in collect(self._data, lambda x, p: fw.kind_of(x) is not None):
             if type(t) is fw.Tensor:
-                t.wait()
+                try:
+                    t.wait()
+                except Exception as e:
+                    named = naming_key(e, shown(path))
+                    if named is e:
+                        raise
+                    raise named from None
         return self
 
     def is_ready(self):
@@ -183,11 +251,100 @@ class TensorDict:
         return sum(int(t.nbytes) for t in self._tensors())
 
     def __eq__(self, other):
-        return NotImplemented
+        """True when ``other`` (a TensorDict or any mapping) holds the same: the same keys
+        at every level, every tensor of the same shape, dtype and values (NaN equals
+        nothing, as with ``==``) whatever its device or framework, every other leaf
+        ``==``; and, for a TensorDict, the same batch size. Tensors on a device are read
+        to compare them. ``!=`` is its negation; anything but a mapping is unequal.
+
+        tensordict's ``==`` gives a TensorDict of boolean tensors, leaf by leaf; here it
+        is one ``bool``, as for a ``dict`` (this class is a mapping, and compares equal to
+        a dict of the same contents): ``td == td.cpu()`` is simply true.
+
+        >>> import numpy as np, tensorferry as tf
+        >>> a = tf.TensorDict({"w": np.arange(3.0), "step": 1})
+        >>> a == {"w": np.arange(3.0), "step": 1}, a != a.to("emu:0"), a == {"w": np.arange(3), "step": 1}
+        (True, False, False)
+        """
+        if isinstance(other, TensorDict):
+            if other._batch_size != self._batch_size:
+                return False
+            other = other._data
+        elif not isinstance(other, Mapping):
+            return NotImplemented
+        if self._data is other:
+            return True
+        return _same(_api.to_numpy(self._data), _api.to_numpy(other))
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
 
     def __repr__(self):
         tensors = self._tensors()
-        return f"TensorDict(keys={list(self._data)}, tensors={len(tensors)}, device={self.device})"
+        size = f", batch_size={list(self._batch_size)}" if self._batch_size else ""
+        return f"TensorDict(keys={list(self._data)}, tensors={len(tensors)}, device={self.device}{size})"
+
+
+def _as_batch_size(value):
+    """``batch_size=`` as a tuple of non-negative ints (an int is one dimension)."""
+    try:
+        dims = (operator.index(value),) if not hasattr(value, "__iter__") else tuple(operator.index(d) for d in value)
+    except TypeError:
+        raise TensorferryTypeError(
+            f"batch_size must be a sequence of ints (such as [4] or torch.Size([4, 2])), not {value!r}"
+        ) from None
+    if any(d < 0 for d in dims):
+        raise FormatError(f"batch_size {list(dims)}: dimensions cannot be negative")
+    return dims
+
+
+def _shape(tensor):
+    return tuple(int(d) for d in tensor.shape)
+
+
+def _check_batch(value, batch_size, prefix):
+    """A :class:`FormatError` naming the first tensor in ``value`` (at key path ``prefix``)
+    whose leading dimensions are not ``batch_size``."""
+    if not batch_size:
+        return
+    n = len(batch_size)
+    for path, t in collect(value, lambda x, p: fw.kind_of(x) is not None, prefix):
+        shape = _shape(t)
+        if shape[:n] != batch_size:
+            raise FormatError(
+                f"batch_size {list(batch_size)} does not fit the tensor at {shown(path)!r}, of shape "
+                f"{list(shape)}: every tensor's leading dimensions must be {list(batch_size)}"
+            )
+
+
+def _same(a, b):
+    """Whether two plain structures of NumPy arrays and other leaves are equal (see
+    :meth:`TensorDict.__eq__`)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(np.array_equal(a, b))
+        )
+    kind = container_kind(a)
+    if kind in (_DICT, _MAPPING):
+        if container_kind(b) not in (_DICT, _MAPPING) or len(a) != len(b):
+            return False
+        try:
+            return all(_same(v, b[k]) for k, v in a.items())
+        except (KeyError, TypeError):
+            return False
+    if kind in (_LIST, _TUPLE, _NAMEDTUPLE):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if container_kind(b) != _LEAF:
+        return False
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # an == that does not answer with a truth value
+        return False
 
 
 Mapping.register(TensorDict)

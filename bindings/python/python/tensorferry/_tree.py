@@ -9,6 +9,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 
 from . import _native
+from ._errors import TensorferryRuntimeError
 
 _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _MAPPING, _LEAF = range(6)
 
@@ -103,7 +104,7 @@ def rebuild(obj, replacements, plain=False, ancestors=(), path=(), strict=None, 
     if kind == _LEAF:
         if strict is not None and strict(obj) is not None:
             if not (skip_numpy and strict(obj) == "numpy"):
-                raise RuntimeError(
+                raise TensorferryRuntimeError(
                     f"the structure changed during the call at {shown(path)!r}: a tensor appeared that "
                     "was not there when its leaves were collected (another thread modified it?)"
                 )

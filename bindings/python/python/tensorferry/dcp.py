@@ -27,7 +27,10 @@ one or one of another save (its ``DCP_SAVE_ID`` is not the metadata's) a
 
 ``.metadata`` is read without ``pickle`` (see ``_dcp_metadata``): a checkpoint from a
 stranger cannot run code, and metadata that is not what a DCP save writes is a
-:class:`tensorferry.FormatError` naming it.
+:class:`tensorferry.FormatError` naming it. Non-tensor items (byte items), which DCP's
+planner unpickles, are first read by ``torch.load(weights_only=True)``: one whose pickle
+would load more than plain values and tensors is a :class:`tensorferry.FormatError` naming
+it, and nothing of it runs.
 
 :func:`consolidate` turns such a checkpoint (saved on any number of ranks) into one Hugging
 Face style checkpoint: whole tensors in ``model.safetensors`` or in
@@ -81,6 +84,33 @@ class _RankTarget:
 
     file: str
     save_id: str
+
+
+def _check_plain_pickle(raw, path, fqn):
+    """Refuses a byte item (a non-tensor value DCP pickled: an optimizer's ``step``, a
+    list) whose pickle would load anything but plain values and tensors.
+
+    DCP's planners unpickle byte items with ``torch.load(weights_only=False)``, which runs
+    whatever a crafted pickle asks. The same bytes are first read with
+    ``torch.load(weights_only=True)``, PyTorch's restricted unpickler: a pickle it accepts
+    names only the globals it allows (plain containers, numbers, strings, tensors, and the
+    types a user allowed with ``torch.serialization.add_safe_globals``), so the planner's
+    full unpickling of it runs nothing else.
+    """
+    import torch
+
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # the restricted unpickler's refusal (UnpicklingError, ...)
+        from ._errors import FormatError
+
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FormatError(
+            f"{path}: the value {fqn!r} is a pickle that loads more than plain values and tensors "
+            f"(torch.load(weights_only=True) refused it: {reason}); tensorferry never unpickles such "
+            "an item. A type of your own that you trust can be allowed with "
+            "torch.serialization.add_safe_globals([...])"
+        ) from None
 
 
 def _rank_target(rank, save_id):
@@ -167,7 +197,7 @@ def _build():
     from torch.futures import Future
 
     from . import _api, _dcp_io
-    from ._errors import FormatError
+    from ._errors import FormatError, io_error
 
     def done(value):
         fut = Future()
@@ -241,7 +271,7 @@ def _build():
                 rank = self.rank if not self.use_collectives and self.rank is not None else None
                 existing = os.path.join(self.path, _metadata_file(rank))
                 if os.path.exists(existing):
-                    raise FileExistsError(errno.EEXIST, "a checkpoint exists there and overwrite=False", existing)
+                    raise io_error(errno.EEXIST, "a checkpoint exists there and overwrite=False", existing)
             if self.rank is not None and not self.use_collectives:
                 # No global plan: every rank names its own file.
                 plan = dataclasses.replace(plan, storage_data=_rank_target(self.rank, self.save_id))
@@ -265,7 +295,7 @@ def _build():
                 if name in tensors:
                     name = f"{name}@{'_'.join(map(str, item.index.offset or ()))}"
                 if name in tensors:
-                    raise ValueError(f"two items of one rank would be stored as {name!r} in {file}")
+                    raise FormatError(f"two items of one rank would be stored as {name!r} in {file}")
                 if item.type == WriteItemType.BYTE_IO:
                     raw = data.getvalue()
                     tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
@@ -274,7 +304,7 @@ def _build():
                 else:
                     tensor = data.detach()
                     if tensor.is_sparse or tensor.layout != torch.strided:
-                        raise ValueError(f"{item.index.fqn}: only dense tensors can be saved, not {tensor.layout}")
+                        raise FormatError(f"{item.index.fqn}: only dense tensors can be saved, not {tensor.layout}")
                     offsets = list(item.tensor_data.chunk.offsets) if item.tensor_data is not None else []
                     info[name] = {"fqn": item.index.fqn, "saved_offsets": offsets}
                     size = tensor.numel() * tensor.element_size()
@@ -296,7 +326,7 @@ def _build():
             metadata.storage_meta = self.storage_meta()
             named = {info.file for info in storage.values()}
             if any(not name.endswith(f"_{self.save_id}{SUFFIX}") for name in named):
-                raise ValueError(f"{self.path}: the ranks wrote files of another save than {self.save_id}: {sorted(named)}")
+                raise FormatError(f"{self.path}: the ranks wrote files of another save than {self.save_id}: {sorted(named)}")
             rank = self.rank if not self.use_collectives and self.rank is not None else None
             path = os.path.join(self.path, _metadata_file(rank))
             replaced = _files_named_by(path)
@@ -365,7 +395,7 @@ def _build():
 
         def set_up_storage_reader(self, metadata: Metadata, is_coordinator, *args, **kwargs):
             if metadata.storage_data is None:
-                raise ValueError(f"{self.path}: the checkpoint's metadata says where no item is stored")
+                raise FormatError(f"{self.path}: the checkpoint's metadata says where no item is stored")
             self.storage_data = metadata.storage_data
             self.save_id = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
             # Each saved chunk's size, by (fqn, offsets): a rank file must hold it as such.
@@ -422,6 +452,7 @@ def _build():
             raw = bytearray(entry.end - entry.begin)
             self.read_stats.needed += len(raw)
             _dcp_io.read_runs(fd, path, entry, [(0, len(raw))] if raw else [], memoryview(raw), self.read_stats)
+            _check_plain_pickle(raw, path, item.storage_index.fqn)
             planner.load_bytes(item, io.BytesIO(raw))
 
         def _read_batch(self, planner, batch, fd, path):
@@ -459,11 +490,11 @@ def _build():
                 )
             target = planner.resolve_tensor(item).detach()
             if list(target.size()) != lengths:
-                raise ValueError(
+                raise FormatError(
                     f"{path}: {item.storage_index.fqn} at {offsets} holds {lengths}, the plan's tensor is {list(target.size())}"
                 )
             if target.dtype != dtype:
-                raise ValueError(f"{path}: {item.storage_index.fqn} is {dtype} in the file, {target.dtype} in the state dict")
+                raise FormatError(f"{path}: {item.storage_index.fqn} is {dtype} in the file, {target.dtype} in the state dict")
             runs = _dcp_io.byte_runs(entry.shape, _dcp_io.ITEM_SIZE[entry.dtype], offsets, lengths)
             nbytes = target.numel() * target.element_size()
             stats.needed += nbytes

@@ -45,19 +45,23 @@ impl Failure {
     }
 
     /// `error` as a failure of `device`'s work; an error that names a device already
-    /// ([`Error::DeviceUnavailable`], as driver calls give) keeps its own.
+    /// ([`Error::DeviceUnavailable`], as driver calls give, or the [`Error::Copy`] of work
+    /// it waited for) keeps its own.
     pub fn from_error(device: impl fmt::Display, error: &Error) -> Failure {
         match error {
-            Error::DeviceUnavailable { device, reason } => Failure::new(device, reason.clone()),
+            Error::DeviceUnavailable { device, reason } | Error::Copy { device, reason } => {
+                Failure::new(device, reason.clone())
+            }
             other => Failure::new(device, other.to_string()),
         }
     }
 
-    /// The error a reader of the work's results gets.
+    /// The error a reader of the work's results gets: [`Error::Copy`], naming the device
+    /// and the cause (a failed copy is not an unavailable device).
     pub fn to_error(&self) -> Error {
-        Error::DeviceUnavailable {
+        Error::Copy {
             device: self.device.clone(),
-            reason: format!("a queued copy failed: {}", self.reason),
+            reason: self.reason.clone(),
         }
     }
 }
@@ -348,7 +352,12 @@ mod tests {
     fn a_failure_reaches_every_waiter_naming_the_device_that_failed() {
         let e = Event::pending();
         e.complete(Err(Failure::new("emu:1", "injected")));
-        let err = e.wait().unwrap_err().to_string();
+        let err = e.wait().unwrap_err();
+        assert!(
+            matches!(&err, Error::Copy { device, reason } if device == "emu:1" && reason == "injected"),
+            "a failed copy, not an unavailable device: {err:?}"
+        );
+        let err = err.to_string();
         assert!(err.contains("injected") && err.contains("emu:1"), "{err}");
         assert!(e.clone().wait().is_err());
         assert!(e.wait_timeout(Duration::ZERO).is_err());
