@@ -689,8 +689,9 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
 
     With ``process_group`` (a ``torch.distributed`` group; every rank calls ``load`` with
     the same arguments) each byte is read from storage once: each rank reads a part of the
-    tensors, balanced by bytes, and the parts are broadcast over the group, so every rank
-    gets what ``load`` gives (in fresh memory). ``shard={pattern: dim}`` (patterns as for
+    tensors, balanced by bytes (``direct=True``: with ``O_DIRECT``, ``keys`` allowed), and the
+    parts are broadcast over the group, so every rank gets what ``load`` gives (in fresh
+    memory). ``shard={pattern: dim}`` (patterns as for
     ``keys``) gives each rank only ``torch.tensor_split(full, world, dim)[rank]`` of the
     tensors it matches, reading only that slice's byte runs (``{pattern: (dim, parts)}``:
     part ``rank % parts``; a size that does not divide is an error). ``read_stats`` (a
