@@ -58,15 +58,23 @@ ckpt_base() { # a local disk with room for the checkpoint files: KIT_BENCH_DIR, 
   echo "$best"
 }
 
+time_share() { # time_share NAME SHARE: prints SHARE % of the time left before KIT_DEADLINE_S (at most
+  # 900 s); under a minute, says NAME is skipped and fails (the caller records it)
+  local left=$(((DEADLINE - (SECONDS - START) - 20) * $2 / 100))
+  if [ "$left" -gt 900 ]; then left=900; fi
+  if [ "$left" -lt 60 ]; then
+    echo >&2
+    echo "skipped $1: $((DEADLINE - (SECONDS - START))) s left before KIT_DEADLINE_S=$DEADLINE" >&2
+    return 1
+  fi
+  echo "$left"
+}
+
 ckpt_step() { # ckpt_step NAME SHARE SCRIPT ARGS...: a checkpoint bench in a fresh folder, given SHARE % of
   # the time left before KIT_DEADLINE_S (at most 900 s), bounded by `timeout` and its own --budget
   local name=$1 share=$2 script=$3 left dir
   shift 3
-  left=$(((DEADLINE - (SECONDS - START) - 20) * share / 100))
-  if [ "$left" -gt 900 ]; then left=900; fi
-  if [ "$left" -lt 60 ]; then
-    echo
-    echo "skipped $name: $((DEADLINE - (SECONDS - START))) s left before KIT_DEADLINE_S=$DEADLINE"
+  if ! left=$(time_share "$name" "$share"); then
     SUMMARY+=("skip  $name (time: KIT_DEADLINE_S=$DEADLINE; KIT_ONLY=checkpoint runs it in a call of its own)")
     return
   fi
@@ -109,11 +117,7 @@ fanout_bench() { # fanout_bench SHARE: read once, fan out over NCCL (needs 2 GPU
   local share=$1 gpus ranks gb=1 left dir
   if [ "${KIT_QUICK:-}" = 1 ]; then gb=0.1; fi
   gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
-  left=$(((DEADLINE - (SECONDS - START) - 20) * share / 100))
-  if [ "$left" -gt 900 ]; then left=900; fi
-  if [ "$left" -lt 60 ]; then
-    echo
-    echo "skipped fanout: $((DEADLINE - (SECONDS - START))) s left before KIT_DEADLINE_S=$DEADLINE"
+  if ! left=$(time_share fanout "$share"); then
     SUMMARY+=("skip  fanout (time: KIT_DEADLINE_S=$DEADLINE; KIT_ONLY=fanout runs it in a call of its own)")
     return
   fi
