@@ -116,6 +116,12 @@ dcp_bench() { # DCP's storage layers side by side on a state dict in GPU memory 
 fanout_bench() { # fanout_bench SHARE: read once, fan out over NCCL (needs 2 GPUs or more), with peers
   local share=$1 gpus ranks gb=1 left dir
   if [ "${KIT_QUICK:-}" = 1 ]; then gb=0.1; fi
+  if ! "$PY" -c 'import torch.distributed' 2>/dev/null; then
+    echo
+    echo "skipped fanout: torch (with torch.distributed) is not importable"
+    SUMMARY+=("skip  fanout (torch is not importable)")
+    return
+  fi
   gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
   if ! left=$(time_share fanout "$share"); then
     SUMMARY+=("skip  fanout (time: KIT_DEADLINE_S=$DEADLINE; KIT_ONLY=fanout runs it in a call of its own)")
