@@ -212,6 +212,33 @@ def test_parts_travel_on_the_gpu_only_through_a_gpu_backend_to_a_gpu():
     assert _fanout._exchange_device("cpu:gloo,cuda:nccl", "cpu") == "cpu"
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_read_throttle_is_a_link_per_process_or_one_shared_by_all(shared, tmp_path, monkeypatch):
+    # Two readers (threads here, processes in bench/fanout.py) each pass 4 MB at 20 MB/s:
+    # 0.2 s each on links of their own, 0.4 s for both on one shared link.
+    import threading
+    import time
+
+    monkeypatch.setenv(_fanout.READ_MBPS_ENV, "20")
+    if shared:
+        monkeypatch.setenv(_fanout.READ_LINK_ENV, str(tmp_path / "link"))
+    else:
+        monkeypatch.delenv(_fanout.READ_LINK_ENV, raising=False)
+    ends = []
+    start = time.time()
+
+    def reader():
+        _fanout._Throttle().wait(4_000_000)
+        ends.append(time.time() - start)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert min(ends) >= 0.195 and (max(ends) >= 0.395 if shared else max(ends) < 0.35), ends
+
+
 def test_parts_are_contiguous_in_file_order_and_balanced_within_one_tensor():
     rng = random.Random(0)
     for world in (1, 2, 3, 4, 8):
