@@ -169,6 +169,7 @@ def test_host_memory_per_rank_is_the_result_plus_one_part_in_flight(world, folde
     part, slack = data / world, 0.02 * data + (2 << 20)
     for r, res in sorted(results.items()):
         m = res["memory"]
+        print(f"{world} ranks, rank {r}, peak RSS growth (MB): " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in m.items()))
         # Onto the host: the result itself (the parts received are the result's memory).
         assert m["cpu"] <= data + slack, (r, m)
         # Onto the emulated device, whose memory is host memory: the device's copy of the
