@@ -251,11 +251,36 @@ def test_a_device_is_taken_in_every_form(name, tmp_path, torch):
     def call(device):
         return tf.to_device({"w": _numpy()}, device) if name == "to_device" else tf.load(p, device=device)
 
-    for device in ("cpu", torch.device("cpu"), "emu:0"):
+    jax = pytest.importorskip("jax", reason="JAX is not installed")
+    for device in ("cpu", torch.device("cpu"), jax.devices("cpu")[0], "emu:0"):
         np.testing.assert_array_equal(_values(call(device)["w"]), _numpy())
     with pytest.raises(tf.TensorferryTypeError, match="device") as info:
         call(object())
     assert isinstance(info.value, TypeError)
+
+
+class _Stream:
+    """A producer's stream as tensorferry takes one: anything with ``synchronize()``."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def synchronize(self):
+        self.waited += 1
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+@pytest.mark.parametrize("name", MOVING)
+def test_the_producers_stream_is_waited_for_before_tensors_are_read(name, non_blocking, tmp_path):
+    stream = _Stream()
+    tree = {"w": _numpy(), "d": _leaf_native_emu()}
+    kw = {"out": {"w": np.zeros_like(_numpy()), "d": np.zeros_like(_numpy())}} if name == "load" else {}
+    got = _call(name, tree, tmp_path, "s", stream=stream, non_blocking=non_blocking, **kw)
+    if non_blocking:
+        got = got.result(timeout=60)
+    assert stream.waited >= 1
+    if name == "load":
+        np.testing.assert_array_equal(got["d"], _numpy())
 
 
 # -- like= ---------------------------------------------------------------------------------
