@@ -3,7 +3,8 @@ same keywords with the same defaults, ``non_blocking=True`` always a ``Transfer`
 result is the blocking call's, ``like=`` wherever tensors come back, and typed errors.
 
 Every function runs over every kind of leaf this machine has: NumPy, PyTorch and JAX on
-the host, ``tensorferry.Tensor`` on the host and on the emulated device, lists of numbers.
+the host, ``tensorferry.Tensor`` on the host, on the emulated device and on a CUDA device
+(the fake driver's, in scripts/test.sh), lists of numbers.
 """
 
 import inspect
@@ -49,6 +50,12 @@ def _leaf_native_emu():
     return tf.to_device({"x": _numpy()}, "emu:0")["x"]
 
 
+def _leaf_native_cuda():
+    if "cuda:0" not in tf.devices():
+        pytest.skip("no CUDA device (scripts/test.sh runs these on the fake driver)")
+    return tf.to_device({"x": _numpy()}, "cuda:0")["x"]
+
+
 def _leaf_list():
     return [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
@@ -59,6 +66,7 @@ LEAVES = {
     "jax": _leaf_jax,
     "tensorferry-cpu": _leaf_native_cpu,
     "tensorferry-emu": _leaf_native_emu,
+    "tensorferry-cuda": _leaf_native_cuda,
     "list": _leaf_list,
 }
 
@@ -211,6 +219,13 @@ def test_a_non_blocking_load_onto_a_device_gives_device_tensors(tmp_path):
     np.testing.assert_array_equal(got["w"].numpy(), _numpy())
 
 
+@pytest.mark.parametrize("name", ["to_host", "to_device", "to_numpy", "save"])
+def test_a_transfer_passed_on_as_a_tree_is_refused_naming_result(name, tmp_path):
+    pending = tf.to_host({"w": _numpy()}, non_blocking=True)
+    with pytest.raises(tf.TensorferryTypeError, match=r"\.result\(\)"):
+        _call(name, pending, tmp_path, "handle")
+
+
 # -- the same keywords, the same defaults -------------------------------------------------
 
 
@@ -295,7 +310,7 @@ FRAMEWORKS = {
 
 @pytest.mark.parametrize("non_blocking", [False, True])
 @pytest.mark.parametrize("like", FRAMEWORKS)
-@pytest.mark.parametrize("kind", ["numpy", "torch", "jax", "tensorferry-cpu", "tensorferry-emu", "list"])
+@pytest.mark.parametrize("kind", LEAVES)
 @pytest.mark.parametrize("name", RETURNING_TENSORS)
 def test_like_gives_every_tensor_in_that_framework(name, kind, like, non_blocking, tmp_path):
     if kind == "list" and name != "to_device":

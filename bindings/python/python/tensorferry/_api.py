@@ -167,6 +167,14 @@ def _pending(obj, out, queued, then=None, made=None, ordered=False):
     return Transfer(copies, finish)
 
 
+def _not_a_handle(obj, name):
+    """Refuses a :class:`Transfer` given as a tree: it would pass through as a plain leaf."""
+    if isinstance(obj, Transfer):
+        raise TensorferryTypeError(
+            f"{name} was given a Transfer (the handle of a non_blocking=True call): pass its .result()"
+        )
+
+
 def _check_like(like):
     if like is not None and like not in _LIKE:
         raise FormatError(f"like must be one of {_LIKE}, not {like!r}")
@@ -296,6 +304,7 @@ def to_host(obj, *, non_blocking=False, stream=None, staging="auto", like=None, 
     >>> tf.to_host({"w": np.ones(2, np.float32)}, non_blocking=True).result()["w"]
     array([1., 1.], dtype=float32)
     """
+    _not_a_handle(obj, "to_host")
     _check_like(like)
     leaves = _native.collect_tensors(obj, fw.kind_of)
     _sync_producer(stream, leaves)
@@ -320,6 +329,7 @@ def to_numpy(obj, *, non_blocking=False, stream=None, staging="auto"):
     >>> tf.to_numpy({"t": tf.Tensor.from_numpy(np.arange(3))})["t"]
     array([0, 1, 2])
     """
+    _not_a_handle(obj, "to_numpy")
     if non_blocking:
         return to_host(obj, non_blocking=True, stream=stream, staging=staging).then(to_numpy)
     if stream is not None or staging != "auto":
@@ -480,6 +490,7 @@ def to_device(obj, device, *, non_blocking=False, stream=None, staging="auto", l
     >>> out["embedding_1"].dtype, out["ids"].dtype, out["ids"].shape
     ('float32', 'int64', (2, 2))
     """
+    _not_a_handle(obj, "to_device")
     target = _devices.name_of(device)
     _native.ensure_device(target)
     _check_like(like)
@@ -621,6 +632,7 @@ def save(obj, path, *, non_blocking=False, stream=None, staging="auto", metadata
     >>> tf.load(p)["step"]
     3
     """
+    _not_a_handle(obj, "save")
     if metadata is not None:
         if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
