@@ -251,11 +251,14 @@ def test_save_and_load_take_progress_off_by_default(name):
     assert params["progress"].default is False and params["progress"].kind is inspect.Parameter.KEYWORD_ONLY
 
 
+@pytest.mark.parametrize("non_blocking", [False, True])
+@pytest.mark.parametrize("kind", ["numpy", "tensorferry-emu"])
 @pytest.mark.parametrize("name", MOVING)
-def test_a_bad_staging_is_a_format_error_on_every_function(name, tmp_path):
-    tree = {"w": _leaf_native_emu(), "h": _numpy()}  # something to move either way
+def test_a_bad_staging_is_a_format_error_on_every_function_whatever_moves(name, kind, non_blocking, tmp_path):
+    tree = _tree(kind)
+    tf.save(tree, tmp_path / "src.safetensors")
     with pytest.raises(tf.FormatError, match="staging"):
-        _call(name, tree, tmp_path, "bad", staging="sometimes", non_blocking=True).result(timeout=60)
+        _call(name, tree, tmp_path, "bad", staging="sometimes", non_blocking=non_blocking).result(timeout=60)
 
 
 @pytest.mark.parametrize("name", ["to_device", "load"])

@@ -175,6 +175,12 @@ def _not_a_handle(obj, name):
         )
 
 
+def _check_staging(staging):
+    """Refuses a bad ``staging`` whatever the call then moves (the default costs nothing)."""
+    if not (isinstance(staging, str) and staging == "auto"):
+        _native.check_staging(staging)
+
+
 def _check_like(like):
     if like is not None and like not in _LIKE:
         raise FormatError(f"like must be one of {_LIKE}, not {like!r}")
@@ -305,6 +311,7 @@ def to_host(obj, *, non_blocking=False, stream=None, staging="auto", like=None, 
     array([1., 1.], dtype=float32)
     """
     _not_a_handle(obj, "to_host")
+    _check_staging(staging)
     _check_like(like)
     leaves = _native.collect_tensors(obj, fw.kind_of)
     _sync_producer(stream, leaves)
@@ -489,10 +496,14 @@ def to_device(obj, device, *, non_blocking=False, stream=None, staging="auto", l
     >>> out = tf.to_device({"embedding_1": [1.0, 2.0, 3.0], "ids": [[1, 2], [3, 4]]}, "cpu")
     >>> out["embedding_1"].dtype, out["ids"].dtype, out["ids"].shape
     ('float32', 'int64', (2, 2))
+    >>> pending = tf.to_device({"w": [1.0, 2.0]}, "emu:0", non_blocking=True)  # at once
+    >>> pending.result()["w"].device
+    'emu:0'
     """
     _not_a_handle(obj, "to_device")
     target = _devices.name_of(device)
     _native.ensure_device(target)
+    _check_staging(staging)
     _check_like(like)
     if like not in (None, fw.NATIVE) and (target.startswith("emu") or (like == fw.NUMPY and target != "cpu")):
         raise FormatError(f"like={like!r} cannot hold memory of {target}")
@@ -762,6 +773,8 @@ def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto",
     >>> tf.save({"x": np.arange(3)}, p)
     >>> tf.load(p, like="tensorferry")["x"].dtype
     'int64'
+    >>> tf.load(p, non_blocking=True).result()["x"]
+    array([0, 1, 2])
 
     With ``process_group`` (a ``torch.distributed`` group; every rank calls ``load`` with
     the same arguments) each byte is read from storage once: each rank reads a part of the
@@ -776,9 +789,9 @@ def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto",
     args = dict(device=device, stream=stream, staging=staging, like=like, mmap=mmap, direct=direct, keys=keys,
                 dtype=dtype, out=out, progress=progress, process_group=process_group, shard=shard,
                 read_stats=read_stats)
+    _check_staging(staging)  # refused before the file is read, and not in the background
     if non_blocking:
         _check_like(like)
-        _native.check_staging(staging)  # refused now, not in the background
         what = f"tensorferry.load({os.fspath(path)!r}, non_blocking=True)"
         return run_in_background(what, functools.partial(_load, path, **args))
     return _load(path, **args)
@@ -808,8 +821,6 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     only = None
     if url and patterns is not None:
         only = {n for n in _native.object_names(path) if any(_select._matches(n, p) for p in patterns)}
-    if on_device:
-        _native.check_staging(staging)  # refused before the file is read
     if direct and keys is not None:
         raise FormatError(
             "keys= reads only the selected tensors' bytes, from a memory map; direct=True reads "

@@ -155,7 +155,8 @@ class Transfer:
 
     def __repr__(self):
         state = "done" if self.done() else "running"
-        return f"<tensorferry.Transfer of {len(self._pending)} tensors, {state}>"
+        what = "in the background" if self._background is not None else f"of {len(self._pending)} tensors"
+        return f"<tensorferry.Transfer {what}, {state}>"
 
 
 class _Watch:
