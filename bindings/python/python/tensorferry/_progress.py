@@ -8,12 +8,14 @@ dependency. What a bar counts is what can be observed from here without slowing 
   under a temporary name beside its target (``.tf-<pid>-<n>-<tag>.tmp``, renamed into
   place once complete) in order, so a thread reads their sizes a few times a second.
   Every shard of a sharded save counts. Other saves of this process started during this
-  one, into the same folder, would count too: the bar never goes beyond the total.
+  one, into the same folder, would count too: the bar never goes beyond the total. The
+  command's ``convert`` draws its own (native) bar from the same watcher.
 - a load onto a device: the bytes of each tensor as its copy completes.
 - a load into host memory: the file is mapped or read in one native call; the bar fills
   when it returns (a mapped file is read only as its tensors are).
 """
 
+import contextlib
 import os
 import threading
 
@@ -61,6 +63,34 @@ def _temp_sizes(folder, prefix, before):
     return sizes
 
 
+@contextlib.contextmanager
+def writes_watched(path, report):
+    """Calls ``report(bytes)`` with the bytes written so far into the files of a save to
+    ``path``, a few times a second, while the block runs (the command's ``convert`` draws
+    its own bar with it)."""
+    folder = _folder_of(path)
+    prefix = f".tf-{os.getpid()}-"
+    before = set(_temp_sizes(folder, prefix, ()))
+    stop = threading.Event()
+
+    def watch():
+        finished, last = 0, {}
+        while not stop.wait(POLL_SECONDS):
+            now = _temp_sizes(folder, prefix, before)
+            # A file gone since the last look was renamed into place: complete.
+            finished += sum(size for n, size in last.items() if n not in now)
+            last = now
+            report(finished + sum(now.values()))
+
+    watcher = threading.Thread(target=watch, name="tensorferry-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+
+
 def watched_save(path, total, save):
     """``save`` (a callable writing ``path``) wrapped to draw a bar of the bytes written,
     or ``save`` itself when tqdm is not installed."""
@@ -70,32 +100,12 @@ def watched_save(path, total, save):
         progress = bar(total, f"save {name}")
         if progress is None:
             return save(*args)
-        folder = _folder_of(path)
-        prefix = f".tf-{os.getpid()}-"
-        before = set(_temp_sizes(folder, prefix, ()))
-        stop = threading.Event()
-
-        def watch():
-            finished, last = 0, {}
-            while not stop.wait(POLL_SECONDS):
-                now = _temp_sizes(folder, prefix, before)
-                # A file gone since the last look was renamed into place: complete.
-                finished += sum(size for n, size in last.items() if n not in now)
-                last = now
-                advance_to(progress, finished + sum(now.values()))
-
-        watcher = threading.Thread(target=watch, name="tensorferry-progress", daemon=True)
-        watcher.start()
-        saved = False
         try:
-            result = save(*args)
-            saved = True
+            with writes_watched(path, lambda n: advance_to(progress, n)):
+                result = save(*args)
+            advance_to(progress, total)  # what was written since the last look
             return result
         finally:
-            stop.set()
-            watcher.join()
-            if saved:
-                advance_to(progress, total)  # what was written since the last look
             progress.close()
 
     return run
