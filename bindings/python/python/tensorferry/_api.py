@@ -733,7 +733,9 @@ def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto",
     (PyTorch, JAX for files saved from them; ``tensorferry.Tensor`` otherwise).
 
     With ``non_blocking=True`` it returns a :class:`Transfer` at once and loads in the
-    background: ``.result()`` gives what ``load`` gives, or raises its error. ``stream``
+    background: ``.result()`` gives what ``load`` gives, or raises its error (with
+    ``process_group``, the group's collectives then run on that thread: issue no other
+    collective on the group until it is done). ``stream``
     is the stream whose queued work on ``out``'s tensors must come before they are
     written (the caller waits for it); without ``out`` it has nothing to order.
     ``progress=True`` draws a bar of the bytes loaded on stderr when ``tqdm`` is
