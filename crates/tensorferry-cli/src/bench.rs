@@ -1,8 +1,8 @@
 //! `tensorferry bench`: every path available on this machine, timed on state-dict-like
 //! presets, each against the roof measured in the same run on the same bytes.
 //!
-//! A roof is the same bytes moved without tensorferry: a memcpy on as many threads as the
-//! library's own copies use, a raw write or read, one copy of one buffer queued straight on
+//! A roof is the same bytes moved without tensorferry: a memcpy on one thread or on one per
+//! core (the faster), a raw write or read, one copy of one buffer queued straight on
 //! the device's backend. Each roof is measured before the rows and again after them, and
 //! keeps the faster time. A row faster than its roof means the roof was mismeasured; it is
 //! printed as such, never as a percentage above 100.
@@ -211,18 +211,10 @@ struct Row {
     roof: Roof,
 }
 
-/// Threads the library's own host copies use at most: `TENSORFERRY_COPY_THREADS`, else one
-/// per core up to 8 (the rule of `tensorferry::consolidate`).
+/// Threads of the many-thread memcpy roof: one per core. The roof is the faster of this and
+/// one thread, the fastest plain way to copy the bytes here, whatever the library does.
 fn copy_threads() -> usize {
-    std::env::var("TENSORFERRY_COPY_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .unwrap_or_else(|| {
-            std::thread::available_parallelism()
-                .map_or(1, |n| n.get())
-                .min(8)
-        })
-        .max(1)
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Copies of the roofs are split into pieces of at most this many bytes, as consolidate
@@ -317,7 +309,7 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
     let r = args.repeat;
     let mut rows = Vec::new();
     bar.set_message("memcpy roof");
-    // Consolidate copies on several threads: its roofs are memcpys on as many threads
+    // Consolidate copies on several threads: its roofs are memcpys on one thread per core
     // (or on one, if that is faster here), of one buffer and of every tensor.
     let packed = source.host_bytes().expect("host");
     let memcpy = memcpy_roof(r, &[(packed, 0)], packed.len())?;
