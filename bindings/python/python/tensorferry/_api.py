@@ -16,7 +16,15 @@ from . import _native
 from . import _progress
 from . import _save_order
 from . import _select
-from ._errors import DeviceUnavailableError, FormatError, OutOfMemoryError, TensorferryOverflowError, TensorferryTypeError
+from ._errors import (
+    CopyError,
+    DeviceUnavailableError,
+    FormatError,
+    OutOfMemoryError,
+    TensorferryOverflowError,
+    TensorferryTypeError,
+    naming_key,
+)
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many, torch_chunks
 from ._transfer import Transfer, run_in_background
@@ -86,7 +94,10 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     natives = fw.to_native_many(
         pending + [t for _, t in chunks], kinds + [fw.TORCH] * len(chunks), paths + [p for _, p in groups]
     )
-    moved = _native.move_tensors(natives, target, copy, non_blocking, pinned, staging)
+    try:
+        moved = _native.move_tensors(natives, target, copy, non_blocking, pinned, staging)
+    except CopyError as e:
+        raise naming_key(e, [shown(p) for p in paths + [p for _, p in groups]]) from None
     if target.startswith("emu"):
         # No framework holds emulated memory.
         kinds = [fw.NATIVE] * len(kinds)
@@ -177,7 +188,10 @@ def _pending(obj, out, queued, then=None, made=None, ordered=False):
             result = _native.rebuild(skeleton, {id(s): converted[k] for k, s in stand_ins.items()})
         return result if then is None else then(result)
 
-    return Transfer(copies, finish)
+    keys = []
+    if queued is not None:
+        keys = [shown(p) for p in queued[3]] + [shown(p) for _, p in (queued[4][0] if queued[4] else [])]
+    return Transfer(copies, finish, keys=keys)
 
 
 def _not_a_handle(obj, name):

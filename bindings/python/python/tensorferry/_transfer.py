@@ -25,6 +25,7 @@ import time
 import warnings
 
 from . import _native
+from ._errors import CopyError, naming_key
 
 _UNSET = object()
 
@@ -43,10 +44,11 @@ class Transfer:
     True
     """
 
-    __slots__ = ("_pending", "_finish", "_background", "_lock", "_value", "_error", "_watch")
+    __slots__ = ("_pending", "_keys", "_finish", "_background", "_lock", "_value", "_error", "_watch")
 
-    def __init__(self, pending, finish, background=None, watch=None):
+    def __init__(self, pending, finish, background=None, watch=None, keys=None):
         self._pending = list(pending)
+        self._keys = keys  # the key paths of the pending tensors, in order, for a failed copy's error
         self._finish = finish
         self._background = background  # a concurrent.futures.Future doing the rest, if any
         self._lock = threading.Lock()
@@ -76,8 +78,13 @@ class Transfer:
         if self._error is not None:
             raise self._error
         start = time.monotonic()
-        if not _native.wait_tensors(self._pending, timeout):
-            return False
+        try:
+            if not _native.wait_tensors(self._pending, timeout):
+                return False
+        except CopyError as e:
+            if not self._keys:
+                raise
+            raise naming_key(e, self._keys) from None
         if self._background is not None:
             # In slices, so that Ctrl-C is noticed between them.
             while True:
