@@ -291,15 +291,29 @@ fn load(
             direct,
             copy_on_write,
         };
-        // An object-storage URL loads into host memory; `only` fetches just those tensors.
+        // An object-storage URL loads into host memory (`only` fetching just those
+        // tensors), or streams onto `device` through the ring `staging` names.
         let url = path
             .to_str()
             .filter(|p| object::is_url(p))
             .map(String::from);
         let loaded = match (url, device) {
-            (Some(url), _) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
+            (Some(url), None) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
                 object::load_url(&url, &object::ObjectOptions::from_env(), only.as_ref())
             })?,
+            (Some(url), Some(d)) => {
+                let target: Device = d.parse().py_err()?;
+                let staging = parse_staging(staging.as_ref())?;
+                if only.is_some() {
+                    return Err(pyo3::exceptions::PyValueError::new_err(
+                        "only= loads into host memory: a streamed load takes the whole checkpoint",
+                    ));
+                }
+                wait::run_interruptibly(py, "tensorferry-load", move |stop| {
+                    let options = object::ObjectOptions::from_env();
+                    object::load_url_to_until(&url, target, &options, staging, stop)
+                })?
+            }
             // On a thread of its own too: Ctrl-C reaches the caller at once, whatever the
             // index or header takes to read (the thread finishes and drops its result).
             (None, None) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
@@ -526,6 +540,48 @@ fn object_names(py: Python<'_>, url: &str) -> PyResult<Vec<String>> {
     guard(|| py.detach(|| object::tensor_names(url, &options)).py_err())
 }
 
+/// The header of the safetensors object at `url` (one object, no folder or index
+/// resolved): `(data_start, entries, etag, size)`, entries as `read_index` gives them
+/// (offsets absolute in the object), `etag` None where the store gives none.
+#[pyfunction]
+fn object_read_header(
+    py: Python<'_>,
+    url: &str,
+) -> PyResult<(u64, Vec<IndexEntry>, Option<String>, u64)> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| {
+        let (header, etag, size) = py
+            .detach(|| object::read_header_url(url, &options))
+            .py_err()?;
+        Ok((header.data_start, entries_of(header), etag, size))
+    })
+}
+
+/// The bytes of `ranges` (`(start, end)`, absolute offsets) of the object at `url`, in
+/// parallel ranged GETs (GIL released), as `bytes` in order. With `etag`, the object must
+/// still be that version (else an `OSError` saying it was replaced); all ranges come from
+/// one version of it.
+#[pyfunction]
+#[pyo3(signature = (url, ranges, etag=None))]
+fn object_read_ranges(
+    py: Python<'_>,
+    url: &str,
+    ranges: Vec<(u64, u64)>,
+    etag: Option<String>,
+) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| {
+        let ranges: Vec<std::ops::Range<u64>> = ranges.iter().map(|&(a, b)| a..b).collect();
+        let got = py
+            .detach(|| object::read_ranges(url, &ranges, etag.as_deref(), &options))
+            .py_err()?;
+        Ok(got
+            .iter()
+            .map(|b| pyo3::types::PyBytes::new(py, b).unbind())
+            .collect())
+    })
+}
+
 /// Whether `path` is an object-storage URL (`s3://`, `gs://`, `az://`, `http(s)://`).
 #[pyfunction]
 fn is_url(path: &str) -> bool {
@@ -550,22 +606,27 @@ fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<(u64, Vec<IndexEntry>)>
     guard(|| {
         let header = py.detach(|| tensorferry::io::read_header(&path)).py_err()?;
         let start = header.data_start;
-        let entries = header
-            .tensors
-            .into_iter()
-            .map(|e| {
-                let code = e.dtype.safetensors_code().unwrap_or("?");
-                (
-                    e.name,
-                    code,
-                    e.shape,
-                    start + e.begin as u64,
-                    start + e.end as u64,
-                )
-            })
-            .collect();
-        Ok((start, entries))
+        Ok((start, entries_of(header)))
     })
+}
+
+/// The entries of `header`, offsets absolute in its file or object.
+fn entries_of(header: tensorferry::io::Header) -> Vec<IndexEntry> {
+    let start = header.data_start;
+    header
+        .tensors
+        .into_iter()
+        .map(|e| {
+            let code = e.dtype.safetensors_code().unwrap_or("?");
+            (
+                e.name,
+                code,
+                e.shape,
+                start + e.begin as u64,
+                start + e.end as u64,
+            )
+        })
+        .collect()
 }
 
 mod cli;
@@ -598,6 +659,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(object_names, m)?)?;
     m.add_function(wrap_pyfunction!(is_url, m)?)?;
+    m.add_function(wrap_pyfunction!(object_read_header, m)?)?;
+    m.add_function(wrap_pyfunction!(object_read_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(wait_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_array_interface_device, m)?)?;
