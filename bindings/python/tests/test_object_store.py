@@ -497,3 +497,89 @@ def test_host_memory_of_a_device_load_from_s3_is_bounded_by_the_ring(s3, url, ho
         assert grown < size + (48 << 20), f"peak resident memory grew {grown >> 20} MiB"
     else:
         assert grown > size + (96 << 20), f"peak resident memory grew only {grown >> 20} MiB"
+
+
+# ---- retries, proven through a proxy that drops connections and delays responses -----------
+
+
+@pytest.fixture
+def proxied(own_server, monkeypatch):
+    """``make(**faults)``: a fault-injecting proxy (``_fault_proxy.FaultProxy``) in front
+    of the test's own server, the client's environment pointing at it; closed after the
+    test."""
+    from _fault_proxy import FaultProxy
+
+    made = []
+
+    def make(**faults):
+        proxy = FaultProxy(own_server.port, **faults)
+        made.append(proxy)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        return proxy
+
+    yield make
+    for proxy in made:
+        proxy.close()
+
+
+def _retrying(monkeypatch, retries):
+    monkeypatch.setenv("TENSORFERRY_OBJECT_RETRIES", str(retries))
+    monkeypatch.setenv("TENSORFERRY_OBJECT_RETRY_TIMEOUT", "60")
+
+
+def _pending_uploads(server):
+    """The multipart uploads the server holds open (``s3s-fs`` keeps each as
+    ``.upload-<id>.json`` and its parts as ``.upload_id-<id>.part-<n>`` in its folder)."""
+    return [n for n in os.listdir(server.root) if n.startswith(".upload")]
+
+
+def test_a_load_survives_dropped_connections_and_delays_by_retrying(own_server, proxied, monkeypatch):
+    tree = {"w": np.arange(3 << 20, dtype=np.float32)}  # 12 MiB
+    tf.save(tree, "s3://bucket/m.safetensors")  # straight to the server
+    _retrying(monkeypatch, 4)
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(1 << 20))
+    for device in ("cpu", "emu:0"):
+        proxy = proxied(cut_responses=3, cut_after=300_000, delays=3, delay=0.3)
+        got = tf.load("s3://bucket/m.safetensors", device=device)
+        np.testing.assert_array_equal(tf.to_numpy(got)["w"], tree["w"])
+        assert (proxy.cut, proxy.delayed) == (3, 3), device  # the faults did happen
+        proxy.close()
+
+
+def test_a_multipart_save_survives_dropped_connections_by_retrying(own_server, proxied, monkeypatch):
+    tree = {"w": np.arange(6 << 20, dtype=np.float32)}  # 24 MiB: 5 parts of 5 MiB
+    _retrying(monkeypatch, 4)
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(5 << 20))
+    proxy = proxied(cut_requests=3, cut_after=1 << 20, delays=2, delay=0.3)
+    tf.save(tree, "s3://bucket/m.safetensors")
+    assert (proxy.cut, proxy.delayed) == (3, 2)
+    proxy.close()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", own_server.endpoint)
+    np.testing.assert_array_equal(tf.load("s3://bucket/m.safetensors")["w"], tree["w"])
+    assert _pending_uploads(own_server) == []
+
+
+def test_retries_exhausted_are_a_clean_error_naming_the_object_and_leave_nothing(own_server, proxied, monkeypatch):
+    previous = {"w": np.full(3 << 20, 1.0, np.float32)}
+    target = "s3://bucket/m.safetensors"
+    tf.save(previous, target)
+    before = _files(own_server.root)
+    _retrying(monkeypatch, 0)
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(5 << 20))
+    for device in ("cpu", "emu:0"):
+        proxied(cut_responses=1, cut_after=300_000)
+        with pytest.raises(tf.TensorferryError) as e:
+            tf.load(target, device=device)
+        assert isinstance(e.value, ConnectionResetError) and target in str(e.value), e.value
+        assert "the connection dropped" in str(e.value)
+    proxied(cut_requests=1, cut_after=1 << 20)
+    with pytest.raises(tf.TensorferryError) as e:
+        tf.save({"w": np.full(6 << 20, 2.0, np.float32)}, target)
+    assert isinstance(e.value, ConnectionError) and target in str(e.value), e.value
+    # The failed upload was aborted: no part of it stays on the server, and the previous
+    # object is whole.
+    assert _pending_uploads(own_server) == []
+    # (s3s-fs may leave the temporary file of the part whose body was cut: its own.)
+    assert {f for f in _files(own_server.root) if not os.path.basename(f).startswith(".tmp.")} == before
+    monkeypatch.setenv("AWS_ENDPOINT_URL", own_server.endpoint)
+    _same(tf.load(target), previous)
