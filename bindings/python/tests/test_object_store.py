@@ -583,3 +583,159 @@ def test_retries_exhausted_are_a_clean_error_naming_the_object_and_leave_nothing
     assert {f for f in _files(own_server.root) if not os.path.basename(f).startswith(".tmp.")} == before
     monkeypatch.setenv("AWS_ENDPOINT_URL", own_server.endpoint)
     _same(tf.load(target), previous)
+
+
+# ---- interrupted sharded saves, non-blocking saves, plain HTTP servers ---------------------
+
+_SHARDED_SAVE = """
+import sys, time, numpy as np, tensorferry as tf
+url, salt = sys.argv[1], float(sys.argv[2])
+tree = {"model": {f"layer.{i}.weight": np.full(1 << 20, salt + i, np.float32) for i in range(8)}}
+print("ready", flush=True)
+start = time.monotonic()
+tf.save(tree, url, max_shard_size=8 << 20)  # 4 shards of 8 MiB, one 5 MiB part at a time
+print("saved", time.monotonic() - start, flush=True)
+"""
+
+
+def _sharded(salt):
+    return {"model": {f"layer.{i}.weight": np.full(1 << 20, salt + i, np.float32) for i in range(8)}}
+
+
+def _start_sharded_save(url, salt):
+    env = dict(os.environ, TENSORFERRY_OBJECT_CONCURRENCY="1", TENSORFERRY_OBJECT_PART_BYTES=str(5 << 20))
+    child = subprocess.Popen([sys.executable, "-c", _SHARDED_SAVE, url, str(salt)], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    return child
+
+
+def test_a_sharded_save_killed_at_random_points_leaves_a_whole_checkpoint(s3, url):
+    """Each run kills a sharded save over the checkpoint at a random point of its upload:
+    what loads afterwards is always one whole checkpoint, the previous one or (killed after
+    its index was committed) the new one — never a mix and never an error."""
+    import random
+
+    current = 0.0
+    tf.save(_sharded(current), url, max_shard_size=8 << 20)
+    child = _start_sharded_save(url, 100.0)  # an uninterrupted save: how long one takes
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 0
+    current, duration = 100.0, float(out.split()[-1])
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    outcomes = []
+    for run in range(6):
+        salt = 200.0 + run
+        child = _start_sharded_save(url, salt)
+        time.sleep(rng.uniform(0, 1.3 * duration))  # now and then after the commit
+        child.send_signal(signal.SIGKILL)
+        child.communicate(timeout=60)
+        got = tf.load(url)["model"]
+        first = float(got["layer.0.weight"][0])
+        assert first in (current, salt), (seed, run, first)
+        _same(got, _sharded(first)["model"])  # whole: every tensor from that save
+        outcomes.append("new" if first == salt else "previous")
+        current = first
+    print("seed", seed, "duration", duration, outcomes)
+
+
+def test_a_non_blocking_save_to_s3_completes_and_its_failure_is_raised_by_result(s3, url, monkeypatch):
+    tree = {"w": np.arange(1 << 20, dtype=np.float32), "step": 3}
+    handle = tf.save(tree, url + "bg.safetensors", non_blocking=True)
+    assert isinstance(handle, tf.Transfer)
+    handle.result(timeout=60)
+    _same(tf.load(url + "bg.safetensors"), tree)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    handle = tf.save({"w": np.zeros(3)}, url + "bg.safetensors", non_blocking=True)
+    with pytest.raises(PermissionError, match="credentials were refused"):
+        handle.result(timeout=60)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    _same(tf.load(url + "bg.safetensors"), tree)  # the failed save left it as it was
+
+
+def _http_server(root):
+    """An ``http.server`` on 127.0.0.1 serving the files of ``root``: GET (whole, or one
+    ``Range: bytes=a-b``) and HEAD, with ``ETag`` and ``Last-Modified`` — what
+    ``object_store``'s HTTP store asks of a server to read from it. Returns the server and
+    the list of ranges it served."""
+    import email.utils
+    import http.server
+
+    ranges = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _object(self):
+            path = os.path.join(root, self.path.lstrip("/"))
+            if not os.path.isfile(path):
+                self.send_error(404)
+                return None
+            st = os.stat(path)
+            return path, st.st_size, f'"{st.st_mtime_ns:x}-{st.st_size:x}"', email.utils.formatdate(
+                st.st_mtime, usegmt=True)
+
+        def do_HEAD(self):
+            found = self._object()
+            if found:
+                _, size, etag, modified = found
+                self.send_response(200)
+                self.send_header("Content-Length", str(size))
+                self.send_header("ETag", etag)
+                self.send_header("Last-Modified", modified)
+                self.end_headers()
+
+        def do_GET(self):
+            found = self._object()
+            if not found:
+                return
+            path, size, etag, modified = found
+            start, end = 0, size
+            asked = self.headers.get("Range")
+            if asked:
+                a, _, b = asked.removeprefix("bytes=").partition("-")
+                start, end = int(a), min(int(b) + 1 if b else size, size)
+                if start >= size:
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{size}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                ranges.append((start, end))
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+            else:
+                self.send_response(200)
+            self.send_header("Content-Length", str(end - start))
+            self.send_header("ETag", etag)
+            self.send_header("Last-Modified", modified)
+            self.end_headers()
+            with open(path, "rb") as f:
+                f.seek(start)
+                self.wfile.write(f.read(end - start))
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, ranges
+
+
+def test_a_checkpoint_loads_from_a_plain_http_server_with_ranged_gets(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(1 << 20))
+    tree = _model(layers=3, size=300_000)  # 3.6 MB: several ranged GETs
+    tf.save(tree, tmp_path / "model.safetensors")
+    server, ranges = _http_server(str(tmp_path))
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/model.safetensors"
+        _same(tf.load(url), tree)
+        assert len(ranges) > 3, ranges
+        got = tf.load(url, device="emu:0", staging=(1 << 20, 2))
+        _same(tf.to_numpy(got), tree)
+        got = tf.load(url, keys="model.layer.1.weight")
+        _same(got, {"model": {"layer.1.weight": tree["model"]["layer.1.weight"]}})
+        with pytest.raises(FileNotFoundError, match="absent.safetensors"):
+            tf.load(url.replace("model.safetensors", "absent.safetensors"))
+    finally:
+        server.shutdown()
+        server.server_close()
