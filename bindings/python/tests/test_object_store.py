@@ -285,10 +285,48 @@ def test_device_dtype_and_out_work_as_for_files(s3, url, ml_dtypes):
     _same(out, tree)
 
 
-def test_tensors_on_a_device_are_saved_through_host_memory(s3, url):
-    tree = {"w": np.arange(1000, dtype=np.float32)}
-    tf.save(tf.to_device(tree, "emu:0"), url + "dev.safetensors")
+@pytest.mark.parametrize("staging", ["auto", (4096, 2), "off"])
+def test_tensors_on_a_device_are_saved_whatever_the_staging(s3, url, staging):
+    tree = {"w": np.arange(1000, dtype=np.float32), "host": np.ones(3), "v": np.arange(7.0)}
+    moved = tf.to_device({"w": tree["w"], "v": tree["v"]}, "emu:0")
+    on_device = {"w": moved["w"], "host": tree["host"], "v": moved["v"]}
+    tf.save(on_device, url + "dev.safetensors", staging=staging)
     _same(tf.load(url + "dev.safetensors", like="numpy"), tree)
+
+
+_PEAK_RSS_OF_A_URL_SAVE = """
+import sys, numpy as np, tensorferry as tf
+url, staging = sys.argv[1], sys.argv[2]
+staging = (8 << 20, 2) if staging == "ring" else staging
+def status(key):
+    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+    return int(line.split()[1]) << 10
+x = tf.to_device({"w": np.ones(32 << 20, np.float32)}, "emu:0")  # 128 MiB on the device
+tf.save(tf.to_device({"w": np.ones(2 << 20, np.float32)}, "emu:0"), url, staging=staging)  # warmed
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")                               # the peak resident size starts again from now
+before = status("VmRSS")
+tf.save(x, url, staging=staging)
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("staging, bounded", [("ring", True), ("off", False)])
+def test_host_memory_of_a_device_save_to_s3_is_bounded_by_the_ring(s3, url, monkeypatch, staging, bounded):
+    """Uploading 128 MiB from the emulated device grows the peak resident memory by the
+    ring (2 x 8 MiB) and the parts in flight (2 x 5 MiB) plus slack, not by the tensors'
+    size — and does without the ring, which shows that the measurement can tell."""
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CONCURRENCY", "2")
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(5 << 20))
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS_OF_A_URL_SAVE, url + "big.safetensors", staging],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout.split()[-1])
+    if bounded:
+        assert grown < 64 << 20, f"peak resident memory grew {grown >> 20} MiB"
+    else:
+        assert grown > 120 << 20, f"peak resident memory grew only {grown >> 20} MiB"
+    np.testing.assert_array_equal(tf.load(url + "big.safetensors", like="numpy")["w"][-3:], 1.0)
 
 
 def test_a_missing_object_is_file_not_found_naming_it(s3, url):

@@ -425,3 +425,36 @@ fn byte_ranges_read_from_the_header_come_from_one_version_of_the_object() {
         "{e}"
     );
 }
+
+#[test]
+fn device_tensors_are_uploaded_through_the_ring_beside_host_tensors() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    // 3 MiB on the device, 1 MiB on the host, 3 MiB on the device: two 5 MiB parts.
+    let values = |salt: f32, n: usize| -> Vec<f32> { (0..n).map(|i| salt + i as f32).collect() };
+    let mut d = TensorDict::new();
+    let on_device = |v: &[f32]| {
+        Tensor::from_slice(v, &[v.len()])
+            .unwrap()
+            .to(Device::Emulated(0), false)
+            .unwrap()
+    };
+    d.insert("a", on_device(&values(1.0, 3 << 18)));
+    d.insert(
+        "b",
+        Tensor::from_slice(&values(2.0, 1 << 18), &[1 << 18]).unwrap(),
+    );
+    d.insert("c", on_device(&values(3.0, 3 << 18)));
+    let options = SaveOptions {
+        staging: Staging::Ring {
+            chunk_bytes: 64 << 10,
+            depth: 2,
+        },
+        ..SaveOptions::default()
+    };
+    let tree = Node::Dict(d);
+    save_node(&tree, "s3://bucket/dev.safetensors", &options).unwrap();
+    let loaded = load_node("s3://bucket/dev.safetensors", Default::default()).unwrap();
+    assert_eq!(values_on_host(&loaded.root), values_on_host(&tree));
+}

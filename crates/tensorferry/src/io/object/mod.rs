@@ -22,6 +22,7 @@ mod location;
 mod plan;
 mod runtime;
 mod save;
+mod upload;
 
 use std::time::Duration;
 
