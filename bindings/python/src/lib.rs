@@ -557,6 +557,29 @@ fn object_read_header(
     })
 }
 
+/// `(size, etag)` of the object at `url` (one HEAD); `etag` None where the store gives
+/// none. A missing object is a `FileNotFoundError` naming it.
+#[pyfunction]
+fn object_head(py: Python<'_>, url: &str) -> PyResult<(u64, Option<String>)> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| py.detach(|| object::head_url(url, &options)).py_err())
+}
+
+/// Writes `data` as the object at `url` in one PUT (GIL released): it appears whole or
+/// stays as it was.
+#[pyfunction]
+fn object_put(py: Python<'_>, url: &str, data: Vec<u8>) -> PyResult<()> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| py.detach(|| object::put_url(url, data, &options)).py_err())
+}
+
+/// Deletes the object at `url` (GIL released); one already absent is no error.
+#[pyfunction]
+fn object_delete(py: Python<'_>, url: &str) -> PyResult<()> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| py.detach(|| object::delete_url(url, &options)).py_err())
+}
+
 /// The bytes of `ranges` (`(start, end)`, absolute offsets) of the object at `url`, in
 /// parallel ranged GETs (GIL released), as `bytes` in order. With `etag`, the object must
 /// still be that version (else an `OSError` saying it was replaced); all ranges come from
@@ -661,6 +684,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(is_url, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_header, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(object_head, m)?)?;
+    m.add_function(wrap_pyfunction!(object_put, m)?)?;
+    m.add_function(wrap_pyfunction!(object_delete, m)?)?;
     m.add_function(wrap_pyfunction!(wait_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_array_interface_device, m)?)?;

@@ -777,3 +777,77 @@ def test_a_checkpoint_loads_from_a_plain_http_server_with_ranged_gets(tmp_path, 
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---- tensorferry.dcp's reader and writer on s3:// folders -------------------------------------
+
+
+def _dcp_state(torch, salt=0.0):
+    g = torch.Generator().manual_seed(int(salt))
+    return {
+        "model": {
+            "w": torch.randn(64, 32, generator=g) + salt,
+            "t": (torch.arange(12.0).reshape(3, 4) + salt).t(),  # not contiguous
+            "half": torch.full((8, 8), salt, dtype=torch.bfloat16),
+        },
+        "optim": {"step": int(salt), "lr": 0.1},
+    }
+
+
+def _dcp_zeros(torch, state):
+    return {k: _dcp_zeros(torch, v) if isinstance(v, dict) else
+            (torch.zeros_like(v.contiguous()) if torch.is_tensor(v) else type(v)()) for k, v in state.items()}
+
+
+def _dcp_same(torch, got, want):
+    for k, v in want.items():
+        if isinstance(v, dict):
+            _dcp_same(torch, got[k], v)
+        elif torch.is_tensor(v):
+            assert torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+@pytest.fixture
+def dcp(torch):
+    if not torch.distributed.is_available():
+        pytest.skip("this PyTorch build has no torch.distributed")
+    return pytest.importorskip("torch.distributed.checkpoint", reason="this PyTorch has no distributed checkpoint")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_saves_to_and_loads_from_an_s3_folder_replacing_the_previous_save(s3, url, torch, dcp):
+    from tensorferry.dcp import TensorferryReader, TensorferryWriter
+
+    folder = url + "ckpt"
+    for salt in (1.0, 2.0):
+        state = _dcp_state(torch, salt)
+        dcp.save(state, storage_writer=TensorferryWriter(folder))
+        back = _dcp_zeros(torch, state)
+        reader = TensorferryReader(folder)
+        dcp.load(back, storage_reader=reader)
+        _dcp_same(torch, back, state)
+        assert reader.read_stats.data == reader.read_stats.needed > 0
+    # The second save's commit removed the first one's rank file: one rank file, and the
+    # metadata.
+    names = os.listdir(s3.file(folder[len("s3://bucket/"):]))
+    assert sorted(n for n in names if n.endswith(".safetensors")) == [n for n in names if n.startswith("__0_")]
+    assert len([n for n in names if n.endswith(".safetensors")]) == 1 and ".metadata" in names
+    with pytest.raises(dcp.api.CheckpointException) as e:
+        dcp.save(_dcp_state(torch, 3.0), storage_writer=TensorferryWriter(folder, overwrite=False))
+    assert "FileExistsError" in repr(e.value.failures) or "FileExistsError" in str(e.value), e.value
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_loads_of_an_s3_checkpoint_read_only_the_bytes_asked_for(s3, url, torch, dcp, tmp_path):
+    from tensorferry.dcp import TensorferryReader, TensorferryWriter
+
+    state = _dcp_state(torch, 4.0)
+    dcp.save(state, storage_writer=TensorferryWriter(str(tmp_path / "local")))
+    shutil.copytree(tmp_path / "local", s3.file(url[len("s3://bucket/"):] + "copied"))  # uploaded as it is
+    back = {"model": {"w": torch.zeros(64, 32)}}
+    reader = TensorferryReader(url + "copied")
+    dcp.load(back, storage_reader=reader)
+    assert torch.equal(back["model"]["w"], state["model"]["w"])
+    assert reader.read_stats.data == 64 * 32 * 4  # w's bytes, none of the others'

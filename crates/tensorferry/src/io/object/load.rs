@@ -115,6 +115,13 @@ pub fn read_header_url(
     Ok((parsed, header.etag, header.size))
 }
 
+/// The size and ETag (when the store gives one) of the object at `url`, from one HEAD.
+pub fn head_url(url: &str, options: &ObjectOptions) -> Result<(u64, Option<String>)> {
+    let at = Location::open(url, options)?;
+    let meta = head(&at)?;
+    Ok((meta.size, meta.e_tag))
+}
+
 /// The bytes `ranges` (absolute offsets, each within the object) of the object at `url`
 /// (one object: no folder or index is resolved), fetched in parallel ranged GETs of at
 /// most [`ObjectOptions::part_bytes`] each, [`ObjectOptions::concurrency`] at once. With

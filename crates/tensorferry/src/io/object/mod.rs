@@ -28,10 +28,10 @@ use std::time::Duration;
 
 pub use failure::{cause_of, Cause, ObjectFailure};
 pub use into_device::load_url_to_until;
-pub use load::{load_url, read_header_url, read_metadata_url, read_ranges, tensor_names};
+pub use load::{head_url, load_url, read_header_url, read_metadata_url, read_ranges, tensor_names};
 pub use location::is_url;
 pub(crate) use location::url_of;
-pub use save::save_url;
+pub use save::{delete_url, put_url, save_url};
 
 /// How to talk to object storage. [`ObjectOptions::from_env`] reads overrides of the
 /// defaults from `TENSORFERRY_OBJECT_*` variables; credentials, regions and endpoints

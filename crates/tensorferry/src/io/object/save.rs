@@ -195,6 +195,17 @@ fn previous_shards(index: &Location) -> Result<Vec<String>> {
     }
 }
 
+/// Writes `bytes` as the object at `url` in one PUT: the object appears whole, or stays
+/// as it was (for small files a caller commits with, such as a checkpoint's metadata).
+pub fn put_url(url: &str, bytes: Vec<u8>, options: &ObjectOptions) -> Result<()> {
+    put(&Location::open(url, options)?, PutPayload::from(bytes))
+}
+
+/// Deletes the object at `url`; an object already absent is no error.
+pub fn delete_url(url: &str, options: &ObjectOptions) -> Result<()> {
+    delete(&Location::open(url, options)?)
+}
+
 /// Deletes the object at `at`; an object already absent is no error.
 fn delete(at: &Location) -> Result<()> {
     use object_store::ObjectStoreExt;
