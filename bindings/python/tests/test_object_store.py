@@ -851,3 +851,21 @@ def test_dcp_loads_of_an_s3_checkpoint_read_only_the_bytes_asked_for(s3, url, to
     dcp.load(back, storage_reader=reader)
     assert torch.equal(back["model"]["w"], state["model"]["w"])
     assert reader.read_stats.data == 64 * 32 * 4  # w's bytes, none of the others'
+
+
+def test_a_streamed_load_asks_for_the_next_chunk_while_this_one_arrives(own_server, proxied, monkeypatch):
+    """Every answer comes 0.25 s late (the proxy), and each of the 12 chunks of 1 MiB is one
+    GET: one after another they would take 12 x 0.25 s. The GETs of the next chunk begin
+    while this chunk's body arrives, so the waits overlap two by two."""
+    tree = {"w": np.arange(3 << 20, dtype=np.float32)}  # 12 MiB
+    tf.save(tree, "s3://bucket/m.safetensors")
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CONCURRENCY", "1")
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(1 << 20))
+    monkeypatch.setenv("TENSORFERRY_OBJECT_HEADER_BYTES", "4096")
+    proxy = proxied(delays=10**6, delay=0.25)
+    started = time.monotonic()
+    got = tf.load("s3://bucket/m.safetensors", device="emu:0", staging=(1 << 20, 2))
+    took = time.monotonic() - started
+    np.testing.assert_array_equal(got["w"].numpy(), tree["w"])
+    assert proxy.delayed >= 13
+    assert took < 0.25 * 12 * 0.8, f"{took:.2f} s: the chunks' waits did not overlap"

@@ -10,9 +10,16 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::load::{fetch_header, fetch_into, read_index, resolved, write_into, FetchedHeader};
+use futures_util::{StreamExt, TryStreamExt};
+use object_store::GetResult;
+use tokio::task::JoinHandle;
+
+use super::load::{
+    drain_into, fetch_header, read_index, request_part, resolved, write_into, FetchedHeader,
+    Version,
+};
 use super::location::Location;
-use super::{plan, ObjectOptions};
+use super::{plan, runtime, ObjectOptions};
 use crate::backend::{backend_for, Backend};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -94,9 +101,17 @@ fn stream_data(
         ..ring
     };
     let chunks = chunks(header.data_len, ring.chunk_bytes as u64);
-    let version = header.version();
-    let head = &header.data_head;
-    let fill = |j: usize, buffer: *mut u8| {
+    let reads = Reads {
+        at,
+        header,
+        version: header.version(),
+        options,
+    };
+    // The GETs of the next chunk begin while this one's bodies arrive: the latency of
+    // their first bytes is hidden behind this chunk's transfer (their bodies wait in the
+    // connections, bounded by the network's own buffers, until their turn).
+    let mut ahead: Option<(usize, Begun)> = None;
+    let mut fill = |j: usize, buffer: *mut u8| {
         if stop.load(Ordering::Relaxed) {
             return Err(Error::io(
                 "read",
@@ -104,13 +119,20 @@ fn stream_data(
                 std::io::ErrorKind::Interrupted.into(),
             ));
         }
+        let begun = match ahead.take() {
+            Some((k, begun)) if k == j => begun,
+            _ => reads.begin(&chunks[j])?,
+        };
+        if let Some(next) = chunks.get(j + 1) {
+            ahead = Some((j + 1, reads.begin(next)?));
+        }
         let chunk = chunks[j].clone();
         let len = (chunk.end - chunk.start) as usize;
         // SAFETY: the buffer holds `ring.chunk_bytes` writable bytes, at least `len`
         // (`chunks`), which only this chunk uses until its copy completes
         // (`stream_to_device`); they are written, never read, through the slice.
         let into = unsafe { std::slice::from_raw_parts_mut(buffer.cast::<MaybeUninit<u8>>(), len) };
-        fill_chunk(at, chunk, into, header, head, options, &version)
+        reads.fill(chunk, into, begun)
     };
     let pieces: Vec<Piece> = chunks
         .iter()
@@ -123,39 +145,104 @@ fn stream_data(
     // SAFETY: each piece is its whole chunk, at most `ring.chunk_bytes` long, the pieces
     // tile the data section without overlap (`chunks`), and `fill` writes every byte of
     // its chunk (or fails), only inside the buffer (`fill_chunk`).
-    unsafe { stream_to_device(backend, data_len, &pieces, ring, fill) }
+    unsafe { stream_to_device(backend, data_len, &pieces, ring, &mut fill) }
 }
 
-/// Fills `into` with the bytes `chunk` of the data section: those the first GET brought
-/// (`head`) copied, the rest fetched in parallel ranged GETs of the object's version.
-fn fill_chunk(
-    at: &Location,
-    chunk: Range<u64>,
-    into: &mut [MaybeUninit<u8>],
-    header: &FetchedHeader,
-    head: &[u8],
-    options: &ObjectOptions,
-    version: &super::load::Version,
-) -> Result<()> {
-    let from_head = (head.len() as u64).clamp(chunk.start, chunk.end) - chunk.start;
-    if from_head > 0 {
-        let bytes = &head[chunk.start as usize..(chunk.start + from_head) as usize];
-        write_into(&mut into[..from_head as usize], bytes);
+/// How the chunks of one object are read.
+struct Reads<'a> {
+    at: &'a Location,
+    header: &'a FetchedHeader,
+    version: Version,
+    options: &'a ObjectOptions,
+}
+
+/// The requests of one chunk: its parts (ranges of the object, in order, the bytes the
+/// first GET brought left out), the first of them already asked for.
+struct Begun {
+    parts: Vec<Range<u64>>,
+    asked: Vec<Asked>,
+}
+
+/// A GET begun on the runtime, cancelled if dropped before its answer is taken (the load
+/// failed or stopped).
+struct Asked(JoinHandle<Result<GetResult>>);
+
+impl Asked {
+    async fn answer(mut self, at: &Location) -> Result<GetResult> {
+        (&mut self.0)
+            .await
+            .map_err(|e| Error::io("read", at.url(), std::io::Error::other(e.to_string())))?
     }
-    let len = chunk.end - chunk.start;
-    let request = (options.part_bytes as u64).min(
-        len.div_ceil(options.concurrency.max(1) as u64)
-            .max(MIN_REQUEST_BYTES),
-    );
-    let parts = plan::parts(std::slice::from_ref(&(from_head..len)), request);
-    fetch_into(
-        at,
-        into,
-        header.data_start + chunk.start,
-        &parts,
-        version,
-        options,
-    )
+}
+
+impl Drop for Asked {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Reads<'_> {
+    /// The parts of `chunk` (a range of the data section), and the GETs of the first
+    /// [`ObjectOptions::concurrency`] of them begun.
+    fn begin(&self, chunk: &Range<u64>) -> Result<Begun> {
+        let head = self.header.data_head.len() as u64;
+        let from = head.clamp(chunk.start, chunk.end);
+        let len = chunk.end - chunk.start;
+        let concurrency = self.options.concurrency.max(1);
+        let request = (self.options.part_bytes as u64)
+            .min(len.div_ceil(concurrency as u64).max(MIN_REQUEST_BYTES));
+        let start = self.header.data_start;
+        let parts: Vec<Range<u64>> = plan::parts(std::slice::from_ref(&(from..chunk.end)), request)
+            .into_iter()
+            .map(|r| start + r.start..start + r.end)
+            .collect();
+        let mut asked = Vec::with_capacity(parts.len().min(concurrency));
+        for range in parts.iter().take(concurrency).cloned() {
+            let (at, version) = (self.at.clone(), self.version.clone());
+            asked.push(Asked(runtime::spawn(async move {
+                request_part(&at, range, &version).await
+            })?));
+        }
+        Ok(Begun { parts, asked })
+    }
+
+    /// Fills `into` with the bytes `chunk` of the data section: those the first GET
+    /// brought copied, the rest from the GETs `begun` (those not begun yet asked for
+    /// now), several at once.
+    fn fill(&self, chunk: Range<u64>, into: &mut [MaybeUninit<u8>], begun: Begun) -> Result<()> {
+        let head = &self.header.data_head;
+        let from_head = (head.len() as u64).clamp(chunk.start, chunk.end) - chunk.start;
+        let (from_first, rest) = into.split_at_mut(from_head as usize);
+        if from_head > 0 {
+            write_into(
+                from_first,
+                &head[chunk.start as usize..(chunk.start + from_head) as usize],
+            );
+        }
+        let mut asked = begun.asked.into_iter();
+        let mut jobs = Vec::with_capacity(begun.parts.len());
+        let mut rest = rest;
+        for range in &begun.parts {
+            let (slice, tail) =
+                std::mem::take(&mut rest).split_at_mut((range.end - range.start) as usize);
+            jobs.push((range.clone(), slice, asked.next()));
+            rest = tail;
+        }
+        let at = self.at;
+        let version = &self.version;
+        runtime::block_on(
+            futures_util::stream::iter(jobs)
+                .map(|(range, slice, asked)| async move {
+                    let answer = match asked {
+                        Some(request) => request.answer(at).await?,
+                        None => request_part(at, range.clone(), version).await?,
+                    };
+                    drain_into(at, range, answer, slice).await
+                })
+                .buffer_unordered(self.options.concurrency.max(1))
+                .try_for_each(|()| async { Ok(()) }),
+        )?
+    }
 }
 
 /// The data section `0..data_len` cut into chunks of `chunk_bytes` (the last shorter).

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
-use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt};
+use object_store::{GetOptions, GetRange, GetResult, ObjectMeta, ObjectStore, ObjectStoreExt};
 
 use super::failure::{cause_of, failed, from_store, Cause};
 use super::location::Location;
@@ -463,6 +463,7 @@ fn load_object(
 }
 
 /// What every GET of one load must find: the object the first GET found.
+#[derive(Clone, Debug)]
 pub(super) struct Version {
     pub(super) etag: Option<String>,
     pub(super) size: u64,
@@ -526,19 +527,29 @@ async fn fetch_part(
     into: &mut [MaybeUninit<u8>],
     version: &Version,
 ) -> Result<()> {
+    let answer = request_part(at, range.clone(), version).await?;
+    drain_into(at, range, answer, into).await
+}
+
+/// A ranged GET of `range`, once its answer has begun (status and headers, checked
+/// against `version`): its body is still to come ([`drain_into`]).
+pub(super) async fn request_part(
+    at: &Location,
+    range: Range<u64>,
+    version: &Version,
+) -> Result<GetResult> {
     let store: &dyn ObjectStore = at.store();
-    let read_err = |e| from_store("read", at.url(), e);
     let result = store
         .get_opts(
             at.key(),
             GetOptions {
-                range: Some(GetRange::Bounded(range.clone())),
+                range: Some(GetRange::Bounded(range)),
                 if_match: version.etag.clone(),
                 ..Default::default()
             },
         )
         .await
-        .map_err(read_err)?;
+        .map_err(|e| from_store("read", at.url(), e))?;
     let changed = result.meta.size != version.size
         || (version.etag.is_some() && result.meta.e_tag != version.etag);
     if changed {
@@ -552,7 +563,19 @@ async fn fetch_part(
             ),
         ));
     }
-    let mut stream = result.into_stream();
+    Ok(result)
+}
+
+/// Writes the body of `answer` (the GET of `range`) into `into`, which must be exactly
+/// as long.
+pub(super) async fn drain_into(
+    at: &Location,
+    range: Range<u64>,
+    answer: GetResult,
+    into: &mut [MaybeUninit<u8>],
+) -> Result<()> {
+    let read_err = |e| from_store("read", at.url(), e);
+    let mut stream = answer.into_stream();
     let mut filled = 0usize;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(read_err)?;
