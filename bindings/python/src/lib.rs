@@ -291,8 +291,8 @@ fn load(
             direct,
             copy_on_write,
         };
-        // An object-storage URL loads into host memory (`only` fetching just those
-        // tensors), or streams onto `device` through the ring `staging` names.
+        // An object-storage URL loads into host memory, or streams onto `device` through
+        // the ring `staging` names; `only` fetches just those tensors.
         let url = path
             .to_str()
             .filter(|p| object::is_url(p))
@@ -304,14 +304,10 @@ fn load(
             (Some(url), Some(d)) => {
                 let target: Device = d.parse().py_err()?;
                 let staging = parse_staging(staging.as_ref())?;
-                if only.is_some() {
-                    return Err(pyo3::exceptions::PyValueError::new_err(
-                        "only= loads into host memory: a streamed load takes the whole checkpoint",
-                    ));
-                }
                 wait::run_interruptibly(py, "tensorferry-load", move |stop| {
                     let options = object::ObjectOptions::from_env();
-                    object::load_url_to_until(&url, target, &options, staging, stop)
+                    let only = only.as_ref();
+                    object::load_url_to_until(&url, target, &options, staging, stop, only)
                 })?
             }
             // On a thread of its own too: Ctrl-C reaches the caller at once, whatever the

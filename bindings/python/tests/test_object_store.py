@@ -490,12 +490,18 @@ def test_a_checkpoint_streams_onto_a_device_whole_and_sharded(s3, url):
         _same(tf.to_numpy(got), tree)
 
 
-def test_a_subset_and_out_load_onto_a_device_through_host_memory(s3, url):
-    tree = _model(layers=3)
-    tf.save(tree, url + "m.safetensors")
-    got = tf.load(url + "m.safetensors", device="emu:0", keys="model.layer.1.weight")
-    assert got["model"]["layer.1.weight"].device == "emu:0"
-    np.testing.assert_array_equal(got["model"]["layer.1.weight"].numpy(), tree["model"]["layer.1.weight"])
+def test_a_subset_streams_onto_a_device_fetching_only_its_byte_ranges(own_server):
+    tree = {"keep": np.full(300_000, 1.0, np.float32), "skip": np.full(300_000, 2.0, np.float32)}
+    tf.save(tree, "s3://bucket/m.safetensors")
+    got = tf.load("s3://bucket/m.safetensors", device="emu:0", keys="keep", staging=(65536, 2))
+    assert list(got) == ["keep"] and got["keep"].device == "emu:0"
+    np.testing.assert_array_equal(got["keep"].numpy(), tree["keep"])
+    size = os.path.getsize(own_server.file("m.safetensors"))
+    assert max(end for _, end in _ranges_read(own_server.log)) <= size - 1_200_000  # none of "skip"'s
+    sharded = _model(layers=4, size=8192)
+    tf.save(sharded, "s3://bucket/many/", max_shard_size=40_000)
+    got = tf.load("s3://bucket/many/", device="emu:0", keys=["model.layer.0.weight", "model.layer.3.weight"])
+    _same(tf.to_numpy(got), {"model": {k: sharded["model"][k] for k in ("layer.0.weight", "layer.3.weight")}})
 
 
 _PEAK_RSS_OF_A_URL_LOAD = """

@@ -340,7 +340,8 @@ fn a_checkpoint_streams_onto_a_device_through_a_ring_smaller_than_it() {
     let stop = std::sync::atomic::AtomicBool::new(false);
     let options = ObjectOptions::from_env();
     for url in ["s3://bucket/d.safetensors", "s3://bucket/sharded/"] {
-        let loaded = load_url_to_until(url, Device::Emulated(0), &options, ring, &stop).unwrap();
+        let loaded =
+            load_url_to_until(url, Device::Emulated(0), &options, ring, &stop, None).unwrap();
         for (_, t) in loaded.root.tensors() {
             assert_eq!(t.device(), Device::Emulated(0), "{url}");
         }
@@ -369,6 +370,7 @@ fn a_streamed_load_asked_to_stop_is_interrupted_and_a_missing_object_is_named() 
         &options,
         Staging::Auto,
         &stop,
+        None,
     )
     .unwrap_err();
     assert!(
@@ -383,6 +385,7 @@ fn a_streamed_load_asked_to_stop_is_interrupted_and_a_missing_object_is_named() 
         &options,
         Staging::Auto,
         &stop,
+        None,
     )
     .unwrap_err();
     assert_eq!(cause_of(&e), Some(Cause::NotFound), "{e}");
@@ -457,4 +460,69 @@ fn device_tensors_are_uploaded_through_the_ring_beside_host_tensors() {
     save_node(&tree, "s3://bucket/dev.safetensors", &options).unwrap();
     let loaded = load_node("s3://bucket/dev.safetensors", Default::default()).unwrap();
     assert_eq!(values_on_host(&loaded.root), values_on_host(&tree));
+}
+
+#[test]
+fn a_subset_streams_onto_a_device_into_memory_of_its_own_size() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(4, 8.0);
+    save_node(
+        &tree,
+        "s3://bucket/sub.safetensors",
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    save_url(
+        &tree,
+        "s3://bucket/subs/",
+        &SaveOptions::default(),
+        Some(150_000),
+    )
+    .unwrap();
+    let only: HashSet<String> = ["model.layer.1.weight", "model.layer.3.weight"]
+        .map(String::from)
+        .into();
+    let ring = Staging::Ring {
+        chunk_bytes: 8192,
+        depth: 2,
+    };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let options = ObjectOptions::from_env();
+    let expected: Vec<(String, Vec<f32>)> = values(&tree)
+        .into_iter()
+        .filter(|(n, _)| only.contains(n))
+        .collect();
+    for url in ["s3://bucket/sub.safetensors", "s3://bucket/subs/"] {
+        let loaded =
+            load_url_to_until(url, Device::Emulated(0), &options, ring, &stop, Some(&only))
+                .unwrap();
+        assert_eq!(values_on_host(&loaded.root), expected, "{url}");
+        let storages: HashSet<usize> = loaded
+            .root
+            .tensors()
+            .iter()
+            .map(|(_, t)| std::sync::Arc::as_ptr(t.storage()) as usize)
+            .collect();
+        for (_, t) in loaded.root.tensors() {
+            assert_eq!(t.device(), Device::Emulated(0));
+            // Each object's device memory holds its wanted tensors only.
+            assert!(
+                t.storage().len() <= 2 * 65536 && t.storage().len() % 65536 == 0,
+                "{url}: {}",
+                t.storage().len()
+            );
+        }
+        assert!(!storages.is_empty());
+        let model = loaded.root.as_dict().unwrap().get("model").unwrap();
+        let layer0 = match model {
+            Node::Dict(d) => d.get("layer.0.weight").cloned(),
+            _ => None,
+        };
+        assert!(
+            matches!(layer0, Some(Node::Value(Value::None)) | None),
+            "{url}"
+        );
+    }
 }

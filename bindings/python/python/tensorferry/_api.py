@@ -727,9 +727,9 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     mapped = (mmap and not direct) or on_device or keys is not None
     # A cast goes with the host's bytes (a device holds no kernels of tensorferry's own):
     # a file read past the page cache is cast on the host before its move. A whole
-    # checkpoint in object storage streams onto the device through the ring (ranged GETs
-    # into its buffers); a subset or out= goes through host memory.
-    streamed = on_device and dtype is None and (direct or (url and keys is None and out is None))
+    # checkpoint in object storage, or a subset of it, streams onto the device through the
+    # ring (ranged GETs into its buffers); out= goes through host memory.
+    streamed = on_device and dtype is None and (direct or (url and out is None))
     tree, meta, pending, fallback = _native.load(
         os.fspath(path),
         mapped,

@@ -606,7 +606,7 @@ pub(super) async fn drain_into(
 }
 
 /// `node` with every tensor whose name is not in `only` replaced by a `None` value.
-fn blank_unwanted(node: Node, path: &mut Vec<String>, only: &HashSet<String>) -> Node {
+pub(super) fn blank_unwanted(node: Node, path: &mut Vec<String>, only: &HashSet<String>) -> Node {
     let at = |key: String, child: Node, path: &mut Vec<String>| {
         path.push(key);
         let child = blank_unwanted(child, path, only);
