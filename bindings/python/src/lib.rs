@@ -601,6 +601,54 @@ fn object_read_ranges(
     })
 }
 
+/// Fills the memory of each `(offset, address, length)` of `spans` with the bytes of the
+/// object at `url` from that offset, in parallel ranged GETs (GIL released), all from one
+/// version of the object (with `etag`, that version). Spans that overlap are refused.
+/// Private to the package: `tensorferry._object.read_into` passes the addresses of
+/// writable buffers it holds exported for the call (the only way to write into Python
+/// buffers under the stable ABI before Python 3.11).
+#[pyfunction]
+#[pyo3(signature = (url, spans, etag=None))]
+fn object_read_into(
+    py: Python<'_>,
+    url: &str,
+    spans: Vec<(u64, usize, usize)>,
+    etag: Option<String>,
+) -> PyResult<()> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| {
+        let mut by_address: Vec<(usize, usize)> = spans
+            .iter()
+            .filter(|s| s.2 > 0)
+            .map(|s| (s.1, s.1.saturating_add(s.2)))
+            .collect();
+        by_address.sort_unstable();
+        if by_address.iter().any(|s| s.0 == 0) || by_address.windows(2).any(|w| w[1].0 < w[0].1) {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "object_read_into was given a null address or spans that overlap",
+            ));
+        }
+        py.detach(|| {
+            let targets = spans
+                .iter()
+                .filter(|s| s.2 > 0)
+                // SAFETY: each span is the writable memory of a Python buffer of `len`
+                // bytes that the caller (`tensorferry._object.read_into`) keeps exported —
+                // neither freed nor resized — until this call returns; no two spans overlap
+                // (checked above), so the slices are disjoint; Python buffers hold
+                // initialised bytes.
+                .map(|&(o, address, len)| {
+                    (o, unsafe {
+                        std::slice::from_raw_parts_mut(address as *mut u8, len)
+                    })
+                })
+                .collect();
+            object::read_into(url, targets, etag.as_deref(), &options)
+        })
+        .py_err()
+    })
+}
+
 /// Whether `path` is an object-storage URL (`s3://`, `gs://`, `az://`, `http(s)://`).
 #[pyfunction]
 fn is_url(path: &str) -> bool {
@@ -681,6 +729,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(object_read_header, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(object_head, m)?)?;
+    m.add_function(wrap_pyfunction!(object_read_into, m)?)?;
     m.add_function(wrap_pyfunction!(object_put, m)?)?;
     m.add_function(wrap_pyfunction!(object_delete, m)?)?;
     m.add_function(wrap_pyfunction!(wait_tensors, m)?)?;

@@ -875,3 +875,27 @@ def test_a_streamed_load_asks_for_the_next_chunk_while_this_one_arrives(own_serv
     np.testing.assert_array_equal(got["w"].numpy(), tree["w"])
     assert proxy.delayed >= 13
     assert took < 0.25 * 12 * 0.8, f"{took:.2f} s: the chunks' waits did not overlap"
+
+
+def test_byte_ranges_of_one_object_version_are_read_into_buffers(s3, url):
+    from tensorferry import _object
+
+    tree = {"a": np.arange(1000, dtype=np.float32), "b": np.arange(10, dtype=np.int64)}
+    target = url + "r.safetensors"
+    tf.save(tree, target)
+    start, entries, etag, size = _object.read_header(target)
+    assert etag and size == max(e[4] for e in entries) and start == min(e[3] for e in entries)
+    found = {name: (begin, end) for name, _, _, begin, end in entries}
+    a = np.zeros(1000, np.float32)
+    b = bytearray(80)
+    _object.read_into(target, [(found["a"][0], a), (found["b"][0], b)], etag)
+    np.testing.assert_array_equal(a, tree["a"])
+    np.testing.assert_array_equal(np.frombuffer(b, np.int64), tree["b"])
+    assert _object.read_ranges(target, [found["b"]], etag) == [bytes(b)]
+    with pytest.raises(TypeError, match="read-only"):
+        _object.read_into(target, [(0, b"12345678")])
+    with pytest.raises(BufferError, match="overlap"):  # checked before any address is used
+        tf._native.object_read_into(target, [(0, 1 << 40, 8), (0, (1 << 40) + 4, 8)])
+    tf.save({"a": np.ones(3)}, target)  # replaced: the old ETag no longer reads
+    with pytest.raises(OSError, match="replaced"):
+        _object.read_into(target, [(0, bytearray(8))], etag)

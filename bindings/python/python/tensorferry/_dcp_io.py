@@ -16,7 +16,7 @@ import json
 import os
 import stat
 
-from . import _native
+from . import _native, _object
 from ._errors import FormatError, TensorferryIOError, io_error
 
 #: Bytes per element of each safetensors dtype.
@@ -117,11 +117,6 @@ class RemoteObject:
     def __init__(self, url):
         self.url = url
         self.etag = None
-
-
-#: Bytes fetched per native call when reading pieces of an object (the pieces of one
-#: call are fetched in parallel ranged GETs, then copied to their places).
-_REMOTE_BATCH_BYTES = 64 << 20
 
 
 def open_read(path):
@@ -332,22 +327,7 @@ def read_runs(fd, path, entry, runs, dest, stats=None):
 
 
 def _read_remote(obj, todo):
-    """Reads every ``(offset, view)`` of ``todo`` from the object ``obj``, in batches of
-    about :data:`_REMOTE_BATCH_BYTES` whose ranges are fetched in parallel (natively, the
-    GIL released), each checked against the version its header was read at."""
-    batch, size = [], 0
-    for offset, view in todo:
-        batch.append((offset, view))
-        size += len(view)
-        if size >= _REMOTE_BATCH_BYTES:
-            _fetch_remote(obj, batch)
-            batch, size = [], 0
-    if batch:
-        _fetch_remote(obj, batch)
-
-
-def _fetch_remote(obj, batch):
-    wanted = [(offset, view) for offset, view in batch if len(view)]
-    got = _native.object_read_ranges(obj.url, [(o, o + len(v)) for o, v in wanted], obj.etag)
-    for (_, view), data in zip(wanted, got):
-        view[:] = data
+    """Reads every ``(offset, view)`` of ``todo`` from the object ``obj`` straight into the
+    views, in parallel ranged GETs (natively, the GIL released), each checked against the
+    version its header was read at."""
+    _object.read_into(obj.url, todo, obj.etag)

@@ -122,18 +122,46 @@ pub fn head_url(url: &str, options: &ObjectOptions) -> Result<(u64, Option<Strin
     Ok((meta.size, meta.e_tag))
 }
 
-/// The bytes `ranges` (absolute offsets, each within the object) of the object at `url`
-/// (one object: no folder or index is resolved), fetched in parallel ranged GETs of at
-/// most [`ObjectOptions::part_bytes`] each, [`ObjectOptions::concurrency`] at once. With
-/// `etag`, the object must still be that version (else an error of cause
-/// [`Cause::Changed`]); every GET is checked against the version the first request found,
-/// so the ranges all come from one version of the object.
+/// The bytes `ranges` (absolute offsets, each within the object) of the object at `url`,
+/// as [`read_into`] reads them.
 pub fn read_ranges(
     url: &str,
     ranges: &[Range<u64>],
     etag: Option<&str>,
     options: &ObjectOptions,
 ) -> Result<Vec<Vec<u8>>> {
+    if let Some(r) = ranges.iter().find(|r| r.start > r.end) {
+        return Err(Error::InvalidValue {
+            key: String::new(),
+            reason: format!("bytes {r:?} of {url}: a range that ends before it starts"),
+        });
+    }
+    let mut out: Vec<Vec<u8>> = ranges
+        .iter()
+        .map(|r| vec![0u8; (r.end - r.start) as usize])
+        .collect();
+    let targets = ranges
+        .iter()
+        .zip(out.iter_mut())
+        .map(|(r, buffer)| (r.start, buffer.as_mut_slice()))
+        .collect();
+    read_into(url, targets, etag, options)?;
+    Ok(out)
+}
+
+/// Fills each `(offset, buffer)` of `targets` with the bytes of the object at `url` (one
+/// object: no folder or index is resolved) from that offset, in parallel ranged GETs of
+/// at most [`ObjectOptions::part_bytes`] each, [`ObjectOptions::concurrency`] at once.
+/// With `etag`, the object must still be that version (else an error of cause
+/// [`Cause::Changed`]); every GET is checked against the version the first request
+/// (a HEAD) found, so all bytes come from one version of the object. A range past the
+/// object's end is refused before anything is read.
+pub fn read_into(
+    url: &str,
+    targets: Vec<(u64, &mut [u8])>,
+    etag: Option<&str>,
+    options: &ObjectOptions,
+) -> Result<()> {
     let at = Location::open(url, options)?;
     let meta = head(&at)?;
     if let Some(expected) = etag.filter(|e| meta.e_tag.as_deref() != Some(*e)) {
@@ -148,10 +176,11 @@ pub fn read_ranges(
         etag: meta.e_tag,
         size: meta.size,
     };
-    if let Some(r) = ranges
+    let past_the_end = targets
         .iter()
-        .find(|r| r.start > r.end || r.end > version.size)
-    {
+        .map(|(offset, buffer)| *offset..offset.saturating_add(buffer.len() as u64))
+        .find(|r| r.end > version.size);
+    if let Some(r) = past_the_end {
         return Err(Error::InvalidValue {
             key: String::new(),
             reason: format!(
@@ -161,14 +190,11 @@ pub fn read_ranges(
             ),
         });
     }
-    let mut out: Vec<Vec<u8>> = ranges
-        .iter()
-        .map(|r| vec![0u8; (r.end - r.start) as usize])
-        .collect();
     let mut jobs = Vec::new();
-    for (range, buffer) in ranges.iter().zip(out.iter_mut()) {
-        let mut rest = as_uninit(buffer.as_mut_slice());
-        for part in plan::parts(std::slice::from_ref(range), options.part_bytes as u64) {
+    for (offset, buffer) in targets {
+        let range = offset..offset + buffer.len() as u64;
+        let mut rest = as_uninit(buffer);
+        for part in plan::parts(std::slice::from_ref(&range), options.part_bytes as u64) {
             let (slice, tail) =
                 std::mem::take(&mut rest).split_at_mut((part.end - part.start) as usize);
             jobs.push((part, slice));
@@ -182,8 +208,7 @@ pub fn read_ranges(
             .map(|(range, slice)| fetch_part(at, range, slice, version))
             .buffer_unordered(options.concurrency.max(1))
             .try_for_each(|()| async { Ok(()) }),
-    )??;
-    Ok(out)
+    )?
 }
 
 /// What a load of `at` reads, as [`load_url`] says, read by `object` (one safetensors
