@@ -357,7 +357,7 @@ def test_no_credentials_at_all_is_named(s3, url, monkeypatch):
         tf.load(url + "x.safetensors")
 
 
-def _paused_load(monkeypatch, tmp_path, target):
+def _paused_load(monkeypatch, tmp_path, target, **options):
     """Starts ``tf.load(target)`` on a thread that stops after the header (the loader's
     test hook); returns ``(go, outcome)``: ``go()`` lets it read the data and returns
     once it finished, ``outcome`` then holds ``("ok", tree)`` or ``("error", exc)``."""
@@ -368,7 +368,7 @@ def _paused_load(monkeypatch, tmp_path, target):
 
     def run():
         try:
-            outcome.append(("ok", tf.load(target)))
+            outcome.append(("ok", tf.load(target, **options)))
         except Exception as e:  # noqa: BLE001 - the test inspects it
             outcome.append(("error", e))
 
@@ -387,10 +387,11 @@ def _paused_load(monkeypatch, tmp_path, target):
     return go, outcome
 
 
-def test_an_object_replaced_during_the_read_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "emu:0"])
+def test_an_object_replaced_during_the_read_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path, device):
     target = url + "m.safetensors"
     tf.save({"w": np.full(100_000, 1.0, np.float32)}, target)
-    go, outcome = _paused_load(monkeypatch, tmp_path, target)
+    go, outcome = _paused_load(monkeypatch, tmp_path, target, device=device)
     tf.save({"w": np.full(100_000, 2.0, np.float32)}, target)  # same size, other bytes
     go()
     kind, value = outcome[0]
@@ -400,10 +401,11 @@ def test_an_object_replaced_during_the_read_is_an_error_never_a_mix(s3, url, mon
     np.testing.assert_array_equal(tf.load(target)["w"], 2.0)
 
 
-def test_the_server_stopped_mid_load_is_a_clear_error(own_server, monkeypatch, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "emu:0"])
+def test_the_server_stopped_mid_load_is_a_clear_error(own_server, monkeypatch, tmp_path, device):
     target = "s3://bucket/m.safetensors"
     tf.save({"w": np.ones(200_000, np.float32)}, target)
-    go, outcome = _paused_load(monkeypatch, tmp_path, target)
+    go, outcome = _paused_load(monkeypatch, tmp_path, target, device=device)
     own_server.stop()
     started = time.monotonic()
     go()
