@@ -901,3 +901,11 @@ def test_byte_ranges_of_one_object_version_are_read_into_buffers(s3, url):
     tf.save({"a": np.ones(3)}, target)  # replaced: the old ETag no longer reads
     with pytest.raises(OSError, match="replaced"):
         _object.read_into(target, [(0, bytearray(8))], etag)
+
+
+def test_a_checkpoint_without_tensor_bytes_streams_onto_a_device(s3, url):
+    tf.save({"step": 3, "empty": np.zeros((0, 4), np.float32)}, url + "e.safetensors")
+    got = tf.load(url + "e.safetensors", device="emu:0")
+    assert got["step"] == 3 and got["empty"].shape == (0, 4) and got["empty"].device == "emu:0"
+    got = tf.load(url + "e.safetensors", device="emu:0", keys="empty")
+    assert got["empty"].shape == (0, 4)
