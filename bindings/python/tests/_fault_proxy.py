@@ -24,15 +24,20 @@ class FaultProxy:
       bytes of response have passed on them (mid-body of a large GET);
     - ``cut_requests``: that many connections are reset once more than ``cut_after``
       bytes of request have passed on them (mid-body of an uploaded part);
-    - ``delays``: that many responses wait ``delay`` seconds before their first byte.
+    - ``delays``: that many responses wait ``delay`` seconds before their first byte;
+    - ``spare``: (with ``cut_requests``) instead, the connection is cut that carries the
+      request byte number ``spare`` counted over all connections (to cut a later request of
+      a sequence, whatever connections the client reuses).
 
     ``cut``, ``delayed`` count the faults injected so far.
     """
 
     def __init__(self, upstream_port, *, cut_responses=0, cut_requests=0, cut_after=64 << 10,
-                 delays=0, delay=0.5, lifetime=120.0):
+                 delays=0, delay=0.5, spare=0, lifetime=120.0):
         self.upstream_port = upstream_port
         self.cut_after = cut_after
+        self.spare = spare
+        self.requested = 0  # request bytes passed in all
         self.delay = delay
         self._budget = {"response": cut_responses, "request": cut_requests, "delay": delays}
         self.cut = 0
@@ -125,17 +130,25 @@ class _Link:
                 data = src.recv(_CHUNK)
                 if not data:
                     break
+                crossed = False
                 if direction == "request":
                     self.awaiting_response = True
+                    with proxy._lock:
+                        crossed = proxy.requested < proxy.spare <= proxy.requested + len(data)
+                        proxy.requested += len(data)
                 elif self.awaiting_response:
                     self.awaiting_response = False
                     if proxy._take("delay"):
                         time.sleep(proxy.delay)
                 before = self.passed[direction]
                 self.passed[direction] += len(data)
-                if before <= proxy.cut_after < self.passed[direction] and proxy._take(direction):
+                if proxy.spare and direction == "request":
+                    at = proxy.spare - (proxy.requested - len(data)) if crossed else None
+                else:
+                    at = proxy.cut_after - before if before <= proxy.cut_after < self.passed[direction] else None
+                if at is not None and proxy._take(direction):
                     # Half of what crossed the line goes through, then the link drops.
-                    dst.sendall(data[: max(1, (proxy.cut_after - before) // 2)])
+                    dst.sendall(data[: max(1, at // 2)])
                     self.close()
                     return
                 dst.sendall(data)

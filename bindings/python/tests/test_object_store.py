@@ -9,6 +9,7 @@ scripts/s3-server.sh install`` builds it); ``scripts/test.sh`` installs it and s
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -224,8 +225,6 @@ def test_keys_of_a_sharded_checkpoint(s3, url):
 
 def _ranges_read(log):
     """``(start, end)`` of every ranged GET in a server's log, in order."""
-    import re
-
     with open(log) as f:
         return [(int(a), int(b) + 1) for a, b in re.findall(r'"range": "bytes=(\d+)-(\d+)"', f.read())]
 
@@ -909,3 +908,25 @@ def test_a_checkpoint_without_tensor_bytes_streams_onto_a_device(s3, url):
     assert got["step"] == 3 and got["empty"].shape == (0, 4) and got["empty"].device == "emu:0"
     got = tf.load(url + "e.safetensors", device="emu:0", keys="empty")
     assert got["empty"].shape == (0, 4)
+
+
+def test_a_sharded_save_failing_midway_removes_its_shards_and_leaves_the_previous_checkpoint(
+        own_server, proxied, monkeypatch):
+    previous = _sharded(1.0)
+    tf.save(previous, "s3://bucket/ckpt/", max_shard_size=8 << 20)
+    objects = os.path.join(own_server.root, "bucket")
+    before = _files(objects)
+    _retrying(monkeypatch, 0)
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CONCURRENCY", "1")
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(5 << 20))
+    # The first shard (8 MiB, two parts) goes up whole; the upload's 10th MiB, in the
+    # second, is cut.
+    proxy = proxied(cut_requests=1, spare=10 << 20)
+    with pytest.raises(ConnectionError) as e:
+        tf.save(_sharded(2.0), "s3://bucket/ckpt/", max_shard_size=8 << 20)
+    assert re.search(r"model-00002-of-00004\.", str(e.value)) and proxy.cut == 1, e.value
+    assert _pending_uploads(own_server) == []
+    # The shard uploaded whole was deleted again: the objects are the previous checkpoint's.
+    assert _files(objects) == before
+    monkeypatch.setenv("AWS_ENDPOINT_URL", own_server.endpoint)
+    _same(tf.load("s3://bucket/ckpt/")["model"], previous["model"])
