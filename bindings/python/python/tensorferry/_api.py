@@ -851,8 +851,8 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     target = _devices.name_of(device)
     on_device = target != "cpu"
     patterns = None if keys is None else _select.patterns(keys)
-    # Object storage (s3://, gs://, az://, http(s)://): read into host memory, a subset
-    # fetching only the byte ranges of the tensors its keys match.
+    # Object storage (s3://, gs://, az://, http(s)://): read into host memory (or streamed
+    # onto a device, below), a subset fetching only the byte ranges of its keys' tensors.
     url = isinstance(path, str) and _native.is_url(path)
     if url and direct:
         raise FormatError(f"direct=True reads local files past the page cache; {path!r} is in object storage")
@@ -883,8 +883,10 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     # fresh memory was asked for.
     mapped = (mmap and not direct) or on_device or keys is not None
     # A cast goes with the host's bytes (a device holds no kernels of tensorferry's own):
-    # a file read past the page cache is cast on the host before its move.
-    streamed = direct and on_device and dtype is None
+    # a file read past the page cache is cast on the host before its move. A whole
+    # checkpoint in object storage, or a subset of it, streams onto the device through the
+    # ring (ranged GETs into its buffers); out= goes through host memory.
+    streamed = on_device and dtype is None and (direct or (url and out is None))
     tree, meta, pending, fallback = _native.load(
         os.fspath(path),
         mapped,
