@@ -624,7 +624,7 @@ fn object_read_into(
             .collect();
         by_address.sort_unstable();
         if by_address.iter().any(|s| s.0 == 0) || by_address.windows(2).any(|w| w[1].0 < w[0].1) {
-            return Err(pyo3::exceptions::PyBufferError::new_err(
+            return Err(crate::errors::buffer_err(
                 "object_read_into was given a null address or spans that overlap",
             ));
         }

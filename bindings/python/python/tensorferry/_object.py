@@ -6,6 +6,7 @@ every answer checked against one version of the object)."""
 import ctypes
 
 from . import _native
+from ._errors import TensorferryTypeError
 
 
 def read_header(url):
@@ -29,7 +30,7 @@ def read_into(url, targets, etag=None):
     for offset, buffer in targets:
         view = memoryview(buffer).cast("B")  # TypeError for a buffer that is not contiguous
         if view.readonly:
-            raise TypeError(f"read_into writes into its buffers: a read-only {type(buffer).__name__} was given")
+            raise TensorferryTypeError(f"read_into writes into its buffers: a read-only {type(buffer).__name__} was given")
         if not len(view):
             continue
         window = (ctypes.c_char * len(view)).from_buffer(view)  # keeps the buffer exported
