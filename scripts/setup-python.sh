@@ -14,9 +14,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-# mypy: scripts/test.sh checks the package's stubs against it with mypy.stubtest.
-echo "-- pip: maturin, pytest, hypothesis, numpy, ml_dtypes, safetensors, mypy (about 60 MB the first time)"
-.venv/bin/python -m pip install -q "maturin>=1.7,<2" pytest hypothesis numpy ml_dtypes safetensors mypy
+# mypy: scripts/test.sh checks the package's stubs against it with mypy.stubtest; tqdm draws
+# the bars of save/load(progress=True), which a test checks.
+echo "-- pip: maturin, pytest, hypothesis, numpy, ml_dtypes, safetensors, mypy, tqdm (about 60 MB the first time)"
+.venv/bin/python -m pip install -q "maturin>=1.7,<2" pytest hypothesis numpy ml_dtypes safetensors mypy tqdm
 if [ "${1:-}" != "--no-frameworks" ]; then
   # Real frameworks for the interop tests (torch from PyPI runs on CPU without a GPU).
   echo "-- pip: PyTorch, JAX and transformers for the interop tests (about 5 GB with PyTorch's CUDA libraries: minutes the first time)"

@@ -325,6 +325,16 @@ def check_devices(tree, device):
             raise Wrong(f"a {type(t).__name__} on {getattr(t, 'device', '?')} where {device} was asked")
 
 
+def settled(x):
+    """The structure of a non-blocking call: its Transfer's result, at once or after a
+    moment (the copies may still run; the result waits for them, and so does every read)."""
+    if isinstance(x, tf.Transfer):
+        if random.random() < 0.3:
+            time.sleep(random.random() / 1000)
+        return x.result()
+    return x
+
+
 def check_source_intact(src, values):
     for t in tensors_of(src):
         arr = t if isinstance(t, np.ndarray) else t.numpy()
@@ -416,7 +426,7 @@ class Worker:
         values = expected_values(src)
         dev, nb = self.device(), self.rng.random() < 0.5
         staging = self.rng.choice(STAGING)
-        there = self.checked(src, values, lambda: tf.to_device(src, dev, non_blocking=nb, staging=staging))
+        there = self.checked(src, values, lambda: settled(tf.to_device(src, dev, non_blocking=nb, staging=staging)))
         check_devices(there, dev)
         if self.rng.random() < 0.3:
             self.hold(src, values, there, dev)
@@ -425,14 +435,14 @@ class Worker:
     def op_to_host(self):
         src = self.trees.tree()
         values = expected_values(src)
-        there = tf.to_device(src, self.device(), non_blocking=self.rng.random() < 0.5)
+        there = settled(tf.to_device(src, self.device(), non_blocking=self.rng.random() < 0.5))
         opts = dict(
             non_blocking=self.rng.random() < 0.5,
             copy=self.rng.random() < 0.3,
             pinned=self.rng.random() < 0.4,
             staging=self.rng.choice(STAGING),
         )
-        back = tf.to_host(there, **opts)
+        back = settled(tf.to_host(there, **opts))
         if opts["pinned"] and self.rng.random() < 0.3:
             self.hold(src, values, back, "cpu")
         if self.rng.random() < 0.2:
@@ -443,7 +453,7 @@ class Worker:
         src = self.trees.tree()
         values = expected_values(src)
         first, second = self.rng.sample(DEVICES, 2)
-        there = tf.to_device(tf.to_device(src, first, non_blocking=True), second, non_blocking=True)
+        there = settled(tf.to_device(settled(tf.to_device(src, first, non_blocking=True)), second, non_blocking=True))
         check_devices(there, second)
         check(tf.to_numpy(there), src, values, numpy_only=True)
 
@@ -454,11 +464,11 @@ class Worker:
             values.update(expected_values(p))
         src = {"a": parts[0], "b": parts[1], "c": parts[2]}
         moved = {
-            "a": tf.to_device(parts[0], "emu:0", non_blocking=True),
-            "b": tf.to_device(parts[1], "emu:1", non_blocking=True),
+            "a": settled(tf.to_device(parts[0], "emu:0", non_blocking=True)),
+            "b": settled(tf.to_device(parts[1], "emu:1", non_blocking=True)),
             "c": parts[2],
         }
-        check(tf.to_numpy(tf.to_host(moved, non_blocking=self.rng.random() < 0.5)), src, values, numpy_only=True)
+        check(tf.to_numpy(settled(tf.to_host(moved, non_blocking=self.rng.random() < 0.5))), src, values, numpy_only=True)
 
     def op_save_load(self):
         src = self.trees.tree()
@@ -466,11 +476,11 @@ class Worker:
         what = self.rng.choice(("host", "device", "pending_host"))
         tree = src
         if what == "device":
-            tree = tf.to_device(src, self.device(), non_blocking=self.rng.random() < 0.5)
+            tree = settled(tf.to_device(src, self.device(), non_blocking=self.rng.random() < 0.5))
         elif what == "pending_host":
             # Results of a non-blocking copy home, saved before they are known to be good.
             there = tf.to_device(src, self.device())
-            tree = tf.to_host(there, non_blocking=True, copy=True)
+            tree = settled(tf.to_host(there, non_blocking=True, copy=True))
         try:
             self.checked(src, values, lambda: tf.save(tree, self.path, fsync=self.rng.random() < 0.1))
         except tf.TensorferryError:
@@ -491,7 +501,7 @@ class Worker:
         values = expected_values(src)
         tree = src
         if self.rng.random() < 0.5:
-            tree = tf.to_device(src, self.device(), non_blocking=self.rng.random() < 0.5)
+            tree = settled(tf.to_device(src, self.device(), non_blocking=self.rng.random() < 0.5))
         shard = self.rng.choice((None, 64, 1024, 1 << 16))
         try:
             self.checked(
@@ -575,13 +585,13 @@ class Worker:
         src = self.trees.tree()
         values = expected_values(src)
         dev = self.device()
-        td = tf.TensorDict(src).to(dev, non_blocking=self.rng.random() < 0.5)
+        td = settled(tf.TensorDict(src).to(dev, non_blocking=self.rng.random() < 0.5))
         if td.device != dev:
             raise Wrong(f"TensorDict.to({dev!r}).device is {td.device!r}")
         if self.rng.random() < 0.5:
             if td.wait() is not td or not td.is_ready():
                 raise Wrong("TensorDict.wait() returned but is_ready() is false")
-        back = td.cpu(non_blocking=self.rng.random() < 0.5, pinned=self.rng.random() < 0.3)
+        back = settled(td.cpu(non_blocking=self.rng.random() < 0.5, pinned=self.rng.random() < 0.3))
         check(back.numpy(), src, values, numpy_only=True)
 
     def op_reread(self):

@@ -98,30 +98,6 @@ fn invalid(what: impl std::fmt::Display) -> PyErr {
     crate::errors::format_err(format!("invalid __cuda_array_interface__: {what}"))
 }
 
-/// Where the elements lie around element 0, in bytes, `(below, above)`, with overflow
-/// checked: a producer's description is not trusted.
-fn extent(shape: &[usize], strides: &[isize], size: usize) -> PyResult<(isize, isize)> {
-    if shape.contains(&0) {
-        return Ok((0, 0));
-    }
-    let overflow = || invalid("shape and strides overflow the address space");
-    let size = isize::try_from(size).map_err(|_| overflow())?;
-    let (mut below, mut above) = (0isize, size);
-    for (&n, &s) in shape.iter().zip(strides) {
-        let n = isize::try_from(n).map_err(|_| overflow())?;
-        let reach = (n - 1)
-            .checked_mul(s)
-            .and_then(|r| r.checked_mul(size))
-            .ok_or_else(overflow)?;
-        if reach < 0 {
-            below = below.checked_add(reach).ok_or_else(overflow)?;
-        } else {
-            above = above.checked_add(reach).ok_or_else(overflow)?;
-        }
-    }
-    Ok((below, above))
-}
-
 /// Imports the memory an object describes with `__cuda_array_interface__` (no copy),
 /// after synchronising on the producer's stream when it names one.
 pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
@@ -176,7 +152,8 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         }
     };
     tensorferry::tensor::checked_nbytes(dtype, &shape).ok_or_else(|| invalid("shape overflows"))?;
-    let (below, above) = extent(&shape, &strides, size)?;
+    let (below, above) = tensorferry::tensor::byte_extent(&shape, &strides, size)
+        .ok_or_else(|| invalid("shape and strides overflow the address space"))?;
     if address == 0 && above > below {
         return Err(invalid("null data pointer for a non-empty array"));
     }

@@ -292,15 +292,25 @@ fn load(
             direct,
             copy_on_write,
         };
-        // An object-storage URL loads into host memory; `only` fetches just those tensors.
+        // An object-storage URL loads into host memory, or streams onto `device` through
+        // the ring `staging` names; `only` fetches just those tensors.
         let url = path
             .to_str()
             .filter(|p| object::is_url(p))
             .map(String::from);
         let loaded = match (url, device) {
-            (Some(url), _) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
+            (Some(url), None) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
                 object::load_url(&url, &object::ObjectOptions::from_env(), only.as_ref())
             })?,
+            (Some(url), Some(d)) => {
+                let target: Device = d.parse().py_err()?;
+                let staging = parse_staging(staging.as_ref())?;
+                wait::run_interruptibly(py, "tensorferry-load", move |stop| {
+                    let options = object::ObjectOptions::from_env();
+                    let only = only.as_ref();
+                    object::load_url_to_until(&url, target, &options, staging, stop, only)
+                })?
+            }
             // On a thread of its own too: Ctrl-C reaches the caller at once, whatever the
             // index or header takes to read (the thread finishes and drops its result).
             (None, None) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
@@ -527,6 +537,119 @@ fn object_names(py: Python<'_>, url: &str) -> PyResult<Vec<String>> {
     guard(|| py.detach(|| object::tensor_names(url, &options)).py_err())
 }
 
+/// The header of the safetensors object at `url` (one object, no folder or index
+/// resolved): `(data_start, entries, etag, size)`, entries as `read_index` gives them
+/// (offsets absolute in the object), `etag` None where the store gives none.
+#[pyfunction]
+fn object_read_header(
+    py: Python<'_>,
+    url: &str,
+) -> PyResult<(u64, Vec<IndexEntry>, Option<String>, u64)> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| {
+        let (header, etag, size) = py
+            .detach(|| object::read_header_url(url, &options))
+            .py_err()?;
+        Ok((header.data_start, entries_of(header), etag, size))
+    })
+}
+
+/// `(size, etag)` of the object at `url` (one HEAD); `etag` None where the store gives
+/// none. A missing object is a `FileNotFoundError` naming it.
+#[pyfunction]
+fn object_head(py: Python<'_>, url: &str) -> PyResult<(u64, Option<String>)> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| py.detach(|| object::head_url(url, &options)).py_err())
+}
+
+/// Writes `data` as the object at `url` in one PUT (GIL released): it appears whole or
+/// stays as it was.
+#[pyfunction]
+fn object_put(py: Python<'_>, url: &str, data: Vec<u8>) -> PyResult<()> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| py.detach(|| object::put_url(url, data, &options)).py_err())
+}
+
+/// Deletes the object at `url` (GIL released); one already absent is no error.
+#[pyfunction]
+fn object_delete(py: Python<'_>, url: &str) -> PyResult<()> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| py.detach(|| object::delete_url(url, &options)).py_err())
+}
+
+/// The bytes of `ranges` (`(start, end)`, absolute offsets) of the object at `url`, in
+/// parallel ranged GETs (GIL released), as `bytes` in order. With `etag`, the object must
+/// still be that version (else an `OSError` saying it was replaced); all ranges come from
+/// one version of it.
+#[pyfunction]
+#[pyo3(signature = (url, ranges, etag=None))]
+fn object_read_ranges(
+    py: Python<'_>,
+    url: &str,
+    ranges: Vec<(u64, u64)>,
+    etag: Option<String>,
+) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| {
+        let ranges: Vec<std::ops::Range<u64>> = ranges.iter().map(|&(a, b)| a..b).collect();
+        let got = py
+            .detach(|| object::read_ranges(url, &ranges, etag.as_deref(), &options))
+            .py_err()?;
+        Ok(got
+            .iter()
+            .map(|b| pyo3::types::PyBytes::new(py, b).unbind())
+            .collect())
+    })
+}
+
+/// Fills the memory of each `(offset, address, length)` of `spans` with the bytes of the
+/// object at `url` from that offset, in parallel ranged GETs (GIL released), all from one
+/// version of the object (with `etag`, that version). Spans that overlap are refused.
+/// Private to the package: `tensorferry._object.read_into` passes the addresses of
+/// writable buffers it holds exported for the call (the only way to write into Python
+/// buffers under the stable ABI before Python 3.11).
+#[pyfunction]
+#[pyo3(signature = (url, spans, etag=None))]
+fn object_read_into(
+    py: Python<'_>,
+    url: &str,
+    spans: Vec<(u64, usize, usize)>,
+    etag: Option<String>,
+) -> PyResult<()> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| {
+        let mut by_address: Vec<(usize, usize)> = spans
+            .iter()
+            .filter(|s| s.2 > 0)
+            .map(|s| (s.1, s.1.saturating_add(s.2)))
+            .collect();
+        by_address.sort_unstable();
+        if by_address.iter().any(|s| s.0 == 0) || by_address.windows(2).any(|w| w[1].0 < w[0].1) {
+            return Err(crate::errors::buffer_err(
+                "object_read_into was given a null address or spans that overlap",
+            ));
+        }
+        py.detach(|| {
+            let targets = spans
+                .iter()
+                .filter(|s| s.2 > 0)
+                // SAFETY: each span is the writable memory of a Python buffer of `len`
+                // bytes that the caller (`tensorferry._object.read_into`) keeps exported —
+                // neither freed nor resized — until this call returns; no two spans overlap
+                // (checked above), so the slices are disjoint; Python buffers hold
+                // initialised bytes.
+                .map(|&(o, address, len)| {
+                    (o, unsafe {
+                        std::slice::from_raw_parts_mut(address as *mut u8, len)
+                    })
+                })
+                .collect();
+            object::read_into(url, targets, etag.as_deref(), &options)
+        })
+        .py_err()
+    })
+}
+
 /// Whether `path` is an object-storage URL (`s3://`, `gs://`, `az://`, `http(s)://`).
 #[pyfunction]
 fn is_url(path: &str) -> bool {
@@ -551,22 +674,27 @@ fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<(u64, Vec<IndexEntry>)>
     guard(|| {
         let header = py.detach(|| tensorferry::io::read_header(&path)).py_err()?;
         let start = header.data_start;
-        let entries = header
-            .tensors
-            .into_iter()
-            .map(|e| {
-                let code = e.dtype.safetensors_code().unwrap_or("?");
-                (
-                    e.name,
-                    code,
-                    e.shape,
-                    start + e.begin as u64,
-                    start + e.end as u64,
-                )
-            })
-            .collect();
-        Ok((start, entries))
+        Ok((start, entries_of(header)))
     })
+}
+
+/// The entries of `header`, offsets absolute in its file or object.
+fn entries_of(header: tensorferry::io::Header) -> Vec<IndexEntry> {
+    let start = header.data_start;
+    header
+        .tensors
+        .into_iter()
+        .map(|e| {
+            let code = e.dtype.safetensors_code().unwrap_or("?");
+            (
+                e.name,
+                code,
+                e.shape,
+                start + e.begin as u64,
+                start + e.end as u64,
+            )
+        })
+        .collect()
 }
 
 mod cli;
@@ -600,6 +728,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(object_names, m)?)?;
     m.add_function(wrap_pyfunction!(is_url, m)?)?;
+    m.add_function(wrap_pyfunction!(object_read_header, m)?)?;
+    m.add_function(wrap_pyfunction!(object_read_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(object_head, m)?)?;
+    m.add_function(wrap_pyfunction!(object_read_into, m)?)?;
+    m.add_function(wrap_pyfunction!(object_put, m)?)?;
+    m.add_function(wrap_pyfunction!(object_delete, m)?)?;
     m.add_function(wrap_pyfunction!(wait_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_array_interface_device, m)?)?;

@@ -84,7 +84,10 @@ pub fn array_to_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
     let shape: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
     let strides: Vec<isize> = byte_strides.iter().map(|&s| s / size).collect();
     let read_only = fields.flags & NPY_ARRAY_WRITEABLE == 0;
-    let (below, above) = tensorferry::tensor::byte_extent(&shape, &strides, size as usize);
+    let Some((below, above)) = tensorferry::tensor::byte_extent(&shape, &strides, size as usize)
+    else {
+        return Ok(None);
+    };
     let lowest = (fields.data as *mut u8).wrapping_offset(below);
     let owner: Py<PyAny> = obj.clone().unbind();
     // SAFETY: the array's data holds the described elements while the array lives, which

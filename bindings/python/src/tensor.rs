@@ -185,10 +185,20 @@ impl PyTensor {
             .map(PyTensor::new)
     }
 
-    /// This tensor on `device` (returned as is when already there, unless `copy`).
+    /// This tensor on `device` (returned as is when already there, unless `copy`): a
+    /// string, a GPU index, a `torch.device`, a JAX or a CuPy device, as every function of
+    /// the package takes one.
     #[pyo3(signature = (device, *, copy=false))]
-    fn to(&self, py: Python<'_>, device: &str, copy: bool) -> PyResult<PyTensor> {
-        let device: Device = device.parse().py_err()?;
+    fn to(&self, py: Python<'_>, device: &Bound<'_, PyAny>, copy: bool) -> PyResult<PyTensor> {
+        let name: String = match device.extract::<String>() {
+            Ok(name) => name,
+            // The package's one reading of device objects (tensorferry._devices).
+            Err(_) => py
+                .import("tensorferry._devices")?
+                .call_method1("name_of", (device,))?
+                .extract()?,
+        };
+        let device: Device = name.parse().py_err()?;
         let options = tensorferry::MoveOptions {
             copy,
             ..Default::default()

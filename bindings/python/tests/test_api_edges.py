@@ -164,14 +164,16 @@ def test_a_failed_non_blocking_save_nobody_awaits_is_a_warning_on_stderr(tmp_pat
     assert "awaited failure raised" in done.stdout, done.stdout
     lost = [line for line in done.stderr.splitlines() if "RuntimeWarning" in line]
     assert len(lost) == 3, done.stderr
-    for name, when, line in [
-        ("dropped.safetensors'", "last handle was collected", 3),
-        ("kept.safetensors'", "last handle was collected", 4),
-        ("kept.safetensors.exit'", "at interpreter exit", 12),
+    for name, whens, line in [
+        ("dropped.safetensors'", ("last handle was collected",), 3),
+        ("kept.safetensors'", ("last handle was collected",), 4),
+        # Alive at exit: reported at exit, or when the interpreter's teardown collects the
+        # handle first (both are the one report of that save).
+        ("kept.safetensors.exit'", ("at interpreter exit", "last handle was collected"), 12),
     ]:
         # Each names the path, the error and when, at the line that started the save.
         assert any(
-            w.startswith(f"<string>:{line}:") and name in w and when in w and "FileNotFoundError" in w
+            w.startswith(f"<string>:{line}:") and name in w and any(x in w for x in whens) and "FileNotFoundError" in w
             for w in lost
         ), (name, done.stderr)
     assert "awaited.safetensors" not in done.stderr, "a failure the caller saw is not reported again"

@@ -31,6 +31,7 @@ def test_every_function_that_takes_a_device_takes_each_form(name, device, tmp_pa
     tf.save(d, tmp_path / "x.safetensors")
     assert tf.load(tmp_path / "x.safetensors", device=device)["w"].tolist() == [0, 1, 2, 3]
     assert tf.TensorDict(d).to(device)["w"].tolist() == [0, 1, 2, 3]
+    assert tf.Tensor.from_numpy(d["w"]).to(device).numpy().tolist() == [0, 1, 2, 3]
 
 
 def test_a_gpu_index_and_a_cuda_torch_device_name_cuda_n(torch):
@@ -46,3 +47,5 @@ def test_anything_else_is_a_type_error_naming_the_argument(bad):
     with pytest.raises(tf.TensorferryTypeError, match="device=") as info:
         tf.to_device({"w": np.ones(2)}, bad)
     assert isinstance(info.value, TypeError)
+    with pytest.raises(tf.TensorferryTypeError, match="device="):
+        tf.Tensor.from_numpy(np.ones(2)).to(bad)

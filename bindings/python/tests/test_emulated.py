@@ -48,27 +48,29 @@ def test_numpy_of_a_device_tensor_copies_to_the_host():
 
 
 def test_tensordict_moves_and_waits(state):
-    td = tf.TensorDict(state).to("emu:0", non_blocking=True)
+    # Its non-blocking moves (a Transfer of a TensorDict) are test_tensordict.py's.
+    td = tf.TensorDict(state).to("emu:0")
     assert td.device == "emu:0"
     assert td.wait() is td and td.is_ready()
     np.testing.assert_array_equal(td.cpu().numpy()["ids"], state["ids"])
 
 
-def test_non_blocking_returns_early_and_reads_wait(emu1, state):
+def test_non_blocking_returns_early_and_the_result_waits(emu1, state):
     tf.configure_emulated(1, latency_us=300_000)
-    td = tf.TensorDict(tf.to_device(state, emu1, non_blocking=True))
-    assert not td.is_ready()
-    back = tf.to_numpy(td.to_dict())
+    pending = tf.to_device(state, emu1, non_blocking=True)
+    assert not pending.done()
+    back = tf.to_numpy(pending.result())
+    assert pending.done()
     np.testing.assert_array_equal(back["model"]["layer.0.weight"], state["model"]["layer.0.weight"])
 
 
 def test_a_source_dropped_at_once_is_still_copied(emu1):
     tf.configure_emulated(1, latency_us=100_000)
     src = {"x": np.arange(1000, dtype=np.int32)}
-    out = tf.to_device(src, emu1, non_blocking=True)
+    pending = tf.to_device(src, emu1, non_blocking=True)
     del src
     gc.collect()
-    np.testing.assert_array_equal(out["x"].numpy(), np.arange(1000, dtype=np.int32))
+    np.testing.assert_array_equal(pending.result()["x"].numpy(), np.arange(1000, dtype=np.int32))
 
 
 def test_a_failing_allocation_is_out_of_memory_and_the_source_is_intact(emu1, state):
@@ -82,7 +84,7 @@ def test_a_failing_allocation_is_out_of_memory_and_the_source_is_intact(emu1, st
 
 def test_a_failing_copy_raises_and_returns_nothing(emu1, state):
     tf.configure_emulated(1, fail_copy=1)
-    with pytest.raises(tf.CopyError, match="a copy on emu:1 failed: injected fault"):
+    with pytest.raises(tf.CopyError, match=r"a copy on emu:1 failed \(filling .model/layer.0.weight.\): injected fault"):
         tf.to_device(state, emu1)
     assert tf.to_device(state, emu1)["ids"].device == emu1  # the next copy works
 
@@ -173,10 +175,17 @@ def test_a_bad_staging_choice_is_a_value_error(state, bad):
 def test_a_staged_non_blocking_chain_reads_correctly(emu1):
     tf.configure_emulated(1, latency_us=2000)
     src = {f"t{i}": np.full((1000,), i, np.float32) for i in range(50)}
-    there = tf.to_device(src, emu1, non_blocking=True, staging=(8192, 2))
-    back = tf.to_numpy(tf.to_host(there, non_blocking=True, staging=(8192, 3)))
+    there = tf.to_device(src, emu1, non_blocking=True, staging=(8192, 2)).result()
+    back = tf.to_numpy(tf.to_host(there, non_blocking=True, staging=(8192, 3)).result())
     for i in range(50):
         np.testing.assert_array_equal(back[f"t{i}"], src[f"t{i}"])
+
+
+def _queued(tensor, device):
+    """``tensor`` moved to ``device`` by the engine without waiting: a ``tensorferry.Tensor``
+    whose copy may still run (the public calls hand such tensors only to a Transfer, which
+    waits for them; the tensor itself must make every early read wait too)."""
+    return tf._native.move_tensors([tensor], device, False, True)[0]
 
 
 def _failed_non_blocking_result(direction):
@@ -185,9 +194,9 @@ def _failed_non_blocking_result(direction):
     if direction == "to_host":
         on_device = tf.to_device({"x": src}, "emu:1")["x"]
         tf.configure_emulated(1, fail_copy=1, latency_us=20_000)
-        return tf.to_host({"x": on_device}, non_blocking=True)["x"]
+        return _queued(on_device, "cpu")
     tf.configure_emulated(1, fail_copy=1, latency_us=20_000)
-    return tf.to_device({"x": src}, "emu:1", non_blocking=True)["x"]
+    return _queued(tf.Tensor.from_numpy(src), "emu:1")
 
 
 READS = {
@@ -245,7 +254,7 @@ def test_ctrl_c_interrupts_a_wait_and_reaches_the_user_as_itself(emu1, wait):
 
     tf.configure_emulated(1, latency_us=1_500_000)
     src = {"x": np.arange(4.0)}
-    pending = tf.to_device(src, "emu:1", non_blocking=True)["x"]
+    pending = _queued(tf.Tensor.from_numpy(src["x"]), "emu:1")
     calls = {
         "wait": lambda: pending.wait(),
         "numpy": lambda: pending.numpy(),
@@ -266,7 +275,7 @@ def test_ctrl_c_interrupts_a_wait_and_reaches_the_user_as_itself(emu1, wait):
     np.testing.assert_array_equal(pending.numpy(), src["x"])
 
 
-# -- non-blocking results that cannot wait by themselves: the Transfer handle ------------
+# -- non-blocking calls: the Transfer handle ---------------------------------------------
 
 
 def _slow_device_dict(emu1, latency_us=300_000):
@@ -346,11 +355,13 @@ def test_ctrl_c_interrupts_a_transfers_wait(emu1):
     np.testing.assert_array_equal(pending.result()["w"], src["w"])
 
 
-def test_non_blocking_moves_to_tensorferry_tensors_return_the_structure(emu1):
+def test_non_blocking_moves_to_tensorferry_tensors_come_through_a_transfer_too(emu1):
     src, on_device = _slow_device_dict(emu1)
-    out = tf.to_host(on_device, non_blocking=True)
-    assert isinstance(out, dict), "tensorferry tensors wait by themselves: no handle needed"
-    assert not out["w"].is_ready
+    pending = tf.to_host(on_device, non_blocking=True)
+    assert isinstance(pending, tf.Transfer), "one handle, whatever the leaves"
+    assert not pending.done()
+    out = pending.result()
+    assert isinstance(out["w"], tf.Tensor) and out["w"].is_ready
     np.testing.assert_array_equal(out["w"].numpy(), src["w"])
 
 
@@ -423,10 +434,10 @@ def test_many_small_torch_tensors_moved_without_blocking_are_read_after_their_co
     tf.configure_emulated(1, latency_us=300_000)
     src = _small_torch_state(torch)
     start = time.monotonic()
-    there = tf.to_device(src, emu1, non_blocking=True)
+    pending = tf.to_device(src, emu1, non_blocking=True)
     assert time.monotonic() - start < 0.15, "returned before the 300 ms copy"
-    assert not tf.TensorDict(there).is_ready()
-    back = tf.to_numpy(there)
+    assert not pending.done()
+    back = tf.to_numpy(pending.result())
     for k, v in src.items():
         if isinstance(v, torch.Tensor):
             np.testing.assert_array_equal(_values(back[k]), _values(v), err_msg=k)

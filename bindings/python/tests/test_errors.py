@@ -135,10 +135,10 @@ def failing_emu0():
 
 def test_a_failed_copy_is_a_copy_error_naming_the_device_and_the_cause(failing_emu0):
     src = {"x": np.arange(100, dtype=np.float32)}
-    with pytest.raises(tf.CopyError, match=r"a copy on emu:0 failed: injected fault") as info:
+    with pytest.raises(tf.CopyError, match=r"a copy on emu:0 failed \(filling 'x'\): injected fault") as info:
         tf.to_device(src, failing_emu0)
     e = info.value
-    assert (e.device, e.key) == ("emu:0", None) and "fail_copy=1" in e.cause
+    assert (e.device, e.key) == ("emu:0", "x") and "fail_copy=1" in e.cause
     assert not isinstance(e, tf.DeviceUnavailableError)
     np.testing.assert_array_equal(src["x"], np.arange(100, dtype=np.float32))
 
@@ -378,3 +378,18 @@ def test_a_malformed_index_is_a_format_error_naming_it(tmp_path, text):
     with pytest.raises(tf.FormatError, match=re.escape(str(index))) as info:
         tf.load(index)
     assert not isinstance(info.value, OSError)
+
+
+@pytest.mark.parametrize("move", ["to_device", "to_host"])
+def test_a_failed_non_blocking_copy_names_its_key_when_the_handle_is_awaited(move):
+    src = {"model": {"w": np.arange(100, dtype=np.float32)}, "step": 3}
+    if move == "to_host":
+        src = tf.to_device(src, "emu:0")
+    tf.configure_emulated(0, fail_copy=1)
+    try:
+        pending = getattr(tf, move)(src, *(("emu:0",) if move == "to_device" else ()), non_blocking=True)
+        with pytest.raises(tf.CopyError) as info:
+            pending.result()
+    finally:
+        tf.configure_emulated(0)
+    assert (info.value.device, info.value.key) == ("emu:0", "model/w"), str(info.value)

@@ -157,8 +157,8 @@ def test_a_large_dictionary_round_trips_through_the_staging_ring(cuda):
     src = {f"layer{i}": np.random.default_rng(i).standard_normal((300, 257), np.float32) for i in range(40)}
     src["ids"] = np.arange(1001, dtype=np.int64)[::3]  # strided
     for staging in ("on", "off", (1 << 16, 2)):
-        there = tf.to_device(src, cuda, staging=staging, non_blocking=True)
-        back = tf.to_numpy(tf.to_host(there, staging=staging, non_blocking=True))
+        there = tf.to_device(src, cuda, staging=staging, non_blocking=True).result()
+        back = tf.to_numpy(tf.to_host(there, staging=staging, non_blocking=True).result())
         for k, v in src.items():
             np.testing.assert_array_equal(back[k], v)
 
@@ -176,7 +176,7 @@ def test_a_repeated_pinned_transfer_pins_nothing_new_on_the_gpu(cuda):
 
 def test_a_gpu_dictionary_saves_and_loads(cuda, tmp_path):
     src = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": 7, "nested": {"b": np.ones(5, np.int64)}}
-    there = tf.to_device(src, cuda, non_blocking=True)
+    there = tf.to_device(src, cuda, non_blocking=True).result()
     tf.save(there, tmp_path / "ckpt.safetensors")
     back = tf.load(tmp_path / "ckpt.safetensors", like="numpy")
     np.testing.assert_array_equal(back["w"], src["w"])
@@ -272,7 +272,7 @@ def test_cuda_producers_are_given_the_stream_the_copies_run_on(cuda):
 def test_transposed_arrays_round_trip_through_the_gpu(cuda):
     m = np.arange(300 * 200, dtype=np.float32).reshape(300, 200)
     src = {"t": m.T, "rows": m[::2], "col": m[:, 7]}
-    back = tf.to_numpy(tf.to_host(tf.to_device(src, cuda, non_blocking=True), non_blocking=True))
+    back = tf.to_numpy(tf.to_host(tf.to_device(src, cuda, non_blocking=True).result(), non_blocking=True).result())
     for k, v in src.items():
         np.testing.assert_array_equal(back[k], v)
 
@@ -297,9 +297,10 @@ def test_non_blocking_upload_into_torch_orders_torchs_stream_instead_of_waiting(
     # call waits for the copies on the host instead.)
     src = {f"w{i}": torch.randn(8 << 20).pin_memory() for i in range(8)}
     torch.cuda.synchronize()
-    out = tf.to_device(src, "cuda:0", non_blocking=True)
-    # Returned before the copies finished: PyTorch's stream waits for them on the GPU (a
-    # blocking call, or one that waited on the host, leaves nothing pending on it).
+    out = tf.to_device(src, "cuda:0", non_blocking=True).result()
+    # Returned before the copies finished, even through .result(): PyTorch's stream waits
+    # for them on the GPU (a blocking call, or one that waited on the host, leaves nothing
+    # pending on it).
     pending = not torch.cuda.current_stream().query()
     for k, v in src.items():
         assert out[k].is_cuda and torch.equal(out[k].cpu(), v)

@@ -90,6 +90,44 @@ fn bench_prints_a_table_against_measured_roofs() {
         assert!(out.contains(path), "{path} missing in {out}");
     }
     assert!(out.contains("roofs measured in this run"));
+    assert_no_row_above_its_roof(&out);
+}
+
+/// Every "% roof" is at most 100: a row faster than its roof says "roof mismeasured".
+fn assert_no_row_above_its_roof(table: &str) {
+    for line in table.lines() {
+        if let Some(pct) = line
+            .split_whitespace()
+            .last()
+            .and_then(|w| w.strip_suffix('%'))
+        {
+            let pct: f64 = pct
+                .parse()
+                .unwrap_or_else(|_| panic!("not a percentage: {line}"));
+            assert!(
+                pct <= 100.0,
+                "a row above its roof printed as a percentage: {line}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bench_times_device_moves_against_raw_copies_on_the_backend() {
+    let (ok, out, err) = tensorferry(&[
+        "bench", "--preset", "tiny-1k", "--scale", "0.01", "--repeat", "1", "--device", "emu:0",
+    ]);
+    assert!(ok, "{err}");
+    for path in [
+        "to host, pinned",
+        "to device, from pinned",
+        "save from device",
+    ] {
+        assert!(out.contains(path), "{path} missing in {out}");
+    }
+    assert!(out.contains("raw copy into pinned"), "{out}");
+    assert!(out.contains("raw copy from pinned"), "{out}");
+    assert_no_row_above_its_roof(&out);
 }
 
 #[test]

@@ -293,7 +293,12 @@ fn describe(t: &DLTensor) -> Result<Described> {
         reason: format!("DLPack shape {shape:?} overflows"),
     })?;
     let elem0 = (t.data as *mut u8).wrapping_add(t.byte_offset as usize);
-    let (below, above) = byte_extent(&shape, &strides, dtype.size());
+    let (below, above) =
+        byte_extent(&shape, &strides, dtype.size()).ok_or_else(|| Error::Layout {
+            reason: format!(
+                "DLPack shape {shape:?} with strides {strides:?} overflows the address space"
+            ),
+        })?;
     let lowest = elem0.wrapping_offset(below);
     let span = (above - below) as usize;
     Ok((
@@ -425,6 +430,24 @@ mod tests {
         let back = unsafe { import(ManagedTensor::legacy(p), |m| Box::new(m)) }.unwrap();
         assert_eq!(back.to_vec::<f64>().unwrap(), vec![1.5]);
         assert!(!back.is_read_only());
+    }
+
+    #[test]
+    fn strides_that_overflow_the_address_space_are_a_layout_error() {
+        // A producer's description is not trusted: its extent is checked arithmetic, not a
+        // wrapped address (this computation was unchecked once).
+        let t = Tensor::from_slice(&[1u8; 4], &[2, 2]).unwrap();
+        let p = export_versioned(&t);
+        // SAFETY: `p` was just exported by this test, which owns its two strides; the
+        // import below releases it.
+        unsafe { *(*p).dl_tensor.strides = i64::MAX };
+        // SAFETY: as above.
+        let err = unsafe { import(ManagedTensor::versioned(p), |m| Box::new(m)) }.unwrap_err();
+        assert!(matches!(err, Error::Layout { .. }), "{err}");
+        assert!(
+            err.to_string().contains("overflows the address space"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -93,24 +93,29 @@ fn contiguous_dims(shape: &[usize]) -> Dims<isize> {
 }
 
 /// Where the elements of a layout lie around element 0, in bytes: `(below, above)` with
-/// `below <= 0` the lowest byte touched and `above` one past the highest (0, 0 when empty).
-/// Foreign producers (NumPy, DLPack) may use negative strides, so element 0 need not be
-/// the lowest.
-pub fn byte_extent(shape: &[usize], strides: &[isize], size: usize) -> (isize, isize) {
+/// `below <= 0` the lowest byte touched and `above` one past the highest (0, 0 when empty),
+/// or `None` when they overflow the address space. Foreign producers (NumPy, DLPack, the
+/// CUDA Array Interface) may use negative strides, so element 0 need not be the lowest, and
+/// their descriptions are not trusted: every step is checked. The one computation of a
+/// layout's extent: a tensor's span in its storage ([`Tensor::new`]) is this around its
+/// offset.
+pub fn byte_extent(shape: &[usize], strides: &[isize], size: usize) -> Option<(isize, isize)> {
     if shape.contains(&0) {
-        return (0, 0);
+        return Some((0, 0));
     }
-    let size = size as isize;
+    let size = isize::try_from(size).ok()?;
     let (mut below, mut above) = (0isize, size);
     for (&n, &s) in shape.iter().zip(strides) {
-        let reach = (n as isize - 1) * s * size;
+        let reach = (isize::try_from(n).ok()? - 1)
+            .checked_mul(s)?
+            .checked_mul(size)?;
         if reach < 0 {
-            below += reach;
+            below = below.checked_add(reach)?;
         } else {
-            above += reach;
+            above = above.checked_add(reach)?;
         }
     }
-    (below, above)
+    Some((below, above))
 }
 
 /// The number of elements of `shape`, or `None` on overflow.
@@ -575,29 +580,19 @@ impl Tensor {
     }
 }
 
-/// The [lowest, one-past-highest) byte touched by a non-empty tensor, or `None` on overflow.
+/// The [lowest, one-past-highest) byte touched by a tensor whose element 0 lies at byte
+/// `offset`, or `None` when the span overflows or starts before byte 0.
 fn byte_span(
     offset: usize,
     dtype: DType,
     shape: &[usize],
     strides: &[isize],
 ) -> Option<(usize, usize)> {
-    let size = dtype.size() as i128;
-    let mut lo = offset as i128;
-    let mut hi = offset as i128;
-    for (&n, &s) in shape.iter().zip(strides) {
-        let reach = (n as i128 - 1).checked_mul(s as i128)?.checked_mul(size)?;
-        if reach < 0 {
-            lo += reach;
-        } else {
-            hi += reach;
-        }
-    }
-    if lo < 0 {
-        return None;
-    }
-    let hi = hi.checked_add(size)?;
-    Some((usize::try_from(lo).ok()?, usize::try_from(hi).ok()?))
+    let (below, above) = byte_extent(shape, strides, dtype.size())?;
+    let offset = isize::try_from(offset).ok()?;
+    let lo = usize::try_from(offset.checked_add(below)?).ok()?;
+    let hi = usize::try_from(offset.checked_add(above)?).ok()?;
+    Some((lo, hi))
 }
 
 impl fmt::Debug for Tensor {

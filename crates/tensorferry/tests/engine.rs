@@ -993,7 +993,7 @@ fn child_cuda_copy_calls_3_and_14_fail() {
     // Calls 1 and 2 are queued when call 3 fails.
     let err = d.to(cuda, false).unwrap_err().to_string();
     assert!(
-        err.contains("device cuda:0")
+        err.contains("a copy on cuda:0 failed")
             && err.contains("copy 3 of 8")
             && err.contains("CUDA_ERROR_UNKNOWN"),
         "{err}"
@@ -1003,7 +1003,7 @@ fn child_cuda_copy_calls_3_and_14_fail() {
     // Calls 12 to 14, back to the host: the error names the GPU, not the host.
     let err = there.to(Device::Cpu, false).unwrap_err().to_string();
     assert!(
-        err.contains("device cuda:0") && err.contains("copy 3 of 8"),
+        err.contains("a copy on cuda:0 failed") && err.contains("copy 3 of 8"),
         "{err}"
     );
     let back = there.to(Device::Cpu, false).unwrap();
@@ -1042,7 +1042,7 @@ fn child_cuda_copy_call_1_fails() {
     } else {
         let err = d.to(Device::Cuda(0), false).unwrap_err().to_string();
         assert!(
-            err.contains("device cuda:0") && err.contains("copy 1 of 8"),
+            err.contains("a copy on cuda:0 failed") && err.contains("copy 1 of 8"),
             "{err}"
         );
     }

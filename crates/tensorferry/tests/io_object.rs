@@ -12,8 +12,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tensorferry::io::object::{cause_of, load_url, save_url, tensor_names, Cause, ObjectOptions};
-use tensorferry::{load_node, save_node, Node, SaveOptions, Tensor, TensorDict, Value};
+use tensorferry::io::object::{
+    cause_of, load_url, load_url_to_until, read_header_url, read_ranges, save_url, tensor_names,
+    Cause, ObjectOptions,
+};
+use tensorferry::{
+    load_node, save_node, Device, Node, SaveOptions, Staging, Tensor, TensorDict, Value,
+};
 
 /// The fixed credentials the servers accept.
 const ACCESS_KEY: &str = "tensorferry-test";
@@ -300,5 +305,224 @@ fn an_object_too_short_for_a_header_is_a_format_error_naming_it() {
         let e = load_url(&url, &ObjectOptions::from_env(), None).unwrap_err();
         assert!(matches!(e, tensorferry::Error::Format { .. }), "{e}");
         assert!(e.to_string().contains(&url), "{e}");
+    }
+}
+
+/// The values of `node`'s tensors, each brought to the host first.
+fn values_on_host(node: &Node) -> Vec<(String, Vec<f32>)> {
+    node.tensors()
+        .into_iter()
+        .map(|(p, t)| {
+            let host = t.to(Device::Cpu, false).unwrap();
+            (p.dotted(), host.to_vec::<f32>().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn a_checkpoint_streams_onto_a_device_through_a_ring_smaller_than_it() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(4, 5.0); // 256 KiB of data, through 2 buffers of 8 KiB
+    save_node(&tree, "s3://bucket/d.safetensors", &SaveOptions::default()).unwrap();
+    save_url(
+        &tree,
+        "s3://bucket/sharded/",
+        &SaveOptions::default(),
+        Some(150_000),
+    )
+    .unwrap();
+    let ring = Staging::Ring {
+        chunk_bytes: 8192,
+        depth: 2,
+    };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let options = ObjectOptions::from_env();
+    for url in ["s3://bucket/d.safetensors", "s3://bucket/sharded/"] {
+        let loaded =
+            load_url_to_until(url, Device::Emulated(0), &options, ring, &stop, None).unwrap();
+        for (_, t) in loaded.root.tensors() {
+            assert_eq!(t.device(), Device::Emulated(0), "{url}");
+        }
+        assert_eq!(values_on_host(&loaded.root), values(&tree), "{url}");
+        let d = loaded.root.as_dict().unwrap();
+        assert!(matches!(d.get("step"), Some(Node::Value(Value::Int(42)))));
+    }
+}
+
+#[test]
+fn a_streamed_load_asked_to_stop_is_interrupted_and_a_missing_object_is_named() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    save_node(
+        &model(1, 6.0),
+        "s3://bucket/s.safetensors",
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let options = ObjectOptions::from_env();
+    let stop = std::sync::atomic::AtomicBool::new(true);
+    let e = load_url_to_until(
+        "s3://bucket/s.safetensors",
+        Device::Emulated(0),
+        &options,
+        Staging::Auto,
+        &stop,
+        None,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, tensorferry::Error::Io { ref source, .. }
+            if source.kind() == std::io::ErrorKind::Interrupted),
+        "{e}"
+    );
+    stop.store(false, std::sync::atomic::Ordering::Relaxed);
+    let e = load_url_to_until(
+        "s3://bucket/absent.safetensors",
+        Device::Emulated(0),
+        &options,
+        Staging::Auto,
+        &stop,
+        None,
+    )
+    .unwrap_err();
+    assert_eq!(cause_of(&e), Some(Cause::NotFound), "{e}");
+}
+
+#[test]
+fn byte_ranges_read_from_the_header_come_from_one_version_of_the_object() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(3, 7.0);
+    let url = "s3://bucket/r.safetensors";
+    save_node(&tree, url, &SaveOptions::default()).unwrap();
+    let options = ObjectOptions::from_env();
+    let (header, etag, size) = read_header_url(url, &options).unwrap();
+    assert!(etag.is_some());
+    let ranges: Vec<std::ops::Range<u64>> = header
+        .tensors
+        .iter()
+        .map(|t| header.data_start + t.begin as u64..header.data_start + t.end as u64)
+        .collect();
+    assert_eq!(ranges.last().unwrap().end, size);
+    let got = read_ranges(url, &ranges, etag.as_deref(), &options).unwrap();
+    let expected = values(&tree);
+    for (i, bytes) in got.iter().enumerate() {
+        let floats: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let name = &header.tensors[i].name;
+        let (_, want) = expected.iter().find(|(n, _)| n == name).unwrap();
+        assert_eq!(&floats, want, "{name}");
+    }
+    let e = read_ranges(url, &ranges[..1], Some("\"stale\""), &options).unwrap_err();
+    assert_eq!(cause_of(&e), Some(Cause::Changed), "{e}");
+    let past_the_end = 0..size + 1;
+    let e = read_ranges(url, std::slice::from_ref(&past_the_end), None, &options).unwrap_err();
+    assert!(
+        e.to_string().contains(&format!("holds {size} bytes")),
+        "{e}"
+    );
+}
+
+#[test]
+fn device_tensors_are_uploaded_through_the_ring_beside_host_tensors() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    // 3 MiB on the device, 1 MiB on the host, 3 MiB on the device: two 5 MiB parts.
+    let values = |salt: f32, n: usize| -> Vec<f32> { (0..n).map(|i| salt + i as f32).collect() };
+    let mut d = TensorDict::new();
+    let on_device = |v: &[f32]| {
+        Tensor::from_slice(v, &[v.len()])
+            .unwrap()
+            .to(Device::Emulated(0), false)
+            .unwrap()
+    };
+    d.insert("a", on_device(&values(1.0, 3 << 18)));
+    d.insert(
+        "b",
+        Tensor::from_slice(&values(2.0, 1 << 18), &[1 << 18]).unwrap(),
+    );
+    d.insert("c", on_device(&values(3.0, 3 << 18)));
+    let options = SaveOptions {
+        staging: Staging::Ring {
+            chunk_bytes: 64 << 10,
+            depth: 2,
+        },
+        ..SaveOptions::default()
+    };
+    let tree = Node::Dict(d);
+    save_node(&tree, "s3://bucket/dev.safetensors", &options).unwrap();
+    let loaded = load_node("s3://bucket/dev.safetensors", Default::default()).unwrap();
+    assert_eq!(values_on_host(&loaded.root), values_on_host(&tree));
+}
+
+#[test]
+fn a_subset_streams_onto_a_device_into_memory_of_its_own_size() {
+    let Some(_server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(4, 8.0);
+    save_node(
+        &tree,
+        "s3://bucket/sub.safetensors",
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    save_url(
+        &tree,
+        "s3://bucket/subs/",
+        &SaveOptions::default(),
+        Some(150_000),
+    )
+    .unwrap();
+    let only: HashSet<String> = ["model.layer.1.weight", "model.layer.3.weight"]
+        .map(String::from)
+        .into();
+    let ring = Staging::Ring {
+        chunk_bytes: 8192,
+        depth: 2,
+    };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let options = ObjectOptions::from_env();
+    let expected: Vec<(String, Vec<f32>)> = values(&tree)
+        .into_iter()
+        .filter(|(n, _)| only.contains(n))
+        .collect();
+    for url in ["s3://bucket/sub.safetensors", "s3://bucket/subs/"] {
+        let loaded =
+            load_url_to_until(url, Device::Emulated(0), &options, ring, &stop, Some(&only))
+                .unwrap();
+        assert_eq!(values_on_host(&loaded.root), expected, "{url}");
+        let storages: HashSet<usize> = loaded
+            .root
+            .tensors()
+            .iter()
+            .map(|(_, t)| std::sync::Arc::as_ptr(t.storage()) as usize)
+            .collect();
+        for (_, t) in loaded.root.tensors() {
+            assert_eq!(t.device(), Device::Emulated(0));
+            // Each object's device memory holds its wanted tensors only.
+            assert!(
+                t.storage().len() <= 2 * 65536 && t.storage().len() % 65536 == 0,
+                "{url}: {}",
+                t.storage().len()
+            );
+        }
+        assert!(!storages.is_empty());
+        let model = loaded.root.as_dict().unwrap().get("model").unwrap();
+        let layer0 = match model {
+            Node::Dict(d) => d.get("layer.0.weight").cloned(),
+            _ => None,
+        };
+        assert!(
+            matches!(layer0, Some(Node::Value(Value::None)) | None),
+            "{url}"
+        );
     }
 }

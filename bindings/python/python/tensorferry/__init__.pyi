@@ -106,7 +106,7 @@ class Tensor:
     def __dlpack_device__(self) -> tuple[int, int]: ...
     def __len__(self) -> int: ...
     def copy(self) -> Tensor: ...
-    def to(self, device: str, *, copy: bool = False) -> Tensor: ...
+    def to(self, device: _Device, *, copy: bool = False) -> Tensor: ...
     @staticmethod
     def from_dlpack(obj: Any) -> Tensor: ...
     @staticmethod
@@ -122,74 +122,173 @@ class Transfer(Generic[_T]):
     def then(self, fn: Callable[[_T], Any]) -> Transfer[Any]: ...
     def __await__(self) -> Generator[Any, None, _T]: ...
 
+_Like = Optional[Literal["numpy", "torch", "tensorferry", "jax", "tensorflow"]]
+
 @overload
 def to_host(
     obj: _T,
     *,
     non_blocking: Literal[False] = False,
-    copy: bool = False,
-    pinned: bool = False,
     stream: Any = None,
     staging: _Staging = "auto",
+    like: _Like = None,
+    copy: bool = False,
+    pinned: bool = False,
 ) -> _T: ...
+@overload
+def to_host(
+    obj: _T,
+    *,
+    non_blocking: Literal[True],
+    stream: Any = None,
+    staging: _Staging = "auto",
+    like: _Like = None,
+    copy: bool = False,
+    pinned: bool = False,
+) -> Transfer[_T]: ...
 @overload
 def to_host(
     obj: _T,
     *,
     non_blocking: bool,
-    copy: bool = False,
-    pinned: bool = False,
     stream: Any = None,
     staging: _Staging = "auto",
+    like: _Like = None,
+    copy: bool = False,
+    pinned: bool = False,
 ) -> Union[_T, Transfer[_T]]: ...
 def pinned_pool_stats(device: _Device) -> dict[str, int]: ...
 @overload
-def to_numpy(obj: _T, *, non_blocking: Literal[False] = False) -> _T: ...
+def to_numpy(obj: _T, *, non_blocking: Literal[False] = False, stream: Any = None, staging: _Staging = "auto") -> _T: ...
 @overload
-def to_numpy(obj: _T, *, non_blocking: Literal[True]) -> Transfer[_T]: ...
+def to_numpy(obj: _T, *, non_blocking: Literal[True], stream: Any = None, staging: _Staging = "auto") -> Transfer[_T]: ...
+@overload
+def to_numpy(obj: _T, *, non_blocking: bool, stream: Any = None, staging: _Staging = "auto") -> Union[_T, Transfer[_T]]: ...
+@overload
 def to_device(
     obj: _T,
     device: _Device,
     *,
-    non_blocking: bool = False,
-    copy: bool = False,
+    non_blocking: Literal[False] = False,
     stream: Any = None,
     staging: _Staging = "auto",
-    like: Optional[Literal["numpy", "torch", "tensorferry", "jax", "tensorflow"]] = None,
+    like: _Like = None,
+    copy: bool = False,
 ) -> _T: ...
+@overload
+def to_device(
+    obj: _T,
+    device: _Device,
+    *,
+    non_blocking: Literal[True],
+    stream: Any = None,
+    staging: _Staging = "auto",
+    like: _Like = None,
+    copy: bool = False,
+) -> Transfer[_T]: ...
+@overload
+def to_device(
+    obj: _T,
+    device: _Device,
+    *,
+    non_blocking: bool,
+    stream: Any = None,
+    staging: _Staging = "auto",
+    like: _Like = None,
+    copy: bool = False,
+) -> Union[_T, Transfer[_T]]: ...
 @overload
 def save(
     obj: Any,
     path: _Path,
     *,
+    non_blocking: Literal[False] = False,
+    stream: Any = None,
+    staging: _Staging = "auto",
     metadata: Optional[dict[str, str]] = None,
     fsync: bool = True,
     max_shard_size: Union[int, str, None] = None,
-    non_blocking: Literal[False] = False,
-    staging: _Staging = "auto",
+    progress: bool = False,
 ) -> None: ...
 @overload
 def save(
     obj: Any,
     path: _Path,
     *,
+    non_blocking: Literal[True],
+    stream: Any = None,
+    staging: _Staging = "auto",
     metadata: Optional[dict[str, str]] = None,
     fsync: bool = True,
     max_shard_size: Union[int, str, None] = None,
-    non_blocking: Literal[True],
-    staging: _Staging = "auto",
+    progress: bool = False,
 ) -> Transfer[None]: ...
+@overload
+def save(
+    obj: Any,
+    path: _Path,
+    *,
+    non_blocking: bool,
+    stream: Any = None,
+    staging: _Staging = "auto",
+    metadata: Optional[dict[str, str]] = None,
+    fsync: bool = True,
+    max_shard_size: Union[int, str, None] = None,
+    progress: bool = False,
+) -> Optional[Transfer[None]]: ...
+@overload
 def load(
     path: _Path,
     *,
     device: _Device = "cpu",
+    non_blocking: Literal[False] = False,
+    stream: Any = None,
+    staging: _Staging = "auto",
+    like: _Like = None,
     mmap: bool = True,
     direct: bool = False,
-    like: Optional[Literal["numpy", "torch", "tensorferry", "jax", "tensorflow"]] = None,
     keys: Union[str, tuple[Any, ...], list[Union[str, tuple[Any, ...]]], None] = None,
     dtype: Any = None,
     out: Any = None,
-    staging: _Staging = "on",
+    progress: bool = False,
+    process_group: Any = None,
+    shard: Optional[dict[Union[str, tuple[Any, ...]], Union[int, tuple[int, int]]]] = None,
+    read_stats: Any = None,
+) -> Any: ...
+@overload
+def load(
+    path: _Path,
+    *,
+    device: _Device = "cpu",
+    non_blocking: Literal[True],
+    stream: Any = None,
+    staging: _Staging = "auto",
+    like: _Like = None,
+    mmap: bool = True,
+    direct: bool = False,
+    keys: Union[str, tuple[Any, ...], list[Union[str, tuple[Any, ...]]], None] = None,
+    dtype: Any = None,
+    out: Any = None,
+    progress: bool = False,
+    process_group: Any = None,
+    shard: Optional[dict[Union[str, tuple[Any, ...]], Union[int, tuple[int, int]]]] = None,
+    read_stats: Any = None,
+) -> Transfer[Any]: ...
+@overload
+def load(
+    path: _Path,
+    *,
+    device: _Device = "cpu",
+    non_blocking: bool,
+    stream: Any = None,
+    staging: _Staging = "auto",
+    like: _Like = None,
+    mmap: bool = True,
+    direct: bool = False,
+    keys: Union[str, tuple[Any, ...], list[Union[str, tuple[Any, ...]]], None] = None,
+    dtype: Any = None,
+    out: Any = None,
+    progress: bool = False,
     process_group: Any = None,
     shard: Optional[dict[Union[str, tuple[Any, ...]], Union[int, tuple[int, int]]]] = None,
     read_stats: Any = None,

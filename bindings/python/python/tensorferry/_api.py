@@ -1,5 +1,6 @@
 """The public functions: moving, converting, saving and loading nested tensor trees."""
 
+import functools
 import json
 import math
 import os
@@ -12,9 +13,18 @@ from . import _devices
 from . import _fallback
 from . import _frameworks as fw
 from . import _native
+from . import _progress
 from . import _save_order
 from . import _select
-from ._errors import DeviceUnavailableError, FormatError, OutOfMemoryError, TensorferryOverflowError, TensorferryTypeError
+from ._errors import (
+    CopyError,
+    DeviceUnavailableError,
+    FormatError,
+    OutOfMemoryError,
+    TensorferryOverflowError,
+    TensorferryTypeError,
+    naming_key,
+)
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many, torch_chunks
 from ._transfer import Transfer, run_in_background
@@ -35,10 +45,6 @@ def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None, 
     out, queued = _start(leaves, target, copy, non_blocking, pinned, staging, stackable=stackable)
     _finish(out, queued, non_blocking)
     return out
-
-
-# Kinds whose results are tensorferry tensors, which wait for their copies by themselves.
-_WAITING_KINDS = (fw.NATIVE, fw.DLPACK, fw.CAI)
 
 
 def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, stackable=True):
@@ -88,7 +94,10 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     natives = fw.to_native_many(
         pending + [t for _, t in chunks], kinds + [fw.TORCH] * len(chunks), paths + [p for _, p in groups]
     )
-    moved = _native.move_tensors(natives, target, copy, non_blocking, pinned, staging)
+    try:
+        moved = _native.move_tensors(natives, target, copy, non_blocking, pinned, staging)
+    except CopyError as e:
+        raise naming_key(e, [shown(p) for p in paths + [p for _, p in groups]]) from None
     if target.startswith("emu"):
         # No framework holds emulated memory.
         kinds = [fw.NATIVE] * len(kinds)
@@ -127,9 +136,95 @@ def _finish(out, queued, order=False):
                 out[id(leaf)] = row
 
 
-def _can_wait(queued):
-    """True when every result of ``queued`` waits for its copy by itself."""
-    return queued is None or (queued[5] is None and all(k in _WAITING_KINDS for k in queued[2]))
+# Results on a GPU whose framework's stream is made to wait for their copies there (through
+# DLPack's stream argument), and tensorferry tensors, which wait on every read.
+_STREAM_ORDERED = {fw.TORCH, fw.JAX, fw.CUPY, fw.NATIVE}
+
+
+def _pending(obj, out, queued, then=None, made=None, ordered=False):
+    """The :class:`Transfer` of a non-blocking move of ``obj``: the structure is taken now,
+    and given by ``.result()`` once every copy has finished, each result in its framework,
+    ``then`` applied to the whole. ``out`` and ``queued`` are :func:`_start`'s; ``made``
+    (``{id(tensor): id(leaf)}``) names the leaves that queued tensors were made from.
+
+    With ``ordered`` (a move onto a CUDA device) and only results of frameworks that order
+    their streams after the copies (PyTorch, JAX, CuPy; tensorferry tensors wait by
+    themselves), the results are made at once: the framework's current stream waits for
+    the copies on the GPU, as ``tensor.to("cuda", non_blocking=True)`` orders them, and the
+    handle waits only for the tensorferry tensors' copies."""
+    made = made or {}
+    stand_ins, copies = {}, []
+    if queued is not None:
+        leaves, moved, kinds, _, stacks, fallback = queued
+        if (
+            ordered
+            and fallback is None
+            and set(kinds) <= _STREAM_ORDERED
+            and (stacks is None or stacks[2] in _STREAM_ORDERED)
+        ):
+            done = dict(out)
+            _finish(done, queued, order=True)
+            result = _native.rebuild(obj, {made.get(k, k): v for k, v in done.items()}, False, fw.kind_of)
+            result = result if then is None else then(result)
+            return Transfer([t for t, k in zip(moved, kinds) if k == fw.NATIVE], lambda: result)
+        stand_ins = {id(leaf): t for leaf, t in zip(leaves, moved)}
+        if fallback is not None:
+            # Leaves their frameworks copy hold their own places until the copies exist.
+            stand_ins.update({id(leaf): leaf for leaf in fallback.leaves})
+        copies = list(moved)
+        if stacks is not None:
+            groups, wholes, _ = stacks
+            copies += wholes
+            stand_ins.update({id(leaf): object() for rows, _ in groups for leaf in rows})
+    taken = {made.get(k, k): v for k, v in {**out, **stand_ins}.items()}
+    # Stand-ins, not the sources, hold the places: the sources may be freed meanwhile.
+    skeleton = _native.rebuild(obj, taken, False, fw.kind_of)
+
+    def finish():
+        result = skeleton
+        if stand_ins:
+            converted = {}
+            _finish(converted, queued)
+            result = _native.rebuild(skeleton, {id(s): converted[k] for k, s in stand_ins.items()})
+        return result if then is None else then(result)
+
+    keys = []
+    if queued is not None:
+        keys = [shown(p) for p in queued[3]] + [shown(p) for _, p in (queued[4][0] if queued[4] else [])]
+    return Transfer(copies, finish, keys=keys)
+
+
+def _not_a_handle(obj, name):
+    """Refuses a :class:`Transfer` given as a tree: it would pass through as a plain leaf."""
+    if isinstance(obj, Transfer):
+        raise TensorferryTypeError(
+            f"{name} was given a Transfer (the handle of a non_blocking=True call): pass its .result()"
+        )
+
+
+def _check_staging(staging):
+    """Refuses a bad ``staging`` whatever the call then moves (the default costs nothing)."""
+    if not (isinstance(staging, str) and staging == "auto"):
+        _native.check_staging(staging)
+
+
+def _check_like(like):
+    if like is not None and like not in _LIKE:
+        raise FormatError(f"like must be one of {_LIKE}, not {like!r}")
+
+
+def _as_like(obj, like):
+    """``obj`` with every tensor leaf in the framework ``like`` (None: as they are),
+    sharing memory where the frameworks allow."""
+    if like is None:
+        return obj
+    leaves = [(p, x, k) for p, x in _native.collect_tensors(obj, fw.kind_of) if (k := fw.kind_of(x)) != like]
+    if not leaves:
+        return obj
+    paths = [p for p, _, _ in leaves]
+    natives = fw.to_native_many([x for _, x, _ in leaves], [k for _, _, k in leaves], paths)
+    results = fw.from_native_many(natives, [like] * len(leaves), paths)
+    return _native.rebuild(obj, {id(x): r for (_, x, _), r in zip(leaves, results)})
 
 
 def _sync_producer(stream, leaves=(), target="cpu"):
@@ -198,7 +293,7 @@ def _to_host_many(leaves):
 
 
 @gc_paused
-def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, staging="auto", _packed=False):
+def to_host(obj, *, non_blocking=False, stream=None, staging="auto", like=None, copy=False, pinned=False, _packed=False):
     """Moves every tensor in ``obj`` to host memory, keeping the structure.
 
     ``obj`` is any nesting of dicts (any Mapping), lists and tuples (namedtuples kept); an
@@ -226,45 +321,41 @@ def to_host(obj, *, non_blocking=False, copy=False, pinned=False, stream=None, s
     4 KiB to 1 GiB, a depth of 1 to 64, at most 4 GiB in all (the ring pins at most twice
     that), else a :class:`FormatError` (a ``ValueError``) naming the value.
 
-    With ``non_blocking=True`` the call returns before the copies finish, and no result can
-    be read early: results that are ``tensorferry.Tensor`` wait on every read, so the
-    structure comes back at once; results of frameworks whose tensors cannot wait
-    (PyTorch, NumPy, JAX, TensorFlow) come as a :class:`Transfer` — ``.result()``,
-    ``.wait()``, ``.done()``, ``await`` — that gives the structure once they have.
+    ``like="numpy" | "torch" | "jax" | "tensorflow" | "tensorferry"`` gives every tensor
+    of the result in that framework (sharing memory where the frameworks allow):
+    ``to_host({"w": np.ones(3)}, like="torch")`` is a dict of a PyTorch tensor.
+
+    With ``non_blocking=True`` the call returns a :class:`Transfer` before the copies
+    finish, whatever the leaves: ``.result()`` (or ``await``) gives the structure once
+    every copy has finished and raises a failed copy's error; ``.done()`` and ``.wait()``
+    as in ``concurrent.futures``. No result can be read early.
 
     >>> import numpy as np, tensorferry as tf
     >>> out = tf.to_host({"w": np.ones(2, np.float32), "name": "run-1"}, copy=True)
     >>> out["w"], out["name"]
     (array([1., 1.], dtype=float32), 'run-1')
+    >>> tf.to_host({"w": np.ones(2, np.float32)}, non_blocking=True).result()["w"]
+    array([1., 1.], dtype=float32)
     """
+    _not_a_handle(obj, "to_host")
+    _check_staging(staging)
+    _check_like(like)
     leaves = _native.collect_tensors(obj, fw.kind_of)
     _sync_producer(stream, leaves)
     out, queued = _start(leaves, "cpu", copy, non_blocking, pinned, staging, _packed, stream is None)
-    if not non_blocking or _can_wait(queued):
-        _finish(out, queued)
-        return _native.rebuild(obj, out, False, fw.kind_of)
-    # Results that cannot wait (PyTorch, NumPy, JAX, TensorFlow): the structure is taken
-    # now, with tensorferry tensors in their places, and converted once the copies finish.
-    pending_leaves, moved = queued[0], queued[1]
-    # Leaves moved by their frameworks (_fallback) hold their places until then.
-    held = [(x, x) for x in queued[5].leaves] if queued[5] is not None else []
-    stand_ins = list(zip(pending_leaves, moved)) + held
-    skeleton = _native.rebuild(obj, {**out, **{id(x): t for x, t in stand_ins}}, False, fw.kind_of)
-
-    def finish():
-        converted = {}
-        _finish(converted, queued)
-        return _native.rebuild(skeleton, {id(t): converted[id(x)] for x, t in stand_ins})
-
-    return Transfer(moved, finish)
+    if non_blocking:
+        return _pending(obj, out, queued, lambda result: _as_like(result, like))
+    _finish(out, queued)
+    return _as_like(_native.rebuild(obj, out, False, fw.kind_of), like)
 
 
 @gc_paused
-def to_numpy(obj, *, non_blocking=False):
+def to_numpy(obj, *, non_blocking=False, stream=None, staging="auto"):
     """Like :func:`to_host`, then every tensor leaf becomes a ``numpy.ndarray``.
 
     Host memory is shared, not copied (read-only arrays for read-only memory such as a
-    memory-mapped file). bfloat16 and float8 become ``ml_dtypes`` arrays. With
+    memory-mapped file). bfloat16 and float8 become ``ml_dtypes`` arrays. ``stream`` (the
+    producer's stream) and ``staging`` are as for :func:`to_host`. With
     ``non_blocking=True`` it returns at once a :class:`Transfer` whose ``.result()`` is the
     structure of arrays, once every copy from a device has finished.
 
@@ -272,12 +363,13 @@ def to_numpy(obj, *, non_blocking=False):
     >>> tf.to_numpy({"t": tf.Tensor.from_numpy(np.arange(3))})["t"]
     array([0, 1, 2])
     """
+    _not_a_handle(obj, "to_numpy")
     if non_blocking:
-        first = to_host(obj, non_blocking=True)
-        if isinstance(first, Transfer):
-            return first.then(to_numpy)
-        pending = [t for _, t in _native.collect_tensors(first, fw.kind_of, True) if type(t) is fw.Tensor]
-        return Transfer(pending, lambda: to_numpy(first))
+        return to_host(obj, non_blocking=True, stream=stream, staging=staging).then(to_numpy)
+    if stream is not None or staging != "auto":
+        # The copies from devices with the producer's stream or the ring asked for; what
+        # follows then finds every tensor on the host.
+        obj = to_host(obj, stream=stream, staging=staging)
     collected = _native.collect_tensors(obj, fw.kind_of, True)
     # tensorferry tensors, the common case, in one native pass; other frameworks' here.
     out, rest = _native.native_leaves_to_numpy(collected)
@@ -399,7 +491,7 @@ def _all_ints(data):
 
 
 @gc_paused
-def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, staging="auto", like=None):
+def to_device(obj, device, *, non_blocking=False, stream=None, staging="auto", like=None, copy=False):
     """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1", "emu:0"; or a
     GPU index, a ``torch.device``, a JAX or a CuPy device, as every function that takes a
     device does).
@@ -414,8 +506,9 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     scheduler (holding ``"_last_lr"``, or ``"base_lrs"`` and ``"last_epoch"``) holds
     hyper-parameters: in it only existing tensors move (``params=[0, 1]``,
     ``base_lrs=[0.1]`` stay lists), so ``load_state_dict`` takes the result.
-    ``like="torch" | "jax" | "tensorflow" | "numpy"`` gives the tensors made from lists in
-    that framework (NumPy on the host only).
+    ``like="torch" | "jax" | "tensorflow" | "numpy" | "tensorferry"`` gives every tensor of
+    the result in that framework, those made from lists included (NumPy on the host only;
+    on the emulated device only "tensorferry").
     Many small PyTorch CPU tensors of one dtype and shape (rows of a multiple of 64
     bytes) cross into tensorferry as one ``torch.stack`` per group of at most 1 MiB and come
     back as the rows of the moved stack (each 64-byte aligned on the device).
@@ -423,52 +516,56 @@ def to_device(obj, device, *, non_blocking=False, copy=False, stream=None, stagi
     device string raises :class:`InvalidDeviceError`; an absent device raises
     :class:`DeviceUnavailableError` with the reason. ``stream`` is the producer's stream, and
     ``staging`` the choice of pinned staging for copies from ordinary memory, as for
-    :func:`to_host`.
+    :func:`to_host`. With ``non_blocking=True`` the call returns a :class:`Transfer` at
+    once, as :func:`to_host` does.
 
     >>> import tensorferry as tf
     >>> out = tf.to_device({"embedding_1": [1.0, 2.0, 3.0], "ids": [[1, 2], [3, 4]]}, "cpu")
     >>> out["embedding_1"].dtype, out["ids"].dtype, out["ids"].shape
     ('float32', 'int64', (2, 2))
+    >>> pending = tf.to_device({"w": [1.0, 2.0]}, "emu:0", non_blocking=True)  # at once
+    >>> pending.result()["w"].device
+    'emu:0'
     """
+    _not_a_handle(obj, "to_device")
     target = _devices.name_of(device)
     _fallback.ensure_device(target)
-    if like is not None and like not in _LIKE:
-        raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
+    _check_staging(staging)
+    _check_like(like)
     if like not in (None, fw.NATIVE) and (target.startswith("emu") or (like == fw.NUMPY and target != "cpu")):
-        raise ValueError(f"like={like!r} cannot hold memory of {target}")
+        raise FormatError(f"like={like!r} cannot hold memory of {target}")
 
     def select(x, path):
         return fw.kind_of(x) is not None or _numeric_data(x)
 
     leaves = _native.collect_tensors(obj, fw.kind_of, False, select)
     _sync_producer(stream, leaves, target)
+    out = {}
+    made = {}  # id(new tensor) -> id(the list it was made from)
     # Without leaves that may be lists of numbers (the walk takes only lists and tuples as
     # data), everything is one move; the leaves' types are read once per type.
-    if not any(issubclass(t, (list, tuple)) for t in {type(leaf) for _, leaf in leaves}):
-        moved = _move(leaves, target, copy, non_blocking, False, staging, stream is None)
-        return _native.rebuild(obj, moved, False, fw.kind_of)
-    tensors = []
-    out = {}
-    made = {}  # id(new tensor) -> the list it was made from
-    for path, leaf in leaves:
-        if fw.kind_of(leaf) is None:
-            t = _data_to_tensor(leaf, path)
-            if target == "cpu":
-                out[id(leaf)] = t  # already a fresh host tensor
-                continue
-            made[id(t)] = leaf
-            tensors.append((path, t))
-        else:
-            tensors.append((path, leaf))
+    if any(issubclass(t, (list, tuple)) for t in {type(leaf) for _, leaf in leaves}):
+        tensors = []
+        for path, leaf in leaves:
+            if fw.kind_of(leaf) is None:
+                t = _data_to_tensor(leaf, path)
+                if target == "cpu":
+                    out[id(leaf)] = t  # already a fresh host tensor
+                    continue
+                made[id(t)] = id(leaf)
+                tensors.append((path, t))
+            else:
+                tensors.append((path, leaf))
+        leaves = tensors
     # One planned transfer for everything, tensors made from lists included.
-    for key, result in _move(tensors, target, copy, non_blocking, False, staging, stream is None).items():
-        out[id(made[key]) if key in made else key] = result
-    if like not in (None, fw.NATIVE):
-        lists = [(p, leaf) for p, leaf in leaves if fw.kind_of(leaf) is None]
-        converted = fw.from_native_many([out[id(x)] for _, x in lists], [like] * len(lists), [p for p, _ in lists])
-        for (_, leaf), result in zip(lists, converted):
-            out[id(leaf)] = result
-    return _native.rebuild(obj, out, False, fw.kind_of)
+    moved, queued = _start(leaves, target, copy, non_blocking, False, staging, stackable=stream is None)
+    if non_blocking:
+        return _pending(obj, {**out, **moved}, queued, lambda result: _as_like(result, like), made,
+                        ordered=target.startswith("cuda") and like is None)
+    _finish(moved, queued)
+    for key, result in moved.items():
+        out[made.get(key, key)] = result
+    return _as_like(_native.rebuild(obj, out, False, fw.kind_of), like)
 
 
 def _native_tree(obj):
@@ -529,7 +626,8 @@ def _parse_size(size):
 
 
 @gc_paused
-def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_blocking=False, staging="auto"):
+def save(obj, path, *, non_blocking=False, stream=None, staging="auto", metadata=None, fsync=True, max_shard_size=None,
+         progress=False):
     """Saves ``obj`` as a safetensors file at ``path``, atomically.
 
     Nesting, container types, keys containing dots and plain values (str, int, float
@@ -564,7 +662,11 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     pinned memory is refused), ``(chunk_bytes, depth)`` within the limits of
     :func:`to_host`, or "off" to copy them to host memory whole first — so host memory
     stays bounded by the ring whatever their size, and the device copies the next chunk
-    while this one is written.
+    while this one is written. ``stream`` is the producer's stream, as for :func:`to_host`:
+    its queued work comes before the tensors are read.
+
+    With ``progress=True`` a bar of the bytes written so far is drawn on stderr when
+    ``tqdm`` is installed (nothing otherwise), every shard counted.
 
     >>> import os, tempfile, numpy as np, tensorferry as tf
     >>> p = os.path.join(tempfile.mkdtemp(), "ckpt.safetensors")
@@ -572,6 +674,7 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
     >>> tf.load(p)["step"]
     3
     """
+    _not_a_handle(obj, "save")
     if metadata is not None:
         if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -597,12 +700,14 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
         obj = _fallback.on_host_tree(obj)
         # The snapshot: every tensor copied now (device ones into the pinned pool).
         try:
-            obj = to_host(obj, copy=True, pinned=True)
+            obj = to_host(obj, copy=True, pinned=True, stream=stream)
         except OutOfMemoryError:
             if staging not in ("auto", None):
                 raise
             # "auto" and no pinned memory to be had: the snapshot goes to ordinary memory.
             obj = to_host(obj, copy=True)
+    elif stream is not None:
+        _sync_producer(stream, _native.collect_tensors(obj, fw.kind_of))
     tree, record = _native_tree(obj)
     meta = dict(metadata or {})
     if record is not None:
@@ -610,22 +715,31 @@ def save(obj, path, *, metadata=None, fsync=True, max_shard_size=None, non_block
         if record["default"] == fw.TORCH and not record["except"]:
             # Hugging Face's loaders (transformers 4.x) require the key in PyTorch files.
             meta.setdefault("format", "pt")
+    write = _native.save
+    if progress:
+        total = sum(t.nbytes for _, t in _native.collect_tensors(tree, fw.kind_of))
+        write = _progress.watched_save(path, total, _native.save)
     turn = _save_order.take(path)
     if non_blocking:
         what = f"tensorferry.save(..., non_blocking=True) to {os.fspath(path)!r}"
-        return run_in_background(what, turn.run, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes)
+        return run_in_background(what, _saved, turn, write, tree, os.fspath(path), meta, fsync, shard_bytes)
     # Blocking, on a writer thread waited for in slices, so that Ctrl-C is answered at once:
     # the save goes on, and the path then holds the old checkpoint or the new one, whole.
     what = f"tensorferry.save to {os.fspath(path)!r} (interrupted)"
-    run_in_background(what, turn.run, _native.save, tree, os.fspath(path), meta, fsync, shard_bytes, staging).result()
+    run_in_background(what, _saved, turn, write, tree, os.fspath(path), meta, fsync, shard_bytes, staging).result()
+
+
+def _saved(turn, write, *args):
+    """A save in its turn (see :mod:`._save_order`), for the background: its result is None."""
+    turn.run(write, *args)
 
 
 _LIKE = (fw.NUMPY, fw.TORCH, fw.NATIVE, fw.JAX, fw.TENSORFLOW)
 
 
 @gc_paused
-def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, dtype=None, out=None, staging="on",
-         process_group=None, shard=None, read_stats=None):
+def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto", like=None, mmap=True, direct=False,
+         keys=None, dtype=None, out=None, progress=False, process_group=None, shard=None, read_stats=None):
     """Loads a safetensors file as plain containers (dict, list, tuple).
 
     ``path`` may also be a sharded checkpoint's ``*.safetensors.index.json``, or a folder
@@ -647,11 +761,22 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     tensors live may crash the process (``SIGBUS``); tensorferry's own saves replace files
     by rename, which is safe.
 
-    With ``device`` ("cuda:0", "emu:0") the file is mapped and streamed to the device
-    through a ring of pinned buffers (``staging``: "on" — 3 × 32 MiB —, "off", "auto" or
-    ``(chunk_bytes, depth)``), so host memory stays bounded by the ring whatever the file's
-    size; the results are device tensors owned by their framework (PyTorch, JAX for files
-    saved from them; ``tensorferry.Tensor`` otherwise).
+    With ``device`` ("cuda:0", "emu:0", or any form :func:`to_device` takes) the file is
+    mapped and streamed to the device through a ring of pinned buffers (``staging``:
+    "auto" or "on" — 3 × 32 MiB, "auto" through ordinary memory where pinned memory is
+    refused —, "off", or ``(chunk_bytes, depth)``), so host memory stays bounded by the
+    ring whatever the file's size; the results are device tensors owned by their framework
+    (PyTorch, JAX for files saved from them; ``tensorferry.Tensor`` otherwise).
+
+    With ``non_blocking=True`` it returns a :class:`Transfer` at once and loads in the
+    background: ``.result()`` gives what ``load`` gives, or raises its error (with
+    ``process_group``, the group's collectives then run on that thread: issue no other
+    collective on the group until it is done). ``stream``
+    is the stream whose queued work on ``out``'s tensors must come before they are
+    written (the caller waits for it); without ``out`` it has nothing to order.
+    ``progress=True`` draws a bar of the bytes loaded on stderr when ``tqdm`` is
+    installed: per tensor as each reaches a device; in one step for host memory, which a
+    single native call maps or reads.
 
     With ``direct=True`` the data is read with ``O_DIRECT``, past the page cache, several
     reads in flight, into fresh memory (``direct`` wins over ``mmap``, which then has no
@@ -686,6 +811,8 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     >>> tf.save({"x": np.arange(3)}, p)
     >>> tf.load(p, like="tensorferry")["x"].dtype
     'int64'
+    >>> tf.load(p, non_blocking=True).result()["x"]
+    array([0, 1, 2])
 
     With ``process_group`` (a ``torch.distributed`` group; every rank calls ``load`` with
     the same arguments) each byte is read from storage once: each rank reads a part of the
@@ -698,6 +825,22 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     ``tensorferry.dcp.ReadStats``) counts the bytes this rank read. Every rank raises the
     same error, naming the failing rank. See ``tensorferry._fanout``.
     """
+    args = dict(device=device, stream=stream, staging=staging, like=like, mmap=mmap, direct=direct, keys=keys,
+                dtype=dtype, out=out, progress=progress, process_group=process_group, shard=shard,
+                read_stats=read_stats)
+    _check_staging(staging)  # refused before the file is read, and not in the background
+    if non_blocking:
+        _check_like(like)
+        what = f"tensorferry.load({os.fspath(path)!r}, non_blocking=True)"
+        return run_in_background(what, functools.partial(_load, path, **args))
+    return _load(path, **args)
+
+
+def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out, progress, process_group, shard,
+          read_stats):
+    """:func:`load`'s work, blocking (in the caller's thread or in the background)."""
+    if stream is not None and out is not None:
+        _sync_producer(stream, _native.collect_tensors(out, fw.kind_of), target=None)
     if process_group is not None or shard is not None or read_stats is not None:
         from . import _fanout
 
@@ -705,35 +848,32 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
             path, process_group=process_group, shard=shard, read_stats=read_stats, device=device, like=like,
             keys=keys, dtype=dtype, out=out, direct=direct, mmap=mmap, staging=staging,
         )
-    if like is not None and like not in _LIKE:
-        raise ValueError(f"like must be one of {_LIKE}, not {like!r}")
+    _check_like(like)
     target = _devices.name_of(device)
     on_device = target != "cpu"
     patterns = None if keys is None else _select.patterns(keys)
-    # Object storage (s3://, gs://, az://, http(s)://): read into host memory, a subset
-    # fetching only the byte ranges of the tensors its keys match.
+    # Object storage (s3://, gs://, az://, http(s)://): read into host memory (or streamed
+    # onto a device, below), a subset fetching only the byte ranges of its keys' tensors.
     url = isinstance(path, str) and _native.is_url(path)
     if url and direct:
-        raise ValueError(f"direct=True reads local files past the page cache; {path!r} is in object storage")
+        raise FormatError(f"direct=True reads local files past the page cache; {path!r} is in object storage")
     only = None
     if url and patterns is not None:
         only = {n for n in _native.object_names(path) if any(_select._matches(n, p) for p in patterns)}
-    if on_device:
-        _native.check_staging(staging)  # refused before the file is read
     if direct and keys is not None:
-        raise ValueError(
+        raise FormatError(
             "keys= reads only the selected tensors' bytes, from a memory map; direct=True reads "
             "the whole file past the page cache: choose one"
         )
     if direct and on_device and out is not None:
-        raise ValueError(
+        raise FormatError(
             f"out= fills existing tensors from the host; direct=True with device={device!r} "
             "streams the file onto the device: drop device= (out= decides where data goes)"
         )
     if on_device:
         _fallback.ensure_device(target)
         if like == fw.NUMPY or (like not in (None, fw.NATIVE) and target.startswith("emu")):
-            raise ValueError(f"like={like!r} cannot hold memory of {target}")
+            raise FormatError(f"like={like!r} cannot hold memory of {target}")
     # NumPy (the common case) and tensorferry results are built natively in one pass;
     # tensors recorded from other frameworks come back pending, converted here. For a
     # device, the mapped file's views go there first, streamed through the staging ring
@@ -744,8 +884,10 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     # fresh memory was asked for.
     mapped = (mmap and not direct) or on_device or keys is not None
     # A cast goes with the host's bytes (a device holds no kernels of tensorferry's own):
-    # a file read past the page cache is cast on the host before its move.
-    streamed = direct and on_device and dtype is None
+    # a file read past the page cache is cast on the host before its move. A whole
+    # checkpoint in object storage, or a subset of it, streams onto the device through the
+    # ring (ranged GETs into its buffers); out= goes through host memory.
+    streamed = on_device and dtype is None and (direct or (url and out is None))
     tree, meta, pending, fallback = _native.load(
         os.fspath(path),
         mapped,
@@ -759,7 +901,11 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
         only=only,
     )
     if fallback is not None:
-        warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=4)
+    if progress and (streamed or not on_device):
+        # Read (or mapped) in the one native call above: the bar fills at once.
+        total = sum(t.nbytes for _, t in _native.collect_tensors(tree, fw.kind_of))
+        _progress.filled(total, f"load {os.path.basename(os.fspath(path))}")
     if keys is not None:
         tree = _select.select(tree, patterns)
         if not (mmap or on_device or url):
@@ -772,7 +918,7 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
             # bfloat16); on the emulated device every cast, since nothing there casts.
             tree = _select.cast(tree, dtype, narrowing_only=not target.startswith("emu"))
         if not streamed:
-            tree = to_device(tree, target, staging=staging)
+            tree = _onto_device(tree, target, staging, progress and os.fspath(path))
         pending = not target.startswith("emu")  # no framework holds emulated memory
     result = tree
     if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):
@@ -797,6 +943,29 @@ def load(path, *, device="cpu", mmap=True, direct=False, like=None, keys=None, d
     if dtype is not None:
         result = _select.cast(result, dtype)
     return result
+
+
+def _onto_device(tree, target, staging, progress_of=None):
+    """``tree`` (a mapped file's tensors) on the device ``target``, streamed through the
+    staging ring: "auto" as "on" does, through ordinary memory where pinned memory is
+    refused. ``progress_of`` (the file's path) draws a bar advanced as each copy ends."""
+    ring = "on" if staging == "auto" else staging
+    try:
+        if not progress_of:
+            return to_device(tree, target, staging=ring)
+        pending = to_device(tree, target, staging=ring, non_blocking=True)
+        total = sum(t.nbytes for _, t in _native.collect_tensors(tree, fw.kind_of))
+        progress = _progress.bar(total, f"load {os.path.basename(progress_of)}")
+        if progress is None:
+            return pending.result()
+        try:
+            return pending._wait_each(progress.update)
+        finally:
+            progress.close()
+    except OutOfMemoryError:
+        if staging != "auto":
+            raise
+        return _onto_device(tree, target, "off", progress_of)
 
 
 _FORMATS = {"pt": fw.TORCH, "tf": fw.TENSORFLOW, "flax": fw.JAX, "jax": fw.JAX, "np": fw.NUMPY, "numpy": fw.NUMPY}

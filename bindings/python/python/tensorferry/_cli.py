@@ -24,6 +24,7 @@ import threading
 
 from . import _native
 from ._errors import TensorferryError
+from ._progress import writes_watched
 
 _PROG = "tensorferry"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -143,7 +144,7 @@ def _convert(input_path, output, max_shard_size, overwrite):
     writing = _native.CliProgress(total, "bytes")
     writing.set_message(f"writing {os.path.basename(target)}")
     try:
-        with _WatchWrites(os.path.dirname(target) or ".", writing):
+        with writes_watched(target, writing.set_position):
             save(tree, target, max_shard_size=max_shard_size)
     finally:
         writing.finish()
@@ -367,41 +368,6 @@ def _replaced(value, replace):
     if isinstance(value, tuple):
         return tuple(_replaced(v, replace) for v in value)
     return replace.get(id(value), value)
-
-
-class _WatchWrites:
-    """Moves ``bar`` with the bytes of the files that appear in ``folder`` while the block
-    runs: ``tensorferry.save`` writes each file under a new name beside its target and
-    renames it at the end, so their sizes are the bytes written so far."""
-
-    def __init__(self, folder, bar):
-        self.folder, self.bar = folder, bar
-        self.before = set(self._sizes())
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="tensorferry-convert-progress", daemon=True)
-
-    def _sizes(self):
-        try:
-            with os.scandir(self.folder) as entries:
-                return {e.name: e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False)}
-        except OSError:
-            return {}
-
-    def _run(self):
-        done = 0
-        while not self.stop.wait(0.1):
-            now = sum(size for name, size in self._sizes().items() if name not in self.before)
-            done = max(done, now)  # renamed onto an old name, a file leaves the count
-            self.bar.set_position(done)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        return False
 
 
 def _dotted(path):

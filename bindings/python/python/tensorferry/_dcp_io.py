@@ -16,7 +16,7 @@ import json
 import os
 import stat
 
-from . import _native
+from . import _native, _object
 from ._errors import FormatError, TensorferryIOError, io_error
 
 #: Bytes per element of each safetensors dtype.
@@ -109,11 +109,24 @@ def _pseudo_devices():
     return _PSEUDO[0]
 
 
+class RemoteObject:
+    """What :func:`open_read` gives for an object-storage URL in place of a descriptor:
+    the URL, and the ETag its header was read at (every later read must find that version
+    of the object, else an error saying it was replaced)."""
+
+    def __init__(self, url):
+        self.url = url
+        self.etag = None
+
+
 def open_read(path):
     """A read-only file descriptor of ``path``, refused at once (an OSError whose
     ``filename`` is the path) unless ``path`` is a regular file: it is opened without
     blocking (a FIFO would otherwise wait for a writer, however it came to be there), then
-    its descriptor checked, then made blocking again."""
+    its descriptor checked, then made blocking again. For an object-storage URL
+    (``s3://…``), a :class:`RemoteObject` read with ranged GETs; :func:`close` either."""
+    if _native.is_url(path):
+        return RemoteObject(path)
     nonblock = getattr(os, "O_NONBLOCK", 0)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | nonblock)
     try:
@@ -130,9 +143,21 @@ def open_read(path):
     return fd
 
 
+def close(fd):
+    """Closes what :func:`open_read` opened."""
+    if not isinstance(fd, RemoteObject):
+        os.close(fd)
+
+
 def read_small_file(path, limit):
-    """The bytes of the regular file ``path`` (see :func:`open_read`); a file of more than
-    ``limit`` bytes is a FormatError naming it, read no further."""
+    """The bytes of the regular file ``path`` (see :func:`open_read`), or of the object at
+    that URL; one of more than ``limit`` bytes is a FormatError naming it, read no
+    further."""
+    if _native.is_url(path):
+        size, etag = _native.object_head(path)
+        if size > limit:
+            raise _fail(path, f"{size} bytes, more than the {limit} bytes this file may hold")
+        return _native.object_read_ranges(path, [(0, size)], etag)[0] if size else b""
     fd = open_read(path)
     try:
         size = os.fstat(fd).st_size
@@ -159,6 +184,9 @@ def _fail(path, what):
 def _pread_exact(fd, buffer, offset, path):
     """Fills ``buffer`` (a writable memoryview of bytes) from ``offset``; a file that ends
     first is a FormatError naming it."""
+    if isinstance(fd, RemoteObject):
+        _read_remote(fd, [(offset, buffer)])
+        return
     view = buffer
     while len(view):
         got = _pread_into(fd, view, offset)
@@ -181,7 +209,10 @@ def read_header(fd, path, stats=None, save_id=ANY_SAVE):
     With ``save_id``, the file must be a rank file of that DCP save: one whose metadata
     names another save (its ``DCP_SAVE_ID``) is a FormatError naming it. A file that names
     none was written before rank files carried it, and is taken as it is."""
-    start, items = _native.read_index(path)
+    if isinstance(fd, RemoteObject):
+        start, items, fd.etag, _ = _native.object_read_header(path)
+    else:
+        start, items = _native.read_index(path)
     if stats is not None:
         stats.header += start
         stats.files += 1
@@ -259,6 +290,11 @@ def read_pieces(fd, path, todo, workers, stats=None):
     """Reads every ``(file offset, view)`` of ``todo`` from ``fd``, on up to ``workers``
     threads (positioned reads release the GIL, so page-cache copies run side by side);
     the first failure is raised once every read has stopped."""
+    if isinstance(fd, RemoteObject):
+        _read_remote(fd, todo)
+        if stats is not None:
+            stats.data += sum(len(view) for _, view in todo)
+        return
     tasks, task, size = [], [], 0
     for offset, view in todo:
         task.append((offset, view))
@@ -288,3 +324,10 @@ def read_runs(fd, path, entry, runs, dest, stats=None):
     """Reads ``runs`` of ``entry`` end to end into ``dest`` (a writable byte memoryview of
     exactly their total size) on this thread, counting the bytes in ``stats``."""
     read_pieces(fd, path, pieces(entry, runs, dest), 1, stats)
+
+
+def _read_remote(obj, todo):
+    """Reads every ``(offset, view)`` of ``todo`` from the object ``obj`` straight into the
+    views, in parallel ranged GETs (natively, the GIL released), each checked against the
+    version its header was read at."""
+    _object.read_into(obj.url, todo, obj.etag)

@@ -1,16 +1,17 @@
-"""``Transfer``: the handle of a non-blocking move whose results cannot wait by themselves.
+"""``Transfer``: the one handle every call with ``non_blocking=True`` returns.
 
-A ``tensorferry.Tensor`` waits for its copy on every read, so non-blocking moves that give
-tensorferry tensors (to a device, or of tensorferry tensors) return the structure at
-once. PyTorch CPU tensors, NumPy arrays, JAX and TensorFlow host arrays cannot wait: a
-non-blocking move that gives those returns a ``Transfer``, a future in the style of
-``concurrent.futures.Future``, and the tensors exist only once their copies have finished.
+``to_host``, ``to_device``, ``to_numpy``, ``save`` and ``load`` all return it, whatever the
+leaves: a future in the style of ``concurrent.futures.Future`` (``result``, ``wait``,
+``done``, ``exception``, ``await``). Its result exists only once every copy it stands for
+has finished, so nothing can be read early, and a failed copy's error is raised by
+``result``. Moves queue their copies on the engine and hand the native tensors being
+filled to the handle, which waits for them; saves and loads run on a background thread.
 
-A non-blocking save is a ``Transfer`` too, written by a background thread. Its failure is
-never lost: the caller sees it through the handle (``wait``, ``result``, ``exception``,
-``await``); a failure nobody awaited is a ``RuntimeWarning`` on stderr once the last handle
-is collected, or at interpreter exit. The exit waits for saves still being written; Ctrl-C
-during that wait abandons them with a line on stderr naming each and exit status 130.
+A background job's failure is never lost: the caller sees it through the handle (``wait``,
+``result``, ``exception``, ``await``); a failure nobody awaited is a ``RuntimeWarning`` on
+stderr once the last handle is collected, or at interpreter exit. The exit waits for jobs
+still running; Ctrl-C during that wait abandons them with a line on stderr naming each and
+exit status 130.
 """
 
 import asyncio
@@ -24,13 +25,15 @@ import time
 import warnings
 
 from . import _native
+from ._errors import CopyError, naming_key
 
 _UNSET = object()
 
 
 class Transfer:
-    """A move in flight. Its results exist once every copy has finished, so nothing can
-    read them early; waits can be interrupted with Ctrl-C (the copies go on).
+    """A call in flight (``non_blocking=True``). Its result exists once every copy has
+    finished, so nothing can read it early; waits can be interrupted with Ctrl-C (the
+    copies go on).
 
     >>> import numpy as np, tensorferry as tf
     >>> on_device = tf.to_device({"w": np.arange(3.0), "step": 7}, "emu:0")
@@ -41,10 +44,11 @@ class Transfer:
     True
     """
 
-    __slots__ = ("_pending", "_finish", "_background", "_lock", "_value", "_error", "_watch")
+    __slots__ = ("_pending", "_keys", "_finish", "_background", "_lock", "_value", "_error", "_watch")
 
-    def __init__(self, pending, finish, background=None, watch=None):
+    def __init__(self, pending, finish, background=None, watch=None, keys=None):
         self._pending = list(pending)
+        self._keys = keys  # the key paths of the pending tensors, in order, for a failed copy's error
         self._finish = finish
         self._background = background  # a concurrent.futures.Future doing the rest, if any
         self._lock = threading.Lock()
@@ -74,8 +78,13 @@ class Transfer:
         if self._error is not None:
             raise self._error
         start = time.monotonic()
-        if not _native.wait_tensors(self._pending, timeout):
-            return False
+        try:
+            if not _native.wait_tensors(self._pending, timeout):
+                return False
+        except CopyError as e:
+            if not self._keys:
+                raise
+            raise naming_key(e, self._keys) from None
         if self._background is not None:
             # In slices, so that Ctrl-C is noticed between them.
             while True:
@@ -130,6 +139,14 @@ class Transfer:
             return e
         return None
 
+    def _wait_each(self, report):
+        """Waits for the copies one by one, calling ``report(nbytes)`` after each (a
+        progress bar's), then gives :meth:`result`."""
+        for t in list(self._pending):
+            _native.wait_tensors([t], None)
+            report(t.nbytes)
+        return self.result()
+
     def then(self, fn):
         """A ``Transfer`` of ``fn(result)``, once this one's copies have finished."""
         return Transfer(self._pending, lambda: fn(self.result()), self._background, self._watch)
@@ -145,11 +162,12 @@ class Transfer:
 
     def __repr__(self):
         state = "done" if self.done() else "running"
-        return f"<tensorferry.Transfer of {len(self._pending)} tensors, {state}>"
+        what = "in the background" if self._background is not None else f"of {len(self._pending)} tensors"
+        return f"<tensorferry.Transfer {what}, {state}>"
 
 
 class _Watch:
-    """What became of one background job (a non-blocking save), watched so that a failure
+    """What became of one background job (a non-blocking save or load), watched so that a failure
     reaches someone: the caller through its :class:`Transfer`, or — once every handle is
     gone, or at interpreter exit — a ``RuntimeWarning`` on stderr. Never lost silently."""
 
@@ -230,7 +248,7 @@ _WATCHED = set()
 
 
 class _Writers:
-    """Two daemon threads that run background jobs (non-blocking saves), started on first
+    """Two daemon threads that run background jobs (non-blocking saves and loads), started on first
     use. Daemon, so that the interpreter's exit waits for them through :func:`_at_exit`,
     which Ctrl-C can interrupt loudly, not through a silent join."""
 
@@ -243,7 +261,7 @@ class _Writers:
         future = concurrent.futures.Future()
         with self._lock:
             if len(self._threads) < 2:
-                t = threading.Thread(target=self._serve, name="tensorferry-save", daemon=True)
+                t = threading.Thread(target=self._serve, name="tensorferry-background", daemon=True)
                 t.start()
                 self._threads.append(t)
         self._jobs.put((future, fn, args))
@@ -276,7 +294,7 @@ def run_in_background(what, fn, *args):
         if _WRITERS is None:
             _WRITERS = _Writers()
     future = _WRITERS.submit(fn, *args)
-    return Transfer([], lambda: future.result() and None, future, _Watch(future, what))
+    return Transfer([], future.result, future, _Watch(future, what))
 
 
 def _at_exit():
@@ -295,8 +313,8 @@ def _at_exit():
         except Exception:
             pass
         sys.stderr.write(
-            f"tensorferry: interrupted at exit while {len(left)} non-blocking save(s) were still "
-            "being written; they were abandoned (nothing replaced their paths): " + "; ".join(left) + "\n"
+            f"tensorferry: interrupted at exit while {len(left)} non-blocking save(s) or load(s) were "
+            "still running; they were abandoned (nothing replaced their paths): " + "; ".join(left) + "\n"
         )
         sys.stderr.flush()
         os._exit(130)

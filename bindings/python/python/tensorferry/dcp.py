@@ -133,12 +133,31 @@ def _files_named_by(path):
 
 def _remove_files(folder, names):
     """Removes the files ``names`` (rank files a replaced checkpoint named) from
-    ``folder``. Best effort: a file that stays is never read."""
+    ``folder`` (a local folder or an object-storage URL). Best effort: a file that stays
+    is never read."""
+    from . import _native
+
     for name in names:
         try:
-            os.remove(os.path.join(folder, name))
+            if _native.is_url(folder):
+                _native.object_delete(os.path.join(folder, name))
+            else:
+                os.remove(os.path.join(folder, name))
         except OSError:
             pass
+
+
+def _exists(path):
+    """Whether the file, or the object at that URL, exists."""
+    from . import _native
+
+    if not _native.is_url(path):
+        return os.path.exists(path)
+    try:
+        _native.object_head(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _metadata_file(rank=None):
@@ -196,7 +215,7 @@ def _build():
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
     from torch.futures import Future
 
-    from . import _api, _dcp_io
+    from . import _api, _dcp_io, _native
     from ._errors import FormatError, io_error
 
     def done(value):
@@ -226,6 +245,10 @@ def _build():
         id, agreed by all ranks through the coordinator's plan, and files of new names that
         carry it; once the new metadata is committed, the files the replaced metadata named
         are removed, and no other file.
+
+        ``path`` may be an object-storage folder (``s3://bucket/ckpt``): rank files are
+        uploaded as :func:`tensorferry.save` uploads them, and ``.metadata`` is one PUT,
+        last, which commits the checkpoint as the rename does for files.
         """
 
         def __init__(self, path, *, sync_files=True, overwrite=True):
@@ -266,11 +289,12 @@ def _build():
             return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
         def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-            os.makedirs(self.path, exist_ok=True)
+            if not _native.is_url(self.path):  # object storage has no folders to make
+                os.makedirs(self.path, exist_ok=True)
             if not self.overwrite:
                 rank = self.rank if not self.use_collectives and self.rank is not None else None
                 existing = os.path.join(self.path, _metadata_file(rank))
-                if os.path.exists(existing):
+                if _exists(existing):
                     raise io_error(errno.EEXIST, "a checkpoint exists there and overwrite=False", existing)
             if self.rank is not None and not self.use_collectives:
                 # No global plan: every rank names its own file.
@@ -331,7 +355,9 @@ def _build():
             path = os.path.join(self.path, _metadata_file(rank))
             replaced = _files_named_by(path)
             blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-            if self.sync_files:
+            if _native.is_url(path):
+                _native.object_put(path, blob)  # one PUT: the object appears whole, or not
+            elif self.sync_files:
                 _write_atomically(path, blob)
             else:
                 tmp = f"{path}.{uuid.uuid4().hex}.tmp"
@@ -356,6 +382,11 @@ def _build():
 
         ``read_stats`` (a :class:`ReadStats`, reset by every load) counts the bytes needed
         and the bytes read: data, and headers apart.
+
+        ``path`` may be an object-storage folder (``s3://bucket/ckpt``, as
+        :func:`tensorferry.load` takes them): each header comes from a ranged GET, and the
+        byte runs from parallel ranged GETs of the version of the file whose header was
+        read (a file replaced meanwhile is an error).
         """
 
         def __init__(self, path, *, read_threads=None):
@@ -378,7 +409,8 @@ def _build():
         @classmethod
         def validate_checkpoint_id(cls, checkpoint_id):
             try:
-                return os.path.isdir(os.fspath(checkpoint_id))
+                path = os.fspath(checkpoint_id)
+                return _native.is_url(path) or os.path.isdir(path)
             except TypeError:
                 return False
 
@@ -445,7 +477,7 @@ def _build():
                             batch, scratch = [], 0
                     self._read_batch(planner, batch, fd, path)
                 finally:
-                    os.close(fd)
+                    _dcp_io.close(fd)
             return done(None)
 
         def _read_bytes(self, planner, item, fd, path, entry):

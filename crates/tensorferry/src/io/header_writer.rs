@@ -157,8 +157,10 @@ impl Sharing {
             if t.numel() == 0 {
                 continue;
             }
+            // A tensor's layout was checked to lie in its storage when it was made.
             let (below, above) =
-                crate::tensor::byte_extent(t.shape(), t.strides(), t.dtype().size());
+                crate::tensor::byte_extent(t.shape(), t.strides(), t.dtype().size())
+                    .expect("a tensor's extent lies in its storage");
             let at = t.data_ptr() as usize;
             let device = match t.device() {
                 crate::Device::Cpu => (0, 0),

@@ -106,7 +106,7 @@ pub fn load_node_to_until(
 
 /// The host buffers for `staging`: its ring, else the automatic one (ordinary memory
 /// where no pinned memory is to be had); chunks in whole 4096-byte blocks.
-fn ring_for(staging: Staging) -> StreamRing {
+pub(crate) fn ring_for(staging: Staging) -> StreamRing {
     let (chunk_bytes, depth) = match staging {
         Staging::Ring { chunk_bytes, depth } => (chunk_bytes, depth),
         Staging::Auto | Staging::Off => (AUTO_CHUNK_BYTES, AUTO_DEPTH),

@@ -123,9 +123,10 @@ pub(crate) fn write_walked(
     commit_single(&place, staged, options.fsync)
 }
 
-/// The bytes before the data and the tensors in file order (host copies of device ones,
-/// in one planned transfer), refused as [`stage_walked`] refuses: for writers other than
-/// files (object storage).
+/// The bytes before the data and the tensors in file order, refused as [`stage_walked`]
+/// refuses: for writers other than files (object storage). As for files, device tensors
+/// stay where they are when `options.staging` names a ring (the writer streams them
+/// through it), and are copied to the host in one planned transfer otherwise.
 pub(crate) fn header_and_tensors(
     walked: header_writer::Walked<'_>,
     paths: impl FnOnce() -> Vec<KeyPath>,
@@ -133,7 +134,10 @@ pub(crate) fn header_and_tensors(
 ) -> Result<(Vec<u8>, Vec<Tensor>)> {
     header_writer::check_names(&walked, paths)?;
     let built = checked_header(&walked, options)?;
-    let hosted = on_host(&walked.tensors)?;
+    let hosted = match options.staging.ring_for_stream() {
+        Some(_) => None,
+        None => on_host(&walked.tensors)?,
+    };
     let host = |i: usize| hosted.as_ref().map_or(walked.tensors[i], |h| &h[i]).clone();
     Ok((built.bytes, built.order.iter().map(|&i| host(i)).collect()))
 }
@@ -182,11 +186,7 @@ fn stage_walked(
 /// per system call; each stretch of tensors on one device through `ring`.
 fn write_data(file: &mut File, tensors: &[&Tensor], ring: Option<Ring>, path: &Path) -> Result<()> {
     let io = |e| Error::io("write", path, e);
-    let mut rest = tensors;
-    while let Some(first) = rest.first() {
-        let device = first.device();
-        let n = rest.iter().take_while(|t| t.device() == device).count();
-        let (stretch, after) = rest.split_at(n);
+    for (device, stretch) in device_stretches(tensors) {
         match ring {
             Some(ring) if !device.is_host() => stream_to_sink(device, stretch, ring, |bytes| {
                 file.write_all(bytes).map_err(io)
@@ -199,9 +199,25 @@ fn write_data(file: &mut File, tensors: &[&Tensor], ring: Option<Ring>, path: &P
                 gather.finish().map_err(io)?;
             }
         }
-        rest = after;
     }
     Ok(())
+}
+
+/// `tensors` cut into stretches of consecutive tensors on one device, in order.
+pub(crate) fn device_stretches<T: std::borrow::Borrow<Tensor>>(
+    tensors: &[T],
+) -> impl Iterator<Item = (crate::Device, &[T])> {
+    let mut rest = tensors;
+    std::iter::from_fn(move || {
+        let device = rest.first()?.borrow().device();
+        let n = rest
+            .iter()
+            .take_while(|t| t.borrow().device() == device)
+            .count();
+        let (stretch, after) = rest.split_at(n);
+        rest = after;
+        Some((device, stretch))
+    })
 }
 
 fn check_options(options: &SaveOptions) -> Result<()> {

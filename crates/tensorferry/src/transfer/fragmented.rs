@@ -70,7 +70,9 @@ pub(crate) fn prepare(t: &Tensor, target: Device) -> Result<Option<Tensor>> {
         return Ok(packed.pop());
     }
     let size = t.dtype().size() as isize;
-    let (below, above) = byte_extent(t.shape(), t.strides(), size as usize);
+    // A tensor's layout was checked to lie in its storage when it was made.
+    let (below, above) = byte_extent(t.shape(), t.strides(), size as usize)
+        .expect("a tensor's extent lies in its storage");
     let start = t.offset() as isize + below;
     let span = (above - below) as usize;
     if span > (t.nbytes() * MAX_SPAN_RATIO).max(SMALL_SPAN_BYTES) {

@@ -26,6 +26,9 @@ pub enum Cause {
     Changed,
     /// The server could not be reached, or stopped answering, within the retries.
     Unreachable,
+    /// Connections dropped in the middle of a transfer (reset, or a body cut short), more
+    /// often than the retries allow.
+    Dropped,
     /// The URL or the store's configuration is not usable.
     BadConfig,
     /// Anything else the store reported.
@@ -40,6 +43,7 @@ impl Cause {
             Cause::NotFound | Cause::NoBucket => libc::ENOENT,
             Cause::AccessDenied | Cause::NoCredentials | Cause::BadCredentials => libc::EACCES,
             Cause::Unreachable => libc::ECONNREFUSED,
+            Cause::Dropped => libc::ECONNRESET,
             Cause::Changed | Cause::BadConfig | Cause::Other => return None,
         })
     }
@@ -57,6 +61,7 @@ impl Cause {
                 io::ErrorKind::PermissionDenied
             }
             Cause::Unreachable => io::ErrorKind::ConnectionRefused,
+            Cause::Dropped => io::ErrorKind::ConnectionReset,
             Cause::BadConfig => io::ErrorKind::InvalidInput,
             Cause::Changed | Cause::Other => io::ErrorKind::Other,
         }
@@ -71,6 +76,7 @@ impl Cause {
             Cause::NotFound => "no such object",
             Cause::Changed => "the object was replaced while it was read (its ETag changed): nothing was loaded, load it again",
             Cause::Unreachable => "the server could not be reached",
+            Cause::Dropped => "the connection dropped in the middle of a transfer, more often than the retries allow (TENSORFERRY_OBJECT_RETRIES)",
             Cause::BadConfig => "the URL or the store's settings are not usable",
             Cause::Other => "the store reported an error",
         }
@@ -148,11 +154,17 @@ fn classify(e: &object_store::Error, text: &str) -> Cause {
         {
             Cause::NoCredentials
         }
+        _ if has("onnection reset")
+            || has("error reading a body")
+            || has("body error")
+            || has("roken pipe") =>
+        {
+            Cause::Dropped
+        }
         _ if has("error sending request")
             || has("onnection refused")
             || has("timed out")
             || has("connection closed")
-            || has("onnection reset")
             || has("HTTP error") =>
         {
             Cause::Unreachable
@@ -242,6 +254,10 @@ mod tests {
         assert_eq!(
             cause("Error performing PUT http://169.254.169.254/latest/api/token: HTTP error: error sending request"),
             Cause::NoCredentials
+        );
+        assert_eq!(
+            cause("HTTP error: request or response body error: error reading a body from connection: Connection reset by peer (os error 104)"),
+            Cause::Dropped
         );
         assert_eq!(cause("something else"), Cause::Other);
     }

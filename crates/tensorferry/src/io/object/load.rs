@@ -12,13 +12,14 @@
 //! Sharded checkpoints load through their index, each shard as above, several at once.
 
 use std::collections::{BTreeMap, HashSet};
+use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::{StreamExt, TryStreamExt};
-use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, ObjectStoreExt};
+use object_store::{GetOptions, GetRange, GetResult, ObjectMeta, ObjectStore, ObjectStoreExt};
 
 use super::failure::{cause_of, failed, from_store, Cause};
 use super::location::Location;
@@ -99,11 +100,122 @@ pub fn read_metadata_url(url: &str, options: &ObjectOptions) -> Result<BTreeMap<
     })
 }
 
+/// The header of the safetensors object at `url` (one object: no folder or index is
+/// resolved), validated as a load validates it, with the object's ETag (when the store
+/// gives one) and size: what [`read_ranges`] needs to read the tensors' bytes of that
+/// version. Offsets in the header are relative to its `data_start`.
+pub fn read_header_url(
+    url: &str,
+    options: &ObjectOptions,
+) -> Result<(crate::io::Header, Option<String>, u64)> {
+    let at = Location::open(url, options)?;
+    let header = fetch_header(&at, options)?;
+    let parsed = crate::io::parse_header(&header.json, header.data_len)
+        .map_err(|e| e.in_file(Path::new(at.url())))?;
+    Ok((parsed, header.etag, header.size))
+}
+
+/// The size and ETag (when the store gives one) of the object at `url`, from one HEAD.
+pub fn head_url(url: &str, options: &ObjectOptions) -> Result<(u64, Option<String>)> {
+    let at = Location::open(url, options)?;
+    let meta = head(&at)?;
+    Ok((meta.size, meta.e_tag))
+}
+
+/// The bytes `ranges` (absolute offsets, each within the object) of the object at `url`,
+/// as [`read_into`] reads them.
+pub fn read_ranges(
+    url: &str,
+    ranges: &[Range<u64>],
+    etag: Option<&str>,
+    options: &ObjectOptions,
+) -> Result<Vec<Vec<u8>>> {
+    if let Some(r) = ranges.iter().find(|r| r.start > r.end) {
+        return Err(Error::InvalidValue {
+            key: String::new(),
+            reason: format!("bytes {r:?} of {url}: a range that ends before it starts"),
+        });
+    }
+    let mut out: Vec<Vec<u8>> = ranges
+        .iter()
+        .map(|r| vec![0u8; (r.end - r.start) as usize])
+        .collect();
+    let targets = ranges
+        .iter()
+        .zip(out.iter_mut())
+        .map(|(r, buffer)| (r.start, buffer.as_mut_slice()))
+        .collect();
+    read_into(url, targets, etag, options)?;
+    Ok(out)
+}
+
+/// Fills each `(offset, buffer)` of `targets` with the bytes of the object at `url` (one
+/// object: no folder or index is resolved) from that offset, in parallel ranged GETs of
+/// at most [`ObjectOptions::part_bytes`] each, [`ObjectOptions::concurrency`] at once.
+/// With `etag`, the object must still be that version (else an error of cause
+/// [`Cause::Changed`]); every GET is checked against the version the first request
+/// (a HEAD) found, so all bytes come from one version of the object. A range past the
+/// object's end is refused before anything is read.
+pub fn read_into(
+    url: &str,
+    targets: Vec<(u64, &mut [u8])>,
+    etag: Option<&str>,
+    options: &ObjectOptions,
+) -> Result<()> {
+    let at = Location::open(url, options)?;
+    let meta = head(&at)?;
+    if let Some(expected) = etag.filter(|e| meta.e_tag.as_deref() != Some(*e)) {
+        return Err(failed(
+            "read",
+            at.url(),
+            Cause::Changed,
+            format!("expected ETag {expected:?}, found {:?}", meta.e_tag),
+        ));
+    }
+    let version = Version {
+        etag: meta.e_tag,
+        size: meta.size,
+    };
+    let past_the_end = targets
+        .iter()
+        .map(|(offset, buffer)| *offset..offset.saturating_add(buffer.len() as u64))
+        .find(|r| r.end > version.size);
+    if let Some(r) = past_the_end {
+        return Err(Error::InvalidValue {
+            key: String::new(),
+            reason: format!(
+                "bytes {r:?} of {}: the object holds {} bytes",
+                at.url(),
+                version.size
+            ),
+        });
+    }
+    let mut jobs = Vec::new();
+    for (offset, buffer) in targets {
+        let range = offset..offset + buffer.len() as u64;
+        let mut rest = as_uninit(buffer);
+        for part in plan::parts(std::slice::from_ref(&range), options.part_bytes as u64) {
+            let (slice, tail) =
+                std::mem::take(&mut rest).split_at_mut((part.end - part.start) as usize);
+            jobs.push((part, slice));
+            rest = tail;
+        }
+    }
+    let at = &at;
+    let version = &version;
+    runtime::block_on(
+        futures_util::stream::iter(jobs)
+            .map(|(range, slice)| fetch_part(at, range, slice, version))
+            .buffer_unordered(options.concurrency.max(1))
+            .try_for_each(|()| async { Ok(()) }),
+    )?
+}
+
 /// What a load of `at` reads, as [`load_url`] says, read by `object` (one safetensors
 /// object) or `index` (an index of shards). A missing object is found missing by its
 /// first GET, whose answer names the cause (a HEAD's has no body to tell a missing
 /// bucket from a missing object).
-fn resolved<T>(
+pub(super) fn resolved<T>(
     at: Location,
     object: impl Fn(&Location) -> Result<T>,
     index: impl Fn(&Location) -> Result<T>,
@@ -209,7 +321,10 @@ fn head(at: &Location) -> Result<ObjectMeta> {
 }
 
 /// Reads and checks the index at `at`.
-fn read_index(at: &Location, options: &ObjectOptions) -> Result<crate::io::sharded::Index> {
+pub(super) fn read_index(
+    at: &Location,
+    options: &ObjectOptions,
+) -> Result<crate::io::sharded::Index> {
     let label = Path::new(at.url());
     let (first, meta) = get(at, GetRange::Bounded(0..options.header_bytes as u64), None)?;
     check_index_len(meta.size, label)?;
@@ -254,24 +369,24 @@ fn get(at: &Location, range: GetRange, etag: Option<String>) -> Result<(Bytes, O
 }
 
 /// An object's header and the start of its data section, from the first GET.
-struct FetchedHeader {
+pub(super) struct FetchedHeader {
     /// The header's JSON.
-    json: Vec<u8>,
+    pub(super) json: Vec<u8>,
     /// The data section's length.
-    data_len: u64,
+    pub(super) data_len: u64,
     /// The data section's offset in the object.
-    data_start: u64,
+    pub(super) data_start: u64,
     /// The first bytes of the data section, fetched with the header.
-    data_head: Bytes,
+    pub(super) data_head: Bytes,
     /// The object's version, which every later GET must find.
-    etag: Option<String>,
+    pub(super) etag: Option<String>,
     /// The object's size.
-    size: u64,
+    pub(super) size: u64,
 }
 
 /// The header of the object at `at`: one GET of its first bytes, a second one only
 /// when the header is longer.
-fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<FetchedHeader> {
+pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<FetchedHeader> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
     let (first, meta) = match get(at, GetRange::Bounded(0..first_len), None) {
@@ -320,6 +435,16 @@ fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<FetchedHeader>
     })
 }
 
+impl FetchedHeader {
+    /// What every later GET of the load must find.
+    pub(super) fn version(&self) -> Version {
+        Version {
+            etag: self.etag.clone(),
+            size: self.size,
+        }
+    }
+}
+
 /// Whether a GET failed only because the object holds no bytes (no range to give).
 fn is_empty_object(e: &Error) -> bool {
     e.to_string().contains("InvalidRange") || e.to_string().contains("416")
@@ -348,15 +473,12 @@ fn load_object(
     let mut data = AlignedBuffer::zeroed(header.data_len as usize)?;
     let head_len = header.data_head.len();
     data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
+    let version = header.version();
     let ranges = plan::after(plan::merged(wanted, plan::MERGE_GAP), head_len as u64);
     let parts = plan::parts(&ranges, options.part_bytes as u64);
-    let version = Version {
-        etag: header.etag.clone(),
-        size: header.size,
-    };
     fetch_into(
         at,
-        data.as_mut_slice(),
+        as_uninit(data.as_mut_slice()),
         header.data_start,
         &parts,
         &version,
@@ -366,16 +488,40 @@ fn load_object(
 }
 
 /// What every GET of one load must find: the object the first GET found.
-struct Version {
-    etag: Option<String>,
-    size: u64,
+#[derive(Clone, Debug)]
+pub(super) struct Version {
+    pub(super) etag: Option<String>,
+    pub(super) size: u64,
 }
 
-/// Fetches `parts` (ranges of the data section, sorted and disjoint) into `data`, at most
-/// `options.concurrency` at once; the first failure stops the others.
-fn fetch_into(
+/// Writes `src` into `into`, of the same length.
+pub(super) fn write_into(into: &mut [MaybeUninit<u8>], src: &[u8]) {
+    assert_eq!(
+        into.len(),
+        src.len(),
+        "a copy between slices of unequal lengths"
+    );
+    // SAFETY: both slices hold `src.len()` bytes (checked above), `into` writable; a
+    // shared and an exclusive borrow never overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), into.as_mut_ptr().cast::<u8>(), src.len())
+    };
+}
+
+/// `bytes` as memory that may be written but not read: what [`fetch_into`] fills.
+fn as_uninit(bytes: &mut [u8]) -> &mut [MaybeUninit<u8>] {
+    // SAFETY: same address and length; `MaybeUninit<u8>` has the layout of `u8`, and the
+    // only writes through the result are of initialised bytes, so `bytes` stays valid.
+    unsafe { &mut *(bytes as *mut [u8] as *mut [MaybeUninit<u8>]) }
+}
+
+/// Fetches `parts` (byte ranges, sorted and disjoint, counted from the object's byte
+/// `data_start`) into `data` (which begins at `data_start`), at most
+/// `options.concurrency` at once; the first failure stops the others. The bytes of
+/// `data` outside the parts are left as they were.
+pub(super) fn fetch_into(
     at: &Location,
-    data: &mut [u8],
+    data: &mut [MaybeUninit<u8>],
     data_start: u64,
     parts: &[Range<u64>],
     version: &Version,
@@ -403,22 +549,32 @@ fn fetch_into(
 async fn fetch_part(
     at: &Location,
     range: Range<u64>,
-    into: &mut [u8],
+    into: &mut [MaybeUninit<u8>],
     version: &Version,
 ) -> Result<()> {
+    let answer = request_part(at, range.clone(), version).await?;
+    drain_into(at, range, answer, into).await
+}
+
+/// A ranged GET of `range`, once its answer has begun (status and headers, checked
+/// against `version`): its body is still to come ([`drain_into`]).
+pub(super) async fn request_part(
+    at: &Location,
+    range: Range<u64>,
+    version: &Version,
+) -> Result<GetResult> {
     let store: &dyn ObjectStore = at.store();
-    let read_err = |e| from_store("read", at.url(), e);
     let result = store
         .get_opts(
             at.key(),
             GetOptions {
-                range: Some(GetRange::Bounded(range.clone())),
+                range: Some(GetRange::Bounded(range)),
                 if_match: version.etag.clone(),
                 ..Default::default()
             },
         )
         .await
-        .map_err(read_err)?;
+        .map_err(|e| from_store("read", at.url(), e))?;
     let changed = result.meta.size != version.size
         || (version.etag.is_some() && result.meta.e_tag != version.etag);
     if changed {
@@ -432,7 +588,19 @@ async fn fetch_part(
             ),
         ));
     }
-    let mut stream = result.into_stream();
+    Ok(result)
+}
+
+/// Writes the body of `answer` (the GET of `range`) into `into`, which must be exactly
+/// as long.
+pub(super) async fn drain_into(
+    at: &Location,
+    range: Range<u64>,
+    answer: GetResult,
+    into: &mut [MaybeUninit<u8>],
+) -> Result<()> {
+    let read_err = |e| from_store("read", at.url(), e);
+    let mut stream = answer.into_stream();
     let mut filled = 0usize;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(read_err)?;
@@ -445,7 +613,7 @@ async fn fetch_part(
                 "the server sent more bytes than asked",
             ));
         }
-        into[filled..end].copy_from_slice(&chunk);
+        write_into(&mut into[filled..end], &chunk);
         filled = end;
     }
     if filled != into.len() {
@@ -463,7 +631,7 @@ async fn fetch_part(
 }
 
 /// `node` with every tensor whose name is not in `only` replaced by a `None` value.
-fn blank_unwanted(node: Node, path: &mut Vec<String>, only: &HashSet<String>) -> Node {
+pub(super) fn blank_unwanted(node: Node, path: &mut Vec<String>, only: &HashSet<String>) -> Node {
     let at = |key: String, child: Node, path: &mut Vec<String>| {
         path.push(key);
         let child = blank_unwanted(child, path, only);
@@ -497,7 +665,7 @@ fn blank_items(items: Vec<Node>, path: &mut Vec<String>, only: &HashSet<String>)
 /// For tests only: with `TENSORFERRY_TEST_OBJECT_PAUSE=<path>` set, a load that has its
 /// header creates `<path>.ready` and waits (up to 30 s) for `<path>.go` before it reads
 /// the data, so a test can replace the object between the two deterministically.
-fn test_pause_after_header() {
+pub(super) fn test_pause_after_header() {
     let Some(base) = std::env::var_os("TENSORFERRY_TEST_OBJECT_PAUSE") else {
         return;
     };

@@ -5,26 +5,35 @@
 //!
 //! Loads fetch the header with one small ranged GET, then the data with parallel ranged
 //! GETs into one aligned buffer, which becomes the tree exactly as a local file's bytes
-//! do ([`load_url`]); a subset fetches only its byte ranges. Saves are multipart uploads
+//! do ([`load_url`]); a subset fetches only its byte ranges. Onto a device, the GETs
+//! write into the staging ring's buffers, each copied to the device while the next is
+//! fetched, so host memory stays bounded by the ring ([`load_url_to_until`]).
+//! [`read_header_url`] and [`read_ranges`] read a header and chosen byte ranges of one
+//! version of an object, for callers that plan their own reads. Saves are multipart uploads
 //! straight from the tensors' memory, committed whole ([`save_url`]). Every failure is an
 //! [`crate::Error::Io`] naming the object, whose source is an [`ObjectFailure`] with a
 //! typed [`Cause`] ([`cause_of`]): never a hang (every request has a timeout, retries a
 //! limit) and never partial data.
 
 mod failure;
+mod into_device;
 mod load;
 mod location;
 mod plan;
 mod runtime;
 mod save;
+mod upload;
 
 use std::time::Duration;
 
 pub use failure::{cause_of, Cause, ObjectFailure};
-pub use load::{load_url, read_metadata_url, tensor_names};
+pub use into_device::load_url_to_until;
+pub use load::{
+    head_url, load_url, read_header_url, read_into, read_metadata_url, read_ranges, tensor_names,
+};
 pub use location::is_url;
 pub(crate) use location::url_of;
-pub use save::save_url;
+pub use save::{delete_url, put_url, save_url};
 
 /// How to talk to object storage. [`ObjectOptions::from_env`] reads overrides of the
 /// defaults from `TENSORFERRY_OBJECT_*` variables; credentials, regions and endpoints

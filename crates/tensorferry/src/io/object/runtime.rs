@@ -62,6 +62,16 @@ where
     })
 }
 
+/// Starts `future` on the runtime's workers and returns at once with its handle (waited
+/// for with [`block_on`]; aborted, or left to finish, when the caller gives up).
+pub(crate) fn spawn<F>(future: F) -> Result<tokio::task::JoinHandle<F::Output>>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    Ok(runtime()?.spawn(future))
+}
+
 /// Makes ring the TLS provider of this process's `rustls`, unless one was chosen already
 /// (by tensorferry or by the application).
 pub(crate) fn install_tls_provider() {

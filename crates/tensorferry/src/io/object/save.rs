@@ -1,9 +1,10 @@
 //! Saving checkpoints to object storage.
 //!
-//! A file is one upload: a single PUT when it fits one part, else a multipart upload
-//! whose parts (the header, then the tensors' bytes, sliced straight from their memory
-//! without a copy) go up several at once. The object appears whole when the upload
-//! completes; a failed upload is aborted, and the previous object stays as it was.
+//! A file is one upload ([`super::upload`]): a single PUT when it fits one part, else a
+//! multipart upload whose parts (the header, then the tensors' bytes: host memory sliced
+//! without a copy, device memory through the staging ring) go up several at once. The
+//! object appears whole when the upload completes; a failed upload is aborted, and the
+//! previous object stays as it was.
 //!
 //! A sharded save uploads each shard under a name of its own for this save
 //! (`stem-00001-of-00004.<save id>.safetensors`, which no earlier checkpoint names), then
@@ -15,27 +16,27 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use bytes::Bytes;
-use futures_util::stream::{FuturesUnordered, StreamExt};
-use object_store::{MultipartUpload, PutPayload};
+use object_store::PutPayload;
 
 use super::failure::{cause_of, from_store, Cause};
 use super::location::Location;
-use super::{plan, runtime, ObjectOptions};
-use crate::error::{Error, Result};
+use super::upload::{put, upload};
+use super::{runtime, ObjectOptions};
+use crate::error::Result;
 use crate::io::checkpoint::{save_id, SAVE_ID_KEY};
 use crate::io::header_writer;
 use crate::io::sharded::{parse_index, plan_shards, INDEX_SUFFIX};
 use crate::io::write::{header_and_tensors, SaveOptions};
 use crate::io::TREE_METADATA_KEY;
-use crate::storage::Storage;
 use crate::tensor::Tensor;
+use crate::transfer::staging::Ring;
 use crate::tree::{Node, TensorDict};
 
 /// Saves `root` (checked by the caller as a local save checks it) to `url`: one object,
 /// or with `max_shard_bytes` shards of at most that much tensor data and their index
 /// (one object when it all fits). A URL ending in `/` means `url/model.safetensors`.
-/// Tensors on a device are copied to host memory first. Returns the objects written,
+/// Tensors on a device stream through the staging ring `options` names into the parts
+/// (with `Staging::Off`, they are copied to host memory first). Returns the objects written,
 /// the index last.
 pub fn save_url(
     root: &Node,
@@ -44,6 +45,8 @@ pub fn save_url(
     max_shard_bytes: Option<u64>,
 ) -> Result<Vec<String>> {
     let object_options = ObjectOptions::from_env();
+    // Device tensors stream through this ring into the parts (none: copied to the host).
+    let ring = options.staging.ring_for_stream();
     let at = Location::open(url, &object_options)?;
     let at = match at.is_folder() {
         true => at.sibling("model.safetensors"),
@@ -53,7 +56,7 @@ pub fn save_url(
     let Some(max) = max_shard_bytes else {
         let walked = header_writer::walk_node(root);
         let (header, tensors) = header_and_tensors(walked, || paths(root), options)?;
-        return save_single(&at, header, &tensors, &object_options);
+        return save_single(&at, header, &tensors, ring, &object_options);
     };
     let walked = header_writer::walk_node_recorded(root);
     let groups = plan_shards(walked.tensors.iter().map(|t| t.nbytes() as u64), max);
@@ -64,7 +67,7 @@ pub fn save_url(
         .or_insert_with(|| "pt".into());
     if groups.len() <= 1 {
         let (header, tensors) = header_and_tensors(walked, || paths(root), &shard_options)?;
-        return save_single(&at, header, &tensors, &object_options);
+        return save_single(&at, header, &tensors, ring, &object_options);
     }
     let id = save_id();
     shard_options
@@ -90,7 +93,13 @@ pub fn save_url(
             || paths(&shard),
             &shard_options,
         )?;
-        let uploaded = upload(&at.sibling(&shards[i].0), header, &tensors, &object_options);
+        let uploaded = upload(
+            &at.sibling(&shards[i].0),
+            header,
+            &tensors,
+            ring,
+            &object_options,
+        );
         if let Err(e) = uploaded {
             // Shards of this save that no index names: gone, as far as the store lets us.
             for (file, _) in &shards[..i] {
@@ -113,7 +122,7 @@ pub fn save_url(
     .expect("an index always serialises");
     let index = at.sibling(&format!("{stem}{INDEX_SUFFIX}"));
     let previous = previous_shards(&index)?;
-    put(&index, Bytes::from(text))?;
+    put(&index, PutPayload::from(text))?;
     // Committed. A single object of that name would be read before the index: it goes
     // first, then the previous checkpoint's shards.
     delete(&at)?;
@@ -144,9 +153,10 @@ fn save_single(
     at: &Location,
     header: Vec<u8>,
     tensors: &[Tensor],
+    ring: Option<Ring>,
     options: &ObjectOptions,
 ) -> Result<Vec<String>> {
-    upload(at, header, tensors, options)?;
+    upload(at, header, tensors, ring, options)?;
     let index = at.sibling(&format!("{}{INDEX_SUFFIX}", stem_of(at)));
     let previous = previous_shards(&index)?;
     if !previous.is_empty() {
@@ -185,14 +195,15 @@ fn previous_shards(index: &Location) -> Result<Vec<String>> {
     }
 }
 
-/// One PUT of a whole object.
-fn put(at: &Location, bytes: Bytes) -> Result<()> {
-    runtime::block_on(
-        at.store()
-            .put_opts(at.key(), PutPayload::from(bytes), Default::default()),
-    )?
-    .map(|_| ())
-    .map_err(|e| from_store("write", at.url(), e))
+/// Writes `bytes` as the object at `url` in one PUT: the object appears whole, or stays
+/// as it was (for small files a caller commits with, such as a checkpoint's metadata).
+pub fn put_url(url: &str, bytes: Vec<u8>, options: &ObjectOptions) -> Result<()> {
+    put(&Location::open(url, options)?, PutPayload::from(bytes))
+}
+
+/// Deletes the object at `url`; an object already absent is no error.
+pub fn delete_url(url: &str, options: &ObjectOptions) -> Result<()> {
+    delete(&Location::open(url, options)?)
 }
 
 /// Deletes the object at `at`; an object already absent is no error.
@@ -202,146 +213,5 @@ fn delete(at: &Location) -> Result<()> {
         Ok(()) => Ok(()),
         Err(object_store::Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(from_store("delete", at.url(), e)),
-    }
-}
-
-/// Uploads `header` then the bytes of `tensors` (host tensors, in file order) as the
-/// object at `at`, replacing it when complete.
-fn upload(
-    at: &Location,
-    header: Vec<u8>,
-    tensors: &[Tensor],
-    options: &ObjectOptions,
-) -> Result<()> {
-    let mut segments = vec![Bytes::from(header)];
-    for t in tensors {
-        t.wait()?;
-        let storage = t.storage().clone();
-        if storage.try_host_bytes()?.is_none() {
-            return Err(Error::InvalidValue {
-                key: String::new(),
-                reason: "a tensor to upload is not in host memory".into(),
-            });
-        }
-        t.run_offsets(|offset, len| {
-            segments.push(Bytes::from_owner(HostRun {
-                storage: storage.clone(),
-                offset,
-                len,
-            }));
-            Ok(())
-        })?;
-    }
-    let total: u64 = segments.iter().map(|s| s.len() as u64).sum();
-    let part = plan::upload_part_bytes(total, options.part_bytes as u64);
-    if total <= part {
-        return put_segments(at, segments);
-    }
-    let parts = cut(segments, part as usize);
-    runtime::block_on(async {
-        let mut upload = at
-            .store()
-            .put_multipart_opts(at.key(), Default::default())
-            .await
-            .map_err(|e| from_store("write", at.url(), e))?;
-        match send_parts(&mut *upload, parts, options.concurrency).await {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                // The object stays as it was; the parts sent are dropped by the store.
-                let _ = upload.abort().await;
-                Err(from_store("write", at.url(), e))
-            }
-        }
-    })?
-}
-
-/// A single PUT of the concatenation of `segments`.
-fn put_segments(at: &Location, segments: Vec<Bytes>) -> Result<()> {
-    let payload: PutPayload = segments.into_iter().collect();
-    runtime::block_on(at.store().put_opts(at.key(), payload, Default::default()))?
-        .map(|_| ())
-        .map_err(|e| from_store("write", at.url(), e))
-}
-
-/// Uploads `parts` in order, at most `concurrency` at once, then completes the upload.
-async fn send_parts(
-    upload: &mut dyn MultipartUpload,
-    parts: Vec<PutPayload>,
-    concurrency: usize,
-) -> object_store::Result<()> {
-    let mut in_flight = FuturesUnordered::new();
-    for part in parts {
-        if in_flight.len() >= concurrency.max(1) {
-            in_flight.next().await.expect("a part in flight")?;
-        }
-        in_flight.push(upload.put_part(part));
-    }
-    while let Some(done) = in_flight.next().await {
-        done?;
-    }
-    upload.complete().await.map(|_| ())
-}
-
-/// `segments` cut into payloads of `part` bytes (the last shorter), slicing without
-/// copying.
-fn cut(segments: Vec<Bytes>, part: usize) -> Vec<PutPayload> {
-    let mut parts = Vec::new();
-    let mut current: Vec<Bytes> = Vec::new();
-    let mut filled = 0usize;
-    for mut segment in segments {
-        while !segment.is_empty() {
-            let take = segment.len().min(part - filled);
-            current.push(segment.split_to(take));
-            filled += take;
-            if filled == part {
-                parts.push(current.drain(..).collect());
-                filled = 0;
-            }
-        }
-    }
-    if !current.is_empty() {
-        parts.push(current.into_iter().collect());
-    }
-    parts
-}
-
-/// A run of a host tensor's bytes, kept alive by its storage while the upload holds it.
-struct HostRun {
-    storage: std::sync::Arc<Storage>,
-    offset: usize,
-    len: usize,
-}
-
-impl AsRef<[u8]> for HostRun {
-    fn as_ref(&self) -> &[u8] {
-        let bytes = self
-            .storage
-            .host_bytes()
-            .expect("checked to be host memory, filled, before the upload");
-        &bytes[self.offset..self.offset + self.len]
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn segments_are_cut_into_parts_of_the_part_size_without_losing_a_byte() {
-        let segments = vec![
-            Bytes::from_static(b"abc"),
-            Bytes::from_static(b"defghij"),
-            Bytes::from_static(b""),
-            Bytes::from_static(b"k"),
-        ];
-        let parts = cut(segments, 4);
-        let flat: Vec<Vec<u8>> = parts
-            .iter()
-            .map(|p| p.iter().flat_map(|b| b.to_vec()).collect())
-            .collect();
-        assert_eq!(
-            flat,
-            vec![b"abcd".to_vec(), b"efgh".to_vec(), b"ijk".to_vec()]
-        );
     }
 }
