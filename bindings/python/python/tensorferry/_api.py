@@ -818,10 +818,10 @@ def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto",
     the same arguments) each byte is read from storage once: each rank reads a part of the
     tensors, balanced by bytes (``direct=True``: with ``O_DIRECT``, ``keys`` allowed), and the
     parts are broadcast over the group, so every rank gets what ``load`` gives (in fresh
-    memory). ``shard={pattern: dim}`` (patterns as for
-    ``keys``) gives each rank only ``torch.tensor_split(full, world, dim)[rank]`` of the
-    tensors it matches, reading only that slice's byte runs (``{pattern: (dim, parts)}``:
-    part ``rank % parts``; a size that does not divide is an error). ``read_stats`` (a
+    memory). ``shard={pattern: dim}`` (patterns as for ``keys``) gives each rank only
+    ``torch.tensor_split(full, world, dim)[rank]`` of the tensors it matches, reading only
+    that slice's byte runs (``{pattern: (dim, parts)}``: part ``rank % parts``; a size that
+    does not divide is an error). ``read_stats`` (a
     ``tensorferry.dcp.ReadStats``) counts the bytes this rank read. Every rank raises the
     same error, naming the failing rank. See ``tensorferry._fanout``.
     """
