@@ -54,6 +54,7 @@ cp -r bindings/python/tests "$KIT/src/bindings/python/"
 cp bindings/python/pyproject.toml "$KIT/src/bindings/python/" # pytest's markers and options
 cp -r crates/tensorferry/tests/corpus "$KIT/src/crates/tensorferry/tests/"
 cp -r bench "$KIT/src/"
+cp README.md "$KIT/src/" # test_readme.py runs its examples
 mkdir -p "$KIT/src/scripts" "$KIT/src/fuzz"
 cp scripts/soak.py "$KIT/src/scripts/"
 cp -r fuzz/python "$KIT/src/fuzz/"
