@@ -18,9 +18,16 @@ producers do, and honour the calls the fallback makes as the frameworks document
   that they take the path of TPU arrays (which export no DLPack) through ``jax.device_put``;
   ``jax.devices("tpu")`` answers the CPU devices, so that uploads onto "tpu:0" run
   ``jax.device_put`` (recorded) onto a real device.
+- TensorFlow (where it is not installed): a module answering what the fallback calls,
+  ``tf.identity`` under ``tf.device("/TPU:0")`` recorded, its tensors naming their device as
+  TensorFlow's do.
 """
 
+import contextlib
 import ctypes
+import importlib.util
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -151,8 +158,14 @@ class TorchDeviceTensor:
     def to(self, *args, **kwargs):
         self.calls.append(("to", args, kwargs))
         target = self._torch.device(kwargs.get("device", args[0] if args else None))
+        if target.type == self.device.type and (target.index or 0) == self.device.index:
+            # PyTorch: "If self Tensor already has the correct torch.dtype and torch.device,
+            # then self is returned. Otherwise, the returned tensor is a copy" (or copy=True).
+            if kwargs.get("copy"):
+                return TorchDeviceTensor(self._torch, self._values.clone(), target.type, self.device.index)
+            return self
         if target.type != "cpu":
-            raise RuntimeError(f"this stand-in copies to the host only, not to {target}")
+            raise RuntimeError(f"this stand-in copies to the host or within its device only, not to {target}")
         return self._values.clone()
 
 
@@ -616,6 +629,24 @@ def test_a_non_blocking_upload_onto_mps_waits_for_mps(uploading_torch):
     assert torch.synced == ["mps"] and str(out["w"].device) == "mps:0"
 
 
+def test_tensors_already_on_the_device_stay_unless_copy(uploading_torch):
+    torch = uploading_torch
+    on_mps, on_gpu = TorchDeviceTensor(torch, [1.0], "mps"), TorchDeviceTensor(torch, [2.0], "cuda")
+    out = tf.to_device({"a": on_mps}, "mps")
+    assert out["a"] is on_mps and on_mps.calls[-1][2] == {"non_blocking": False, "copy": False}
+    assert tf.to_device({"b": on_gpu}, "rocm:0")["b"] is on_gpu, "the ROCm build's cuda:0 is rocm:0"
+    copied = tf.to_device({"a": on_mps}, "mps:0", copy=True)["a"]
+    assert copied is not on_mps and str(copied.device) == "mps:0"
+    assert torch.equal(copied._values, on_mps._values)
+
+
+def test_one_tensor_under_two_keys_is_uploaded_once_and_stays_shared(uploading_torch):
+    torch = uploading_torch
+    w = torch.ones(3)
+    out = tf.to_device({"encoder": w, "decoder": w}, "xpu:0")
+    assert out["encoder"] is out["decoder"] and len(torch.uploads) == 1
+
+
 def test_an_upload_pytorch_refuses_names_the_key_and_the_device(rocm_torch):
     # No stand-in: this PyTorch has no MPS backend, and says so.
     with pytest.raises(tf.DeviceUnavailableError) as info:
@@ -678,3 +709,58 @@ def test_a_malformed_device_is_still_an_invalid_device_error_naming_the_framewor
         with pytest.raises(tf.InvalidDeviceError) as info:
             tf.to_device({"w": np.ones(1)}, bad)
         assert f'"{bad}"' in str(info.value) and '"mps"' in str(info.value) and '"tpu"' in str(info.value)
+
+
+@pytest.fixture
+def tpu_tensorflow(monkeypatch):
+    """TensorFlow, where it is not installed, as the fallback calls it: ``tf.device(name)``
+    a context, ``tf.identity`` a copy placed on the innermost device (recorded in
+    ``.placed``), ``tf.test.experimental.sync_devices`` recorded in ``.synced``; its
+    tensors name their device as TensorFlow does ("/job:localhost/…/device:TPU:0")."""
+    if importlib.util.find_spec("tensorflow") is not None:
+        pytest.skip("TensorFlow is installed: the stand-in would shadow it")
+    tf_module = types.ModuleType("tensorflow")
+    placed, synced, scopes = [], [], ["/CPU:0"]
+
+    class Tensor:
+        __module__ = "tensorflow.python.framework.ops"
+
+        def __init__(self, values, device):
+            self.values = np.asarray(values)
+            self.device = f"/job:localhost/replica:0/task:0/device:{device.strip('/')}"
+
+        def numpy(self):
+            return self.values.copy()
+
+    class Variable(Tensor):
+        pass
+
+    @contextlib.contextmanager
+    def device(name):
+        scopes.append(name)
+        try:
+            yield
+        finally:
+            scopes.pop()
+
+    def identity(x):
+        placed.append((x, scopes[-1]))
+        return Tensor(x.values.copy(), scopes[-1])
+
+    tf_module.Tensor, tf_module.Variable, tf_module.device, tf_module.identity = Tensor, Variable, device, identity
+    tf_module.test = types.SimpleNamespace(experimental=types.SimpleNamespace(sync_devices=lambda: synced.append(1)))
+    tf_module.placed, tf_module.synced = placed, synced
+    monkeypatch.setitem(sys.modules, "tensorflow", tf_module)
+    return tf_module
+
+
+def test_tensorflow_leaves_go_onto_a_tpu_through_identity_under_device(tpu_tensorflow, tpu_jax):
+    tf_module, jax = tpu_tensorflow, tpu_jax
+    x = tf_module.Tensor([1.0, 2.0], "/CPU:0")
+    d = {"tf": x, "np": np.ones(2, np.float32), "step": 1}
+    out = tf.to_device(d, "tpu:0")
+    assert [(src is x, where) for src, where in tf_module.placed] == [(True, "/TPU:0")]
+    assert isinstance(out["tf"], tf_module.Tensor) and out["tf"].device.endswith("device:TPU:0")
+    np.testing.assert_array_equal(out["tf"].values, [1.0, 2.0])
+    assert tf_module.synced == [1], "TensorFlow's devices synchronised before the results were handed out"
+    assert isinstance(out["np"], jax.Array) and out["step"] is d["step"]
