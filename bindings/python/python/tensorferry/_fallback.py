@@ -346,11 +346,10 @@ def onto(obj, target, *, non_blocking, like, copy, staging):
         raise DeviceUnavailableError(f"{target} is {_NAMES[owner]}'s device, and {_NAMES[owner]} is not installed")
     upload = _Upload(target, owner, non_blocking, copy, like)
     leaves = _native.collect_tensors(obj, fw.kind_of, False, lambda x, _: fw.kind_of(x) is not None or numeric_data(x))
-    results = upload.run(leaves)
+    tree = _native.rebuild(obj, upload.run(leaves), False, fw.kind_of)
     if not non_blocking:
         upload.wait()
-        return _native.rebuild(obj, results, False, fw.kind_of)
-    tree = _native.rebuild(obj, results, False, fw.kind_of)
+        return tree
 
     def finish():
         upload.wait()
