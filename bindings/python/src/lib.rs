@@ -20,6 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use tensorferry::backend::cuda;
 use tensorferry::io::object;
+use tensorferry::transfer::{ConsumerStream, Readable};
 use tensorferry::{Device, LoadOptions, SaveOptions};
 
 use errors::{guard, IntoPy};
@@ -449,25 +450,35 @@ fn to_dlpack_capsules(
         };
         // One GPU-side wait per buffer (a move's results share one per GPU), a host wait
         // for the rest.
-        let mut ordered = std::collections::HashSet::new();
-        for t in &inner {
-            if let Some(handle) = stream_of(t) {
-                if ordered.insert((std::sync::Arc::as_ptr(t.storage()) as usize, handle)) {
-                    wait::order_stream(py, t, handle)?;
-                }
-            }
-        }
-        wait::wait_all(py, inner.iter().copied().filter(|t| stream_of(t).is_none()))?;
+        let mut ordered: std::collections::HashMap<(usize, usize), Readable<'_>> =
+            std::collections::HashMap::new();
         inner
             .iter()
-            .map(|t| {
+            .map(|&t| {
                 if matches!(t.device(), Device::Emulated(_)) {
                     return Err(pyo3::exceptions::PyBufferError::new_err(format!(
                         "{} memory has no DLPack device: move it to the host first",
                         t.device()
                     )));
                 }
-                dlpack::export_capsule(py, t, false, true)
+                let ready = match stream_of(t) {
+                    Some(handle) => {
+                        let buffer = (std::sync::Arc::as_ptr(t.storage()) as usize, handle);
+                        match ordered.get(&buffer).and_then(|r| r.view(t)) {
+                            Some(ready) => ready,
+                            None => {
+                                // SAFETY: the handle is the stream the caller named for
+                                // this GPU (a live stream of the process, or 1/2).
+                                let stream = unsafe { ConsumerStream::new(handle) };
+                                let ready = wait::ordered(py, t, stream)?;
+                                ordered.insert(buffer, ready);
+                                ready
+                            }
+                        }
+                    }
+                    None => wait::readable(py, t)?,
+                };
+                dlpack::export_capsule(py, ready, false, true)
             })
             .collect()
     })

@@ -10,6 +10,7 @@ use crate::dtype::{DLDataType, DType};
 use crate::error::{Error, Result};
 use crate::storage::{ForeignMemory, Storage};
 use crate::tensor::{byte_extent, checked_numel, contiguous_strides, Tensor};
+use crate::transfer::Readable;
 
 /// `DLDevice`.
 #[repr(C)]
@@ -127,10 +128,11 @@ pub fn device_of(dl: DLDevice) -> Result<Device> {
 ///
 /// ```
 /// use tensorferry::dlpack::{export_versioned, import, ManagedTensor};
+/// use tensorferry::transfer::Readable;
 /// use tensorferry::Tensor;
 ///
 /// let t = Tensor::from_slice(&[1i32, 2, 3], &[3])?;
-/// let p = export_versioned(&t);
+/// let p = export_versioned(Readable::wait(&t)?);
 /// // SAFETY: `p` was just exported, is released by nobody else, and is handed over whole.
 /// let managed = unsafe { ManagedTensor::versioned(p) };
 /// // SAFETY: `managed` comes from a DLPack producer (ours) and has a valid descriptor.
@@ -379,9 +381,12 @@ fn shape_strides(t: &Tensor) -> (Vec<i64>, Vec<i64>) {
     )
 }
 
-/// Exports `t` as a DLPack 1.x managed tensor that keeps `t`'s storage alive until its
-/// deleter is called. The caller hands the pointer to exactly one consumer.
-pub fn export_versioned(t: &Tensor) -> *mut DLManagedTensorVersioned {
+/// Exports a tensor as a DLPack 1.x managed tensor that keeps its storage alive until its
+/// deleter is called. The caller hands the pointer to exactly one consumer: the one that
+/// `ready` was made for (any consumer when the copy filling the memory was waited for; the
+/// work on one CUDA stream when that stream was ordered after it).
+pub fn export_versioned(ready: Readable<'_>) -> *mut DLManagedTensorVersioned {
+    let t = ready.tensor();
     // The consumer may queue device work on the memory and release it before that work ran.
     t.storage().lend();
     let (shape, strides) = shape_strides(t);
@@ -403,9 +408,11 @@ pub fn export_versioned(t: &Tensor) -> *mut DLManagedTensorVersioned {
     Box::into_raw(b) as *mut DLManagedTensorVersioned
 }
 
-/// Exports `t` as a pre-1.0 managed tensor (for consumers that do not ask for a version).
-/// Read-only memory cannot be marked as such in this form; callers decide whether to allow it.
-pub fn export_legacy(t: &Tensor) -> *mut DLManagedTensor {
+/// Exports a tensor as a pre-1.0 managed tensor (for consumers that do not ask for a
+/// version), as [`export_versioned`] does. Read-only memory cannot be marked as such in
+/// this form; callers decide whether to allow it.
+pub fn export_legacy(ready: Readable<'_>) -> *mut DLManagedTensor {
+    let t = ready.tensor();
     // As in `export_versioned`.
     t.storage().lend();
     let (shape, strides) = shape_strides(t);
@@ -433,7 +440,7 @@ mod tests {
     fn an_exported_tensor_imports_back_without_copying() {
         let t = Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
         let v = t.transpose(0, 1).unwrap();
-        let p = export_versioned(&v);
+        let p = export_versioned(Readable::wait(&v).unwrap());
         // SAFETY: `p` was just exported and is released by the imported tensor's owner.
         let back = unsafe { import(ManagedTensor::versioned(p), |m| Box::new(m)) }.unwrap();
         assert_eq!(back.shape(), &[3, 2]);
@@ -444,7 +451,7 @@ mod tests {
     #[test]
     fn legacy_export_round_trips_and_read_only_is_flagged() {
         let t = Tensor::from_slice(&[1.5f64], &[]).unwrap();
-        let p = export_legacy(&t);
+        let p = export_legacy(Readable::wait(&t).unwrap());
         // SAFETY: as above.
         let back = unsafe { import(ManagedTensor::legacy(p), |m| Box::new(m)) }.unwrap();
         assert_eq!(back.to_vec::<f64>().unwrap(), vec![1.5]);
@@ -455,7 +462,7 @@ mod tests {
     fn the_source_outlives_its_last_handle_through_the_export() {
         let p = {
             let t = Tensor::from_slice(&[9u8; 3], &[3]).unwrap();
-            export_versioned(&t)
+            export_versioned(Readable::wait(&t).unwrap())
         };
         // SAFETY: as above.
         let back = unsafe { import(ManagedTensor::versioned(p), |m| Box::new(m)) }.unwrap();
@@ -515,7 +522,7 @@ mod tests {
     #[test]
     fn a_newer_minor_version_of_our_major_is_accepted() {
         let t = Tensor::from_slice(&[1u16, 2], &[2]).unwrap();
-        let p = export_versioned(&t);
+        let p = export_versioned(Readable::wait(&t).unwrap());
         // SAFETY: `p` was just exported and nobody else holds it.
         unsafe { (*p).version.minor = VERSION.minor + 5 };
         // SAFETY: as above.

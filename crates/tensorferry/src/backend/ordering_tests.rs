@@ -15,7 +15,7 @@ use std::time::Duration;
 use super::event::Progress;
 use super::{backend_for, CopyBatch, CopyOp, Direction, Event};
 use crate::device::Device;
-use crate::transfer::{move_tensors, MoveOptions};
+use crate::transfer::{move_tensors, ConsumerStream, MoveOptions, Readable};
 use crate::Tensor;
 
 /// The rules below hold streams and queue batches behind host work on the same GPU: run
@@ -125,6 +125,12 @@ impl ForeignStream {
             context,
             device,
         }
+    }
+
+    /// This stream, as a consumer of tensors names it.
+    fn stream(&self) -> ConsumerStream {
+        // SAFETY: a live stream of the GPU's primary context, alive while `self` is.
+        unsafe { ConsumerStream::new(self.raw as usize) }
     }
 
     /// An event recorded on this stream now: it passes once the work queued on the
@@ -496,8 +502,7 @@ fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at
     let (host, data) = sample(9);
     let held = gate(dev, Direction::HostToDevice).unwrap();
     let there = move_one(&host, dev);
-    // SAFETY: `consumer` is a live stream of the GPU's primary context.
-    assert!(unsafe { crate::transfer::order_stream_after(&there, consumer.raw as usize) }.unwrap());
+    assert!(crate::transfer::order_stream_after(&there, consumer.stream()).unwrap());
     // The call returned with the upload still held: the consumer's next work waits on the GPU.
     assert!(!there.is_ready(), "the caller waited for the upload");
     let after = consumer.mark();
@@ -523,7 +528,8 @@ fn ordering_a_stream_after_a_ready_or_host_tensor_needs_no_gpu_call() {
     let _serial = serial();
     let (host, _) = sample(10);
     // SAFETY: host memory has no pending copy, so the handle is never used.
-    assert!(unsafe { crate::transfer::order_stream_after(&host, usize::MAX) }.unwrap());
+    let nowhere = unsafe { ConsumerStream::new(usize::MAX) };
+    assert!(crate::transfer::order_stream_after(&host, nowhere).unwrap());
 }
 
 #[test]
@@ -607,9 +613,8 @@ fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() 
         "the staged upload was never queued on the GPU"
     );
     assert!(!there.is_ready(), "the held upload finished");
-    // SAFETY: `consumer` is a live stream of the GPU's primary context.
     assert!(
-        unsafe { crate::transfer::order_stream_after(&there, consumer.raw as usize) }.unwrap(),
+        crate::transfer::order_stream_after(&there, consumer.stream()).unwrap(),
         "a queued staged upload still needs a host wait"
     );
     let after = consumer.mark();
@@ -979,7 +984,7 @@ fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
         .remove(0);
     lent.wait().unwrap();
     let (address, len) = (lent.data_ptr() as usize, lent.nbytes());
-    let capsule = crate::dlpack::export_versioned(&lent);
+    let capsule = crate::dlpack::export_versioned(Readable::wait(&lent).unwrap());
     drop(lent);
     // …which copies it to the GPU on its own stream (`t.cuda(non_blocking=True)`), a stream
     // still busy with earlier work (held here)…
@@ -1171,4 +1176,36 @@ fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
         sys::CUresult::CUDA_SUCCESS,
         "tensorferry broke the capture"
     );
+}
+
+#[test]
+fn a_dlpack_export_hands_out_memory_only_once_the_copy_filling_it_is_done() {
+    let _serial = serial();
+    for dev in devices() {
+        let (host, data) = sample(20);
+        let resident = move_tensors(&[&host], dev, MoveOptions::default())
+            .unwrap()
+            .remove(0);
+        let held = gate(dev, Direction::DeviceToHost).unwrap();
+        let back = move_one(&resident, Device::Cpu);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let exporting = back.clone();
+        let exporter = std::thread::spawn(move || {
+            let p = crate::dlpack::export_versioned(Readable::wait(&exporting).unwrap());
+            tx.send(()).unwrap();
+            p as usize
+        });
+        // The consumer (a CPU library here) reads the memory as soon as it has it.
+        assert!(
+            rx.recv_timeout(SETTLE).is_err(),
+            "{dev}: exported while the download was still held"
+        );
+        held.open();
+        let p = exporter.join().unwrap() as *mut crate::dlpack::DLManagedTensorVersioned;
+        // SAFETY: `p` was exported above and is handed over whole.
+        let managed = unsafe { crate::dlpack::ManagedTensor::versioned(p) };
+        // SAFETY: a managed tensor of our own producer.
+        let seen = unsafe { crate::dlpack::import(managed, |m| Box::new(m)) }.unwrap();
+        assert_eq!(seen.to_vec::<u32>().unwrap(), data, "{dev}");
+    }
 }
