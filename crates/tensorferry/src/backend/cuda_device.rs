@@ -229,7 +229,12 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         let shared = shared.clone();
         // SAFETY (of what the lane dispatches): lanes are reached only through
         // `Backend::submit`, whose contract covers every batch they queue.
-        Lane::new(true, move |s| unsafe { dispatch(&shared, index, s) })
+        Lane::new(
+            format!("cuda{ordinal}-lane{index}"),
+            true,
+            may_block,
+            move |s| unsafe { dispatch(&shared, index, s) },
+        )
     };
     let d = Arc::new(CudaDevice {
         ordinal,
@@ -410,6 +415,14 @@ impl Backend for CudaDevice {
     unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
         self.queue_batch(batch, keep, event, false);
     }
+}
+
+/// Whether queuing `batch` may block until its copies have run: a download may land in
+/// pageable memory, which the driver copies synchronously (waiting for the stream). Which
+/// memory is page-locked would take a driver call per destination; a download that lands
+/// in pinned memory only takes the lane's thread for the microseconds of queuing it.
+fn may_block(batch: &CopyBatch) -> bool {
+    batch.direction == super::Direction::DeviceToHost
 }
 
 /// Queues one batch whose waits are all complete or queued on a GPU: its waits on the

@@ -244,9 +244,12 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         let (streams, config) = (streams.clone(), config.clone());
         // SAFETY (of what the lane dispatches): lanes are reached only through
         // `Backend::submit`, whose contract covers every batch they queue.
-        Lane::new(false, move |s| unsafe {
-            dispatch(name, &streams[index], &config, s)
-        })
+        Lane::new(
+            format!("{name}-lane{index}"),
+            false,
+            |_| false,
+            move |s| unsafe { dispatch(name, &streams[index], &config, s) },
+        )
     };
     let pins = Arc::new(AtomicU64::new(0));
     let pinning = EmuPinned {

@@ -410,7 +410,9 @@ fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() 
     let batched =
         super::cuda_device::device(i).unwrap().copy_path() == super::cuda_device::CopyPath::Batched;
     let mut faults = None;
-    let event = held_batch(dev, Direction::DeviceToHost, 8, || {
+    // An upload: the fault is injected on this thread, which queues uploads (downloads are
+    // queued on their lane's own thread).
+    let event = held_batch(dev, Direction::HostToDevice, 8, || {
         // Batched: the batch call fails with half its copies queued, and the copies are
         // queued again one by one, the third of which fails. Per copy: the fourth fails.
         let calls: &[u64] = if batched { &[1, 4] } else { &[4] };
@@ -1208,4 +1210,51 @@ fn a_dlpack_export_hands_out_memory_only_once_the_copy_filling_it_is_done() {
         let seen = unsafe { crate::dlpack::import(managed, |m| Box::new(m)) }.unwrap();
         assert_eq!(seen.to_vec::<u32>().unwrap(), data, "{dev}");
     }
+}
+
+#[test]
+fn a_pageable_download_held_by_its_stream_blocks_no_other_submission() {
+    let _serial = serial();
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    }
+    let dev = last_gpu();
+    let (host, data) = sample(21);
+    let resident = move_tensors(&[&host], dev, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let held = gate(dev, Direction::DeviceToHost).unwrap();
+    // A download into pageable memory, which the driver copies synchronously: the call that
+    // queues it returns only once the held stream has run it.
+    let pageable = MoveOptions {
+        pinned: false,
+        ..non_blocking()
+    };
+    let source = resident.clone();
+    let slow = std::thread::spawn(move || {
+        move_tensors(&[&source], Device::Cpu, pageable)
+            .unwrap()
+            .remove(0)
+    });
+    std::thread::sleep(SETTLE);
+    // Meanwhile, non-blocking work on both of the GPU's streams is queued at once, and the
+    // upload (on the stream that is not held) runs.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (source, upload) = (resident.clone(), host.clone());
+    let others = std::thread::spawn(move || {
+        let down = move_one(&source, Device::Cpu);
+        let up = move_one(&upload, dev);
+        tx.send(()).unwrap();
+        (down, up)
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_secs(2)).is_ok(),
+        "queuing work waited for a pageable download held by its stream"
+    );
+    let (down, up) = others.join().unwrap();
+    assert!(up.wait_timeout(PATIENCE).unwrap(), "the upload was held");
+    assert!(!down.is_ready(), "the download ran through its gate");
+    held.open();
+    assert_eq!(slow.join().unwrap().to_vec::<u32>().unwrap(), data);
+    assert_eq!(down.to_vec::<u32>().unwrap(), data);
 }
