@@ -92,9 +92,10 @@ fn consumer_stream(obj: &Bound<'_, PyAny>) -> Option<usize> {
     if !matches!(kind, 2 | 13) || id < 0 {
         return None;
     }
-    tensorferry::backend::cuda_device::device(id as usize)
-        .ok()
-        .map(|d| d.stream_handle())
+    tensorferry::backend::backend_for(tensorferry::Device::Cuda(id as usize))
+        .ok()?
+        .producer_stream()
+        .map(|s| s.handle())
 }
 
 unsafe extern "C" fn destroy_versioned(cap: *mut ffi::PyObject) {

@@ -3,7 +3,7 @@
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
-use tensorferry::transfer::ConsumerStream;
+use tensorferry::backend::StreamHandle;
 use tensorferry::{Device, Tensor};
 
 use crate::errors::IntoPy;
@@ -155,7 +155,7 @@ impl PyTensor {
             // GPU (the protocol's contract: a live stream of the process, or 1/2 for the
             // default streams).
             Some(handle) => {
-                crate::wait::ordered(py, &self.inner, unsafe { ConsumerStream::new(handle) })?
+                crate::wait::ordered(py, &self.inner, unsafe { StreamHandle::new(handle) })?
             }
             None => crate::wait::readable(py, &self.inner)?,
         };

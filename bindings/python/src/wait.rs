@@ -8,7 +8,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
-use tensorferry::transfer::{ConsumerStream, Readable};
+use tensorferry::backend::StreamHandle;
+use tensorferry::transfer::Readable;
 use tensorferry::Tensor;
 
 use crate::errors::IntoPy;
@@ -51,7 +52,7 @@ pub fn wait_until<'a>(
 pub fn ordered<'a>(
     py: Python<'_>,
     tensor: &'a Tensor,
-    stream: ConsumerStream,
+    stream: StreamHandle,
 ) -> PyResult<Readable<'a>> {
     loop {
         if let Some(ready) = Readable::ordered(tensor, stream).py_err()? {

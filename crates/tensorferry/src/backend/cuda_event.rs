@@ -5,7 +5,8 @@
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_device::{check, Context};
+use super::cuda_driver::{check, Context};
+use super::{Fence, StreamHandle};
 use crate::device::Device;
 use crate::error::Result;
 
@@ -100,5 +101,35 @@ impl Drop for CudaEvent {
                 sys::cuEventDestroy_v2(self.raw);
             }
         }
+    }
+}
+
+impl Fence for CudaEvent {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn poll(&self) -> Result<bool> {
+        self.query()
+    }
+
+    fn wait(&self) -> Result<()> {
+        let _current = self.context.enter(self.device)?;
+        // SAFETY: the event is live; its context is current.
+        check(
+            unsafe { sys::cuEventSynchronize(self.raw) },
+            self.device,
+            "cuEventSynchronize",
+        )
+    }
+
+    fn order_stream(&self, stream: StreamHandle) -> Result<()> {
+        // SAFETY: `StreamHandle::new`'s contract: a live stream of this process usable
+        // with this event's GPU, or a default-stream constant.
+        unsafe { self.order(stream.handle() as sys::CUstream) }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys;
 
-use super::cuda_device::Context;
+use super::cuda_driver::Context;
 use super::cuda_event::CudaEvent;
 use super::event::{Failure, Outcome};
 use super::Event;

@@ -15,9 +15,8 @@ use std::time::Duration;
 
 use std::any::Any;
 
-use super::cuda_copy::{lane_of, LANES};
 use super::event::{Failure, Outcome};
-use super::lane::{Lane, Refused, Submitted};
+use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
 use super::stream::{Job, StreamThread};
 use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;

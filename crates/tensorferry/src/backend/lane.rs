@@ -23,7 +23,19 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::event::Outcome;
-use super::{CopyBatch, Event};
+use super::{CopyBatch, Direction, Event};
+
+/// Which of a device's streams (lanes) a direction's copies run on: 0 for uploads (host → device),
+/// 1 for copies that read device memory.
+pub(crate) fn lane_of(direction: Direction) -> usize {
+    match direction {
+        Direction::HostToDevice => 0,
+        Direction::DeviceToHost | Direction::DeviceToDevice => 1,
+    }
+}
+
+/// How many streams (lanes) a device has: uploads overlap copies that read device memory.
+pub(crate) const LANES: usize = 2;
 
 /// A batch as submitted: the copies, what they hold, the event they complete.
 pub(crate) struct Submitted {
@@ -250,7 +262,6 @@ impl Lane {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::Direction;
 
     fn batch(waits: Vec<Event>) -> CopyBatch {
         CopyBatch {

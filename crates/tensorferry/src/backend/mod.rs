@@ -13,12 +13,14 @@ use crate::error::Result;
 pub mod cuda;
 pub(crate) mod cuda_copy;
 pub mod cuda_device;
+pub(crate) mod cuda_driver;
 pub(crate) mod cuda_event;
 pub(crate) mod cuda_freer;
 pub(crate) mod cuda_pinned;
 pub(crate) mod cuda_reaper;
 pub mod emulated;
 pub(crate) mod event;
+mod fence;
 pub(crate) mod lane;
 #[cfg(test)]
 pub(crate) mod ordering_tests;
@@ -27,6 +29,7 @@ pub(crate) mod stream;
 pub(crate) mod worker;
 
 pub use event::{Event, Failure, Outcome};
+pub use fence::{Fence, StreamHandle};
 pub use probe::available_devices;
 
 /// One contiguous copy of `len` bytes from `src` to `dst` (host or device addresses,
@@ -104,6 +107,33 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// stream). A device whose copies run on the source's own queue needs nothing.
     fn order_after_device(&self, _source: Device) -> Result<()> {
         Ok(())
+    }
+
+    /// Makes this device's copies queued from now on wait, on the device, for the work
+    /// queued so far on another library's `stream` (a producer's): the caller does not
+    /// wait. A device that has no streams of other libraries refuses.
+    fn order_after_stream(&self, _stream: StreamHandle) -> Result<()> {
+        Err(self.no_foreign_streams())
+    }
+
+    /// Blocks until the work queued so far on another library's `stream` (a producer's)
+    /// has run, for reads that no device stream orders (host copies).
+    fn synchronize_stream(&self, _stream: StreamHandle) -> Result<()> {
+        Err(self.no_foreign_streams())
+    }
+
+    /// The stream a producer of memory this device reads should order its work before
+    /// (DLPack's `__dlpack__(stream=…)`), when the device has one another library can use.
+    fn producer_stream(&self) -> Option<StreamHandle> {
+        None
+    }
+
+    /// The error of a device asked about another library's streams, which it has none of.
+    fn no_foreign_streams(&self) -> crate::error::Error {
+        crate::error::Error::DeviceUnavailable {
+            device: self.device().to_string(),
+            reason: "it shares no streams with other libraries".into(),
+        }
     }
 
     /// Queues `batch` on the device's stream for its direction, after everything submitted
@@ -241,6 +271,12 @@ pub(crate) fn same_process(device: Device) -> Result<()> {
 /// Records that this process set up a device backend (see [`same_process`]).
 pub(crate) fn backends_started_here() {
     OWNER.get_or_init(std::process::id);
+}
+
+/// The device that owns device memory at `address`, a pointer another library handed over
+/// with no device (the CUDA Array Interface), as the driver reports it.
+pub fn pointer_device(address: usize) -> Result<Device> {
+    cuda_driver::pointer_device(address).map(Device::Cuda)
 }
 
 /// The backend of a device (host memory has none).

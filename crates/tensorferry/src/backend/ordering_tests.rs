@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::event::Progress;
-use super::{backend_for, CopyBatch, CopyOp, Direction, Event};
+use super::{backend_for, CopyBatch, CopyOp, Direction, Event, StreamHandle};
 use crate::device::Device;
-use crate::transfer::{move_tensors, ConsumerStream, MoveOptions, Readable};
+use crate::transfer::{move_tensors, MoveOptions, Readable};
 use crate::Tensor;
 
 /// The rules below hold streams and queue batches behind host work on the same GPU: run
@@ -102,7 +102,7 @@ fn gate_stream(stream: usize) -> Option<Gate> {
 /// destroyed when dropped.
 struct ForeignStream {
     raw: cudarc::driver::sys::CUstream,
-    context: super::cuda_device::Context,
+    context: super::cuda_driver::Context,
     device: Device,
 }
 
@@ -127,10 +127,10 @@ impl ForeignStream {
         }
     }
 
-    /// This stream, as a consumer of tensors names it.
-    fn stream(&self) -> ConsumerStream {
+    /// This stream, as another library names it to tensorferry.
+    fn stream(&self) -> StreamHandle {
         // SAFETY: a live stream of the GPU's primary context, alive while `self` is.
-        unsafe { ConsumerStream::new(self.raw as usize) }
+        unsafe { StreamHandle::new(self.raw as usize) }
     }
 
     /// An event recorded on this stream now: it passes once the work queued on the
@@ -530,7 +530,7 @@ fn ordering_a_stream_after_a_ready_or_host_tensor_needs_no_gpu_call() {
     let _serial = serial();
     let (host, _) = sample(10);
     // SAFETY: host memory has no pending copy, so the handle is never used.
-    let nowhere = unsafe { ConsumerStream::new(usize::MAX) };
+    let nowhere = unsafe { StreamHandle::new(usize::MAX) };
     assert!(crate::transfer::order_stream_after(&host, nowhere).unwrap());
 }
 
@@ -541,17 +541,16 @@ fn copies_wait_for_a_producer_stream_on_the_gpu_and_the_caller_not_at_all() {
         return; // needs the fake driver's gate
     }
     let dev = last_gpu();
-    let Device::Cuda(ordinal) = dev else {
-        unreachable!()
-    };
     let producer = ForeignStream::new(dev);
     let (host, data) = sample(11);
     let there = move_one(&host, dev);
     there.wait().unwrap();
     // The producer's stream is busy (held): our copies must not run before it is done.
     let held = gate_stream(producer.raw as usize).unwrap();
-    // SAFETY: `producer` is a live stream of this GPU's primary context.
-    unsafe { super::cuda_device::order_after_stream(ordinal, producer.raw as usize) }.unwrap();
+    backend_for(dev)
+        .unwrap()
+        .order_after_stream(producer.stream())
+        .unwrap();
     let back = move_one(&there, Device::Cpu);
     std::thread::sleep(SETTLE);
     assert!(
@@ -576,8 +575,10 @@ fn a_copy_to_another_gpu_waits_for_the_producer_of_its_source() {
     // The producer of GPU 0's tensor is still writing it (its stream is held): the copy to
     // the other GPU, which runs on that GPU's stream, must not run before it either.
     let held = gate_stream(producer.raw as usize).unwrap();
-    // SAFETY: `producer` is a live stream of GPU 0's primary context.
-    unsafe { super::cuda_device::order_after_stream(0, producer.raw as usize) }.unwrap();
+    backend_for(Device::Cuda(0))
+        .unwrap()
+        .order_after_stream(producer.stream())
+        .unwrap();
     let across = move_one(&there, to);
     std::thread::sleep(SETTLE);
     assert!(
@@ -935,7 +936,12 @@ fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
     };
     // A pool that keeps one block: a second one given back is unpinned, and asking for
     // another size unpins the cached one first.
-    let allocator = super::cuda_pinned::CudaPinnedAllocator::new(ordinal).unwrap();
+    let gpu = super::cuda_device::device(ordinal).unwrap();
+    let allocator = super::cuda_pinned::CudaPinnedAllocator::new(
+        gpu.context,
+        Device::Cuda(ordinal),
+        gpu.freer().clone(),
+    );
     let pool = PinnedPool::new(Box::new(allocator), MIN_CLASS);
     let (a, b) = (pool.take(MIN_CLASS).unwrap(), pool.take(MIN_CLASS).unwrap());
     let before = MustNotWait::refusals();
@@ -1257,4 +1263,45 @@ fn a_pageable_download_held_by_its_stream_blocks_no_other_submission() {
     held.open();
     assert_eq!(slow.join().unwrap().to_vec::<u32>().unwrap(), data);
     assert_eq!(down.to_vec::<u32>().unwrap(), data);
+}
+
+#[test]
+fn a_queued_copy_hands_back_a_fence_that_polls_and_waits_with_no_driver_type() {
+    let _serial = serial();
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    }
+    let dev = last_gpu();
+    let (host, data) = sample(22);
+    let held = gate(dev, Direction::HostToDevice).unwrap();
+    let there = move_one(&host, dev);
+    let Progress::Queued(fence) = there.storage().pending().unwrap().progress() else {
+        panic!("the held upload is not queued on {dev}");
+    };
+    assert_eq!(fence.device(), dev);
+    assert!(!fence.poll().unwrap(), "passed through its gate");
+    let waiting = std::thread::spawn({
+        let fence = fence.clone();
+        move || fence.wait()
+    });
+    std::thread::sleep(SETTLE);
+    assert!(
+        !waiting.is_finished(),
+        "the wait returned with the upload held"
+    );
+    held.open();
+    waiting.join().unwrap().unwrap();
+    assert!(fence.poll().unwrap());
+    assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
+}
+
+#[test]
+fn a_device_without_foreign_streams_refuses_to_order_after_one() {
+    let emu = backend_for(Device::Emulated(0)).unwrap();
+    // SAFETY: the emulated device never uses the handle.
+    let stream = unsafe { StreamHandle::new(1) };
+    let err = emu.order_after_stream(stream).unwrap_err().to_string();
+    assert!(err.contains("emu:0") && err.contains("no streams"), "{err}");
+    assert!(emu.synchronize_stream(stream).is_err());
+    assert!(emu.producer_stream().is_none());
 }

@@ -2,53 +2,26 @@
 //! that stream is made to wait for the copy on the GPU, and the caller does not wait at
 //! all — what DLPack's `__dlpack__(stream=…)` asks of a producer.
 
-use cudarc::driver::sys;
-
 use crate::backend::event::Progress;
+use crate::backend::StreamHandle;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// A CUDA stream of another library that is to read memory tensorferry hands over (the
-/// `stream` of DLPack's `__dlpack__`): a raw handle, made only through the `unsafe`
-/// [`ConsumerStream::new`], so that the functions taking one can be safe.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ConsumerStream(usize);
-
-impl ConsumerStream {
-    /// Names the consumer's stream `handle`.
-    ///
-    /// # Safety
-    /// `handle` must be a live CUDA stream of this process usable with the GPU of every
-    /// tensor it is used with (a stream of that GPU's primary context, as PyTorch, JAX and
-    /// CuPy create them), or a default-stream constant (1: legacy, 2: per-thread), for as
-    /// long as the value is used: the driver does not validate every handle.
-    pub unsafe fn new(handle: usize) -> ConsumerStream {
-        ConsumerStream(handle)
-    }
-
-    /// The raw handle.
-    pub fn handle(self) -> usize {
-        self.0
-    }
-}
-
 /// Orders the work a consumer queues on `stream` after the copy that fills `tensor`'s
-/// memory, without waiting for it: on the GPU (`cuStreamWaitEvent` on the event recorded
-/// after the copy) when the copy is queued on a GPU. `Ok(true)` when the stream is ordered
+/// memory, without waiting for it: on the device (behind the copy's [`crate::backend::Fence`]; on CUDA,
+/// `cuStreamWaitEvent` on the event recorded after the copy) when the copy is queued on one. `Ok(true)` when the stream is ordered
 /// (or nothing is pending); `Ok(false)` when the copy is not on a GPU yet (it waits for
 /// host work, such as a staging ring): the caller must wait for it on the host
 /// ([`Tensor::wait`]), or until it is queued ([`wait_queued_timeout`]) and ask again. The
 /// copy's failure, when known by now, is the error; a copy that fails after the consumer's
 /// stream was ordered behind it leaves the consumer's data undefined, as any failed
 /// asynchronous CUDA copy does.
-pub fn order_stream_after(tensor: &Tensor, stream: ConsumerStream) -> Result<bool> {
+pub fn order_stream_after(tensor: &Tensor, stream: StreamHandle) -> Result<bool> {
     let Some(event) = tensor.storage().pending() else {
         return Ok(true);
     };
     match event.progress() {
-        // SAFETY: the stream is valid for the tensor's GPU (`ConsumerStream::new`'s
-        // contract), whose primary context recorded the mark.
-        Progress::Queued(mark) => unsafe { mark.order(stream.0 as sys::CUstream) }.map(|()| true),
+        Progress::Queued(mark) => mark.order_stream(stream).map(|()| true),
         Progress::Done(_) => event.wait().map(|()| true),
         Progress::Pending => Ok(false),
     }
@@ -85,7 +58,7 @@ impl<'a> Readable<'a> {
     /// for a consumer that reads it on that stream only: `Ok(None)` when the copy is not on
     /// a GPU yet (wait for it with [`wait_queued_timeout`] and ask again, or use
     /// [`Readable::wait`]).
-    pub fn ordered(tensor: &'a Tensor, stream: ConsumerStream) -> Result<Option<Readable<'a>>> {
+    pub fn ordered(tensor: &'a Tensor, stream: StreamHandle) -> Result<Option<Readable<'a>>> {
         Ok(order_stream_after(tensor, stream)?.then_some(Readable { tensor }))
     }
 
