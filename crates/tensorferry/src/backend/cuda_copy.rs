@@ -19,8 +19,8 @@ use std::sync::Mutex;
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cuda_driver::check;
+use super::interface::{CopyBatch, CopyOp, Direction};
 use super::lane::{lane_of, LANES};
-use super::{CopyBatch, CopyOp, Direction};
 use crate::device::Device;
 use crate::error::{Error, Result};
 

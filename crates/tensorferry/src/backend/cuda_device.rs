@@ -49,8 +49,11 @@ use super::cuda::{status, CudaStatus};
 use super::cuda_copy::CopyQueue;
 pub use super::cuda_copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
 use super::cuda_pinned::CudaPinnedAllocator;
+use super::event::Event;
 use super::event::Failure;
-use super::{Backend, CopyBatch, DeviceMemory, Event, StreamHandle};
+use super::fence::StreamHandle;
+use super::interface::{Backend, CopyBatch, DeviceMemory, Direction};
+use super::process::{backends_started_here, same_process};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::PinnedPool;
@@ -91,7 +94,7 @@ impl std::fmt::Debug for CudaDevice {
 pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     static REGISTRY: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
     let name = Device::Cuda(ordinal);
-    super::same_process(name)?;
+    same_process(name)?;
     match status() {
         CudaStatus::Unavailable { reason } => {
             return Err(Error::DeviceUnavailable {
@@ -148,7 +151,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         peers: (0..gpu_count(status())).map(|_| OnceLock::new()).collect(),
     });
     devices.insert(ordinal, d.clone());
-    super::backends_started_here();
+    backends_started_here();
     Ok(d)
 }
 
@@ -228,7 +231,7 @@ impl Backend for CudaDevice {
         }
         let src = device(from)?;
         self.reach(&src);
-        let lane = lane_of(super::Direction::DeviceToDevice);
+        let lane = lane_of(Direction::DeviceToDevice);
         let mark = {
             let _current = src.context.enter(source)?;
             super::cuda_event::CudaEvent::record(src.context, source, src.queue.stream(lane))?
@@ -362,7 +365,7 @@ impl Backend for CudaDevice {
 /// memory is page-locked would take a driver call per destination; a download that lands
 /// in pinned memory only takes the lane's thread for the microseconds of queuing it.
 fn may_block(batch: &CopyBatch) -> bool {
-    batch.direction == super::Direction::DeviceToHost
+    batch.direction == Direction::DeviceToHost
 }
 
 /// Queues one batch whose waits are all complete or queued on a GPU: its waits on the
@@ -516,7 +519,7 @@ impl CudaDevice {
     /// The raw stream handle of `direction`'s copies (tests hold it with the fake
     /// driver's gate).
     #[cfg(test)]
-    pub(crate) fn stream_of(&self, direction: super::Direction) -> usize {
+    pub(crate) fn stream_of(&self, direction: Direction) -> usize {
         self.queue.stream(lane_of(direction)) as usize
     }
 

@@ -6,7 +6,7 @@
 use cudarc::driver::sys::{self, CUresult};
 
 use super::cuda_driver::{check, Context};
-use super::{Fence, StreamHandle};
+use super::fence::{Fence, StreamHandle};
 use crate::device::Device;
 use crate::error::Result;
 

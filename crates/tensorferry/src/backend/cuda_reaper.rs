@@ -23,8 +23,8 @@ use cudarc::driver::sys;
 
 use super::cuda_driver::Context;
 use super::cuda_event::CudaEvent;
+use super::event::Event;
 use super::event::{Failure, Outcome};
-use super::Event;
 use crate::device::Device;
 use crate::error::{Error, Result};
 

@@ -15,10 +15,12 @@ use std::time::Duration;
 
 use std::any::Any;
 
+use super::event::Event;
 use super::event::{Failure, Outcome};
+use super::interface::{Backend, CopyBatch, DeviceMemory};
 use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
+use super::process::{backends_started_here, same_process};
 use super::stream::{Job, StreamThread};
-use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::pinned::{HostBlock, PageableAllocator, PinnedAllocator};
@@ -215,7 +217,7 @@ fn registry() -> &'static Mutex<HashMap<usize, Arc<EmulatedDevice>>> {
 
 /// The emulated device `emu:index`, created (reading `TENSORFERRY_EMU`) on first use.
 pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
-    super::same_process(Device::Emulated(index))?;
+    same_process(Device::Emulated(index))?;
     if index >= EMULATED_DEVICES {
         return Err(Error::DeviceUnavailable {
             device: Device::Emulated(index).to_string(),
@@ -268,7 +270,7 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         pool: PinnedPool::new(Box::new(pinning), PINNED_POOL_CAP),
     });
     devices.insert(index, d.clone());
-    super::backends_started_here();
+    backends_started_here();
     Ok(d)
 }
 
@@ -430,7 +432,7 @@ impl EmulatedDevice {
     /// Holds `direction`'s stream (test only): nothing queued on it runs until the
     /// returned event completes.
     #[cfg(test)]
-    pub(crate) fn gate(&self, direction: super::Direction) -> Event {
+    pub(crate) fn gate(&self, direction: super::interface::Direction) -> Event {
         let gate = Event::pending();
         let held = gate.clone();
         let job: Job = Box::new(move || drop(held.wait_outcome()));

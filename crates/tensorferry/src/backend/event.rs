@@ -16,7 +16,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::Fence;
+use super::fence::Fence;
 use crate::error::{Error, Result};
 
 /// Why queued work failed: the device whose work it was, and what went wrong.

@@ -22,8 +22,9 @@ use std::collections::VecDeque;
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
+use super::event::Event;
 use super::event::Outcome;
-use super::{CopyBatch, Direction, Event};
+use super::interface::{CopyBatch, Direction};
 
 /// Which of a device's streams (lanes) a direction's copies run on: 0 for uploads (host → device),
 /// 1 for copies that read device memory.

@@ -8,8 +8,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Sender};
 use std::sync::Mutex;
 
+use super::event::Event;
 use super::event::Failure;
-use super::Event;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
