@@ -22,7 +22,7 @@
 //! batch's host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits
 //! for host work (a staging thread, the emulated device) is chained to it instead, and the
 //! later batches of its stream queue behind it ([`super::lane`]): the caller never blocks.
-//! The GPU's reaper thread ([`super::cuda_reaper`]) watches the recorded events, releases
+//! The GPU's completer thread ([`super::completer`]) watches the recorded events, releases
 //! what each batch held once its copies are done, then completes its host event. A copy
 //! call that fails part-way through a batch still has the copies queued before it waited
 //! for (through the event recorded after them, or by synchronising the stream) before
@@ -36,10 +36,10 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use super::completer::{Completer, Drain, Entry, Health};
 use super::cuda_driver::{check, cu_device, retain_primary, Context};
 use super::cuda_event::CudaEvent;
 use super::cuda_freer::Freer;
-use super::cuda_reaper::{Entry, Health, RawStream, Reaper};
 use super::event::Progress;
 use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
 
@@ -62,7 +62,7 @@ use crate::memory::PinnedPool;
 const PINNED_POOL_CAP: usize = 8 << 30;
 
 /// One GPU: its primary context, its streams (each with its submission order), and its
-/// reaper.
+/// completer.
 pub struct CudaDevice {
     ordinal: usize,
     pub(crate) context: Context,
@@ -80,7 +80,7 @@ struct Shared {
     device: Device,
     context: Context,
     queue: Arc<CopyQueue>,
-    reaper: Reaper,
+    completer: Completer,
     health: Arc<Health>,
 }
 
@@ -127,7 +127,13 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         device: name,
         context,
         queue: queue.clone(),
-        reaper: Reaper::spawn(name, context, health.clone())?,
+        completer: Completer::spawn(
+            name,
+            move || {
+                let _ = context.make_current(name);
+            },
+            health.clone(),
+        )?,
         health: health.clone(),
     });
     let lane = |index: usize| {
@@ -369,11 +375,11 @@ fn may_block(batch: &CopyBatch) -> bool {
 }
 
 /// Queues one batch whose waits are all complete or queued on a GPU: its waits on the
-/// GPU, its copies, and the event after them, handed to the reaper; or refuses it (nothing
+/// GPU, its copies, and the event after them, handed to the completer; or refuses it (nothing
 /// of it queued) when a wait failed or the context cannot be entered.
 ///
 /// # Safety
-/// As [`Backend::submit`]: the ops' ranges stay valid while `keep` lives, which the reaper
+/// As [`Backend::submit`]: the ops' ranges stay valid while `keep` lives, which the completer
 /// drops only once the stream has passed the copies.
 unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option<Refused> {
     let Submitted {
@@ -427,7 +433,7 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
         Err(panic) => Err(Failure::internal(device, &*panic)),
     };
     let done = match CudaEvent::record(shared.context, device, stream) {
-        Ok(e) => Some(Arc::new(e)),
+        Ok(e) => Some(Arc::new(e) as Arc<dyn super::fence::Fence>),
         Err(e) => {
             outcome = outcome.and(Err(Failure::from_error(device, &e)));
             None
@@ -437,9 +443,16 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
         // Later CUDA batches may now wait for this one on the GPU.
         event.set_mark(done.clone());
     }
-    shared.reaper.push(Entry {
+    let (context, stream_id) = (shared.context, stream as usize);
+    let drain: Drain = Box::new(move || {
+        let _current = context.enter(device)?;
+        // SAFETY: one of this GPU's own streams (never destroyed), in its context, current.
+        let code = unsafe { sys::cuStreamSynchronize(stream_id as sys::CUstream) };
+        check(code, device, "cuStreamSynchronize")
+    });
+    shared.completer.push(Entry {
         done,
-        stream: RawStream(stream),
+        drain,
         keep,
         event,
         outcome,

@@ -1,6 +1,7 @@
 //! A CUDA event (`CUevent`) recorded after a batch's copies: what later batches wait on
-//! on the GPU (`cuStreamWaitEvent`) and what the reaper queries to know a batch is done.
-//! Destroyed when the last holder drops it (the batch's reaper entry, the host
+//! on the GPU (`cuStreamWaitEvent`), and the batch's [`Fence`], which the completer polls
+//! to know the batch is done.
+//! Destroyed when the last holder drops it (the batch's completer entry, the host
 //! [`super::Event`] it marks, batches about to wait on it).
 
 use cudarc::driver::sys::{self, CUresult};

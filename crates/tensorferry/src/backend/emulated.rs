@@ -1,7 +1,7 @@
 //! The emulated device `emu:N`: device memory is a separate host allocation, its two
 //! streams (uploads; copies that read device memory, as on a GPU) are worker threads that
-//! run copies in the order they were submitted ([`super::lane`]), and events complete as
-//! CUDA's do. Capacity, bandwidth and per-copy latency are configurable, and faults can be
+//! run copies in the order they were submitted ([`super::lane`]), and the device's
+//! completer ([`super::completer`], CUDA's too) releases each batch and completes its event. Capacity, bandwidth and per-copy latency are configurable, and faults can be
 //! injected (fail the Nth allocation or the Nth copy, refuse the Nth pinned buffer, or
 //! make the Nth copy panic on the stream thread).
 //!
@@ -15,8 +15,10 @@ use std::time::Duration;
 
 use std::any::Any;
 
-use super::event::Event;
+use super::completer::{Completer, Drain, Entry, Health};
+use super::event::{guarded, Event};
 use super::event::{Failure, Outcome};
+use super::fence::{Fence, StreamHandle};
 use super::interface::{Backend, CopyBatch, DeviceMemory};
 use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
 use super::process::{backends_started_here, same_process};
@@ -241,15 +243,16 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         StreamThread::spawn(name, || {})?,
     ]);
     let config = Arc::new(Mutex::new(config));
+    let completer = Arc::new(Completer::spawn(name, || {}, Arc::new(Health::default()))?);
     let lane = |index: usize| {
-        let (streams, config) = (streams.clone(), config.clone());
+        let (streams, config, completer) = (streams.clone(), config.clone(), completer.clone());
         // SAFETY (of what the lane dispatches): lanes are reached only through
         // `Backend::submit`, whose contract covers every batch they queue.
         Lane::new(
             format!("{name}-lane{index}"),
             false,
             |_| false,
-            move |s| unsafe { dispatch(name, &streams[index], &config, s) },
+            move |s| unsafe { dispatch(name, &streams[index], &config, &completer, s) },
         )
     };
     let pins = Arc::new(AtomicU64::new(0));
@@ -450,6 +453,7 @@ unsafe fn dispatch(
     device: Device,
     stream: &StreamThread,
     config: &Mutex<EmuConfig>,
+    completer: &Completer,
     submitted: Submitted,
 ) -> Option<Refused> {
     let Submitted {
@@ -459,28 +463,85 @@ unsafe fn dispatch(
         seq,
     } = submitted;
     let config = config.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let done = event.clone();
+    // Passed once the stream thread has run the copies (with their outcome); the stream
+    // thread passes it with the panic if the job panics.
+    let ran = Event::pending();
+    let passed = ran.clone();
     let job: Job = Box::new(move || {
         // The whole batch (it is `Send`), not its fields.
         let batch = batch;
-        // SAFETY: `submit`'s contract, passed on: `keep` holds what the ops address
-        // until after `run`.
-        let outcome = unsafe { run(&batch, &config, seq, device) };
-        // What the batch held goes first (buffers back to their pool), so that anyone
-        // woken by the event finds the pool as the batch left it.
-        drop(keep);
-        done.complete(outcome);
+        // SAFETY: `submit`'s contract, passed on: `keep`, which the completer holds until
+        // the fence is passed, holds what the ops address.
+        passed.complete(guarded(device, || unsafe {
+            run(&batch, &config, seq, device)
+        }));
     });
-    match stream.try_queue(job, &event) {
-        Ok(()) => None,
-        Err(job) => {
-            drop(job);
-            Some(Refused {
-                keep: Box::new(()),
-                event,
-                outcome: Err(stream.stopped()),
-            })
+    if let Err(job) = stream.try_queue(job, &ran) {
+        drop(job);
+        return Some(Refused {
+            keep,
+            event,
+            outcome: Err(stream.stopped()),
+        });
+    }
+    let waited = ran.clone();
+    // The fence is passed only after the job ran: nothing is left on the queue before it.
+    let drain: Drain = Box::new(move || {
+        let _ = waited.wait_outcome();
+        Ok(())
+    });
+    completer.push(Entry {
+        done: Some(Arc::new(EmuFence { device, ran })),
+        drain,
+        keep,
+        event,
+        outcome: Ok(()),
+        device_waits: Vec::new(),
+    });
+    None
+}
+
+/// The fence of a batch on an emulated stream: passed, with the copies' outcome, once the
+/// stream thread has run them.
+#[derive(Debug)]
+struct EmuFence {
+    device: Device,
+    ran: Event,
+}
+
+/// A failure as the error a fence reports (which the completer turns back into it).
+fn fence_error(f: Failure) -> Error {
+    Error::DeviceUnavailable {
+        device: f.device,
+        reason: f.reason,
+    }
+}
+
+impl Fence for EmuFence {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn poll(&self) -> Result<bool> {
+        match self.ran.peek() {
+            None => Ok(false),
+            Some(outcome) => outcome.map(|()| true).map_err(fence_error),
         }
+    }
+
+    fn wait(&self) -> Result<()> {
+        self.ran.wait_outcome().map_err(fence_error)
+    }
+
+    fn order_stream(&self, _stream: StreamHandle) -> Result<()> {
+        Err(Error::DeviceUnavailable {
+            device: self.device.to_string(),
+            reason: "it shares no streams with other libraries".into(),
+        })
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

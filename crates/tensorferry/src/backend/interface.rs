@@ -123,8 +123,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// queued on a GPU are honoured on the GPU; waits on host work defer the batch (and
     /// the later batches of its stream) until that work completes. Uploads and copies that
     /// read device memory run on separate streams and overlap: whatever must run in order
-    /// across them is a wait. `event` may complete on another thread (a device's reaper
-    /// or stream thread), which then also drops `keep`.
+    /// across them is a wait. `event` may complete on another thread (the device's
+    /// completer), which then also drops `keep`.
     ///
     /// # Safety
     /// Every op's `src` must be readable and `dst` writable for `len` bytes, in the

@@ -7,6 +7,7 @@
 use crate::device::Device;
 use crate::error::Result;
 
+pub(crate) mod completer;
 pub mod cuda;
 pub(crate) mod cuda_copy;
 pub mod cuda_device;
@@ -14,7 +15,6 @@ pub(crate) mod cuda_driver;
 pub(crate) mod cuda_event;
 pub(crate) mod cuda_freer;
 pub(crate) mod cuda_pinned;
-pub(crate) mod cuda_reaper;
 pub mod emulated;
 pub(crate) mod event;
 mod fence;

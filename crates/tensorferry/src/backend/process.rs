@@ -7,7 +7,7 @@ use crate::error::Result;
 static OWNER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
 
 /// Fails in a process forked after a device backend was set up: their threads (a GPU's
-/// reaper and freeing thread, an emulated device's stream) exist only in the process that
+/// completer and freeing thread, an emulated device's stream) exist only in the process that
 /// started them, and CUDA cannot be used across `fork` either, so a child would wait
 /// forever for copies nobody runs.
 pub(crate) fn same_process(device: Device) -> Result<()> {

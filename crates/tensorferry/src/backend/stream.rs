@@ -1,8 +1,9 @@
 //! A stream as the emulated device runs it: one worker thread per stream that runs queued
-//! jobs in order, each completing its event (CUDA streams are the driver's, watched by
-//! `cuda_reaper`). A job that panics completes its event with the
-//! panic as an internal error, and the thread goes on with the next job: no waiter is
-//! left blocked by a bug or a bad setting.
+//! jobs in order, each completing its event (for a batch, the event behind its fence: the
+//! device's completer then releases what the batch held and completes the batch's event,
+//! as it does for CUDA). A job that panics completes its event with the panic as an
+//! internal error, and the thread goes on with the next job: no waiter is left blocked by
+//! a bug or a bad setting.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Sender};
