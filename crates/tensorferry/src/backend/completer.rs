@@ -1,7 +1,9 @@
 //! The completer of one device, the same for every backend: a thread that polls the
 //! [`Fence`] each backend hands back for a batch (backing off while nothing completes), and
 //! when one has been passed releases what the batch held (`keep`: buffers back to their
-//! pool, sources) and only then completes the batch's host [`Event`].
+//! pool, sources) and only then completes the batch's host [`Event`]. A backend whose own
+//! thread runs the copies (the emulated device) sees its fences pass and completes the
+//! batch there, with the same code ([`finish_passed`]).
 //!
 //! A batch whose waits were honoured on the device also takes their outcome: its host
 //! event completes once theirs have, failing with the first failure among them (the device
@@ -181,6 +183,13 @@ fn complete(device: Device, health: &Health, rx: Receiver<Entry>) {
             backoff = (backoff * 2).min(BACKOFF_MAX);
         }
     }
+}
+
+/// Releases a batch whose fence the calling thread has just seen passed, then completes
+/// its event, exactly as the completer thread does: for a backend whose own thread runs the
+/// copies (the emulated device's streams), which so needs no hop to another thread.
+pub(crate) fn finish_passed(device: Device, health: &Health, entry: Entry) {
+    finish(device, health, entry, None);
 }
 
 /// Releases a batch whose copies are done (or, when `failure` says the fence could not

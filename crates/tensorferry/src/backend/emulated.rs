@@ -1,7 +1,8 @@
 //! The emulated device `emu:N`: device memory is a separate host allocation, its two
 //! streams (uploads; copies that read device memory, as on a GPU) are worker threads that
-//! run copies in the order they were submitted ([`super::lane`]), and the device's
-//! completer ([`super::completer`], CUDA's too) releases each batch and completes its event. Capacity, bandwidth and per-copy latency are configurable, and faults can be
+//! run copies in the order they were submitted ([`super::lane`]), and each batch is
+//! released and its event completed by the stream thread that ran it, with the code of
+//! CUDA's completer ([`super::completer`]). Capacity, bandwidth and per-copy latency are configurable, and faults can be
 //! injected (fail the Nth allocation or the Nth copy, refuse the Nth pinned buffer, or
 //! make the Nth copy panic on the stream thread).
 //!
@@ -15,7 +16,7 @@ use std::time::Duration;
 
 use std::any::Any;
 
-use super::completer::{Completer, Drain, Entry, Health};
+use super::completer::{finish_passed, Drain, Entry, Health};
 use super::event::{guarded, Event};
 use super::event::{Failure, Outcome};
 use super::fence::{Fence, StreamHandle};
@@ -243,16 +244,16 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         StreamThread::spawn(name, || {})?,
     ]);
     let config = Arc::new(Mutex::new(config));
-    let completer = Arc::new(Completer::spawn(name, || {}, Arc::new(Health::default()))?);
+    let health = Arc::new(Health::default());
     let lane = |index: usize| {
-        let (streams, config, completer) = (streams.clone(), config.clone(), completer.clone());
+        let (streams, config, health) = (streams.clone(), config.clone(), health.clone());
         // SAFETY (of what the lane dispatches): lanes are reached only through
         // `Backend::submit`, whose contract covers every batch they queue.
         Lane::new(
             format!("{name}-lane{index}"),
             false,
             |_| false,
-            move |s| unsafe { dispatch(name, &streams[index], &config, &completer, s) },
+            move |s| unsafe { dispatch(name, &streams[index], &config, &health, s) },
         )
     };
     let pins = Arc::new(AtomicU64::new(0));
@@ -453,7 +454,7 @@ unsafe fn dispatch(
     device: Device,
     stream: &StreamThread,
     config: &Mutex<EmuConfig>,
-    completer: &Completer,
+    health: &Arc<Health>,
     submitted: Submitted,
 ) -> Option<Refused> {
     let Submitted {
@@ -463,42 +464,49 @@ unsafe fn dispatch(
         seq,
     } = submitted;
     let config = config.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    // Passed once the stream thread has run the copies (with their outcome); the stream
-    // thread passes it with the panic if the job panics.
+    // The copies' fence, passed by the stream thread once it has run them, which then
+    // completes the batch itself with the completer's code (no hop to another thread).
     let ran = Event::pending();
-    let passed = ran.clone();
-    let job: Job = Box::new(move || {
-        // The whole batch (it is `Send`), not its fields.
-        let batch = batch;
-        // SAFETY: `submit`'s contract, passed on: `keep`, which the completer holds until
-        // the fence is passed, holds what the ops address.
-        passed.complete(guarded(device, || unsafe {
-            run(&batch, &config, seq, device)
-        }));
+    let fence = Arc::new(EmuFence {
+        device,
+        ran: ran.clone(),
     });
-    if let Err(job) = stream.try_queue(job, &ran) {
-        drop(job);
-        return Some(Refused {
-            keep,
-            event,
-            outcome: Err(stream.stopped()),
-        });
-    }
     let waited = ran.clone();
     // The fence is passed only after the job ran: nothing is left on the queue before it.
     let drain: Drain = Box::new(move || {
         let _ = waited.wait_outcome();
         Ok(())
     });
-    completer.push(Entry {
-        done: Some(Arc::new(EmuFence { device, ran })),
-        drain,
-        keep,
-        event,
-        outcome: Ok(()),
-        device_waits: Vec::new(),
+    let (health, done) = (health.clone(), event.clone());
+    let job: Job = Box::new(move || {
+        // The whole batch (it is `Send`), not its fields.
+        let batch = batch;
+        // SAFETY: `submit`'s contract, passed on: `keep` holds what the ops address until
+        // `finish_passed` releases it, after `run`.
+        let outcome = guarded(device, || unsafe { run(&batch, &config, seq, device) });
+        ran.complete(outcome.clone());
+        let entry = Entry {
+            done: Some(fence),
+            drain,
+            keep,
+            event: done,
+            outcome,
+            device_waits: Vec::new(),
+        };
+        finish_passed(device, &health, entry);
     });
-    None
+    match stream.try_queue(job, &event) {
+        Ok(()) => None,
+        Err(job) => {
+            // What the batch held goes with the job, unrun.
+            drop(job);
+            Some(Refused {
+                keep: Box::new(()),
+                event,
+                outcome: Err(stream.stopped()),
+            })
+        }
+    }
 }
 
 /// The fence of a batch on an emulated stream: passed, with the copies' outcome, once the

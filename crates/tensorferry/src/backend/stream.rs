@@ -1,7 +1,7 @@
 //! A stream as the emulated device runs it: one worker thread per stream that runs queued
-//! jobs in order, each completing its event (for a batch, the event behind its fence: the
-//! device's completer then releases what the batch held and completes the batch's event,
-//! as it does for CUDA). A job that panics completes its event with the panic as an
+//! jobs in order, each completing its event (a batch's job passes the batch's fence, then
+//! releases what the batch held and completes its event with the completer's code, as
+//! CUDA's completer thread does). A job that panics completes its event with the panic as an
 //! internal error, and the thread goes on with the next job: no waiter is left blocked by
 //! a bug or a bad setting.
 
