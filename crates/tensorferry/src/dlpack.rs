@@ -468,7 +468,7 @@ mod tests {
         // A producer's description is not trusted: its extent is checked arithmetic, not a
         // wrapped address (this computation was unchecked once).
         let t = Tensor::from_slice(&[1u8; 4], &[2, 2]).unwrap();
-        let p = export_versioned(&t);
+        let p = export_versioned(Readable::wait(&t).unwrap());
         // SAFETY: `p` was just exported by this test, which owns its two strides; the
         // import below releases it.
         unsafe { *(*p).dl_tensor.strides = i64::MAX };
