@@ -13,6 +13,7 @@ use std::sync::Arc;
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
+use tensorferry::backend::StreamHandle;
 use tensorferry::storage::ForeignMemory;
 use tensorferry::{DType, Device, Storage, Tensor};
 
@@ -169,9 +170,9 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         }
     };
     let device = if address == 0 {
-        0
+        Device::Cuda(0)
     } else {
-        tensorferry::backend::cuda_device::pointer_device(address).py_err()?
+        tensorferry::backend::pointer_device(address).py_err()?
     };
     match stream {
         Some(handle) => {
@@ -181,10 +182,9 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             // driver validates handles it knows of, so a producer lying with an arbitrary
             // integer is only as safe as that validation. It runs in the context of the
             // memory's GPU, whose default stream the handles 1 and 2 name.
-            py.detach(|| unsafe {
-                tensorferry::backend::cuda_device::stream_synchronize(device, handle)
-            })
-            .py_err()?;
+            let stream = unsafe { StreamHandle::new(handle) };
+            let gpu = tensorferry::backend::backend_for(device).py_err()?;
+            py.detach(|| gpu.synchronize_stream(stream)).py_err()?;
         }
         // Without a stream, no synchronisation is required by the protocol, but producers
         // that run on the legacy default stream (Numba's default) name none: tensorferry's
@@ -192,7 +192,10 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         // the GPU.
         None if address != 0 => {
             // SAFETY: 1 is `CU_STREAM_LEGACY`, the default stream of GPU `device`'s context.
-            unsafe { tensorferry::backend::cuda_device::order_after_stream(device, 1) }.py_err()?
+            let legacy = unsafe { StreamHandle::new(1) };
+            tensorferry::backend::backend_for(device)
+                .and_then(|gpu| gpu.order_after_stream(legacy))
+                .py_err()?
         }
         None => {}
     }
@@ -202,8 +205,7 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     // SAFETY: the producer promises, by the interface, that `span` bytes from the lowest
     // element are device memory valid while the object lives; `owner` keeps it alive for
     // as long as the storage, and the extent was computed with overflow checks.
-    let memory =
-        unsafe { ForeignMemory::new(lowest, span, Device::Cuda(device), read_only, owner) };
+    let memory = unsafe { ForeignMemory::new(lowest, span, device, read_only, owner) };
     Tensor::from_storage(
         Arc::new(Storage::foreign(memory)),
         (-below) as usize,

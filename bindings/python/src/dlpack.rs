@@ -6,6 +6,7 @@ use std::ffi::{c_void, CStr};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use tensorferry::dlpack::{self, DLManagedTensor, DLManagedTensorVersioned, ManagedTensor};
+use tensorferry::transfer::Readable;
 use tensorferry::Tensor;
 
 use crate::errors::IntoPy;
@@ -90,9 +91,10 @@ fn consumer_stream(obj: &Bound<'_, PyAny>) -> Option<usize> {
     if !matches!(kind, 2 | 13) || id < 0 {
         return None;
     }
-    tensorferry::backend::cuda_device::device(id as usize)
-        .ok()
-        .map(|d| d.stream_handle())
+    tensorferry::backend::backend_for(tensorferry::Device::Cuda(id as usize))
+        .ok()?
+        .producer_stream()
+        .map(|s| s.handle())
 }
 
 unsafe extern "C" fn destroy_versioned(cap: *mut ffi::PyObject) {
@@ -121,12 +123,12 @@ unsafe extern "C" fn destroy_legacy(cap: *mut ffi::PyObject) {
     }
 }
 
-/// Wraps `t` in a DLPack capsule: versioned when the consumer asked for version ≥ 1,
+/// Wraps a readable tensor in a DLPack capsule: versioned when the consumer asked for version ≥ 1,
 /// else the legacy form. Read-only memory cannot be flagged in the legacy form, so it
 /// is copied for such consumers unless `allow_copy` is false, which is an error.
 pub fn export_capsule(
     py: Python<'_>,
-    t: &Tensor,
+    ready: Readable<'_>,
     versioned: bool,
     allow_copy: bool,
 ) -> PyResult<Py<PyAny>> {
@@ -134,7 +136,7 @@ pub fn export_capsule(
     // capsule, whose destructor releases it unless a consumer took it over.
     unsafe {
         let raw = if versioned {
-            let p = dlpack::export_versioned(t);
+            let p = dlpack::export_versioned(ready);
             ffi::PyCapsule_New(
                 p as *mut c_void,
                 VERSIONED.as_ptr(),
@@ -142,16 +144,16 @@ pub fn export_capsule(
             )
         } else {
             let owned;
-            let src = if t.is_read_only() {
+            let src = if ready.tensor().is_read_only() {
                 if !allow_copy {
                     return Err(crate::errors::buffer_err(
                         "read-only memory cannot be exported through DLPack < 1.0 without a copy",
                     ));
                 }
-                owned = py.detach(|| t.deep_copy()).py_err()?;
-                &owned
+                owned = py.detach(|| ready.tensor().deep_copy()).py_err()?;
+                crate::wait::readable(py, &owned)?
             } else {
-                t
+                ready
             };
             let p = dlpack::export_legacy(src);
             ffi::PyCapsule_New(p as *mut c_void, LEGACY.as_ptr(), Some(destroy_legacy))

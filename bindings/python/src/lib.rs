@@ -20,7 +20,9 @@ use std::path::PathBuf;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use tensorferry::backend::cuda;
+use tensorferry::backend::StreamHandle;
 use tensorferry::io::object;
+use tensorferry::transfer::Readable;
 use tensorferry::{Device, LoadOptions, SaveOptions};
 
 use errors::{guard, IntoPy};
@@ -208,10 +210,9 @@ fn cuda_stream_synchronize(py: Python<'_>, ordinal: usize, handle: usize) -> PyR
         // 1/2 for the default streams), trusted as PyTorch's `ExternalStream` trusts its
         // integer. We cannot check it: the driver validates handles it knows of, so an
         // arbitrary integer is only as safe as that validation.
-        py.detach(|| unsafe {
-            tensorferry::backend::cuda_device::stream_synchronize(ordinal, handle)
-        })
-        .py_err()
+        let stream = unsafe { StreamHandle::new(handle) };
+        let gpu = tensorferry::backend::backend_for(Device::Cuda(ordinal)).py_err()?;
+        py.detach(|| gpu.synchronize_stream(stream)).py_err()
     })
 }
 
@@ -224,7 +225,10 @@ fn cuda_order_after_stream(ordinal: usize, handle: usize) -> PyResult<()> {
         // stream of that GPU (its device is read from the framework's stream object, or is
         // the one GPU the call's tensors live on), trusted as PyTorch trusts
         // `ExternalStream`'s integer.
-        unsafe { tensorferry::backend::cuda_device::order_after_stream(ordinal, handle) }.py_err()
+        let stream = unsafe { StreamHandle::new(handle) };
+        tensorferry::backend::backend_for(Device::Cuda(ordinal))
+            .and_then(|gpu| gpu.order_after_stream(stream))
+            .py_err()
     })
 }
 
@@ -460,25 +464,35 @@ fn to_dlpack_capsules(
         };
         // One GPU-side wait per buffer (a move's results share one per GPU), a host wait
         // for the rest.
-        let mut ordered = std::collections::HashSet::new();
-        for t in &inner {
-            if let Some(handle) = stream_of(t) {
-                if ordered.insert((std::sync::Arc::as_ptr(t.storage()) as usize, handle)) {
-                    wait::order_stream(py, t, handle)?;
-                }
-            }
-        }
-        wait::wait_all(py, inner.iter().copied().filter(|t| stream_of(t).is_none()))?;
+        let mut ordered: std::collections::HashMap<(usize, usize), Readable<'_>> =
+            std::collections::HashMap::new();
         inner
             .iter()
-            .map(|t| {
+            .map(|&t| {
                 if matches!(t.device(), Device::Emulated(_)) {
                     return Err(errors::buffer_err(format!(
                         "{} memory has no DLPack device: move it to the host first",
                         t.device()
                     )));
                 }
-                dlpack::export_capsule(py, t, false, true)
+                let ready = match stream_of(t) {
+                    Some(handle) => {
+                        let buffer = (std::sync::Arc::as_ptr(t.storage()) as usize, handle);
+                        match ordered.get(&buffer).and_then(|r| r.view(t)) {
+                            Some(ready) => ready,
+                            None => {
+                                // SAFETY: the handle is the stream the caller named for
+                                // this GPU (a live stream of the process, or 1/2).
+                                let stream = unsafe { StreamHandle::new(handle) };
+                                let ready = wait::ordered(py, t, stream)?;
+                                ordered.insert(buffer, ready);
+                                ready
+                            }
+                        }
+                    }
+                    None => wait::readable(py, t)?,
+                };
+                dlpack::export_capsule(py, ready, false, true)
             })
             .collect()
     })
@@ -500,8 +514,8 @@ fn cuda_array_interface_device(obj: &Bound<'_, PyAny>) -> PyResult<String> {
         if address == 0 {
             return Ok("cuda:0".into());
         }
-        let dev = tensorferry::backend::cuda_device::pointer_device(address).py_err()?;
-        Ok(Device::Cuda(dev).to_string())
+        let dev = tensorferry::backend::pointer_device(address).py_err()?;
+        Ok(dev.to_string())
     })
 }
 

@@ -1,7 +1,7 @@
 //! Releases of Python-owned objects (imported producers' memory) that never make
 //! tensorferry's own threads wait for the interpreter.
 //!
-//! The engine drops what a batch of copies held on its stream and reaper threads, before it
+//! The engine drops what a batch of copies held on its completer threads, before it
 //! completes the batch's event. Were such a drop to attach to the interpreter there, it
 //! would wait for the GIL — while a caller holding the GIL might wait for that very event.
 //! On tensorferry's threads (named `tensorferry-…`) the release is handed to one release

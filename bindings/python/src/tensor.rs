@@ -2,6 +2,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
+use tensorferry::backend::StreamHandle;
 use tensorferry::{Device, Tensor};
 
 use crate::errors::IntoPy;
@@ -137,12 +138,6 @@ impl PyTensor {
                 self.inner.device()
             )));
         }
-        // A consumer that names its CUDA stream gets the tensor at once, its stream made to
-        // wait on the GPU for the copy filling it; otherwise the host waits for that copy.
-        match consumer_stream(&self.inner, stream.as_ref())? {
-            Some(handle) => crate::wait::order_stream(py, &self.inner, handle)?,
-            None => crate::wait::wait_all(py, [&self.inner])?,
-        }
         if let Some(dev) = dl_device {
             if dev != self.__dlpack_device__() {
                 return Err(crate::errors::buffer_err(format!(
@@ -152,12 +147,23 @@ impl PyTensor {
             }
         }
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        let source = if copy == Some(true) {
-            py.detach(|| self.inner.deep_copy()).py_err()?
-        } else {
-            self.inner.clone()
+        // A consumer that names its CUDA stream gets the tensor at once, its stream made to
+        // wait on the GPU for the copy filling it; otherwise the host waits for that copy.
+        let ready = match consumer_stream(&self.inner, stream.as_ref())? {
+            // SAFETY: the handle is the stream the DLPack consumer named for this tensor's
+            // GPU (the protocol's contract: a live stream of the process, or 1/2 for the
+            // default streams).
+            Some(handle) => {
+                crate::wait::ordered(py, &self.inner, unsafe { StreamHandle::new(handle) })?
+            }
+            None => crate::wait::readable(py, &self.inner)?,
         };
-        dlpack::export_capsule(py, &source, versioned, copy != Some(false))
+        if copy == Some(true) {
+            let copied = py.detach(|| self.inner.deep_copy()).py_err()?;
+            let ready = crate::wait::readable(py, &copied)?;
+            return dlpack::export_capsule(py, ready, versioned, true);
+        }
+        dlpack::export_capsule(py, ready, versioned, copy != Some(false))
     }
 
     /// The CUDA Array Interface (version 3) of a tensor in CUDA memory, for consumers such

@@ -8,6 +8,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
+use tensorferry::backend::StreamHandle;
+use tensorferry::transfer::Readable;
 use tensorferry::Tensor;
 
 use crate::errors::IntoPy;
@@ -50,15 +52,17 @@ pub fn wait_until<'a>(
     Ok(true)
 }
 
-/// Makes the consumer's CUDA stream `handle` wait on the GPU for the copy filling
-/// `tensor` (no host wait); a copy not on a GPU yet is waited for here, in slices.
-pub fn order_stream(py: Python<'_>, tensor: &Tensor, handle: usize) -> PyResult<()> {
+/// `tensor`, readable by the consumer whose CUDA stream is `stream`: that stream made to
+/// wait on the GPU for the copy filling it (no host wait); a copy not on a GPU yet is
+/// waited for here, in slices, until it is.
+pub fn ordered<'a>(
+    py: Python<'_>,
+    tensor: &'a Tensor,
+    stream: StreamHandle,
+) -> PyResult<Readable<'a>> {
     loop {
-        // SAFETY: the handle is the stream a DLPack consumer named for this tensor's GPU
-        // (the protocol's contract: a live stream of the process, or 1/2 for the default
-        // streams).
-        if unsafe { tensorferry::transfer::order_stream_after(tensor, handle) }.py_err()? {
-            return Ok(());
+        if let Some(ready) = Readable::ordered(tensor, stream).py_err()? {
+            return Ok(ready);
         }
         // Not on a GPU yet (a staging thread is still queuing it): wait until it is, or
         // done, and ask again.
@@ -66,6 +70,13 @@ pub fn order_stream(py: Python<'_>, tensor: &Tensor, handle: usize) -> PyResult<
             py.check_signals()?;
         }
     }
+}
+
+/// `tensor`, readable by any consumer: the copy filling it waited for in slices (see
+/// [`wait_all`]).
+pub fn readable<'a>(py: Python<'_>, tensor: &'a Tensor) -> PyResult<Readable<'a>> {
+    wait_all(py, [tensor])?;
+    Readable::wait(tensor).py_err()
 }
 
 /// Moves `tensors` to `target` and waits for the copies in slices (see [`wait_all`]): a

@@ -11,12 +11,23 @@ producers do, and honour the calls the fallback makes as the frameworks document
   call returns; another device is a ``BufferError``. Every call is recorded.
 - PyTorch's ROCm build: ``torch.version.hip`` is set, its GPU tensors say ``is_cuda`` and
   ``device.type == "cuda"`` while ``__dlpack_device__`` says kDLROCM, and ``.to("cpu")``
-  copies; there is no CUDA driver. Its MPS, XPU and XLA tensors report their device types.
+  copies; there is no CUDA driver. Its MPS, XPU and XLA tensors report their device types. Uploads (``to_device`` onto
+  those devices) call ``torch.Tensor.to(device, non_blocking=…, copy=…)``, recorded, which
+  gives such a tensor; ``pin_memory`` (what the fallback pins through) is recorded too.
 - JAX: real arrays of its CPU backend, with the platform check answering "tpu" for them, so
-  that they take the path of TPU arrays (which export no DLPack) through ``jax.device_put``.
+  that they take the path of TPU arrays (which export no DLPack) through ``jax.device_put``;
+  ``jax.devices("tpu")`` answers the CPU devices, so that uploads onto "tpu:0" run
+  ``jax.device_put`` (recorded) onto a real device.
+- TensorFlow (where it is not installed): a module answering what the fallback calls,
+  ``tf.identity`` under ``tf.device("/TPU:0")`` recorded, its tensors naming their device as
+  TensorFlow's do.
 """
 
+import contextlib
 import ctypes
+import importlib.util
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -147,8 +158,14 @@ class TorchDeviceTensor:
     def to(self, *args, **kwargs):
         self.calls.append(("to", args, kwargs))
         target = self._torch.device(kwargs.get("device", args[0] if args else None))
+        if target.type == self.device.type and (target.index or 0) == self.device.index:
+            # PyTorch: "If self Tensor already has the correct torch.dtype and torch.device,
+            # then self is returned. Otherwise, the returned tensor is a copy" (or copy=True).
+            if kwargs.get("copy"):
+                return TorchDeviceTensor(self._torch, self._values.clone(), target.type, self.device.index)
+            return self
         if target.type != "cpu":
-            raise RuntimeError(f"this stand-in copies to the host only, not to {target}")
+            raise RuntimeError(f"this stand-in copies to the host or within its device only, not to {target}")
         return self._values.clone()
 
 
@@ -181,6 +198,8 @@ def tpu_jax(jax, monkeypatch):
         return real_put(x, *args, **kwargs)
 
     monkeypatch.setattr(jax, "device_put", device_put)
+    real_devices = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda backend=None: real_devices("cpu" if backend == "tpu" else backend))
 
     def make(values):
         a = jax.numpy.asarray(values)
@@ -437,10 +456,8 @@ def test_pinned_and_staging_name_the_engine_and_the_fallback():
     tf.to_host({"a": {"w": x}}, staging="off")  # no ring asked for: fine
 
 
-def test_to_device_targets_the_engines_devices_and_takes_leaves_from_the_others():
+def test_to_device_takes_leaves_from_the_other_devices_to_the_engines():
     x = DeviceArray([1.0, 2.0], (KDL_METAL, 0))
-    with pytest.raises(tf.InvalidDeviceError):
-        tf.to_device({"x": x}, "mps")  # the fallback moves leaves off such devices, not onto them
     out = tf.to_device({"x": x}, "emu:0")["x"]
     assert out.device == "emu:0"
     np.testing.assert_array_equal(out.numpy(), [1.0, 2.0])
@@ -478,3 +495,272 @@ def test_saved_leaves_load_back_in_their_framework(rocm_torch, tpu_jax, tmp_path
     kernel = tf.load(tmp_path / "jax.safetensors")["kernel"]
     assert isinstance(kernel, jax.Array)
     np.testing.assert_array_equal(np.asarray(kernel), np.arange(3.0))
+
+
+# -- onto the other devices (to_device) ----------------------------------------------------
+
+
+@pytest.fixture
+def uploading_torch(rocm_torch, monkeypatch):
+    """PyTorch whose ``Tensor.to`` onto a device other than the host gives a
+    ``TorchDeviceTensor`` there (a copy), each such call recorded in ``.uploads`` as
+    ``(source, torch.device, keyword arguments)``; ``pin_memory`` recorded in ``.pinned``."""
+    torch = rocm_torch
+    uploads, pinned = [], []
+    real_to, real_pin = torch.Tensor.to, torch.Tensor.pin_memory
+
+    def to(self, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if not isinstance(target, (str, torch.device)) or torch.device(target).type == "cpu":
+            return real_to(self, *args, **kwargs)
+        target = torch.device(target)
+        uploads.append((self, target, {k: v for k, v in kwargs.items() if k != "device"}))
+        return TorchDeviceTensor(torch, self.detach().clone(), target.type, target.index or 0)
+
+    def pin_memory(self, *args, **kwargs):
+        pinned.append(self)
+        return self.clone()
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    torch.uploads, torch.pinned = uploads, pinned
+    yield torch
+    del torch.uploads, torch.pinned
+
+
+class JaxTpuDevice:
+    """A JAX TPU device as JAX's device objects report one (only what ``tensorferry``
+    reads of it: its module, ``platform`` and ``id``)."""
+
+    __module__ = "jaxlib._jax"
+    platform = "tpu"
+
+    def __init__(self, id):
+        self.id = id
+
+
+def _to_upload(torch):
+    """A dictionary of NumPy, PyTorch CPU and emulated leaves, lists of numbers and plain
+    values, to be put on another device."""
+    return {
+        "np": np.arange(3, dtype=np.float32),
+        "layer": {"torch": torch.arange(4.0), "ids": [[1, 2], [3, 4]]},
+        "emu": _emulated(np.full(2, 7, np.int64)),
+        "lr": [0.5, 0.25],
+        "step": 12,
+        "name": "run-1",
+        "betas": (0.9, 0.999),
+        "empty": [],
+    }
+
+
+def _check_uploaded(out, d, values, int_dtype=np.int64):
+    """``out`` keeps ``d``'s structure and plain values (the very objects), and its tensors
+    hold the values of ``d``'s, as ``values`` reads them, in to_device's dtypes for lists
+    (integers in ``int_dtype``, which JAX without x64 narrows int64 to)."""
+    assert list(out) == list(d) and list(out["layer"]) == ["torch", "ids"]
+    assert out["step"] is d["step"] and out["name"] is d["name"] and out["empty"] == []
+    assert out["betas"] == d["betas"] and out["betas"][0] is d["betas"][0]
+    np.testing.assert_array_equal(values(out["np"]), [0, 1, 2])
+    np.testing.assert_array_equal(values(out["layer"]["torch"]), [0, 1, 2, 3])
+    np.testing.assert_array_equal(values(out["emu"]), [7, 7])
+    ids, lr = values(out["layer"]["ids"]), values(out["lr"])
+    assert ids.dtype == int_dtype and ids.shape == (2, 2) and lr.dtype == np.float32
+    np.testing.assert_array_equal(lr, [0.5, 0.25])
+    np.testing.assert_array_equal(d["np"], [0, 1, 2]), "the sources stay as they were"
+
+
+def _torch_values(t):
+    return t._values.numpy()
+
+
+@pytest.mark.parametrize(
+    "device, name", [("mps", "mps:0"), ("mps:0", "mps:0"), ("xla:0", "xla:0"), ("xpu:1", "xpu:1"), ("rocm:0", "cuda:0")]
+)
+def test_to_device_onto_a_pytorch_device_uploads_every_leaf_through_tensor_to(uploading_torch, device, name):
+    torch = uploading_torch
+    d = _to_upload(torch)
+    out = tf.to_device(d, device)
+    _check_uploaded(out, d, _torch_values)
+    leaves = [out["np"], out["layer"]["torch"], out["layer"]["ids"], out["emu"], out["lr"]]
+    assert all(isinstance(t, TorchDeviceTensor) and str(t.device) == name for t in leaves)
+    # One PyTorch upload per tensor, lists of numbers included ("rocm:0" is PyTorch's cuda:0 there).
+    assert len(torch.uploads) == 5
+    assert {str(target) for _, target, _ in torch.uploads} == {name}
+    assert all(kwargs == {"non_blocking": False, "copy": False} for _, _, kwargs in torch.uploads)
+    assert any(source is d["layer"]["torch"] for source, _, _ in torch.uploads), "PyTorch leaves go as they are"
+    assert torch.synced == [], "a blocking upload has read its source when .to returns"
+
+
+def test_to_device_takes_a_torch_device(uploading_torch):
+    torch = uploading_torch
+    d = {"w": np.ones(2, np.float32), "b": [1.0], "tag": "x"}
+    out = tf.to_device(d, torch.device("mps"))
+    assert str(out["w"].device) == "mps:0" and str(out["b"].device) == "mps:0" and out["tag"] is d["tag"]
+    assert [str(target) for _, target, _ in torch.uploads] == ["mps:0", "mps:0"]
+
+
+def test_rocm_is_pytorchs_cuda_only_in_a_rocm_build(uploading_torch, monkeypatch):
+    monkeypatch.setattr(uploading_torch.version, "hip", None)
+    with pytest.raises(tf.DeviceUnavailableError) as info:
+        tf.to_device({"w": np.ones(1)}, "rocm:0")
+    assert "rocm:0" in str(info.value) and "ROCm build" in str(info.value)
+
+
+def test_a_non_blocking_upload_pins_and_hands_out_results_after_the_device_synchronised(uploading_torch):
+    torch = uploading_torch
+    d = {"w": torch.arange(3.0), "x": np.ones(2, np.float32), "n": [1, 2], "step": 3}
+    pending = tf.to_device(d, "rocm:0", non_blocking=True)
+    assert isinstance(pending, tf.Transfer)
+    assert len(torch.pinned) == 3, "host tensors are copied into pinned memory first"
+    assert all(kwargs["non_blocking"] is True for _, _, kwargs in torch.uploads)
+    assert torch.synced == [], "nothing waited yet"
+    out = pending.result()
+    assert torch.synced == [0], "the ROCm GPU synchronised before the results were handed out"
+    np.testing.assert_array_equal(_torch_values(out["w"]), [0, 1, 2])
+    assert out["step"] is d["step"] and str(out["n"].device) == "cuda:0"
+
+
+def test_a_non_blocking_upload_onto_mps_waits_for_mps(uploading_torch):
+    torch = uploading_torch
+    pending = tf.to_device({"w": np.ones(2, np.float32)}, "mps", non_blocking=True)
+    assert torch.synced == []
+    out = pending.result()
+    assert torch.synced == ["mps"] and str(out["w"].device) == "mps:0"
+
+
+def test_tensors_already_on_the_device_stay_unless_copy(uploading_torch):
+    torch = uploading_torch
+    on_mps, on_gpu = TorchDeviceTensor(torch, [1.0], "mps"), TorchDeviceTensor(torch, [2.0], "cuda")
+    out = tf.to_device({"a": on_mps}, "mps")
+    assert out["a"] is on_mps and on_mps.calls[-1][2] == {"non_blocking": False, "copy": False}
+    assert tf.to_device({"b": on_gpu}, "rocm:0")["b"] is on_gpu, "the ROCm build's cuda:0 is rocm:0"
+    copied = tf.to_device({"a": on_mps}, "mps:0", copy=True)["a"]
+    assert copied is not on_mps and str(copied.device) == "mps:0"
+    assert torch.equal(copied._values, on_mps._values)
+
+
+def test_one_tensor_under_two_keys_is_uploaded_once_and_stays_shared(uploading_torch):
+    torch = uploading_torch
+    w = torch.ones(3)
+    out = tf.to_device({"encoder": w, "decoder": w}, "xpu:0")
+    assert out["encoder"] is out["decoder"] and len(torch.uploads) == 1
+
+
+def test_an_upload_pytorch_refuses_names_the_key_and_the_device(rocm_torch):
+    # No stand-in: this PyTorch has no MPS backend, and says so.
+    with pytest.raises(tf.DeviceUnavailableError) as info:
+        tf.to_device({"model": {"w": np.ones(2)}}, "mps")
+    text = str(info.value)
+    assert "model/w" in text and "mps:0" in text and "PyTorch" in text, text
+
+
+@pytest.mark.parametrize("device", ["tpu", "tpu:0", JaxTpuDevice(0)])
+def test_to_device_onto_a_tpu_puts_every_leaf_through_jax_device_put(tpu_jax, torch, device):
+    jax = tpu_jax
+    d = _to_upload(torch)
+    d["layer"]["jax"] = jax.numpy.arange(2.0)
+    out = tf.to_device(d, device)
+    d["layer"].pop("jax")
+    kernel = out["layer"].pop("jax")
+    _check_uploaded(out, d, np.asarray, jax.dtypes.canonicalize_dtype(np.int64))
+    leaves = [kernel, out["np"], out["layer"]["torch"], out["layer"]["ids"], out["emu"], out["lr"]]
+    assert all(isinstance(a, jax.Array) for a in leaves)
+    # One device_put per tensor onto JAX's "tpu" device (the CPU device stands for it).
+    assert len(jax.puts) == 6 and {args[0] for _, args, _ in jax.puts} == {jax.devices("tpu")[0]}
+    np.testing.assert_array_equal(np.asarray(kernel), [0.0, 1.0])
+
+
+def test_jax_leaves_are_put_as_they_are(tpu_jax):
+    jax = tpu_jax
+    a = jax.numpy.arange(3.0)
+    tf.to_device({"a": a}, "tpu:0")
+    assert [x is a for x, _, _ in jax.puts] == [True]
+
+
+def test_a_non_blocking_upload_onto_a_tpu_is_a_transfer(tpu_jax):
+    jax = tpu_jax
+    pending = tf.to_device({"w": np.arange(3.0, dtype=np.float32), "b": [1.0]}, "tpu", non_blocking=True)
+    assert isinstance(pending, tf.Transfer) and len(jax.puts) == 2
+    out = pending.result()
+    assert isinstance(out["w"], jax.Array) and isinstance(out["b"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(out["w"]), [0.0, 1.0, 2.0])
+
+
+def test_like_other_than_the_owning_framework_is_a_format_error(uploading_torch, tpu_jax):
+    for device, like, owner in (("mps", "jax", "torch"), ("xla:0", "numpy", "torch"), ("tpu", "torch", "jax")):
+        with pytest.raises(tf.FormatError) as info:
+            tf.to_device({"w": np.ones(1)}, device, like=like)
+        text = str(info.value)
+        assert repr(like) in text and repr(owner) in text, text
+    assert str(tf.to_device({"w": np.ones(1)}, "mps", like="torch")["w"].device) == "mps:0"
+
+
+def test_staging_names_the_engine_and_the_fallback_for_an_upload(uploading_torch):
+    with pytest.raises(tf.DeviceUnavailableError) as info:
+        tf.to_device({"w": np.ones(1)}, "mps", staging="on")
+    text = str(info.value)
+    assert "mps:0" in text and "fallback" in text and "engine" in text and "PyTorch" in text, text
+    assert uploading_torch.uploads == []
+
+
+def test_a_malformed_device_is_still_an_invalid_device_error_naming_the_framework_devices():
+    for bad in ("mps:x", "tpu:-1", "xla0", "metal", "bogus"):
+        with pytest.raises(tf.InvalidDeviceError) as info:
+            tf.to_device({"w": np.ones(1)}, bad)
+        assert f'"{bad}"' in str(info.value) and '"mps"' in str(info.value) and '"tpu"' in str(info.value)
+
+
+@pytest.fixture
+def tpu_tensorflow(monkeypatch):
+    """TensorFlow, where it is not installed, as the fallback calls it: ``tf.device(name)``
+    a context, ``tf.identity`` a copy placed on the innermost device (recorded in
+    ``.placed``), ``tf.test.experimental.sync_devices`` recorded in ``.synced``; its
+    tensors name their device as TensorFlow does ("/job:localhost/…/device:TPU:0")."""
+    if importlib.util.find_spec("tensorflow") is not None:
+        pytest.skip("TensorFlow is installed: the stand-in would shadow it")
+    tf_module = types.ModuleType("tensorflow")
+    placed, synced, scopes = [], [], ["/CPU:0"]
+
+    class Tensor:
+        __module__ = "tensorflow.python.framework.ops"
+
+        def __init__(self, values, device):
+            self.values = np.asarray(values)
+            self.device = f"/job:localhost/replica:0/task:0/device:{device.strip('/')}"
+
+        def numpy(self):
+            return self.values.copy()
+
+    class Variable(Tensor):
+        pass
+
+    @contextlib.contextmanager
+    def device(name):
+        scopes.append(name)
+        try:
+            yield
+        finally:
+            scopes.pop()
+
+    def identity(x):
+        placed.append((x, scopes[-1]))
+        return Tensor(x.values.copy(), scopes[-1])
+
+    tf_module.Tensor, tf_module.Variable, tf_module.device, tf_module.identity = Tensor, Variable, device, identity
+    tf_module.test = types.SimpleNamespace(experimental=types.SimpleNamespace(sync_devices=lambda: synced.append(1)))
+    tf_module.placed, tf_module.synced = placed, synced
+    monkeypatch.setitem(sys.modules, "tensorflow", tf_module)
+    return tf_module
+
+
+def test_tensorflow_leaves_go_onto_a_tpu_through_identity_under_device(tpu_tensorflow, tpu_jax):
+    tf_module, jax = tpu_tensorflow, tpu_jax
+    x = tf_module.Tensor([1.0, 2.0], "/CPU:0")
+    d = {"tf": x, "np": np.ones(2, np.float32), "step": 1}
+    out = tf.to_device(d, "tpu:0")
+    assert [(src is x, where) for src, where in tf_module.placed] == [(True, "/TPU:0")]
+    assert isinstance(out["tf"], tf_module.Tensor) and out["tf"].device.endswith("device:TPU:0")
+    np.testing.assert_array_equal(out["tf"].values, [1.0, 2.0])
+    assert tf_module.synced == [1], "TensorFlow's devices synchronised before the results were handed out"
+    assert isinstance(out["np"], jax.Array) and out["step"] is d["step"]

@@ -60,6 +60,48 @@ def test_legacy_dlpack_consumers_get_a_capsule():
     assert t.__dlpack_device__() == (1, 0)
 
 
+def test_a_dlpack_major_version_we_do_not_know_is_refused_and_released():
+    # A producer that ignores max_version=(1, 1) and hands over a DLPack 2.0 tensor: the
+    # spec has the consumer read nothing but the version, and call the deleter.
+    import ctypes as C
+
+    class Version(C.Structure):
+        _fields_ = [("major", C.c_uint32), ("minor", C.c_uint32)]
+
+    class DLTensor(C.Structure):
+        _fields_ = [("data", C.c_void_p), ("device_type", C.c_int32), ("device_id", C.c_int32),
+                    ("ndim", C.c_int32), ("code", C.c_uint8), ("bits", C.c_uint8),
+                    ("lanes", C.c_uint16), ("shape", C.POINTER(C.c_int64)),
+                    ("strides", C.c_void_p), ("byte_offset", C.c_uint64)]
+
+    Deleter = C.CFUNCTYPE(None, C.c_void_p)
+
+    class Managed(C.Structure):
+        _fields_ = [("version", Version), ("manager_ctx", C.c_void_p), ("deleter", Deleter),
+                    ("flags", C.c_uint64), ("dl_tensor", DLTensor)]
+
+    data = (C.c_uint8 * 4)(1, 2, 3, 4)
+    shape = (C.c_int64 * 1)(4)
+    deleted = []
+    deleter = Deleter(lambda p: deleted.append(p))
+    managed = Managed(Version(2, 0), None, deleter, 0,
+                      DLTensor(C.addressof(data), 1, 0, 1, 1, 8, 1, shape, None, 0))
+    new_capsule = C.pythonapi.PyCapsule_New
+    new_capsule.restype = C.py_object
+    new_capsule.argtypes = [C.c_void_p, C.c_char_p, C.c_void_p]
+
+    class Producer:
+        def __dlpack__(self, **kwargs):
+            return new_capsule(C.addressof(managed), b"dltensor_versioned", None)
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    with pytest.raises(tf.TensorferryError, match="major version 2"):
+        tf.Tensor.from_dlpack(Producer())
+    assert deleted == [C.addressof(managed)]
+
+
 def test_jax_reads_our_tensor(jax):
     import jax.numpy as jnp
 

@@ -10,6 +10,7 @@ use crate::dtype::{DLDataType, DType};
 use crate::error::{Error, Result};
 use crate::storage::{ForeignMemory, Storage};
 use crate::tensor::{byte_extent, checked_numel, contiguous_strides, Tensor};
+use crate::transfer::Readable;
 
 /// `DLDevice`.
 #[repr(C)]
@@ -127,10 +128,11 @@ pub fn device_of(dl: DLDevice) -> Result<Device> {
 ///
 /// ```
 /// use tensorferry::dlpack::{export_versioned, import, ManagedTensor};
+/// use tensorferry::transfer::Readable;
 /// use tensorferry::Tensor;
 ///
 /// let t = Tensor::from_slice(&[1i32, 2, 3], &[3])?;
-/// let p = export_versioned(&t);
+/// let p = export_versioned(Readable::wait(&t)?);
 /// // SAFETY: `p` was just exported, is released by nobody else, and is handed over whole.
 /// let managed = unsafe { ManagedTensor::versioned(p) };
 /// // SAFETY: `managed` comes from a DLPack producer (ours) and has a valid descriptor.
@@ -173,6 +175,16 @@ impl ManagedTensor {
     /// As for [`ManagedTensor::versioned`].
     pub unsafe fn legacy(p: *mut DLManagedTensor) -> ManagedTensor {
         ManagedTensor(Managed::Legacy(p))
+    }
+
+    /// The producer's DLPack version (`None` for a pre-1.0 tensor, which has none). The
+    /// version and the deleter are the only fields whose place every major version keeps.
+    fn version(&self) -> Option<DLPackVersion> {
+        match self.0 {
+            // SAFETY: as in `tensor`; `version` is the first field in every major version.
+            Managed::Versioned(p) => Some(unsafe { (*p).version }),
+            Managed::Legacy(_) => None,
+        }
     }
 
     fn tensor(&self) -> &DLTensor {
@@ -221,7 +233,10 @@ impl Drop for ManagedTensor {
 /// returns the owner that keeps it alive (and releases it when dropped); use
 /// `|m| Box::new(m)` unless releasing needs more (a lock, an interpreter).
 ///
-/// On error the managed tensor is released through `wrap`'s owner as well.
+/// On error the managed tensor is released through `wrap`'s owner as well. A DLPack 1.x
+/// tensor of another major version than [`VERSION`]'s is refused before any field but its
+/// version is read (its layout may differ), and released, as the specification requires
+/// of a consumer; a newer minor version is accepted.
 ///
 /// # Safety
 /// `managed` must come from a DLPack producer, not yet released, with a valid descriptor.
@@ -229,6 +244,17 @@ pub unsafe fn import(
     managed: ManagedTensor,
     wrap: impl FnOnce(ManagedTensor) -> Box<dyn Any + Send + Sync>,
 ) -> Result<Tensor> {
+    if let Some(version) = managed.version().filter(|v| v.major != VERSION.major) {
+        drop(wrap(managed));
+        return Err(Error::InvalidValue {
+            key: String::new(),
+            reason: format!(
+                "a DLPack tensor of major version {}.{} (tensorferry reads {}.x): its layout \
+                 is unknown; ask the producer for version {}.x (max_version)",
+                version.major, version.minor, VERSION.major, VERSION.major
+            ),
+        });
+    }
     let described = describe(managed.tensor());
     let read_only = managed.read_only();
     let owner = wrap(managed);
@@ -360,9 +386,12 @@ fn shape_strides(t: &Tensor) -> (Vec<i64>, Vec<i64>) {
     )
 }
 
-/// Exports `t` as a DLPack 1.x managed tensor that keeps `t`'s storage alive until its
-/// deleter is called. The caller hands the pointer to exactly one consumer.
-pub fn export_versioned(t: &Tensor) -> *mut DLManagedTensorVersioned {
+/// Exports a tensor as a DLPack 1.x managed tensor that keeps its storage alive until its
+/// deleter is called. The caller hands the pointer to exactly one consumer: the one that
+/// `ready` was made for (any consumer when the copy filling the memory was waited for; the
+/// work on one CUDA stream when that stream was ordered after it).
+pub fn export_versioned(ready: Readable<'_>) -> *mut DLManagedTensorVersioned {
+    let t = ready.tensor();
     // The consumer may queue device work on the memory and release it before that work ran.
     t.storage().lend();
     let (shape, strides) = shape_strides(t);
@@ -384,9 +413,11 @@ pub fn export_versioned(t: &Tensor) -> *mut DLManagedTensorVersioned {
     Box::into_raw(b) as *mut DLManagedTensorVersioned
 }
 
-/// Exports `t` as a pre-1.0 managed tensor (for consumers that do not ask for a version).
-/// Read-only memory cannot be marked as such in this form; callers decide whether to allow it.
-pub fn export_legacy(t: &Tensor) -> *mut DLManagedTensor {
+/// Exports a tensor as a pre-1.0 managed tensor (for consumers that do not ask for a
+/// version), as [`export_versioned`] does. Read-only memory cannot be marked as such in
+/// this form; callers decide whether to allow it.
+pub fn export_legacy(ready: Readable<'_>) -> *mut DLManagedTensor {
+    let t = ready.tensor();
     // As in `export_versioned`.
     t.storage().lend();
     let (shape, strides) = shape_strides(t);
@@ -414,7 +445,7 @@ mod tests {
     fn an_exported_tensor_imports_back_without_copying() {
         let t = Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
         let v = t.transpose(0, 1).unwrap();
-        let p = export_versioned(&v);
+        let p = export_versioned(Readable::wait(&v).unwrap());
         // SAFETY: `p` was just exported and is released by the imported tensor's owner.
         let back = unsafe { import(ManagedTensor::versioned(p), |m| Box::new(m)) }.unwrap();
         assert_eq!(back.shape(), &[3, 2]);
@@ -425,7 +456,7 @@ mod tests {
     #[test]
     fn legacy_export_round_trips_and_read_only_is_flagged() {
         let t = Tensor::from_slice(&[1.5f64], &[]).unwrap();
-        let p = export_legacy(&t);
+        let p = export_legacy(Readable::wait(&t).unwrap());
         // SAFETY: as above.
         let back = unsafe { import(ManagedTensor::legacy(p), |m| Box::new(m)) }.unwrap();
         assert_eq!(back.to_vec::<f64>().unwrap(), vec![1.5]);
@@ -437,7 +468,7 @@ mod tests {
         // A producer's description is not trusted: its extent is checked arithmetic, not a
         // wrapped address (this computation was unchecked once).
         let t = Tensor::from_slice(&[1u8; 4], &[2, 2]).unwrap();
-        let p = export_versioned(&t);
+        let p = export_versioned(Readable::wait(&t).unwrap());
         // SAFETY: `p` was just exported by this test, which owns its two strides; the
         // import below releases it.
         unsafe { *(*p).dl_tensor.strides = i64::MAX };
@@ -454,10 +485,71 @@ mod tests {
     fn the_source_outlives_its_last_handle_through_the_export() {
         let p = {
             let t = Tensor::from_slice(&[9u8; 3], &[3]).unwrap();
-            export_versioned(&t)
+            export_versioned(Readable::wait(&t).unwrap())
         };
         // SAFETY: as above.
         let back = unsafe { import(ManagedTensor::versioned(p), |m| Box::new(m)) }.unwrap();
         assert_eq!(back.to_vec::<u8>().unwrap(), vec![9, 9, 9]);
+    }
+
+    /// A producer's deleter that counts its calls and frees the descriptor, for tests
+    /// that hand `import` a hand-made managed tensor.
+    unsafe extern "C" fn counting_deleter(p: *mut DLManagedTensorVersioned) {
+        // SAFETY: `p` is the `Box` leaked by `hand_made`; this deleter runs once.
+        let b = unsafe { Box::from_raw(p) };
+        // SAFETY: `manager_ctx` is the counter leaked by `hand_made`, alive for the test.
+        unsafe { &*(b.manager_ctx as *const std::sync::atomic::AtomicUsize) }
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    #[test]
+    fn a_producer_major_version_we_do_not_know_is_refused_and_released() {
+        static DELETED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let data = [7u8; 4];
+        let mut shape = [4i64];
+        let p = Box::into_raw(Box::new(DLManagedTensorVersioned {
+            version: DLPackVersion {
+                major: VERSION.major + 1,
+                minor: 0,
+            },
+            manager_ctx: &DELETED as *const _ as *mut c_void,
+            deleter: Some(counting_deleter),
+            flags: 0,
+            // What a 1.x consumer would read there; a 2.x layout may differ.
+            dl_tensor: DLTensor {
+                data: data.as_ptr() as *mut c_void,
+                device: dl_device(Device::Cpu),
+                ndim: 1,
+                dtype: DType::U8.dlpack(),
+                shape: shape.as_mut_ptr(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+        }));
+        // SAFETY: `p` is a valid, unreleased managed tensor handed over whole.
+        let err = unsafe { import(ManagedTensor::versioned(p), |m| Box::new(m)) }
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("DLPack") && err.contains("major version 2"),
+            "{err}"
+        );
+        assert_eq!(
+            DELETED.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "the spec has the consumer call the deleter of a tensor it refuses"
+        );
+    }
+
+    #[test]
+    fn a_newer_minor_version_of_our_major_is_accepted() {
+        let t = Tensor::from_slice(&[1u16, 2], &[2]).unwrap();
+        let p = export_versioned(Readable::wait(&t).unwrap());
+        // SAFETY: `p` was just exported and nobody else holds it.
+        unsafe { (*p).version.minor = VERSION.minor + 5 };
+        // SAFETY: as above.
+        let back = unsafe { import(ManagedTensor::versioned(p), |m| Box::new(m)) }.unwrap();
+        assert_eq!(back.to_vec::<u16>().unwrap(), vec![1, 2]);
     }
 }

@@ -21,14 +21,14 @@ from ._errors import (
     DeviceUnavailableError,
     FormatError,
     OutOfMemoryError,
-    TensorferryOverflowError,
     TensorferryTypeError,
     naming_key,
 )
+from ._data import data_to_tensor, numeric_data
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many, torch_chunks
 from ._transfer import Transfer, run_in_background
-from ._tree import MAX_DEPTH, dotted, shown, container_kind, _LIST, _TUPLE
+from ._tree import dotted, shown
 
 _FRAMEWORKS_KEY = "tensorferry.frameworks"
 _RESERVED_PREFIX = "tensorferry"
@@ -419,82 +419,19 @@ def _torch_no_numpy():
     return (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _is_number(x):
-    return type(x) in (int, float, bool) or isinstance(x, (int, float))
-
-
-def _numeric_data(obj, depth=0):
-    """True for a non-empty list holding only numbers and such lists: data to become one
-    tensor (a tuple is a record, never data). Lists nested deeper than a walk goes are
-    not data (the walk then refuses them with the depth)."""
-    kind = container_kind(obj)
-    if kind != _LIST or not obj or depth >= MAX_DEPTH:
-        return False
-    for x in obj:
-        if _is_number(x):
-            continue
-        if not _numeric_data(x, depth + 1):
-            return False
-    return True
-
-
-_STANDARD = {"f": np.float32, "i": np.int64, "u": np.int64, "b": np.bool_}
-
-
-def _data_to_tensor(data, path):
-    try:
-        with warnings.catch_warnings():
-            # NumPy 1.x warns and makes an object array of a ragged list; 2.x raises.
-            warnings.simplefilter("ignore")
-            arr = np.asarray(data)
-    except (ValueError, RuntimeError) as e:
-        raise FormatError(f"ragged list at {shown(path)!r} cannot become a tensor: {e}") from None
-    if (arr.dtype.kind in "uf" and _all_ints(data)) or (arr.dtype.kind == "O" and _beyond_int64(data)):
-        # NumPy makes uint64, float64 or objects of lists holding integers beyond int64.
-        raise TensorferryOverflowError(
-            f"cannot handle the value at {shown(path)!r}: an integer does not fit in int64"
-        )
-    if arr.dtype.kind not in _STANDARD:
-        raise FormatError(f"ragged list at {shown(path)!r} cannot become a tensor (rows differ in length)")
-    if arr.dtype.kind == "f":
-        with np.errstate(over="ignore"):
-            narrow = arr.astype(np.float32)
-        if np.isinf(narrow).any() and not np.array_equal(np.isinf(narrow), np.isinf(arr)):
-            raise TensorferryOverflowError(
-                f"cannot handle the value at {shown(path)!r}: a finite number exceeds float32's range "
-                f"(±{float(np.finfo(np.float32).max):.4g}); pass a float64 NumPy array to keep it"
-            )
-        arr = narrow
-    arr = np.ascontiguousarray(arr, dtype=_STANDARD[arr.dtype.kind])
-    return fw.Tensor.from_numpy(arr)
-
-
-def _numbers(data):
-    """Every number of the nested list ``data``."""
-    stack = [data]
-    while stack:
-        x = stack.pop()
-        if container_kind(x) in (_LIST, _TUPLE):
-            stack.extend(x)
-        else:
-            yield x
-
-
-def _beyond_int64(data):
-    """True when the nested list ``data`` holds an integer outside int64's range."""
-    return any(isinstance(x, int) and not -(2**63) <= x < 2**63 for x in _numbers(data))
-
-
-def _all_ints(data):
-    """True when every number in the nested list ``data`` is an int (bools included)."""
-    return all(isinstance(x, int) for x in _numbers(data))
-
-
 @gc_paused
 def to_device(obj, device, *, non_blocking=False, stream=None, staging="auto", like=None, copy=False):
     """Moves every tensor in ``obj`` to ``device`` ("cpu", "cuda", "cuda:1", "emu:0"; or a
     GPU index, a ``torch.device``, a JAX or a CuPy device, as every function that takes a
     device does).
+
+    ``device`` may also be one only a framework drives: "mps", "xpu:N", "xla:N", "hpu:N"
+    and "rocm:N" (a ROCm build's "cuda:N") are PyTorch's, "tpu:N" JAX's (also as
+    ``torch.device`` and JAX device objects). Every tensor and list of numbers then goes
+    through that framework's upload (``Tensor.to``, ``jax.device_put``; TensorFlow leaves
+    onto a TPU ``tf.identity`` under ``tf.device``) and the results are its tensors;
+    ``like`` may only name it, ``staging`` rings are refused, and a non-blocking result
+    comes after the framework's own synchronisation.
 
     Lists of Python numbers (rectangular, nested lists) are data: they become
     ``tensorferry.Tensor`` leaves in a standard dtype: float -> float32, int -> int64, bool
@@ -528,7 +465,11 @@ def to_device(obj, device, *, non_blocking=False, stream=None, staging="auto", l
     'emu:0'
     """
     _not_a_handle(obj, "to_device")
-    target = _devices.name_of(device)
+    target = _devices.name_of(device, frameworks=True)
+    if _fallback.owner_of(target) is not None:  # mps, xpu, xla, hpu, rocm, tpu: their framework's copies
+        _check_staging(staging)
+        _sync_producer(stream)
+        return _fallback.onto(obj, target, non_blocking=non_blocking, like=like, copy=copy, staging=staging)
     _fallback.ensure_device(target)
     _check_staging(staging)
     _check_like(like)
@@ -536,7 +477,7 @@ def to_device(obj, device, *, non_blocking=False, stream=None, staging="auto", l
         raise FormatError(f"like={like!r} cannot hold memory of {target}")
 
     def select(x, path):
-        return fw.kind_of(x) is not None or _numeric_data(x)
+        return fw.kind_of(x) is not None or numeric_data(x)
 
     leaves = _native.collect_tensors(obj, fw.kind_of, False, select)
     _sync_producer(stream, leaves, target)
@@ -548,7 +489,7 @@ def to_device(obj, device, *, non_blocking=False, stream=None, staging="auto", l
         tensors = []
         for path, leaf in leaves:
             if fw.kind_of(leaf) is None:
-                t = _data_to_tensor(leaf, path)
+                t = data_to_tensor(leaf, path)
                 if target == "cpu":
                     out[id(leaf)] = t  # already a fresh host tensor
                     continue

@@ -22,9 +22,22 @@ keys is copied once; errors name the key and the device. What only the engine ha
 pinned pool (``pinned=True``) and its staging ring (``staging="on"`` or a size) — is refused
 for such leaves with a :class:`DeviceUnavailableError` that names the fallback. Results on an
 engine device other than the host (``to_device(d, "emu:0")`` of a TPU leaf) cross the host:
-the framework's copy first, then the engine's. Moving leaves onto devices the engine does
-not drive (``to_device(d, "mps")``) is the frameworks' own business: tensorferry's device
-names are the engine's.
+the framework's copy first, then the engine's.
+
+``to_device`` also puts a dictionary onto such a device (:func:`onto`): "mps", "xpu:N",
+"xla:N", "hpu:N" and "rocm:N" (a ROCm build's "cuda:N") are PyTorch's, "tpu:N" is JAX's.
+Every tensor leaf and every list of numbers goes through that framework's upload:
+
+- PyTorch: ``Tensor.to(device, non_blocking=…, copy=…)``; with ``non_blocking``, from a
+  pinned host copy where PyTorch can pin, and ``torch.<backend>.synchronize()`` before the
+  result is handed out.
+- JAX: ``jax.device_put`` onto the TPU device, ``block_until_ready`` before the result is
+  handed out (also without ``non_blocking``: sources may be reused once the call returns).
+- TensorFlow leaves onto a TPU: ``tf.identity`` under ``tf.device("/TPU:N")``.
+
+Leaves of other frameworks (NumPy, tensorferry, JAX onto PyTorch's devices, PyTorch onto a
+TPU, …) cross into the owning framework on the host first, through DLPack (emulated leaves
+through the engine, leaves on other framework devices through their framework).
 
 None of this has run on ROCm, MPS, TPU, XLA or oneAPI hardware: the tests use stand-ins that
 report those devices as the real producers do (``tests/test_other_devices.py``).
@@ -36,7 +49,9 @@ import numpy as np
 
 from . import _frameworks as fw
 from . import _native
+from ._data import data_to_tensor, numeric_data
 from ._errors import DeviceUnavailableError, FormatError
+from ._transfer import Transfer
 from ._tree import shown
 
 
@@ -94,6 +109,12 @@ def _refuse_engine_options(other, pinned, staging):
     path, _, kind, device = other[0]
     where = f"the value at {shown(path)!r} lives on {device}, which tensorferry's engine does not drive"
     how = f"it moves through {_NAMES.get(kind, kind)}'s own copies instead (tensorferry's fallback)"
+    _refuse(pinned, staging, where, how)
+
+
+def _refuse(pinned, staging, where, how):
+    """The refusal of :func:`_refuse_engine_options`, ``where`` saying which device the
+    engine does not drive and ``how`` what moves the tensors instead."""
     if pinned:
         raise DeviceUnavailableError(
             f"pinned=True asks for tensorferry's pinned pool, which only its engine fills (cpu, cuda, emu); "
@@ -148,18 +169,25 @@ class Started:
         return self._results
 
 
-def _framework_call(path, device, kind, call):
+def _framework_call(path, device, kind, call, direction="from"):
     """``call()``, a framework's failure raised as a :class:`DeviceUnavailableError` naming
-    the key, the device and the framework."""
+    the key, the device (the copy's source, or with ``direction="onto"`` its target) and
+    the framework."""
     try:
         return call()
     except (FormatError, DeviceUnavailableError):
         raise
     except Exception as e:
         raise DeviceUnavailableError(
-            f"cannot move the value at {shown(path)!r} from {device}: {_NAMES.get(kind, kind)} "
-            f"refused the copy ({type(e).__name__}: {e})"
+            f"cannot move the value at {shown(path)!r} {direction} {device}: {_NAMES.get(kind, kind)} "
+            f"refused the copy ({type(e).__name__}: {_first_line(e)})"
         ) from e
+
+
+def _first_line(error):
+    """The first line of a framework's message (PyTorch's dispatcher errors run to pages)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else text
 
 
 def _to_host(leaf, kind, device, non_blocking):
@@ -198,10 +226,15 @@ def _torch_synchronize(torch, device):
     """Waits for the work PyTorch queued on ``device`` ("rocm:0" — ``torch.cuda`` in a ROCm
     build —, "mps:0", "xpu:1", …)."""
     kind, _, index = device.partition(":")
+    if kind == "xla" and "torch_xla" in sys.modules:
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()  # XLA's: waits for every device's pending work
+        return
     module = getattr(torch, "cuda" if kind == "rocm" else kind, None)
     sync = getattr(module, "synchronize", None)
     if sync is None:
-        return  # a backend without one (XLA) copies to the host synchronously
+        return  # a backend without one copies synchronously
     try:
         sync(int(index or 0))
     except TypeError:
@@ -270,7 +303,7 @@ def on_host_tree(obj):
 def ensure_device(target):
     """``_native.ensure_device(target)``; where PyTorch is a ROCm build, the error for an
     absent CUDA GPU says that its "cuda" GPUs are AMD GPUs, which only the fallback reaches
-    (and only to move tensors off them)."""
+    (as "rocm:N" for ``to_device``)."""
     try:
         return _native.ensure_device(target)
     except DeviceUnavailableError as e:
@@ -279,5 +312,189 @@ def ensure_device(target):
         raise DeviceUnavailableError(
             f"{e}. PyTorch here is a ROCm build: its \"cuda\" GPUs are AMD GPUs, which tensorferry's engine "
             "does not drive (it drives CUDA). Its fallback moves tensors off them through PyTorch's own copies "
-            "(to_host, to_numpy, save); to put tensors on them, use PyTorch (tensor.to('cuda'))"
+            f"(to_host, to_numpy, save), and onto them with to_device(obj, \"rocm:{target.partition(':')[2] or 0}\")"
         ) from None
+
+
+# -- onto a device only its framework drives (to_device) ----------------------------------
+
+# The framework that owns each such device: PyTorch's backends, and JAX's TPUs.
+_OWNERS = {"mps": fw.TORCH, "xpu": fw.TORCH, "xla": fw.TORCH, "hpu": fw.TORCH, "rocm": fw.TORCH, "tpu": fw.JAX}
+
+
+def owner_of(target):
+    """The framework that owns the device ``target`` ("mps:0", "tpu:1", …; see
+    ``_devices.FRAMEWORK_DEVICES``), or None for the engine's devices."""
+    return _OWNERS.get(target.partition(":")[0])
+
+
+def onto(obj, target, *, non_blocking, like, copy, staging):
+    """``to_device(obj, target)`` onto a device only its framework drives: every tensor
+    leaf and list of numbers uploaded by that framework (TensorFlow leaves onto a TPU by
+    TensorFlow, unless ``like="jax"``), non-tensors kept as the very objects. Leaves
+    already there are kept unless ``copy``. With ``non_blocking``, a :class:`Transfer`
+    whose result comes after the framework's own completion."""
+    owner = owner_of(target)
+    if like not in (None, owner):
+        raise FormatError(
+            f"like={like!r} cannot hold memory of {target}: tensors there are {_NAMES[owner]}'s "
+            f"(like=None or like={owner!r})"
+        )
+    how = f"tensors move onto it through {_NAMES[owner]}'s own copies instead (tensorferry's fallback)"
+    _refuse(False, staging, f"{target} is a device tensorferry's engine does not drive", how)
+    if not fw.importable(owner):
+        raise DeviceUnavailableError(f"{target} is {_NAMES[owner]}'s device, and {_NAMES[owner]} is not installed")
+    upload = _Upload(target, owner, non_blocking, copy, like)
+    leaves = _native.collect_tensors(obj, fw.kind_of, False, lambda x, _: fw.kind_of(x) is not None or numeric_data(x))
+    tree = _native.rebuild(obj, upload.run(leaves), False, fw.kind_of)
+    if not non_blocking:
+        upload.wait()
+        return tree
+
+    def finish():
+        upload.wait()
+        return tree
+
+    return Transfer([], finish)
+
+
+class _Upload:
+    """The uploads of one ``to_device`` onto ``target``, and what waits for them."""
+
+    def __init__(self, target, owner, non_blocking, copy, like):
+        self.target, self.owner = target, owner
+        self.non_blocking, self.copy, self.like = non_blocking, copy, like
+        self._waits = {}  # (path, framework, wait) by what it waits for
+        self._sources = []  # host copies the frameworks may still read until the waits
+        self._crossed = set()  # their ids
+        self._devices = {}  # framework: its device object of the target
+
+    def run(self, leaves):
+        """``{id(leaf): result}`` for ``[(path, leaf)]`` (one upload per distinct leaf)."""
+        direct, crossing, seen = [], [], set()
+        for path, leaf in leaves:
+            if id(leaf) in seen:
+                continue  # one tensor under several keys: one copy
+            seen.add(id(leaf))
+            kind = fw.kind_of(leaf)
+            if kind == self.owner or (kind == fw.TENSORFLOW and self.owner == fw.JAX and self.like is None):
+                direct.append((path, leaf, kind, leaf))
+            else:
+                crossing.append((path, leaf))
+        return {id(leaf): self._one(path, kind, tensor) for path, leaf, kind, tensor in direct + self._cross(crossing)}
+
+    def _cross(self, leaves):
+        """``[(path, leaf, owner, host tensor of the owner)]`` for leaves of other frameworks
+        and lists of numbers: host copies from their frameworks where the engine does not
+        drive their device, the engine's host copies of emulated ones, DLPack to the owner."""
+        if not leaves:
+            return []
+        paths = [p for p, _ in leaves]
+        tensors = [data_to_tensor(x, p) if fw.kind_of(x) is None else x for p, x in leaves]
+        kinds = [fw.kind_of(t) for t in tensors]
+        tensors, kinds = on_host(tensors, kinds, paths)
+        natives = fw.to_native_many(tensors, kinds, paths)
+        host = _native.move_tensors(natives, "cpu", False, False, False, "off")
+        owned = fw.from_native_many(host, [self.owner] * len(host), paths)
+        self._sources += owned
+        self._crossed.update(id(t) for t in owned)
+        return [(p, leaf, self.owner, t) for (p, leaf), t in zip(leaves, owned)]
+
+    def _one(self, path, kind, tensor):
+        """The upload of one tensor of framework ``kind``, its wait recorded."""
+        result = _framework_call(path, self.target, kind, lambda: self._put(kind, tensor), "onto")
+        if kind == fw.JAX:
+            self._waits[id(result)] = (path, kind, result.block_until_ready)  # JAX waits per array
+        elif kind == fw.TORCH:
+            torch = sys.modules["torch"]
+            self._waits.setdefault(kind, (path, kind, lambda: _torch_synchronize(torch, self.target)))
+        else:
+            self._waits.setdefault(kind, (path, kind, _tf_sync_devices))
+        return result
+
+    def _put(self, kind, tensor):
+        if kind == fw.TORCH:
+            return _torch_onto(tensor, self._device(kind), self.non_blocking, self.copy)
+        if kind == fw.JAX:
+            # Tensors crossed from other frameworks are temporaries: never aliased.
+            return _jax_onto(tensor, self._device(kind), not (self.copy or id(tensor) in self._crossed))
+        return _tf_onto(tensor, self.target)
+
+    def _device(self, kind):
+        """The framework's device object of the target, found once."""
+        if kind not in self._devices:
+            self._devices[kind] = _torch_device(self.target) if kind == fw.TORCH else _jax_device_of(self.target)
+        return self._devices[kind]
+
+    def wait(self):
+        """Waits for every upload by its framework's own completion."""
+        for path, kind, wait in self._waits.values():
+            if kind != fw.TORCH or self.non_blocking:  # PyTorch's blocking uploads have read their source
+                _framework_call(path, self.target, kind, wait, "onto")
+        self._waits, self._sources, self._crossed = {}, [], set()
+
+
+def _torch_device(target):
+    """The ``torch.device`` of ``target``: "rocm:N" is "cuda:N" in PyTorch's ROCm build."""
+    torch = sys.modules["torch"]
+    kind, _, index = target.partition(":")
+    if kind == "rocm":
+        if not fw._torch_is_rocm():
+            raise DeviceUnavailableError(
+                f"{target} is an AMD GPU, which PyTorch reaches in its ROCm build; this PyTorch "
+                f"({torch.__version__}) is not one (torch.version.hip is None)"
+            )
+        kind = "cuda"
+    return torch.device(kind, int(index))
+
+
+def _torch_onto(tensor, device, non_blocking, copy):
+    """``tensor.to(device)``; with ``non_blocking``, a host tensor is first copied into
+    pinned memory where PyTorch can pin (ROCm, XPU), from which the upload runs
+    asynchronously."""
+    torch = sys.modules["torch"]
+    with torch.no_grad():
+        if non_blocking and tensor.is_cpu:
+            try:
+                tensor = tensor.pin_memory()
+            except RuntimeError:
+                pass  # no pinned memory for this backend (MPS, XLA): PyTorch's own rules
+        return tensor.to(device, non_blocking=non_blocking, copy=copy)
+
+
+def _jax_device_of(target):
+    """JAX's device of ``target`` ("tpu:N": the TPU whose id is N)."""
+    jax = sys.modules.get("jax") or __import__("jax")
+    platform, _, index = target.partition(":")
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError as e:
+        raise DeviceUnavailableError(f"{target}: JAX has no {platform} backend in this process ({e})") from None
+    for device in devices:
+        if device.id == int(index):
+            return device
+    raise DeviceUnavailableError(
+        f"{target}: JAX has no {platform} device {index} (its {platform} devices: {[d.id for d in devices]})"
+    )
+
+
+def _jax_onto(array, device, may_alias):
+    jax = sys.modules["jax"]
+    try:
+        return jax.device_put(array, device, may_alias=None if may_alias else False)
+    except TypeError:  # JAX before may_alias
+        return jax.device_put(array, device)
+
+
+def _tf_onto(tensor, target):
+    import tensorflow as tf
+
+    platform, _, index = target.partition(":")
+    with tf.device(f"/{platform.upper()}:{index}"):
+        return tf.identity(tensor)
+
+
+def _tf_sync_devices():
+    import tensorflow as tf
+
+    tf.test.experimental.sync_devices()

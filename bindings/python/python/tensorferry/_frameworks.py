@@ -245,8 +245,12 @@ def _exported(key, export):
     odd dtypes) turned into a :class:`FormatError` naming ``key``."""
     try:
         return export()
-    except FormatError:
-        raise
+    except FormatError as e:
+        if str(e).startswith("cannot handle the value at "):
+            raise  # names its key already
+        # tensorferry's own refusal of what the producer described (a bad CUDA Array
+        # Interface, an odd DLPack layout), which knows no key.
+        raise FormatError(f"cannot handle the value at {_text(key)!r}: {e}") from e
     except _EXPORT_ERRORS as e:
         raise FormatError(f"cannot handle the value at {_text(key)!r}: its framework cannot export it ({e})") from e
 

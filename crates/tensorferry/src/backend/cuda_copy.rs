@@ -18,8 +18,9 @@ use std::sync::Mutex;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_device::check;
-use super::{CopyBatch, CopyOp, Direction};
+use super::cuda_driver::check;
+use super::interface::{CopyBatch, CopyOp, Direction};
+use super::lane::{lane_of, LANES};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -82,18 +83,6 @@ struct Stream(sys::CUstream);
 unsafe impl Send for Stream {}
 // SAFETY: see `Send`; the driver serialises use of a stream internally.
 unsafe impl Sync for Stream {}
-
-/// Which of a GPU's streams a direction's copies run on: 0 for uploads (host → device),
-/// 1 for copies that read device memory.
-pub(crate) fn lane_of(direction: Direction) -> usize {
-    match direction {
-        Direction::HostToDevice => 0,
-        Direction::DeviceToHost | Direction::DeviceToDevice => 1,
-    }
-}
-
-/// How many streams (lanes) a GPU has.
-pub(crate) const LANES: usize = 2;
 
 /// A GPU's streams and the path its batches take.
 pub(crate) struct CopyQueue {

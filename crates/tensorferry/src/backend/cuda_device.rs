@@ -7,7 +7,7 @@
 //! (PyTorch's default stream) neither waits for their copies nor makes them wait, so a
 //! save or an upload overlaps a training step instead of stalling it. Every order with
 //! another library's work is therefore explicit: DLPack producers are passed the read
-//! stream, PyTorch's current stream is waited for by an event ([`order_after_stream`]),
+//! stream, PyTorch's current stream is waited for by an event ([`Backend::order_after_stream`]),
 //! memory from the CUDA Array Interface without a stream is ordered after the legacy
 //! default stream of its GPU, and a copy from another GPU waits for that GPU's read stream.
 //! Such a copy goes directly over the GPUs' link once this GPU has peer access to the
@@ -22,7 +22,7 @@
 //! batch's host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits
 //! for host work (a staging thread, the emulated device) is chained to it instead, and the
 //! later batches of its stream queue behind it ([`super::lane`]): the caller never blocks.
-//! The GPU's reaper thread ([`super::cuda_reaper`]) watches the recorded events, releases
+//! The GPU's completer thread ([`super::completer`]) watches the recorded events, releases
 //! what each batch held once its copies are done, then completes its host event. A copy
 //! call that fails part-way through a batch still has the copies queued before it waited
 //! for (through the event recorded after them, or by synchronising the stream) before
@@ -36,12 +36,12 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::cuda_copy::{lane_of, LANES};
+use super::completer::{Completer, Drain, Entry, Health};
+use super::cuda_driver::{check, cu_device, retain_primary, Context};
 use super::cuda_event::CudaEvent;
 use super::cuda_freer::Freer;
-use super::cuda_reaper::{Entry, Health, RawStream, Reaper};
 use super::event::Progress;
-use super::lane::{Lane, Refused, Submitted};
+use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
 
 use cudarc::driver::sys::{self, CUresult};
 
@@ -49,8 +49,11 @@ use super::cuda::{status, CudaStatus};
 use super::cuda_copy::CopyQueue;
 pub use super::cuda_copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
 use super::cuda_pinned::CudaPinnedAllocator;
+use super::event::Event;
 use super::event::Failure;
-use super::{Backend, CopyBatch, DeviceMemory, Event};
+use super::fence::StreamHandle;
+use super::interface::{Backend, CopyBatch, DeviceMemory, Direction};
+use super::process::{backends_started_here, same_process};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::PinnedPool;
@@ -58,106 +61,8 @@ use crate::memory::PinnedPool;
 /// Most bytes the pinned pool keeps pinned (pinning is slow; so is holding too much).
 const PINNED_POOL_CAP: usize = 8 << 30;
 
-/// A primary context handle, shared between threads (the driver allows that).
-#[derive(Clone, Copy)]
-pub(crate) struct Context(sys::CUcontext);
-// SAFETY: a CUDA context handle may be made current on any thread; it is never freed
-// while the process runs (the primary context is retained once and kept).
-unsafe impl Send for Context {}
-// SAFETY: see `Send`.
-unsafe impl Sync for Context {}
-
-impl Context {
-    /// Makes the context current on the calling thread until the guard drops, then
-    /// restores the thread's previous context — so a user's thread (and what PyTorch
-    /// takes for its current device) is left as tensorferry found it.
-    ///
-    /// For the guard's life the thread's stream-capture mode is also *relaxed*: while
-    /// another thread captures a CUDA graph in PyTorch's default (global) mode, the calls
-    /// tensorferry makes (event queries, stream synchronisation) would otherwise invalidate
-    /// that capture. The thread's own mode comes back with its context.
-    pub(crate) fn enter(self, device: Device) -> Result<Current> {
-        // SAFETY: the handle came from `cuDevicePrimaryCtxRetain` and stays retained.
-        check(
-            unsafe { sys::cuCtxPushCurrent_v2(self.0) },
-            device,
-            "cuCtxPushCurrent",
-        )?;
-        Ok(Current {
-            capture_mode: exchange_capture_mode(RELAXED),
-            _not_send: std::marker::PhantomData,
-        })
-    }
-
-    /// Makes the context current on the calling thread for good, its stream-capture mode
-    /// relaxed (tensorferry's own threads only).
-    pub(crate) fn make_current(self, device: Device) -> Result<()> {
-        // SAFETY: the handle came from `cuDevicePrimaryCtxRetain` and stays retained.
-        check(
-            unsafe { sys::cuCtxSetCurrent(self.0) },
-            device,
-            "cuCtxSetCurrent",
-        )?;
-        exchange_capture_mode(RELAXED);
-        Ok(())
-    }
-}
-
-/// The relaxed stream-capture mode (`CU_STREAM_CAPTURE_MODE_RELAXED`).
-const RELAXED: std::ffi::c_uint =
-    sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED as std::ffi::c_uint;
-
-/// Sets the calling thread's stream-capture mode; returns the one it replaced (`None` if
-/// the driver refused, and then nothing changed). Modes are kept as the driver's integers:
-/// one this build's enum does not name must not become an enum value.
-fn exchange_capture_mode(mode: std::ffi::c_uint) -> Option<std::ffi::c_uint> {
-    let mut mode = mode;
-    // SAFETY: the driver is loaded (a context exists); `mode` is a live in/out integer of
-    // the enum's size (a C enum is an unsigned int), which the driver reads and overwrites
-    // with the thread's previous mode; Rust never reads it as the enum type.
-    let code = unsafe {
-        sys::cuThreadExchangeStreamCaptureMode(
-            (&mut mode as *mut std::ffi::c_uint).cast::<sys::CUstreamCaptureMode>(),
-        )
-    };
-    (code == CUresult::CUDA_SUCCESS).then_some(mode)
-}
-
-/// A context pushed on the calling thread by [`Context::enter`]; popped when dropped, on
-/// the same thread (the guard cannot move to another), the thread's capture mode restored.
-pub(crate) struct Current {
-    capture_mode: Option<std::ffi::c_uint>,
-    _not_send: std::marker::PhantomData<*const ()>,
-}
-
-impl Drop for Current {
-    fn drop(&mut self) {
-        if let Some(mode) = self.capture_mode {
-            exchange_capture_mode(mode);
-        }
-        let mut previous: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: `enter` pushed a context on this thread (the guard is not `Send`), so
-        // there is one to pop; `previous` is a live out pointer.
-        unsafe {
-            sys::cuCtxPopCurrent_v2(&mut previous);
-        }
-    }
-}
-
-/// Turns a driver result into ours, naming the call that failed.
-pub(crate) fn check(code: CUresult, device: Device, what: &str) -> Result<()> {
-    if code == CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::DeviceUnavailable {
-            device: device.to_string(),
-            reason: format!("{what} failed: {code:?}"),
-        })
-    }
-}
-
 /// One GPU: its primary context, its streams (each with its submission order), and its
-/// reaper.
+/// completer.
 pub struct CudaDevice {
     ordinal: usize,
     pub(crate) context: Context,
@@ -175,7 +80,7 @@ struct Shared {
     device: Device,
     context: Context,
     queue: Arc<CopyQueue>,
-    reaper: Reaper,
+    completer: Completer,
     health: Arc<Health>,
 }
 
@@ -189,7 +94,7 @@ impl std::fmt::Debug for CudaDevice {
 pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     static REGISTRY: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
     let name = Device::Cuda(ordinal);
-    super::same_process(name)?;
+    same_process(name)?;
     match status() {
         CudaStatus::Unavailable { reason } => {
             return Err(Error::DeviceUnavailable {
@@ -222,14 +127,25 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         device: name,
         context,
         queue: queue.clone(),
-        reaper: Reaper::spawn(name, context, health.clone())?,
+        completer: Completer::spawn(
+            name,
+            move || {
+                let _ = context.make_current(name);
+            },
+            health.clone(),
+        )?,
         health: health.clone(),
     });
     let lane = |index: usize| {
         let shared = shared.clone();
         // SAFETY (of what the lane dispatches): lanes are reached only through
         // `Backend::submit`, whose contract covers every batch they queue.
-        Lane::new(true, move |s| unsafe { dispatch(&shared, index, s) })
+        Lane::new(
+            format!("cuda{ordinal}-lane{index}"),
+            true,
+            may_block,
+            move |s| unsafe { dispatch(&shared, index, s) },
+        )
     };
     let d = Arc::new(CudaDevice {
         ordinal,
@@ -241,7 +157,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         peers: (0..gpu_count(status())).map(|_| OnceLock::new()).collect(),
     });
     devices.insert(ordinal, d.clone());
-    super::backends_started_here();
+    backends_started_here();
     Ok(d)
 }
 
@@ -296,7 +212,8 @@ impl Backend for CudaDevice {
         if let Some(p) = POOL.get() {
             return Ok(p.clone());
         }
-        let allocator = CudaPinnedAllocator::new(self.ordinal)?;
+        let allocator =
+            CudaPinnedAllocator::new(self.context, Backend::device(self), self.freer.clone());
         Ok(POOL
             .get_or_init(|| PinnedPool::new(Box::new(allocator), PINNED_POOL_CAP))
             .clone())
@@ -320,7 +237,7 @@ impl Backend for CudaDevice {
         }
         let src = device(from)?;
         self.reach(&src);
-        let lane = lane_of(super::Direction::DeviceToDevice);
+        let lane = lane_of(Direction::DeviceToDevice);
         let mark = {
             let _current = src.context.enter(source)?;
             super::cuda_event::CudaEvent::record(src.context, source, src.queue.stream(lane))?
@@ -328,6 +245,43 @@ impl Backend for CudaDevice {
         let here = Backend::device(self);
         let _current = self.context.enter(here)?;
         mark.wait_on(self.queue.stream(lane), here)
+    }
+
+    /// The stream this GPU's copies that read device memory (to the host, to a device) run
+    /// on: a producer that makes it wait for its own stream (DLPack's
+    /// `__dlpack__(stream=handle)`) needs no host synchronisation before tensorferry reads
+    /// its tensors. Uploads run on a second stream, so that they overlap downloads.
+    fn producer_stream(&self) -> Option<StreamHandle> {
+        // SAFETY: one of this GPU's own streams, created in its primary context and kept
+        // for the life of the process.
+        Some(unsafe { StreamHandle::new(self.queue.stream_handle()) })
+    }
+
+    /// Records an event on `stream` (in this GPU's context, whose default stream the
+    /// handles 1 and 2 name) and makes each of this GPU's streams wait for it.
+    ///
+    /// Only the GPU is ordered: a copy that host threads make (from host memory, or through
+    /// the staging ring from pageable memory) is not; callers that read host memory a
+    /// producer's stream may still be writing synchronise with
+    /// [`Backend::synchronize_stream`].
+    fn order_after_stream(&self, stream: StreamHandle) -> Result<()> {
+        // SAFETY: `StreamHandle::new`'s contract: a live stream usable with this GPU.
+        unsafe { self.wait_for_stream(stream.handle() as sys::CUstream) }
+    }
+
+    /// Runs in this GPU's primary context: the default-stream handles (1 and 2) name that
+    /// context's default stream, and with no context current the driver would refuse them.
+    fn synchronize_stream(&self, stream: StreamHandle) -> Result<()> {
+        let device = Backend::device(self);
+        let _current = self.context.enter(device)?;
+        // SAFETY: the driver is loaded and this GPU's context is current; the handle is a
+        // live stream of this process or a default-stream constant (`StreamHandle::new`'s
+        // contract).
+        check(
+            unsafe { sys::cuStreamSynchronize(stream.handle() as sys::CUstream) },
+            device,
+            "cuStreamSynchronize",
+        )
     }
 
     /// Asks the driver: host memory it knows (`cuMemHostAlloc`, `cuMemHostRegister`, by
@@ -412,12 +366,20 @@ impl Backend for CudaDevice {
     }
 }
 
+/// Whether queuing `batch` may block until its copies have run: a download may land in
+/// pageable memory, which the driver copies synchronously (waiting for the stream). Which
+/// memory is page-locked would take a driver call per destination; a download that lands
+/// in pinned memory only takes the lane's thread for the microseconds of queuing it.
+fn may_block(batch: &CopyBatch) -> bool {
+    batch.direction == Direction::DeviceToHost
+}
+
 /// Queues one batch whose waits are all complete or queued on a GPU: its waits on the
-/// GPU, its copies, and the event after them, handed to the reaper; or refuses it (nothing
+/// GPU, its copies, and the event after them, handed to the completer; or refuses it (nothing
 /// of it queued) when a wait failed or the context cannot be entered.
 ///
 /// # Safety
-/// As [`Backend::submit`]: the ops' ranges stay valid while `keep` lives, which the reaper
+/// As [`Backend::submit`]: the ops' ranges stay valid while `keep` lives, which the completer
 /// drops only once the stream has passed the copies.
 unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option<Refused> {
     let Submitted {
@@ -447,6 +409,11 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
             // Only waits are queued so far: nothing uses the batch's memory.
             Progress::Done(Err(f)) => return refuse(keep, event, f),
             Progress::Queued(mark) => {
+                // Only CUDA work is queued behind a fence the lane counts as ready.
+                let Some(mark) = mark.as_any().downcast_ref::<CudaEvent>() else {
+                    let why = "internal error: a wait on another backend's fence";
+                    return refuse(keep, event, Failure::new(device, why));
+                };
                 if let Err(e) = mark.wait_on(stream, device) {
                     return refuse(keep, event, Failure::from_error(device, &e));
                 }
@@ -466,7 +433,7 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
         Err(panic) => Err(Failure::internal(device, &*panic)),
     };
     let done = match CudaEvent::record(shared.context, device, stream) {
-        Ok(e) => Some(Arc::new(e)),
+        Ok(e) => Some(Arc::new(e) as Arc<dyn super::fence::Fence>),
         Err(e) => {
             outcome = outcome.and(Err(Failure::from_error(device, &e)));
             None
@@ -476,9 +443,16 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
         // Later CUDA batches may now wait for this one on the GPU.
         event.set_mark(done.clone());
     }
-    shared.reaper.push(Entry {
+    let (context, stream_id) = (shared.context, stream as usize);
+    let drain: Drain = Box::new(move || {
+        let _current = context.enter(device)?;
+        // SAFETY: one of this GPU's own streams (never destroyed), in its context, current.
+        let code = unsafe { sys::cuStreamSynchronize(stream_id as sys::CUstream) };
+        check(code, device, "cuStreamSynchronize")
+    });
+    shared.completer.push(Entry {
         done,
-        stream: RawStream(stream),
+        drain,
         keep,
         event,
         outcome,
@@ -505,14 +479,6 @@ impl CudaDevice {
             seq: 0,
         };
         lane.submit(submitted, ordered);
-    }
-
-    /// The raw `CUstream` handle this GPU's copies that read device memory (to the host,
-    /// to a device) run on: a producer that makes it wait for its own stream (DLPack's
-    /// `__dlpack__(stream=handle)`) needs no host synchronisation before tensorferry reads
-    /// its tensors. Uploads run on a second stream, so that they overlap downloads.
-    pub fn stream_handle(&self) -> usize {
-        self.queue.stream_handle()
     }
 
     /// Makes every copy queued on this GPU from now on (on each of its streams) wait, on
@@ -566,11 +532,12 @@ impl CudaDevice {
     /// The raw stream handle of `direction`'s copies (tests hold it with the fake
     /// driver's gate).
     #[cfg(test)]
-    pub(crate) fn stream_of(&self, direction: super::Direction) -> usize {
+    pub(crate) fn stream_of(&self, direction: Direction) -> usize {
         self.queue.stream(lane_of(direction)) as usize
     }
 
     /// The GPU's freeing thread, where calls that wait for the GPU run.
+    #[cfg(test)]
     pub(crate) fn freer(&self) -> &Arc<Freer> {
         &self.freer
     }
@@ -600,172 +567,9 @@ fn driver_version_of(s: &CudaStatus) -> i32 {
     }
 }
 
-/// Blocks until the work queued on a producer's CUDA stream (a raw `CUstream` handle from
-/// PyTorch, CuPy or JAX) has finished, so tensorferry reads what it computed. The call runs
-/// in GPU `ordinal`'s primary context: the default-stream handles (1 and 2) name that
-/// context's default stream, and with no context current the driver would refuse them.
-/// Without a CUDA driver it fails with `DeviceUnavailable` and touches nothing.
-///
-/// # Safety
-/// `handle` must be a live `CUstream` of this process (created in a context of this
-/// process and not yet destroyed), or 1 (`CU_STREAM_LEGACY`) or 2 (`CU_STREAM_PER_THREAD`).
-/// The driver rejects some bad handles with an error code, but it does not validate every
-/// integer: one that names no stream may be read as a stream object, which is undefined
-/// behaviour.
-pub unsafe fn stream_synchronize(ordinal: usize, handle: usize) -> Result<()> {
-    let gpu = device(ordinal)?;
-    let _current = gpu.context.enter(Device::Cuda(ordinal))?;
-    // SAFETY: the driver is loaded and initialised (`device` succeeded) and GPU
-    // `ordinal`'s context is current; the handle is a live stream of this process or a
-    // default-stream constant (this function's contract).
-    check(
-        unsafe { sys::cuStreamSynchronize(handle as sys::CUstream) },
-        Device::Cuda(ordinal),
-        "cuStreamSynchronize",
-    )
-}
-
-/// Makes every copy tensorferry queues on GPU `ordinal` from now on wait, on the GPU, for
-/// the work queued so far on a producer's CUDA stream (a raw `CUstream` handle from
-/// PyTorch, CuPy or JAX): unlike [`stream_synchronize`], the caller does not wait.
-///
-/// Only the GPU is ordered: a copy that host threads make (from host memory, or through
-/// the staging ring from pageable memory) is not; callers that read host memory a
-/// producer's stream may still be writing synchronise with [`stream_synchronize`].
-///
-/// # Safety
-/// `handle` must be a live `CUstream` of GPU `ordinal`'s primary context (PyTorch, CuPy
-/// and JAX create theirs there), or 1 (`CU_STREAM_LEGACY`) or 2 (`CU_STREAM_PER_THREAD`):
-/// the driver does not validate every integer.
-pub unsafe fn order_after_stream(ordinal: usize, handle: usize) -> Result<()> {
-    // SAFETY: forwarded contract.
-    unsafe { device(ordinal)?.wait_for_stream(handle as sys::CUstream) }
-}
-
-/// Waits until the work queued so far in every GPU's active primary context has run: the
-/// contexts tensorferry and the other libraries of the process (PyTorch, JAX, CuPy) use.
-/// The fence behind which memory lent to another library, whose streams are unknown, is
-/// unused again. It waits for the GPUs: freeing threads only.
-pub(crate) fn synchronize_active_gpus() -> Result<()> {
-    let CudaStatus::Available { gpus, .. } = status() else {
-        return Ok(());
-    };
-    for ordinal in 0..gpus.len() {
-        let name = Device::Cuda(ordinal);
-        let dev = cu_device(ordinal)?;
-        if !primary_is_active(dev, name)? {
-            continue; // no context: no work
-        }
-        // Retained here and released below.
-        let ctx = retain_primary(dev, name)?;
-        let synchronised = Context(ctx).enter(name).and_then(|_current| {
-            // SAFETY: the context is current on this thread.
-            check(unsafe { sys::cuCtxSynchronize() }, name, "cuCtxSynchronize")
-        });
-        // SAFETY: retained above, released once.
-        unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
-        synchronised?;
-    }
-    Ok(())
-}
-
-/// A context to ask the driver about addresses in (under unified addressing any context
-/// answers for every GPU's memory): the primary context of the first GPU whose primary
-/// context is active — the producer's, for a pointer another library handed over — else
-/// GPU 0's, so that no GPU gets a context only for a question. Retained once and kept.
-fn lookup_context(gpus: usize) -> Result<(Context, Device)> {
-    static LOOKUP: OnceLock<(Context, Device)> = OnceLock::new();
-    if let Some(found) = LOOKUP.get() {
-        return Ok(*found);
-    }
-    let mut chosen = cu_device(0)?;
-    let mut ordinal = 0;
-    for i in 0..gpus {
-        let name = Device::Cuda(i);
-        // A GPU the driver cannot answer about is passed over.
-        let active = cu_device(i).and_then(|dev| Ok((dev, primary_is_active(dev, name)?)));
-        if let Ok((dev, true)) = active {
-            (chosen, ordinal) = (dev, i);
-            break;
-        }
-    }
-    let name = Device::Cuda(ordinal);
-    // Retained for the life of the process.
-    let ctx = retain_primary(chosen, name)?;
-    Ok(*LOOKUP.get_or_init(|| (Context(ctx), name)))
-}
-
-/// The driver's handle of GPU `ordinal`. Call only with the driver available.
-fn cu_device(ordinal: usize) -> Result<sys::CUdevice> {
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: the driver is loaded and initialised (callers checked that `status()` is
-    // Available); the out pointer is a live local of the right type.
-    let result = unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) };
-    check(result, Device::Cuda(ordinal), "cuDeviceGet")?;
-    Ok(dev)
-}
-
-/// Whether the primary context of GPU `dev` is active (some library of the process uses
-/// it).
-fn primary_is_active(dev: sys::CUdevice, name: Device) -> Result<bool> {
-    let (mut flags, mut active): (std::ffi::c_uint, std::ffi::c_int) = (0, 0);
-    // SAFETY: `dev` came from `cuDeviceGet`; the out pointers are live locals of the
-    // right types.
-    let result = unsafe { sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) };
-    check(result, name, "cuDevicePrimaryCtxGetState")?;
-    Ok(active != 0)
-}
-
-/// Retains the primary context of GPU `dev`: the caller releases it
-/// (`cuDevicePrimaryCtxRelease_v2`) or keeps it for the life of the process.
-fn retain_primary(dev: sys::CUdevice, name: Device) -> Result<sys::CUcontext> {
-    let mut ctx: sys::CUcontext = std::ptr::null_mut();
-    // SAFETY: `dev` came from `cuDeviceGet`; the out pointer is a live local of the right
-    // type.
-    let result = unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) };
-    check(result, name, "cuDevicePrimaryCtxRetain")?;
-    Ok(ctx)
-}
-
-/// The GPU that owns device memory at `address` — a pointer handed over by another
-/// producer (the CUDA Array Interface names no device) — as the driver reports it. The
-/// driver answers in the current context, so one is pushed for the call (and popped: the
-/// calling thread keeps its own).
-pub fn pointer_device(address: usize) -> Result<usize> {
-    let gpus = match status() {
-        CudaStatus::Unavailable { reason } => {
-            return Err(Error::DeviceUnavailable {
-                device: "cuda".into(),
-                reason: reason.clone(),
-            })
-        }
-        CudaStatus::Available { gpus, .. } => gpus.len(),
-    };
-    let (context, name) = lookup_context(gpus)?;
-    let _current = context.enter(name)?;
-    let mut ordinal: std::ffi::c_int = -1;
-    // SAFETY: the driver is loaded and initialised, a context is current; the out pointer
-    // is a live int, the size the device-ordinal attribute writes; an unknown address is an
-    // error code.
-    check(
-        unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut ordinal as *mut std::ffi::c_int).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                address as sys::CUdeviceptr,
-            )
-        },
-        Device::Cuda(0),
-        "cuPointerGetAttribute (the device of a foreign pointer)",
-    )?;
-    usize::try_from(ordinal).map_err(|_| Error::DeviceUnavailable {
-        device: "cuda".into(),
-        reason: format!("the driver gave device ordinal {ordinal} for address {address:#x}"),
-    })
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::cuda_driver::{exchange_capture_mode, pointer_device, RELAXED};
     use super::*;
 
     fn current() -> sys::CUcontext {

@@ -1,11 +1,13 @@
 //! A CUDA event (`CUevent`) recorded after a batch's copies: what later batches wait on
-//! on the GPU (`cuStreamWaitEvent`) and what the reaper queries to know a batch is done.
-//! Destroyed when the last holder drops it (the batch's reaper entry, the host
+//! on the GPU (`cuStreamWaitEvent`), and the batch's [`Fence`], which the completer polls
+//! to know the batch is done.
+//! Destroyed when the last holder drops it (the batch's completer entry, the host
 //! [`super::Event`] it marks, batches about to wait on it).
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_device::{check, Context};
+use super::cuda_driver::{check, Context};
+use super::fence::{Fence, StreamHandle};
 use crate::device::Device;
 use crate::error::Result;
 
@@ -100,5 +102,35 @@ impl Drop for CudaEvent {
                 sys::cuEventDestroy_v2(self.raw);
             }
         }
+    }
+}
+
+impl Fence for CudaEvent {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn poll(&self) -> Result<bool> {
+        self.query()
+    }
+
+    fn wait(&self) -> Result<()> {
+        let _current = self.context.enter(self.device)?;
+        // SAFETY: the event is live; its context is current.
+        check(
+            unsafe { sys::cuEventSynchronize(self.raw) },
+            self.device,
+            "cuEventSynchronize",
+        )
+    }
+
+    fn order_stream(&self, stream: StreamHandle) -> Result<()> {
+        // SAFETY: `StreamHandle::new`'s contract: a live stream of this process usable
+        // with this event's GPU, or a default-stream constant.
+        unsafe { self.order(stream.handle() as sys::CUstream) }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

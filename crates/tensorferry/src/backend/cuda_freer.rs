@@ -3,7 +3,7 @@
 //! `cuMemFree` and `cuMemFreeHost` wait until the GPU is idle. Called where the last
 //! reference to a result drops, they would stall that thread for as long as the GPU has
 //! work queued: a Python thread inside PyTorch's DLPack deleter (with the GIL held, so every
-//! Python thread), or the reaper that completes other transfers. Every call of that kind
+//! Python thread), or the completer that completes other transfers. Every call of that kind
 //! (device and pinned frees, the fence of lent pinned memory) is handed to this thread
 //! instead, in order; later is always safe (nothing uses the memory any more). An
 //! allocation that finds the device full waits for the device frees still queued

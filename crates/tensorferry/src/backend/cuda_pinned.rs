@@ -6,9 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_device::{check, device, synchronize_active_gpus, Context, CudaDevice};
+use super::cuda_driver::{check, synchronize_active_gpus, Context};
 use super::cuda_freer::Freer;
-use super::Backend;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::pinned::{GiveBack, HostBlock};
@@ -17,15 +16,20 @@ use crate::memory::pinned::{GiveBack, HostBlock};
 /// make CPU reads slow — for the pinned pool. Like the rest of this module it has not run
 /// on a GPU yet.
 pub(crate) struct CudaPinnedAllocator {
-    device: Arc<CudaDevice>,
+    context: Context,
+    device: Device,
+    freer: Arc<Freer>,
 }
 
 impl CudaPinnedAllocator {
-    /// An allocator pinning through `cuda:ordinal`'s primary context (usable by every GPU).
-    pub(crate) fn new(ordinal: usize) -> Result<CudaPinnedAllocator> {
-        Ok(CudaPinnedAllocator {
-            device: device(ordinal)?,
-        })
+    /// An allocator pinning through `device`'s primary context `context` (usable by every
+    /// GPU), freeing on that GPU's freeing thread `freer`.
+    pub(crate) fn new(context: Context, device: Device, freer: Arc<Freer>) -> Self {
+        CudaPinnedAllocator {
+            context,
+            device,
+            freer,
+        }
     }
 }
 
@@ -63,8 +67,8 @@ impl Drop for PinnedRelease {
 // (`cuMemFreeHost` in `PinnedRelease::drop`) when the block is dropped.
 unsafe impl crate::memory::pinned::PinnedAllocator for CudaPinnedAllocator {
     fn alloc(&self, len: usize) -> Result<crate::memory::pinned::HostBlock> {
-        let name = Backend::device(&*self.device);
-        let _current = self.device.context.enter(name)?;
+        let name = self.device;
+        let _current = self.context.enter(name)?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: the context is current; `ptr` is a live out pointer.
         let code = unsafe { sys::cuMemHostAlloc(&mut ptr, len, sys::CU_MEMHOSTALLOC_PORTABLE) };
@@ -79,9 +83,9 @@ unsafe impl crate::memory::pinned::PinnedAllocator for CudaPinnedAllocator {
         check(code, name, "cuMemHostAlloc")?;
         let release = Box::new(PinnedRelease {
             address: ptr as usize,
-            context: self.device.context,
+            context: self.context,
             device: name,
-            freer: self.device.freer().clone(),
+            freer: self.freer.clone(),
         });
         // SAFETY: `cuMemHostAlloc` succeeded: `ptr` is `len` bytes of pinned host memory,
         // freed once by `release`.
@@ -92,7 +96,7 @@ unsafe impl crate::memory::pinned::PinnedAllocator for CudaPinnedAllocator {
     /// thread: the consumer's streams are unknown, but its copies out of the block were
     /// queued before it let the block go. A block whose fence fails is kept for good.
     fn return_lent(&self, block: HostBlock, back: GiveBack) {
-        self.device.freer().run(
+        self.freer.run(
             0,
             Box::new(move || match synchronize_active_gpus() {
                 Ok(()) => back(block),

@@ -1,7 +1,8 @@
 //! The emulated device `emu:N`: device memory is a separate host allocation, its two
 //! streams (uploads; copies that read device memory, as on a GPU) are worker threads that
-//! run copies in the order they were submitted ([`super::lane`]), and events complete as
-//! CUDA's do. Capacity, bandwidth and per-copy latency are configurable, and faults can be
+//! run copies in the order they were submitted ([`super::lane`]), and each batch is
+//! released and its event completed by the stream thread that ran it, with the code of
+//! CUDA's completer ([`super::completer`]). Capacity, bandwidth and per-copy latency are configurable, and faults can be
 //! injected (fail the Nth allocation or the Nth copy, refuse the Nth pinned buffer, or
 //! make the Nth copy panic on the stream thread).
 //!
@@ -15,11 +16,14 @@ use std::time::Duration;
 
 use std::any::Any;
 
-use super::cuda_copy::{lane_of, LANES};
+use super::completer::{finish_passed, Drain, Entry, Health};
+use super::event::{guarded, Event};
 use super::event::{Failure, Outcome};
-use super::lane::{Lane, Refused, Submitted};
+use super::fence::{Fence, StreamHandle};
+use super::interface::{Backend, CopyBatch, DeviceMemory};
+use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
+use super::process::{backends_started_here, same_process};
 use super::stream::{Job, StreamThread};
-use super::{Backend, CopyBatch, DeviceMemory, Event};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::pinned::{HostBlock, PageableAllocator, PinnedAllocator};
@@ -216,7 +220,7 @@ fn registry() -> &'static Mutex<HashMap<usize, Arc<EmulatedDevice>>> {
 
 /// The emulated device `emu:index`, created (reading `TENSORFERRY_EMU`) on first use.
 pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
-    super::same_process(Device::Emulated(index))?;
+    same_process(Device::Emulated(index))?;
     if index >= EMULATED_DEVICES {
         return Err(Error::DeviceUnavailable {
             device: Device::Emulated(index).to_string(),
@@ -240,13 +244,17 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         StreamThread::spawn(name, || {})?,
     ]);
     let config = Arc::new(Mutex::new(config));
+    let health = Arc::new(Health::default());
     let lane = |index: usize| {
-        let (streams, config) = (streams.clone(), config.clone());
+        let (streams, config, health) = (streams.clone(), config.clone(), health.clone());
         // SAFETY (of what the lane dispatches): lanes are reached only through
         // `Backend::submit`, whose contract covers every batch they queue.
-        Lane::new(false, move |s| unsafe {
-            dispatch(name, &streams[index], &config, s)
-        })
+        Lane::new(
+            format!("{name}-lane{index}"),
+            false,
+            |_| false,
+            move |s| unsafe { dispatch(name, &streams[index], &config, &health, s) },
+        )
     };
     let pins = Arc::new(AtomicU64::new(0));
     let pinning = EmuPinned {
@@ -266,7 +274,7 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
         pool: PinnedPool::new(Box::new(pinning), PINNED_POOL_CAP),
     });
     devices.insert(index, d.clone());
-    super::backends_started_here();
+    backends_started_here();
     Ok(d)
 }
 
@@ -428,7 +436,7 @@ impl EmulatedDevice {
     /// Holds `direction`'s stream (test only): nothing queued on it runs until the
     /// returned event completes.
     #[cfg(test)]
-    pub(crate) fn gate(&self, direction: super::Direction) -> Event {
+    pub(crate) fn gate(&self, direction: super::interface::Direction) -> Event {
         let gate = Event::pending();
         let held = gate.clone();
         let job: Job = Box::new(move || drop(held.wait_outcome()));
@@ -446,6 +454,7 @@ unsafe fn dispatch(
     device: Device,
     stream: &StreamThread,
     config: &Mutex<EmuConfig>,
+    health: &Arc<Health>,
     submitted: Submitted,
 ) -> Option<Refused> {
     let Submitted {
@@ -455,21 +464,41 @@ unsafe fn dispatch(
         seq,
     } = submitted;
     let config = config.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let done = event.clone();
+    // The copies' fence, passed by the stream thread once it has run them, which then
+    // completes the batch itself with the completer's code (no hop to another thread).
+    let ran = Event::pending();
+    let fence = Arc::new(EmuFence {
+        device,
+        ran: ran.clone(),
+    });
+    let waited = ran.clone();
+    // The fence is passed only after the job ran: nothing is left on the queue before it.
+    let drain: Drain = Box::new(move || {
+        let _ = waited.wait_outcome();
+        Ok(())
+    });
+    let (health, done) = (health.clone(), event.clone());
     let job: Job = Box::new(move || {
         // The whole batch (it is `Send`), not its fields.
         let batch = batch;
-        // SAFETY: `submit`'s contract, passed on: `keep` holds what the ops address
-        // until after `run`.
-        let outcome = unsafe { run(&batch, &config, seq, device) };
-        // What the batch held goes first (buffers back to their pool), so that anyone
-        // woken by the event finds the pool as the batch left it.
-        drop(keep);
-        done.complete(outcome);
+        // SAFETY: `submit`'s contract, passed on: `keep` holds what the ops address until
+        // `finish_passed` releases it, after `run`.
+        let outcome = guarded(device, || unsafe { run(&batch, &config, seq, device) });
+        ran.complete(outcome.clone());
+        let entry = Entry {
+            done: Some(fence),
+            drain,
+            keep,
+            event: done,
+            outcome,
+            device_waits: Vec::new(),
+        };
+        finish_passed(device, &health, entry);
     });
     match stream.try_queue(job, &event) {
         Ok(()) => None,
         Err(job) => {
+            // What the batch held goes with the job, unrun.
             drop(job);
             Some(Refused {
                 keep: Box::new(()),
@@ -477,6 +506,50 @@ unsafe fn dispatch(
                 outcome: Err(stream.stopped()),
             })
         }
+    }
+}
+
+/// The fence of a batch on an emulated stream: passed, with the copies' outcome, once the
+/// stream thread has run them.
+#[derive(Debug)]
+struct EmuFence {
+    device: Device,
+    ran: Event,
+}
+
+/// A failure as the error a fence reports (which the completer turns back into it).
+fn fence_error(f: Failure) -> Error {
+    Error::DeviceUnavailable {
+        device: f.device,
+        reason: f.reason,
+    }
+}
+
+impl Fence for EmuFence {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    fn poll(&self) -> Result<bool> {
+        match self.ran.peek() {
+            None => Ok(false),
+            Some(outcome) => outcome.map(|()| true).map_err(fence_error),
+        }
+    }
+
+    fn wait(&self) -> Result<()> {
+        self.ran.wait_outcome().map_err(fence_error)
+    }
+
+    fn order_stream(&self, _stream: StreamHandle) -> Result<()> {
+        Err(Error::DeviceUnavailable {
+            device: self.device.to_string(),
+            reason: "it shares no streams with other libraries".into(),
+        })
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }
 

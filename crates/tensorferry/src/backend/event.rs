@@ -5,10 +5,10 @@
 //! until it completes; a waiter that must stay responsive (to Ctrl-C, say) waits in slices
 //! with [`Event::wait_timeout`].
 //!
-//! An event of CUDA work also carries, from the moment its copies are queued, the CUDA
-//! event recorded after them (its *device mark*): later CUDA work that depends on it waits
-//! on the GPU (`cuStreamWaitEvent`) instead of on the host. The mark is dropped (and the
-//! CUDA event destroyed) once the host event completes.
+//! An event of device work also carries, from the moment its copies are queued, the
+//! device's [`Fence`] after them (its *device mark*; on CUDA, an event recorded after them):
+//! later work on that device, or another library's stream, that depends on it waits on the
+//! device instead of on the host. The mark is dropped once the host event completes.
 
 use std::any::Any;
 use std::fmt;
@@ -16,7 +16,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::cuda_event::CudaEvent;
+use super::fence::Fence;
 use crate::error::{Error, Result};
 
 /// Why queued work failed: the device whose work it was, and what went wrong.
@@ -98,16 +98,16 @@ type Callback = Box<dyn FnOnce(&Outcome) + Send>;
 struct Inner {
     outcome: Option<Outcome>,
     callbacks: Vec<Callback>,
-    /// The CUDA event recorded after the work, while it is pending.
-    mark: Option<Arc<CudaEvent>>,
+    /// The device's fence after the work, while it is pending.
+    mark: Option<Arc<dyn Fence>>,
 }
 
 /// Where pending work stands, as a device that could wait for it on the GPU sees it.
 pub(crate) enum Progress {
     /// Done, with this outcome.
     Done(Outcome),
-    /// Queued on a GPU, behind this CUDA event.
-    Queued(Arc<CudaEvent>),
+    /// Queued on a device, behind this fence.
+    Queued(Arc<dyn Fence>),
     /// Not queued on a GPU yet (host work, or CUDA work still waiting for host work).
     Pending,
 }
@@ -186,7 +186,7 @@ impl Event {
     }
 
     /// Marks the work as queued on a GPU behind `mark` (ignored once complete).
-    pub(crate) fn set_mark(&self, mark: Arc<CudaEvent>) {
+    pub(crate) fn set_mark(&self, mark: Arc<dyn Fence>) {
         let mut done = self.0.lock();
         if done.outcome.is_none() {
             done.mark = Some(mark);

@@ -13,9 +13,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::event::Progress;
-use super::{backend_for, CopyBatch, CopyOp, Direction, Event};
+use super::{backend_for, CopyBatch, CopyOp, Direction, Event, StreamHandle};
 use crate::device::Device;
-use crate::transfer::{move_tensors, MoveOptions};
+use crate::transfer::{move_tensors, MoveOptions, Readable};
 use crate::Tensor;
 
 /// The rules below hold streams and queue batches behind host work on the same GPU: run
@@ -102,7 +102,7 @@ fn gate_stream(stream: usize) -> Option<Gate> {
 /// destroyed when dropped.
 struct ForeignStream {
     raw: cudarc::driver::sys::CUstream,
-    context: super::cuda_device::Context,
+    context: super::cuda_driver::Context,
     device: Device,
 }
 
@@ -125,6 +125,12 @@ impl ForeignStream {
             context,
             device,
         }
+    }
+
+    /// This stream, as another library names it to tensorferry.
+    fn stream(&self) -> StreamHandle {
+        // SAFETY: a live stream of the GPU's primary context, alive while `self` is.
+        unsafe { StreamHandle::new(self.raw as usize) }
     }
 
     /// An event recorded on this stream now: it passes once the work queued on the
@@ -404,7 +410,9 @@ fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() 
     let batched =
         super::cuda_device::device(i).unwrap().copy_path() == super::cuda_device::CopyPath::Batched;
     let mut faults = None;
-    let event = held_batch(dev, Direction::DeviceToHost, 8, || {
+    // An upload: the fault is injected on this thread, which queues uploads (downloads are
+    // queued on their lane's own thread).
+    let event = held_batch(dev, Direction::HostToDevice, 8, || {
         // Batched: the batch call fails with half its copies queued, and the copies are
         // queued again one by one, the third of which fails. Per copy: the fourth fails.
         let calls: &[u64] = if batched { &[1, 4] } else { &[4] };
@@ -496,8 +504,7 @@ fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at
     let (host, data) = sample(9);
     let held = gate(dev, Direction::HostToDevice).unwrap();
     let there = move_one(&host, dev);
-    // SAFETY: `consumer` is a live stream of the GPU's primary context.
-    assert!(unsafe { crate::transfer::order_stream_after(&there, consumer.raw as usize) }.unwrap());
+    assert!(crate::transfer::order_stream_after(&there, consumer.stream()).unwrap());
     // The call returned with the upload still held: the consumer's next work waits on the GPU.
     assert!(!there.is_ready(), "the caller waited for the upload");
     let after = consumer.mark();
@@ -523,7 +530,8 @@ fn ordering_a_stream_after_a_ready_or_host_tensor_needs_no_gpu_call() {
     let _serial = serial();
     let (host, _) = sample(10);
     // SAFETY: host memory has no pending copy, so the handle is never used.
-    assert!(unsafe { crate::transfer::order_stream_after(&host, usize::MAX) }.unwrap());
+    let nowhere = unsafe { StreamHandle::new(usize::MAX) };
+    assert!(crate::transfer::order_stream_after(&host, nowhere).unwrap());
 }
 
 #[test]
@@ -533,17 +541,16 @@ fn copies_wait_for_a_producer_stream_on_the_gpu_and_the_caller_not_at_all() {
         return; // needs the fake driver's gate
     }
     let dev = last_gpu();
-    let Device::Cuda(ordinal) = dev else {
-        unreachable!()
-    };
     let producer = ForeignStream::new(dev);
     let (host, data) = sample(11);
     let there = move_one(&host, dev);
     there.wait().unwrap();
     // The producer's stream is busy (held): our copies must not run before it is done.
     let held = gate_stream(producer.raw as usize).unwrap();
-    // SAFETY: `producer` is a live stream of this GPU's primary context.
-    unsafe { super::cuda_device::order_after_stream(ordinal, producer.raw as usize) }.unwrap();
+    backend_for(dev)
+        .unwrap()
+        .order_after_stream(producer.stream())
+        .unwrap();
     let back = move_one(&there, Device::Cpu);
     std::thread::sleep(SETTLE);
     assert!(
@@ -568,8 +575,10 @@ fn a_copy_to_another_gpu_waits_for_the_producer_of_its_source() {
     // The producer of GPU 0's tensor is still writing it (its stream is held): the copy to
     // the other GPU, which runs on that GPU's stream, must not run before it either.
     let held = gate_stream(producer.raw as usize).unwrap();
-    // SAFETY: `producer` is a live stream of GPU 0's primary context.
-    unsafe { super::cuda_device::order_after_stream(0, producer.raw as usize) }.unwrap();
+    backend_for(Device::Cuda(0))
+        .unwrap()
+        .order_after_stream(producer.stream())
+        .unwrap();
     let across = move_one(&there, to);
     std::thread::sleep(SETTLE);
     assert!(
@@ -607,9 +616,8 @@ fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() 
         "the staged upload was never queued on the GPU"
     );
     assert!(!there.is_ready(), "the held upload finished");
-    // SAFETY: `consumer` is a live stream of the GPU's primary context.
     assert!(
-        unsafe { crate::transfer::order_stream_after(&there, consumer.raw as usize) }.unwrap(),
+        crate::transfer::order_stream_after(&there, consumer.stream()).unwrap(),
         "a queued staged upload still needs a host wait"
     );
     let after = consumer.mark();
@@ -928,7 +936,12 @@ fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
     };
     // A pool that keeps one block: a second one given back is unpinned, and asking for
     // another size unpins the cached one first.
-    let allocator = super::cuda_pinned::CudaPinnedAllocator::new(ordinal).unwrap();
+    let gpu = super::cuda_device::device(ordinal).unwrap();
+    let allocator = super::cuda_pinned::CudaPinnedAllocator::new(
+        gpu.context,
+        Device::Cuda(ordinal),
+        gpu.freer().clone(),
+    );
     let pool = PinnedPool::new(Box::new(allocator), MIN_CLASS);
     let (a, b) = (pool.take(MIN_CLASS).unwrap(), pool.take(MIN_CLASS).unwrap());
     let before = MustNotWait::refusals();
@@ -979,7 +992,7 @@ fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
         .remove(0);
     lent.wait().unwrap();
     let (address, len) = (lent.data_ptr() as usize, lent.nbytes());
-    let capsule = crate::dlpack::export_versioned(&lent);
+    let capsule = crate::dlpack::export_versioned(Readable::wait(&lent).unwrap());
     drop(lent);
     // …which copies it to the GPU on its own stream (`t.cuda(non_blocking=True)`), a stream
     // still busy with earlier work (held here)…
@@ -1171,4 +1184,124 @@ fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
         sys::CUresult::CUDA_SUCCESS,
         "tensorferry broke the capture"
     );
+}
+
+#[test]
+fn a_dlpack_export_hands_out_memory_only_once_the_copy_filling_it_is_done() {
+    let _serial = serial();
+    for dev in devices() {
+        let (host, data) = sample(20);
+        let resident = move_tensors(&[&host], dev, MoveOptions::default())
+            .unwrap()
+            .remove(0);
+        let held = gate(dev, Direction::DeviceToHost).unwrap();
+        let back = move_one(&resident, Device::Cpu);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let exporting = back.clone();
+        let exporter = std::thread::spawn(move || {
+            let p = crate::dlpack::export_versioned(Readable::wait(&exporting).unwrap());
+            tx.send(()).unwrap();
+            p as usize
+        });
+        // The consumer (a CPU library here) reads the memory as soon as it has it.
+        assert!(
+            rx.recv_timeout(SETTLE).is_err(),
+            "{dev}: exported while the download was still held"
+        );
+        held.open();
+        let p = exporter.join().unwrap() as *mut crate::dlpack::DLManagedTensorVersioned;
+        // SAFETY: `p` was exported above and is handed over whole.
+        let managed = unsafe { crate::dlpack::ManagedTensor::versioned(p) };
+        // SAFETY: a managed tensor of our own producer.
+        let seen = unsafe { crate::dlpack::import(managed, |m| Box::new(m)) }.unwrap();
+        assert_eq!(seen.to_vec::<u32>().unwrap(), data, "{dev}");
+    }
+}
+
+#[test]
+fn a_pageable_download_held_by_its_stream_blocks_no_other_submission() {
+    let _serial = serial();
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    }
+    let dev = last_gpu();
+    let (host, data) = sample(21);
+    let resident = move_tensors(&[&host], dev, MoveOptions::default())
+        .unwrap()
+        .remove(0);
+    let held = gate(dev, Direction::DeviceToHost).unwrap();
+    // A download into pageable memory, which the driver copies synchronously: the call that
+    // queues it returns only once the held stream has run it.
+    let pageable = MoveOptions {
+        pinned: false,
+        ..non_blocking()
+    };
+    let source = resident.clone();
+    let slow = std::thread::spawn(move || {
+        move_tensors(&[&source], Device::Cpu, pageable)
+            .unwrap()
+            .remove(0)
+    });
+    std::thread::sleep(SETTLE);
+    // Meanwhile, non-blocking work on both of the GPU's streams is queued at once, and the
+    // upload (on the stream that is not held) runs.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (source, upload) = (resident.clone(), host.clone());
+    let others = std::thread::spawn(move || {
+        let down = move_one(&source, Device::Cpu);
+        let up = move_one(&upload, dev);
+        tx.send(()).unwrap();
+        (down, up)
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_secs(2)).is_ok(),
+        "queuing work waited for a pageable download held by its stream"
+    );
+    let (down, up) = others.join().unwrap();
+    assert!(up.wait_timeout(PATIENCE).unwrap(), "the upload was held");
+    assert!(!down.is_ready(), "the download ran through its gate");
+    held.open();
+    assert_eq!(slow.join().unwrap().to_vec::<u32>().unwrap(), data);
+    assert_eq!(down.to_vec::<u32>().unwrap(), data);
+}
+
+#[test]
+fn a_queued_copy_hands_back_a_fence_that_polls_and_waits_with_no_driver_type() {
+    let _serial = serial();
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    }
+    let dev = last_gpu();
+    let (host, data) = sample(22);
+    let held = gate(dev, Direction::HostToDevice).unwrap();
+    let there = move_one(&host, dev);
+    let Progress::Queued(fence) = there.storage().pending().unwrap().progress() else {
+        panic!("the held upload is not queued on {dev}");
+    };
+    assert_eq!(fence.device(), dev);
+    assert!(!fence.poll().unwrap(), "passed through its gate");
+    let waiting = std::thread::spawn({
+        let fence = fence.clone();
+        move || fence.wait()
+    });
+    std::thread::sleep(SETTLE);
+    assert!(
+        !waiting.is_finished(),
+        "the wait returned with the upload held"
+    );
+    held.open();
+    waiting.join().unwrap().unwrap();
+    assert!(fence.poll().unwrap());
+    assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
+}
+
+#[test]
+fn a_device_without_foreign_streams_refuses_to_order_after_one() {
+    let emu = backend_for(Device::Emulated(0)).unwrap();
+    // SAFETY: the emulated device never uses the handle.
+    let stream = unsafe { StreamHandle::new(1) };
+    let err = emu.order_after_stream(stream).unwrap_err().to_string();
+    assert!(err.contains("emu:0") && err.contains("no streams"), "{err}");
+    assert!(emu.synchronize_stream(stream).is_err());
+    assert!(emu.producer_stream().is_none());
 }

@@ -1,15 +1,16 @@
 //! A stream as the emulated device runs it: one worker thread per stream that runs queued
-//! jobs in order, each completing its event (CUDA streams are the driver's, watched by
-//! `cuda_reaper`). A job that panics completes its event with the
-//! panic as an internal error, and the thread goes on with the next job: no waiter is
-//! left blocked by a bug or a bad setting.
+//! jobs in order, each completing its event (a batch's job passes the batch's fence, then
+//! releases what the batch held and completes its event with the completer's code, as
+//! CUDA's completer thread does). A job that panics completes its event with the panic as an
+//! internal error, and the thread goes on with the next job: no waiter is left blocked by
+//! a bug or a bad setting.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Sender};
 use std::sync::Mutex;
 
+use super::event::Event;
 use super::event::Failure;
-use super::Event;
 use crate::device::Device;
 use crate::error::{Error, Result};
 

@@ -4,8 +4,8 @@
 
 use std::fmt;
 
+use super::event::Event;
 use super::event::{guarded, Outcome};
-use super::Event;
 use crate::error::{Error, Result};
 
 /// Runs `work` on a new thread named `name`, then completes `event` with its outcome (a

@@ -2,35 +2,76 @@
 //! that stream is made to wait for the copy on the GPU, and the caller does not wait at
 //! all — what DLPack's `__dlpack__(stream=…)` asks of a producer.
 
-use cudarc::driver::sys;
-
 use crate::backend::event::Progress;
+use crate::backend::StreamHandle;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
-/// Orders the work a consumer queues on the CUDA `stream` after the copy that fills
-/// `tensor`'s memory, without waiting for it: on the GPU (`cuStreamWaitEvent` on the event
-/// recorded after the copy) when the copy is queued on a GPU. `Ok(true)` when the stream is
-/// ordered (or nothing is pending); `Ok(false)` when the copy is not on a GPU yet (it waits
-/// for host work, such as a staging ring): the caller must wait for it on the host
-/// ([`Tensor::wait`]). The copy's failure, when known by now, is the error; a copy that
-/// fails after the consumer's stream was ordered behind it leaves the consumer's data
-/// undefined, as any failed asynchronous CUDA copy does.
-///
-/// # Safety
-/// `stream` must be a live CUDA stream of this process usable with the tensor's GPU (a
-/// stream of its primary context, as PyTorch, JAX and CuPy create them), or a default-stream
-/// constant (1: legacy, 2: per-thread): the driver does not validate every handle.
-pub unsafe fn order_stream_after(tensor: &Tensor, stream: usize) -> Result<bool> {
+/// Orders the work a consumer queues on `stream` after the copy that fills `tensor`'s
+/// memory, without waiting for it: on the device (behind the copy's [`crate::backend::Fence`]; on CUDA,
+/// `cuStreamWaitEvent` on the event recorded after the copy) when the copy is queued on one. `Ok(true)` when the stream is ordered
+/// (or nothing is pending); `Ok(false)` when the copy is not on a GPU yet (it waits for
+/// host work, such as a staging ring): the caller must wait for it on the host
+/// ([`Tensor::wait`]), or until it is queued ([`wait_queued_timeout`]) and ask again. The
+/// copy's failure, when known by now, is the error; a copy that fails after the consumer's
+/// stream was ordered behind it leaves the consumer's data undefined, as any failed
+/// asynchronous CUDA copy does.
+pub fn order_stream_after(tensor: &Tensor, stream: StreamHandle) -> Result<bool> {
     let Some(event) = tensor.storage().pending() else {
         return Ok(true);
     };
     match event.progress() {
-        // SAFETY: the stream is valid for the tensor's GPU (this function's contract), whose
-        // primary context recorded the mark.
-        Progress::Queued(mark) => unsafe { mark.order(stream as sys::CUstream) }.map(|()| true),
+        Progress::Queued(mark) => mark.order_stream(stream).map(|()| true),
         Progress::Done(_) => event.wait().map(|()| true),
         Progress::Pending => Ok(false),
+    }
+}
+
+/// A tensor whose memory its consumer may read now: the copy filling it has finished, or
+/// the consumer's stream waits for it on the GPU. What a DLPack export takes
+/// ([`crate::dlpack::export_versioned`]), so that no memory a copy is still filling is
+/// handed out unordered.
+///
+/// ```
+/// use tensorferry::transfer::Readable;
+/// use tensorferry::Tensor;
+///
+/// let t = Tensor::from_slice(&[1u8, 2], &[2])?;
+/// let ready = Readable::wait(&t)?;
+/// assert_eq!(ready.tensor().nbytes(), 2);
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct Readable<'a> {
+    tensor: &'a Tensor,
+}
+
+impl<'a> Readable<'a> {
+    /// Waits on the host until the copy filling `tensor` has finished (any consumer may
+    /// read it then); the copy's failure is the error.
+    pub fn wait(tensor: &'a Tensor) -> Result<Readable<'a>> {
+        tensor.wait()?;
+        Ok(Readable { tensor })
+    }
+
+    /// Makes `stream` wait on the GPU for the copy filling `tensor` ([`order_stream_after`]),
+    /// for a consumer that reads it on that stream only: `Ok(None)` when the copy is not on
+    /// a GPU yet (wait for it with [`wait_queued_timeout`] and ask again, or use
+    /// [`Readable::wait`]).
+    pub fn ordered(tensor: &'a Tensor, stream: StreamHandle) -> Result<Option<Readable<'a>>> {
+        Ok(order_stream_after(tensor, stream)?.then_some(Readable { tensor }))
+    }
+
+    /// `other`, readable by the same consumer when it views the same memory (the same
+    /// storage): one wait, or one ordering of a stream, covers every view of a buffer.
+    pub fn view(&self, other: &'a Tensor) -> Option<Readable<'a>> {
+        std::sync::Arc::ptr_eq(self.tensor.storage(), other.storage())
+            .then_some(Readable { tensor: other })
+    }
+
+    /// The tensor.
+    pub fn tensor(&self) -> &'a Tensor {
+        self.tensor
     }
 }
 

@@ -42,7 +42,7 @@ pub mod staging;
 pub(crate) mod stream_in;
 mod stream_out;
 
-pub use consumer::{order_stream_after, wait_queued_timeout};
+pub use consumer::{order_stream_after, wait_queued_timeout, Readable};
 pub use staging::Staging;
 #[cfg(test)]
 pub(crate) use staging::MAX_AUTO_RINGS;
