@@ -568,6 +568,15 @@ fn object_read_header(
     })
 }
 
+/// `(is_index, url)`: the index or the one object `load` reads for the object-storage
+/// `url` (an index, a folder, the index a sharded save to `url` wrote), resolved as it
+/// resolves them; a missing checkpoint is the error `load` gives.
+#[pyfunction]
+fn object_resolve(py: Python<'_>, url: &str) -> PyResult<(bool, String)> {
+    let options = object::ObjectOptions::from_env();
+    guard(|| py.detach(|| object::resolve_url(url, &options)).py_err())
+}
+
 /// `(size, etag)` of the object at `url` (one HEAD); `etag` None where the store gives
 /// none. A missing object is a `FileNotFoundError` naming it.
 #[pyfunction]
@@ -745,6 +754,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(object_read_header, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(object_head, m)?)?;
+    m.add_function(wrap_pyfunction!(object_resolve, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_into, m)?)?;
     m.add_function(wrap_pyfunction!(object_put, m)?)?;
     m.add_function(wrap_pyfunction!(object_delete, m)?)?;

@@ -504,6 +504,57 @@ def killed(folder, pg, out, rank):
     out["killed_after_s"] = time.monotonic() - start
 
 
+def object_storage(folder, pg, out, rank, world):
+    """The checkpoints uploaded to ``$FANOUT_S3_PREFIX`` (an s3s-fs bucket): each loads as
+    ``tf.load(url)`` gives it, each rank reading its part with ranged GETs; ``shard=`` reads
+    only the slices' runs; an object replaced while rank 0 reads it fails on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    import tensorferry as tf
+    from tensorferry import _fanout, _native
+    from tensorferry.dcp import ReadStats
+
+    prefix = os.environ["FANOUT_S3_PREFIX"]
+    for name in ("mixed.safetensors", "tp.safetensors", "hf/", "hf/model.safetensors.index.json", "ts/"):
+        url = prefix + name
+        stats = ReadStats()
+        got = tf.load(url, process_group=pg, read_stats=stats)
+        assert_same(got, tf.load(url))
+        out[f"s3:{name}"] = stats_of(stats)
+    full = tf.load(prefix + "tp.safetensors")
+    sliced = [n for n, d in TP_SPLITS.items() if d is not None]
+    stats = ReadStats()
+    got = tf.load(prefix + "tp.safetensors", process_group=pg, shard=TP_SPEC, keys=sliced, read_stats=stats)
+    for n in sliced:
+        assert torch.equal(got[n], torch.tensor_split(full[n], world, TP_SPLITS[n])[rank]), n
+    out["s3:sharded_only"] = stats_of(stats)
+    # Replaced while rank 0 reads its part: the replacement is written as its read starts.
+    url = prefix + f"race_{world}.safetensors"
+    if rank == 0:
+        with open(os.path.join(folder, "mixed.safetensors"), "rb") as f:
+            _native.object_put(url, f.read())
+    dist.barrier(group=pg)
+    wait = _fanout._Throttle.wait
+    if rank == 0:
+        os.environ["TENSORFERRY_FANOUT_READ_MBPS"] = "1000000"
+
+        def replace_then_wait(self, nbytes):
+            with open(os.path.join(folder, "tp.safetensors"), "rb") as f:
+                _native.object_put(url, f.read())
+            _fanout._Throttle.wait = wait
+            wait(self, nbytes)
+
+        _fanout._Throttle.wait = replace_then_wait
+    out["error:s3_replaced"] = expect_error(lambda: tf.load(url, process_group=pg))
+    _fanout._Throttle.wait = wait
+    os.environ.pop("TENSORFERRY_FANOUT_READ_MBPS", None)
+
+
+def scenario_s3(rank, world, folder, pg, out):
+    object_storage(folder, pg, out, rank, world)
+
+
 def scenario_four(rank, world, folder, pg, out):
     replicated(folder, pg, out)
     sharded(folder, pg, out, rank, world)

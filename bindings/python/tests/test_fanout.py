@@ -311,3 +311,66 @@ def test_a_rank_killed_mid_load_fails_the_others_within_the_timeout(four):
 def test_shard_without_a_process_group_is_refused(folder):
     with pytest.raises(ValueError, match="process_group"):
         tf.load(str(folder / "tp.safetensors"), shard={"embed.weight": 0})
+
+
+# ---- object storage: each rank reads its part of the objects with ranged GETs ----------------
+
+
+@pytest.fixture(scope="module")
+def s3_results(folder, tmp_path_factory):
+    """``{world: {rank: results}}`` of the ``s3`` scenario on 4 then 2 ranks, the
+    checkpoints uploaded to an s3s-fs server (as in test_object_store.py), whose
+    environment the ranks inherit."""
+    from test_object_store import S3Server, _point_at, _server_binary
+
+    binary = _server_binary()
+    if binary is None:
+        if os.environ.get("TENSORFERRY_REQUIRE_S3"):
+            pytest.fail("TENSORFERRY_REQUIRE_S3 is set and no s3s-fs binary was found")
+        pytest.skip("no s3s-fs binary: bash scripts/s3-server.sh install")
+    server = S3Server(binary, str(tmp_path_factory.mktemp("fanout_s3")))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            _point_at(mp, server)
+            mp.setenv("FANOUT_S3_PREFIX", "s3://bucket/fanout/")
+            for name in ("mixed.safetensors", "tp.safetensors", "hf", "ts"):
+                local = folder / name
+                for f in [local] if local.is_file() else sorted(local.iterdir()):
+                    tf._native.object_put(f"s3://bucket/fanout/{f.relative_to(folder)}", f.read_bytes())
+            yield {world: ranks.run_ranks("s3", world, folder) for world in (4, 2)}
+    finally:
+        server.stop()
+
+
+S3_CHECKPOINTS = {"mixed.safetensors": "mixed.safetensors", "tp.safetensors": "tp.safetensors", "hf/": "hf",
+                  "hf/model.safetensors.index.json": "hf", "ts/": "ts"}
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_objects_load_on_every_rank_each_rank_reading_its_part_once(world, folder, s3_results):
+    # The ranks checked that each result equals tf.load(url).
+    results = s3_results[world]
+    assert sorted(results) == list(range(world))
+    for name, local in S3_CHECKPOINTS.items():
+        total, largest = checkpoint_sizes(str(folder / local))
+        for r, res in results.items():
+            d = res[f"s3:{name}"]
+            assert d["needed"] == d["data"] and abs(d["data"] - total / world) <= largest, (name, r, d)
+        assert sum(res[f"s3:{name}"]["data"] for res in results.values()) == total, name
+    shards = len([f for f in os.listdir(folder / "ts") if f.endswith(".safetensors")])
+    assert all(res["s3:ts/"]["files"] == shards > 1 for res in results.values())
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_a_sharded_load_from_object_storage_reads_exactly_its_slices(world, folder, s3_results):
+    sliced = [n for n, d in ranks.TP_SPLITS.items() if d is not None]
+    want = slice_bytes(str(folder / "tp.safetensors"), world, sliced)
+    for r, res in s3_results[world].items():
+        assert res["s3:sharded_only"]["data"] == res["s3:sharded_only"]["needed"] == want, r
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_an_object_replaced_while_a_rank_reads_it_fails_on_every_rank(world, s3_results):
+    e = _same_everywhere(s3_results[world], "error:s3_replaced")
+    assert f"on rank 0 of {world}" in e["message"] and f"race_{world}.safetensors" in e["message"], e
+    assert "replaced" in e["message"], e

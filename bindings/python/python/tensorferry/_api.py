@@ -762,7 +762,8 @@ def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto",
     memory). ``shard={pattern: dim}`` (patterns as for ``keys``) gives each rank only
     ``torch.tensor_split(full, world, dim)[rank]`` of the tensors it matches, reading only
     that slice's byte runs (``{pattern: (dim, parts)}``: part ``rank % parts``; a size that
-    does not divide is an error). ``read_stats`` (a
+    does not divide is an error). A checkpoint in object storage (``s3://…``: an object, an
+    index or a prefix) is read the same way, with ranged GETs. ``read_stats`` (a
     ``tensorferry.dcp.ReadStats``) counts the bytes this rank read. Every rank raises the
     same error, naming the failing rank. See ``tensorferry._fanout``.
     """

@@ -9,7 +9,10 @@ part with positioned reads (:mod:`tensorferry._dcp_io`), then every part is broa
 its owner over the process group, so that every rank ends with the whole dictionary while
 storage served each byte once. With ``direct=True`` a rank reads its part with ``O_DIRECT``
 (the native reader of ``tf.load(direct=True)``, past the page cache) instead. Names that ``shard=`` matches are not exchanged: each rank
-reads only the byte runs of its own slice.
+reads only the byte runs of its own slice. A checkpoint in object storage (``s3://…``: an
+object, an index, a prefix, resolved as :func:`tensorferry.load` resolves it) is read the
+same way, each file being an object pinned by its ETag and read with ranged GETs
+(:mod:`tensorferry._object`); its structure comes from its headers alone.
 
 The structure (nesting, plain values, key order, each tensor's framework) is the one
 :func:`tensorferry.load` builds from the headers: it is taken from a memory-mapped load of
@@ -145,7 +148,7 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
             error = e
     finally:
         for fd in plan.fds.values() if plan else ():
-            os.close(fd)
+            _dcp_io.close(fd)
     agree.status(error, None, "reading")
     # A device PyTorch cannot hold (the emulated one): each part goes there as it arrives.
     streamed = out is None and _torch_device(target) != target
@@ -177,13 +180,18 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         except OSError as e:
             _api.load(path, like=like, keys=keys)  # raises the error tensorferry.load gives
             raise io_error(e.errno, f"open: {e.strerror}", e.filename) from None
-        # The structure as tensorferry.load builds it, from a map whose tensor pages stay untouched.
-        skeleton = _api.load(path, like=like, keys=keys)
+        # The structure as tensorferry.load builds it, from a map whose tensor pages stay
+        # untouched (an object's, below, from its headers alone).
+        remote = isinstance(fds[top], _dcp_io.RemoteObject)
+        skeleton = None if remote else _api.load(path, like=like, keys=keys)
         folder = os.path.dirname(top)
         save_id = None
         if kind == "index":
-            weight_map, save_id = _read_index(fds[top], top)
+            weight_map, save_id = _read_index(top)
             file_of = {name: os.path.join(folder, f) for name, f in weight_map.items()}
+        if remote:
+            files = sorted(set(file_of.values())) if kind == "index" else [top]
+            skeleton = _skeleton_of_objects(top, files, like, keys, fds, identities)
         leaves = _native.collect_tensors(skeleton, fw.kind_of)
         names = [dotted(p) for p, _ in leaves]
         files = [top] * len(names) if kind == "file" else [file_of.get(n) for n in names]
@@ -191,8 +199,8 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         headers = {}
         for f in order:
             _open(f, fds, identities)
-            headers[f] = _dcp_io.read_header(fds[f], f, stats)
-            if save_id is not None and _native.read_metadata(f).get(_SAVE_ID_KEY) != save_id:
+            headers[f] = _header(f, fds, identities, stats)
+            if save_id is not None and _metadata(f, fds[f]).get(_SAVE_ID_KEY) != save_id:
                 raise FormatError(f"{f}: the shard was written by another save than its index {top!r}")
         narrow = _narrowing(dtype)
         items = []
@@ -214,7 +222,7 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         ).hexdigest()
     except BaseException:
         for fd in fds.values():
-            os.close(fd)
+            _dcp_io.close(fd)
         raise
     return _Plan(skeleton, leaves, items, sizes, fds, identities, digest)
 
@@ -223,7 +231,10 @@ def _resolve(path):
     """``("index" | "file", path)``: what :func:`tensorferry.load` reads for ``path`` (an
     index, a file, a folder holding one, or ``x.safetensors`` saved as shards), resolved as
     the native loader does. Paths it would refuse resolve to themselves: its load names the
-    problem."""
+    problem. An object-storage URL resolves as the native loader resolves it."""
+    if _native.is_url(path):
+        is_index, found = _native.object_resolve(path)
+        return ("index" if is_index else "file"), found
     if path.endswith(_INDEX_SUFFIX):
         return "index", path
     if os.path.isdir(path):
@@ -251,25 +262,84 @@ def _resolve(path):
     return "file", path
 
 
+# A checkpoint's file is a local file (a descriptor, its identity ``(st_dev, st_ino)``) or an
+# object in object storage (a :class:`_dcp_io.RemoteObject`, its identity the ETag of the
+# version its header was read at); the reads below take either.
+
+
 def _open(path, fds, identities):
     if path not in fds:
         fd = _dcp_io.open_read(path)
-        st = os.fstat(fd)
-        fds[path], identities[path] = fd, (st.st_dev, st.st_ino)
+        fds[path] = fd
+        if not isinstance(fd, _dcp_io.RemoteObject):
+            st = os.fstat(fd)
+            identities[path] = (st.st_dev, st.st_ino)
 
 
-def _read_index(fd, path):
-    """``(weight_map, save id or None)`` of the index open as ``fd`` (the native load has
-    validated its content already)."""
-    size = os.fstat(fd).st_size
-    if size > _MAX_INDEX_BYTES:
-        raise FormatError(f"{path}: an index of {size} bytes is over the {_MAX_INDEX_BYTES}-byte limit")
-    data = b""
-    while len(data) < size:
-        chunk = os.pread(fd, size - len(data), len(data))
-        if not chunk:
-            break
-        data += chunk
+def _header(path, fds, identities, stats):
+    """``{name: Entry}`` of the file open in ``fds``; an object's version is pinned from here on."""
+    fd = fds[path]
+    entries = _dcp_io.read_header(fd, path, stats)
+    if isinstance(fd, _dcp_io.RemoteObject):
+        if identities.setdefault(path, fd.etag) != fd.etag:
+            raise _replaced(path)
+        fd.etag = identities[path]
+    return entries
+
+
+def _replaced(path):
+    return FormatError(f"{path}: the file was replaced during the load (a save ran meanwhile?): load again")
+
+
+def _identity(path):
+    """What :func:`_open` recorded for ``path``, as it is now (None: gone)."""
+    try:
+        if _native.is_url(path):
+            return _native.object_head(path)[1]
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _metadata(path, fd):
+    """The user metadata of the file open as ``fd``."""
+    if not isinstance(fd, _dcp_io.RemoteObject):
+        return _native.read_metadata(path)
+    return _dcp_io._header_metadata(fd, path, _native.object_read_header(path)[0], None)
+
+
+def _skeleton_of_objects(top, files, like, keys, fds, identities):
+    """The tree :func:`tensorferry.load` gives for the checkpoint whose index or one object
+    is ``top`` (``files``: its objects), its tensors not read: a mapped load of a local
+    stand-in holding the index and the objects' headers alone (sparse files of the objects'
+    sizes, never read past their headers). Each object's version is pinned here."""
+    import shutil
+    import tempfile
+
+    from . import _api
+
+    folder = tempfile.mkdtemp(prefix="tensorferry-fanout-")
+    try:
+        if files != [top]:
+            with open(os.path.join(folder, os.path.basename(top)), "wb") as f:
+                f.write(_dcp_io.read_small_file(top, _MAX_INDEX_BYTES))
+        for url in files:
+            _open(url, fds, identities)
+            start, _, etag, size = _native.object_read_header(url)
+            identities[url] = etag  # the version every later read must find
+            (head,) = _native.object_read_ranges(url, [(0, start)], etag)
+            with open(os.path.join(folder, os.path.basename(url)), "wb") as f:
+                f.write(head)
+                f.truncate(size)
+        return _api.load(os.path.join(folder, os.path.basename(top)), like=like, keys=keys)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the maps stay valid
+
+
+def _read_index(path):
+    """``(weight_map, save id or None)`` of the index at ``path`` (a file or an object)."""
+    data = _dcp_io.read_small_file(path, _MAX_INDEX_BYTES)
     try:
         index = json.loads(data)
         weight_map = index["weight_map"]
@@ -399,7 +469,7 @@ def _read(plan, rank, stats, direct=False):
             runs.setdefault(it.file, []).append((it.begin + start, n, i, pos))
             pos += n
         stats.needed += pos
-    reader = _read_direct if direct else _read_cached
+    reader = _read_direct if direct and not any(map(_native.is_url, runs)) else _read_cached
     raw, bufs = reader(plan, runs, size, throttle, stats)
     slices = {}
     for i, shape in shapes.items():
@@ -548,12 +618,8 @@ def _check_unchanged(plan):
     """Every file still has the path it was opened by (a save that replaced one during the
     load would have mixed two checkpoints)."""
     for f, ident in plan.identities.items():
-        try:
-            st = os.stat(f)
-        except OSError:
-            st = None
-        if st is None or (st.st_dev, st.st_ino) != ident:
-            raise FormatError(f"{f}: the file was replaced during the load (a save ran meanwhile?): load again")
+        if _identity(f) != ident:
+            raise _replaced(f)
 
 
 # ---- exchange and results ------------------------------------------------------------------

@@ -79,6 +79,18 @@ pub fn tensor_names(url: &str, options: &ObjectOptions) -> Result<Vec<String>> {
     )
 }
 
+/// What [`load_url`] reads for `url`: `(true, index URL)` for a sharded checkpoint, else
+/// `(false, object URL)`, resolved as it resolves them (an index, a folder, the index a
+/// sharded save to `url` wrote). For readers that plan their own ranged reads.
+pub fn resolve_url(url: &str, options: &ObjectOptions) -> Result<(bool, String)> {
+    let at = Location::open(url, options)?;
+    resolved(
+        at,
+        |object| head(object).map(|_| (false, object.url().to_string())),
+        |index| Ok((true, index.url().to_string())),
+    )
+}
+
 /// The user metadata of the checkpoint at `url` (as [`load_url`] finds it), from headers
 /// alone: an object's, or an index's first shard's, as [`crate::io::read_metadata`] gives
 /// for files.

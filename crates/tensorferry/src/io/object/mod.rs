@@ -29,7 +29,8 @@ use std::time::Duration;
 pub use failure::{cause_of, Cause, ObjectFailure};
 pub use into_device::load_url_to_until;
 pub use load::{
-    head_url, load_url, read_header_url, read_into, read_metadata_url, read_ranges, tensor_names,
+    head_url, load_url, read_header_url, read_into, read_metadata_url, read_ranges, resolve_url,
+    tensor_names,
 };
 pub use location::is_url;
 pub(crate) use location::url_of;
