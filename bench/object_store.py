@@ -1,41 +1,70 @@
-"""Loading a checkpoint from object storage into host memory: tensorferry.load("s3://...")
-beside boto3 (download_file, then safetensors.torch.load_file; get_object, then
-safetensors.torch.load) and s3fs (cat, then safetensors.torch.load), on one object served
-by a real S3 server on the loopback interface (s3s-fs, as the tests use), in one run, with
-roofs measured in the same run: parallel ranged GETs of the same bytes with no parsing, by
-curl (--parallel, into files in /dev/shm) and by Python threads (presigned URLs, one
-connection per thread, each answer read straight into one preallocated buffer). "of roof"
-compares with the faster roof.
+"""Checkpoints in object storage, on one machine: loads, saves and host memory of
+tensorferry beside its peers, against a real S3 server on the loopback interface (s3s-fs,
+as the tests use), in one run, with every roof measured in the same run.
 
-    python bench/object_store.py [--mb 256] [--tensors 300] [--repeat 3]
-                                 [--part-mb 8] [--concurrency 16] [--out FILE]
+    PYTHONPATH=bindings/python/python:$PEERS python bench/object_store.py \\
+        [--mb 1024] [--tensors 300] [--small 10000] [--small-kb 8] [--repeat 3] \\
+        [--part-mb 8] [--concurrency 16] [--out FILE]
 
-boto3 and s3fs are not dependencies of tensorferry: install them where the bench runs
-(e.g. `pip install --target DIR boto3 s3fs` and PYTHONPATH=DIR). The server is the
-binary of scripts/s3-server.sh (or TENSORFERRY_S3S_FS). Server and client share this
-machine's cores: the figures are for loopback, not for a network.
+where $PEERS holds the peers, which are not dependencies of tensorferry:
+`pip install --target $PEERS boto3 s3fs runai-model-streamer runai-model-streamer-s3`
+(torch, numpy and safetensors come from the environment). The server is the binary of
+scripts/s3-server.sh (or TENSORFERRY_S3S_FS). --mb 64 runs the whole bench in about a
+minute; the 1 GB run of bench/results/2026-11-26-cpu-object-store-*.txt takes ~10 min.
 
-Every result is checked against the saved tensors once (not timed). Times are the best of
---repeat; the server's file is in the page cache (read once before).
+Jobs, each on one object stored once (by tensorferry, untimed) in the server's folder:
+
+- load A: --mb MB in --tensors bf16 tensors; load B: --small tensors of --small-kb KiB.
+  Rows: tensorferry.load("s3://...") to host; the Run:ai Model Streamer
+  (SafetensorsStreamer.stream_file + get_tensors, to the host, its defaults); s3fs cat +
+  safetensors.torch.load; boto3 download_file + safetensors.torch.load_file. Roofs: the
+  same bytes in parallel ranged GETs into memory, no parsing, by Python threads (presigned
+  URLs, one keep-alive socket per thread, each answer's body received straight into its
+  place in one preallocated buffer), in two shapes: --part-mb x --concurrency as given to
+  tensorferry, and 32 MiB x 4. "of roof" compares with the faster roof; a row above
+  100 % says the roof was mismeasured.
+- save: tensorferry.save(d, "s3://...") of load A's tensors; roof: a multipart upload of
+  the same bytes (the file tensorferry wrote, already in memory), parts PUT in parallel by
+  Python threads through presigned URLs (no serialisation, no payload hashing);
+  peer: safetensors.torch.save_file + boto3 upload_file (its threaded multipart upload).
+  tensorferry's save runs twice: as configured by default (over plain HTTP its client
+  signs each part's SHA-256, as boto3 does over HTTP), and with AWS_UNSIGNED_PAYLOAD=true
+  (no body hashing, as over HTTPS and as the roof).
+- memory: in fresh child processes, the peak resident memory (VmHWM) added by
+  tensorferry.load("s3://...") of load A's object, onto the emulated device (device=
+  "emu:0": the GETs land in the staging ring, 3 x 32 MiB by default) and to the host.
+  The emulated device's memory is ordinary memory of the process, so the device load's
+  host overhead is its peak minus the checkpoint's size.
+
+Times: --repeat rounds; in each round every row of a job runs once, the rows' order
+rotated by one place per round (never all of one row first). The table gives the median
+and best of the rounds and computes GB/s, "of roof" and the ratio to the fastest peer
+from the medians (median row / median of the faster roof). Every result is checked
+against the saved tensors once, outside the timing. The server's files are in the page
+cache (read once before). Server and client share this machine's cores, so every figure
+is for loopback on this machine, not for a network.
 """
 
 import argparse
 import concurrent.futures as cf
 import http.client
+import json
 import os
 import platform
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 
-import numpy as np
-
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-ACCESS_KEY, SECRET_KEY, BUCKET, KEY = "bench", "bench-secret", "bench", "model.safetensors"
+ACCESS_KEY, SECRET_KEY, BUCKET = "bench", "bench-secret", "bench"
+LARGE, SMALL, SAVED = "large.safetensors", "small.safetensors", "saved.safetensors"
+ROOF = "roof: ranged GETs, {} MiB x {} threads"
 
 
 def server_binary():
@@ -69,12 +98,13 @@ def start_server(root):
             time.sleep(0.02)
 
 
-def make_tree(torch, mb, tensors):
-    """~`tensors` bf16 tensors of ~`mb` MB in all, rows of 4096 elements."""
-    rows = max(1, (mb << 20) // (tensors * 4096 * 2))
-    g = torch.Generator().manual_seed(0)
-    return {f"model.layers.{i}.weight": torch.randn(rows, 4096, generator=g).to(torch.bfloat16)
-            for i in range(tensors)}
+def make_tree(torch, count, elements, seed):
+    """`count` bf16 tensors of `elements` elements each (rows of at most 4096)."""
+    cols = min(elements, 4096)
+    rows = max(1, elements // cols)
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.weight": torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+            for i in range(count)}
 
 
 def boto_client(endpoint, boto3):
@@ -85,71 +115,277 @@ def boto_client(endpoint, boto3):
                         config=Config(max_pool_connections=64))
 
 
-def roof(endpoint, boto3, size, part, concurrency):
-    """Parallel ranged GETs of the whole object into one buffer: bytes only."""
-    client = boto_client(endpoint, boto3)
-    url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": KEY}, ExpiresIn=3600)
+class Connections:
+    """One keep-alive HTTP connection per thread, to the server of a presigned URL."""
+
+    def __init__(self, url):
+        parsed = urllib.parse.urlsplit(url)
+        self.host, self.port = parsed.hostname, parsed.port
+        self.local = threading.local()
+
+    def get(self):
+        conn = getattr(self.local, "conn", None)
+        if conn is None:
+            conn = self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        return conn
+
+
+def ranged_get_roof(client, key, size, part, concurrency):
+    """Parallel ranged GETs of the whole object into one buffer, bytes only: each thread
+    keeps one connection, writes a GET of a presigned URL, reads the answer's head and
+    receives its body straight into its place in the buffer (``recv_into``, GIL
+    released)."""
+    url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=3600)
     parsed = urllib.parse.urlsplit(url)
-    target = parsed.path + "?" + parsed.query
+    request = f"GET {parsed.path}?{parsed.query} HTTP/1.1\r\nHost: {parsed.hostname}:{parsed.port}\r\n"
+    local, opened = threading.local(), []
     buf = bytearray(size)
     view = memoryview(buf)
-    ranges = [(a, min(a + part, size)) for a in range(0, size, part)]
 
     def fetch(r):
-        conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
-        try:
-            conn.request("GET", target, headers={"Range": f"bytes={r[0]}-{r[1] - 1}"})
-            resp = conn.getresponse()
-            assert resp.status == 206, resp.status
-            got = 0
-            while got < r[1] - r[0]:
-                n = resp.readinto(view[r[0] + got:r[1]])
-                assert n, "short answer"
-                got += n
-        finally:
-            conn.close()
+        a, b = r
+        sock = getattr(local, "sock", None)
+        if sock is None:
+            sock = local.sock = socket.create_connection((parsed.hostname, parsed.port), timeout=60)
+            opened.append(sock)
+        sock.sendall((request + f"Range: bytes={a}-{b - 1}\r\n\r\n").encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            got = sock.recv(65536)
+            assert got, "connection closed"
+            head += got
+        head, body = head.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 206") and f"content-length: {b - a}\r".encode() in head.lower() + b"\r", head
+        view[a:a + len(body)] = body
+        got = len(body)
+        while got < b - a:
+            n = sock.recv_into(view[a + got:b])
+            assert n, "short answer"
+            got += n
 
-    with cf.ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(fetch, ranges))
+    try:
+        with cf.ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(fetch, [(a, min(a + part, size)) for a in range(0, size, part)]))
+    finally:
+        for sock in opened:
+            sock.close()
     return buf
 
 
-def curl_roof(endpoint, boto3, size, part, concurrency, into):
-    """The same ranged GETs by curl (C, no parsing, --parallel) into files in memory
-    (``into``, a tmpfs folder); returns their bytes, joined (not timed by the caller's
-    check)."""
-    client = boto_client(endpoint, boto3)
-    url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": KEY}, ExpiresIn=3600)
-    os.makedirs(into, exist_ok=True)
-    config = os.path.join(into, "curl.cfg")
-    parts = [(a, min(a + part, size)) for a in range(0, size, part)]
-    with open(config, "w") as f:
-        for i, (a, b) in enumerate(parts):
-            # "next": the range is an option of this transfer, not of all of them.
-            f.write(("next\n" if i else "") + f'url = "{url}"\nrange = {a}-{b - 1}\noutput = "{into}/part-{i}"\n')
-    subprocess.run(["curl", "-sS", "--no-progress-meter", "--fail", "--parallel", "--parallel-max", str(concurrency), "-K", config],
-                   check=True)
-    return lambda: b"".join(open(f"{into}/part-{i}", "rb").read() for i in range(len(parts)))
+def roof_shapes(args):
+    """(part MiB, threads) of the load roofs: the parts tensorferry is given, and fewer,
+    larger requests (fewer threads on the client's share of the cores)."""
+    return list(dict.fromkeys([(args.part_mb, args.concurrency), (32, 4)]))
 
 
-def check(torch, got, want):
+def multipart_roof(client, key, data, part, concurrency):
+    """A multipart upload of ``data`` (bytes in memory): parts PUT in parallel through
+    presigned URLs, one keep-alive connection per thread, then completed."""
+    view = memoryview(data)
+    upload = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+    ranges = [(a, min(a + part, len(data))) for a in range(0, len(data), part)]
+    urls = [client.generate_presigned_url("upload_part", ExpiresIn=3600, Params={
+        "Bucket": BUCKET, "Key": key, "UploadId": upload, "PartNumber": i + 1}) for i in range(len(ranges))]
+    conns = Connections(urls[0])
+
+    def put(i):
+        a, b = ranges[i]
+        parsed = urllib.parse.urlsplit(urls[i])
+        conn = conns.get()
+        conn.request("PUT", parsed.path + "?" + parsed.query, body=view[a:b], headers={"Content-Length": str(b - a)})
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200, resp.status
+        return {"PartNumber": i + 1, "ETag": resp.getheader("ETag")}
+
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        parts = list(pool.map(put, range(len(ranges))))
+    client.complete_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
+
+
+def runai_load(url):
+    """The Run:ai Model Streamer's load of one file to the host, as its docs show."""
+    from runai_model_streamer import SafetensorsStreamer
+
+    out = {}
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_file(url, device="cpu")
+        for name, tensor in streamer.get_tensors():
+            out[name] = tensor
+    return out
+
+
+def check_tree(torch, got, want):
     assert set(got) == set(want), "names differ"
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
+def timed_rounds(rows, repeat):
+    """Runs each ``(name, run, check)`` of ``rows`` once per round, ``repeat`` rounds, the
+    order rotated by one place per round; ``check(result)`` runs once, untimed. Returns
+    {name: [seconds, ...]}."""
+    times = {name: [] for name, _, _ in rows}
+    checked = set()
+    for r in range(repeat):
+        k = r % len(rows)
+        for name, run, check in rows[k:] + rows[:k]:
+            start = time.perf_counter()
+            out = run()
+            times[name].append(time.perf_counter() - start)
+            if name not in checked:
+                check(out)
+                checked.add(name)
+            del out
+    return times
+
+
+def table(say, title, size, times, roofs, tensorferry, peers):
+    """One job's table: median, best, GB/s, of roof, vs the fastest peer (from medians)."""
+    med = {name: statistics.median(t) for name, t in times.items()}
+    roof = min(med[n] for n in roofs)
+    fastest = min((med[n] for n in peers), default=None)
+    say(f"## {title}: {size / 1e6:.1f} MB")
+    say(f"{'row':44} {'median s':>9} {'best s':>8} {'GB/s':>6} {'of roof':>8} {'tf speed-up':>11}   rounds (s)")
+    for name, t in times.items():
+        note = ""
+        if name not in roofs and med[name] < roof:
+            note = "  (above the roof: roof mismeasured)"
+        ratio = f"{med[name] / med[tensorferry]:10.2f}x" if name in peers else f"{'':11}"
+        say(f"{name:44} {med[name]:9.3f} {min(t):8.3f} {size / med[name] / 1e9:6.2f} {roof / med[name]:8.0%} {ratio}   "
+            + " ".join(f"{x:.3f}" for x in t) + note)
+    if fastest is not None:
+        say(f"tensorferry: {roof / med[tensorferry]:.0%} of roof, {fastest / med[tensorferry]:.2f}x the fastest peer")
+    else:
+        say(f"tensorferry: {roof / med[tensorferry]:.0%} of roof")
+    say()
+
+
+def load_job(args, client, fs, st, torch, tf, key, tree, work):
+    size = os.path.getsize(os.path.join(work, "s3", BUCKET, key))
+    with open(os.path.join(work, "s3", BUCKET, key), "rb") as f:
+        want = f.read()  # and the server's file is in the page cache
+    url = f"s3://{BUCKET}/{key}"
+    part = args.part_mb << 20
+    local = os.path.join(work, "download.safetensors")
+
+    def boto_download():
+        client.download_file(BUCKET, key, local)
+        return st.load_file(local)
+
+    def same_bytes(got):
+        assert bytes(got) == want, "roof bytes differ"
+
+    def same_tree(got):
+        check_tree(torch, got, tree)
+
+    rows = [
+        *[(ROOF.format(mb, n), lambda mb=mb, n=n: ranged_get_roof(client, key, size, mb << 20, n), same_bytes)
+          for mb, n in roof_shapes(args)],
+        ("tensorferry.load(s3://)", lambda: tf.load(url), same_tree),
+        ("runai SafetensorsStreamer (host)", lambda: runai_load(url), same_tree),
+        ("s3fs cat + st.load", lambda: st.load(fs.cat(f"{BUCKET}/{key}")), same_tree),
+        ("boto3 download_file + st.load_file", boto_download, same_tree),
+    ]
+    times = timed_rounds(rows, args.repeat)
+    os.remove(local)
+    return size, times
+
+
+def save_job(args, client, st, torch, tf, tree, work):
+    with open(os.path.join(work, "s3", BUCKET, LARGE), "rb") as f:
+        data = f.read()  # the bytes tensorferry.save writes for `tree`
+    saved = os.path.join(work, "s3", BUCKET, SAVED)
+    local = os.path.join(work, "upload.safetensors")
+    part = args.part_mb << 20
+
+    def peer():
+        st.save_file(tree, local)
+        client.upload_file(local, BUCKET, SAVED)
+
+    def same_bytes(_):
+        with open(saved, "rb") as f:
+            assert f.read() == data, "saved bytes differ"
+
+    def same_tree(_):
+        check_tree(torch, st.load_file(saved), tree)
+
+    rows = [
+        ("roof: python threads multipart upload", lambda: multipart_roof(client, SAVED, data, part, args.concurrency),
+         same_bytes),
+        ("tensorferry.save(s3://)", lambda: tf.save(tree, f"s3://{BUCKET}/{SAVED}"), same_bytes),
+        ("tensorferry.save(s3://), unsigned payload", lambda: unsigned(lambda: tf.save(tree, f"s3://{BUCKET}/{SAVED}")),
+         same_bytes),
+        ("st.save_file + boto3 upload_file", peer, same_tree),
+    ]
+    times = timed_rounds(rows, args.repeat)
+    os.remove(local)
+    return len(data), times
+
+
+def unsigned(run):
+    """``run()`` with AWS_UNSIGNED_PAYLOAD=true: requests signed without hashing their body,
+    as AWS's SDKs send them over HTTPS (and as the roof's presigned URLs do)."""
+    os.environ["AWS_UNSIGNED_PAYLOAD"] = "true"
+    try:
+        return run()
+    finally:
+        del os.environ["AWS_UNSIGNED_PAYLOAD"]
+
+
+def hwm_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def child_memory(device, url):
+    """In a child process: the peak resident memory a load of ``url`` onto ``device`` adds."""
+    import tensorferry as tf
+
+    before = hwm_kib()
+    start = time.perf_counter()
+    out = tf.load(url, device=device, like="tensorferry")
+    seconds = time.perf_counter() - start
+    print(json.dumps({"before_kib": before, "after_kib": hwm_kib(), "seconds": seconds, "leaves": len(out)}))
+
+
+def memory_job(say, size, url, env):
+    say(f"## memory: peak resident memory added by one load of the {size / 1e6:.1f} MB object, in a fresh process")
+    say(f"{'load':44} {'peak added MB':>13} {'minus object MB':>15} {'s':>6}")
+    for device in ("emu:0", "cpu"):
+        run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", device, url],
+                             env=env, check=True, capture_output=True, text=True)
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        added = (got["after_kib"] - got["before_kib"]) * 1024
+        say(f"{'tensorferry.load(s3://, device=' + repr(device) + ')':44} {added / 1e6:13.1f} {(added - size) / 1e6:15.1f} "
+            f"{got['seconds']:6.2f}")
+    say("(the emulated device's memory is ordinary memory of the process: for emu:0, peak minus the object is the")
+    say(" host memory of the load itself; the staging ring is 3 x 32 MiB = 100.7 MB by default)")
+    say()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mb", type=int, default=256)
-    ap.add_argument("--tensors", type=int, default=300)
+    ap.add_argument("--mb", type=int, default=1024, help="load A's size (MiB of tensor data)")
+    ap.add_argument("--tensors", type=int, default=300, help="load A's tensor count")
+    ap.add_argument("--small", type=int, default=10000, help="load B's tensor count")
+    ap.add_argument("--small-kb", type=int, default=8, help="load B's bytes per tensor (KiB)")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--part-mb", type=int, default=8)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--part-mb", type=int, default=8, help="part size of the roofs (and of tensorferry, set alike)")
+    ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (roofs and tensorferry)")
+    ap.add_argument("--child-memory", nargs=2, metavar=("DEVICE", "URL"), help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.child_memory:
+        return child_memory(*args.child_memory)
 
     import boto3
+    import runai_model_streamer
     import s3fs
+    import safetensors
     import safetensors.torch as st
     import torch
 
@@ -157,12 +393,15 @@ def main():
 
     work = tempfile.mkdtemp(prefix="tf-object-bench-")
     proc, endpoint = start_server(os.path.join(work, "s3"))
-    env = {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": endpoint, "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
-           "TENSORFERRY_OBJECT_PART_BYTES": str(args.part_mb << 20),
-           "TENSORFERRY_OBJECT_CONCURRENCY": str(args.concurrency)}
-    os.environ.update(env)
-    url = f"s3://{BUCKET}/{KEY}"
+    os.environ.update({
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint, "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9", "AWS_EC2_METADATA_DISABLED": "true",
+        "TENSORFERRY_OBJECT_PART_BYTES": str(args.part_mb << 20),
+        "TENSORFERRY_OBJECT_CONCURRENCY": str(args.concurrency),
+        # The Run:ai streamer's documented settings for an S3-compatible server (path-style
+        # addressing), its logs kept quiet; its concurrency and chunk size are its defaults.
+        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0", "RUNAI_STREAMER_LOG_LEVEL": "WARNING",
+    })
     lines = []
 
     def say(text=""):
@@ -170,67 +409,39 @@ def main():
         lines.append(text)
 
     try:
-        tree = make_tree(torch, args.mb, args.tensors)
-        tf.save(tree, url)
-        size = os.path.getsize(os.path.join(work, "s3", BUCKET, KEY))
-        with open(os.path.join(work, "s3", BUCKET, KEY), "rb") as f:
-            while f.read(64 << 20):  # the server's file in the page cache
-                pass
-        client = boto_client(endpoint, boto3)
-        fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, client_kwargs={"endpoint_url": endpoint,
-                                                                                 "region_name": "us-east-1"})
-        local = os.path.join(work, "download.safetensors")
-
-        def boto_download():
-            client.download_file(BUCKET, KEY, local)
-            return st.load_file(local)
-
-        def boto_get():
-            return st.load(client.get_object(Bucket=BUCKET, Key=KEY)["Body"].read())
-
-        part = args.part_mb << 20
-        shm = tempfile.mkdtemp(prefix="tf-object-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        methods = [
-            ("roof: curl --parallel ranged GETs", lambda: curl_roof(endpoint, boto3, size, part, args.concurrency,
-                                                                   shm), "curl"),
-            ("roof: python threads ranged GETs", lambda: roof(endpoint, boto3, size, part, args.concurrency), "bytes"),
-            ("tensorferry.load(s3://)", lambda: tf.load(url), True),
-            ("boto3 download_file + st.load_file", boto_download, True),
-            ("boto3 get_object + st.load", boto_get, True),
-            ("s3fs cat + st.load", lambda: st.load(fs.cat(f"{BUCKET}/{KEY}")), True),
-        ]
         say(f"# bench/object_store.py {' '.join(sys.argv[1:])}")
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         say(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {os.cpu_count()} cores, python "
-            f"{platform.python_version()}, torch {torch.__version__}, boto3 {boto3.__version__}, s3fs "
-            f"{s3fs.__version__}, tensorferry {tf.__version__}")
-        say(f"# object: {size / 1e6:.1f} MB, {len(tree)} bf16 tensors, s3s-fs on loopback; parts "
-            f"{args.part_mb} MiB x {args.concurrency} (roof and tensorferry)")
-        say(f"{'method':40} {'best s':>8} {'GB/s':>7} {'of roof':>8}   all repeats (s)")
-        best_roof = None
-        for name, run, checked in methods:
-            if checked == "curl" and not shutil.which("curl"):
-                say(f"{name:40} (no curl here)")
-                continue
-            times = []
-            for i in range(args.repeat):
-                start = time.perf_counter()
-                out = run()
-                times.append(time.perf_counter() - start)
-                if i == 0:
-                    if checked in ("curl", "bytes"):
-                        got = out() if checked == "curl" else out
-                        with open(os.path.join(work, "s3", BUCKET, KEY), "rb") as f:
-                            assert bytes(got) == f.read(), "roof bytes differ"
-                        del got
-                    else:
-                        check(torch, out, tree)
-                del out
-            best = min(times)
-            if checked in ("curl", "bytes"):
-                best_roof = min(best_roof or best, best)
-            say(f"{name:40} {best:8.3f} {size / best / 1e9:7.2f} {best_roof / best:8.0%}   "
-                + " ".join(f"{t:.3f}" for t in times))
-        shutil.rmtree(shm, ignore_errors=True)
+            f"{platform.python_version()}, torch {torch.__version__}, safetensors {safetensors.__version__}, boto3 "
+            f"{boto3.__version__}, s3fs {s3fs.__version__}, runai-model-streamer "
+            f"{_version('runai-model-streamer')}, tensorferry {tf.__version__} ({commit.stdout.strip()})")
+        say(f"# s3s-fs on loopback, sharing the {os.cpu_count()} cores with the client; roofs and tensorferry: parts "
+            f"{args.part_mb} MiB x {args.concurrency} in flight; {args.repeat} rounds, rows rotated per round")
+        say("# load average at the start (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
+        say()
+        client = boto_client(endpoint, boto3)
+        fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY,
+                               client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"})
+        elements = (args.mb << 20) // (args.tensors * 2)
+        large = make_tree(torch, args.tensors, elements, 0)
+        tf.save(large, f"s3://{BUCKET}/{LARGE}")
+        small = make_tree(torch, args.small, (args.small_kb << 10) // 2, 1)
+        tf.save(small, f"s3://{BUCKET}/{SMALL}")
+        peers = ["runai SafetensorsStreamer (host)", "s3fs cat + st.load", "boto3 download_file + st.load_file"]
+        roofs = [ROOF.format(mb, n) for mb, n in roof_shapes(args)]
+
+        size, times = load_job(args, client, fs, st, torch, tf, LARGE, large, work)
+        table(say, f"load A, {len(large)} bf16 tensors", size, times, roofs, "tensorferry.load(s3://)", peers)
+        size_b, times = load_job(args, client, fs, st, torch, tf, SMALL, small, work)
+        del small
+        table(say, f"load B, {args.small} bf16 tensors of {args.small_kb} KiB", size_b, times, roofs,
+              "tensorferry.load(s3://)", peers)
+        saved, times = save_job(args, client, st, torch, tf, large, work)
+        table(say, f"save, load A's {len(large)} tensors", saved, times, ["roof: python threads multipart upload"],
+              "tensorferry.save(s3://)", ["st.save_file + boto3 upload_file"])
+        del large
+        memory_job(say, size, f"s3://{BUCKET}/{LARGE}", dict(os.environ))
+        say("# load average at the end (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     finally:
         proc.kill()
         proc.wait()
@@ -238,6 +449,15 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+
+
+def _version(dist):
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "?"
 
 
 if __name__ == "__main__":
