@@ -9,6 +9,7 @@
 
 use std::sync::Arc;
 
+use object_store::aws::AmazonS3ConfigKey;
 use object_store::path::Path as ObjectPath;
 use object_store::{BackoffConfig, ObjectStore, ObjectStoreScheme, RetryConfig};
 use url::Url;
@@ -34,6 +35,18 @@ const SCHEMES: &[&str] = &[
 pub fn is_url(text: &str) -> bool {
     text.split_once("://")
         .is_some_and(|(scheme, _)| SCHEMES.iter().any(|s| s.eq_ignore_ascii_case(scheme)))
+}
+
+/// Whether S3 requests to `endpoint` (None: AWS's own, over HTTPS) are signed without
+/// hashing their bodies, where the user's `AWS_UNSIGNED_PAYLOAD` does not say: over HTTPS,
+/// as AWS's SDKs do, since TLS already protects the bytes and a SHA-256 pass over every
+/// uploaded part would take a core's time from the upload; over plain HTTP the bodies stay
+/// signed.
+fn unsigned_payload(endpoint: Option<&str>) -> bool {
+    endpoint.is_none_or(|e| {
+        e.get(..8)
+            .is_some_and(|scheme| scheme.eq_ignore_ascii_case("https://"))
+    })
 }
 
 /// The URL a path holds, when it holds one.
@@ -64,14 +77,21 @@ impl Location {
             retry_timeout: options.retry_timeout,
         };
         let built: object_store::Result<Arc<dyn ObjectStore>> = match scheme {
-            ObjectStoreScheme::AmazonS3 => object_store::aws::AmazonS3Builder::from_env()
-                .with_url(url)
-                // An endpoint the user set to plain HTTP (a server on the same network)
-                // is taken as given.
-                .with_allow_http(true)
-                .with_retry(retry)
-                .build()
-                .map(|s| Arc::new(s) as _),
+            ObjectStoreScheme::AmazonS3 => {
+                let builder = object_store::aws::AmazonS3Builder::from_env()
+                    .with_url(url)
+                    // An endpoint the user set to plain HTTP (a server on the same
+                    // network) is taken as given.
+                    .with_allow_http(true)
+                    .with_retry(retry);
+                let endpoint = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
+                let builder = if std::env::var_os("AWS_UNSIGNED_PAYLOAD").is_some() {
+                    builder // the user's choice, read by from_env
+                } else {
+                    builder.with_unsigned_payload(unsigned_payload(endpoint.as_deref()))
+                };
+                builder.build().map(|s| Arc::new(s) as _)
+            }
             ObjectStoreScheme::GoogleCloudStorage => {
                 object_store::gcp::GoogleCloudStorageBuilder::from_env()
                     .with_url(url)
@@ -154,6 +174,15 @@ mod tests {
         // Explicit settings: no environment, no network (building a client connects to
         // nothing).
         Location::open(url, &ObjectOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn bodies_are_signed_unhashed_over_https_only() {
+        assert!(unsigned_payload(None), "AWS's own endpoints are HTTPS");
+        assert!(unsigned_payload(Some("https://s3.example.com")));
+        assert!(unsigned_payload(Some("HTTPS://s3.example.com")));
+        assert!(!unsigned_payload(Some("http://127.0.0.1:9000")));
+        assert!(!unsigned_payload(Some("http")));
     }
 
     #[test]
