@@ -352,16 +352,19 @@ def child_memory(device, url):
     print(json.dumps({"before_kib": before, "after_kib": hwm_kib(), "seconds": seconds, "leaves": len(out)}))
 
 
-def memory_job(say, size, url, env):
-    say(f"## memory: peak resident memory added by one load of the {size / 1e6:.1f} MB object, in a fresh process")
-    say(f"{'load':44} {'peak added MB':>13} {'minus object MB':>15} {'s':>6}")
-    for device in ("emu:0", "cpu"):
-        run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", device, url],
-                             env=env, check=True, capture_output=True, text=True)
-        got = json.loads(run.stdout.strip().splitlines()[-1])
-        added = (got["after_kib"] - got["before_kib"]) * 1024
-        say(f"{'tensorferry.load(s3://, device=' + repr(device) + ')':44} {added / 1e6:13.1f} {(added - size) / 1e6:15.1f} "
-            f"{got['seconds']:6.2f}")
+def memory_job(say, objects, env):
+    """Peak resident memory added by one load of each ``(url, size)`` of ``objects``, onto
+    the emulated device and to the host, each in a fresh process."""
+    say("## memory: peak resident memory (VmHWM) added by one load, each in a fresh process")
+    say(f"{'load':52} {'object MB':>9} {'peak added MB':>13} {'minus object MB':>15} {'s':>6}")
+    for url, size in objects:
+        for device in ("emu:0", "cpu"):
+            run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", device, url],
+                                 env=env, check=True, capture_output=True, text=True)
+            got = json.loads(run.stdout.strip().splitlines()[-1])
+            added = (got["after_kib"] - got["before_kib"]) * 1024
+            name = f"tensorferry.load({url.rsplit('/', 1)[-1]}, device={device!r})"
+            say(f"{name:52} {size / 1e6:9.1f} {added / 1e6:13.1f} {(added - size) / 1e6:15.1f} {got['seconds']:6.2f}")
     say("(the emulated device's memory is ordinary memory of the process: for emu:0, peak minus the object is the")
     say(" host memory of the load itself; the staging ring is 3 x 32 MiB = 100.7 MB by default)")
     say()
@@ -440,7 +443,7 @@ def main():
         table(say, f"save, load A's {len(large)} tensors", saved, times, ["roof: python threads multipart upload"],
               "tensorferry.save(s3://)", ["st.save_file + boto3 upload_file"])
         del large
-        memory_job(say, size, f"s3://{BUCKET}/{LARGE}", dict(os.environ))
+        memory_job(say, [(f"s3://{BUCKET}/{LARGE}", size), (f"s3://{BUCKET}/{SMALL}", size_b)], dict(os.environ))
         say("# load average at the end (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     finally:
         proc.kill()
