@@ -10,7 +10,8 @@ where $PEERS holds the peers, which are not dependencies of tensorferry:
 `pip install --target $PEERS boto3 s3fs runai-model-streamer runai-model-streamer-s3`
 (torch, numpy and safetensors come from the environment). The server is the binary of
 scripts/s3-server.sh (or TENSORFERRY_S3S_FS). --mb 64 runs the whole bench in about a
-minute; the 1 GB run of bench/results/2026-11-26-cpu-object-store-*.txt takes ~10 min.
+minute; the 1 GB run of bench/results/2026-11-26-cpu-object-store-loopback.txt (--repeat
+5) takes ~13 min.
 
 Jobs, each on one object stored once (by tensorferry, untimed) in the server's folder:
 
@@ -18,20 +19,22 @@ Jobs, each on one object stored once (by tensorferry, untimed) in the server's f
   Rows: tensorferry.load("s3://...") to host; the Run:ai Model Streamer
   (SafetensorsStreamer.stream_file + get_tensors, to the host, its defaults); s3fs cat +
   safetensors.torch.load; boto3 download_file + safetensors.torch.load_file. Roofs: the
-  same bytes in parallel ranged GETs into memory, no parsing, by Python threads (presigned
-  URLs, one keep-alive socket per thread, each answer's body received straight into its
-  place in one preallocated buffer), in two shapes: --part-mb x --concurrency as given to
-  tensorferry, and 32 MiB x 4. "of roof" compares with the faster roof; a row above
-  100 % says the roof was mismeasured.
+  same bytes in parallel ranged GETs into memory, no parsing: presigned URLs, one
+  keep-alive socket per thread, each answer's body received straight into its place in
+  one buffer; --part-mb parts, --concurrency in flight, by the threads of one process (one
+  GIL) and by 4 forked processes of --concurrency/4 threads (into shared memory mapped
+  before the fork and reused: a roof that errs high). "of roof" compares with the faster
+  roof; a row above 100 % says the roof was mismeasured.
 - save: tensorferry.save(d, "s3://...") of load A's tensors; roof: a multipart upload of
-  the same bytes (the file tensorferry wrote, already in memory), parts PUT in parallel by
-  Python threads through presigned URLs (no serialisation, no payload hashing);
-  peer: safetensors.torch.save_file + boto3 upload_file (its threaded multipart upload).
+  the same bytes (the file tensorferry wrote, already in memory), parts PUT in parallel
+  through presigned URLs (no serialisation, no payload hashing), by threads and by forked
+  processes as for the load roofs; peer: safetensors.torch.save_file + boto3 upload_file
+  (its threaded multipart upload).
   tensorferry's save runs twice: as configured by default (over plain HTTP its client
   signs each part's SHA-256, as boto3 does over HTTP), and with AWS_UNSIGNED_PAYLOAD=true
-  (no body hashing, as over HTTPS and as the roof).
+  (no body hashing, as the roof, and as tensorferry does by default over HTTPS).
 - memory: in fresh child processes, the peak resident memory (VmHWM) added by
-  tensorferry.load("s3://...") of load A's object, onto the emulated device (device=
+  tensorferry.load("s3://...") of load A's and load B's objects, onto the emulated device (device=
   "emu:0": the GETs land in the staging ring, 3 x 32 MiB by default) and to the host.
   The emulated device's memory is ordinary memory of the process, so the device load's
   host overhead is its peak minus the checkpoint's size.
@@ -64,7 +67,11 @@ import urllib.parse
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 ACCESS_KEY, SECRET_KEY, BUCKET = "bench", "bench-secret", "bench"
 LARGE, SMALL, SAVED = "large.safetensors", "small.safetensors", "saved.safetensors"
-ROOF = "roof: ranged GETs, {} MiB x {} threads"
+ROOF_THREADS = "roof: ranged GETs, {} MiB, {} threads"
+ROOF_PROCESSES = "roof: ranged GETs, {} MiB, {} procs x {} thr"
+SAVE_THREADS = "roof: multipart, {} MiB, {} threads"
+SAVE_PROCESSES = "roof: multipart, {} MiB, {} procs x {} thr"
+PROCESSES = 4  # worker processes of the process roofs
 
 
 def server_binary():
@@ -130,17 +137,14 @@ class Connections:
         return conn
 
 
-def ranged_get_roof(client, key, size, part, concurrency):
-    """Parallel ranged GETs of the whole object into one buffer, bytes only: each thread
-    keeps one connection, writes a GET of a presigned URL, reads the answer's head and
-    receives its body straight into its place in the buffer (``recv_into``, GIL
-    released)."""
-    url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=3600)
+def get_ranges(url, view, ranges, threads):
+    """GETs each ``(start, end)`` of ``ranges`` of the presigned ``url`` into ``view`` (at
+    the same offsets), ``threads`` at a time: each thread keeps one connection, writes the
+    request, reads the answer's head and receives its body straight into its place
+    (``recv_into``, GIL released). Bytes only: no parsing."""
     parsed = urllib.parse.urlsplit(url)
     request = f"GET {parsed.path}?{parsed.query} HTTP/1.1\r\nHost: {parsed.hostname}:{parsed.port}\r\n"
     local, opened = threading.local(), []
-    buf = bytearray(size)
-    view = memoryview(buf)
 
     def fetch(r):
         a, b = r
@@ -164,43 +168,103 @@ def ranged_get_roof(client, key, size, part, concurrency):
             got += n
 
     try:
-        with cf.ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(fetch, [(a, min(a + part, size)) for a in range(0, size, part)]))
+        with cf.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(fetch, ranges))
     finally:
         for sock in opened:
             sock.close()
+
+
+def ranged_get_roof(client, key, size, part, concurrency):
+    """Parallel ranged GETs of the whole object into one new buffer, by threads of this
+    process (which share one GIL)."""
+    url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=3600)
+    buf = bytearray(size)
+    get_ranges(url, memoryview(buf), [(a, min(a + part, size)) for a in range(0, size, part)], concurrency)
     return buf
 
 
-def roof_shapes(args):
-    """(part MiB, threads) of the load roofs: the parts tensorferry is given, and fewer,
-    larger requests (fewer threads on the client's share of the cores)."""
-    return list(dict.fromkeys([(args.part_mb, args.concurrency), (32, 4)]))
+_SHARED = None  # the process roof's buffer: shared memory mapped before its workers fork
 
 
-def multipart_roof(client, key, data, part, concurrency):
-    """A multipart upload of ``data`` (bytes in memory): parts PUT in parallel through
-    presigned URLs, one keep-alive connection per thread, then completed."""
-    view = memoryview(data)
-    upload = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
-    ranges = [(a, min(a + part, len(data))) for a in range(0, len(data), part)]
-    urls = [client.generate_presigned_url("upload_part", ExpiresIn=3600, Params={
-        "Bucket": BUCKET, "Key": key, "UploadId": upload, "PartNumber": i + 1}) for i in range(len(ranges))]
-    conns = Connections(urls[0])
+def _get_share(url, ranges, threads):
+    get_ranges(url, memoryview(_SHARED), ranges, threads)
 
-    def put(i):
-        a, b = ranges[i]
-        parsed = urllib.parse.urlsplit(urls[i])
+
+class ProcessRoof:
+    """The same ranged GETs by ``processes`` forked worker processes of ``threads`` threads
+    each (no GIL shared between them), into one shared buffer mapped before the fork and
+    reused by every run (so its pages are never faulted in again: a roof that errs high)."""
+
+    def __init__(self, size, processes, threads):
+        import mmap
+        import multiprocessing
+
+        global _SHARED
+        _SHARED = mmap.mmap(-1, size)  # MAP_SHARED | MAP_ANONYMOUS: the workers write the parent's pages
+        self.size, self.processes, self.threads = size, processes, threads
+        self.pool = multiprocessing.get_context("fork").Pool(processes)
+
+    def run(self, client, key, part):
+        url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=3600)
+        ranges = [(a, min(a + part, self.size)) for a in range(0, self.size, part)]
+        self.pool.starmap(_get_share, [(url, ranges[i::self.processes], self.threads) for i in range(self.processes)])
+        return _SHARED
+
+    def close(self):
+        global _SHARED
+        self.pool.terminate()
+        self.pool.join()
+        _SHARED.close()
+        _SHARED = None
+
+
+def put_parts(view, parts, threads):
+    """PUTs each ``(number, presigned url, start, end)`` of ``parts``, the bytes
+    ``view[start:end]``, ``threads`` at a time, one keep-alive connection per thread;
+    returns their ``{"PartNumber", "ETag"}``."""
+    conns = Connections(parts[0][1]) if parts else None
+
+    def put(job):
+        number, url, a, b = job
+        parsed = urllib.parse.urlsplit(url)
         conn = conns.get()
         conn.request("PUT", parsed.path + "?" + parsed.query, body=view[a:b], headers={"Content-Length": str(b - a)})
         resp = conn.getresponse()
         resp.read()
         assert resp.status == 200, resp.status
-        return {"PartNumber": i + 1, "ETag": resp.getheader("ETag")}
+        return {"PartNumber": number, "ETag": resp.getheader("ETag")}
 
-    with cf.ThreadPoolExecutor(concurrency) as pool:
-        parts = list(pool.map(put, range(len(ranges))))
-    client.complete_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload, MultipartUpload={"Parts": parts})
+    with cf.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(put, parts))
+
+
+def multipart_roof(client, key, size, part, send):
+    """A multipart upload of ``size`` bytes in memory: created, its parts (presigned URLs)
+    handed to ``send`` (which PUTs them and returns their ETags), then completed."""
+    upload = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+    parts = [(i + 1, client.generate_presigned_url("upload_part", ExpiresIn=3600, Params={
+        "Bucket": BUCKET, "Key": key, "UploadId": upload, "PartNumber": i + 1}), a, min(a + part, size))
+        for i, a in enumerate(range(0, size, part))]
+    done = sorted(send(parts), key=lambda p: p["PartNumber"])
+    client.complete_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
+
+
+def _put_share(parts, threads):
+    return put_parts(memoryview(_SHARED), parts, threads)
+
+
+class ProcessUpload(ProcessRoof):
+    """The multipart roof's PUTs by forked worker processes (no GIL shared between them),
+    from ``data`` copied once into memory shared before the fork."""
+
+    def __init__(self, data, processes, threads):
+        super().__init__(len(data), processes, threads)
+        _SHARED[:] = data
+
+    def send(self, parts):
+        shares = self.pool.starmap(_put_share, [(parts[i::self.processes], self.threads) for i in range(self.processes)])
+        return [p for share in shares for p in share]
 
 
 def runai_load(url):
@@ -268,6 +332,7 @@ def load_job(args, client, fs, st, torch, tf, key, tree, work):
     url = f"s3://{BUCKET}/{key}"
     part = args.part_mb << 20
     local = os.path.join(work, "download.safetensors")
+    processes = ProcessRoof(size, PROCESSES, max(1, args.concurrency // PROCESSES))
 
     def boto_download():
         client.download_file(BUCKET, key, local)
@@ -280,14 +345,19 @@ def load_job(args, client, fs, st, torch, tf, key, tree, work):
         check_tree(torch, got, tree)
 
     rows = [
-        *[(ROOF.format(mb, n), lambda mb=mb, n=n: ranged_get_roof(client, key, size, mb << 20, n), same_bytes)
-          for mb, n in roof_shapes(args)],
+        (ROOF_THREADS.format(args.part_mb, args.concurrency),
+         lambda: ranged_get_roof(client, key, size, part, args.concurrency), same_bytes),
+        (ROOF_PROCESSES.format(args.part_mb, PROCESSES, args.concurrency // PROCESSES),
+         lambda: processes.run(client, key, part), same_bytes),
         ("tensorferry.load(s3://)", lambda: tf.load(url), same_tree),
         ("runai SafetensorsStreamer (host)", lambda: runai_load(url), same_tree),
         ("s3fs cat + st.load", lambda: st.load(fs.cat(f"{BUCKET}/{key}")), same_tree),
         ("boto3 download_file + st.load_file", boto_download, same_tree),
     ]
-    times = timed_rounds(rows, args.repeat)
+    try:
+        times = timed_rounds(rows, args.repeat)
+    finally:
+        processes.close()
     os.remove(local)
     return size, times
 
@@ -296,6 +366,9 @@ def save_job(args, client, st, torch, tf, tree, work):
     with open(os.path.join(work, "s3", BUCKET, LARGE), "rb") as f:
         data = f.read()  # the bytes tensorferry.save writes for `tree`
     saved = os.path.join(work, "s3", BUCKET, SAVED)
+    view = memoryview(data)
+    threads = max(1, args.concurrency // PROCESSES)
+    processes = ProcessUpload(data, PROCESSES, threads)
     local = os.path.join(work, "upload.safetensors")
     part = args.part_mb << 20
 
@@ -311,14 +384,20 @@ def save_job(args, client, st, torch, tf, tree, work):
         check_tree(torch, st.load_file(saved), tree)
 
     rows = [
-        ("roof: python threads multipart upload", lambda: multipart_roof(client, SAVED, data, part, args.concurrency),
+        (SAVE_THREADS.format(args.part_mb, args.concurrency),
+         lambda: multipart_roof(client, SAVED, len(data), part, lambda p: put_parts(view, p, args.concurrency)),
          same_bytes),
+        (SAVE_PROCESSES.format(args.part_mb, PROCESSES, threads),
+         lambda: multipart_roof(client, SAVED, len(data), part, processes.send), same_bytes),
         ("tensorferry.save(s3://)", lambda: tf.save(tree, f"s3://{BUCKET}/{SAVED}"), same_bytes),
         ("tensorferry.save(s3://), unsigned payload", lambda: unsigned(lambda: tf.save(tree, f"s3://{BUCKET}/{SAVED}")),
          same_bytes),
         ("st.save_file + boto3 upload_file", peer, same_tree),
     ]
-    times = timed_rounds(rows, args.repeat)
+    try:
+        times = timed_rounds(rows, args.repeat)
+    finally:
+        processes.close()
     os.remove(local)
     return len(data), times
 
@@ -431,7 +510,8 @@ def main():
         small = make_tree(torch, args.small, (args.small_kb << 10) // 2, 1)
         tf.save(small, f"s3://{BUCKET}/{SMALL}")
         peers = ["runai SafetensorsStreamer (host)", "s3fs cat + st.load", "boto3 download_file + st.load_file"]
-        roofs = [ROOF.format(mb, n) for mb, n in roof_shapes(args)]
+        roofs = [ROOF_THREADS.format(args.part_mb, args.concurrency),
+                 ROOF_PROCESSES.format(args.part_mb, PROCESSES, args.concurrency // PROCESSES)]
 
         size, times = load_job(args, client, fs, st, torch, tf, LARGE, large, work)
         table(say, f"load A, {len(large)} bf16 tensors", size, times, roofs, "tensorferry.load(s3://)", peers)
@@ -440,7 +520,9 @@ def main():
         table(say, f"load B, {args.small} bf16 tensors of {args.small_kb} KiB", size_b, times, roofs,
               "tensorferry.load(s3://)", peers)
         saved, times = save_job(args, client, st, torch, tf, large, work)
-        table(say, f"save, load A's {len(large)} tensors", saved, times, ["roof: python threads multipart upload"],
+        save_roofs = [SAVE_THREADS.format(args.part_mb, args.concurrency),
+                      SAVE_PROCESSES.format(args.part_mb, PROCESSES, max(1, args.concurrency // PROCESSES))]
+        table(say, f"save, load A's {len(large)} tensors", saved, times, save_roofs,
               "tensorferry.save(s3://)", ["st.save_file + boto3 upload_file"])
         del large
         memory_job(say, [(f"s3://{BUCKET}/{LARGE}", size), (f"s3://{BUCKET}/{SMALL}", size_b)], dict(os.environ))
