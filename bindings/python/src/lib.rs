@@ -257,7 +257,7 @@ fn save(
             staging: parse_staging(staging.as_ref())?,
         };
         py.detach(|| match max_shard_bytes {
-            None => tensorferry::save_node(&root, &path, &options).map(|()| vec![path.clone()]),
+            None => tensorferry::save(&root, &path, &options).map(|()| vec![path.clone()]),
             Some(n) => tensorferry::io::save_sharded(&root, &path, &options, n),
         })
         .py_err()
@@ -273,7 +273,7 @@ const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
 /// were recorded from another framework (PyTorch, JAX) and stayed `Tensor` for Python to
 /// convert. With `direct`, the data is read with O_DIRECT; `direct_fallback` says why it
 /// went through the page cache instead, if it did. With `device` (not the host), the
-/// file streams onto it through the ring `staging` names (`tensorferry::io::load_node_to`).
+/// file streams onto it through the ring `staging` names (`tensorferry::io::load_to`).
 /// With `copy_on_write`, a map is private and writable (`LoadOptions::copy_on_write`).
 #[pyfunction]
 #[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None))]
@@ -291,6 +291,15 @@ fn load(
     only: Option<std::collections::HashSet<String>>,
 ) -> PyResult<(Py<PyAny>, BTreeMap<String, String>, bool, Option<String>)> {
     guard(|| {
+        let mmap = if mmap {
+            // SAFETY: Python's `load(mmap=True)` is the documented default (README, "Limits":
+            // as with NumPy's `memmap`, a file truncated or rewritten in place while mapped
+            // can crash the process with SIGBUS; `mmap=False` where files may change). The
+            // Python user accepts that risk by keeping the default, as NumPy's users do.
+            unsafe { tensorferry::Mapping::map() }
+        } else {
+            tensorferry::Mapping::READ
+        };
         let options = LoadOptions {
             mmap,
             direct,
@@ -318,7 +327,7 @@ fn load(
             // On a thread of its own too: Ctrl-C reaches the caller at once, whatever the
             // index or header takes to read (the thread finishes and drops its result).
             (None, None) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
-                tensorferry::load_node(&path, options)
+                tensorferry::load(&path, options)
             })?,
             (None, Some(d)) => {
                 let target: Device = d.parse().py_err()?;
@@ -326,7 +335,7 @@ fn load(
                 // On a thread of its own, waited for in slices: Ctrl-C stops it between
                 // two chunks instead of after the whole file.
                 wait::run_interruptibly(py, "tensorferry-load", move |stop| {
-                    tensorferry::io::load_node_to_until(&path, target, options, staging, stop)
+                    tensorferry::io::load_to_until(&path, target, options, staging, stop)
                 })?
             }
         }

@@ -87,7 +87,7 @@ fn filled_as(dtype: DType, shape: &[usize], seed: usize) -> tensorferry::Result<
     Tensor::from_bytes(dtype, shape.to_vec(), buf.as_slice())
 }
 
-fn build(preset: Preset, scale: f64) -> tensorferry::Result<TensorDict> {
+fn build(preset: Preset, scale: f64) -> tensorferry::Result<Node> {
     let mut d = TensorDict::new();
     match preset {
         Preset::Gpt2 => {
@@ -165,7 +165,7 @@ fn build(preset: Preset, scale: f64) -> tensorferry::Result<TensorDict> {
             d.insert("lm_head.weight", bf(&[vocab, h], 3)?);
         }
     }
-    Ok(d)
+    Ok(d.into())
 }
 
 fn best(
@@ -389,7 +389,7 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
         load(
             &file_path,
             LoadOptions {
-                mmap: false,
+                mmap: tensorferry::Mapping::READ,
                 direct: false,
                 ..Default::default()
             },
@@ -406,7 +406,9 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
         load(
             &file_path,
             LoadOptions {
-                mmap: true,
+                // SAFETY: the bench's own file, in its own temporary folder: nothing else
+                // truncates or rewrites it while the tensors are alive.
+                mmap: unsafe { tensorferry::Mapping::map() },
                 direct: false,
                 ..Default::default()
             },
@@ -420,15 +422,14 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
     });
     bar.inc(1);
     bar.set_message("headers");
-    let root = Node::Dict(dict.clone());
     let options = SaveOptions::default();
-    let t = best(r, || header_bytes(&root, &options).map(drop))?;
+    let t = best(r, || header_bytes(&dict, &options).map(drop))?;
     rows.push(Row {
         path: "header build",
         time: t,
         roof: None,
     });
-    let header = header_bytes(&root, &options)?;
+    let header = header_bytes(&dict, &options)?;
     let data_len = (file_len - header.len()) as u64;
     let t = best(r, || parse_header(&header[8..], data_len).map(drop))?;
     rows.push(Row {
@@ -515,18 +516,13 @@ fn raw_read(r: usize, path: &Path) -> tensorferry::Result<Duration> {
 }
 
 /// One timed move: its name, source, target, options and roof.
-type Plan<'a> = (&'static str, &'a TensorDict, Device, MoveOptions, Roof);
+type Plan<'a> = (&'static str, &'a Node, Device, MoveOptions, Roof);
 
 /// Moves to `device` and back, each direction against its roof measured in the same run
 /// on the same number of bytes (see [`raw_device_copies`]). Then: the whole dictionary in
 /// one plan into pinned memory, into fresh ordinary memory through the staging ring and
 /// directly, and a loop of one move per tensor (what a Python loop of `.to()` does).
-fn device_rows(
-    name: &str,
-    dict: &TensorDict,
-    r: usize,
-    rows: &mut Vec<Row>,
-) -> tensorferry::Result<()> {
+fn device_rows(name: &str, dict: &Node, r: usize, rows: &mut Vec<Row>) -> tensorferry::Result<()> {
     let device: Device = name.parse()?;
     let with = |pinned: bool, staging: Staging| MoveOptions {
         copy: true,
@@ -686,7 +682,7 @@ struct FileRoofs<'a> {
 /// against a raw read of the file.
 fn device_file_rows(
     name: &str,
-    dict: &TensorDict,
+    dict: &Node,
     roofs: &FileRoofs<'_>,
     r: usize,
     rows: &mut Vec<Row>,
@@ -715,7 +711,17 @@ fn device_file_rows(
         ..Default::default()
     };
     let time = best(r, || {
-        let (mapped, _) = load(roofs.path, LoadOptions::default())?;
+        // SAFETY: the bench's own file, in its own temporary folder: nothing else
+        // truncates or rewrites it while the tensors are alive.
+        let mmap = unsafe { tensorferry::Mapping::map() };
+        let mapped = load(
+            roofs.path,
+            LoadOptions {
+                mmap,
+                ..Default::default()
+            },
+        )?
+        .root;
         mapped.to_with(device, staged).map(drop)
     })?;
     rows.push(Row {

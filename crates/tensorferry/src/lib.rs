@@ -15,13 +15,12 @@ pub mod transfer;
 pub mod tree;
 
 pub use backend::available_devices;
-pub use consolidate::pack;
+pub use consolidate::{consolidate, pack};
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use io::{load, load_node, save, save_node, LoadOptions, Loaded, SaveOptions};
+pub use io::{load, save, LoadOptions, Loaded, Mapping, SaveOptions};
 pub use storage::Storage;
 pub use tensor::Tensor;
 pub use transfer::{move_tensors, MoveOptions, Staging};
-pub use tree::{consolidate, consolidate_node};
 pub use tree::{DictKey, KeyPath, Node, TensorDict, Value};
