@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use tensorferry::backend::{backend_for, CopyBatch, CopyOp, Direction, Event};
-use tensorferry::io::{header_bytes, parse_header};
-use tensorferry::memory::AlignedBuffer;
+use tensorferry::internal::backend::{backend_for, CopyBatch, CopyOp, Direction, Event};
+use tensorferry::internal::io::{header_bytes, parse_header};
+use tensorferry::internal::memory::AlignedBuffer;
 use tensorferry::{
     consolidate, load, save, DType, Device, LoadOptions, MoveOptions, Node, SaveOptions, Staging,
     Tensor, TensorDict,
@@ -316,7 +316,8 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
     bar.inc(1);
     bar.set_message("memcpy per tensor");
     let tensors = dict.tensor_refs();
-    let layout = tensorferry::consolidate::PackedLayout::plan(tensors.iter().map(|t| t.nbytes()));
+    let layout =
+        tensorferry::internal::consolidate::PackedLayout::plan(tensors.iter().map(|t| t.nbytes()));
     let per_tensor: Vec<(&[u8], usize)> = tensors
         .iter()
         .zip(&layout.offsets)
@@ -531,8 +532,8 @@ fn device_rows(name: &str, dict: &Node, r: usize, rows: &mut Vec<Row>) -> tensor
         ..Default::default()
     };
     let ring = Staging::Ring {
-        chunk_bytes: tensorferry::transfer::staging::AUTO_CHUNK_BYTES,
-        depth: tensorferry::transfer::staging::AUTO_DEPTH,
+        chunk_bytes: tensorferry::internal::transfer::staging::AUTO_CHUNK_BYTES,
+        depth: tensorferry::internal::transfer::staging::AUTO_DEPTH,
     };
     let total: usize = dict.tensor_refs().iter().map(|t| t.nbytes()).sum();
     let (d2h, h2d) = raw_device_copies(device, total.max(1), r)?;
@@ -705,8 +706,8 @@ fn device_file_rows(
     });
     let staged = MoveOptions {
         staging: Staging::Ring {
-            chunk_bytes: tensorferry::transfer::staging::AUTO_CHUNK_BYTES,
-            depth: tensorferry::transfer::staging::AUTO_DEPTH,
+            chunk_bytes: tensorferry::internal::transfer::staging::AUTO_CHUNK_BYTES,
+            depth: tensorferry::internal::transfer::staging::AUTO_DEPTH,
         },
         ..Default::default()
     };

@@ -15,7 +15,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde_json::json;
-use tensorferry::io::{read_header, shard_files};
+use tensorferry::internal::io::{read_header, shard_files};
 use tensorferry::{load, LoadOptions};
 
 use crate::escape::{escaped, json_escaped};

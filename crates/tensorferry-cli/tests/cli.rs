@@ -5,7 +5,7 @@ use std::process::Command;
 use std::path::Path;
 
 use serde_json::Value;
-use tensorferry::io::{read_header, save_sharded};
+use tensorferry::internal::io::{read_header, save_sharded};
 use tensorferry::{save, DType, Node, SaveOptions, Tensor, TensorDict};
 
 fn tensorferry(args: &[&str]) -> (bool, String, String) {

@@ -44,7 +44,7 @@ fn main() -> tensorferry::Result<()> {
         back.get_path(&["step"])
     );
     if let Device::Cuda(i) = device {
-        let gpu = tensorferry::backend::cuda_device::device(i)?;
+        let gpu = tensorferry::internal::backend::cuda_device::device(i)?;
         println!("copies on {device}: {}", gpu.copy_path());
     }
     Ok(())

@@ -8,7 +8,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::AtomicBool;
 
-use tensorferry::io::object::{load_url, load_url_to_until, ObjectOptions};
+use tensorferry::internal::io::object::{load_url, load_url_to_until, ObjectOptions};
 use tensorferry::{
     available_devices, save, Device, Node, SaveOptions, Staging, Tensor, TensorDict,
 };

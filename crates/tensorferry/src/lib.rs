@@ -1,26 +1,68 @@
 #![doc = include_str!("../../../README.md")]
 #![deny(missing_docs)]
 
-pub mod backend;
-pub mod consolidate;
-pub mod device;
-pub mod dlpack;
-pub mod dtype;
-pub mod error;
-pub mod io;
-pub mod memory;
-pub mod storage;
-pub mod tensor;
-pub mod transfer;
-pub mod tree;
+pub(crate) mod backend;
+pub(crate) mod consolidate;
+pub(crate) mod device;
+pub(crate) mod dlpack;
+pub(crate) mod dtype;
+pub(crate) mod error;
+pub(crate) mod io;
+pub(crate) mod memory;
+pub(crate) mod storage;
+pub(crate) mod tensor;
+pub(crate) mod transfer;
+pub(crate) mod tree;
 
+// The public surface: the tree and its tensors, devices and dtypes, save and load with
+// their options, the moves between devices, and the one error type. Everything else is
+// the crate's own, and what the bindings and the CLI need of it is in `internal`.
 pub use backend::available_devices;
-pub use consolidate::{consolidate, pack};
+pub use consolidate::consolidate;
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
-pub use io::{load, save, LoadOptions, Loaded, Mapping, SaveOptions};
+pub use io::{load, load_to, save, LoadOptions, Loaded, Mapping, SaveOptions};
 pub use storage::Storage;
 pub use tensor::Tensor;
 pub use transfer::{move_tensors, MoveOptions, Staging};
 pub use tree::{DictKey, KeyPath, Node, TensorDict, Value};
+
+/// The crate's internals that tensorferry's own bindings, command and tests reach: not a
+/// public API, and free to change in any release. Each module mirrors the crate's module
+/// of that name.
+#[doc(hidden)]
+pub mod internal {
+    /// Device backends: the emulated device, CUDA, copy batches and events.
+    pub mod backend {
+        pub use crate::backend::*;
+    }
+    /// Packing tensors into one buffer.
+    pub mod consolidate {
+        pub use crate::consolidate::*;
+    }
+    /// DLPack import and export.
+    pub mod dlpack {
+        pub use crate::dlpack::*;
+    }
+    /// safetensors files, sharded checkpoints and object storage.
+    pub mod io {
+        pub use crate::io::*;
+    }
+    /// Host memory: aligned buffers and the pinned pool.
+    pub mod memory {
+        pub use crate::memory::*;
+    }
+    /// What a tensor's bytes live in.
+    pub mod storage {
+        pub use crate::storage::*;
+    }
+    /// Tensor layout arithmetic.
+    pub mod tensor {
+        pub use crate::tensor::*;
+    }
+    /// The transfer engine and its staging ring.
+    pub mod transfer {
+        pub use crate::transfer::*;
+    }
+}

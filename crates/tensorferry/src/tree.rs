@@ -18,6 +18,12 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// A non-tensor leaf: the values a safetensors header can record exactly.
+///
+/// ```
+/// use tensorferry::{Node, Value};
+///
+/// assert!(matches!(Node::from(0.5), Node::Value(Value::Float(x)) if x == 0.5));
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
     /// Python's `None`.
@@ -60,6 +66,17 @@ pub enum Node {
 }
 
 /// The path of an entry: one key per level.
+///
+/// ```
+/// use tensorferry::{KeyPath, Node, Tensor, TensorDict};
+///
+/// let mut d = TensorDict::new();
+/// d.insert_path(&["model", "layer.0.weight"], Tensor::from_slice(&[1u8], &[1])?)?;
+/// let (path, _) = Node::from(d).tensors().remove(0);
+/// assert_eq!(path, KeyPath(vec!["model".into(), "layer.0.weight".into()]));
+/// assert_eq!(path.dotted(), "model.layer.0.weight"); // its name in a file
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub struct KeyPath(pub Vec<String>);
 
@@ -79,6 +96,14 @@ impl fmt::Display for KeyPath {
 /// A key of a [`TensorDict`]: a string, or an integer held as its decimal text. Keys are
 /// equal when their texts are: the integer `0` and the string `"0"` are one key, as they
 /// are one name in a file.
+///
+/// ```
+/// use tensorferry::DictKey;
+///
+/// let (int, text) = (DictKey::from(0i64), DictKey::from("0"));
+/// assert_eq!(int, text);
+/// assert_eq!((int.as_int(), text.as_int()), (Some(0), None));
+/// ```
 #[derive(Clone, Debug)]
 pub struct DictKey {
     text: String,
@@ -164,6 +189,18 @@ impl fmt::Display for DictKey {
 /// The entries of a dictionary node ([`Node::Dict`]): an ordered map of keys (strings or
 /// integers) to [`Node`]s, with the methods that build and edit it. What a whole tree
 /// does (walk, map, move, save) is a method of [`Node`] or a function taking one.
+///
+/// ```
+/// use tensorferry::{Tensor, TensorDict};
+///
+/// let mut d = TensorDict::new();
+/// d.insert("b", Tensor::from_slice(&[1i32], &[1])?);
+/// d.insert(0i64, "an integer key");
+/// d.insert_path(&["nested", "a"], 2.5)?;
+/// assert_eq!(d.keys().collect::<Vec<_>>(), ["b", "0", "nested"]);
+/// assert!(d.tensor(&["b"]).is_some() && d.get_path(&["nested", "a"]).is_some());
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
 #[derive(Clone, Debug, Default)]
 pub struct TensorDict {
     entries: IndexMap<DictKey, Node>,

@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tensorferry::backend::emulated::{self, EmuConfig};
+use tensorferry::internal::backend::emulated::{self, EmuConfig};
 use tensorferry::{Device, Error, MoveOptions, Node, Staging, Tensor, TensorDict};
 
 macro_rules! test_device {
@@ -158,15 +158,15 @@ fn pool_lock() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// The pinned pool of `dev`'s backend.
-fn pinned_pool(dev: Device) -> Arc<tensorferry::memory::PinnedPool> {
-    tensorferry::backend::backend_for(dev)
+fn pinned_pool(dev: Device) -> Arc<tensorferry::internal::memory::PinnedPool> {
+    tensorferry::internal::backend::backend_for(dev)
         .unwrap()
         .pinned_pool()
         .unwrap()
 }
 
 /// Buffers the pool has handed out so far, cached or newly pinned.
-fn pool_takes(pool: &tensorferry::memory::PinnedPool) -> u64 {
+fn pool_takes(pool: &tensorferry::internal::memory::PinnedPool) -> u64 {
     let s = pool.stats();
     s.hits + s.misses
 }
@@ -201,7 +201,7 @@ fn asking_too_much_is_out_of_memory_with_the_numbers(dev: Device) {
     if dev.is_host() {
         return; // host memory has no device backend
     }
-    let backend = tensorferry::backend::backend_for(dev).unwrap();
+    let backend = tensorferry::internal::backend::backend_for(dev).unwrap();
     let asked = 1usize << 50;
     match backend.alloc(asked) {
         Err(
@@ -418,7 +418,7 @@ fn a_transposed_matrix_is_not_one_device_copy_per_element() {
 
 #[test]
 fn a_failing_chunk_fails_the_staged_transfer_and_frees_everything() {
-    use tensorferry::backend::Backend;
+    use tensorferry::internal::backend::Backend;
     with_emu1("fail_copy=3", || {
         let pool = emulated::device(1).unwrap().pinned_pool().unwrap();
         let before_used = used();
@@ -465,15 +465,17 @@ fn a_dictionary_moves_between_two_gpus() {
 
 #[test]
 fn cuda_batches_use_the_batched_copy_where_the_driver_has_it() {
-    use tensorferry::backend::cuda::{status, CudaStatus};
-    use tensorferry::backend::cuda_device::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
+    use tensorferry::internal::backend::cuda::{status, CudaStatus};
+    use tensorferry::internal::backend::cuda_device::{
+        CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR,
+    };
     if cuda_missing() || std::env::var(COPY_PATH_VAR).is_ok_and(|v| v != "auto") {
         return;
     }
     let CudaStatus::Available { driver_version, .. } = status() else {
         unreachable!("cuda is available")
     };
-    let dev = tensorferry::backend::cuda_device::device(0).unwrap();
+    let dev = tensorferry::internal::backend::cuda_device::device(0).unwrap();
     let expected = if *driver_version >= BATCHED_COPY_DRIVER {
         CopyPath::Batched
     } else {
@@ -676,7 +678,10 @@ fn assert_every_host_read_fails(what: &str, t: &Tensor) {
     } else {
         assert_emu1_failure(&format!("{what}: to_contiguous"), t.to_contiguous());
     }
-    assert_emu1_failure(&format!("{what}: pack"), tensorferry::pack(&[t]));
+    assert_emu1_failure(
+        &format!("{what}: pack"),
+        tensorferry::internal::consolidate::pack(&[t]),
+    );
     let mut d = TensorDict::new();
     d.insert("x", t.clone());
     let d = Node::from(d);
@@ -932,7 +937,7 @@ fn in_child() -> bool {
 /// True when cuda:0 is the fake driver of `crates/fake-cuda` (whose faults can be
 /// injected), after saying why not otherwise.
 fn fake_cuda_present() -> bool {
-    use tensorferry::backend::cuda::{status, CudaStatus};
+    use tensorferry::internal::backend::cuda::{status, CudaStatus};
     if cuda_missing() {
         return false;
     }
@@ -1032,11 +1037,11 @@ fn a_batched_cuda_copy_failing_part_way_is_queued_again_copy_by_copy() {
 
 #[test]
 fn child_cuda_copy_call_1_fails() {
-    use tensorferry::backend::cuda_device::CopyPath;
+    use tensorferry::internal::backend::cuda_device::CopyPath;
     if !in_child() {
         return;
     }
-    let gpu = tensorferry::backend::cuda_device::device(0).unwrap();
+    let gpu = tensorferry::internal::backend::cuda_device::device(0).unwrap();
     let d = contiguous_tensors(8);
     if gpu.copy_path() == CopyPath::Batched {
         // Half the batch was queued when the call failed: it is queued again, one call
@@ -1086,7 +1091,7 @@ fn page_locked_memory_of_another_library_skips_the_staging_ring() {
     // SAFETY: `locked`'s bytes are host memory valid while it lives; the foreign memory
     // owns a clone of it, and nothing writes to it.
     let memory = unsafe {
-        tensorferry::storage::ForeignMemory::new(
+        tensorferry::internal::storage::ForeignMemory::new(
             locked.data_ptr() as *mut u8,
             len,
             Device::Cpu,

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use tensorferry::io::{load_to, save_sharded};
+use tensorferry::internal::io::{load_to, save_sharded};
 use tensorferry::{
     load, save, DType, Device, Error, LoadOptions, Node, SaveOptions, Staging, Tensor, TensorDict,
 };
@@ -75,7 +75,8 @@ fn supports_direct(dir: &Path) -> bool {
         .open(&probe);
     let ok = opened.is_ok_and(|f| {
         use std::os::unix::fs::FileExt;
-        let mut buf = tensorferry::memory::AlignedBuffer::zeroed_page_aligned(4096).unwrap();
+        let mut buf =
+            tensorferry::internal::memory::AlignedBuffer::zeroed_page_aligned(4096).unwrap();
         f.read_at(buf.as_mut_slice(), 0).is_ok()
     });
     std::fs::remove_file(probe).unwrap();

@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use tensorferry::io::load_bytes;
+use tensorferry::internal::io::load_bytes;
 use tensorferry::{save, DType, SaveOptions, Tensor, TensorDict};
 
 fn corpus(target: &str) -> Vec<Vec<u8>> {

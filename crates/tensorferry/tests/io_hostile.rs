@@ -95,7 +95,7 @@ fn format_errors_name_the_file_they_came_from() {
                 },
             )
             .map(drop),
-            tensorferry::io::read_header(&path).map(drop),
+            tensorferry::internal::io::read_header(&path).map(drop),
         ] {
             if let Err(err @ Error::Format { .. }) = result {
                 assert!(err.to_string().contains(&*path.to_string_lossy()), "{err}");

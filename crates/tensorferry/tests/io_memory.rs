@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use tensorferry::io::read_header;
+use tensorferry::internal::io::read_header;
 use tensorferry::{load, save, DType, LoadOptions, Node, SaveOptions, Tensor, Value};
 
 /// The system allocator, counting the bytes in use and their peak.

@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tensorferry::io::object::{
+use tensorferry::internal::io::object::{
     cause_of, load_url, load_url_to_until, read_header_url, read_ranges, save_url, tensor_names,
     Cause, ObjectOptions,
 };

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use tensorferry::io::read_header;
+use tensorferry::internal::io::read_header;
 use tensorferry::{load, save, Error, LoadOptions, SaveOptions, Tensor, TensorDict};
 
 /// Runs `f` on another thread and fails the test if it has not returned within 5 s (the
@@ -120,7 +120,7 @@ fn a_fifo_is_refused_at_once_without_blocking() {
 /// read with `O_DIRECT`: each refused at once, naming the FIFO, never a blocked read.
 #[test]
 fn a_fifo_as_an_index_a_shard_or_under_direct_reads_is_refused_at_once() {
-    use tensorferry::io::{load_sharded, save_sharded};
+    use tensorferry::internal::io::{load_sharded, save_sharded};
     let load = |p: PathBuf, direct: bool| {
         load(
             &p,

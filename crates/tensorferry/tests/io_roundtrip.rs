@@ -332,7 +332,7 @@ fn a_failed_write_leaves_the_previous_file_and_no_temporary() {
     // A view whose storage is foreign device memory cannot be written: the save fails.
     let mut bad = sample();
     let dev = unsafe {
-        tensorferry::storage::ForeignMemory::new(
+        tensorferry::internal::storage::ForeignMemory::new(
             std::ptr::null_mut(),
             4,
             tensorferry::Device::Cuda(0),

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use tensorferry::io::{load_sharded, save_sharded, INDEX_SUFFIX};
+use tensorferry::internal::io::{load_sharded, save_sharded, INDEX_SUFFIX};
 use tensorferry::{load, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value};
 
 /// A state-dict-like tree: `layers` tensors of 1 KiB each (256 f32), nested, with plain
@@ -280,7 +280,7 @@ fn an_index_that_names_itself_or_another_index_is_a_format_error_not_a_recursion
         for err in [
             load(&index, LoadOptions::default()).unwrap_err(),
             load(dir.path(), LoadOptions::default()).unwrap_err(),
-            tensorferry::io::load_to(
+            tensorferry::internal::io::load_to(
                 &index,
                 tensorferry::Device::Emulated(0),
                 LoadOptions::default(),

@@ -194,8 +194,13 @@ fn tied_tensors_in_a_sharded_checkpoint_are_shared_on_load() {
     let mut big = d.clone();
     big.insert("x", Tensor::zeros(DType::F32, &[64]).unwrap());
     let path = dir.path().join("model.safetensors");
-    let files = tensorferry::io::save_sharded(&Node::Dict(big), &path, &SaveOptions::default(), 64)
-        .unwrap();
+    let files = tensorferry::internal::io::save_sharded(
+        &Node::Dict(big),
+        &path,
+        &SaveOptions::default(),
+        64,
+    )
+    .unwrap();
     assert!(files.len() > 1, "{files:?}");
     let back = load(dir.path(), LoadOptions::default()).unwrap().root;
     let back = back.as_dict().unwrap();

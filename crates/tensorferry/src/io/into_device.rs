@@ -34,7 +34,7 @@ use crate::transfer::Staging;
 /// the host ([`Device::Cpu`]) this is [`load`].
 ///
 /// ```
-/// use tensorferry::io::load_to;
+/// use tensorferry::load_to;
 /// use tensorferry::{save, Device, LoadOptions, Node, SaveOptions, Staging, Tensor, TensorDict};
 ///
 /// let dir = tempfile::tempdir()?;
@@ -66,7 +66,7 @@ pub fn load_to(
 ///
 /// ```
 /// use std::sync::atomic::AtomicBool;
-/// use tensorferry::io::load_to_until;
+/// use tensorferry::internal::io::load_to_until;
 /// use tensorferry::{save, Device, LoadOptions, Node, SaveOptions, Staging, Tensor, TensorDict};
 ///
 /// let dir = tempfile::tempdir()?;

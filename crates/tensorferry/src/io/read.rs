@@ -62,6 +62,15 @@ pub struct LoadOptions {
 /// Whether a load maps the file instead of reading it ([`LoadOptions::mmap`]). Safe code
 /// gets only [`Mapping::READ`]; a map is asked for with the `unsafe` [`Mapping::map`], as
 /// candle's memory-mapping loaders are `unsafe fn`s.
+///
+/// ```
+/// use tensorferry::{LoadOptions, Mapping};
+///
+/// // SAFETY (of the example): the caller promises that nobody truncates or rewrites the
+/// // file while its tensors are alive.
+/// let options = LoadOptions { mmap: unsafe { Mapping::map() }, ..Default::default() };
+/// assert!(options.mmap.is_mapped());
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Mapping {
     map: bool,
@@ -92,6 +101,23 @@ impl Mapping {
 }
 
 /// What a file holds.
+///
+/// ```
+/// use tensorferry::{load, save, LoadOptions, Node, SaveOptions, Tensor, TensorDict};
+///
+/// let dir = std::env::temp_dir().join(format!("tf-doc-loaded-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// let path = dir.join("m.safetensors");
+/// let mut d = TensorDict::new();
+/// d.insert("w", Tensor::from_slice(&[1u8], &[1])?);
+/// let mut options = SaveOptions::default();
+/// options.metadata.insert("author".into(), "me".into());
+/// save(&Node::from(d), &path, &options)?;
+/// let (dict, metadata) = load(&path, LoadOptions::default())?.into_dict()?;
+/// assert_eq!((dict.len(), metadata["author"].as_str()), (1, "me"));
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct Loaded {
     /// The tree as saved (or a flat dict of names for files tensorferry did not write).

@@ -26,6 +26,13 @@ use crate::transfer::{staging::Ring, stream_to_sink, Staging};
 use crate::tree::{KeyPath, Node};
 
 /// How to save.
+///
+/// ```
+/// use tensorferry::SaveOptions;
+///
+/// let mut options = SaveOptions { fsync: false, ..Default::default() };
+/// options.metadata.insert("author".into(), "me".into());
+/// ```
 #[derive(Clone, Debug)]
 pub struct SaveOptions {
     /// User metadata (string to string), stored in `__metadata__` beside tensorferry's key.
@@ -54,8 +61,9 @@ impl Default for SaveOptions {
 ///
 /// Tensor names are the key paths joined with "."; a file no reader would read back (two
 /// paths giving one name, a tensor named `__metadata__`, a dtype the format cannot hold,
-/// a header over 100 MB, or too many values for the bytes the file holds: see
-/// [`crate::io`]) is an error raised before the file is touched. Tensors on a device are
+/// a header over 100 MB, or too many values for the bytes the file holds: at most four
+/// times the file's size plus 4 MiB is allocated by a load) is an error raised before the
+/// file is touched. Tensors on a device are
 /// copied to the host first, all in one planned transfer.
 ///
 /// The file is replaced atomically and keeps its permission bits; a symbolic link at
@@ -63,6 +71,19 @@ impl Default for SaveOptions {
 /// or a missing folder is an [`Error::Io`]; a folder at `path` means
 /// `path/model.safetensors`. A sharded checkpoint of that name
 /// (`stem.safetensors.index.json` and its shards) is removed once the file is in place.
+///
+/// ```
+/// use tensorferry::{save, Node, SaveOptions, Tensor, Value};
+///
+/// let dir = std::env::temp_dir().join(format!("tf-doc-save-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// // A list at the root is a tree too.
+/// let tree = Node::List(vec![Tensor::from_slice(&[1u8, 2], &[2])?.into(), Value::None.into()]);
+/// save(&tree, dir.join("list.safetensors"), &SaveOptions::default())?;
+/// assert!(save(&Node::from(3i64), dir.join("x.safetensors"), &SaveOptions::default()).is_err());
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub fn save(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
     check_root(root, options)?;
     if let Some(url) = super::object::url_of(path.as_ref()) {

@@ -94,7 +94,7 @@ fn a_streamed_save_pins_no_more_than_its_ring(dev: Device) {
         return; // nothing to stream
     }
     let _pool = pool_lock();
-    let pool = tensorferry::backend::backend_for(dev)
+    let pool = tensorferry::internal::backend::backend_for(dev)
         .unwrap()
         .pinned_pool()
         .unwrap();
