@@ -274,7 +274,7 @@ const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
 /// were recorded from another framework (PyTorch, JAX) and stayed `Tensor` for Python to
 /// convert. With `direct`, the data is read with O_DIRECT; `direct_fallback` says why it
 /// went through the page cache instead, if it did. With `device` (not the host), the
-/// file streams onto it through the ring `staging` names (`tensorferry::internal::io::load_to`).
+/// file streams onto it through the ring `staging` names (`tensorferry::load_to`).
 /// With `copy_on_write`, a map is private and writable (`LoadOptions::copy_on_write`).
 #[pyfunction]
 #[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None))]

@@ -28,18 +28,19 @@ pub use tensor::Tensor;
 pub use transfer::{move_tensors, MoveOptions, Staging};
 pub use tree::{DictKey, KeyPath, Node, TensorDict, Value};
 
-/// The crate's internals that tensorferry's own bindings, command and tests reach: not a
-/// public API, and free to change in any release. Each module mirrors the crate's module
-/// of that name.
+/// The crate's internals that tensorferry's own bindings, command, tests and fuzz targets
+/// reach, each under the name of its module in the crate: not a public API, and free to
+/// change in any release.
 #[doc(hidden)]
 pub mod internal {
-    /// Device backends: the emulated device, CUDA, copy batches and events.
+    /// Device backends: the emulated device, CUDA, copy batches and events. A glob, as
+    /// the layering test keeps CUDA's module names out of this file.
     pub mod backend {
         pub use crate::backend::*;
     }
     /// Packing tensors into one buffer.
     pub mod consolidate {
-        pub use crate::consolidate::*;
+        pub use crate::consolidate::{pack, PackedLayout};
     }
     /// DLPack import and export.
     pub mod dlpack {
@@ -47,22 +48,26 @@ pub mod internal {
     }
     /// safetensors files, sharded checkpoints and object storage.
     pub mod io {
-        pub use crate::io::*;
+        pub use crate::io::{
+            header_bytes, load_bytes, load_sharded, load_to_until, object, parse_header,
+            read_header, read_metadata, read_runs, save_sharded, shard_files, Header, Run,
+            INDEX_SUFFIX,
+        };
     }
     /// Host memory: aligned buffers and the pinned pool.
     pub mod memory {
-        pub use crate::memory::*;
+        pub use crate::memory::{AlignedBuffer, PinnedPool, PoolStats, HOST_ALIGNMENT};
     }
     /// What a tensor's bytes live in.
     pub mod storage {
-        pub use crate::storage::*;
+        pub use crate::storage::ForeignMemory;
     }
     /// Tensor layout arithmetic.
     pub mod tensor {
-        pub use crate::tensor::*;
+        pub use crate::tensor::{byte_extent, checked_nbytes, contiguous_strides};
     }
     /// The transfer engine and its staging ring.
     pub mod transfer {
-        pub use crate::transfer::*;
+        pub use crate::transfer::{order_stream_after, staging, wait_queued_timeout, Readable};
     }
 }

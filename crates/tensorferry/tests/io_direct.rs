@@ -4,7 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use tensorferry::internal::io::{load_to, save_sharded};
+use tensorferry::internal::io::save_sharded;
+use tensorferry::load_to;
 use tensorferry::{
     load, save, DType, Device, Error, LoadOptions, Node, SaveOptions, Staging, Tensor, TensorDict,
 };

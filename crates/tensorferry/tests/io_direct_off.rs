@@ -1,7 +1,7 @@
 //! `TENSORFERRY_DIRECT_IO=0` turns `O_DIRECT` off: direct loads read through the page
 //! cache and say so. A test binary of its own, since it sets the process's environment.
 
-use tensorferry::internal::io::load_to;
+use tensorferry::load_to;
 use tensorferry::{
     load, save, DType, Device, LoadOptions, SaveOptions, Staging, Tensor, TensorDict,
 };

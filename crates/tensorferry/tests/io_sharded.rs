@@ -280,7 +280,7 @@ fn an_index_that_names_itself_or_another_index_is_a_format_error_not_a_recursion
         for err in [
             load(&index, LoadOptions::default()).unwrap_err(),
             load(dir.path(), LoadOptions::default()).unwrap_err(),
-            tensorferry::internal::io::load_to(
+            tensorferry::load_to(
                 &index,
                 tensorferry::Device::Emulated(0),
                 LoadOptions::default(),

@@ -50,8 +50,8 @@ mod tree_decode;
 mod tree_meta;
 mod write;
 
-pub use direct_runs::{read_runs, Run, RunsRead};
-pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
+pub use direct_runs::{read_runs, Run};
+pub use header::{parse_header, Header};
 pub use into_device::{load_to, load_to_until};
 pub use read::{load, load_bytes, read_header, read_metadata, LoadOptions, Loaded, Mapping};
 pub use sharded::{load_sharded, save_sharded, shard_files, INDEX_SUFFIX};
