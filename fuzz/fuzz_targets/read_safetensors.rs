@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(loaded) = tensorferry::io::load_bytes(data) {
+    if let Ok(loaded) = tensorferry::internal::io::load_bytes(data) {
         // Whatever parsed must be readable end to end.
         for (_, t) in loaded.root.tensors() {
             let mut n = 0;

@@ -16,11 +16,11 @@ fuzz_target!(|data: &[u8]| {
         for name in names {
             d.insert(*name, Tensor::from_slice(&[1.0f32, 2.0], &[2]).unwrap());
         }
-        save(&d, dir.path().join(file), &SaveOptions { fsync: false, ..Default::default() }).unwrap();
+        save(&d.into(), dir.path().join(file), &SaveOptions { fsync: false, ..Default::default() }).unwrap();
     }
     let index = dir.path().join("m.safetensors.index.json");
     std::fs::write(&index, data).unwrap();
-    if let Ok(loaded) = tensorferry::load_node(&index, LoadOptions::default()) {
+    if let Ok(loaded) = tensorferry::load(&index, LoadOptions::default()) {
         let mut names: Vec<String> = loaded.root.tensors().iter().map(|(p, _)| p.dotted()).collect();
         names.sort();
         names.dedup();

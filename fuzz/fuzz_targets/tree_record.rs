@@ -35,7 +35,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let names = &NAMES[..usize::from(choice % 5)];
-    if let Ok(loaded) = tensorferry::io::load_bytes(&file_with(record, names)) {
+    if let Ok(loaded) = tensorferry::internal::io::load_bytes(&file_with(record, names)) {
         // A decoded tree holds every tensor of the file, each once.
         let tensors = loaded.root.tensors();
         assert_eq!(tensors.len(), names.len());

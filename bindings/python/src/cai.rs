@@ -13,8 +13,8 @@ use std::sync::Arc;
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use tensorferry::backend::StreamHandle;
-use tensorferry::storage::ForeignMemory;
+use tensorferry::internal::backend::StreamHandle;
+use tensorferry::internal::storage::ForeignMemory;
 use tensorferry::{DType, Device, Storage, Tensor};
 
 use crate::errors::IntoPy;
@@ -126,7 +126,7 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         .map_err(|_| invalid("data must be (pointer, read_only)"))?;
     let size = dtype.size();
     let strides: Vec<isize> = match get("strides")? {
-        None => tensorferry::tensor::contiguous_strides(&shape),
+        None => tensorferry::internal::tensor::contiguous_strides(&shape),
         Some(s) => {
             let bytes: Vec<isize> = s
                 .extract()
@@ -152,8 +152,9 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
                 .collect::<PyResult<_>>()?
         }
     };
-    tensorferry::tensor::checked_nbytes(dtype, &shape).ok_or_else(|| invalid("shape overflows"))?;
-    let (below, above) = tensorferry::tensor::byte_extent(&shape, &strides, size)
+    tensorferry::internal::tensor::checked_nbytes(dtype, &shape)
+        .ok_or_else(|| invalid("shape overflows"))?;
+    let (below, above) = tensorferry::internal::tensor::byte_extent(&shape, &strides, size)
         .ok_or_else(|| invalid("shape and strides overflow the address space"))?;
     if address == 0 && above > below {
         return Err(invalid("null data pointer for a non-empty array"));
@@ -172,7 +173,7 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
     let device = if address == 0 {
         Device::Cuda(0)
     } else {
-        tensorferry::backend::pointer_device(address).py_err()?
+        tensorferry::internal::backend::pointer_device(address).py_err()?
     };
     match stream {
         Some(handle) => {
@@ -183,7 +184,7 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             // integer is only as safe as that validation. It runs in the context of the
             // memory's GPU, whose default stream the handles 1 and 2 name.
             let stream = unsafe { StreamHandle::new(handle) };
-            let gpu = tensorferry::backend::backend_for(device).py_err()?;
+            let gpu = tensorferry::internal::backend::backend_for(device).py_err()?;
             py.detach(|| gpu.synchronize_stream(stream)).py_err()?;
         }
         // Without a stream, no synchronisation is required by the protocol, but producers
@@ -193,7 +194,7 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         None if address != 0 => {
             // SAFETY: 1 is `CU_STREAM_LEGACY`, the default stream of GPU `device`'s context.
             let legacy = unsafe { StreamHandle::new(1) };
-            tensorferry::backend::backend_for(device)
+            tensorferry::internal::backend::backend_for(device)
                 .and_then(|gpu| gpu.order_after_stream(legacy))
                 .py_err()?
         }

@@ -5,14 +5,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use tensorferry::io::Run;
+use tensorferry::internal::io::Run;
 use tensorferry::{DType, Storage, Tensor};
 
 use crate::errors::{guard, IntoPy};
 use crate::tensor::PyTensor;
 
 /// `(buffers, bytes_read, fallback)`: runs `(file offset, bytes, destination, offset in
-/// it)` of the file at `path` read with `O_DIRECT` (`tensorferry::io::read_runs`) into
+/// it)` of the file at `path` read with `O_DIRECT` (`tensorferry::internal::io::read_runs`) into
 /// fresh uint8 tensors of `sizes` bytes; the bytes read from the file (whole blocks); why
 /// the reads went through the page cache, if they did.
 #[pyfunction]
@@ -29,7 +29,7 @@ pub fn read_runs(
             .map(|(at, len, dest, to)| Run { at, len, dest, to })
             .collect();
         let read = py
-            .detach(|| tensorferry::io::read_runs(&path, &sizes, &runs))
+            .detach(|| tensorferry::internal::io::read_runs(&path, &sizes, &runs))
             .py_err()?;
         let tensors = read
             .buffers

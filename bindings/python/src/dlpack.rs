@@ -5,8 +5,10 @@ use std::ffi::{c_void, CStr};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
-use tensorferry::dlpack::{self, DLManagedTensor, DLManagedTensorVersioned, ManagedTensor};
-use tensorferry::transfer::Readable;
+use tensorferry::internal::dlpack::{
+    self, DLManagedTensor, DLManagedTensorVersioned, ManagedTensor,
+};
+use tensorferry::internal::transfer::Readable;
 use tensorferry::Tensor;
 
 use crate::errors::IntoPy;
@@ -91,7 +93,7 @@ fn consumer_stream(obj: &Bound<'_, PyAny>) -> Option<usize> {
     if !matches!(kind, 2 | 13) || id < 0 {
         return None;
     }
-    tensorferry::backend::backend_for(tensorferry::Device::Cuda(id as usize))
+    tensorferry::internal::backend::backend_for(tensorferry::Device::Cuda(id as usize))
         .ok()?
         .producer_stream()
         .map(|s| s.handle())

@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
-use tensorferry::io::object;
+use tensorferry::internal::io::object;
 use tensorferry::Error;
 
 macro_rules! exception_class {

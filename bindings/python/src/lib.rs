@@ -19,10 +19,10 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use tensorferry::backend::cuda;
-use tensorferry::backend::StreamHandle;
-use tensorferry::io::object;
-use tensorferry::transfer::Readable;
+use tensorferry::internal::backend::cuda;
+use tensorferry::internal::backend::StreamHandle;
+use tensorferry::internal::io::object;
+use tensorferry::internal::transfer::Readable;
 use tensorferry::{Device, LoadOptions, SaveOptions};
 
 use errors::{guard, IntoPy};
@@ -109,7 +109,7 @@ fn move_tensors(
 /// size), or `(chunk_bytes, depth)` within the limits of `tensorferry::Staging::validate`,
 /// whose error (a `FormatError`, also a `ValueError`) names the value out of range.
 fn parse_staging(value: Option<&Bound<'_, PyAny>>) -> PyResult<tensorferry::Staging> {
-    use tensorferry::transfer::staging::{AUTO_CHUNK_BYTES, AUTO_DEPTH, RING_LIMITS};
+    use tensorferry::internal::transfer::staging::{AUTO_CHUNK_BYTES, AUTO_DEPTH, RING_LIMITS};
     use tensorferry::Staging;
     let Some(v) = value.filter(|v| !v.is_none()) else {
         return Ok(Staging::Auto);
@@ -175,8 +175,9 @@ fn check_staging(staging: Option<Bound<'_, PyAny>>) -> PyResult<()> {
 #[pyfunction]
 fn configure_emulated(index: usize, settings: &str) -> PyResult<()> {
     guard(|| {
-        let config = tensorferry::backend::emulated::EmuConfig::parse(settings).py_err()?;
-        tensorferry::backend::emulated::configure(index, config).py_err()
+        let config =
+            tensorferry::internal::backend::emulated::EmuConfig::parse(settings).py_err()?;
+        tensorferry::internal::backend::emulated::configure(index, config).py_err()
     })
 }
 
@@ -186,7 +187,7 @@ fn configure_emulated(index: usize, settings: &str) -> PyResult<()> {
 fn pinned_pool_stats<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, PyDict>> {
     guard(|| {
         let d: Device = device.parse().py_err()?;
-        let s = tensorferry::backend::backend_for(d)
+        let s = tensorferry::internal::backend::backend_for(d)
             .py_err()?
             .pinned_pool()
             .py_err()?
@@ -211,7 +212,7 @@ fn cuda_stream_synchronize(py: Python<'_>, ordinal: usize, handle: usize) -> PyR
         // integer. We cannot check it: the driver validates handles it knows of, so an
         // arbitrary integer is only as safe as that validation.
         let stream = unsafe { StreamHandle::new(handle) };
-        let gpu = tensorferry::backend::backend_for(Device::Cuda(ordinal)).py_err()?;
+        let gpu = tensorferry::internal::backend::backend_for(Device::Cuda(ordinal)).py_err()?;
         py.detach(|| gpu.synchronize_stream(stream)).py_err()
     })
 }
@@ -226,7 +227,7 @@ fn cuda_order_after_stream(ordinal: usize, handle: usize) -> PyResult<()> {
         // the one GPU the call's tensors live on), trusted as PyTorch trusts
         // `ExternalStream`'s integer.
         let stream = unsafe { StreamHandle::new(handle) };
-        tensorferry::backend::backend_for(Device::Cuda(ordinal))
+        tensorferry::internal::backend::backend_for(Device::Cuda(ordinal))
             .and_then(|gpu| gpu.order_after_stream(stream))
             .py_err()
     })
@@ -257,8 +258,8 @@ fn save(
             staging: parse_staging(staging.as_ref())?,
         };
         py.detach(|| match max_shard_bytes {
-            None => tensorferry::save_node(&root, &path, &options).map(|()| vec![path.clone()]),
-            Some(n) => tensorferry::io::save_sharded(&root, &path, &options, n),
+            None => tensorferry::save(&root, &path, &options).map(|()| vec![path.clone()]),
+            Some(n) => tensorferry::internal::io::save_sharded(&root, &path, &options, n),
         })
         .py_err()
     })
@@ -273,7 +274,7 @@ const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
 /// were recorded from another framework (PyTorch, JAX) and stayed `Tensor` for Python to
 /// convert. With `direct`, the data is read with O_DIRECT; `direct_fallback` says why it
 /// went through the page cache instead, if it did. With `device` (not the host), the
-/// file streams onto it through the ring `staging` names (`tensorferry::io::load_node_to`).
+/// file streams onto it through the ring `staging` names (`tensorferry::load_to`).
 /// With `copy_on_write`, a map is private and writable (`LoadOptions::copy_on_write`).
 #[pyfunction]
 #[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None))]
@@ -291,6 +292,15 @@ fn load(
     only: Option<std::collections::HashSet<String>>,
 ) -> PyResult<(Py<PyAny>, BTreeMap<String, String>, bool, Option<String>)> {
     guard(|| {
+        let mmap = if mmap {
+            // SAFETY: Python's `load(mmap=True)` is the documented default (README, "Limits":
+            // as with NumPy's `memmap`, a file truncated or rewritten in place while mapped
+            // can crash the process with SIGBUS; `mmap=False` where files may change). The
+            // Python user accepts that risk by keeping the default, as NumPy's users do.
+            unsafe { tensorferry::Mapping::map() }
+        } else {
+            tensorferry::Mapping::READ
+        };
         let options = LoadOptions {
             mmap,
             direct,
@@ -318,7 +328,7 @@ fn load(
             // On a thread of its own too: Ctrl-C reaches the caller at once, whatever the
             // index or header takes to read (the thread finishes and drops its result).
             (None, None) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
-                tensorferry::load_node(&path, options)
+                tensorferry::load(&path, options)
             })?,
             (None, Some(d)) => {
                 let target: Device = d.parse().py_err()?;
@@ -326,7 +336,7 @@ fn load(
                 // On a thread of its own, waited for in slices: Ctrl-C stops it between
                 // two chunks instead of after the whole file.
                 wait::run_interruptibly(py, "tensorferry-load", move |stop| {
-                    tensorferry::io::load_node_to_until(&path, target, options, staging, stop)
+                    tensorferry::internal::io::load_to_until(&path, target, options, staging, stop)
                 })?
             }
         }
@@ -514,7 +524,7 @@ fn cuda_array_interface_device(obj: &Bound<'_, PyAny>) -> PyResult<String> {
         if address == 0 {
             return Ok("cuda:0".into());
         }
-        let dev = tensorferry::backend::pointer_device(address).py_err()?;
+        let dev = tensorferry::internal::backend::pointer_device(address).py_err()?;
         Ok(dev.to_string())
     })
 }
@@ -682,7 +692,10 @@ fn is_url(path: &str) -> bool {
 /// The `__metadata__` of a safetensors file, reading the header only.
 #[pyfunction]
 fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, String>> {
-    guard(|| py.detach(|| tensorferry::io::read_metadata(&path)).py_err())
+    guard(|| {
+        py.detach(|| tensorferry::internal::io::read_metadata(&path))
+            .py_err()
+    })
 }
 
 /// One tensor of a file's index: name, safetensors dtype code, shape, and its first and
@@ -695,14 +708,16 @@ type IndexEntry = (String, &'static str, Vec<usize>, u64, u64);
 #[pyfunction]
 fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<(u64, Vec<IndexEntry>)> {
     guard(|| {
-        let header = py.detach(|| tensorferry::io::read_header(&path)).py_err()?;
+        let header = py
+            .detach(|| tensorferry::internal::io::read_header(&path))
+            .py_err()?;
         let start = header.data_start;
         Ok((start, entries_of(header)))
     })
 }
 
 /// The entries of `header`, offsets absolute in its file or object.
-fn entries_of(header: tensorferry::io::Header) -> Vec<IndexEntry> {
+fn entries_of(header: tensorferry::internal::io::Header) -> Vec<IndexEntry> {
     let start = header.data_start;
     header
         .tensors

@@ -8,7 +8,7 @@ use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMet
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyTuple, PyType};
-use tensorferry::storage::ForeignMemory;
+use tensorferry::internal::storage::ForeignMemory;
 use tensorferry::{DType, Device, Storage, Tensor};
 
 use crate::errors::{format_err, IntoPy};
@@ -84,7 +84,8 @@ pub fn array_to_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
     let shape: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
     let strides: Vec<isize> = byte_strides.iter().map(|&s| s / size).collect();
     let read_only = fields.flags & NPY_ARRAY_WRITEABLE == 0;
-    let Some((below, above)) = tensorferry::tensor::byte_extent(&shape, &strides, size as usize)
+    let Some((below, above)) =
+        tensorferry::internal::tensor::byte_extent(&shape, &strides, size as usize)
     else {
         return Ok(None);
     };

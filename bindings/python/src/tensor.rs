@@ -2,7 +2,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
-use tensorferry::backend::StreamHandle;
+use tensorferry::internal::backend::StreamHandle;
 use tensorferry::{Device, Tensor};
 
 use crate::errors::IntoPy;
@@ -179,7 +179,7 @@ impl PyTensor {
 
     /// The DLPack device: (1, 0) for the host, (2, N) for CUDA device N.
     fn __dlpack_device__(&self) -> (i32, i32) {
-        let d = tensorferry::dlpack::dl_device(self.inner.device());
+        let d = tensorferry::internal::dlpack::dl_device(self.inner.device());
         (d.device_type, d.device_id)
     }
 

@@ -8,8 +8,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
-use tensorferry::backend::StreamHandle;
-use tensorferry::transfer::Readable;
+use tensorferry::internal::backend::StreamHandle;
+use tensorferry::internal::transfer::Readable;
 use tensorferry::Tensor;
 
 use crate::errors::IntoPy;
@@ -66,7 +66,7 @@ pub fn ordered<'a>(
         }
         // Not on a GPU yet (a staging thread is still queuing it): wait until it is, or
         // done, and ask again.
-        if !py.detach(|| tensorferry::transfer::wait_queued_timeout(tensor, SLICE)) {
+        if !py.detach(|| tensorferry::internal::transfer::wait_queued_timeout(tensor, SLICE)) {
             py.check_signals()?;
         }
     }

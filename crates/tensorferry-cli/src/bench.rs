@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use tensorferry::backend::{backend_for, CopyBatch, CopyOp, Direction, Event};
-use tensorferry::io::{header_bytes, parse_header};
-use tensorferry::memory::AlignedBuffer;
+use tensorferry::internal::backend::{backend_for, CopyBatch, CopyOp, Direction, Event};
+use tensorferry::internal::io::{header_bytes, parse_header};
+use tensorferry::internal::memory::AlignedBuffer;
 use tensorferry::{
     consolidate, load, save, DType, Device, LoadOptions, MoveOptions, Node, SaveOptions, Staging,
     Tensor, TensorDict,
@@ -87,7 +87,7 @@ fn filled_as(dtype: DType, shape: &[usize], seed: usize) -> tensorferry::Result<
     Tensor::from_bytes(dtype, shape.to_vec(), buf.as_slice())
 }
 
-fn build(preset: Preset, scale: f64) -> tensorferry::Result<TensorDict> {
+fn build(preset: Preset, scale: f64) -> tensorferry::Result<Node> {
     let mut d = TensorDict::new();
     match preset {
         Preset::Gpt2 => {
@@ -165,7 +165,7 @@ fn build(preset: Preset, scale: f64) -> tensorferry::Result<TensorDict> {
             d.insert("lm_head.weight", bf(&[vocab, h], 3)?);
         }
     }
-    Ok(d)
+    Ok(d.into())
 }
 
 fn best(
@@ -316,7 +316,8 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
     bar.inc(1);
     bar.set_message("memcpy per tensor");
     let tensors = dict.tensor_refs();
-    let layout = tensorferry::consolidate::PackedLayout::plan(tensors.iter().map(|t| t.nbytes()));
+    let layout =
+        tensorferry::internal::consolidate::PackedLayout::plan(tensors.iter().map(|t| t.nbytes()));
     let per_tensor: Vec<(&[u8], usize)> = tensors
         .iter()
         .zip(&layout.offsets)
@@ -389,7 +390,7 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
         load(
             &file_path,
             LoadOptions {
-                mmap: false,
+                mmap: tensorferry::Mapping::READ,
                 direct: false,
                 ..Default::default()
             },
@@ -406,7 +407,9 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
         load(
             &file_path,
             LoadOptions {
-                mmap: true,
+                // SAFETY: the bench's own file, in its own temporary folder: nothing else
+                // truncates or rewrites it while the tensors are alive.
+                mmap: unsafe { tensorferry::Mapping::map() },
                 direct: false,
                 ..Default::default()
             },
@@ -420,15 +423,14 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
     });
     bar.inc(1);
     bar.set_message("headers");
-    let root = Node::Dict(dict.clone());
     let options = SaveOptions::default();
-    let t = best(r, || header_bytes(&root, &options).map(drop))?;
+    let t = best(r, || header_bytes(&dict, &options).map(drop))?;
     rows.push(Row {
         path: "header build",
         time: t,
         roof: None,
     });
-    let header = header_bytes(&root, &options)?;
+    let header = header_bytes(&dict, &options)?;
     let data_len = (file_len - header.len()) as u64;
     let t = best(r, || parse_header(&header[8..], data_len).map(drop))?;
     rows.push(Row {
@@ -515,18 +517,13 @@ fn raw_read(r: usize, path: &Path) -> tensorferry::Result<Duration> {
 }
 
 /// One timed move: its name, source, target, options and roof.
-type Plan<'a> = (&'static str, &'a TensorDict, Device, MoveOptions, Roof);
+type Plan<'a> = (&'static str, &'a Node, Device, MoveOptions, Roof);
 
 /// Moves to `device` and back, each direction against its roof measured in the same run
 /// on the same number of bytes (see [`raw_device_copies`]). Then: the whole dictionary in
 /// one plan into pinned memory, into fresh ordinary memory through the staging ring and
 /// directly, and a loop of one move per tensor (what a Python loop of `.to()` does).
-fn device_rows(
-    name: &str,
-    dict: &TensorDict,
-    r: usize,
-    rows: &mut Vec<Row>,
-) -> tensorferry::Result<()> {
+fn device_rows(name: &str, dict: &Node, r: usize, rows: &mut Vec<Row>) -> tensorferry::Result<()> {
     let device: Device = name.parse()?;
     let with = |pinned: bool, staging: Staging| MoveOptions {
         copy: true,
@@ -535,8 +532,8 @@ fn device_rows(
         ..Default::default()
     };
     let ring = Staging::Ring {
-        chunk_bytes: tensorferry::transfer::staging::AUTO_CHUNK_BYTES,
-        depth: tensorferry::transfer::staging::AUTO_DEPTH,
+        chunk_bytes: tensorferry::internal::transfer::staging::AUTO_CHUNK_BYTES,
+        depth: tensorferry::internal::transfer::staging::AUTO_DEPTH,
     };
     let total: usize = dict.tensor_refs().iter().map(|t| t.nbytes()).sum();
     let (d2h, h2d) = raw_device_copies(device, total.max(1), r)?;
@@ -686,7 +683,7 @@ struct FileRoofs<'a> {
 /// against a raw read of the file.
 fn device_file_rows(
     name: &str,
-    dict: &TensorDict,
+    dict: &Node,
     roofs: &FileRoofs<'_>,
     r: usize,
     rows: &mut Vec<Row>,
@@ -709,13 +706,23 @@ fn device_file_rows(
     });
     let staged = MoveOptions {
         staging: Staging::Ring {
-            chunk_bytes: tensorferry::transfer::staging::AUTO_CHUNK_BYTES,
-            depth: tensorferry::transfer::staging::AUTO_DEPTH,
+            chunk_bytes: tensorferry::internal::transfer::staging::AUTO_CHUNK_BYTES,
+            depth: tensorferry::internal::transfer::staging::AUTO_DEPTH,
         },
         ..Default::default()
     };
     let time = best(r, || {
-        let (mapped, _) = load(roofs.path, LoadOptions::default())?;
+        // SAFETY: the bench's own file, in its own temporary folder: nothing else
+        // truncates or rewrites it while the tensors are alive.
+        let mmap = unsafe { tensorferry::Mapping::map() };
+        let mapped = load(
+            roofs.path,
+            LoadOptions {
+                mmap,
+                ..Default::default()
+            },
+        )?
+        .root;
         mapped.to_with(device, staged).map(drop)
     })?;
     rows.push(Row {

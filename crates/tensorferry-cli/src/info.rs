@@ -2,7 +2,7 @@
 
 use std::io::Write;
 
-use tensorferry::backend::cuda::{self, CudaStatus};
+use tensorferry::internal::backend::cuda::{self, CudaStatus};
 
 use crate::escape::controls_escaped;
 use crate::out::{Failure, Out};
@@ -28,7 +28,7 @@ pub fn run(out: &mut Out<impl Write>) -> Result<(), Failure> {
             )?;
             for (i, name) in gpus.iter().enumerate() {
                 let name = controls_escaped(name);
-                match tensorferry::backend::cuda_device::device(i) {
+                match tensorferry::internal::backend::cuda_device::device(i) {
                     Ok(d) => {
                         writeln!(out, "  cuda:{i}: {name}; copies: {}", d.copy_path())?;
                         if let Some(reason) = d.copy_fallback() {

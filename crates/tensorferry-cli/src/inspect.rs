@@ -1,6 +1,6 @@
 //! `tensorferry inspect PATH [--json]`: the tensors of a checkpoint and their totals.
 //!
-//! A file is read as `load_node` reads it (mapped: only its header is read), so a tree
+//! A file is read as `load` reads it (mapped: only its header is read), so a tree
 //! saved by tensorferry shows its nested paths and a tied tensor (stored once) shows at
 //! each of its places. A sharded checkpoint is read from its index and its shards' headers
 //! alone, whatever their size: a row per tensor each shard stores, named as in the files.
@@ -15,8 +15,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde_json::json;
-use tensorferry::io::{read_header, shard_files};
-use tensorferry::{load_node, LoadOptions};
+use tensorferry::internal::io::{read_header, shard_files};
+use tensorferry::{load, LoadOptions};
 
 use crate::escape::{escaped, json_escaped};
 use crate::out::{Failure, Out};
@@ -83,10 +83,14 @@ struct Checkpoint {
 impl Checkpoint {
     /// One safetensors file (or the one in a folder), mapped: its header is all it reads.
     fn of_file(path: &Path) -> Result<Self, Failure> {
-        let loaded = load_node(
+        let loaded = load(
             path,
             LoadOptions {
-                mmap: true,
+                // SAFETY: the command reads the header from the map and never a tensor's
+                // bytes, and the map lives only for this one command: a file truncated in
+                // those moments ends the command with SIGBUS, the risk `inspect` takes so
+                // as not to read a file of many gigabytes to print its header.
+                mmap: unsafe { tensorferry::Mapping::map() },
                 direct: false,
                 ..Default::default()
             },

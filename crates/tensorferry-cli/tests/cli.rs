@@ -5,7 +5,7 @@ use std::process::Command;
 use std::path::Path;
 
 use serde_json::Value;
-use tensorferry::io::{read_header, save_sharded};
+use tensorferry::internal::io::{read_header, save_sharded};
 use tensorferry::{save, DType, Node, SaveOptions, Tensor, TensorDict};
 
 fn tensorferry(args: &[&str]) -> (bool, String, String) {
@@ -40,7 +40,7 @@ fn inspect_shows_nested_paths_as_table_and_json() {
     .unwrap();
     let mut opts = SaveOptions::default();
     opts.metadata.insert("author".into(), "me".into());
-    save(&d, &path, &opts).unwrap();
+    save(&d.into(), &path, &opts).unwrap();
     let file = path.to_str().unwrap();
 
     let (ok, table, _) = tensorferry(&["inspect", file]);
@@ -191,7 +191,7 @@ fn inspect_totals_count_tensors_and_bytes_per_dtype_as_the_file_stores_them() {
     );
     // Tied: stored once, shown at both places, counted once.
     d.insert("lm_head", wte);
-    save(&d, &path, &SaveOptions::default()).unwrap();
+    save(&d.into(), &path, &SaveOptions::default()).unwrap();
     assert_eq!(stored_in(&[&path]), (2, 32));
 
     let doc = inspect_json(&path);

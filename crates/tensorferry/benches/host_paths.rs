@@ -3,9 +3,11 @@
 //! Run: cargo bench -p tensorferry --bench host_paths
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use tensorferry::{consolidate, load, save, DType, LoadOptions, SaveOptions, Tensor, TensorDict};
+use tensorferry::{
+    consolidate, load, save, DType, LoadOptions, Node, SaveOptions, Tensor, TensorDict,
+};
 
-fn dict(count: usize, elems: usize) -> TensorDict {
+fn dict(count: usize, elems: usize) -> Node {
     let mut d = TensorDict::new();
     for i in 0..count {
         let bytes: Vec<u8> = (0..elems * 4).map(|j| (i + j) as u8 | 1).collect();
@@ -14,7 +16,7 @@ fn dict(count: usize, elems: usize) -> TensorDict {
             Tensor::from_bytes(DType::F32, vec![elems], &bytes).unwrap(),
         );
     }
-    d
+    d.into()
 }
 
 fn host_paths(c: &mut Criterion) {
@@ -45,7 +47,13 @@ fn host_paths(c: &mut Criterion) {
                         load(
                             &path,
                             LoadOptions {
-                                mmap,
+                                // SAFETY: this test's files live in its own temporary folder; nothing truncates or
+                                // rewrites them while their tensors are alive.
+                                mmap: if mmap {
+                                    unsafe { tensorferry::Mapping::map() }
+                                } else {
+                                    tensorferry::Mapping::READ
+                                },
                                 ..Default::default()
                             },
                         )

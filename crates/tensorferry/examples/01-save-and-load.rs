@@ -16,6 +16,8 @@ fn main() -> tensorferry::Result<()> {
     )?;
     state.insert("step", 1200i64);
     state.insert("run", "example");
+    // The dictionary is a node: every entry point takes and returns a `Node`.
+    let state = Node::from(state);
 
     let dir = std::env::temp_dir().join(format!("tensorferry-example-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| tensorferry::Error::Io {
@@ -26,25 +28,20 @@ fn main() -> tensorferry::Result<()> {
     let path = dir.join("state.safetensors");
     save(&state, &path, &SaveOptions::default())?;
 
-    // mmap: the tensors are read-only views of the file; nothing is copied.
-    let (back, _metadata) = load(
-        &path,
-        LoadOptions {
-            mmap: true,
-            ..Default::default()
-        },
-    )?;
+    // The safe default reads the file into fresh memory. Mapping it instead (no copy,
+    // read-only views of the file) is the unsafe opt-in `Mapping::map`.
+    let back = load(&path, LoadOptions::default())?.root;
     let w = back.tensor(&["model", "layer.0.weight"]).expect("saved");
     println!("{:?} = {:?}", w, w.to_vec::<f32>()?);
     assert!(matches!(
-        back.get("step"),
+        back.get_path(&["step"]),
         Some(Node::Value(Value::Int(1200)))
     ));
     println!(
         "{} tensors, {} bytes, keys {:?}",
         back.tensor_count(),
         back.nbytes(),
-        back.keys().collect::<Vec<_>>()
+        back.as_dict().expect("a dict").keys().collect::<Vec<_>>()
     );
     std::fs::remove_dir_all(&dir).ok();
     Ok(())

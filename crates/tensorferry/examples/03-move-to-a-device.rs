@@ -3,7 +3,7 @@
 //! for ordinary host memory, on the best device present — `cuda:0`, else the emulated
 //! device `emu:0`. Run: cargo run -p tensorferry --example 03-move-to-a-device
 
-use tensorferry::{available_devices, Device, MoveOptions, Staging, Tensor, TensorDict};
+use tensorferry::{available_devices, Device, MoveOptions, Node, Staging, Tensor, TensorDict};
 
 fn main() -> tensorferry::Result<()> {
     let device = available_devices()
@@ -19,6 +19,7 @@ fn main() -> tensorferry::Result<()> {
         )?;
     }
     d.insert("step", 1200i64);
+    let d = Node::from(d);
     let options = MoveOptions {
         non_blocking: true,
         staging: Staging::Ring {
@@ -40,10 +41,10 @@ fn main() -> tensorferry::Result<()> {
     back.wait()?;
     println!(
         "back on the host, values checked; plain values kept: {:?}",
-        back.get("step")
+        back.get_path(&["step"])
     );
     if let Device::Cuda(i) = device {
-        let gpu = tensorferry::backend::cuda_device::device(i)?;
+        let gpu = tensorferry::internal::backend::cuda_device::device(i)?;
         println!("copies on {device}: {}", gpu.copy_path());
     }
     Ok(())

@@ -8,9 +8,9 @@
 use std::collections::HashSet;
 use std::sync::atomic::AtomicBool;
 
-use tensorferry::io::object::{load_url, load_url_to_until, ObjectOptions};
+use tensorferry::internal::io::object::{load_url, load_url_to_until, ObjectOptions};
 use tensorferry::{
-    available_devices, save_node, Device, Node, SaveOptions, Staging, Tensor, TensorDict,
+    available_devices, save, Device, Node, SaveOptions, Staging, Tensor, TensorDict,
 };
 
 fn main() -> tensorferry::Result<()> {
@@ -28,7 +28,7 @@ fn main() -> tensorferry::Result<()> {
     }
     d.insert("step", 1200i64);
     // A URL ending in `/` means `model.safetensors` in that folder.
-    save_node(&Node::Dict(d), &url, &SaveOptions::default())?;
+    save(&Node::Dict(d), &url, &SaveOptions::default())?;
 
     let options = ObjectOptions::from_env();
     let host = load_url(&url, &options, None)?;

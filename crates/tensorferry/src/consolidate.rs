@@ -1,5 +1,5 @@
-//! Packing tensors into one 64-byte-aligned buffer, with views into it (the trees' own
-//! `consolidate` is built on it in [`crate::tree`]).
+//! Packing tensors into one 64-byte-aligned buffer, with views into it: [`pack`] for a
+//! list of tensors, [`consolidate`] for a tree.
 //!
 //! One buffer means one allocation, one transfer and one file write for a whole
 //! dictionary. Large dictionaries are copied by several threads at once.
@@ -10,6 +10,7 @@ use crate::error::Result;
 use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
+use crate::tree::Node;
 
 /// Contiguous sources are split into pieces of at most this many bytes, so that one huge
 /// tensor still spreads over every thread.
@@ -38,6 +39,25 @@ impl PackedLayout {
         }
         PackedLayout { offsets, total: at }
     }
+}
+
+/// Packs the tensors of `tree` into one 64-byte-aligned buffer; returns the tree with
+/// contiguous views into it. The source is left as it is. Every tensor must be on the host.
+///
+/// ```
+/// use tensorferry::{consolidate, Node, Tensor, TensorDict};
+///
+/// let mut d = TensorDict::new();
+/// d.insert("a", Tensor::from_slice(&[1.0f32, 2.0], &[2])?);
+/// d.insert("b", Tensor::from_slice(&[3i32], &[1])?);
+/// let packed = consolidate(&Node::from(d))?;
+/// let (a, b) = (packed.tensor(&["a"]).unwrap(), packed.tensor(&["b"]).unwrap());
+/// assert!(std::sync::Arc::ptr_eq(a.storage(), b.storage()));
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
+pub fn consolidate(tree: &Node) -> Result<Node> {
+    let mut packed = pack(&tree.tensor_refs())?.into_iter();
+    tree.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
 }
 
 enum Source<'a> {
@@ -176,7 +196,7 @@ fn copy_group(dst: &mut [u8], base: usize, pieces: &[Piece<'_>]) -> Result<()> {
 mod tests {
     use super::*;
     use crate::dtype::DType;
-    use crate::tree::{consolidate, TensorDict};
+    use crate::tree::TensorDict;
 
     #[test]
     fn layout_aligns_every_tensor_to_64_bytes() {
@@ -193,7 +213,7 @@ mod tests {
         d.insert_path(&["n", "t"], m.transpose(0, 1).unwrap())
             .unwrap();
         d.insert("s", "text");
-        let c = consolidate(&d).unwrap();
+        let c = consolidate(&Node::Dict(d)).unwrap();
         let a = c.tensor(&["a"]).unwrap();
         let t = c.tensor(&["n", "t"]).unwrap();
         assert!(Arc::ptr_eq(a.storage(), t.storage()));
@@ -201,7 +221,7 @@ mod tests {
         assert!(t.is_contiguous());
         assert_eq!(t.to_vec::<i32>().unwrap(), vec![1, 4, 2, 5, 3, 6]);
         assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
-        assert!(c.get("s").is_some());
+        assert!(c.get_path(&["s"]).is_some());
     }
 
     #[test]
@@ -218,7 +238,7 @@ mod tests {
                 Tensor::from_slice(&[i as u8; 100], &[100]).unwrap(),
             );
         }
-        let c = consolidate(&d).unwrap();
+        let c = consolidate(&Node::Dict(d)).unwrap();
         assert_eq!(
             c.tensor(&["big"]).unwrap().contiguous_bytes().unwrap(),
             &big[..]

@@ -13,6 +13,15 @@ pub const ACCEPTED_DEVICE_FORMS: &str =
     "\"cpu\", \"cuda\", \"cuda:N\", \"emu\", \"emu:N\" (N = 0, 1, …)";
 
 /// A place a tensor's memory can live.
+///
+/// ```
+/// use tensorferry::Device;
+///
+/// assert_eq!("cuda:1".parse::<Device>()?, Device::Cuda(1));
+/// assert_eq!(Device::Emulated(0).to_string(), "emu:0");
+/// assert!("tpu".parse::<Device>().is_err());
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Device {
     /// Host memory.

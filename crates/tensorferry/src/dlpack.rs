@@ -127,8 +127,8 @@ pub fn device_of(dl: DLDevice) -> Result<Device> {
 /// Made from a raw pointer with [`ManagedTensor::versioned`] or [`ManagedTensor::legacy`].
 ///
 /// ```
-/// use tensorferry::dlpack::{export_versioned, import, ManagedTensor};
-/// use tensorferry::transfer::Readable;
+/// use tensorferry::internal::dlpack::{export_versioned, import, ManagedTensor};
+/// use tensorferry::internal::transfer::Readable;
 /// use tensorferry::Tensor;
 ///
 /// let t = Tensor::from_slice(&[1i32, 2, 3], &[3])?;

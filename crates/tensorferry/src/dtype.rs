@@ -13,6 +13,15 @@ use std::str::FromStr;
 use crate::error::{Error, Result};
 
 /// The element type of a tensor.
+///
+/// ```
+/// use tensorferry::DType;
+///
+/// let bf16: DType = "bfloat16".parse()?;
+/// assert_eq!((bf16, bf16.size()), (DType::BF16, 2));
+/// assert_eq!(DType::F32.safetensors_code(), Some("F32"));
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     /// Boolean, one byte per element.

@@ -6,6 +6,13 @@
 use std::path::PathBuf;
 
 /// Everything that can go wrong in tensorferry.
+///
+/// ```
+/// use tensorferry::{Device, Error};
+///
+/// let err = "gpu:0".parse::<Device>().unwrap_err();
+/// assert!(matches!(err, Error::InvalidDevice { ref input, .. } if input == "gpu:0"));
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {

@@ -61,7 +61,7 @@ impl ForeignMemory {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use tensorferry::memory::AlignedBuffer;
+/// use tensorferry::internal::memory::AlignedBuffer;
 /// use tensorferry::{DType, Storage, Tensor};
 ///
 /// let storage = Arc::new(Storage::owned(AlignedBuffer::copy_from(&[1, 0, 2, 0])?));
@@ -105,7 +105,7 @@ impl Storage {
     /// producer's promises are taken (it is `unsafe`); wrapping it is not.
     ///
     /// ```
-    /// use tensorferry::storage::ForeignMemory;
+    /// use tensorferry::internal::storage::ForeignMemory;
     /// use tensorferry::{Device, Storage};
     ///
     /// let data: Box<[u8]> = vec![1, 2, 3, 4].into_boxed_slice();

@@ -16,6 +16,17 @@ mod dims;
 use dims::Dims;
 
 /// A typed, shaped view of device or host memory.
+///
+/// ```
+/// use tensorferry::{DType, Device, Tensor};
+///
+/// let m = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3])?;
+/// assert_eq!((m.dtype(), m.shape(), m.device()), (DType::F32, &[2, 3][..], Device::Cpu));
+/// let t = m.transpose(0, 1)?; // a view: no copy
+/// assert!(!t.is_contiguous());
+/// assert_eq!(t.to_vec::<f32>()?, [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
 #[derive(Clone)]
 pub struct Tensor {
     storage: Arc<Storage>,

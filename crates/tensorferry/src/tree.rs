@@ -1,4 +1,6 @@
-//! `TensorDict`: an ordered, nested tree of tensors and plain values.
+//! [`Node`]: the one tree type, an ordered, nested tree of tensors and plain values. A
+//! dictionary is a node ([`Node::Dict`], whose entries a [`TensorDict`] holds); every
+//! entry point (load, save, consolidate, moves) takes or returns a `Node`.
 //!
 //! Keys are any strings ("layer.0.weight" is one key) or integers (the parameter indices
 //! that key PyTorch's optimizer state), an integer held as its decimal text; a node is a
@@ -16,6 +18,12 @@ use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 /// A non-tensor leaf: the values a safetensors header can record exactly.
+///
+/// ```
+/// use tensorferry::{Node, Value};
+///
+/// assert!(matches!(Node::from(0.5), Node::Value(Value::Float(x)) if x == 0.5));
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
     /// Python's `None`.
@@ -30,7 +38,19 @@ pub enum Value {
     Str(String),
 }
 
-/// One entry of a tree.
+/// A tree, or one entry of a tree: the one type every entry point takes and returns.
+///
+/// ```
+/// use tensorferry::{Node, Tensor, TensorDict};
+///
+/// let mut d = TensorDict::new();
+/// d.insert_path(&["model", "w"], Tensor::from_slice(&[1.0f32, 2.0], &[2])?)?;
+/// d.insert("step", 10i64);
+/// let tree = Node::from(d);
+/// assert_eq!(tree.tensor_count(), 1);
+/// assert_eq!(tree.tensor(&["model", "w"]).unwrap().to_vec::<f32>()?, [1.0, 2.0]);
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub enum Node {
     /// A nested dictionary.
@@ -46,6 +66,17 @@ pub enum Node {
 }
 
 /// The path of an entry: one key per level.
+///
+/// ```
+/// use tensorferry::{KeyPath, Node, Tensor, TensorDict};
+///
+/// let mut d = TensorDict::new();
+/// d.insert_path(&["model", "layer.0.weight"], Tensor::from_slice(&[1u8], &[1])?)?;
+/// let (path, _) = Node::from(d).tensors().remove(0);
+/// assert_eq!(path, KeyPath(vec!["model".into(), "layer.0.weight".into()]));
+/// assert_eq!(path.dotted(), "model.layer.0.weight"); // its name in a file
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub struct KeyPath(pub Vec<String>);
 
@@ -65,6 +96,14 @@ impl fmt::Display for KeyPath {
 /// A key of a [`TensorDict`]: a string, or an integer held as its decimal text. Keys are
 /// equal when their texts are: the integer `0` and the string `"0"` are one key, as they
 /// are one name in a file.
+///
+/// ```
+/// use tensorferry::DictKey;
+///
+/// let (int, text) = (DictKey::from(0i64), DictKey::from("0"));
+/// assert_eq!(int, text);
+/// assert_eq!((int.as_int(), text.as_int()), (Some(0), None));
+/// ```
 #[derive(Clone, Debug)]
 pub struct DictKey {
     text: String,
@@ -147,7 +186,21 @@ impl fmt::Display for DictKey {
     }
 }
 
-/// An ordered dictionary of keys (strings or integers) to [`Node`]s.
+/// The entries of a dictionary node ([`Node::Dict`]): an ordered map of keys (strings or
+/// integers) to [`Node`]s, with the methods that build and edit it. What a whole tree
+/// does (walk, map, move, save) is a method of [`Node`] or a function taking one.
+///
+/// ```
+/// use tensorferry::{Tensor, TensorDict};
+///
+/// let mut d = TensorDict::new();
+/// d.insert("b", Tensor::from_slice(&[1i32], &[1])?);
+/// d.insert(0i64, "an integer key");
+/// d.insert_path(&["nested", "a"], 2.5)?;
+/// assert_eq!(d.keys().collect::<Vec<_>>(), ["b", "0", "nested"]);
+/// assert!(d.tensor(&["b"]).is_some() && d.get_path(&["nested", "a"]).is_some());
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
 #[derive(Clone, Debug, Default)]
 pub struct TensorDict {
     entries: IndexMap<DictKey, Node>,
@@ -271,6 +324,70 @@ impl Node {
         let mut out = Vec::new();
         self.for_each_tensor(&mut |t| out.push(t));
         out
+    }
+
+    /// The node at a nested path (`&["model", "layer.0.weight"]`): dict keys, or list and
+    /// tuple indices written as strings. The empty path is the node itself.
+    pub fn get_path(&self, path: &[&str]) -> Option<&Node> {
+        path.iter().try_fold(self, |node, k| node.child(k))
+    }
+
+    /// The tensor at a nested path, or `None` when absent or not a tensor.
+    pub fn tensor(&self, path: &[&str]) -> Option<&Tensor> {
+        self.get_path(path)?.as_tensor()
+    }
+
+    /// Number of tensor leaves at any depth.
+    pub fn tensor_count(&self) -> usize {
+        let mut n = 0;
+        self.for_each_tensor(&mut |_| n += 1);
+        n
+    }
+
+    /// Bytes of all tensor leaves.
+    pub fn nbytes(&self) -> usize {
+        let mut n = 0;
+        self.for_each_tensor(&mut |t| n += t.nbytes());
+        n
+    }
+
+    /// The device all tensors share, or `None` when they are mixed or there are none.
+    pub fn device(&self) -> Option<Device> {
+        let tensors = self.tensor_refs();
+        let first = tensors.first()?.device();
+        tensors.iter().all(|t| t.device() == first).then_some(first)
+    }
+
+    /// The tree with every tensor on `device`; tensors already there are shared unless
+    /// `copy`. The source is never modified; on error nothing half-built is returned.
+    pub fn to(&self, device: Device, copy: bool) -> Result<Node> {
+        self.to_with(
+            device,
+            crate::transfer::MoveOptions {
+                copy,
+                non_blocking: false,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// Like [`Node::to`], with every option: one planned transfer for the whole tree;
+    /// with `non_blocking` the copies may still run when this returns, and every read of
+    /// a result waits for its copy ([`Node::wait`] waits for all).
+    pub fn to_with(&self, device: Device, options: crate::transfer::MoveOptions) -> Result<Node> {
+        let mut moved =
+            crate::transfer::move_tensors(&self.tensor_refs(), device, options)?.into_iter();
+        self.try_map_tensors_in_order(&mut |_| Ok(moved.next().expect("one result per tensor")))
+    }
+
+    /// Waits for every copy into this tree's tensors; the first failure, if any.
+    pub fn wait(&self) -> Result<()> {
+        self.tensor_refs().iter().try_for_each(|t| t.wait())
+    }
+
+    /// True when no copy into this tree's tensors is still running.
+    pub fn is_ready(&self) -> bool {
+        self.tensor_refs().iter().all(|t| t.is_ready())
     }
 
     fn for_each_tensor<'a>(&'a self, f: &mut impl FnMut(&'a Tensor)) {
@@ -435,11 +552,11 @@ impl TensorDict {
         self.entries.get(key)
     }
 
-    /// The node at a nested path (`&["model", "layer.0.weight"]`).
+    /// The node at a nested path (`&["model", "layer.0.weight"]`), the first key a
+    /// top-level one; see [`Node::get_path`].
     pub fn get_path(&self, path: &[&str]) -> Option<&Node> {
         let (first, rest) = path.split_first()?;
-        rest.iter()
-            .try_fold(self.entries.get(*first)?, |node, k| node.child(k))
+        self.entries.get(*first)?.get_path(rest)
     }
 
     /// The tensor at a nested path, or `None` when absent or not a tensor.
@@ -500,111 +617,6 @@ impl TensorDict {
     pub fn has_int_keys(&self) -> bool {
         self.entries.keys().any(DictKey::is_int)
     }
-
-    /// Every tensor leaf with its full path, in tree order.
-    pub fn tensors(&self) -> Vec<(KeyPath, &Tensor)> {
-        let mut out = Vec::new();
-        let mut path = KeyPath::default();
-        for (k, v) in &self.entries {
-            path.0.push(k.text.clone());
-            v.visit_tensors_at(&mut path, &mut |p, t| out.push((p.clone(), t)));
-            path.0.pop();
-        }
-        out
-    }
-
-    /// Every tensor leaf in tree order, without paths.
-    pub fn tensor_refs(&self) -> Vec<&Tensor> {
-        let mut out = Vec::new();
-        for v in self.entries.values() {
-            v.for_each_tensor(&mut |t| out.push(t));
-        }
-        out
-    }
-
-    /// Number of tensor leaves at any depth.
-    pub fn tensor_count(&self) -> usize {
-        self.tensor_refs().len()
-    }
-
-    /// Bytes of all tensor leaves.
-    pub fn nbytes(&self) -> usize {
-        self.tensor_refs().iter().map(|t| t.nbytes()).sum()
-    }
-
-    /// The device all tensors share, or `None` when they are mixed or there are none.
-    pub fn device(&self) -> Option<Device> {
-        let tensors = self.tensors();
-        let first = tensors.first()?.1.device();
-        tensors
-            .iter()
-            .all(|(_, t)| t.device() == first)
-            .then_some(first)
-    }
-
-    /// A new dictionary whose tensors are `f(path, tensor)`; `self` is left as it is.
-    pub fn try_map_tensors(
-        &self,
-        mut f: impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
-    ) -> Result<TensorDict> {
-        let mut out = IndexMap::with_capacity(self.entries.len());
-        let mut path = KeyPath::default();
-        for (k, v) in &self.entries {
-            path.0.push(k.text.clone());
-            let mapped = v.map_at(&mut path, &mut f);
-            path.0.pop();
-            out.insert(k.clone(), mapped?);
-        }
-        Ok(TensorDict { entries: out })
-    }
-
-    /// Like [`TensorDict::try_map_tensors`] without paths.
-    pub fn try_map_tensors_in_order(
-        &self,
-        f: &mut impl FnMut(&Tensor) -> Result<Tensor>,
-    ) -> Result<TensorDict> {
-        let mut entries = self.entries.clone();
-        for v in entries.values_mut() {
-            v.replace_tensors_in_order(f)?;
-        }
-        Ok(TensorDict { entries })
-    }
-
-    /// The dictionary with every tensor on `device`; tensors already there are shared
-    /// unless `copy`. The source is never modified; on error nothing half-built is returned.
-    pub fn to(&self, device: Device, copy: bool) -> Result<TensorDict> {
-        self.to_with(
-            device,
-            crate::transfer::MoveOptions {
-                copy,
-                non_blocking: false,
-                ..Default::default()
-            },
-        )
-    }
-
-    /// Like [`TensorDict::to`], with every option: one planned transfer for the whole
-    /// dictionary; with `non_blocking` the copies may still run when this returns, and
-    /// every read of a result waits for its copy ([`TensorDict::wait`] waits for all).
-    pub fn to_with(
-        &self,
-        device: Device,
-        options: crate::transfer::MoveOptions,
-    ) -> Result<TensorDict> {
-        let mut moved =
-            crate::transfer::move_tensors(&self.tensor_refs(), device, options)?.into_iter();
-        self.try_map_tensors_in_order(&mut |_| Ok(moved.next().expect("one result per tensor")))
-    }
-
-    /// Waits for every copy into this dictionary's tensors; the first failure, if any.
-    pub fn wait(&self) -> Result<()> {
-        self.tensor_refs().iter().try_for_each(|t| t.wait())
-    }
-
-    /// True when no copy into this dictionary's tensors is still running.
-    pub fn is_ready(&self) -> bool {
-        self.tensor_refs().iter().all(|t| t.is_ready())
-    }
 }
 
 /// The top-level entries of a [`TensorDict`] by value, keys as text.
@@ -651,19 +663,6 @@ impl FromIterator<(DictKey, Node)> for TensorDict {
     }
 }
 
-/// Packs the tensors of `node` into one buffer; returns the tree with views into it.
-/// The source is left as it is. Every tensor must be on the host.
-pub fn consolidate_node(node: &Node) -> Result<Node> {
-    let mut packed = crate::consolidate::pack(&node.tensor_refs())?.into_iter();
-    node.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
-}
-
-/// Packs the tensors of `dict` into one buffer; see [`consolidate_node`].
-pub fn consolidate(dict: &TensorDict) -> Result<TensorDict> {
-    let mut packed = crate::consolidate::pack(&dict.tensor_refs())?.into_iter();
-    dict.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -672,7 +671,7 @@ mod tests {
         Tensor::from_slice(v, &[v.len()]).unwrap()
     }
 
-    fn sample() -> TensorDict {
+    fn sample_dict() -> TensorDict {
         let mut d = TensorDict::new();
         d.insert_path(&["model", "layer.0.weight"], t(&[1.0, 2.0]))
             .unwrap();
@@ -688,6 +687,10 @@ mod tests {
             ]),
         );
         d
+    }
+
+    fn sample() -> Node {
+        Node::Dict(sample_dict())
     }
 
     #[test]
@@ -724,7 +727,7 @@ mod tests {
 
     #[test]
     fn remove_keeps_the_order_of_the_rest() {
-        let mut d = sample();
+        let mut d = sample_dict();
         d.remove_path(&["model", "layer.0.weight"]).unwrap();
         assert!(d.remove("step").is_some());
         assert_eq!(d.keys().collect::<Vec<_>>(), ["model", "name", "history"]);
@@ -736,7 +739,7 @@ mod tests {
 
     #[test]
     fn insert_below_a_leaf_is_an_error() {
-        let mut d = sample();
+        let mut d = sample_dict();
         assert!(d.insert_path(&["step", "x"], 1i64).is_err());
     }
 
@@ -747,14 +750,16 @@ mod tests {
         let a = d.tensor(&["model", "layer.0.bias"]).unwrap();
         let b = copied.tensor(&["model", "layer.0.bias"]).unwrap();
         assert!(!std::sync::Arc::ptr_eq(a.storage(), b.storage()));
-        assert!(matches!(copied.get("name"), Some(Node::Value(Value::Str(s))) if s == "run-1"));
+        assert!(
+            matches!(copied.get_path(&["name"]), Some(Node::Value(Value::Str(s))) if s == "run-1")
+        );
     }
 
     #[test]
     fn a_failing_map_returns_the_error_and_no_tree() {
         let d = sample();
         let mut n = 0;
-        let res = d.try_map_tensors(|p, t| {
+        let res = d.try_map_tensors(&mut |p, t| {
             n += 1;
             if n == 2 {
                 Err(Error::KeyNotFound {
@@ -773,7 +778,7 @@ mod tests {
         let mut d = TensorDict::new();
         d.insert(0i64, t(&[1.0]));
         d.insert("lr", 0.1);
-        assert!(d.tensor(&["0"]).is_some());
+        assert!(Node::Dict(d.clone()).tensor(&["0"]).is_some());
         let kinds: Vec<(String, bool)> = d
             .iter_keyed()
             .map(|(k, _)| (k.to_string(), k.is_int()))
@@ -785,13 +790,15 @@ mod tests {
         assert!(d.insert("0", 2i64).is_some());
         assert_eq!(d.keys().collect::<Vec<_>>(), ["0", "lr"]);
         assert!(!d.has_int_keys());
-        let copied = d.try_map_tensors(|_, t| Ok(t.clone())).unwrap();
-        assert_eq!(copied.len(), 2);
+        let copied = Node::Dict(d)
+            .try_map_tensors(&mut |_, t| Ok(t.clone()))
+            .unwrap();
+        assert_eq!(copied.as_dict().unwrap().len(), 2);
     }
 
     #[test]
     fn device_is_the_shared_one() {
         assert_eq!(sample().device(), Some(Device::Cpu));
-        assert_eq!(TensorDict::new().device(), None);
+        assert_eq!(Node::Dict(TensorDict::new()).device(), None);
     }
 }

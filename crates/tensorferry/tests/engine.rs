@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tensorferry::backend::emulated::{self, EmuConfig};
+use tensorferry::internal::backend::emulated::{self, EmuConfig};
 use tensorferry::{Device, Error, MoveOptions, Node, Staging, Tensor, TensorDict};
 
 macro_rules! test_device {
@@ -57,7 +57,11 @@ fn copy_non_blocking() -> MoveOptions {
     }
 }
 
-fn sample() -> TensorDict {
+fn sample() -> Node {
+    sample_dict().into()
+}
+
+fn sample_dict() -> TensorDict {
     let mut d = TensorDict::new();
     let m = Tensor::from_slice(&(0..12).map(|x| x as f32).collect::<Vec<_>>(), &[3, 4]).unwrap();
     d.insert_path(&["model", "layer.0.weight"], m.clone())
@@ -74,7 +78,7 @@ fn sample() -> TensorDict {
     d
 }
 
-fn host_values(d: &TensorDict) -> Vec<(String, Vec<u8>)> {
+fn host_values(d: &Node) -> Vec<(String, Vec<u8>)> {
     d.tensors()
         .into_iter()
         .map(|(p, t)| {
@@ -93,7 +97,7 @@ fn round_trip_keeps_every_value(dev: Device) {
     assert_eq!(there.device(), Some(dev));
     let back = there.to(Device::Cpu, false).unwrap();
     assert_eq!(host_values(&back), host_values(&d));
-    assert!(matches!(back.get("tag"), Some(Node::Value(_))));
+    assert!(matches!(back.get_path(&["tag"]), Some(Node::Value(_))));
 }
 test_device!(round_trip, round_trip_keeps_every_value);
 
@@ -154,20 +158,20 @@ fn pool_lock() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// The pinned pool of `dev`'s backend.
-fn pinned_pool(dev: Device) -> Arc<tensorferry::memory::PinnedPool> {
-    tensorferry::backend::backend_for(dev)
+fn pinned_pool(dev: Device) -> Arc<tensorferry::internal::memory::PinnedPool> {
+    tensorferry::internal::backend::backend_for(dev)
         .unwrap()
         .pinned_pool()
         .unwrap()
 }
 
 /// Buffers the pool has handed out so far, cached or newly pinned.
-fn pool_takes(pool: &tensorferry::memory::PinnedPool) -> u64 {
+fn pool_takes(pool: &tensorferry::internal::memory::PinnedPool) -> u64 {
     let s = pool.stats();
     s.hits + s.misses
 }
 
-fn many_tensors(count: usize) -> TensorDict {
+fn many_tensors(count: usize) -> Node {
     let mut d = TensorDict::new();
     for i in 0..count {
         let n = 1 + (i * 37) % 300;
@@ -181,7 +185,7 @@ fn many_tensors(count: usize) -> TensorDict {
         };
         d.insert(format!("t{i}"), t);
     }
-    d
+    d.into()
 }
 
 fn many_tensors_keep_their_values_both_ways(dev: Device) {
@@ -197,7 +201,7 @@ fn asking_too_much_is_out_of_memory_with_the_numbers(dev: Device) {
     if dev.is_host() {
         return; // host memory has no device backend
     }
-    let backend = tensorferry::backend::backend_for(dev).unwrap();
+    let backend = tensorferry::internal::backend::backend_for(dev).unwrap();
     let asked = 1usize << 50;
     match backend.alloc(asked) {
         Err(
@@ -252,17 +256,17 @@ test_device!(
 );
 
 fn a_mixed_dictionary_comes_home_whole(dev: Device) {
-    let mut d = sample();
+    let mut d = sample_dict();
     let on_device = many_tensors(5).to(dev, false).unwrap();
     let on_emu = many_tensors(3).to(Device::Emulated(0), false).unwrap();
     d.insert("dev", on_device);
     d.insert("emu", on_emu);
-    let home = d.to(Device::Cpu, false).unwrap();
+    let home = Node::from(d).to(Device::Cpu, false).unwrap();
     assert_eq!(home.device(), Some(Device::Cpu));
-    let mut expected = sample();
+    let mut expected = sample_dict();
     expected.insert("dev", many_tensors(5));
     expected.insert("emu", many_tensors(3));
-    assert_eq!(host_values(&home), host_values(&expected));
+    assert_eq!(host_values(&home), host_values(&Node::from(expected)));
 }
 test_device!(mixed_devices, a_mixed_dictionary_comes_home_whole);
 
@@ -338,6 +342,7 @@ fn large_staged_transfers_keep_every_value(dev: Device) {
         },
         ..Default::default()
     };
+    let d = Node::from(d);
     let there = d.to_with(dev, options).unwrap();
     let back = there.to_with(Device::Cpu, options).unwrap();
     assert_eq!(host_values(&back), host_values(&d));
@@ -350,6 +355,7 @@ fn transposed_tensors_keep_their_values_both_ways(dev: Device) {
     let mut d = TensorDict::new();
     d.insert("t", m.transpose(0, 1).unwrap()); // 60,000 runs of 4 bytes
     d.insert("every_other_row", m.step(0, 2).unwrap()); // 150 runs of 800 bytes
+    let d = Node::from(d);
     let expected = host_values(&d);
     let there = d.to(dev, false).unwrap();
     assert_eq!(host_values(&there), expected);
@@ -358,7 +364,7 @@ fn transposed_tensors_keep_their_values_both_ways(dev: Device) {
     let whole = m.to(dev, false).unwrap();
     on_dev.insert("t", whole.transpose(0, 1).unwrap());
     on_dev.insert("every_other_row", whole.step(0, 2).unwrap());
-    let back = on_dev.to(Device::Cpu, false).unwrap();
+    let back = Node::from(on_dev).to(Device::Cpu, false).unwrap();
     assert_eq!(host_values(&back), expected);
 }
 test_device!(transposed, transposed_tensors_keep_their_values_both_ways);
@@ -371,9 +377,9 @@ fn a_device_dictionary_saves_and_loads(dev: Device) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ckpt.safetensors");
     tensorferry::save(&there, &path, &Default::default()).unwrap();
-    let (back, _) = tensorferry::load(&path, Default::default()).unwrap();
+    let back = tensorferry::load(&path, Default::default()).unwrap().root;
     assert_eq!(host_values(&back), host_values(&d));
-    assert!(matches!(back.get("tag"), Some(Node::Value(_))));
+    assert!(matches!(back.get_path(&["tag"]), Some(Node::Value(_))));
 }
 test_device!(save_from_device, a_device_dictionary_saves_and_loads);
 
@@ -412,7 +418,7 @@ fn a_transposed_matrix_is_not_one_device_copy_per_element() {
 
 #[test]
 fn a_failing_chunk_fails_the_staged_transfer_and_frees_everything() {
-    use tensorferry::backend::Backend;
+    use tensorferry::internal::backend::Backend;
     with_emu1("fail_copy=3", || {
         let pool = emulated::device(1).unwrap().pinned_pool().unwrap();
         let before_used = used();
@@ -459,15 +465,17 @@ fn a_dictionary_moves_between_two_gpus() {
 
 #[test]
 fn cuda_batches_use_the_batched_copy_where_the_driver_has_it() {
-    use tensorferry::backend::cuda::{status, CudaStatus};
-    use tensorferry::backend::cuda_device::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
+    use tensorferry::internal::backend::cuda::{status, CudaStatus};
+    use tensorferry::internal::backend::cuda_device::{
+        CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR,
+    };
     if cuda_missing() || std::env::var(COPY_PATH_VAR).is_ok_and(|v| v != "auto") {
         return;
     }
     let CudaStatus::Available { driver_version, .. } = status() else {
         unreachable!("cuda is available")
     };
-    let dev = tensorferry::backend::cuda_device::device(0).unwrap();
+    let dev = tensorferry::internal::backend::cuda_device::device(0).unwrap();
     let expected = if *driver_version >= BATCHED_COPY_DRIVER {
         CopyPath::Batched
     } else {
@@ -524,7 +532,7 @@ fn a_failing_copy_mid_transfer_returns_the_error_and_frees_everything() {
         let d = sample();
         let mut first = TensorDict::new();
         first.insert("x", Tensor::from_slice(&[1.0f32], &[1]).unwrap());
-        let kept = first.to(EMU1_DEV, false).unwrap(); // copy 1 succeeds
+        let kept = Node::from(first).to(EMU1_DEV, false).unwrap(); // copy 1 succeeds
         let err = d.to(EMU1_DEV, false).unwrap_err(); // copy 2 fails
         assert!(err.to_string().contains("injected fault"), "{err}");
         assert_eq!(used(), kept.nbytes().next_multiple_of(64));
@@ -670,9 +678,13 @@ fn assert_every_host_read_fails(what: &str, t: &Tensor) {
     } else {
         assert_emu1_failure(&format!("{what}: to_contiguous"), t.to_contiguous());
     }
-    assert_emu1_failure(&format!("{what}: pack"), tensorferry::pack(&[t]));
+    assert_emu1_failure(
+        &format!("{what}: pack"),
+        tensorferry::internal::consolidate::pack(&[t]),
+    );
     let mut d = TensorDict::new();
     d.insert("x", t.clone());
+    let d = Node::from(d);
     assert_emu1_failure(
         &format!("{what}: consolidate"),
         tensorferry::consolidate(&d),
@@ -706,6 +718,7 @@ fn assert_every_move_fails(what: &str, t: &Tensor, dev: Device) {
     let mut d = TensorDict::new();
     d.insert("x", t.clone());
     d.insert("ok", matrix());
+    let d = Node::from(d);
     assert_emu1_failure(
         &format!("{what}: staged to {dev}"),
         d.to_with(dev, staged(false)),
@@ -794,7 +807,7 @@ fn a_failed_copy_names_the_device_that_failed_in_every_direction() {
 fn a_panicking_copy_fails_its_waiters_and_the_device_keeps_working() {
     let _pool = pool_lock();
     let d = many_tensors(20);
-    let internal = |what: &str, r: tensorferry::Result<TensorDict>| {
+    let internal = |what: &str, r: tensorferry::Result<Node>| {
         let err = r.expect_err(what).to_string();
         assert!(
             err.contains("emu:1") && err.contains("internal error: injected panic"),
@@ -837,7 +850,7 @@ fn a_bandwidth_too_small_for_any_copy_is_refused_naming_the_key() {
 }
 
 /// Waits for every result of `d` in slices of `slice`; how many slices timed out.
-fn wait_in_slices(d: &TensorDict, slice: Duration) -> tensorferry::Result<usize> {
+fn wait_in_slices(d: &Node, slice: Duration) -> tensorferry::Result<usize> {
     let mut timeouts = 0;
     for (_, t) in d.tensors() {
         while !t.wait_timeout(slice)? {
@@ -924,7 +937,7 @@ fn in_child() -> bool {
 /// True when cuda:0 is the fake driver of `crates/fake-cuda` (whose faults can be
 /// injected), after saying why not otherwise.
 fn fake_cuda_present() -> bool {
-    use tensorferry::backend::cuda::{status, CudaStatus};
+    use tensorferry::internal::backend::cuda::{status, CudaStatus};
     if cuda_missing() {
         return false;
     }
@@ -957,13 +970,13 @@ fn run_in_child(name: &str, env: &[(&str, &str)]) {
 }
 
 /// `n` contiguous tensors: one copy each, so copy calls can be counted.
-fn contiguous_tensors(n: usize) -> TensorDict {
+fn contiguous_tensors(n: usize) -> Node {
     let mut d = TensorDict::new();
     for i in 0..n {
         let data: Vec<u32> = (0..1000).map(|x| x * 31 + i as u32 + 1).collect();
         d.insert(format!("c{i}"), Tensor::from_slice(&data, &[1000]).unwrap());
     }
-    d
+    d.into()
 }
 
 #[test]
@@ -1024,11 +1037,11 @@ fn a_batched_cuda_copy_failing_part_way_is_queued_again_copy_by_copy() {
 
 #[test]
 fn child_cuda_copy_call_1_fails() {
-    use tensorferry::backend::cuda_device::CopyPath;
+    use tensorferry::internal::backend::cuda_device::CopyPath;
     if !in_child() {
         return;
     }
-    let gpu = tensorferry::backend::cuda_device::device(0).unwrap();
+    let gpu = tensorferry::internal::backend::cuda_device::device(0).unwrap();
     let d = contiguous_tensors(8);
     if gpu.copy_path() == CopyPath::Batched {
         // Half the batch was queued when the call failed: it is queued again, one call
@@ -1078,7 +1091,7 @@ fn page_locked_memory_of_another_library_skips_the_staging_ring() {
     // SAFETY: `locked`'s bytes are host memory valid while it lives; the foreign memory
     // owns a clone of it, and nothing writes to it.
     let memory = unsafe {
-        tensorferry::storage::ForeignMemory::new(
+        tensorferry::internal::storage::ForeignMemory::new(
             locked.data_ptr() as *mut u8,
             len,
             Device::Cpu,
@@ -1121,7 +1134,7 @@ fn small_non_blocking_moves_never_wait_for_the_gpu_in_the_driver() {
     let pool = pinned_pool(gpu);
     let d = many_tensors(50);
     let there = d.to(gpu, false).unwrap();
-    let ring_used = |from: &TensorDict, to: Device, non_blocking: bool, waits_at_once: bool| {
+    let ring_used = |from: &Node, to: Device, non_blocking: bool, waits_at_once: bool| {
         let before = pool_takes(&pool);
         let moved = from
             .to_with(

@@ -4,19 +4,19 @@
 
 use std::path::{Path, PathBuf};
 
-use tensorferry::io::{load_node_to, save_sharded};
+use tensorferry::internal::io::save_sharded;
+use tensorferry::load_to;
 use tensorferry::{
-    load_node, save_node, DType, Device, Error, LoadOptions, Node, SaveOptions, Staging, Tensor,
-    TensorDict,
+    load, save, DType, Device, Error, LoadOptions, Node, SaveOptions, Staging, Tensor, TensorDict,
 };
 
 const DIRECT: LoadOptions = LoadOptions {
-    mmap: false,
+    mmap: tensorferry::Mapping::READ,
     direct: true,
     copy_on_write: false,
 };
 const READ: LoadOptions = LoadOptions {
-    mmap: false,
+    mmap: tensorferry::Mapping::READ,
     direct: false,
     copy_on_write: false,
 };
@@ -41,7 +41,7 @@ fn tree_of(sizes: &[usize]) -> Node {
 
 fn saved(dir: &Path, tree: &Node) -> PathBuf {
     let path = dir.join("x.safetensors");
-    save_node(tree, &path, &SaveOptions::default()).unwrap();
+    save(tree, &path, &SaveOptions::default()).unwrap();
     path
 }
 
@@ -57,7 +57,7 @@ fn contents(node: &Node) -> Vec<(String, Vec<u8>)> {
 }
 
 fn same_as_an_ordinary_load(path: &Path, loaded: &tensorferry::Loaded) {
-    let ordinary = load_node(path, READ).unwrap();
+    let ordinary = load(path, READ).unwrap();
     assert_eq!(contents(&loaded.root), contents(&ordinary.root));
     // The same structure and plain values; the device aside.
     let shape = |n: &Node| format!("{n:?}").replace("device=emu:0", "device=cpu");
@@ -76,7 +76,8 @@ fn supports_direct(dir: &Path) -> bool {
         .open(&probe);
     let ok = opened.is_ok_and(|f| {
         use std::os::unix::fs::FileExt;
-        let mut buf = tensorferry::memory::AlignedBuffer::zeroed_page_aligned(4096).unwrap();
+        let mut buf =
+            tensorferry::internal::memory::AlignedBuffer::zeroed_page_aligned(4096).unwrap();
         f.read_at(buf.as_mut_slice(), 0).is_ok()
     });
     std::fs::remove_file(probe).unwrap();
@@ -88,7 +89,7 @@ fn a_direct_load_equals_an_ordinary_one_for_sizes_that_are_not_whole_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let tree = tree_of(&[1, 4095, 4096, 4097, 3 << 20, 12_345, (5 << 20) + 1]);
     let path = saved(dir.path(), &tree);
-    let loaded = load_node(&path, DIRECT).unwrap();
+    let loaded = load(&path, DIRECT).unwrap();
     same_as_an_ordinary_load(&path, &loaded);
     let t = loaded.root.tensors()[0].1.clone();
     assert!(!t.is_read_only(), "fresh memory, not a map");
@@ -101,7 +102,7 @@ fn a_file_whose_data_section_is_empty_loads_directly() {
     d.insert("empty", Tensor::zeros(DType::F32, &[0, 3]).unwrap());
     d.insert("step", 1i64);
     let path = saved(dir.path(), &Node::Dict(d));
-    let loaded = load_node(&path, DIRECT).unwrap();
+    let loaded = load(&path, DIRECT).unwrap();
     same_as_an_ordinary_load(&path, &loaded);
     assert_eq!(loaded.direct_fallback, None);
 }
@@ -111,7 +112,7 @@ fn many_small_tensors_load_directly() {
     let dir = tempfile::tempdir().unwrap();
     let sizes: Vec<usize> = (0..3000).map(|i| i % 37 + 1).collect();
     let path = saved(dir.path(), &tree_of(&sizes));
-    let loaded = load_node(&path, DIRECT).unwrap();
+    let loaded = load(&path, DIRECT).unwrap();
     same_as_an_ordinary_load(&path, &loaded);
 }
 
@@ -120,11 +121,13 @@ fn direct_takes_precedence_over_mmap() {
     let dir = tempfile::tempdir().unwrap();
     let path = saved(dir.path(), &tree_of(&[10_000]));
     let both = LoadOptions {
-        mmap: true,
+        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
+        // rewrites them while their tensors are alive.
+        mmap: unsafe { tensorferry::Mapping::map() },
         direct: true,
         copy_on_write: false,
     };
-    let loaded = load_node(&path, both).unwrap();
+    let loaded = load(&path, both).unwrap();
     let t = loaded.root.tensors()[0].1.clone();
     assert!(!t.is_read_only(), "a direct load is never a map");
     assert_eq!(
@@ -141,9 +144,9 @@ fn a_file_shorter_than_its_header_claims_is_a_format_error_with_direct() {
     let len = std::fs::metadata(&path).unwrap().len();
     let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     file.set_len(len - 100).unwrap();
-    let err = load_node(&path, DIRECT).unwrap_err();
+    let err = load(&path, DIRECT).unwrap_err();
     assert!(matches!(err, Error::Format { .. }), "{err}");
-    let err = load_node_to(&path, Device::Emulated(0), DIRECT, Staging::Auto).unwrap_err();
+    let err = load_to(&path, Device::Emulated(0), DIRECT, Staging::Auto).unwrap_err();
     assert!(matches!(err, Error::Format { .. }), "{err}");
 }
 
@@ -155,7 +158,7 @@ fn a_filesystem_that_supports_o_direct_is_read_directly() {
         return;
     }
     let path = saved(dir.path(), &tree_of(&[100_000, 7]));
-    let loaded = load_node(&path, DIRECT).unwrap();
+    let loaded = load(&path, DIRECT).unwrap();
     assert_eq!(loaded.direct_fallback, None);
     same_as_an_ordinary_load(&path, &loaded);
 }
@@ -169,7 +172,7 @@ fn tmpfs_is_read_directly_or_through_the_page_cache_with_its_reason() {
     }
     let dir = tempfile::tempdir_in(shm).unwrap();
     let path = saved(dir.path(), &tree_of(&[100_000, 7]));
-    let loaded = load_node(&path, DIRECT).unwrap();
+    let loaded = load(&path, DIRECT).unwrap();
     same_as_an_ordinary_load(&path, &loaded);
     match (&loaded.direct_fallback, supports_direct(dir.path())) {
         (None, true) => eprintln!("note: tmpfs accepts O_DIRECT on this kernel (6.6 and later)"),
@@ -188,7 +191,7 @@ fn a_sharded_checkpoint_loads_directly_shard_by_shard() {
     let path = dir.path().join("model.safetensors");
     let written = save_sharded(&tree, &path, &SaveOptions::default(), 12_000).unwrap();
     assert!(written.len() > 3, "several shards");
-    let loaded = load_node(dir.path(), DIRECT).unwrap();
+    let loaded = load(dir.path(), DIRECT).unwrap();
     same_as_an_ordinary_load(dir.path(), &loaded);
 }
 
@@ -201,7 +204,7 @@ fn a_file_streams_onto_a_device_directly_through_a_ring_smaller_than_it() {
         depth: 2,
     };
     for options in [DIRECT, READ] {
-        let loaded = load_node_to(&path, Device::Emulated(0), options, ring).unwrap();
+        let loaded = load_to(&path, Device::Emulated(0), options, ring).unwrap();
         for (_, t) in loaded.root.tensors() {
             assert_eq!(t.device(), Device::Emulated(0));
         }
@@ -215,7 +218,7 @@ fn a_sharded_checkpoint_streams_onto_a_device() {
     let tree = tree_of(&[5000; 6]);
     let path = dir.path().join("model.safetensors");
     save_sharded(&tree, &path, &SaveOptions::default(), 12_000).unwrap();
-    let loaded = load_node_to(dir.path(), Device::Emulated(0), DIRECT, Staging::Auto).unwrap();
+    let loaded = load_to(dir.path(), Device::Emulated(0), DIRECT, Staging::Auto).unwrap();
     same_as_an_ordinary_load(dir.path(), &loaded);
 }
 
@@ -225,6 +228,6 @@ fn an_empty_data_section_streams_onto_a_device() {
     let mut d = TensorDict::new();
     d.insert("empty", Tensor::zeros(DType::F32, &[0]).unwrap());
     let path = saved(dir.path(), &Node::Dict(d));
-    let loaded = load_node_to(&path, Device::Emulated(0), DIRECT, Staging::Auto).unwrap();
+    let loaded = load_to(&path, Device::Emulated(0), DIRECT, Staging::Auto).unwrap();
     same_as_an_ordinary_load(&path, &loaded);
 }

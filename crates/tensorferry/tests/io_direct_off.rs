@@ -1,9 +1,9 @@
 //! `TENSORFERRY_DIRECT_IO=0` turns `O_DIRECT` off: direct loads read through the page
 //! cache and say so. A test binary of its own, since it sets the process's environment.
 
-use tensorferry::io::load_node_to;
+use tensorferry::load_to;
 use tensorferry::{
-    load_node, save, DType, Device, LoadOptions, SaveOptions, Staging, Tensor, TensorDict,
+    load, save, DType, Device, LoadOptions, SaveOptions, Staging, Tensor, TensorDict,
 };
 
 #[test]
@@ -16,15 +16,20 @@ fn the_environment_switch_turns_direct_reads_off_with_its_reason() {
         "x",
         Tensor::from_bytes(DType::U8, vec![10_000], &bytes).unwrap(),
     );
-    save(&d, &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     std::env::set_var("TENSORFERRY_DIRECT_IO", "0");
     let options = LoadOptions {
-        mmap: false,
+        mmap: tensorferry::Mapping::READ,
         direct: true,
         ..Default::default()
     };
-    let host = load_node(&path, options).unwrap();
-    let device = load_node_to(&path, Device::Emulated(0), options, Staging::Auto).unwrap();
+    let host = load(&path, options).unwrap();
+    let device = load_to(&path, Device::Emulated(0), options, Staging::Auto).unwrap();
     std::env::remove_var("TENSORFERRY_DIRECT_IO");
     for loaded in [&host, &device] {
         assert_eq!(
@@ -34,7 +39,7 @@ fn the_environment_switch_turns_direct_reads_off_with_its_reason() {
         let t = loaded.root.tensors()[0].1.to(Device::Cpu, false).unwrap();
         assert_eq!(t.contiguous_bytes().unwrap(), &bytes[..]);
     }
-    let direct = load_node(&path, options).unwrap();
+    let direct = load(&path, options).unwrap();
     assert!(
         direct.direct_fallback.is_none()
             || !direct

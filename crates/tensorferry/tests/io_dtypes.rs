@@ -64,7 +64,10 @@ fn every_official_dtype_loads_and_saves_back_byte_for_byte() {
         let original = official_file(&shape);
         let path = dir.path().join("official.safetensors");
         std::fs::write(&path, &original).unwrap();
-        let (d, _) = load(&path, LoadOptions::default()).unwrap();
+        let (d, _) = load(&path, LoadOptions::default())
+            .unwrap()
+            .into_dict()
+            .unwrap();
         assert_eq!(d.len(), OFFICIAL.len());
         for (official, code) in OFFICIAL {
             let t = d.tensor(&[&format!("t_{code}")]).unwrap();
@@ -76,7 +79,12 @@ fn every_official_dtype_loads_and_saves_back_byte_for_byte() {
             );
         }
         let again = dir.path().join("again.safetensors");
-        save(&d, &again, &SaveOptions::default()).unwrap();
+        save(
+            &tensorferry::Node::from(d.clone()),
+            &again,
+            &SaveOptions::default(),
+        )
+        .unwrap();
         // Byte for byte, header included: the official crate writes a flat dict in order
         // of falling alignment, as tensorferry does.
         let ours = std::fs::read(&again).unwrap();
@@ -121,10 +129,23 @@ fn a_file_saved_and_saved_again_is_the_same_file() {
         );
     }
     let first = dir.path().join("a.safetensors");
-    save(&d, &first, &SaveOptions::default()).unwrap();
-    let (back, _) = load(&first, LoadOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &first,
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let (back, _) = load(&first, LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     let second = dir.path().join("b.safetensors");
-    save(&back, &second, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(back.clone()),
+        &second,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     assert_eq!(
         std::fs::read(&first).unwrap(),
         std::fs::read(&second).unwrap()
@@ -167,7 +188,7 @@ fn a_packed_scalar_cannot_be_saved() {
         Tensor::from_bytes(DType::F4x2, vec![], &[0x21]).unwrap(),
     );
     let err = save(
-        &d,
+        &tensorferry::Node::from(d.clone()),
         dir.path().join("s.safetensors"),
         &SaveOptions::default(),
     )

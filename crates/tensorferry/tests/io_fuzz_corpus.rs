@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use tensorferry::io::load_bytes;
+use tensorferry::internal::io::load_bytes;
 use tensorferry::{save, DType, SaveOptions, Tensor, TensorDict};
 
 fn corpus(target: &str) -> Vec<Vec<u8>> {
@@ -88,7 +88,12 @@ fn mutations_of_a_written_file_never_panic() {
     d.insert("s", "x\"y");
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("f.safetensors");
-    save(&d, &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     let bytes = std::fs::read(&path).unwrap();
     assert!(load_bytes(&bytes).is_ok());
     mutate_header(&bytes, &mut |b| read_end_to_end(b));
@@ -158,7 +163,7 @@ fn the_tree_corpus_and_its_mutations_never_panic() {
 fn load_index(dir: &std::path::Path, index: &[u8]) {
     let path = dir.join("m.safetensors.index.json");
     std::fs::write(&path, index).unwrap();
-    if let Ok(loaded) = tensorferry::load_node(&path, tensorferry::LoadOptions::default()) {
+    if let Ok(loaded) = tensorferry::load(&path, tensorferry::LoadOptions::default()) {
         for (name, _) in loaded.root.tensors() {
             let name = name.dotted();
             assert!(["x", "y", "z"].contains(&name.as_str()), "{name}");
@@ -177,7 +182,12 @@ fn the_index_corpus_and_its_mutations_never_panic_or_recurse() {
         for name in names {
             d.insert(*name, Tensor::from_slice(&[1.0f32, 2.0], &[2]).unwrap());
         }
-        save(&d, dir.path().join(file), &SaveOptions::default()).unwrap();
+        save(
+            &tensorferry::Node::from(d.clone()),
+            dir.path().join(file),
+            &SaveOptions::default(),
+        )
+        .unwrap();
     }
     for index in corpus("sharded_index") {
         load_index(dir.path(), &index);

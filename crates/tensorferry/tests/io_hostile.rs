@@ -2,12 +2,18 @@
 
 use std::path::PathBuf;
 
-use tensorferry::{load_node, Error, LoadOptions};
+use tensorferry::{load, Error, LoadOptions};
 
 /// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
 fn every_way() -> [LoadOptions; 3] {
     [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
-        mmap,
+        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
+        // rewrites them while their tensors are alive.
+        mmap: if mmap {
+            unsafe { tensorferry::Mapping::map() }
+        } else {
+            tensorferry::Mapping::READ
+        },
         direct,
         ..Default::default()
     })
@@ -29,7 +35,7 @@ fn every_broken_file_is_a_format_error_every_way() {
     for path in corpus() {
         let name = path.file_stem().unwrap().to_string_lossy().into_owned();
         for options in every_way() {
-            let result = load_node(&path, options);
+            let result = load(&path, options);
             if name.starts_with("valid_") {
                 assert!(result.is_ok(), "{name} ({options:?}): {:?}", result.err());
             } else {
@@ -48,7 +54,7 @@ fn every_broken_file_is_a_format_error_every_way() {
 fn errors_name_the_offset_or_the_tensor_at_fault() {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");
     let msg = |f: &str| {
-        load_node(dir.join(f), LoadOptions::default())
+        load(dir.join(f), LoadOptions::default())
             .unwrap_err()
             .to_string()
     };
@@ -61,7 +67,7 @@ fn errors_name_the_offset_or_the_tensor_at_fault() {
 
 #[test]
 fn a_missing_file_is_an_io_error_naming_it() {
-    let err = load_node("/nonexistent/x.safetensors", LoadOptions::default()).unwrap_err();
+    let err = load("/nonexistent/x.safetensors", LoadOptions::default()).unwrap_err();
     assert!(matches!(err, Error::Io { .. }));
     assert!(err.to_string().contains("/nonexistent/x.safetensors"));
 }
@@ -78,16 +84,18 @@ fn format_errors_name_the_file_they_came_from() {
             continue;
         }
         for result in [
-            load_node(
+            load(
                 &path,
                 LoadOptions {
-                    mmap: true,
+                    // SAFETY: this test's files live in its own temporary folder; nothing truncates or
+                    // rewrites them while their tensors are alive.
+                    mmap: unsafe { tensorferry::Mapping::map() },
                     direct: false,
                     copy_on_write: false,
                 },
             )
             .map(drop),
-            tensorferry::io::read_header(&path).map(drop),
+            tensorferry::internal::io::read_header(&path).map(drop),
         ] {
             if let Err(err @ Error::Format { .. }) = result {
                 assert!(err.to_string().contains(&*path.to_string_lossy()), "{err}");

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use tensorferry::io::read_header;
-use tensorferry::{load_node, save_node, DType, LoadOptions, Node, SaveOptions, Tensor, Value};
+use tensorferry::internal::io::read_header;
+use tensorferry::{load, save, DType, LoadOptions, Node, SaveOptions, Tensor, Value};
 
 /// The system allocator, counting the bytes in use and their peak.
 struct Counting;
@@ -102,10 +102,12 @@ fn assert_bounded(path: &Path, file_len: usize, what: &str) -> bool {
         (
             "load with mmap",
             Box::new(|| {
-                load_node(
+                load(
                     path,
                     LoadOptions {
-                        mmap: true,
+                        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
+                        // rewrites them while their tensors are alive.
+                        mmap: unsafe { tensorferry::Mapping::map() },
                         direct: false,
                         copy_on_write: false,
                     },
@@ -116,10 +118,10 @@ fn assert_bounded(path: &Path, file_len: usize, what: &str) -> bool {
         (
             "load without mmap",
             Box::new(|| {
-                load_node(
+                load(
                     path,
                     LoadOptions {
-                        mmap: false,
+                        mmap: tensorferry::Mapping::READ,
                         direct: false,
                         copy_on_write: false,
                     },
@@ -130,10 +132,10 @@ fn assert_bounded(path: &Path, file_len: usize, what: &str) -> bool {
         (
             "load with O_DIRECT",
             Box::new(|| {
-                load_node(
+                load(
                     path,
                     LoadOptions {
-                        mmap: false,
+                        mmap: tensorferry::Mapping::READ,
                         direct: true,
                         copy_on_write: false,
                     },
@@ -295,7 +297,7 @@ fn a_legitimate_file_of_many_tensors_loads() {
         .map(|_| Node::Tensor(Tensor::zeros(DType::F32, &[4, 4]).unwrap()))
         .chain([Node::Value(Value::Int(3))])
         .collect();
-    save_node(&Node::List(items), &path, &SaveOptions::default()).unwrap();
+    save(&Node::List(items), &path, &SaveOptions::default()).unwrap();
     let len = std::fs::metadata(&path).unwrap().len() as usize;
     assert!(assert_bounded(&path, len, "20,000 tensors"));
 }

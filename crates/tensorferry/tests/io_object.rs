@@ -12,13 +12,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tensorferry::io::object::{
+use tensorferry::internal::io::object::{
     cause_of, load_url, load_url_to_until, read_header_url, read_ranges, save_url, tensor_names,
     Cause, ObjectOptions,
 };
-use tensorferry::{
-    load_node, save_node, Device, Node, SaveOptions, Staging, Tensor, TensorDict, Value,
-};
+use tensorferry::{load, save, Device, Node, SaveOptions, Staging, Tensor, TensorDict, Value};
 
 /// The fixed credentials the servers accept.
 const ACCESS_KEY: &str = "tensorferry-test";
@@ -163,8 +161,8 @@ fn a_tree_saved_to_s3_loads_back_the_same_through_the_generic_load() {
     };
     let tree = model(3, 0.5);
     let url = "s3://bucket/run/model.safetensors";
-    save_node(&tree, url, &SaveOptions::default()).unwrap();
-    let loaded = load_node(url, Default::default()).unwrap();
+    save(&tree, url, &SaveOptions::default()).unwrap();
+    let loaded = load(url, Default::default()).unwrap();
     assert_eq!(values(&loaded.root), values(&tree));
     let d = loaded.root.as_dict().unwrap();
     assert!(matches!(d.get("step"), Some(Node::Value(Value::Int(42)))));
@@ -176,10 +174,10 @@ fn the_bytes_stored_are_the_bytes_a_local_save_writes() {
         return;
     };
     let tree = model(2, 1.0);
-    save_node(&tree, "s3://bucket/a.safetensors", &SaveOptions::default()).unwrap();
+    save(&tree, "s3://bucket/a.safetensors", &SaveOptions::default()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let local = dir.path().join("a.safetensors");
-    save_node(&tree, &local, &SaveOptions::default()).unwrap();
+    save(&tree, &local, &SaveOptions::default()).unwrap();
     assert_eq!(
         std::fs::read(server.file("a.safetensors")).unwrap(),
         std::fs::read(&local).unwrap()
@@ -218,7 +216,7 @@ fn a_subset_fetches_only_its_tensors_and_blanks_the_others_in_place() {
         return;
     };
     let tree = model(3, 3.0);
-    save_node(&tree, "s3://bucket/s.safetensors", &SaveOptions::default()).unwrap();
+    save(&tree, "s3://bucket/s.safetensors", &SaveOptions::default()).unwrap();
     let options = ObjectOptions::from_env();
     let names = tensor_names("s3://bucket/s.safetensors", &options).unwrap();
     assert_eq!(names.len(), 3);
@@ -278,7 +276,7 @@ fn a_load_called_from_inside_an_async_runtime_blocks_a_helper_thread_not_the_run
         return;
     };
     let tree = model(1, 4.0);
-    save_node(
+    save(
         &tree,
         "s3://bucket/in-async.safetensors",
         &SaveOptions::default(),
@@ -288,7 +286,7 @@ fn a_load_called_from_inside_an_async_runtime_blocks_a_helper_thread_not_the_run
         .build()
         .unwrap();
     let loaded = callers_runtime
-        .block_on(async { load_node("s3://bucket/in-async.safetensors", Default::default()) })
+        .block_on(async { load("s3://bucket/in-async.safetensors", Default::default()) })
         .unwrap();
     assert_eq!(values(&loaded.root), values(&tree));
 }
@@ -325,7 +323,7 @@ fn a_checkpoint_streams_onto_a_device_through_a_ring_smaller_than_it() {
         return;
     };
     let tree = model(4, 5.0); // 256 KiB of data, through 2 buffers of 8 KiB
-    save_node(&tree, "s3://bucket/d.safetensors", &SaveOptions::default()).unwrap();
+    save(&tree, "s3://bucket/d.safetensors", &SaveOptions::default()).unwrap();
     save_url(
         &tree,
         "s3://bucket/sharded/",
@@ -356,7 +354,7 @@ fn a_streamed_load_asked_to_stop_is_interrupted_and_a_missing_object_is_named() 
     let Some(_server) = S3Server::start() else {
         return;
     };
-    save_node(
+    save(
         &model(1, 6.0),
         "s3://bucket/s.safetensors",
         &SaveOptions::default(),
@@ -398,7 +396,7 @@ fn byte_ranges_read_from_the_header_come_from_one_version_of_the_object() {
     };
     let tree = model(3, 7.0);
     let url = "s3://bucket/r.safetensors";
-    save_node(&tree, url, &SaveOptions::default()).unwrap();
+    save(&tree, url, &SaveOptions::default()).unwrap();
     let options = ObjectOptions::from_env();
     let (header, etag, size) = read_header_url(url, &options).unwrap();
     assert!(etag.is_some());
@@ -457,8 +455,8 @@ fn device_tensors_are_uploaded_through_the_ring_beside_host_tensors() {
         ..SaveOptions::default()
     };
     let tree = Node::Dict(d);
-    save_node(&tree, "s3://bucket/dev.safetensors", &options).unwrap();
-    let loaded = load_node("s3://bucket/dev.safetensors", Default::default()).unwrap();
+    save(&tree, "s3://bucket/dev.safetensors", &options).unwrap();
+    let loaded = load("s3://bucket/dev.safetensors", Default::default()).unwrap();
     assert_eq!(values_on_host(&loaded.root), values_on_host(&tree));
 }
 
@@ -468,7 +466,7 @@ fn a_subset_streams_onto_a_device_into_memory_of_its_own_size() {
         return;
     };
     let tree = model(4, 8.0);
-    save_node(
+    save(
         &tree,
         "s3://bucket/sub.safetensors",
         &SaveOptions::default(),

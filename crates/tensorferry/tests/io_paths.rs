@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use tensorferry::io::read_header;
-use tensorferry::{load_node, save, Error, LoadOptions, SaveOptions, Tensor, TensorDict};
+use tensorferry::internal::io::read_header;
+use tensorferry::{load, save, Error, LoadOptions, SaveOptions, Tensor, TensorDict};
 
 /// Runs `f` on another thread and fails the test if it has not returned within 5 s (the
 /// thread is left behind: a blocked open cannot be cancelled).
@@ -29,10 +29,12 @@ fn read_all_ways(path: &Path) -> Vec<(&'static str, Error)> {
         vec![
             (
                 "load mmap",
-                load_node(
+                load(
                     &p,
                     LoadOptions {
-                        mmap: true,
+                        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
+                        // rewrites them while their tensors are alive.
+                        mmap: unsafe { tensorferry::Mapping::map() },
                         direct: false,
                         copy_on_write: false,
                     },
@@ -41,10 +43,10 @@ fn read_all_ways(path: &Path) -> Vec<(&'static str, Error)> {
             ),
             (
                 "load read",
-                load_node(
+                load(
                     &p,
                     LoadOptions {
-                        mmap: false,
+                        mmap: tensorferry::Mapping::READ,
                         direct: false,
                         copy_on_write: false,
                     },
@@ -118,12 +120,17 @@ fn a_fifo_is_refused_at_once_without_blocking() {
 /// read with `O_DIRECT`: each refused at once, naming the FIFO, never a blocked read.
 #[test]
 fn a_fifo_as_an_index_a_shard_or_under_direct_reads_is_refused_at_once() {
-    use tensorferry::io::{load_sharded, save_sharded};
+    use tensorferry::internal::io::{load_sharded, save_sharded};
     let load = |p: PathBuf, direct: bool| {
-        load_node(
+        load(
             &p,
             LoadOptions {
-                mmap: !direct,
+                // SAFETY: nothing is mapped: a FIFO is refused before any map or read.
+                mmap: if direct {
+                    tensorferry::Mapping::READ
+                } else {
+                    unsafe { tensorferry::Mapping::map() }
+                },
                 direct,
                 copy_on_write: false,
             },
@@ -252,9 +259,17 @@ fn a_folder_is_an_io_error_with_eisdir() {
 #[test]
 fn saving_to_a_folder_writes_model_safetensors_in_it() {
     let dir = tempfile::tempdir().unwrap();
-    save(&one_tensor(), dir.path(), &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(one_tensor()),
+        dir.path(),
+        &SaveOptions::default(),
+    )
+    .unwrap();
     assert!(dir.path().join("model.safetensors").is_file());
-    let (loaded, _) = tensorferry::load(dir.path(), LoadOptions::default()).unwrap();
+    let (loaded, _) = tensorferry::load(dir.path(), LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     assert_eq!(loaded.len(), 1);
 }
 
@@ -287,7 +302,12 @@ fn saving_over_a_fifo_is_refused_and_leaves_it() {
     mkfifo(&fifo);
     let target = fifo.clone();
     let err = within_five_seconds("saving over a FIFO", move || {
-        save(&one_tensor(), &target, &SaveOptions::default()).unwrap_err()
+        save(
+            &tensorferry::Node::from(one_tensor()),
+            &target,
+            &SaveOptions::default(),
+        )
+        .unwrap_err()
     });
     assert!(
         err.to_string().contains("is a FIFO, not a regular file"),
@@ -312,7 +332,12 @@ fn a_missing_file_is_not_found_naming_it() {
         assert!(source.raw_os_error().is_some(), "{how}: the errno is kept");
     }
     let in_missing_folder = dir.path().join("nope").join("x.safetensors");
-    let err = save(&one_tensor(), &in_missing_folder, &SaveOptions::default()).unwrap_err();
+    let err = save(
+        &tensorferry::Node::from(one_tensor()),
+        &in_missing_folder,
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
     let (path, source) = io_error(&err);
     assert_eq!(path, dir.path().join("nope"), "the missing folder is named");
     assert_eq!(source.kind(), ErrorKind::NotFound);
@@ -327,7 +352,12 @@ fn an_unreadable_file_is_permission_denied() {
         return;
     }
     let path = dir.path().join("secret.safetensors");
-    save(&one_tensor(), &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(one_tensor()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o000)).unwrap();
     for (how, err) in read_all_ways(&path) {
         let (p, source) = io_error(&err);
@@ -346,7 +376,12 @@ fn saving_into_a_read_only_folder_is_permission_denied_and_leaves_the_file() {
     let path = dir.path().join("kept.safetensors");
     std::fs::write(&path, b"previous").unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o555)).unwrap();
-    let err = save(&one_tensor(), &path, &SaveOptions::default()).unwrap_err();
+    let err = save(
+        &tensorferry::Node::from(one_tensor()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let (p, source) = io_error(&err);
     assert_eq!(p, path);

@@ -3,14 +3,18 @@
 
 use std::path::Path;
 
-use tensorferry::{
-    load, save, save_node, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value,
-};
+use tensorferry::{load, save, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value};
 
 /// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
 fn every_way() -> [LoadOptions; 3] {
     [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
-        mmap,
+        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
+        // rewrites them while their tensors are alive.
+        mmap: if mmap {
+            unsafe { tensorferry::Mapping::map() }
+        } else {
+            tensorferry::Mapping::READ
+        },
         direct,
         ..Default::default()
     })
@@ -26,7 +30,7 @@ fn assert_refused_leaving_the_file(root: &Node) -> Error {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("kept.safetensors");
     std::fs::write(&path, b"previous").unwrap();
-    let err = save_node(root, &path, &SaveOptions::default()).unwrap_err();
+    let err = save(root, &path, &SaveOptions::default()).unwrap_err();
     assert_eq!(std::fs::read(&path).unwrap(), b"previous");
     assert_eq!(
         std::fs::read_dir(dir.path()).unwrap().count(),
@@ -55,8 +59,16 @@ fn a_dict_named_metadata_is_fine_its_tensors_have_longer_names() {
     let path = dir.path().join("ok.safetensors");
     let mut d = TensorDict::new();
     d.insert_path(&["__metadata__", "w"], small()).unwrap();
-    save(&d, &path, &SaveOptions::default()).unwrap();
-    let (back, _) = load(&path, LoadOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let (back, _) = load(&path, LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     assert!(back.tensor(&["__metadata__", "w"]).is_some());
 }
 
@@ -66,8 +78,16 @@ fn an_empty_name_is_accepted_as_the_format_and_the_reader_accept_it() {
     let path = dir.path().join("empty_name.safetensors");
     let mut d = TensorDict::new();
     d.insert("", small());
-    save(&d, &path, &SaveOptions::default()).unwrap();
-    let (back, _) = load(&path, LoadOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let (back, _) = load(&path, LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     assert!(back.tensor(&[""]).is_some());
     let bytes = std::fs::read(&path).unwrap();
     assert!(safetensors::SafeTensors::deserialize(&bytes)
@@ -109,10 +129,15 @@ fn what_the_writer_accepts_the_reader_reads() {
     let values: Vec<Node> = (0..20_000).map(|i| Node::Value(Value::Int(i))).collect();
     let mut d = TensorDict::new();
     d.insert("values", Node::List(values));
-    save(&d, &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     assert!(Path::new(&path).exists());
     for options in every_way() {
-        let (back, _) = load(&path, options).unwrap();
+        let (back, _) = load(&path, options).unwrap().into_dict().unwrap();
         assert!(matches!(back.get("values"), Some(Node::List(v)) if v.len() == 20_000));
     }
 }

@@ -18,11 +18,13 @@ fn saved_value(path: &Path) -> f32 {
     let (d, _) = load(
         path,
         LoadOptions {
-            mmap: false,
+            mmap: tensorferry::Mapping::READ,
             direct: false,
             copy_on_write: false,
         },
     )
+    .unwrap()
+    .into_dict()
     .unwrap();
     d.tensor(&["w"]).unwrap().to_vec::<f32>().unwrap()[0]
 }
@@ -45,9 +47,19 @@ fn a_replaced_file_keeps_its_permission_bits() {
     let dir = tempfile::tempdir().unwrap();
     for bits in [0o640, 0o600, 0o604, 0o755] {
         let path = dir.path().join(format!("m{bits:o}.safetensors"));
-        save(&tensors(1.0), &path, &SaveOptions::default()).unwrap();
+        save(
+            &tensorferry::Node::from(tensors(1.0)),
+            &path,
+            &SaveOptions::default(),
+        )
+        .unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(bits)).unwrap();
-        save(&tensors(2.0), &path, &SaveOptions::default()).unwrap();
+        save(
+            &tensorferry::Node::from(tensors(2.0)),
+            &path,
+            &SaveOptions::default(),
+        )
+        .unwrap();
         assert_eq!(mode(&path), bits, "mode {bits:o} was not kept");
         assert_eq!(saved_value(&path), 2.0);
     }
@@ -59,7 +71,12 @@ fn a_new_file_gets_the_permissions_open_gives() {
     let reference = dir.path().join("made_by_open");
     std::fs::File::create(&reference).unwrap();
     let path = dir.path().join("new.safetensors");
-    save(&tensors(1.0), &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(tensors(1.0)),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     assert_eq!(
         mode(&path),
         mode(&reference),
@@ -75,7 +92,12 @@ fn saving_through_a_link_replaces_its_target_and_keeps_the_link() {
     std::fs::create_dir_all(&store).unwrap();
     std::fs::create_dir_all(&links).unwrap();
     let target = store.join("real.safetensors");
-    save(&tensors(1.0), &target, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(tensors(1.0)),
+        &target,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o640)).unwrap();
     // A relative link, and a link to that link.
     let link = links.join("model.safetensors");
@@ -83,7 +105,12 @@ fn saving_through_a_link_replaces_its_target_and_keeps_the_link() {
     let link2 = links.join("latest.safetensors");
     std::os::unix::fs::symlink(&link, &link2).unwrap();
 
-    save(&tensors(2.0), &link, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(tensors(2.0)),
+        &link,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     assert!(std::fs::symlink_metadata(&link)
         .unwrap()
         .file_type()
@@ -91,7 +118,12 @@ fn saving_through_a_link_replaces_its_target_and_keeps_the_link() {
     assert_eq!(saved_value(&target), 2.0);
     assert_eq!(mode(&target), 0o640);
 
-    save(&tensors(3.0), &link2, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(tensors(3.0)),
+        &link2,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     assert!(std::fs::symlink_metadata(&link2)
         .unwrap()
         .file_type()
@@ -119,7 +151,12 @@ fn saving_through_a_dangling_link_creates_its_target() {
     let link = dir.path().join("link.safetensors");
     let target = dir.path().join("target.safetensors");
     std::os::unix::fs::symlink(&target, &link).unwrap();
-    save(&tensors(5.0), &link, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(tensors(5.0)),
+        &link,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     assert!(std::fs::symlink_metadata(&link)
         .unwrap()
         .file_type()
@@ -134,7 +171,12 @@ fn a_link_loop_is_an_io_error() {
     let b = dir.path().join("b");
     std::os::unix::fs::symlink(&b, &a).unwrap();
     std::os::unix::fs::symlink(&a, &b).unwrap();
-    let err = save(&tensors(1.0), &a, &SaveOptions::default()).unwrap_err();
+    let err = save(
+        &tensorferry::Node::from(tensors(1.0)),
+        &a,
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
     assert!(matches!(err, tensorferry::Error::Io { .. }), "{err:?}");
 }
 
@@ -144,8 +186,18 @@ fn a_file_name_of_255_bytes_saves() {
     let name = format!("{}.safetensors", "n".repeat(255 - ".safetensors".len()));
     assert_eq!(name.len(), 255);
     let path = dir.path().join(&name);
-    save(&tensors(1.0), &path, &SaveOptions::default()).unwrap();
-    save(&tensors(2.0), &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(tensors(1.0)),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    save(
+        &tensorferry::Node::from(tensors(2.0)),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     assert_eq!(saved_value(&path), 2.0);
     assert_eq!(names_in(dir.path()), [name]);
 }

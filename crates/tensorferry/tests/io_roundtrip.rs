@@ -2,15 +2,18 @@
 
 use std::collections::BTreeMap;
 
-use tensorferry::{
-    load, load_node, save, save_node, DType, LoadOptions, Node, SaveOptions, Tensor, TensorDict,
-    Value,
-};
+use tensorferry::{load, save, DType, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value};
 
 /// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
 fn every_way() -> [LoadOptions; 3] {
     [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
-        mmap,
+        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
+        // rewrites them while their tensors are alive.
+        mmap: if mmap {
+            unsafe { tensorferry::Mapping::map() }
+        } else {
+            tensorferry::Mapping::READ
+        },
         direct,
         ..Default::default()
     })
@@ -51,6 +54,7 @@ fn sample() -> TensorDict {
 }
 
 fn assert_same(a: &TensorDict, b: &TensorDict) {
+    let (a, b) = (Node::from(a.clone()), Node::from(b.clone()));
     let ta = a.tensors();
     let tb = b.tensors();
     assert_eq!(ta.len(), tb.len());
@@ -70,9 +74,14 @@ fn a_saved_tree_loads_back_exactly_every_way() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.safetensors");
     let d = sample();
-    save(&d, &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     for options in every_way() {
-        let (back, meta) = load(&path, options).unwrap();
+        let (back, meta) = load(&path, options).unwrap().into_dict().unwrap();
         assert!(meta.is_empty());
         assert_same(&d, &back);
         assert_eq!(
@@ -92,7 +101,10 @@ fn a_saved_tree_loads_back_exactly_every_way() {
             other => panic!("history came back as {other:?}"),
         }
         let w = back.tensor(&["model", "layer.0.weight"]).unwrap();
-        assert_eq!(w.is_read_only(), options.mmap && !options.direct);
+        assert_eq!(
+            w.is_read_only(),
+            options.mmap.is_mapped() && !options.direct
+        );
     }
 }
 
@@ -102,14 +114,17 @@ fn user_metadata_is_kept_and_the_reserved_key_is_refused() {
     let path = dir.path().join("m.safetensors");
     let mut opts = SaveOptions::default();
     opts.metadata.insert("author".into(), "me".into());
-    save(&sample(), &path, &opts).unwrap();
-    let (_, meta) = load(&path, LoadOptions::default()).unwrap();
+    save(&tensorferry::Node::from(sample()), &path, &opts).unwrap();
+    let (_, meta) = load(&path, LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     assert_eq!(
         meta,
         BTreeMap::from([("author".to_string(), "me".to_string())])
     );
     opts.metadata.insert("tensorferry".into(), "x".into());
-    assert!(save(&sample(), &path, &opts).is_err());
+    assert!(save(&tensorferry::Node::from(sample()), &path, &opts).is_err());
 }
 
 #[test]
@@ -120,17 +135,22 @@ fn a_list_at_the_root_round_trips() {
         Node::Tensor(f32s(&[1.0], &[1])),
         Node::Value(Value::Str("x".into())),
     ]);
-    save_node(&root, &path, &SaveOptions::default()).unwrap();
-    let back = load_node(&path, LoadOptions::default()).unwrap();
+    save(&root, &path, &SaveOptions::default()).unwrap();
+    let back = load(&path, LoadOptions::default()).unwrap();
     assert!(matches!(back.root, Node::List(ref items) if items.len() == 2));
-    assert!(load(&path, LoadOptions::default()).is_err());
+    assert!(back.into_dict().is_err(), "a list is not a dict");
 }
 
 #[test]
 fn files_are_valid_for_the_official_reader_with_dotted_names() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("o.safetensors");
-    save(&sample(), &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(sample()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut names = st.names();
@@ -161,7 +181,10 @@ fn files_of_the_official_writer_load_as_flat_dicts_keeping_dots() {
     let view =
         safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &data).unwrap();
     safetensors::serialize_to_file([("a.b.c", view)], None, &path).unwrap();
-    let (d, _) = load(&path, LoadOptions::default()).unwrap();
+    let (d, _) = load(&path, LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     assert_eq!(d.keys().collect::<Vec<_>>(), ["a.b.c"]);
     assert_eq!(
         d.tensor(&["a.b.c"]).unwrap().to_vec::<f32>().unwrap(),
@@ -194,13 +217,13 @@ fn a_flat_dict_is_saved_without_the_tree_record_and_loads_back_in_order() {
     flat.insert("n", Tensor::from_slice(&[7i64, 8], &[2]).unwrap());
     let mut opts = SaveOptions::default();
     opts.metadata.insert("k".into(), "v".into());
-    save(&flat, &path, &opts).unwrap();
+    save(&tensorferry::Node::from(flat.clone()), &path, &opts).unwrap();
     assert_eq!(
         official_metadata(&path),
         BTreeMap::from([("k".to_string(), "v".to_string())])
     );
     for how in every_way() {
-        let (back, meta) = load(&path, how).unwrap();
+        let (back, meta) = load(&path, how).unwrap().into_dict().unwrap();
         assert_eq!(back.keys().collect::<Vec<_>>(), ["z.w", "a", "m.b", "n"]);
         assert_same(&flat, &back);
         assert_eq!(meta, opts.metadata);
@@ -219,10 +242,15 @@ fn a_flat_dict_is_saved_without_the_tree_record_and_loads_back_in_order() {
     with_value.insert("t", f32s(&[1.0], &[1]));
     with_value.insert("step", 3i64);
     for (dict, order) in [(nested, vec!["a"]), (with_value, vec!["t", "step"])] {
-        save(&dict, &path, &SaveOptions::default()).unwrap();
+        save(
+            &tensorferry::Node::from(dict.clone()),
+            &path,
+            &SaveOptions::default(),
+        )
+        .unwrap();
         assert!(official_metadata(&path).contains_key("tensorferry"));
         for how in every_way() {
-            let (back, _) = load(&path, how).unwrap();
+            let (back, _) = load(&path, how).unwrap().into_dict().unwrap();
             assert_eq!(back.keys().collect::<Vec<_>>(), order);
             assert_same(&dict, &back);
         }
@@ -236,8 +264,16 @@ fn strided_tensors_are_written_in_c_order() {
     let m = Tensor::from_slice(&[1u16, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
     let mut d = TensorDict::new();
     d.insert("t", m.transpose(0, 1).unwrap());
-    save(&d, &path, &SaveOptions::default()).unwrap();
-    let (back, _) = load(&path, LoadOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let (back, _) = load(&path, LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     assert_eq!(
         back.tensor(&["t"]).unwrap().to_vec::<u16>().unwrap(),
         vec![1, 4, 2, 5, 3, 6]
@@ -252,14 +288,24 @@ fn colliding_names_complex128_and_bad_roots_fail_before_touching_the_file() {
     let mut d = TensorDict::new();
     d.insert("a.b", f32s(&[1.0], &[1]));
     d.insert_path(&["a", "b"], f32s(&[2.0], &[1])).unwrap();
-    let err = save(&d, &path, &SaveOptions::default()).unwrap_err();
+    let err = save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
     assert!(
         err.to_string().contains("a.b") && err.to_string().contains("a/b"),
         "{err}"
     );
     let mut c = TensorDict::new();
     c.insert("z", Tensor::zeros(DType::Complex128, &[1]).unwrap());
-    let err = save(&c, &path, &SaveOptions::default()).unwrap_err();
+    let err = save(
+        &tensorferry::Node::from(c.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
     assert!(
         err.to_string().contains("complex128") && err.to_string().contains('z'),
         "{err}"
@@ -276,12 +322,17 @@ fn colliding_names_complex128_and_bad_roots_fail_before_touching_the_file() {
 fn a_failed_write_leaves_the_previous_file_and_no_temporary() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("keep.safetensors");
-    save(&sample(), &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(sample()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     let before = std::fs::read(&path).unwrap();
     // A view whose storage is foreign device memory cannot be written: the save fails.
     let mut bad = sample();
     let dev = unsafe {
-        tensorferry::storage::ForeignMemory::new(
+        tensorferry::internal::storage::ForeignMemory::new(
             std::ptr::null_mut(),
             4,
             tensorferry::Device::Cuda(0),
@@ -298,7 +349,12 @@ fn a_failed_write_leaves_the_previous_file_and_no_temporary() {
     )
     .unwrap();
     bad.insert("gpu", t);
-    assert!(save(&bad, &path, &SaveOptions::default()).is_err());
+    assert!(save(
+        &tensorferry::Node::from(bad.clone()),
+        &path,
+        &SaveOptions::default()
+    )
+    .is_err());
     assert_eq!(std::fs::read(&path).unwrap(), before);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
 }
@@ -310,9 +366,14 @@ fn empty_dicts_and_empty_tensors_round_trip() {
     let mut d = TensorDict::new();
     d.insert("empty", Tensor::zeros(DType::F16, &[0, 3]).unwrap());
     d.insert("sub", TensorDict::new());
-    save(&d, &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     for options in every_way() {
-        let (back, _) = load(&path, options).unwrap();
+        let (back, _) = load(&path, options).unwrap().into_dict().unwrap();
         assert_eq!(back.tensor(&["empty"]).unwrap().shape(), &[0, 3]);
         assert!(matches!(back.get("sub"), Some(Node::Dict(s)) if s.is_empty()));
     }
@@ -338,9 +399,14 @@ fn a_dict_of_many_small_tensors_of_every_rank_loads_back_exactly_every_way() {
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("many.safetensors");
-    save(&d, &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     for options in every_way() {
-        let (back, _) = load(&path, options).unwrap();
+        let (back, _) = load(&path, options).unwrap().into_dict().unwrap();
         assert_same(&d, &back);
         assert_eq!(back.len(), d.len());
     }

@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use tensorferry::io::{load_sharded, save_sharded, INDEX_SUFFIX};
-use tensorferry::{load_node, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value};
+use tensorferry::internal::io::{load_sharded, save_sharded, INDEX_SUFFIX};
+use tensorferry::{load, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value};
 
 /// A state-dict-like tree: `layers` tensors of 1 KiB each (256 f32), nested, with plain
 /// values beside them.
@@ -74,7 +74,7 @@ fn a_tree_saved_in_shards_loads_back_whole_from_the_index_or_the_folder() {
         "model-00005-of-00005.safetensors"
     );
     for from in [written[5].clone(), dir.path().to_path_buf()] {
-        let back = load_node(&from, LoadOptions::default()).unwrap();
+        let back = load(&from, LoadOptions::default()).unwrap();
         same(&back.root, &tree);
         assert_eq!(back.metadata.get("format").map(String::as_str), Some("pt"));
         let Node::Dict(d) = &back.root else { panic!() };
@@ -109,7 +109,7 @@ fn a_tree_that_fits_one_shard_is_one_file_without_an_index() {
     let written = save_sharded(&model(3), &path, &SaveOptions::default(), 1 << 30).unwrap();
     assert_eq!(written, vec![path.clone()]);
     assert!(!dir.path().join(format!("model{INDEX_SUFFIX}")).exists());
-    let back = load_node(dir.path(), LoadOptions::default()).unwrap();
+    let back = load(dir.path(), LoadOptions::default()).unwrap();
     same(&back.root, &model(3));
     // transformers requires the key in a single file too.
     assert_eq!(back.metadata.get("format").map(String::as_str), Some("pt"));
@@ -176,7 +176,7 @@ fn an_index_of_another_tool_loads_as_a_flat_dict_of_names() {
     let back = load_sharded(
         dir.path().join(format!("model{INDEX_SUFFIX}")),
         LoadOptions {
-            mmap: false,
+            mmap: tensorferry::Mapping::READ,
             direct: false,
             copy_on_write: false,
         },
@@ -194,7 +194,7 @@ fn an_index_naming_a_tensor_its_shard_lacks_is_a_format_error_naming_it() {
         dir.path(),
         serde_json::json!({"x.weight": "a.safetensors", "y.bias": "a.safetensors"}),
     );
-    let err = load_node(dir.path(), LoadOptions::default()).unwrap_err();
+    let err = load(dir.path(), LoadOptions::default()).unwrap_err();
     assert!(
         matches!(err, Error::Format { .. }) && err.to_string().contains("y.bias"),
         "{err}"
@@ -206,7 +206,7 @@ fn an_index_pointing_outside_its_folder_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     for evil in ["../a.safetensors", "/etc/passwd", "sub/a.safetensors", ""] {
         foreign_checkpoint(dir.path(), serde_json::json!({"x.weight": evil}));
-        let err = load_node(dir.path(), LoadOptions::default()).unwrap_err();
+        let err = load(dir.path(), LoadOptions::default()).unwrap_err();
         assert!(matches!(err, Error::Format { .. }), "{evil}: {err}");
     }
 }
@@ -222,7 +222,7 @@ fn a_missing_shard_is_an_io_error_naming_it() {
     )
     .unwrap();
     std::fs::remove_file(&written[2]).unwrap();
-    let err = load_node(dir.path(), LoadOptions::default()).unwrap_err();
+    let err = load(dir.path(), LoadOptions::default()).unwrap_err();
     assert!(
         matches!(&err, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
         "{err}"
@@ -238,7 +238,7 @@ fn a_damaged_index_is_a_format_error() {
         "{\"weight_map\": 3}",
     )
     .unwrap();
-    let err = load_node(dir.path(), LoadOptions::default()).unwrap_err();
+    let err = load(dir.path(), LoadOptions::default()).unwrap_err();
     assert!(matches!(err, Error::Format { .. }), "{err}");
 }
 
@@ -278,9 +278,9 @@ fn an_index_that_names_itself_or_another_index_is_a_format_error_not_a_recursion
         std::fs::write(&index, json.to_string()).unwrap();
         std::fs::write(dir.path().join("other.index.json"), json.to_string()).unwrap();
         for err in [
-            load_node(&index, LoadOptions::default()).unwrap_err(),
-            load_node(dir.path(), LoadOptions::default()).unwrap_err(),
-            tensorferry::io::load_node_to(
+            load(&index, LoadOptions::default()).unwrap_err(),
+            load(dir.path(), LoadOptions::default()).unwrap_err(),
+            tensorferry::load_to(
                 &index,
                 tensorferry::Device::Emulated(0),
                 LoadOptions::default(),
@@ -307,7 +307,7 @@ fn an_index_of_many_distinct_shards_is_read_in_linear_time() {
     let index = dir.path().join(format!("model{INDEX_SUFFIX}"));
     std::fs::write(&index, serde_json::json!({ "weight_map": map }).to_string()).unwrap();
     let started = std::time::Instant::now();
-    let err = load_node(&index, LoadOptions::default()).unwrap_err();
+    let err = load(&index, LoadOptions::default()).unwrap_err();
     assert!(matches!(err, Error::Io { .. }), "{err}");
     assert!(
         started.elapsed() < std::time::Duration::from_secs(20),
@@ -345,7 +345,7 @@ fn a_name_held_by_two_shards_loads_from_the_shard_the_index_names() {
             index.to_string(),
         )
         .unwrap();
-        let back = load_node(dir.path(), LoadOptions::default()).unwrap().root;
+        let back = load(dir.path(), LoadOptions::default()).unwrap().root;
         let w = back.child("w").and_then(Node::as_tensor).unwrap();
         assert_eq!(
             w.to_vec::<f32>().unwrap(),
@@ -371,12 +371,14 @@ fn a_sharded_save_that_fails_part_way_leaves_the_previous_checkpoint_whole() {
     // old checkpoint's tensors that remain are the old values.
     let after = names_in(dir.path());
     assert_eq!(after.len(), before.len() - 1, "{after:?}");
-    let err = load_node(&path, LoadOptions::default()).unwrap_err();
+    let err = load(&path, LoadOptions::default()).unwrap_err();
     assert!(err.to_string().contains("model-00005-of-00008"), "{err}");
     let shard = tensorferry::load(
         dir.path().join("model-00004-of-00008.safetensors"),
         LoadOptions::default(),
     )
+    .unwrap()
+    .into_dict()
     .unwrap()
     .0;
     let (_, t) = shard.iter().next().unwrap();
@@ -402,25 +404,25 @@ fn a_save_replaces_a_checkpoint_of_the_other_layout_and_touches_nothing_else() {
     };
     // Sharded, then one file: the index and its shards go.
     save_sharded(&model_plus(8, 0.0), &path, &SaveOptions::default(), 1024).unwrap();
-    tensorferry::save_node(&model_plus(8, 0.25), &path, &SaveOptions::default()).unwrap();
+    tensorferry::save(&model_plus(8, 0.25), &path, &SaveOptions::default()).unwrap();
     let mut expected: Vec<String> = keep.iter().map(|s| s.to_string()).collect();
     expected.push("model.safetensors".into());
     expected.sort();
     assert_eq!(names_in(dir.path()), expected);
     assert_eq!(
-        value(load_node(&path, LoadOptions::default()).unwrap().root),
+        value(load(&path, LoadOptions::default()).unwrap().root),
         0.25
     );
     // One file, then sharded: the file goes.
     save_sharded(&model_plus(8, 0.5), &path, &SaveOptions::default(), 1024).unwrap();
     assert!(!path.exists());
     assert_eq!(
-        value(load_node(&path, LoadOptions::default()).unwrap().root),
+        value(load(&path, LoadOptions::default()).unwrap().root),
         0.5
     );
     assert_eq!(
         value(
-            load_node(
+            load(
                 dir.path().join(format!("model{INDEX_SUFFIX}")),
                 LoadOptions::default()
             )
@@ -456,7 +458,7 @@ fn a_folder_path_saves_model_safetensors_in_it_creating_it() {
     assert!(folder.join(format!("model{INDEX_SUFFIX}")).is_file());
     assert_eq!(names_in(dir.path()), ["ckpt"]);
     same(
-        &load_node(&folder, LoadOptions::default()).unwrap().root,
+        &load(&folder, LoadOptions::default()).unwrap().root,
         &model_plus(4, 0.0),
     );
 }
@@ -468,14 +470,14 @@ fn a_folder_with_both_layouts_loads_the_single_file_as_transformers_does() {
     save_sharded(&model_plus(4, 0.0), &path, &SaveOptions::default(), 1024).unwrap();
     // What a crash between a single-file save's rename and its removals leaves.
     let single = tempfile::tempdir().unwrap();
-    tensorferry::save_node(
+    tensorferry::save(
         &model_plus(4, 9.0),
         single.path().join("m.safetensors"),
         &SaveOptions::default(),
     )
     .unwrap();
     std::fs::copy(single.path().join("m.safetensors"), &path).unwrap();
-    let t = load_node(dir.path(), LoadOptions::default())
+    let t = load(dir.path(), LoadOptions::default())
         .unwrap()
         .root
         .tensors()[0]
@@ -494,7 +496,7 @@ fn a_shard_of_another_save_is_a_format_error_not_a_mix() {
     // What a reader opening shards while a save replaced them would see, or a hand copy.
     let shard = "model-00002-of-00004.safetensors";
     std::fs::copy(b.path().join(shard), a.path().join(shard)).unwrap();
-    let err = load_node(a.path(), LoadOptions::default()).unwrap_err();
+    let err = load(a.path(), LoadOptions::default()).unwrap_err();
     assert!(
         matches!(err, Error::Format { .. }) && err.to_string().contains("another save"),
         "{err}"
@@ -513,7 +515,7 @@ fn the_path_a_sharded_save_was_given_loads_it_with_or_without_the_suffix() {
             "{path:?} is the checkpoint's name, not a file"
         );
         same(
-            &load_node(&path, LoadOptions::default()).unwrap().root,
+            &load(&path, LoadOptions::default()).unwrap().root,
             &model_plus(4, 1.0),
         );
     }

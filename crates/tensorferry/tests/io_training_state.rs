@@ -4,10 +4,7 @@
 
 use std::sync::Arc;
 
-use tensorferry::{
-    load, load_node, save, save_node, DType, Error, LoadOptions, Node, SaveOptions, Tensor,
-    TensorDict,
-};
+use tensorferry::{load, save, DType, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict};
 
 fn f32s(v: &[f32], shape: &[usize]) -> Tensor {
     Tensor::from_slice(v, shape).unwrap()
@@ -15,7 +12,13 @@ fn f32s(v: &[f32], shape: &[usize]) -> Tensor {
 
 fn every_way() -> [LoadOptions; 3] {
     [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
-        mmap,
+        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
+        // rewrites them while their tensors are alive.
+        mmap: if mmap {
+            unsafe { tensorferry::Mapping::map() }
+        } else {
+            tensorferry::Mapping::READ
+        },
         direct,
         ..Default::default()
     })
@@ -50,9 +53,14 @@ fn int_keys(d: &TensorDict) -> Vec<(String, bool)> {
 fn integer_keys_come_back_as_integers_and_read_as_dotted_names_elsewhere() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("opt.safetensors");
-    save(&optimizer_state(), &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(optimizer_state()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     for how in every_way() {
-        let (back, _) = load(&path, how).unwrap();
+        let (back, _) = load(&path, how).unwrap().into_dict().unwrap();
         let state = back.get("state").unwrap().as_dict().unwrap();
         assert_eq!(int_keys(state), [("0".into(), true), ("1".into(), true)]);
         assert_eq!(
@@ -85,8 +93,16 @@ fn a_dict_of_tensors_under_integer_keys_keeps_its_keys() {
     d.insert(-3i64, f32s(&[1.0], &[1]));
     d.insert("w", f32s(&[2.0], &[1]));
     let path = dir.path().join("flat.safetensors");
-    save(&d, &path, &SaveOptions::default()).unwrap();
-    let (back, _) = load(&path, LoadOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let (back, _) = load(&path, LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     assert_eq!(int_keys(&back), [("-3".into(), true), ("w".into(), false)]);
 }
 
@@ -95,7 +111,12 @@ fn a_record_with_integer_keys_says_format_2_and_others_stay_format_1() {
     let dir = tempfile::tempdir().unwrap();
     let record = |d: &TensorDict| {
         let path = dir.path().join("r.safetensors");
-        save(d, &path, &SaveOptions::default()).unwrap();
+        save(
+            &tensorferry::Node::from(d.clone()),
+            &path,
+            &SaveOptions::default(),
+        )
+        .unwrap();
         let bytes = std::fs::read(&path).unwrap();
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
         meta.metadata().as_ref().unwrap()["tensorferry"].clone()
@@ -117,7 +138,10 @@ fn records_of_format_1_still_load() {
     let meta = std::collections::HashMap::from([("tensorferry".to_string(), record.to_string())]);
     let path = dir.path().join("v1.safetensors");
     safetensors::serialize_to_file([("0", view)], Some(meta), &path).unwrap();
-    let (d, _) = load(&path, LoadOptions::default()).unwrap();
+    let (d, _) = load(&path, LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     assert_eq!(int_keys(&d), [("0".into(), false), ("n".into(), false)]);
 }
 
@@ -136,7 +160,12 @@ fn a_tensor_under_two_keys_is_written_once_and_shared_on_load() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tied.safetensors");
     let (d, _) = tied();
-    save(&d, &path, &SaveOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut names = st.names();
@@ -145,7 +174,7 @@ fn a_tensor_under_two_keys_is_written_once_and_shared_on_load() {
     assert_eq!(names, ["h.0.bias", "wte.weight"]);
     assert_eq!(st.tensor("wte.weight").unwrap().data().len(), 24);
     for how in every_way() {
-        let (back, _) = load(&path, how).unwrap();
+        let (back, _) = load(&path, how).unwrap().into_dict().unwrap();
         assert_eq!(
             back.keys().collect::<Vec<_>>(),
             ["wte.weight", "h.0.bias", "lm_head.weight"]
@@ -165,10 +194,15 @@ fn tied_tensors_in_a_sharded_checkpoint_are_shared_on_load() {
     let mut big = d.clone();
     big.insert("x", Tensor::zeros(DType::F32, &[64]).unwrap());
     let path = dir.path().join("model.safetensors");
-    let files = tensorferry::io::save_sharded(&Node::Dict(big), &path, &SaveOptions::default(), 64)
-        .unwrap();
+    let files = tensorferry::internal::io::save_sharded(
+        &Node::Dict(big),
+        &path,
+        &SaveOptions::default(),
+        64,
+    )
+    .unwrap();
     assert!(files.len() > 1, "{files:?}");
-    let back = load_node(dir.path(), LoadOptions::default()).unwrap().root;
+    let back = load(dir.path(), LoadOptions::default()).unwrap().root;
     let back = back.as_dict().unwrap();
     let a = back.tensor(&["wte.weight"]).unwrap();
     let b = back.tensor(&["lm_head.weight"]).unwrap();
@@ -181,8 +215,8 @@ fn one_tensor_in_a_list_twice_is_one_tensor_after_load() {
     let t = f32s(&[1.0, 2.0], &[2]);
     let root = Node::List(vec![Node::Tensor(t.clone()), Node::Tensor(t)]);
     let path = dir.path().join("l.safetensors");
-    save_node(&root, &path, &SaveOptions::default()).unwrap();
-    let back = load_node(&path, LoadOptions::default()).unwrap().root;
+    save(&root, &path, &SaveOptions::default()).unwrap();
+    let back = load(&path, LoadOptions::default()).unwrap().root;
     let Node::List(items) = back else {
         panic!("{back:?}")
     };
@@ -201,7 +235,12 @@ fn overlapping_views_are_refused_naming_both_keys_and_the_way_out() {
     d.insert("w", w.clone());
     d.insert("w_t", w.transpose(0, 1).unwrap());
     let path = dir.path().join("o.safetensors");
-    let err = save(&d, &path, &SaveOptions::default()).unwrap_err();
+    let err = save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap_err();
     let text = err.to_string();
     assert!(matches!(err, Error::InvalidValue { .. }), "{err:?}");
     assert!(
@@ -214,8 +253,16 @@ fn overlapping_views_are_refused_naming_both_keys_and_the_way_out() {
     let mut d = TensorDict::new();
     d.insert("row0", rows(0).unwrap());
     d.insert("row1", rows(8).unwrap());
-    save(&d, &path, &SaveOptions::default()).unwrap();
-    let (back, _) = load(&path, LoadOptions::default()).unwrap();
+    save(
+        &tensorferry::Node::from(d.clone()),
+        &path,
+        &SaveOptions::default(),
+    )
+    .unwrap();
+    let (back, _) = load(&path, LoadOptions::default())
+        .unwrap()
+        .into_dict()
+        .unwrap();
     assert_eq!(
         back.tensor(&["row1"]).unwrap().to_vec::<f32>().unwrap(),
         [3.0, 4.0]

@@ -54,8 +54,36 @@ impl CopyBatch {
     }
 }
 
-/// A device's memory and stream, as the transfer engine needs them.
-pub trait Backend: Send + Sync + fmt::Debug {
+/// Seals [`Backend`]: implemented for the crate's own devices (in the backend's `mod.rs`)
+/// and nowhere else, so that code outside the crate can use a backend but never supply one
+/// (the engine trusts a backend's promises about memory and ordering).
+pub(super) mod sealed {
+    /// Only the crate's own backends implement it.
+    pub trait Sealed {}
+}
+
+/// A device's memory and stream, as the transfer engine needs them. Sealed: only the
+/// crate's own devices implement it.
+///
+/// Every method is given below, so that the one error is the seal's (E0277, `Mine` is
+/// not `Sealed`): without it this example compiles.
+///
+/// ```compile_fail,E0277
+/// use std::sync::Arc;
+/// use tensorferry::internal::backend::{Backend, CopyBatch, DeviceMemory, Event};
+/// use tensorferry::internal::memory::PinnedPool;
+/// use tensorferry::{Device, Result};
+///
+/// #[derive(Debug)]
+/// struct Mine;
+/// impl Backend for Mine {
+///     fn device(&self) -> Device { Device::Emulated(7) }
+///     fn alloc(&self, _len: usize) -> Result<DeviceMemory> { unimplemented!() }
+///     fn pinned_pool(&self) -> Result<Arc<PinnedPool>> { unimplemented!() }
+///     unsafe fn submit(&self, _: CopyBatch, _: Box<dyn std::any::Any + Send>, _: &Event) {}
+/// }
+/// ```
+pub trait Backend: sealed::Sealed + Send + Sync + fmt::Debug {
     /// The device this backend drives.
     fn device(&self) -> Device;
 

@@ -32,6 +32,10 @@ pub use fence::{Fence, StreamHandle};
 pub use interface::{Backend, CopyBatch, CopyOp, DeviceMemory, Direction};
 pub use probe::available_devices;
 
+// The crate's own backends, the only ones (`Backend` is sealed).
+impl interface::sealed::Sealed for emulated::EmulatedDevice {}
+impl interface::sealed::Sealed for cuda_device::CudaDevice {}
+
 /// The device that owns device memory at `address`, a pointer another library handed over
 /// with no device (the CUDA Array Interface), as the driver reports it.
 pub fn pointer_device(address: usize) -> Result<Device> {

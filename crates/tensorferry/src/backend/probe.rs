@@ -31,6 +31,12 @@ impl Device {
 /// The devices tensorferry can use on this machine, host first (e.g. `[cpu]`, or
 /// `[cpu, cuda:0]`): a GPU the driver reports but tensorferry cannot use is left out
 /// (`Device::ensure_available` says why).
+///
+/// ```
+/// use tensorferry::{available_devices, Device};
+///
+/// assert_eq!(available_devices()[0], Device::Cpu);
+/// ```
 pub fn available_devices() -> Vec<Device> {
     let mut found = vec![Device::Cpu];
     if let cuda::CudaStatus::Available { gpus, .. } = cuda::status() {

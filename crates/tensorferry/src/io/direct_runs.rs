@@ -49,7 +49,7 @@ pub struct RunsRead {
 /// error naming both.
 ///
 /// ```no_run
-/// use tensorferry::io::{read_runs, Run};
+/// use tensorferry::internal::io::{read_runs, Run};
 /// let read = read_runs("model.safetensors".as_ref(), &[8], &[Run { at: 100, len: 8, dest: 0, to: 0 }])?;
 /// assert_eq!(read.buffers[0].len(), 8);
 /// # Ok::<(), tensorferry::Error>(())

@@ -68,15 +68,8 @@ impl Walked<'_> {
     }
 }
 
-/// Walks a dict at the root for one file (no record written for a flat dict, which the
+/// Walks the tree at the root of one file (no record written for a flat dict, which the
 /// file does not carry).
-pub(crate) fn walk_dict(dict: &TensorDict) -> Walked<'_> {
-    let sharing = Sharing::of(&dict.tensor_refs());
-    let flat = flat_dict(dict) && sharing.is_none();
-    walk(flat, !flat, sharing, |w| w.dict(dict))
-}
-
-/// Walks any node at the root for one file, as [`walk_dict`] does.
 pub(crate) fn walk_node(node: &Node) -> Walked<'_> {
     let sharing = Sharing::of(&node.tensor_refs());
     let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();

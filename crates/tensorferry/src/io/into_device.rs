@@ -13,7 +13,7 @@ use std::sync::Arc;
 use super::direct::{Reader, Window, DIRECT_ALIGN};
 use super::file_kind::open_regular;
 use super::header::parse_counted;
-use super::read::{build, load_node, read_header_bytes, LoadOptions, Loaded};
+use super::read::{build, load, read_header_bytes, LoadOptions, Loaded};
 use super::sharded::{load_sharded_with, resolve, Target};
 use crate::backend::{backend_for, Backend};
 use crate::device::Device;
@@ -31,34 +31,34 @@ use crate::transfer::Staging;
 /// With [`LoadOptions::direct`] the chunks are read with `O_DIRECT`, several reads in
 /// flight, and [`Loaded::direct_fallback`] says why where the filesystem refused it;
 /// [`LoadOptions::mmap`] has no effect here. Returns once the data is on the device. For
-/// the host ([`Device::Cpu`]) this is [`load_node`].
+/// the host ([`Device::Cpu`]) this is [`load`].
 ///
 /// ```
-/// use tensorferry::io::load_node_to;
+/// use tensorferry::load_to;
 /// use tensorferry::{save, Device, LoadOptions, Node, SaveOptions, Staging, Tensor, TensorDict};
 ///
 /// let dir = tempfile::tempdir()?;
 /// let path = dir.path().join("x.safetensors");
 /// let mut d = TensorDict::new();
 /// d.insert("x", Tensor::from_slice(&[1.5f32, 2.5], &[2])?);
-/// save(&d, &path, &SaveOptions::default())?;
+/// save(&Node::from(d), &path, &SaveOptions::default())?;
 /// let options = LoadOptions { direct: true, ..LoadOptions::default() };
-/// let loaded = load_node_to(&path, Device::Emulated(0), options, Staging::Auto)?;
+/// let loaded = load_to(&path, Device::Emulated(0), options, Staging::Auto)?;
 /// let x = loaded.root.child("x").and_then(Node::as_tensor).expect("saved");
 /// assert_eq!(x.device(), Device::Emulated(0));
 /// assert_eq!(x.to(Device::Cpu, false)?.to_vec::<f32>()?, vec![1.5, 2.5]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub fn load_node_to(
+pub fn load_to(
     path: impl AsRef<Path>,
     device: Device,
     options: LoadOptions,
     staging: Staging,
 ) -> Result<Loaded> {
-    load_node_to_until(path, device, options, staging, &AtomicBool::new(false))
+    load_to_until(path, device, options, staging, &AtomicBool::new(false))
 }
 
-/// [`load_node_to`], given up between two chunks once `stop` is set (by another thread: a
+/// [`load_to`], given up between two chunks once `stop` is set (by another thread: a
 /// caller waiting for Ctrl-C, say): then an [`Error::Io`] of kind
 /// [`std::io::ErrorKind::Interrupted`], and the device memory taken so far is released
 /// once the copies in flight (at most the ring's depth of chunks) have run. Staging out of
@@ -66,22 +66,22 @@ pub fn load_node_to(
 ///
 /// ```
 /// use std::sync::atomic::AtomicBool;
-/// use tensorferry::io::load_node_to_until;
-/// use tensorferry::{save, Device, LoadOptions, SaveOptions, Staging, Tensor, TensorDict};
+/// use tensorferry::internal::io::load_to_until;
+/// use tensorferry::{save, Device, LoadOptions, Node, SaveOptions, Staging, Tensor, TensorDict};
 ///
 /// let dir = tempfile::tempdir()?;
 /// let path = dir.path().join("x.safetensors");
 /// let mut d = TensorDict::new();
 /// d.insert("x", Tensor::from_slice(&[1u8; 10_000], &[10_000])?);
-/// save(&d, &path, &SaveOptions::default())?;
+/// save(&Node::from(d), &path, &SaveOptions::default())?;
 /// let stop = AtomicBool::new(true); // already asked to stop
-/// let err = load_node_to_until(&path, Device::Emulated(0), LoadOptions::default(), Staging::Auto, &stop)
+/// let err = load_to_until(&path, Device::Emulated(0), LoadOptions::default(), Staging::Auto, &stop)
 ///     .unwrap_err();
 /// assert!(matches!(err, tensorferry::Error::Io { ref source, .. }
 ///     if source.kind() == std::io::ErrorKind::Interrupted), "{err}");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-pub fn load_node_to_until(
+pub fn load_to_until(
     path: impl AsRef<Path>,
     device: Device,
     options: LoadOptions,
@@ -90,7 +90,7 @@ pub fn load_node_to_until(
 ) -> Result<Loaded> {
     let staging = staging.validate()?;
     if device.is_host() {
-        return load_node(path, options);
+        return load(path, options);
     }
     device.ensure_available()?;
     let backend = backend_for(device)?;

@@ -14,10 +14,11 @@
 //! and the writer refuses to write such a file. Only regular files are read or replaced.
 //!
 //! Large trees can be saved as Hugging Face style shards with an index
-//! ([`save_sharded`]); [`load_node`] reads an index, or a folder holding one, as one tree.
+//! ([`save_sharded`]); [`load`] reads an index, or a folder holding one, as one tree.
 //!
-//! Files are read through the page cache (mapped, or read into fresh memory), or with
-//! `O_DIRECT` past it ([`LoadOptions::direct`]), and [`load_node_to`] reads one straight
+//! Files are read through the page cache (into fresh memory, or mapped with the `unsafe`
+//! opt-in [`Mapping::map`]), or with
+//! `O_DIRECT` past it ([`LoadOptions::direct`]), and [`load_to`] reads one straight
 //! into a device's memory through a bounded ring of host buffers.
 //!
 //! Paths that are object-storage URLs (`s3://…`, `gs://…`, `az://…`, `http(s)://…`) are
@@ -49,12 +50,12 @@ mod tree_decode;
 mod tree_meta;
 mod write;
 
-pub use direct_runs::{read_runs, Run, RunsRead};
-pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
-pub use into_device::{load_node_to, load_node_to_until};
-pub use read::{load, load_bytes, load_node, read_header, read_metadata, LoadOptions, Loaded};
+pub use direct_runs::{read_runs, Run};
+pub use header::{parse_header, Header};
+pub use into_device::{load_to, load_to_until};
+pub use read::{load, load_bytes, read_header, read_metadata, LoadOptions, Loaded, Mapping};
 pub use sharded::{load_sharded, save_sharded, shard_files, INDEX_SUFFIX};
-pub use write::{header_bytes, save, save_node, SaveOptions};
+pub use write::{header_bytes, save, SaveOptions};
 
 /// The `__metadata__` key under which tensorferry records a tree's structure.
 pub const TREE_METADATA_KEY: &str = "tensorferry";

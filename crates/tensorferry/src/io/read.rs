@@ -24,17 +24,23 @@ use crate::storage::Storage;
 use crate::tree::{Node, TensorDict};
 
 /// How to load.
-#[derive(Clone, Copy, Debug)]
+///
+/// ```
+/// use tensorferry::LoadOptions;
+///
+/// // The default reads the file into fresh memory: safe whatever happens to the file.
+/// let read = LoadOptions::default();
+/// assert!(!read.mmap.is_mapped());
+/// // Past the page cache, for a cold checkpoint read once.
+/// let direct = LoadOptions { direct: true, ..Default::default() };
+/// # let _ = direct;
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
 pub struct LoadOptions {
-    /// Map the file and hand out read-only views of it (cost proportional to the header),
-    /// instead of reading it into fresh memory. Default true.
-    ///
-    /// As with NumPy's `memmap`, the tensors then read the file itself: if another
-    /// process truncates or rewrites the file in place while they are alive, reading them
-    /// may see the new bytes or raise `SIGBUS` (a crash, not an error). Use `mmap: false`
-    /// where files may change underneath. tensorferry's own saves replace a file by
-    /// rename, which leaves existing maps of the old file intact.
-    pub mmap: bool,
+    /// Read the file into fresh memory ([`Mapping::READ`], the default), or map it and
+    /// hand out views of the map (cost proportional to the header): only through the
+    /// `unsafe` [`Mapping::map`], whose `# Safety` section says what the caller promises.
+    pub mmap: Mapping,
     /// Read the data with `O_DIRECT`, past the page cache, into fresh memory aligned to
     /// 4096 bytes, with several reads in flight. Default false. Takes precedence over
     /// `mmap` (a direct read is never a map).
@@ -45,7 +51,7 @@ pub struct LoadOptions {
     /// filesystem refuses `O_DIRECT` (or `TENSORFERRY_DIRECT_IO=0` is set), the data is
     /// read through the page cache and [`Loaded::direct_fallback`] says why.
     pub direct: bool,
-    /// With `mmap`, map the file privately and writable (copy-on-write, as NumPy's
+    /// With a map, map the file privately and writable (copy-on-write, as NumPy's
     /// `mmap_mode="c"`): the tensors may be written — frameworks that need writable memory
     /// (PyTorch) share the map instead of copying it — and writes stay in this process,
     /// never reaching the file. Default false. Where the system refuses such a map (its
@@ -53,17 +59,65 @@ pub struct LoadOptions {
     pub copy_on_write: bool,
 }
 
-impl Default for LoadOptions {
-    fn default() -> Self {
-        LoadOptions {
-            mmap: true,
-            direct: false,
-            copy_on_write: false,
-        }
+/// Whether a load maps the file instead of reading it ([`LoadOptions::mmap`]). Safe code
+/// gets only [`Mapping::READ`]; a map is asked for with the `unsafe` [`Mapping::map`], as
+/// candle's memory-mapping loaders are `unsafe fn`s.
+///
+/// ```
+/// use tensorferry::{LoadOptions, Mapping};
+///
+/// // SAFETY (of the example): the caller promises that nobody truncates or rewrites the
+/// // file while its tensors are alive.
+/// let options = LoadOptions { mmap: unsafe { Mapping::map() }, ..Default::default() };
+/// assert!(options.mmap.is_mapped());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Mapping {
+    map: bool,
+}
+
+impl Mapping {
+    /// Read the file into fresh memory: later changes to the file never reach the tensors.
+    pub const READ: Mapping = Mapping { map: false };
+
+    /// Map the file and let the tensors view the map instead of reading it.
+    ///
+    /// # Safety
+    ///
+    /// While any tensor of the load (or a view or clone of one) is alive, no program may
+    /// truncate the file or write to it in place. As with every memory map, a truncated
+    /// file makes a read of the missing pages raise `SIGBUS` (the process dies, no error
+    /// is returned) and a rewritten one changes the tensors' bytes under safe references:
+    /// undefined behaviour. Replacing the file by rename (as tensorferry's own saves do)
+    /// leaves an existing map intact and is allowed.
+    pub unsafe fn map() -> Mapping {
+        Mapping { map: true }
+    }
+
+    /// True when the load maps the file.
+    pub fn is_mapped(&self) -> bool {
+        self.map
     }
 }
 
 /// What a file holds.
+///
+/// ```
+/// use tensorferry::{load, save, LoadOptions, Node, SaveOptions, Tensor, TensorDict};
+///
+/// let dir = std::env::temp_dir().join(format!("tf-doc-loaded-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// let path = dir.join("m.safetensors");
+/// let mut d = TensorDict::new();
+/// d.insert("w", Tensor::from_slice(&[1u8], &[1])?);
+/// let mut options = SaveOptions::default();
+/// options.metadata.insert("author".into(), "me".into());
+/// save(&Node::from(d), &path, &options)?;
+/// let (dict, metadata) = load(&path, LoadOptions::default())?.into_dict()?;
+/// assert_eq!((dict.len(), metadata["author"].as_str()), (1, "me"));
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Debug)]
 pub struct Loaded {
     /// The tree as saved (or a flat dict of names for files tensorferry did not write).
@@ -76,31 +130,46 @@ pub struct Loaded {
     pub direct_fallback: Option<String>,
 }
 
-/// Loads a file whose root is a dictionary (every file of other tools is).
-///
-/// Only regular files are read: a folder is an [`Error::Io`] with `EISDIR`, a FIFO or a
-/// device an [`Error::Io`] naming its kind, both before any read. With the default
-/// [`LoadOptions::mmap`], tensors view a memory map of the file: a file truncated or
-/// rewritten in place while they live may crash the process with `SIGBUS` on access
-/// (see [`LoadOptions::mmap`]).
-pub fn load(
-    path: impl AsRef<Path>,
-    options: LoadOptions,
-) -> Result<(TensorDict, BTreeMap<String, String>)> {
-    let loaded = load_node(path, options)?;
-    match loaded.root {
-        Node::Dict(d) => Ok((d, loaded.metadata)),
-        _ => Err(Error::InvalidValue {
-            key: String::new(),
-            reason: "the file holds a list or tuple at its root; use load_node".into(),
-        }),
+impl Loaded {
+    /// The dictionary at the root with the user metadata, for files whose root is a
+    /// dictionary (every file of other tools is); a list or tuple at the root is an
+    /// [`Error::InvalidValue`].
+    pub fn into_dict(self) -> Result<(TensorDict, BTreeMap<String, String>)> {
+        match self.root {
+            Node::Dict(d) => Ok((d, self.metadata)),
+            _ => Err(Error::InvalidValue {
+                key: String::new(),
+                reason: "the file holds a list or tuple at its root, not a dictionary".into(),
+            }),
+        }
     }
 }
 
-/// Loads the tree saved in the file at `path` (an index of shards, or a folder holding
-/// one index or one file, too); see [`load`] for what is refused and
-/// what a memory map implies.
-pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
+/// Loads the tree saved in the file at `path`: a safetensors file, an index of shards, a
+/// folder holding one index or one file, or an object-storage URL. A file tensorferry did
+/// not write loads as a flat dict of its tensors, in its header's order.
+///
+/// Only regular files are read: a folder is an [`Error::Io`] with `EISDIR`, a FIFO or a
+/// device an [`Error::Io`] naming its kind, both before any read. By default the data is
+/// read into fresh memory, so a file truncated or rewritten later never reaches the
+/// tensors; a file truncated during the load is an error. Mapping it instead is the
+/// `unsafe` opt-in [`Mapping::map`].
+///
+/// ```
+/// use tensorferry::{load, save, LoadOptions, Node, SaveOptions, Tensor, TensorDict};
+///
+/// let dir = std::env::temp_dir().join(format!("tf-doc-load-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// let path = dir.join("model.safetensors");
+/// let mut d = TensorDict::new();
+/// d.insert("w", Tensor::from_slice(&[1.0f32, 2.0], &[2])?);
+/// save(&Node::from(d), &path, &SaveOptions::default())?;
+/// let loaded = load(&path, LoadOptions::default())?;
+/// assert_eq!(loaded.root.tensor(&["w"]).unwrap().to_vec::<f32>()?, [1.0, 2.0]);
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn load(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
     if let Some(url) = super::object::url_of(path.as_ref()) {
         return super::object::load_url(url, &super::object::ObjectOptions::from_env(), None);
     }
@@ -123,7 +192,7 @@ fn load_one_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
     if options.direct {
         return read_direct(file, path, file_len);
     }
-    let (parsed, storage, base) = if options.mmap {
+    let (parsed, storage, base) = if options.mmap.is_mapped() {
         map_file(&file, path, file_len, options.copy_on_write)?
     } else {
         read_file(&mut file, path, file_len)?
@@ -142,8 +211,8 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
 }
 
 /// The user metadata of the checkpoint at `path`, from headers alone: a file, an index
-/// (its first shard's metadata, as [`load_node`] returns), or a folder or path that
-/// [`load_node`] would read one from.
+/// (its first shard's metadata, as [`load`] returns), or a folder or path that
+/// [`load`] would read one from.
 pub fn read_metadata(path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
     if let Some(url) = super::object::url_of(path.as_ref()) {
         return super::object::read_metadata_url(url, &super::object::ObjectOptions::from_env());
@@ -202,10 +271,11 @@ fn map_file(
     }
     let private = copy_on_write
         .then(|| {
-            // SAFETY: as every memory map, this one assumes nobody truncates or rewrites
-            // the file while it is mapped (tensorferry's own writes replace files by
-            // rename, which leaves an existing map valid); being private, its writes go to
-            // this process's own copies of the pages, never to the file.
+            // SAFETY: a map is made only when the caller asked for one through the unsafe
+            // `Mapping::map`, promising that nobody truncates or rewrites the file while
+            // it is mapped (tensorferry's own writes replace files by rename, which leaves
+            // an existing map valid); being private, its writes go to this process's own
+            // copies of the pages, never to the file.
             unsafe { MmapOptions::new().map_copy(file) }.ok()
         })
         .flatten();

@@ -193,7 +193,12 @@ mod tests {
         let path = dir.path().join("x.safetensors");
         let mut d = crate::TensorDict::new();
         d.insert("x", crate::Tensor::from_slice(&[1.5f32], &[1]).unwrap());
-        crate::save(&d, &path, &crate::SaveOptions::default()).unwrap();
+        crate::save(
+            &crate::Node::from(d.clone()),
+            &path,
+            &crate::SaveOptions::default(),
+        )
+        .unwrap();
         assert!(path.exists());
         assert!(live.exists(), "a live process's temporary file stays");
         if cfg!(target_os = "linux") {

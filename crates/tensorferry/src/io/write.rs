@@ -23,9 +23,16 @@ use super::{budget, tree_meta, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transfer::{staging::Ring, stream_to_sink, Staging};
-use crate::tree::{KeyPath, Node, TensorDict};
+use crate::tree::{KeyPath, Node};
 
 /// How to save.
+///
+/// ```
+/// use tensorferry::SaveOptions;
+///
+/// let mut options = SaveOptions { fsync: false, ..Default::default() };
+/// options.metadata.insert("author".into(), "me".into());
+/// ```
 #[derive(Clone, Debug)]
 pub struct SaveOptions {
     /// User metadata (string to string), stored in `__metadata__` beside tensorferry's key.
@@ -50,33 +57,13 @@ impl Default for SaveOptions {
     }
 }
 
-/// Saves a dictionary; see [`save_node`].
-pub fn save(dict: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
-    if super::object::url_of(path.as_ref()).is_some() {
-        return save_node(&Node::Dict(dict.clone()), path, options);
-    }
-    check_options(options)?;
-    check_dict_depth(dict)?;
-    write_walked(
-        header_writer::walk_dict(dict),
-        || {
-            Node::Dict(dict.clone())
-                .tensors()
-                .into_iter()
-                .map(|(p, _)| p)
-                .collect()
-        },
-        path.as_ref(),
-        options,
-    )
-}
-
 /// Saves a tree (dict, list or tuple at the root) as a safetensors file at `path`.
 ///
 /// Tensor names are the key paths joined with "."; a file no reader would read back (two
 /// paths giving one name, a tensor named `__metadata__`, a dtype the format cannot hold,
-/// a header over 100 MB, or too many values for the bytes the file holds: see
-/// [`crate::io`]) is an error raised before the file is touched. Tensors on a device are
+/// a header over 100 MB, or too many values for the bytes the file holds: at most four
+/// times the file's size plus 4 MiB is allocated by a load) is an error raised before the
+/// file is touched. Tensors on a device are
 /// copied to the host first, all in one planned transfer.
 ///
 /// The file is replaced atomically and keeps its permission bits; a symbolic link at
@@ -84,7 +71,20 @@ pub fn save(dict: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) ->
 /// or a missing folder is an [`Error::Io`]; a folder at `path` means
 /// `path/model.safetensors`. A sharded checkpoint of that name
 /// (`stem.safetensors.index.json` and its shards) is removed once the file is in place.
-pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
+///
+/// ```
+/// use tensorferry::{save, Node, SaveOptions, Tensor, Value};
+///
+/// let dir = std::env::temp_dir().join(format!("tf-doc-save-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// // A list at the root is a tree too.
+/// let tree = Node::List(vec![Tensor::from_slice(&[1u8, 2], &[2])?.into(), Value::None.into()]);
+/// save(&tree, dir.join("list.safetensors"), &SaveOptions::default())?;
+/// assert!(save(&Node::from(3i64), dir.join("x.safetensors"), &SaveOptions::default()).is_err());
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn save(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
     check_root(root, options)?;
     if let Some(url) = super::object::url_of(path.as_ref()) {
         return super::object::save_url(root, url, options, None).map(|_| ());
@@ -98,7 +98,7 @@ pub fn save_node(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> 
 }
 
 /// The bytes a save of `root` writes before the tensors' data: the 8-byte length and the
-/// JSON header, padded so data starts 64-byte aligned. Refuses what [`save_node`] refuses
+/// JSON header, padded so data starts 64-byte aligned. Refuses what [`save`] refuses
 /// before touching a file.
 pub fn header_bytes(root: &Node, options: &SaveOptions) -> Result<Vec<u8>> {
     check_root(root, options)?;
@@ -239,10 +239,6 @@ pub(crate) fn check_root(root: &Node, options: &SaveOptions) -> Result<()> {
     }
     check_options(options)?;
     check_depth(root, 0)
-}
-
-fn check_dict_depth(dict: &TensorDict) -> Result<()> {
-    dict.iter().try_for_each(|(_, v)| check_depth(v, 1))
 }
 
 /// The header of a walked tree, refused when over the format's limit or when a load of

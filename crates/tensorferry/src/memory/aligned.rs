@@ -67,7 +67,7 @@ impl AlignedBuffer {
     /// whatever the size), as `O_DIRECT` reads need: an anonymous map even when small.
     ///
     /// ```
-    /// use tensorferry::memory::AlignedBuffer;
+    /// use tensorferry::internal::memory::AlignedBuffer;
     /// let b = AlignedBuffer::zeroed_page_aligned(100)?;
     /// assert_eq!(b.as_ptr() as usize % 4096, 0);
     /// # Ok::<(), tensorferry::Error>(())
@@ -126,7 +126,7 @@ impl AlignedBuffer {
     /// The start address (64-byte aligned; dangling but aligned when empty).
     ///
     /// ```
-    /// use tensorferry::memory::{AlignedBuffer, HOST_ALIGNMENT};
+    /// use tensorferry::internal::memory::{AlignedBuffer, HOST_ALIGNMENT};
     /// let b = AlignedBuffer::zeroed(100)?;
     /// assert_eq!(b.as_ptr() as usize % HOST_ALIGNMENT, 0);
     /// # Ok::<(), tensorferry::Error>(())

@@ -33,7 +33,7 @@ pub fn order_stream_after(tensor: &Tensor, stream: StreamHandle) -> Result<bool>
 /// handed out unordered.
 ///
 /// ```
-/// use tensorferry::transfer::Readable;
+/// use tensorferry::internal::transfer::Readable;
 /// use tensorferry::Tensor;
 ///
 /// let t = Tensor::from_slice(&[1u8, 2], &[2])?;

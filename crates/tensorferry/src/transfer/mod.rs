@@ -49,6 +49,13 @@ pub(crate) use staging::MAX_AUTO_RINGS;
 pub(crate) use stream_out::stream_to_sink;
 
 /// How to move.
+///
+/// ```
+/// use tensorferry::{MoveOptions, Staging};
+///
+/// let options = MoveOptions { non_blocking: true, staging: Staging::Off, ..Default::default() };
+/// assert!(!options.copy);
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MoveOptions {
     /// Copy even tensors already on the target, so that no result shares memory with
@@ -80,6 +87,17 @@ pub struct MoveOptions {
 /// copies before returning (uninterruptibly: a caller that must react to Ctrl-C moves
 /// non-blocking and waits with [`Tensor::wait_timeout`] on each result instead, which is
 /// equivalent).
+///
+/// ```
+/// use tensorferry::{move_tensors, Device, MoveOptions, Tensor};
+///
+/// let a = Tensor::from_slice(&[1.0f32, 2.0], &[2])?;
+/// let moved = move_tensors(&[&a], Device::Emulated(0), MoveOptions::default())?;
+/// assert_eq!(moved[0].device(), Device::Emulated(0));
+/// let back = move_tensors(&[&moved[0]], Device::Cpu, MoveOptions::default())?;
+/// assert_eq!(back[0].to_vec::<f32>()?, [1.0, 2.0]);
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
 pub fn move_tensors(
     tensors: &[&Tensor],
     target: Device,

@@ -52,6 +52,14 @@ pub const RING_LIMITS: &str = "a staging ring takes chunk_bytes from 4096 (4 KiB
 
 /// Whether copies between a device and ordinary host memory go through pinned staging
 /// buffers.
+///
+/// ```
+/// use tensorferry::Staging;
+///
+/// assert_eq!(Staging::default(), Staging::Auto);
+/// assert!(Staging::Ring { chunk_bytes: 1 << 20, depth: 4 }.validate().is_ok());
+/// assert!(Staging::Ring { chunk_bytes: 1, depth: 4 }.validate().is_err());
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Staging {
     /// Where the device copies faster from pinned memory (CUDA) and the transfer is at

@@ -20,7 +20,7 @@ fn ring_save() -> SaveOptions {
 
 /// Tensors larger and smaller than a chunk, strided, transposed (gathered on the host),
 /// empty, and host tensors between device ones.
-fn mixed_on(dev: Device) -> (TensorDict, TensorDict) {
+fn mixed_on(dev: Device) -> (Node, Node) {
     let mut host = TensorDict::new();
     let values: Vec<f32> = (0..40_000).map(|x| x as f32 * 0.5).collect();
     // Views of storages of their own: views that overlap cannot be saved (a file stores
@@ -39,7 +39,9 @@ fn mixed_on(dev: Device) -> (TensorDict, TensorDict) {
         host.insert(format!("f.{}", k.dotted()), t.clone());
     }
     host.insert("g.tag", "kept");
-    let mut there = host.to(dev, false).unwrap();
+    let Node::Dict(mut there) = Node::from(host.clone()).to(dev, false).unwrap() else {
+        unreachable!("a dict moves as a dict")
+    };
     // Some tensors stay on the host, between device ones in the file's order.
     there.insert("e.ids", host.tensor(&["e.ids"]).unwrap().clone());
     there.insert("f.t7", host.tensor(&["f.t7"]).unwrap().clone());
@@ -48,7 +50,7 @@ fn mixed_on(dev: Device) -> (TensorDict, TensorDict) {
     let columns_there = columns_of.to(dev, false).unwrap();
     there.insert("b.rows", rows_there.step(0, 3).unwrap());
     there.insert("c.transposed", columns_there.transpose(0, 1).unwrap());
-    (host, there)
+    (host.into(), there.into())
 }
 
 fn a_device_dictionary_streams_into_the_same_bytes_as_its_host_copy(dev: Device) {
@@ -92,13 +94,14 @@ fn a_streamed_save_pins_no_more_than_its_ring(dev: Device) {
         return; // nothing to stream
     }
     let _pool = pool_lock();
-    let pool = tensorferry::backend::backend_for(dev)
+    let pool = tensorferry::internal::backend::backend_for(dev)
         .unwrap()
         .pinned_pool()
         .unwrap();
     let data: Vec<f32> = (0..2_000_000).map(|x| x as f32).collect(); // 8 MB
     let mut d = TensorDict::new();
     d.insert("w", Tensor::from_slice(&data, &[2_000_000]).unwrap());
+    let d = Node::from(d);
     let there = d.to(dev, false).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("w.safetensors");
@@ -120,7 +123,7 @@ fn a_streamed_save_pins_no_more_than_its_ring(dev: Device) {
         "pinned {} bytes more for an 8 MB save through a 2 x 1 MiB ring",
         after.pinned_bytes - before.pinned_bytes
     );
-    let (back, _) = tensorferry::load(&path, Default::default()).unwrap();
+    let back = tensorferry::load(&path, Default::default()).unwrap().root;
     assert_eq!(host_values(&back), host_values(&d));
 }
 test_device!(
@@ -135,6 +138,7 @@ fn a_copy_failing_mid_stream_fails_the_save_and_keeps_the_previous_file() {
     let data: Vec<f32> = (0..100_000).map(|x| x as f32).collect();
     let mut d = TensorDict::new();
     d.insert("w", Tensor::from_slice(&data, &[100_000]).unwrap());
+    let d = Node::from(d);
     tensorferry::save(&d, &path, &ring_save()).unwrap();
     let previous = std::fs::read(&path).unwrap();
     with_emu1("fail_copy=3", || {
@@ -156,7 +160,7 @@ fn a_save_waits_for_device_copies_still_filling_its_tensors() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("x");
         tensorferry::save(&there, &path, &ring_save()).unwrap();
-        let (back, _) = tensorferry::load(&path, Default::default()).unwrap();
+        let back = tensorferry::load(&path, Default::default()).unwrap().root;
         assert_eq!(host_values(&back), host_values(&d));
     });
 }

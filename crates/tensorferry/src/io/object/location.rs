@@ -27,7 +27,7 @@ const SCHEMES: &[&str] = &[
 /// rather than a local path.
 ///
 /// ```
-/// use tensorferry::io::object::is_url;
+/// use tensorferry::internal::io::object::is_url;
 /// assert!(is_url("s3://bucket/model.safetensors"));
 /// assert!(!is_url("/data/model.safetensors"));
 /// assert!(!is_url("s3:/relative/folder"));
