@@ -7,11 +7,12 @@
 //! `j % depth`. Device → host: the first `depth` chunks are queued at once; each time one
 //! completes, the host copies it out and queues the chunk that reuses its buffer. Host →
 //! device: the host fills a buffer, queues its chunk, and moves on to the next buffer,
-//! waiting only when it comes back to one whose chunk has not finished. A staging thread
-//! drives each transfer and completes the transfer's event after the last chunk (or with
-//! the first failure, a panic included); every queued chunk holds its pinned buffer and
-//! its sources, so nothing it touches can be freed or reused before it has run, whatever
-//! happens to the staging thread.
+//! waiting only when it comes back to one whose chunk has not finished. Both are the
+//! engine's one ring loop (`transfer::ring`), driven by a worker of the bounded pool
+//! (`backend::worker`), which completes the transfer's event after the last chunk
+//! (or with the first failure, a panic included); a chunk's host copy is split among the
+//! pool's free workers. Every queued chunk holds its pinned buffer and its sources, so
+//! nothing it touches can be freed or reused before it has run.
 
 use std::sync::Arc;
 
