@@ -6,6 +6,7 @@
 
 use std::fs::File;
 use std::io::ErrorKind;
+use std::mem::MaybeUninit;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -169,21 +170,19 @@ fn stream_data(
     };
     let chunks = chunks(window, data_start, file_len, ring.chunk_bytes);
     let mut reader = Reader::new(file, path, file_len, direct);
-    let fill = |j: usize, buffer: *mut u8| {
+    let fill = |j: usize, buffer: &mut [MaybeUninit<u8>]| {
         if stop.load(Ordering::Relaxed) {
             return Err(Error::io("read", path, ErrorKind::Interrupted.into()));
         }
         let (at, len) = chunks[j].0;
-        // SAFETY: the buffer holds `ring.chunk_bytes` writable bytes that only this chunk
-        // uses until its copy completes (`stream_to_device`), and `len` is at most that;
-        // `at`, `len` and the buffer's address are multiples of 4096.
-        unsafe { reader.read_raw(buffer, len, at) }
+        let buffer = &mut buffer[..len];
+        // SAFETY: the buffer is `len` writable bytes that nothing else touches during the
+        // call (`stream_to_device`); `at`, `len` and the buffer's address are multiples of
+        // 4096.
+        unsafe { reader.read_raw(buffer.as_mut_ptr().cast(), len, at) }
     };
     let pieces: Vec<Piece> = chunks.iter().map(|&(_, piece)| piece).collect();
-    // SAFETY: each piece lies inside its chunk's read and inside the data section, the
-    // pieces tile the data section without overlap (`chunks`), and `fill` reads every
-    // byte of its chunk before the file's end (or fails), writing only inside the buffer.
-    let storage = unsafe { stream_to_device(backend, data_len, &pieces, ring, fill) }?;
+    let storage = stream_to_device(backend, data_len, &pieces, ring, fill)?;
     Ok((storage, reader.fallback().map(String::from)))
 }
 

@@ -48,12 +48,4 @@ impl HostBuffer {
             b.lend();
         }
     }
-
-    /// The start address, for the one copy that fills the buffer.
-    pub(crate) fn as_mut_ptr(&mut self) -> *mut u8 {
-        match self {
-            HostBuffer::Pageable(b) => b.as_mut_slice().as_mut_ptr(),
-            HostBuffer::Pinned(b) => b.as_ptr(),
-        }
-    }
 }

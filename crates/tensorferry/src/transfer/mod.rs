@@ -37,6 +37,7 @@ use crate::tensor::Tensor;
 mod consumer;
 pub(crate) mod fragmented;
 mod host_copy;
+mod ring;
 mod ring_memory;
 pub mod staging;
 pub(crate) mod stream_in;
@@ -230,12 +231,29 @@ fn to_device_groups(
     Ok(events)
 }
 
-/// One contiguous run of a source, and where it goes in the packed layout.
-#[derive(Clone, Copy, Debug)]
+/// One contiguous run of a source, and where it goes in the packed layout: a source by
+/// its index and an offset in its storage, not an address, so that the run is plain data
+/// on any thread and its address is taken only where a copy is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Run {
-    pub src: *const u8,
+    /// Which source (an index into the transfer's sources).
+    pub source: usize,
+    /// Where the run begins in that source's storage.
+    pub src_offset: usize,
+    /// Where it goes in the packed layout.
     pub dst_offset: usize,
+    /// Bytes.
     pub len: usize,
+}
+
+impl Run {
+    /// The run's address in `sources` (a host or device address, for a copy).
+    pub(crate) fn src_address(&self, sources: &[Tensor]) -> *const u8 {
+        sources[self.source]
+            .storage()
+            .as_ptr()
+            .wrapping_add(self.src_offset)
+    }
 }
 
 /// Every source's runs in C order with their offsets in `layout`, and the events of the
@@ -244,17 +262,17 @@ pub(crate) struct Run {
 pub(crate) fn runs(sources: &[Tensor], layout: &PackedLayout) -> Result<(Vec<Run>, Vec<Event>)> {
     let mut out = Vec::with_capacity(sources.len());
     let mut waits = Vec::new();
-    for (t, &at) in sources.iter().zip(&layout.offsets) {
+    for (source, (t, &at)) in sources.iter().zip(&layout.offsets).enumerate() {
         if let Some(e) = t.storage().pending() {
             if e.peek() != Some(Ok(())) {
                 waits.push(e.clone());
             }
         }
-        let base = t.storage().as_ptr();
         let mut i = at;
         t.run_offsets(|offset, len| {
             out.push(Run {
-                src: base.wrapping_add(offset),
+                source,
+                src_offset: offset,
                 dst_offset: i,
                 len,
             });
@@ -265,21 +283,22 @@ pub(crate) fn runs(sources: &[Tensor], layout: &PackedLayout) -> Result<(Vec<Run
     Ok((out, waits))
 }
 
-/// The batch copying each source's runs (C order) to `dst_base` at the plan's offsets,
+/// The batch copying each source's runs (C order) into `dest` at the plan's offsets,
 /// waiting first for the copies that still fill any source.
 fn plan(
     direction: Direction,
     sources: &[Tensor],
     layout: &PackedLayout,
-    dst_base: *mut u8,
+    dest: &Storage,
 ) -> Result<CopyBatch> {
     let (runs, waits) = runs(sources, layout)?;
+    let dst_base = dest.as_ptr().cast_mut();
     Ok(CopyBatch {
         direction,
         ops: runs
             .iter()
             .map(|r| CopyOp {
-                src: r.src,
+                src: r.src_address(sources),
                 dst: dst_base.wrapping_add(r.dst_offset),
                 len: r.len,
             })
@@ -346,10 +365,9 @@ fn ring_of(
     options.staging.ring_for(&**backend, total, non_blocking)
 }
 
-/// Queues the copies of `sources` into `storage` (at `dst_base`, by `layout`): through
-/// the staging ring when there is one (one `Auto` chose goes direct when it cannot be set
-/// up), else as one batch; `event` completes when done.
-#[allow(clippy::too_many_arguments)]
+/// Queues the copies of `sources` into `storage` (by `layout`): through the staging ring
+/// when there is one (one `Auto` chose goes direct when it cannot be set up), else as one
+/// batch; `event` completes when done.
 fn fill(
     backend: &Arc<dyn Backend>,
     ring: Option<staging::Ring>,
@@ -357,7 +375,6 @@ fn fill(
     sources: Vec<Tensor>,
     layout: &PackedLayout,
     storage: Arc<Storage>,
-    dst_base: *mut u8,
     event: &Event,
 ) -> Result<()> {
     match ring {
@@ -368,11 +385,10 @@ fn fill(
             sources,
             layout,
             storage,
-            dst_base,
             event,
         ),
         None => {
-            let batch = plan(direction, &sources, layout, dst_base)?;
+            let batch = plan(direction, &sources, layout, &storage)?;
             submit(backend, batch, sources, storage, event);
             Ok(())
         }
@@ -393,12 +409,11 @@ fn to_host(
     let ring = (!options.pinned)
         .then(|| ring_of(backend, &options, layout.total))
         .flatten();
-    let mut buffer = if options.pinned {
+    let buffer = if options.pinned {
         HostBuffer::Pinned(backend.pinned_pool()?.take(layout.total)?)
     } else {
         HostBuffer::Pageable(AlignedBuffer::zeroed(layout.total)?)
     };
-    let dst_base = buffer.as_mut_ptr();
     let storage = Arc::new(Storage::incoming(buffer, event.clone()));
     let results = views(&storage, &sources, &layout)?;
     fill(
@@ -408,7 +423,6 @@ fn to_host(
         sources,
         &layout,
         storage,
-        dst_base,
         &event,
     )?;
     Ok((results, event))
@@ -437,12 +451,9 @@ fn to_device(
         });
     let event = Event::pending();
     memory.set_written(event.clone());
-    let dst_base = memory.as_ptr() as *mut u8;
     let storage = Arc::new(Storage::device_memory(memory));
     let results = views(&storage, &sources, &layout)?;
-    fill(
-        backend, ring, direction, sources, &layout, storage, dst_base, &event,
-    )?;
+    fill(backend, ring, direction, sources, &layout, storage, &event)?;
     Ok((results, event))
 }
 

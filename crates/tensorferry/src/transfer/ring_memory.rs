@@ -8,6 +8,8 @@
 //! pinned memory is to be had: the device then copies to and from ordinary memory, as with
 //! `Staging::Off`, and host memory stays bounded by the ring.
 
+use std::mem::MaybeUninit;
+use std::ops::Range;
 use std::sync::Arc;
 
 use crate::error::Result;
@@ -16,20 +18,17 @@ use crate::memory::{AlignedBuffer, HostBuffer, PinnedPool, HOST_ALIGNMENT};
 
 /// The slots of a ring, each `slot_bytes` long, starting at a multiple of the alignment
 /// asked for, one after another at a multiple of 64 bytes ([`HOST_ALIGNMENT`]) or of that
-/// alignment. Dropping it gives pinned memory back to its pool.
+/// alignment. A slot is named by its chunk, never by a raw address the ring would have to
+/// vouch for on other threads: the ring owns its memory, and hands out a slot's address
+/// only to build a device copy, and its bytes only under the ring's protocol (one chunk per
+/// slot at a time). Dropping it gives pinned memory back to its pool.
 pub(crate) struct RingMemory {
-    slots: Vec<*mut u8>,
+    /// Each slot: the block it lies in and its offset there.
+    slots: Vec<(usize, usize)>,
     slot_bytes: usize,
-    /// Owns the memory every slot points into.
-    _blocks: Vec<HostBuffer>,
+    /// Owns the memory every slot lies in.
+    blocks: Vec<HostBuffer>,
 }
-
-// SAFETY: the slot addresses point into `_blocks`, which the ring owns (pinned buffers and
-// aligned buffers are themselves `Send` and `Sync`); whoever writes a slot is told when
-// by the ring's driver (one chunk per slot at a time), and sharing only reads addresses.
-unsafe impl Send for RingMemory {}
-// SAFETY: see `Send`.
-unsafe impl Sync for RingMemory {}
 
 impl RingMemory {
     /// `count` slots of `slot_bytes`, each aligned to `align` (a power of two; 1 where the
@@ -54,15 +53,15 @@ impl RingMemory {
                 drop(buffer);
                 buffer = pool.take(n * stride + align)?;
             }
-            let start = buffer.as_ptr();
-            let start = start.wrapping_add(start.align_offset(align));
-            slots.extend((0..n).map(|i| start.wrapping_add(i * stride)));
+            let start = buffer.as_ptr().align_offset(align);
+            let block = blocks.len();
+            slots.extend((0..n).map(|i| (block, start + i * stride)));
             blocks.push(HostBuffer::Pinned(buffer));
         }
         Ok(RingMemory {
             slots,
             slot_bytes,
-            _blocks: blocks,
+            blocks,
         })
     }
 
@@ -70,13 +69,12 @@ impl RingMemory {
     /// any alignment up to 4096 holds).
     pub(crate) fn pageable(slot_bytes: usize, count: usize, align: usize) -> Result<RingMemory> {
         let stride = stride(slot_bytes, align);
-        let mut buffer = AlignedBuffer::zeroed_page_aligned(stride * count)?;
-        let start = buffer.as_mut_slice().as_mut_ptr();
-        let slots = (0..count).map(|i| start.wrapping_add(i * stride)).collect();
+        let buffer = AlignedBuffer::zeroed_page_aligned(stride * count)?;
+        let slots = (0..count).map(|i| (0, i * stride)).collect();
         Ok(RingMemory {
             slots,
             slot_bytes,
-            _blocks: vec![HostBuffer::Pageable(buffer)],
+            blocks: vec![HostBuffer::Pageable(buffer)],
         })
     }
 
@@ -100,9 +98,16 @@ impl RingMemory {
         self.slots.len()
     }
 
-    /// The start of the slot chunk `j` uses (`j % depth`), `slot_bytes` writable bytes.
-    pub(crate) fn slot(&self, j: usize) -> *mut u8 {
-        self.slots[j % self.slots.len()]
+    /// Bytes of each slot.
+    pub(crate) fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// The address of the slot chunk `j` uses (`j % depth`), `slot_bytes` writable bytes:
+    /// for a device copy to or from it, never dereferenced here.
+    pub(crate) fn slot_address(&self, j: usize) -> *mut u8 {
+        let (block, offset) = self.slots[j % self.slots.len()];
+        self.blocks[block].as_ptr().cast_mut().wrapping_add(offset)
     }
 
     /// The first `len` bytes of chunk `j`'s slot.
@@ -119,7 +124,31 @@ impl RingMemory {
         );
         // SAFETY: the slot lies inside a block the ring owns for `slot_bytes` bytes; the
         // caller's contract covers writers and initialisation.
-        unsafe { std::slice::from_raw_parts(self.slot(j), len) }
+        unsafe { std::slice::from_raw_parts(self.slot_address(j), len) }
+    }
+
+    /// Bytes `range` of chunk `j`'s slot, to be written.
+    ///
+    /// # Safety
+    /// Nothing else may read or write those bytes while the slice lives: the copy of the
+    /// last chunk that used the slot has completed, this chunk's is not queued yet, and
+    /// whoever else writes the slot meanwhile writes other bytes of it.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slot_mut(&self, j: usize, range: Range<usize>) -> &mut [MaybeUninit<u8>] {
+        assert!(
+            range.start <= range.end && range.end <= self.slot_bytes,
+            "a slot holds {} bytes",
+            self.slot_bytes
+        );
+        // SAFETY: the range lies inside the slot, inside a block the ring owns, which
+        // `&self` keeps alive; the caller's contract makes the access exclusive; any bytes
+        // may be written as `MaybeUninit`.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.slot_address(j).wrapping_add(range.start).cast(),
+                range.len(),
+            )
+        }
     }
 }
 
@@ -149,7 +178,7 @@ mod tests {
             64 * 4096,
             "what was asked, no more"
         );
-        let mut starts: Vec<usize> = (0..64).map(|j| ring.slot(j) as usize).collect();
+        let mut starts: Vec<usize> = (0..64).map(|j| ring.slot_address(j) as usize).collect();
         starts.sort();
         assert!(
             starts.windows(2).all(|w| w[1] - w[0] >= 4096),
@@ -158,7 +187,9 @@ mod tests {
         drop(ring);
         // Large slots take a buffer each, of the slot's size class (at most twice it).
         let ring = RingMemory::pinned(&pool, (3 << 20) + 1, 2, 4096).unwrap();
-        assert!(ring.slot(0) as usize % 4096 == 0 && ring.slot(1) as usize % 4096 == 0);
+        assert!(
+            ring.slot_address(0) as usize % 4096 == 0 && ring.slot_address(1) as usize % 4096 == 0
+        );
         assert_eq!(
             pool.stats().pinned_bytes - pool.stats().cached_bytes,
             2 * (4 << 20)
@@ -177,7 +208,10 @@ mod tests {
         };
         let ring = RingMemory::pinned_else_pageable(refused(), 5000, 3, 4096, true).unwrap();
         assert_eq!(ring.depth(), 3);
-        assert_eq!(ring.slot(1) as usize - ring.slot(0) as usize, 8192);
+        assert_eq!(
+            ring.slot_address(1) as usize - ring.slot_address(0) as usize,
+            8192
+        );
         assert!(RingMemory::pinned_else_pageable(refused(), 5000, 3, 4096, false).is_err());
         let pool = backend_for(Device::Emulated(0)).unwrap().pinned_pool();
         RingMemory::pinned_else_pageable(pool, 5000, 3, 4096, false).unwrap();

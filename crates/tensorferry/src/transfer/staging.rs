@@ -7,20 +7,19 @@
 //! `j % depth`. Device → host: the first `depth` chunks are queued at once; each time one
 //! completes, the host copies it out and queues the chunk that reuses its buffer. Host →
 //! device: the host fills a buffer, queues its chunk, and moves on to the next buffer,
-//! waiting only when it comes back to one whose chunk has not finished. A staging thread
-//! drives each transfer and completes the transfer's event after the last chunk (or with
-//! the first failure, a panic included); every queued chunk holds its pinned buffer and
-//! its sources, so nothing it touches can be freed or reused before it has run, whatever
-//! happens to the staging thread.
+//! waiting only when it comes back to one whose chunk has not finished. Both are the
+//! engine's one ring loop (`transfer::ring`), driven by a worker of the bounded pool
+//! (`backend::worker`), which completes the transfer's event after the last chunk
+//! (or with the first failure, a panic included); a chunk's host copy is split among the
+//! pool's free workers. Every queued chunk holds its pinned buffer and its sources, so
+//! nothing it touches can be freed or reused before it has run.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 use super::ring_memory::RingMemory;
 use super::{runs, submit_when_ready, Run};
-use crate::backend::event::{panic_message, Outcome, Progress};
-use crate::backend::worker::spawn_worker;
+use crate::backend::event::{Outcome, Progress};
+use crate::backend::worker;
 use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event, Failure};
 use crate::consolidate::PackedLayout;
 use crate::error::{Error, Result};
@@ -33,8 +32,9 @@ pub const AUTO_CHUNK_BYTES: usize = 32 << 20;
 pub const AUTO_DEPTH: usize = 3;
 /// Smallest transfer the automatic ring is used for.
 pub const AUTO_MIN_BYTES: usize = 64 << 20;
-/// Most host threads copying a chunk, whatever `TENSORFERRY_COPY_THREADS` asks.
-const MAX_CREW_THREADS: usize = 64;
+/// Most shares a chunk's host copy is split into (for the pool's workers), whatever
+/// `TENSORFERRY_COPY_THREADS` asks.
+const MAX_SHARES: usize = 64;
 
 /// Smallest chunk a [`Staging::Ring`] takes: a chunk is one device copy, and smaller ones
 /// cost more in calls than they move.
@@ -227,14 +227,14 @@ impl Chunk {
             .map_or(self.start, |p| p.dst_offset + p.len)
     }
 
-    /// The device copies of the chunk's runs into the pinned buffer at `staging`, each at
-    /// its offset from the chunk's start.
-    pub(super) fn ops_into(&self, staging: *mut u8) -> Vec<CopyOp> {
+    /// The device copies of the chunk's runs (of `sources`) into the slot at `slot`, each
+    /// at its offset from the chunk's start.
+    pub(super) fn ops_into(&self, sources: &[Tensor], slot: *mut u8) -> Vec<CopyOp> {
         self.pieces
             .iter()
             .map(|p| CopyOp {
-                src: p.src,
-                dst: staging.wrapping_add(p.dst_offset - self.start),
+                src: p.src_address(sources),
+                dst: slot.wrapping_add(p.dst_offset - self.start),
                 len: p.len,
             })
             .collect()
@@ -258,9 +258,10 @@ pub(super) fn chunks(runs: &[Run], chunk_bytes: usize) -> Vec<Chunk> {
                 });
             }
             out.last_mut().expect("pushed").pieces.push(Run {
-                src: r.src.wrapping_add(done),
+                src_offset: r.src_offset + done,
                 dst_offset: at,
                 len,
+                ..*r
             });
             done += len;
         }
@@ -280,89 +281,30 @@ fn covered(chunk: &Chunk) -> Vec<(usize, usize)> {
     out
 }
 
-/// A host copy of `len` bytes.
-#[derive(Clone, Copy)]
-struct Span {
-    src: *const u8,
-    dst: *mut u8,
-    len: usize,
-}
-// SAFETY: plain addresses; `Crew::copy`'s contract says when they may be used.
-unsafe impl Send for Span {}
-
-/// How a crew copies one share of spans (the real copy, or a stand-in in tests).
-///
-/// # Safety
-/// As [`Crew::copy`].
-type CopyShare = unsafe fn(&[Span]);
-
-/// Host threads that copy the spans of a chunk together, started once per transfer.
-struct Crew {
-    workers: Vec<Sender<Vec<Span>>>,
-    done: Receiver<std::result::Result<(), String>>,
-    copy_share: CopyShare,
+/// How many shares a chunk's host copy is split into: one per thread
+/// [`crate::consolidate::threads_for`] gives a chunk, at most [`MAX_SHARES`].
+fn shares_for(chunk_bytes: usize) -> usize {
+    crate::consolidate::threads_for(chunk_bytes).clamp(1, MAX_SHARES)
 }
 
-impl Crew {
-    /// Copies every span, the calling thread taking one share. Returns only when every
-    /// share is done (or its thread has gone); a panic while copying comes back as its
-    /// message.
-    ///
-    /// # Safety
-    /// Every span's source must be readable and destination writable for `len` bytes, and
-    /// no destination may overlap another span or any source.
-    unsafe fn copy(&self, spans: &[Span]) -> std::result::Result<(), String> {
-        let shares = split(spans, self.workers.len() + 1);
-        let mut sent = 0;
-        for (worker, share) in self.workers.iter().zip(shares.iter().skip(1)) {
-            if !share.is_empty() && worker.send(share.clone()).is_ok() {
-                sent += 1;
-            }
-        }
-        let copy_share = self.copy_share;
-        // SAFETY: forwarded contract.
-        let mut outcome = catch_unwind(AssertUnwindSafe(|| unsafe { copy_share(&shares[0]) }))
-            .map_err(|p| panic_message(&*p));
-        // Every share sent is waited for, whatever happened here: the spans address memory
-        // the caller may release once this returns.
-        for _ in 0..sent {
-            let reply = self
-                .done
-                .recv()
-                .unwrap_or_else(|_| Err("a copy thread has stopped".into()));
-            outcome = outcome.and(reply);
-        }
-        outcome
-    }
-}
-
-/// # Safety
-/// As [`Crew::copy`].
-unsafe fn copy_spans(spans: &[Span]) {
-    for s in spans {
-        // SAFETY: the caller's contract: valid, non-overlapping ranges.
-        unsafe { std::ptr::copy_nonoverlapping(s.src, s.dst, s.len) };
-    }
-}
-
-/// `spans` cut into `n` shares of about equal bytes (a span may be cut in two).
-fn split(spans: &[Span], n: usize) -> Vec<Vec<Span>> {
-    let total: usize = spans.iter().map(|s| s.len).sum();
+/// `runs` cut into `n` shares of about equal bytes (a run may be cut in two).
+fn split(runs: &[Run], n: usize) -> Vec<Vec<Run>> {
+    let total: usize = runs.iter().map(|r| r.len).sum();
     let share = total.div_ceil(n.max(1)).max(1);
     let mut out = vec![Vec::new()];
     let mut room = share;
-    for s in spans {
-        let mut s = *s;
-        while s.len > 0 {
+    for r in runs {
+        let mut r = *r;
+        while r.len > 0 {
             if room == 0 {
                 out.push(Vec::new());
                 room = share;
             }
-            let len = s.len.min(room);
-            out.last_mut().expect("one share").push(Span { len, ..s });
-            s.src = s.src.wrapping_add(len);
-            s.dst = s.dst.wrapping_add(len);
-            s.len -= len;
+            let len = r.len.min(room);
+            out.last_mut().expect("one share").push(Run { len, ..r });
+            r.src_offset += len;
+            r.dst_offset += len;
+            r.len -= len;
             room -= len;
         }
     }
@@ -370,60 +312,31 @@ fn split(spans: &[Span], n: usize) -> Vec<Vec<Span>> {
     out
 }
 
-/// Runs `f` with a crew of `threads` (the calling thread is one of them) that copies
-/// shares with `copy_share`. A worker that panics reports it and goes on serving.
-fn with_crew<R>(threads: usize, copy_share: CopyShare, f: impl FnOnce(&Crew) -> R) -> R {
-    std::thread::scope(|scope| {
-        let (done_tx, done) = channel();
-        let workers = (1..threads.max(1))
-            .map(|_| {
-                let (tx, rx) = channel::<Vec<Span>>();
-                let done_tx = done_tx.clone();
-                scope.spawn(move || {
-                    for share in rx {
-                        // SAFETY: `Crew::copy`'s contract, passed on with the share.
-                        let copied =
-                            catch_unwind(AssertUnwindSafe(|| unsafe { copy_share(&share) }));
-                        let _ = done_tx.send(copied.map_err(|p| panic_message(&*p)));
-                    }
-                });
-                tx
-            })
-            .collect();
-        // Only the workers hold senders now: should they all be gone, `recv` says so
-        // instead of blocking.
-        drop(done_tx);
-        f(&Crew {
-            workers,
-            done,
-            copy_share,
-        })
-    })
-}
-
-/// What one staged transfer needs on its thread.
+/// What one staged transfer holds while a pool worker drives it: plain data and owners,
+/// no raw address (addresses are taken where a copy is made).
 struct Transfer {
     backend: Arc<dyn Backend>,
+    direction: Direction,
     chunks: Vec<Chunk>,
     waits: Vec<Event>,
     ring: Arc<RingMemory>,
     sources: Arc<Vec<Tensor>>,
     dest: Arc<Storage>,
-    base: *mut u8,
+    /// Shares a chunk's host copy is split into.
+    shares: usize,
+    /// The transfer's own event, marked once an upload's last chunk is on the GPU.
+    event: Event,
 }
-
-// SAFETY: the raw addresses in `chunks` and `base` name memory that the transfer itself
-// holds (`sources`, `dest`, `ring`), so they stay valid on whichever thread owns it.
-unsafe impl Send for Transfer {}
 
 impl Transfer {
     fn prepare(
         backend: Arc<dyn Backend>,
         ring: Ring,
+        direction: Direction,
         sources: Vec<Tensor>,
         layout: &PackedLayout,
         dest: Arc<Storage>,
-        base: *mut u8,
+        event: &Event,
     ) -> Result<Transfer> {
         let (runs, waits) = runs(&sources, layout)?;
         let chunks = chunks(&runs, ring.chunk_bytes);
@@ -431,22 +344,98 @@ impl Transfer {
         // A transfer smaller than a chunk needs no more than its own size.
         let slot_bytes = ring.chunk_bytes.min(layout.total);
         let depth = ring.depth.min(chunks.len());
-        let ring = RingMemory::pinned(&pool, slot_bytes, depth, 1)?;
+        let memory = RingMemory::pinned(&pool, slot_bytes, depth, 1)?;
         Ok(Transfer {
             backend,
+            direction,
             chunks,
             waits,
-            ring: Arc::new(ring),
+            ring: Arc::new(memory),
             sources: Arc::new(sources),
             dest,
-            base,
+            shares: shares_for(ring.chunk_bytes),
+            event: event.clone(),
+        })
+    }
+
+    /// Runs the transfer through the ring (an upload first waits for its sources, which
+    /// its host copies read).
+    fn run(&mut self) -> Outcome {
+        let device = self.backend.device();
+        let outcome = (|| {
+            if self.direction == Direction::HostToDevice {
+                for w in &self.waits {
+                    w.wait()?;
+                }
+            }
+            let depth = self.ring.depth();
+            super::ring::drive(device, depth, self)
+        })();
+        outcome.map_err(|e| Failure::from_error(device, &e))
+    }
+
+    /// Copies chunk `j` between its slot and the host memory on the host, split among pool
+    /// workers that are free: a download's slot out to the destination, an upload's sources
+    /// into the slot. A panic while copying is an internal error of the device.
+    fn host_copy(&self, j: usize) -> Result<()> {
+        let c = &self.chunks[j];
+        let runs: Vec<Run> = match self.direction {
+            // From the slot (at the chunk's offsets) to the destination.
+            Direction::DeviceToHost => covered(c)
+                .into_iter()
+                .map(|(at, len)| Run {
+                    source: 0,
+                    src_offset: at - c.start,
+                    dst_offset: at,
+                    len,
+                })
+                .collect(),
+            // From the sources to the slot (at the chunk's offsets).
+            _ => c
+                .pieces
+                .iter()
+                .map(|p| Run {
+                    dst_offset: p.dst_offset - c.start,
+                    ..*p
+                })
+                .collect(),
+        };
+        let shares = Arc::new(split(&runs, self.shares));
+        let n = shares.len();
+        let copy = ShareCopy {
+            direction: self.direction,
+            j,
+            shares,
+            ring: self.ring.clone(),
+            sources: self.sources.clone(),
+            dest: self.dest.clone(),
+        };
+        let copy = Arc::new(copy);
+        worker::share_out(n, n - 1, Arc::new(move |i| copy.run(i))).map_err(|panic| {
+            Failure::new(self.backend.device(), format!("internal error: {panic}")).to_error()
         })
     }
 
     /// Queues chunk `j`'s device copies; the batch holds the ring's memory and the sources.
-    fn queue(&self, direction: Direction, ops: Vec<CopyOp>) -> Event {
+    fn queue(&self, j: usize) -> Event {
+        let c = &self.chunks[j];
+        let slot = self.ring.slot_address(j);
+        let ops = match self.direction {
+            Direction::DeviceToHost => c.ops_into(&self.sources, slot),
+            _ => {
+                let dst = self.dest.as_ptr().cast_mut();
+                covered(c)
+                    .into_iter()
+                    .map(|(at, len)| CopyOp {
+                        src: slot.wrapping_add(at - c.start),
+                        dst: dst.wrapping_add(at),
+                        len,
+                    })
+                    .collect()
+            }
+        };
         let batch = CopyBatch {
-            direction,
+            direction: self.direction,
             ops,
             waits: self.waits.clone(),
         };
@@ -455,116 +444,115 @@ impl Transfer {
         // Unordered: a deferred batch of the stream may be waiting for this very transfer.
         // SAFETY: the ops address the sources (held by `keep`), the chunk's slot of the
         // ring (held by `keep`; only this chunk uses it until its event completes, since the
-        // staging thread waits for that before reusing it) and the destination (held by
-        // `keep`, written only at this chunk's own packed range).
+        // ring drains it before reusing it) and the destination (held by `keep`, written
+        // only at this chunk's own packed range).
         unsafe { submit_when_ready(self.backend.clone(), batch, keep, event.clone(), false) };
         event
     }
+}
 
-    /// A crew's copy, with a panic in it as an internal failure of this transfer's device.
-    ///
-    /// # Safety
-    /// As [`Crew::copy`].
-    unsafe fn copy(&self, crew: &Crew, spans: &[Span]) -> Outcome {
-        // SAFETY: forwarded contract.
-        unsafe { crew.copy(spans) }.map_err(|panic| {
-            Failure::new(self.backend.device(), format!("internal error: {panic}"))
-        })
+impl super::ring::RingSteps for Transfer {
+    fn chunks(&self) -> usize {
+        self.chunks.len()
     }
 
-    /// Device → host.
-    fn run_to_host(&self, crew: &Crew) -> Outcome {
-        let n = self.chunks.len();
-        let depth = self.ring.depth();
-        let queue_chunk = |j: usize| {
-            let ops = self.chunks[j].ops_into(self.ring.slot(j));
-            self.queue(Direction::DeviceToHost, ops)
-        };
-        let mut events: Vec<Event> = (0..depth.min(n)).map(queue_chunk).collect();
-        for j in 0..n {
-            events[j].wait_outcome()?;
-            let c = &self.chunks[j];
-            let staging = self.ring.slot(j);
-            let spans: Vec<Span> = covered(c)
-                .into_iter()
-                .map(|(at, len)| Span {
-                    src: staging.wrapping_add(at - c.start),
-                    dst: self.base.wrapping_add(at),
-                    len,
-                })
-                .collect();
-            // SAFETY: the chunk's copy completed (its event), so its pinned buffer holds
-            // the bytes and nothing writes it until this thread queues its next chunk;
-            // the spans cover disjoint ranges of the destination, which `self.dest` holds
-            // and nobody reads before the transfer's event.
-            unsafe { self.copy(crew, &spans) }?;
-            if j + depth < n {
-                events.push(queue_chunk(j + depth));
-            }
+    /// An upload's sources into the slot.
+    fn fill(&mut self, j: usize) -> Result<()> {
+        match self.direction {
+            Direction::DeviceToHost => Ok(()),
+            _ => self.host_copy(j),
         }
-        Ok(())
     }
 
-    /// Host → device. Once the last chunk is queued on the GPU (behind every other chunk,
-    /// on the same stream), its CUDA event marks `event` too: a consumer's stream can then
-    /// be ordered after the whole transfer on the GPU instead of waiting on the host.
-    fn run_to_device(&self, crew: &Crew, event: &Event) -> Outcome {
-        for w in &self.waits {
-            w.wait_outcome()?;
+    fn submit(&mut self, j: usize) -> Event {
+        self.queue(j)
+    }
+
+    /// A download's slot out to the destination.
+    fn drain(&mut self, j: usize) -> Result<()> {
+        match self.direction {
+            Direction::DeviceToHost => self.host_copy(j),
+            _ => Ok(()),
         }
-        let depth = self.ring.depth();
-        let mut events: Vec<Event> = Vec::with_capacity(self.chunks.len());
-        for (j, c) in self.chunks.iter().enumerate() {
-            if j >= depth {
-                events[j - depth].wait_outcome()?;
-            }
-            let staging = self.ring.slot(j);
-            let spans: Vec<Span> = c
-                .pieces
-                .iter()
-                .map(|p| Span {
-                    src: p.src,
-                    dst: staging.wrapping_add(p.dst_offset - c.start),
-                    len: p.len,
-                })
-                .collect();
-            // SAFETY: the sources are filled (their events waited for above) and held by
-            // `self.sources`; the pinned buffer is free (the chunk that used it last has
-            // completed); pieces of one chunk land on disjoint ranges of it.
-            unsafe { self.copy(crew, &spans) }?;
-            let ops = covered(c)
-                .into_iter()
-                .map(|(at, len)| CopyOp {
-                    src: staging.wrapping_add(at - c.start),
-                    dst: self.base.wrapping_add(at),
-                    len,
-                })
-                .collect();
-            events.push(self.queue(Direction::HostToDevice, ops));
+    }
+
+    /// Once an upload's last chunk is queued on the GPU (behind every other chunk, on the
+    /// same stream), its fence marks the transfer's event too: a consumer's stream can then
+    /// be ordered after the whole transfer on the GPU instead of waiting on the host. Only
+    /// when every chunk is on the GPU (or done) without a failure: a consumer ordered
+    /// behind the mark must not read a range whose copy failed, whose error it would never
+    /// see; otherwise it waits for the outcome on the host.
+    fn all_queued(&mut self, events: &[Event]) {
+        if self.direction == Direction::DeviceToHost {
+            return;
         }
-        // Only when every chunk is on the GPU (or done) without a failure: a consumer
-        // ordered behind the mark must not read a range whose copy failed, whose error it
-        // would never see; otherwise it waits for the outcome on the host.
         let all_queued = events
             .iter()
             .all(|e| matches!(e.progress(), Progress::Queued(_) | Progress::Done(Ok(()))));
         if all_queued {
             if let Some(Progress::Queued(mark)) = events.last().map(Event::progress) {
-                event.set_mark(mark);
+                self.event.set_mark(mark);
             }
         }
-        for e in &events {
-            e.wait_outcome()?;
-        }
-        Ok(())
     }
 }
 
-/// Runs one transfer through `ring` on a staging thread of its own, which completes
-/// `event` when done: device → ordinary host memory, or ordinary host memory → a device,
-/// as `direction` says, into the memory at `base` (inside `dest`). A ring `Staging::Auto`
-/// chose that cannot be set up (no pinned memory) leaves the transfer to one direct batch.
-#[allow(clippy::too_many_arguments)]
+/// One chunk's host copy, split in shares that pool workers take: it owns (shares in) what
+/// it copies between, so a worker that comes late holds nothing that could dangle.
+struct ShareCopy {
+    direction: Direction,
+    j: usize,
+    shares: Arc<Vec<Vec<Run>>>,
+    ring: Arc<RingMemory>,
+    sources: Arc<Vec<Tensor>>,
+    dest: Arc<Storage>,
+}
+
+impl ShareCopy {
+    /// Copies share `i`.
+    fn run(&self, i: usize) {
+        for r in &self.shares[i] {
+            match self.direction {
+                Direction::DeviceToHost => {
+                    // SAFETY: the chunk's copy has completed (the ring drains a slot only
+                    // after its event), so the slot holds its bytes and nothing writes it
+                    // until the ring queues its next chunk, which waits for this copy; the
+                    // run lies inside the slot (a chunk's pieces lie within `chunk_bytes`
+                    // of its start).
+                    let from = unsafe { self.ring.bytes(self.j, r.src_offset + r.len) };
+                    let from = &from[r.src_offset..];
+                    let dst = self.dest.as_ptr().cast_mut().wrapping_add(r.dst_offset);
+                    // SAFETY: the run lies inside the destination (by the layout), which
+                    // `dest` holds and nobody reads before the transfer's event; the shares
+                    // cover disjoint ranges of it, and it is host memory apart from the slot.
+                    unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), dst, r.len) };
+                }
+                _ => {
+                    let source = self.sources[r.source].storage();
+                    let bytes = source
+                        .host_bytes()
+                        .expect("an upload's sources are host memory, filled before its ring");
+                    let from = &bytes[r.src_offset..r.src_offset + r.len];
+                    let range = r.dst_offset..r.dst_offset + r.len;
+                    // SAFETY: only this chunk uses its slot until its copy is queued, after
+                    // this copy (the ring fills a slot only once the chunk that used it last
+                    // has completed); the shares write disjoint ranges of it.
+                    let to = unsafe { self.ring.slot_mut(self.j, range) };
+                    // SAFETY: `to` and `from` are `len` bytes each; `to` is the slot's,
+                    // `from` the source's, which are different memories.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(from.as_ptr(), to.as_mut_ptr().cast(), r.len)
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// Runs one transfer through `ring` on a worker of the pool, which completes `event` when
+/// done: device → ordinary host memory, or ordinary host memory → a device, as `direction`
+/// says, into `dest`. A ring `Staging::Auto` chose that cannot be set up (no pinned memory)
+/// leaves the transfer to one direct batch.
 pub(crate) fn start(
     backend: Arc<dyn Backend>,
     ring: Ring,
@@ -572,25 +560,33 @@ pub(crate) fn start(
     sources: Vec<Tensor>,
     layout: &PackedLayout,
     dest: Arc<Storage>,
-    base: *mut u8,
     event: &Event,
 ) -> Result<()> {
     let fall_back = ring.automatic;
     let direct = |sources: Vec<Tensor>, dest: Arc<Storage>| -> Result<()> {
-        let batch = super::plan(direction, &sources, layout, base)?;
+        let batch = super::plan(direction, &sources, layout, &dest)?;
         super::submit(&backend, batch, sources, dest, event);
         Ok(())
     };
     // Where staging was the automatic choice, at most `MAX_AUTO_RINGS` run at once (each
-    // has a thread and pinned buffers): many small non-blocking moves in a row copy
-    // directly beyond that, as they would without the ring.
+    // holds pinned buffers): many small non-blocking moves in a row copy directly beyond
+    // that, as they would without the ring.
     let slot = match fall_back.then(AutoRing::take) {
         Some(None) => return direct(sources, dest),
         Some(Some(slot)) => Some(slot),
         None => None,
     };
     let retry = fall_back.then(|| (sources.clone(), dest.clone()));
-    let transfer = match Transfer::prepare(backend.clone(), ring, sources, layout, dest, base) {
+    let prepared = Transfer::prepare(
+        backend.clone(),
+        ring,
+        direction,
+        sources,
+        layout,
+        dest,
+        event,
+    );
+    let mut transfer = match prepared {
         Ok(transfer) => transfer,
         // No pinned memory for the ring (a locked-memory limit, say): where staging was
         // the automatic choice, the device copies straight from or to ordinary memory.
@@ -601,13 +597,8 @@ pub(crate) fn start(
         Err(e) => return Err(e),
     };
     let device = transfer.backend.device();
-    let threads = crate::consolidate::threads_for(ring.chunk_bytes).min(MAX_CREW_THREADS);
-    let marked = event.clone();
-    spawn_worker("tensorferry-staging", device, event.clone(), move || {
-        let outcome = with_crew(threads, copy_spans, |crew| match direction {
-            Direction::DeviceToHost => transfer.run_to_host(crew),
-            _ => transfer.run_to_device(crew, &marked),
-        });
+    worker::run_on_pool(device, event.clone(), move || {
+        let outcome = transfer.run();
         drop(transfer); // the ring back to the pool before anyone is woken
         drop(slot);
         outcome
@@ -646,7 +637,8 @@ mod tests {
 
     fn run(dst_offset: usize, len: usize) -> Run {
         Run {
-            src: std::ptr::null::<u8>().wrapping_add(1000 + dst_offset),
+            source: 0,
+            src_offset: 1000 + dst_offset,
             dst_offset,
             len,
         }
@@ -692,7 +684,7 @@ mod tests {
         let all: Vec<(usize, usize, usize)> = cs
             .iter()
             .flat_map(|c| c.pieces.iter())
-            .map(|p| (p.dst_offset, p.len, p.src as usize - 1000))
+            .map(|p| (p.dst_offset, p.len, p.src_offset - 1000))
             .collect();
         assert_eq!(
             all,
@@ -707,54 +699,43 @@ mod tests {
         assert_eq!(covered(&cs[0]), [(0, 10)]);
     }
 
-    /// A stand-in for the real copy: panics on shares whose first span is 13 bytes long.
-    unsafe fn copy_or_panic(spans: &[Span]) {
-        if spans.first().is_some_and(|s| s.len == 13) {
-            panic!("a copy thread fails");
-        }
-        // SAFETY: forwarded contract.
-        unsafe { copy_spans(spans) }
-    }
-
     #[test]
-    fn a_panicking_copy_thread_is_an_error_not_a_hang_and_the_crew_goes_on() {
-        let src = [7u8; 26];
-        let mut dst = [0u8; 26];
-        let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
-        let spans = |len: usize| {
-            vec![Span {
-                src: s,
-                dst: d,
-                len,
-            }]
+    fn chained_staged_transfers_beyond_the_pools_size_all_complete() {
+        use crate::device::Device;
+        use crate::transfer::{move_tensors, MoveOptions};
+        // Each transfer's copies wait for the one before, and there are three times as
+        // many as the pool has threads: the pool runs them oldest first, so none waits for
+        // one that cannot start.
+        let staged = MoveOptions {
+            non_blocking: true,
+            staging: Staging::Ring {
+                chunk_bytes: 4096,
+                depth: 2,
+            },
+            ..Default::default()
         };
-        let (failed, then) = with_crew(2, copy_or_panic, |crew| {
-            // Two shares of 13 bytes: the worker's and the caller's both panic.
-            // SAFETY: both arrays hold 26 bytes and do not overlap.
-            let failed = unsafe { crew.copy(&spans(26)) };
-            // SAFETY: as above.
-            let then = unsafe { crew.copy(&spans(24)) };
-            (failed, then)
-        });
-        assert_eq!(failed.unwrap_err(), "a copy thread fails");
-        then.unwrap();
-        assert_eq!(dst[..24], src[..24]);
+        let data: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
+        let mut t = Tensor::from_slice(&data, &[data.len()]).unwrap();
+        let mut all = Vec::new();
+        for i in 0..3 * worker::max_workers() {
+            let to = if i % 2 == 0 {
+                Device::Emulated(0)
+            } else {
+                Device::Cpu
+            };
+            t = move_tensors(&[&t], to, staged).unwrap().pop().unwrap();
+            all.push(t.clone());
+        }
+        for t in &all {
+            t.wait().unwrap();
+        }
+        let home = t.to(Device::Cpu, false).unwrap();
+        assert_eq!(home.to_vec::<u8>().unwrap(), data);
     }
 
     #[test]
     fn shares_cover_every_byte_once_in_about_equal_parts() {
-        let spans = [
-            Span {
-                src: std::ptr::null(),
-                dst: std::ptr::null_mut::<u8>().wrapping_add(0),
-                len: 7,
-            },
-            Span {
-                src: std::ptr::null(),
-                dst: std::ptr::null_mut::<u8>().wrapping_add(100),
-                len: 5,
-            },
-        ];
+        let spans = [run(0, 7), run(100, 5)];
         let shares = split(&spans, 3);
         assert_eq!(shares.len(), 3);
         let sizes: Vec<usize> = shares
@@ -765,7 +746,7 @@ mod tests {
         let mut covered: Vec<usize> = shares
             .iter()
             .flatten()
-            .flat_map(|s| (0..s.len).map(move |i| s.dst as usize + i))
+            .flat_map(|s| (0..s.len).map(move |i| s.dst_offset + i))
             .collect();
         covered.sort();
         let expected: Vec<usize> = (0..7).chain(100..105).collect();

@@ -10,12 +10,14 @@
 //! destination, so nothing it touches is freed or reused before it has run, whatever
 //! happens to the caller.
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
+use super::ring::{drive, RingSteps};
 use super::ring_memory::RingMemory;
 use super::submit_when_ready;
 use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event, Failure};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::storage::Storage;
 
 /// The host buffers of a stream.
@@ -45,27 +47,25 @@ pub(crate) struct Piece {
 }
 
 /// Allocates `total` bytes on `backend`'s device and fills them chunk by chunk through
-/// `ring`: `fill(j, buffer)` writes chunk `j` into the `ring.chunk_bytes` bytes at
-/// `buffer` (aligned to `ring.align`, not necessarily initialised), at least the bytes
+/// `ring`: `fill(j, buffer)` writes chunk `j` into its buffer (`ring.chunk_bytes` bytes,
+/// aligned to `ring.align`, holding what they held before), at least the bytes
 /// `pieces[j]` names, which are then copied to the device. Returns the memory, filled,
-/// once every copy has completed; the first error (of `fill` or of a copy) otherwise.
+/// once every copy has completed; the first error otherwise (of `fill` — a panic in it
+/// is an internal error of the device — or of a copy), once no copy runs any more.
 ///
-/// # Safety
-/// Every piece must lie inside its chunk (`skip + len <= ring.chunk_bytes`) and inside the
-/// memory (`dst_offset + len <= total`), no two pieces may overlap in the memory, and
-/// `fill` must write at least the piece's bytes of its buffer and nothing outside the
-/// buffer's `ring.chunk_bytes` bytes.
-pub(crate) unsafe fn stream_to_device(
+/// Pieces must lie inside their chunk and inside the memory without overlapping: a
+/// layout that does not is refused before anything is allocated.
+pub(crate) fn stream_to_device(
     backend: &Arc<dyn Backend>,
     total: usize,
     pieces: &[Piece],
     ring: StreamRing,
-    mut fill: impl FnMut(usize, *mut u8) -> Result<()>,
+    fill: impl FnMut(usize, &mut [MaybeUninit<u8>]) -> Result<()>,
 ) -> Result<Arc<Storage>> {
+    check_pieces(total, pieces, ring.chunk_bytes)?;
     let mut memory = backend.alloc(total)?;
     let done = Event::pending();
     memory.set_written(done.clone());
-    let base = memory.as_ptr() as *mut u8;
     let dest = Arc::new(Storage::device_memory(memory));
     let memory = RingMemory::pinned_else_pageable(
         backend.pinned_pool(),
@@ -75,24 +75,15 @@ pub(crate) unsafe fn stream_to_device(
         ring.automatic,
     );
     let outcome = memory.and_then(|memory| {
-        let memory = Arc::new(memory);
         let depth = memory.depth();
-        let mut queued: Vec<Event> = Vec::with_capacity(pieces.len());
-        let result = (|| {
-            for (j, piece) in pieces.iter().enumerate() {
-                if j >= depth {
-                    // The slot comes back: its last chunk's copy must be done.
-                    queued[j - depth].wait()?;
-                }
-                fill(j, memory.slot(j))?;
-                queued.push(queue(backend, &memory, j, &dest, base, piece));
-            }
-            Ok(())
-        })();
-        // Every queued copy is waited for, whatever happened: the caller may drop what
-        // `fill` borrows once this returns.
-        let copies = queued.iter().try_for_each(|e| e.wait());
-        result.and(copies)
+        let mut steps = Upload {
+            backend,
+            pieces,
+            memory: Arc::new(memory),
+            dest: &dest,
+            fill,
+        };
+        drive(backend.device(), depth, &mut steps)
     });
     match outcome {
         Ok(()) => {
@@ -106,40 +97,85 @@ pub(crate) unsafe fn stream_to_device(
     }
 }
 
-/// Queues the copy of `piece` from chunk `j`'s slot of `memory` to the device memory at
-/// `base`; the copy holds the ring's memory and the destination until it completes.
-fn queue(
-    backend: &Arc<dyn Backend>,
-    memory: &Arc<RingMemory>,
-    j: usize,
-    dest: &Arc<Storage>,
-    base: *mut u8,
-    piece: &Piece,
-) -> Event {
-    let event = Event::pending();
-    if piece.len == 0 {
-        event.complete(Ok(()));
-        return event;
+/// Refuses pieces beyond their chunk or the memory, or overlapping in it.
+fn check_pieces(total: usize, pieces: &[Piece], chunk_bytes: usize) -> Result<()> {
+    let mut placed: Vec<(usize, usize)> = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        let inside_chunk = p.skip.checked_add(p.len).is_some_and(|e| e <= chunk_bytes);
+        let end = p.dst_offset.checked_add(p.len);
+        if !inside_chunk || end.is_none_or(|e| e > total) {
+            return Err(Error::InvalidValue {
+                key: "pieces".into(),
+                reason: format!(
+                    "{p:?} lies outside its {chunk_bytes}-byte chunk or the {total} bytes"
+                ),
+            });
+        }
+        if p.len > 0 {
+            placed.push((p.dst_offset, p.len));
+        }
     }
-    let batch = CopyBatch {
-        direction: Direction::HostToDevice,
-        ops: vec![CopyOp {
-            src: memory.slot(j).wrapping_add(piece.skip),
-            dst: base.wrapping_add(piece.dst_offset),
-            len: piece.len,
-        }],
-        waits: Vec::new(),
-    };
-    let keep = Box::new((memory.clone(), dest.clone()));
-    // Unordered: the stream's deferred batches never wait for memory nobody has seen yet,
-    // and this one must not queue behind them.
-    // SAFETY: the source is the piece's bytes of the chunk's slot (inside it, by
-    // `stream_to_device`'s contract), written by `fill` before this and not again until
-    // this copy's event completes (the producer waits for it before reusing the slot);
-    // the destination is the piece's own range of the new memory, which no other piece
-    // overlaps and nobody reads before the stream's event. `keep` holds both.
-    unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone(), false) };
-    event
+    placed.sort_unstable();
+    if let Some(w) = placed.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
+        return Err(Error::InvalidValue {
+            key: "pieces".into(),
+            reason: format!("the pieces at {} and {} overlap", w[0].0, w[1].0),
+        });
+    }
+    Ok(())
+}
+
+/// A stream's steps: the producer fills a slot, its piece goes to the device.
+struct Upload<'a, F> {
+    backend: &'a Arc<dyn Backend>,
+    pieces: &'a [Piece],
+    memory: Arc<RingMemory>,
+    dest: &'a Arc<Storage>,
+    fill: F,
+}
+
+impl<F: FnMut(usize, &mut [MaybeUninit<u8>]) -> Result<()>> RingSteps for Upload<'_, F> {
+    fn chunks(&self) -> usize {
+        self.pieces.len()
+    }
+
+    fn fill(&mut self, j: usize) -> Result<()> {
+        // SAFETY: the ring fills chunk `j`'s slot only once the copy of the chunk that
+        // used it last has completed, and queues this chunk's copy only after `fill`
+        // returns: nothing else touches the slot meanwhile.
+        let buffer = unsafe { self.memory.slot_mut(j, 0..self.memory.slot_bytes()) };
+        (self.fill)(j, buffer)
+    }
+
+    /// Queues the copy of piece `j` from its slot to the device memory; the copy holds the
+    /// ring's memory and the destination until it completes.
+    fn submit(&mut self, j: usize) -> Event {
+        let piece = self.pieces[j];
+        let event = Event::pending();
+        if piece.len == 0 {
+            event.complete(Ok(()));
+            return event;
+        }
+        let batch = CopyBatch {
+            direction: Direction::HostToDevice,
+            ops: vec![CopyOp {
+                src: self.memory.slot_address(j).wrapping_add(piece.skip),
+                dst: self.dest.as_ptr().cast_mut().wrapping_add(piece.dst_offset),
+                len: piece.len,
+            }],
+            waits: Vec::new(),
+        };
+        let keep = Box::new((self.memory.clone(), self.dest.clone()));
+        // Unordered: the stream's deferred batches never wait for memory nobody has seen
+        // yet, and this one must not queue behind them.
+        // SAFETY: the source is the piece's bytes of the chunk's slot (inside it, by
+        // `check_pieces`), written by `fill` before this and not again until this copy's
+        // event completes (the ring waits for it before reusing the slot); the destination
+        // is the piece's own range of the new memory (by `check_pieces`), which no other
+        // piece overlaps and nobody reads before the stream's event. `keep` holds both.
+        unsafe { submit_when_ready(self.backend.clone(), batch, keep, event.clone(), false) };
+        event
+    }
 }
 
 #[cfg(test)]
@@ -171,17 +207,16 @@ mod tests {
             })
             .collect();
         let mut filled = Vec::new();
-        let fill = |j: usize, buffer: *mut u8| {
+        let fill = |j: usize, buffer: &mut [MaybeUninit<u8>]| {
             filled.push(j);
-            assert_eq!(buffer as usize % 4096, 0);
-            // SAFETY: the buffer holds 4096 writable bytes, and so does the source from
-            // `j * 4096` (20 480 bytes in all).
-            unsafe { std::ptr::copy_nonoverlapping(source[j * 4096..].as_ptr(), buffer, 4096) };
+            assert_eq!(buffer.as_ptr() as usize % 4096, 0);
+            assert_eq!(buffer.len(), 4096);
+            for (d, s) in buffer.iter_mut().zip(&source[j * 4096..]) {
+                d.write(*s);
+            }
             Ok(())
         };
-        // SAFETY: the pieces lie inside their 4096-byte chunks and tile the 19 900 bytes
-        // of memory; `fill` writes exactly one chunk into its buffer.
-        let storage = unsafe { stream_to_device(&backend, 19_900, &pieces, ring, fill) }.unwrap();
+        let storage = stream_to_device(&backend, 19_900, &pieces, ring, fill).unwrap();
         assert_eq!(filled, [0, 1, 2, 3, 4]);
         assert!(storage.is_ready());
         let t = crate::Tensor::contiguous_view(storage, 0, crate::DType::U8, vec![19_900])
@@ -213,20 +248,80 @@ mod tests {
                 ..*p
             })
             .collect();
-        let fill = |j: usize, buffer: *mut u8| match j {
+        let fill = |j: usize, buffer: &mut [MaybeUninit<u8>]| match j {
             2 => Err(crate::Error::InvalidValue {
                 key: String::new(),
                 reason: "the disk went away".into(),
             }),
             _ => {
-                // SAFETY: the buffer holds 4096 writable bytes.
-                unsafe { std::ptr::write_bytes(buffer, 1, 10) };
+                buffer[..10].fill(MaybeUninit::new(1));
                 Ok(())
             }
         };
-        // SAFETY: three 10-byte pieces, side by side, inside 4096-byte chunks; `fill`
-        // writes the first two and fails on the third.
-        let err = unsafe { stream_to_device(&backend, 30, &pieces, ring, fill) }.unwrap_err();
+        let err = stream_to_device(&backend, 30, &pieces, ring, fill).unwrap_err();
         assert!(err.to_string().contains("the disk went away"), "{err}");
+    }
+
+    fn pieces_of_ten(n: usize) -> Vec<Piece> {
+        (0..n)
+            .map(|j| Piece {
+                skip: 0,
+                len: 10,
+                dst_offset: 10 * j,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_producer_that_panics_is_an_internal_error_of_the_device_not_a_panic() {
+        let backend = backend_for(Device::Emulated(0)).unwrap();
+        let ring = StreamRing {
+            chunk_bytes: 4096,
+            depth: 2,
+            align: 4096,
+            automatic: false,
+        };
+        let fill = |j: usize, buffer: &mut [MaybeUninit<u8>]| {
+            if j == 3 {
+                panic!("the producer has a bug");
+            }
+            buffer[..10].fill(MaybeUninit::new(j as u8));
+            Ok(())
+        };
+        let err = stream_to_device(&backend, 60, &pieces_of_ten(6), ring, fill).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("emu:0") && msg.contains("internal error: the producer has a bug"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn pieces_outside_their_chunk_or_overlapping_are_refused_before_anything_runs() {
+        let backend = backend_for(Device::Emulated(0)).unwrap();
+        let ring = StreamRing {
+            chunk_bytes: 4096,
+            depth: 2,
+            align: 4096,
+            automatic: false,
+        };
+        let mut called = false;
+        let mut fill = |_: usize, _: &mut [MaybeUninit<u8>]| {
+            called = true;
+            Ok(())
+        };
+        let mut beyond_chunk = pieces_of_ten(2);
+        beyond_chunk[1].skip = 4090;
+        let mut overlapping = pieces_of_ten(2);
+        overlapping[1].dst_offset = 5;
+        for (total, pieces) in [
+            (20, beyond_chunk),
+            (20, overlapping),
+            (15, pieces_of_ten(2)),
+        ] {
+            let err = stream_to_device(&backend, total, &pieces, ring, &mut fill).unwrap_err();
+            assert!(matches!(err, Error::InvalidValue { .. }), "{err}");
+        }
+        assert!(!called);
     }
 }

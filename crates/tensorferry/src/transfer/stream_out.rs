@@ -12,10 +12,11 @@
 
 use std::sync::Arc;
 
+use super::ring::{drive, RingSteps};
 use super::ring_memory::RingMemory;
-use super::staging::{chunks, Ring};
+use super::staging::{chunks, Chunk, Ring};
 use super::{fragmented, runs, submit_when_ready};
-use crate::backend::{backend_for, CopyBatch, Direction, Event};
+use crate::backend::{backend_for, Backend, CopyBatch, Direction, Event};
 use crate::consolidate::PackedLayout;
 use crate::device::Device;
 use crate::error::Result;
@@ -83,37 +84,59 @@ fn through_ring(
         1,
         ring.automatic(),
     )?;
-    let memory = Arc::new(memory);
     let depth = memory.depth();
-    let sources = Arc::new(sources);
-    let queue = |j: usize| {
+    let mut steps = Download {
+        backend,
+        chunks,
+        waits,
+        memory: Arc::new(memory),
+        sources: Arc::new(sources),
+        sink,
+    };
+    drive(device, depth, &mut steps)
+}
+
+/// A stream's steps: a chunk of the sources to its slot on the device, the slot to the
+/// sink on the host.
+struct Download<'a, S> {
+    backend: Arc<dyn Backend>,
+    chunks: Vec<Chunk>,
+    waits: Vec<Event>,
+    memory: Arc<RingMemory>,
+    sources: Arc<Vec<Tensor>>,
+    sink: &'a mut S,
+}
+
+impl<S: FnMut(&[u8]) -> Result<()>> RingSteps for Download<'_, S> {
+    fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    fn submit(&mut self, j: usize) -> Event {
         let batch = CopyBatch {
             direction: Direction::DeviceToHost,
-            ops: chunks[j].ops_into(memory.slot(j)),
-            waits: waits.clone(),
+            ops: self.chunks[j].ops_into(&self.sources, self.memory.slot_address(j)),
+            waits: self.waits.clone(),
         };
         let event = Event::pending();
-        let keep = Box::new((sources.clone(), memory.clone()));
+        let keep = Box::new((self.sources.clone(), self.memory.clone()));
         // SAFETY: the ops read the sources' elements (inside their storages, by
         // `run_offsets`), held by `keep`, and write the chunk's slot of the ring inside
         // its length (a chunk's pieces lie within `chunk_bytes` of its start), held by
         // `keep`; only this chunk writes that slot until its event completes, since the
-        // slot is reused only after this thread has waited for it.
-        unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone(), true) };
+        // ring reuses a slot only after it has drained it.
+        unsafe { submit_when_ready(self.backend.clone(), batch, keep, event.clone(), true) };
         event
-    };
-    let mut events: Vec<Event> = (0..depth).map(queue).collect();
-    for (j, c) in chunks.iter().enumerate() {
-        events[j].wait()?;
-        let len = c.end() - c.start;
-        // SAFETY: chunk `j`'s copy has completed (its event), having written its `len`
-        // bytes of the slot, and the next chunk using the slot is queued only after this.
-        sink(unsafe { memory.bytes(j, len) })?;
-        if j + depth < chunks.len() {
-            events.push(queue(j + depth));
-        }
     }
-    Ok(())
+
+    fn drain(&mut self, j: usize) -> Result<()> {
+        let c = &self.chunks[j];
+        let len = c.end() - c.start;
+        // SAFETY: chunk `j`'s copy has completed (the ring drains after its event), having
+        // written its `len` bytes of the slot, and the next chunk using the slot is queued
+        // only after this.
+        (self.sink)(unsafe { self.memory.bytes(j, len) })
+    }
 }
 
 #[cfg(test)]

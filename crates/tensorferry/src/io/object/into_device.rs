@@ -185,7 +185,7 @@ fn stream_ranges(
     // their first bytes is hidden behind this chunk's transfer (their bodies wait in the
     // connections, bounded by the network's own buffers, until their turn).
     let mut ahead: Option<(usize, Begun)> = None;
-    let mut fill = |j: usize, buffer: *mut u8| {
+    let mut fill = |j: usize, buffer: &mut [MaybeUninit<u8>]| {
         if stream.stop.load(Ordering::Relaxed) {
             return Err(Error::io(
                 "read",
@@ -201,11 +201,7 @@ fn stream_ranges(
             ahead = Some((j + 1, reads.begin(next)?));
         }
         let len = bytes_of(&chunks[j]) as usize;
-        // SAFETY: the buffer holds `ring.chunk_bytes` writable bytes, at least `len`
-        // (`chunks`), which only this chunk uses until its copy completes
-        // (`stream_to_device`); they are written, never read, through the slice.
-        let into = unsafe { std::slice::from_raw_parts_mut(buffer.cast::<MaybeUninit<u8>>(), len) };
-        reads.fill(into, begun)
+        reads.fill(&mut buffer[..len], begun)
     };
     let mut placed = 0usize;
     let pieces: Vec<Piece> = chunks
@@ -220,10 +216,7 @@ fn stream_ranges(
             }
         })
         .collect();
-    // SAFETY: each piece is its whole chunk, at most `ring.chunk_bytes` long, the pieces
-    // tile the `total` bytes without overlap (`chunks`), and `fill` writes every byte of
-    // its chunk (or fails), only inside the buffer (`Reads::fill`).
-    unsafe { stream_to_device(stream.backend, total as usize, &pieces, ring, &mut fill) }
+    stream_to_device(stream.backend, total as usize, &pieces, ring, &mut fill)
 }
 
 /// How the chunks of one object are read.
