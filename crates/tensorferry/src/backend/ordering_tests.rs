@@ -77,7 +77,7 @@ fn gate(device: Device, direction: Direction) -> Option<Gate> {
             let held = super::emulated::device(i).unwrap().gate(direction);
             Some(Gate(Some(Box::new(move || held.complete(Ok(()))))))
         }
-        Device::Cuda(i) => gate_stream(super::cuda_device::device(i).ok()?.stream_of(direction)),
+        Device::Cuda(i) => gate_stream(super::cuda::device::device(i).ok()?.stream_of(direction)),
         Device::Cpu => None,
     }
 }
@@ -102,7 +102,7 @@ fn gate_stream(stream: usize) -> Option<Gate> {
 /// destroyed when dropped.
 struct ForeignStream {
     raw: cudarc::driver::sys::CUstream,
-    context: super::cuda_driver::Context,
+    context: super::cuda::driver::Context,
     device: Device,
 }
 
@@ -112,7 +112,7 @@ impl ForeignStream {
         let Device::Cuda(ordinal) = device else {
             unreachable!("a CUDA device")
         };
-        let context = super::cuda_device::device(ordinal).unwrap().context;
+        let context = super::cuda::device::device(ordinal).unwrap().context;
         let _current = context.enter(device).unwrap();
         let mut raw: sys::CUstream = std::ptr::null_mut();
         // SAFETY: the GPU's context is current; `raw` is a live out pointer.
@@ -135,9 +135,9 @@ impl ForeignStream {
 
     /// An event recorded on this stream now: it passes once the work queued on the
     /// stream so far (and whatever that was made to wait for) has run.
-    fn mark(&self) -> super::cuda_event::CudaEvent {
+    fn mark(&self) -> super::cuda::event::CudaEvent {
         let _current = self.context.enter(self.device).unwrap();
-        super::cuda_event::CudaEvent::record(self.context, self.device, self.raw).unwrap()
+        super::cuda::event::CudaEvent::record(self.context, self.device, self.raw).unwrap()
     }
 }
 
@@ -407,8 +407,8 @@ fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() 
     };
     let dev = last_gpu();
     let Device::Cuda(i) = dev else { unreachable!() };
-    let batched =
-        super::cuda_device::device(i).unwrap().copy_path() == super::cuda_device::CopyPath::Batched;
+    let batched = super::cuda::device::device(i).unwrap().copy_path()
+        == super::cuda::device::CopyPath::Batched;
     let mut faults = None;
     // An upload: the fault is injected on this thread, which queues uploads (downloads are
     // queued on their lane's own thread).
@@ -936,8 +936,8 @@ fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
     };
     // A pool that keeps one block: a second one given back is unpinned, and asking for
     // another size unpins the cached one first.
-    let gpu = super::cuda_device::device(ordinal).unwrap();
-    let allocator = super::cuda_pinned::CudaPinnedAllocator::new(
+    let gpu = super::cuda::device::device(ordinal).unwrap();
+    let allocator = super::cuda::pinned::CudaPinnedAllocator::new(
         gpu.context,
         Device::Cuda(ordinal),
         gpu.freer().clone(),
@@ -1092,7 +1092,7 @@ fn free_memory(dev: Device) -> usize {
     let Device::Cuda(ordinal) = dev else {
         unreachable!("a CUDA device")
     };
-    let gpu = super::cuda_device::device(ordinal).unwrap();
+    let gpu = super::cuda::device::device(ordinal).unwrap();
     let _current = gpu.context.enter(dev).unwrap();
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: the GPU's context is current; live out pointers.
@@ -1153,7 +1153,7 @@ fn child_a_lent_device_buffer_is_freed_behind_its_consumers_stream() {
     assert_eq!(MustNotWait::refusals(), refusals, "the release waited");
     // Whatever frees were handed to the freeing thread have run: freeing the lent memory
     // while the consumer's copy is queued aborts the process (a use after free).
-    let gpu = super::cuda_device::device(ordinal).unwrap();
+    let gpu = super::cuda::device::device(ordinal).unwrap();
     assert!(gpu.freer().wait_idle(PATIENCE));
     std::thread::sleep(SETTLE);
     assert!(gpu.freer().wait_idle(PATIENCE));
@@ -1300,7 +1300,7 @@ fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
         assert_eq!(back.to_vec::<u32>().unwrap(), data);
         drop((there, back));
         let Device::Cuda(i) = dev else { unreachable!() };
-        let freer = super::cuda_device::device(i).unwrap().freer().clone();
+        let freer = super::cuda::device::device(i).unwrap().freer().clone();
         assert!(freer.wait_idle(PATIENCE));
     })
     .join()

@@ -21,8 +21,8 @@
 //! else one `cuMemcpy*Async` per copy), and a `CUevent` recorded after them marks the
 //! batch's host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits
 //! for host work (a staging thread, the emulated device) is chained to it instead, and the
-//! later batches of its stream queue behind it ([`super::lane`]): the caller never blocks.
-//! The GPU's completer thread ([`super::completer`]) watches the recorded events, releases
+//! later batches of its stream queue behind it ([`crate::backend::lane`]): the caller never blocks.
+//! The GPU's completer thread ([`crate::backend::completer`]) watches the recorded events, releases
 //! what each batch held once its copies are done, then completes its host event. A copy
 //! call that fails part-way through a batch still has the copies queued before it waited
 //! for (through the event recorded after them, or by synchronising the stream) before
@@ -36,24 +36,24 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::completer::{Completer, Drain, Entry, Health};
-use super::cuda_driver::{check, cu_device, primary_is_active, retain_primary, Context};
-use super::cuda_event::CudaEvent;
-use super::cuda_freer::Freer;
-use super::event::Progress;
-use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
+use super::driver::{check, cu_device, primary_is_active, retain_primary, Context};
+use super::event::CudaEvent;
+use super::freer::Freer;
+use crate::backend::completer::{Completer, Drain, Entry, Health};
+use crate::backend::event::Progress;
+use crate::backend::lane::{lane_of, Lane, Refused, Submitted, LANES};
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda::{status, CudaStatus};
-use super::cuda_copy::CopyQueue;
-pub use super::cuda_copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
-use super::cuda_pinned::CudaPinnedAllocator;
-use super::event::Event;
-use super::event::Failure;
-use super::fence::StreamHandle;
-use super::interface::{Backend, CopyBatch, DeviceMemory, Direction};
-use super::process::{backends_started_here, same_process};
+use super::copy::CopyQueue;
+pub use super::copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
+use super::pinned::CudaPinnedAllocator;
+use super::{status, CudaStatus};
+use crate::backend::event::Event;
+use crate::backend::event::Failure;
+use crate::backend::fence::StreamHandle;
+use crate::backend::interface::{Backend, CopyBatch, DeviceMemory, Direction};
+use crate::backend::process::{backends_started_here, same_process};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::PinnedPool;
@@ -271,7 +271,7 @@ impl Backend for CudaDevice {
         let lane = lane_of(Direction::DeviceToDevice);
         let mark = {
             let _current = src.context.enter(source)?;
-            super::cuda_event::CudaEvent::record(src.context, source, src.queue.stream(lane))?
+            super::event::CudaEvent::record(src.context, source, src.queue.stream(lane))?
         };
         let here = Backend::device(self);
         let _current = self.context.enter(here)?;
@@ -326,7 +326,7 @@ impl Backend for CudaDevice {
         self.shared.completer.push(Entry {
             done: fence
                 .ok()
-                .map(|e| Arc::new(e) as Arc<dyn super::fence::Fence>),
+                .map(|e| Arc::new(e) as Arc<dyn crate::backend::fence::Fence>),
             drain,
             keep,
             event: Event::pending(),
@@ -499,7 +499,7 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
         Err(panic) => Err(Failure::internal(device, &*panic)),
     };
     let done = match CudaEvent::record(shared.context, device, stream) {
-        Ok(e) => Some(Arc::new(e) as Arc<dyn super::fence::Fence>),
+        Ok(e) => Some(Arc::new(e) as Arc<dyn crate::backend::fence::Fence>),
         Err(e) => {
             outcome = outcome.and(Err(Failure::from_error(device, &e)));
             None
@@ -556,7 +556,7 @@ impl CudaDevice {
     unsafe fn wait_for_stream(&self, stream: sys::CUstream) -> Result<()> {
         let device = Device::Cuda(self.ordinal);
         let _current = self.context.enter(device)?;
-        let mark = super::cuda_event::CudaEvent::record(self.context, device, stream)?;
+        let mark = super::event::CudaEvent::record(self.context, device, stream)?;
         (0..LANES).try_for_each(|lane| mark.wait_on(self.queue.stream(lane), device))
     }
 
@@ -635,7 +635,7 @@ fn driver_version_of(s: &CudaStatus) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::cuda_driver::{exchange_capture_mode, pointer_device, RELAXED};
+    use super::super::driver::{exchange_capture_mode, pointer_device, RELAXED};
     use super::*;
 
     fn current() -> sys::CUcontext {

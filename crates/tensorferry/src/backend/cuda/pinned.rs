@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_driver::{check, Context};
-use super::cuda_freer::Freer;
+use super::driver::{check, Context};
+use super::freer::Freer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::pinned::{GiveBack, HostBlock};

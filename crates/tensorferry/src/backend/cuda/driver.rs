@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda::{status, CudaStatus};
+use super::{status, CudaStatus};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
