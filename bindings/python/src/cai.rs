@@ -233,6 +233,9 @@ pub fn export<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyDict>> 
         ))
     })?;
     crate::wait::wait_all(py, [t])?;
+    // The consumer names no stream: its work on the memory is fenced on the GPU's legacy
+    // default stream before the memory is freed.
+    t.storage().lend(None);
     let d = PyDict::new(py);
     d.set_item("shape", PyTuple::new(py, t.shape())?)?;
     d.set_item("typestr", typestr)?;

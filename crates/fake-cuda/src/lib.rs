@@ -48,8 +48,16 @@
 //!   or writes (by address range over every queued copy, after the free's own implicit
 //!   synchronisation), and a copy that runs while a copy queued before it on another
 //!   stream, and not ordered before it, still reads or writes the same bytes (memory
-//!   reused too early), abort the process with a message: a GPU would corrupt data
-//!   silently, and an abort fails any CI run.
+//!   reused too early), and page-locked host memory that a queued copy still has to read
+//!   changing before that copy runs (the host reused it: checked by a fingerprint of the
+//!   bytes, taken when the copy is queued and after each driver copy that writes them),
+//!   abort the process with a message: a GPU would corrupt data silently, and an abort
+//!   fails any CI run.
+//! - `legacy`: an event recorded on the legacy default stream (`CU_STREAM_LEGACY` or the
+//!   null handle) completes only once every blocking stream of its context (made without
+//!   `CU_STREAM_NON_BLOCKING`) has run the work queued on it before the record, as the
+//!   legacy stream waits for blocking streams ("Programming Guide: implicit
+//!   synchronization"); non-blocking streams are not waited for.
 //!
 //! A driver call that blocks the calling thread longer than `TF_FAKE_CUDA_HANG_S` (default
 //! 120 s; a deadlock, such as a thread waiting for a stream it holds itself) aborts the
@@ -85,7 +93,8 @@
 //! - `tf_fake_cuda_peer_copies(direct, staged)`: copies between devices so far.
 //!
 //! Not a model of performance, of the legacy default stream's implicit synchronisation
-//! beyond "the null stream runs copies at once", or of anything tensorferry does not call.
+//! beyond "the null stream runs copies at once" and the `legacy` rule's events, or of
+//! anything tensorferry does not call.
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 use std::cell::{Cell, RefCell};
@@ -116,6 +125,11 @@ const STREAM_CAPTURE_UNMATCHED: CUresult = 903;
 const STREAM_CAPTURE_WRONG_THREAD: CUresult = 908;
 const UNKNOWN: CUresult = 999;
 
+/// `CU_STREAM_NON_BLOCKING`: a stream the legacy default stream does not wait for.
+const STREAM_NON_BLOCKING: c_uint = 0x1;
+/// `CU_STREAM_LEGACY`, the legacy default stream (the null handle names it too).
+const STREAM_LEGACY: usize = 0x1;
+
 /// Stream-capture modes (`CUstreamCaptureMode`).
 const CAPTURE_GLOBAL: c_uint = 0;
 const CAPTURE_RELAXED: c_uint = 2;
@@ -133,10 +147,11 @@ enum Rule {
     Sticky,
     Peer,
     Hazards,
+    Legacy,
 }
 
 /// The names `TF_FAKE_CUDA_LENIENT` takes.
-const RULES: [(&str, Rule); 7] = [
+const RULES: [(&str, Rule); 8] = [
     ("contexts", Rule::Contexts),
     ("pageable", Rule::Pageable),
     ("implicit-sync", Rule::ImplicitSync),
@@ -144,6 +159,7 @@ const RULES: [(&str, Rule); 7] = [
     ("sticky", Rule::Sticky),
     ("peer", Rule::Peer),
     ("hazards", Rule::Hazards),
+    ("legacy", Rule::Legacy),
 ];
 
 struct Config {
@@ -383,6 +399,10 @@ struct QueuedCopy {
     stream: usize,
     dst: (usize, usize),
     src: (usize, usize),
+    /// For a copy out of page-locked host memory: a fingerprint of the bytes it will read,
+    /// taken when it was queued and again whenever the driver itself writes them (a copy
+    /// ordered before it). The host may not write them meanwhile (the `hazards` rule).
+    src_print: Option<u64>,
 }
 
 /// A capture in progress on a stream.
@@ -639,6 +659,45 @@ fn check_free(s: &State, what: &str, addr: usize, len: usize) {
     }
 }
 
+/// A fingerprint of `len` bytes of host memory at `addr`.
+///
+/// # Safety
+/// `[addr, addr + len)` must be readable host memory (page-locked memory the driver knows).
+unsafe fn fingerprint(addr: usize, len: usize) -> u64 {
+    // SAFETY: the caller's contract.
+    let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ len as u64;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+        h = (h ^ w).wrapping_mul(0x0100_0000_01b3).rotate_left(23);
+    }
+    for &b in words.remainder() {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// The fingerprint a copy queued now from `src` keeps: page-locked sources only (a copy
+/// from pageable memory is staged by the driver before the call returns).
+fn source_print(s: &State, src: usize, len: usize) -> Option<u64> {
+    (strict(Rule::Hazards) && len > 0 && is_pinned(s, src, len))
+        // SAFETY: page-locked memory the driver knows, `len` bytes from `src`.
+        .then(|| unsafe { fingerprint(src, len) })
+}
+
+/// After the driver wrote `[dst, dst + len)`: the queued copies reading those bytes take
+/// their new fingerprint (a write the driver ordered before them is no hazard).
+fn refresh_prints(s: &mut State, dst: usize, len: usize) {
+    for q in s.queued.values_mut() {
+        if q.src_print.is_some() && overlap((dst, len), q.src) {
+            // SAFETY: the source was page-locked memory when queued; freeing it with the
+            // copy queued aborts the process (`check_free`).
+            q.src_print = Some(unsafe { fingerprint(q.src.0, q.src.1) });
+        }
+    }
+}
+
 /// One copy, checked against the state, then done.
 ///
 /// # Safety
@@ -749,15 +808,18 @@ enum Op {
 
 struct Stream {
     context: usize,
+    /// Made without `CU_STREAM_NON_BLOCKING`: the legacy default stream waits for it.
+    blocking: bool,
     ops: Mutex<Sender<Op>>,
 }
 
 impl Stream {
     /// A stream of `context`, its thread started; its handle is its address.
-    fn spawn(context: usize) -> Arc<Stream> {
+    fn spawn(context: usize, blocking: bool) -> Arc<Stream> {
         let (tx, rx) = channel::<Op>();
         let stream = Arc::new(Stream {
             context,
+            blocking,
             ops: Mutex::new(tx),
         });
         let handle = Arc::as_ptr(&stream) as usize;
@@ -774,7 +836,7 @@ impl Stream {
                     } => {
                         std::thread::sleep(config().delay);
                         let mut s = state();
-                        s.queued.remove(&seq);
+                        let queued = s.queued.remove(&seq);
                         if healthy(&s, context).is_err() {
                             continue; // a corrupted context runs nothing more
                         }
@@ -782,11 +844,24 @@ impl Stream {
                             if let Some(race) = racing(&s, seq, handle, (dst, len), (src, len)) {
                                 fatal(&race);
                             }
+                            if let Some(print) = queued.and_then(|q| q.src_print) {
+                                // SAFETY: page-locked memory, still live (see `refresh_prints`).
+                                if unsafe { fingerprint(src, len) } != print {
+                                    fatal(&format!(
+                                        "page-locked host memory was overwritten while a copy \
+                                         queued on stream {handle:#x} still had to read it ({len} \
+                                         bytes from {src:#x} to {dst:#x}): memory reused before \
+                                         that copy ran"
+                                    ));
+                                }
+                            }
                         }
                         // SAFETY: host ranges are valid until the stream passes this
                         // copy (the caller's contract for asynchronous copies).
                         if unsafe { copy_now(&s, dst, dst_side, src, src_side, len) }.is_err() {
                             corrupt(&mut s, context, ILLEGAL_ADDRESS);
+                        } else {
+                            refresh_prints(&mut s, dst, len);
                         }
                     }
                     Op::Record(e, g) => e.complete(g),
@@ -891,12 +966,14 @@ fn queue_copy(
     count_peer(s, st.context, dst, src);
     s.next_copy += 1;
     let seq = s.next_copy;
+    let src_print = source_print(s, src, len);
     s.queued.insert(
         seq,
         QueuedCopy {
             stream: st.handle(),
             dst: (dst, len),
             src: (src, len),
+            src_print,
         },
     );
     st.push(Op::Copy {
@@ -1613,10 +1690,10 @@ pub unsafe extern "C" fn cuMemcpyBatchAsync(
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuStreamCreate(out: *mut *mut c_void, _flags: c_uint) -> CUresult {
+pub unsafe extern "C" fn cuStreamCreate(out: *mut *mut c_void, flags: c_uint) -> CUresult {
     let mut s = state();
     let ctx = try_cu!(enter_context(&s));
-    let stream = Stream::spawn(ctx);
+    let stream = Stream::spawn(ctx, flags & STREAM_NON_BLOCKING == 0);
     let handle = stream.handle();
     s.streams.insert(handle, stream);
     // SAFETY: valid out pointer (driver API contract).
@@ -1751,9 +1828,32 @@ pub extern "C" fn cuEventRecord(event: *mut c_void, stream: *mut c_void) -> CUre
     match target {
         Target::Stream(st) if capturing(&s, st.handle()) => {}
         Target::Stream(st) => st.push(Op::Record(e.clone(), generation)),
+        Target::Default(ctx) if (stream as usize) <= STREAM_LEGACY && strict(Rule::Legacy) => {
+            record_on_legacy(&s, ctx, e.clone(), generation)
+        }
         Target::Default(_) => e.complete(generation),
     }
     SUCCESS
+}
+
+/// Records `e` on the legacy default stream of `context`: work there runs after the work
+/// queued so far on every blocking stream of the context (the `legacy` rule), so the event
+/// completes once each of them has run it.
+fn record_on_legacy(s: &State, context: usize, e: Arc<Event>, generation: u64) {
+    let marks: Vec<_> = streams_of(s, context)
+        .iter()
+        .filter(|st| st.blocking)
+        .map(|st| st.mark())
+        .collect();
+    if marks.is_empty() {
+        return e.complete(generation);
+    }
+    std::thread::spawn(move || {
+        for (m, g) in marks {
+            m.wait_for(g);
+        }
+        e.complete(generation);
+    });
 }
 
 /// Whether the work an event captured has run; asked from any context.

@@ -594,8 +594,75 @@ fn a_copy_overwriting_memory_a_copy_queued_before_it_still_reads_aborts() {
     println!("{PASSED}");
 }
 
+#[test]
+fn a_pinned_block_overwritten_while_a_queued_copy_still_reads_it_aborts() {
+    in_a_child!(a_pinned_block_overwritten_while_a_queued_copy_still_reads_it_aborts, aborts with "was overwritten while a copy");
+    init();
+    on(0);
+    let (consumer, theirs) = (stream(), alloc(4096));
+    let block = pin(4096);
+    // A consumer's copy out of a pinned block, held on its stream…
+    let held = hold(consumer);
+    ok(upload(theirs, block, 4096, consumer));
+    // …and the block reused at once by the host (a staging buffer filled for a new upload).
+    // SAFETY: `block` is 4096 bytes of pinned memory this test owns.
+    unsafe { std::ptr::write_bytes(block as *mut u8, 7, 4096) };
+    drop(held);
+    ok(cuStreamSynchronize(consumer));
+    println!("{PASSED}");
+}
+
+#[test]
+fn a_pinned_block_written_by_a_copy_ordered_before_the_copy_reading_it_is_no_hazard() {
+    in_a_child!(a_pinned_block_written_by_a_copy_ordered_before_the_copy_reading_it_is_no_hazard);
+    init();
+    on(0);
+    let (s, source, target) = (stream(), alloc(4096), alloc(4096));
+    fill(source, 4096, 9);
+    let block = pin(4096);
+    // Staged through the host on one stream: the download fills the block the upload reads.
+    let held = hold(s);
+    ok(download(block, source, 4096, s));
+    ok(upload(target, block, 4096, s));
+    drop(held);
+    ok(cuStreamSynchronize(s));
+    let mut seen = vec![0u8; 4096];
+    // SAFETY: `seen` holds 4096 bytes for the synchronous call.
+    ok(unsafe { cuMemcpyDtoH_v2(seen.as_mut_ptr().cast(), target, 4096) });
+    assert!(seen.iter().all(|&b| b == 9));
+    println!("{PASSED}");
+}
+
+#[test]
+fn an_event_on_the_legacy_stream_waits_for_the_blocking_streams_of_its_context() {
+    in_a_child!(an_event_on_the_legacy_stream_waits_for_the_blocking_streams_of_its_context);
+    init();
+    on(0);
+    let blocking = stream();
+    let mut non_blocking = std::ptr::null_mut();
+    // SAFETY: a live out pointer.
+    ok(unsafe { cuStreamCreate(&mut non_blocking, STREAM_NON_BLOCKING) });
+    let (e, f) = (event(), event());
+    // Work held on a non-blocking stream: the legacy stream does not wait for it.
+    let other = hold(non_blocking);
+    ok(cuEventRecord(e, STREAM_LEGACY as *mut c_void));
+    ok(cuEventSynchronize(e));
+    // Work held on a blocking stream: it does, and so does the null handle.
+    let held = hold(blocking);
+    ok(cuEventRecord(e, STREAM_LEGACY as *mut c_void));
+    ok(cuEventRecord(f, std::ptr::null_mut()));
+    std::thread::sleep(SETTLE);
+    assert_eq!(cuEventQuery(e), NOT_READY);
+    assert_eq!(cuEventQuery(f), NOT_READY);
+    drop(held);
+    ok(cuEventSynchronize(e));
+    ok(cuEventSynchronize(f));
+    drop(other);
+    println!("{PASSED}");
+}
+
 /// Each rule and a test that proves it.
-const PROOFS: [(&str, &str); 10] = [
+const PROOFS: [(&str, &str); 12] = [
     (
         "contexts",
         "events_record_only_on_streams_of_their_own_context",
@@ -632,6 +699,14 @@ const PROOFS: [(&str, &str); 10] = [
     (
         "hazards",
         "a_copy_overwriting_memory_a_copy_queued_before_it_still_reads_aborts",
+    ),
+    (
+        "hazards",
+        "a_pinned_block_overwritten_while_a_queued_copy_still_reads_it_aborts",
+    ),
+    (
+        "legacy",
+        "an_event_on_the_legacy_stream_waits_for_the_blocking_streams_of_its_context",
     ),
 ];
 

@@ -393,7 +393,7 @@ fn shape_strides(t: &Tensor) -> (Vec<i64>, Vec<i64>) {
 pub fn export_versioned(ready: Readable<'_>) -> *mut DLManagedTensorVersioned {
     let t = ready.tensor();
     // The consumer may queue device work on the memory and release it before that work ran.
-    t.storage().lend();
+    t.storage().lend(ready.stream());
     let (shape, strides) = shape_strides(t);
     let mut b = Box::new(ExportVersioned {
         managed: DLManagedTensorVersioned {
@@ -419,7 +419,7 @@ pub fn export_versioned(ready: Readable<'_>) -> *mut DLManagedTensorVersioned {
 pub fn export_legacy(ready: Readable<'_>) -> *mut DLManagedTensor {
     let t = ready.tensor();
     // As in `export_versioned`.
-    t.storage().lend();
+    t.storage().lend(ready.stream());
     let (shape, strides) = shape_strides(t);
     let mut b = Box::new(ExportLegacy {
         managed: DLManagedTensor {

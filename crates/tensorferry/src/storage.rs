@@ -187,12 +187,21 @@ impl Storage {
         )
     }
 
-    /// Marks the memory as lent to another library (a DLPack consumer), whose device work on
-    /// it tensorferry cannot see: a pinned result's buffer then returns to its pool only
-    /// behind a fence.
-    pub(crate) fn lend(&self) {
-        if let Inner::Incoming { buffer, .. } = &self.0 {
-            buffer.lend();
+    /// Marks the memory as lent to another library (a DLPack or CUDA Array Interface
+    /// consumer), whose device work on it tensorferry cannot see: device memory is then
+    /// freed only behind an event on `consumer`'s stream (the device's default stream when
+    /// the consumer named none), and a pinned result's buffer returns to its pool only
+    /// behind events on the default streams of the GPUs in use (a consumer of host memory
+    /// names no stream). Other memory needs nothing.
+    pub fn lend(&self, consumer: Option<crate::backend::StreamHandle>) {
+        match &self.0 {
+            Inner::Incoming { buffer, .. } => buffer.lend(),
+            Inner::Device(memory) => {
+                if let Ok(backend) = crate::backend::backend_for(memory.device()) {
+                    memory.lend(backend, consumer);
+                }
+            }
+            _ => {}
         }
     }
 

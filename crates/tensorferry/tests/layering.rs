@@ -1,7 +1,9 @@
 //! The layering of the sources, checked: code that must not know which backends exist
-//! names no CUDA type, and the files of `backend/` import each other without a cycle (a
-//! file reaches another through `use super::…` or `crate::backend::…`). Test modules may
-//! drive a backend's internals and are not checked.
+//! names no CUDA type, no CUDA type or driver call appears outside `backend/cuda/`, and
+//! the files of `backend/` — and those of `backend/cuda/` — import each other without a
+//! cycle (a file reaches another through `use super::…` or `crate::backend::…`; the folder
+//! `backend/cuda/` counts as one module of `backend/`). Test modules may drive a backend's
+//! internals and are not checked.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -52,9 +54,12 @@ fn backend_neutral_code_names_no_cuda_type() {
         "CudaEvent",
         "CUstream",
         "cuda_device",
-        "cuda_event",
-        "cuda_copy",
-        "cuda_driver",
+        "cuda::device",
+        "cuda::event",
+        "cuda::copy",
+        "cuda::driver",
+        "cuda::pinned",
+        "cuda::freer",
     ];
     let mut found = vec![];
     for file in &files {
@@ -72,21 +77,76 @@ fn backend_neutral_code_names_no_cuda_type() {
     );
 }
 
-/// The files of `backend/` each file imports (by module name; `mod` for mod.rs).
-fn backend_imports() -> BTreeMap<String, BTreeSet<String>> {
-    let dir = root().join("src/backend");
-    let files = rust_files(&dir);
-    let names: BTreeSet<String> = files
-        .iter()
-        .map(|p| p.file_stem().unwrap().to_string_lossy().into_owned())
-        .filter(|n| n != "ordering_tests")
-        .collect();
+/// Every Rust file under `dir`, at any depth.
+fn rust_files_below(dir: &Path) -> Vec<PathBuf> {
+    let mut files = rust_files(dir);
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(rust_files_below(&path));
+        }
+    }
+    files
+}
+
+#[test]
+fn no_cuda_type_or_driver_call_appears_outside_the_cuda_folder() {
+    let src = root().join("src");
+    let cuda = src.join("backend/cuda");
+    let mut found = vec![];
+    for file in rust_files_below(&src) {
+        if file.starts_with(&cuda) || file.ends_with("backend/ordering_tests.rs") {
+            continue;
+        }
+        for (n, line) in code(&file).lines().enumerate() {
+            let line = line.split("//").next().unwrap_or("");
+            for word in [
+                "cudarc", "sys::CU", "sys::cu", "CUresult", "CUstream", "CUevent",
+            ] {
+                if line.contains(word) {
+                    found.push(format!("{}:{}: {word}", file.display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "CUDA outside backend/cuda/:\n{}",
+        found.join("\n")
+    );
+}
+
+/// The modules of folder `dir` (relative to `src/`) each imports (by module name; `mod`
+/// for mod.rs; a sub-folder is one module, importing what any of its files imports from
+/// `dir`), as `prefixes` name them.
+fn imports_in(dir: &str, prefixes: &[&str]) -> BTreeMap<String, BTreeSet<String>> {
+    let dir = root().join("src").join(dir);
+    let mut sources: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
+    for p in rust_files(&dir) {
+        let name = p.file_stem().unwrap().to_string_lossy().into_owned();
+        if name != "ordering_tests" {
+            sources.insert(name, vec![p]);
+        }
+    }
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            sources.insert(name, rust_files_below(&path));
+        }
+    }
+    let names: BTreeSet<String> = sources.keys().cloned().collect();
     let mut graph = BTreeMap::new();
-    for name in &names {
-        let text = code(&dir.join(format!("{name}.rs")));
+    for (name, files) in &sources {
+        let text: String = files.iter().map(|f| code(f)).collect::<Vec<_>>().join("\n");
+        let in_folder = files.len() > 1 || files[0].parent() != Some(dir.as_path());
         let mut deps = BTreeSet::new();
         for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
-            for prefix in ["super::", "crate::backend::"] {
+            for &prefix in prefixes {
+                // Inside a sub-folder `super::` names the sub-folder itself.
+                if in_folder && prefix == "super::" {
+                    continue;
+                }
                 for (i, _) in line.match_indices(prefix) {
                     let rest = &line[i + prefix.len()..];
                     let heads: Vec<&str> = match rest.strip_prefix('{') {
@@ -112,9 +172,9 @@ fn backend_imports() -> BTreeMap<String, BTreeSet<String>> {
             }
         }
         if name == "mod" {
-            // The parent reaches its children by name (`cuda_device::device(i)`).
+            // The parent reaches its children by name (`cuda::device::device(i)`).
             for child in &names {
-                if text.contains(&format!("{child}::")) && child != "mod" {
+                if child != "mod" && names_child(&text, child) {
                     deps.insert(child.clone());
                 }
             }
@@ -124,9 +184,41 @@ fn backend_imports() -> BTreeMap<String, BTreeSet<String>> {
     graph
 }
 
+/// Whether `text` names its child module `child` as a path's first segment
+/// (`device::…`, not `cudarc::driver::…`).
+/// Comments are not code.
+fn names_child(text: &str, child: &str) -> bool {
+    let pattern = format!("{child}::");
+    text.lines()
+        .map(|line| line.split("//").next().unwrap_or(""))
+        .any(|line| {
+            line.match_indices(&pattern).any(|(i, _)| {
+                let before = &line[..i];
+                !before.ends_with("::")
+                    && !before
+                        .chars()
+                        .next_back()
+                        .is_some_and(|c| c.is_alphanumeric() || c == '_')
+            })
+        })
+}
+
 #[test]
 fn the_files_of_backend_import_each_other_without_a_cycle() {
-    let graph = backend_imports();
+    assert_no_cycle(
+        "backend/",
+        imports_in("backend", &["super::", "crate::backend::"]),
+    );
+}
+
+#[test]
+fn the_files_of_the_cuda_folder_import_each_other_without_a_cycle() {
+    let graph = imports_in("backend/cuda", &["super::", "crate::backend::cuda::"]);
+    assert!(graph.contains_key("device") && graph.contains_key("driver"));
+    assert_no_cycle("backend/cuda/", graph);
+}
+
+fn assert_no_cycle(folder: &str, graph: BTreeMap<String, BTreeSet<String>>) {
     // Depth-first search for a back edge.
     fn visit(
         n: &str,
@@ -158,7 +250,7 @@ fn the_files_of_backend_import_each_other_without_a_cycle() {
     let mut state = BTreeMap::new();
     for n in graph.keys() {
         if let Some(cycle) = visit(n, &graph, &mut state, &mut Vec::new()) {
-            panic!("an import cycle in backend/: {}", cycle.join(" -> "));
+            panic!("an import cycle in {folder}: {}", cycle.join(" -> "));
         }
     }
 }

@@ -3,6 +3,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::sync::{Arc, Mutex};
 
 use super::event::Event;
 use super::fence::StreamHandle;
@@ -127,6 +128,15 @@ pub trait Backend: sealed::Sealed + Send + Sync + fmt::Debug {
         Err(self.no_foreign_streams())
     }
 
+    /// Drops `keep` (memory lent to another library, coming back) once the device has run
+    /// the work queued so far on that library's `stream` — `None`: the device's default
+    /// stream (CUDA's legacy default stream, which work on every blocking stream of the
+    /// context precedes) — on the device's completer, never waiting on the calling thread.
+    /// A device that runs no work of other libraries drops it at once.
+    fn release_after_stream(&self, _stream: Option<StreamHandle>, keep: Box<dyn Any + Send>) {
+        drop(keep);
+    }
+
     /// The stream a producer of memory this device reads should order its work before
     /// (DLPack's `__dlpack__(stream=…)`), when the device has one another library can use.
     fn producer_stream(&self) -> Option<StreamHandle> {
@@ -176,15 +186,21 @@ pub trait Backend: sealed::Sealed + Send + Sync + fmt::Debug {
 
 /// Memory of a device, freed through its backend's `release` when dropped — which the
 /// engine arranges to happen only after every queued copy using it has completed (the
-/// copies hold it).
+/// copies hold it). Memory lent to another library ([`DeviceMemory::lend`]) is freed only
+/// once its consumers' streams have run the work they queued on it.
 pub struct DeviceMemory {
     device: Device,
     address: *mut u8,
     len: usize,
     written: Event,
-    /// Frees the memory when dropped.
-    _release: Box<dyn Any + Send + Sync>,
+    /// Frees the memory when dropped (taken in `drop` when the memory was lent).
+    release: Option<Box<dyn Any + Send + Sync>>,
+    /// The consumers the memory was lent to: each one's backend and stream.
+    lent: Mutex<Vec<Consumer>>,
 }
+
+/// A consumer of lent device memory: the backend that fences its stream, and the stream.
+type Consumer = (Arc<dyn Backend>, Option<StreamHandle>);
 
 // SAFETY: the address only names memory owned through `_release`; writes to it happen in
 // copies that complete `written`, which every reader waits for.
@@ -210,8 +226,20 @@ impl DeviceMemory {
             address,
             len,
             written: Event::ready(),
-            _release: release,
+            release: Some(release),
+            lent: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Marks the memory as lent to another library whose device work on it runs on
+    /// `stream` (`None`: unknown, the device's default stream stands for it): when dropped,
+    /// it is freed only behind `backend`'s fence on that stream
+    /// ([`Backend::release_after_stream`]).
+    pub(crate) fn lend(&self, backend: Arc<dyn Backend>, stream: Option<StreamHandle>) {
+        self.lent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((backend, stream));
     }
 
     /// The device the memory belongs to.
@@ -242,6 +270,23 @@ impl DeviceMemory {
     /// Sets the event of the copy that fills this memory (before the memory is shared).
     pub(crate) fn set_written(&mut self, event: Event) {
         self.written = event;
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        let lent = std::mem::take(self.lent.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let Some(release) = self.release.take() else {
+            return;
+        };
+        if lent.is_empty() {
+            return drop(release);
+        }
+        // Freed when the last consumer's fence has passed.
+        let release: Arc<Box<dyn Any + Send + Sync>> = Arc::new(release);
+        for (backend, stream) in lent {
+            backend.release_after_stream(stream, Box::new(release.clone()));
+        }
     }
 }
 

@@ -9,12 +9,7 @@ use crate::error::Result;
 
 pub(crate) mod completer;
 pub mod cuda;
-pub(crate) mod cuda_copy;
-pub mod cuda_device;
-pub(crate) mod cuda_driver;
-pub(crate) mod cuda_event;
-pub(crate) mod cuda_freer;
-pub(crate) mod cuda_pinned;
+pub use cuda::device as cuda_device;
 pub mod emulated;
 pub(crate) mod event;
 mod fence;
@@ -39,7 +34,7 @@ impl interface::sealed::Sealed for cuda_device::CudaDevice {}
 /// The device that owns device memory at `address`, a pointer another library handed over
 /// with no device (the CUDA Array Interface), as the driver reports it.
 pub fn pointer_device(address: usize) -> Result<Device> {
-    cuda_driver::pointer_device(address).map(Device::Cuda)
+    cuda::driver::pointer_device(address).map(Device::Cuda)
 }
 
 /// The backend of a device (host memory has none).
@@ -50,6 +45,6 @@ pub fn backend_for(device: Device) -> Result<std::sync::Arc<dyn Backend>> {
             key: String::new(),
             reason: "host memory has no device backend".into(),
         }),
-        Device::Cuda(i) => Ok(cuda_device::device(i)?),
+        Device::Cuda(i) => Ok(cuda::device::device(i)?),
     }
 }

@@ -77,7 +77,7 @@ fn gate(device: Device, direction: Direction) -> Option<Gate> {
             let held = super::emulated::device(i).unwrap().gate(direction);
             Some(Gate(Some(Box::new(move || held.complete(Ok(()))))))
         }
-        Device::Cuda(i) => gate_stream(super::cuda_device::device(i).ok()?.stream_of(direction)),
+        Device::Cuda(i) => gate_stream(super::cuda::device::device(i).ok()?.stream_of(direction)),
         Device::Cpu => None,
     }
 }
@@ -102,7 +102,7 @@ fn gate_stream(stream: usize) -> Option<Gate> {
 /// destroyed when dropped.
 struct ForeignStream {
     raw: cudarc::driver::sys::CUstream,
-    context: super::cuda_driver::Context,
+    context: super::cuda::driver::Context,
     device: Device,
 }
 
@@ -112,7 +112,7 @@ impl ForeignStream {
         let Device::Cuda(ordinal) = device else {
             unreachable!("a CUDA device")
         };
-        let context = super::cuda_device::device(ordinal).unwrap().context;
+        let context = super::cuda::device::device(ordinal).unwrap().context;
         let _current = context.enter(device).unwrap();
         let mut raw: sys::CUstream = std::ptr::null_mut();
         // SAFETY: the GPU's context is current; `raw` is a live out pointer.
@@ -135,9 +135,9 @@ impl ForeignStream {
 
     /// An event recorded on this stream now: it passes once the work queued on the
     /// stream so far (and whatever that was made to wait for) has run.
-    fn mark(&self) -> super::cuda_event::CudaEvent {
+    fn mark(&self) -> super::cuda::event::CudaEvent {
         let _current = self.context.enter(self.device).unwrap();
-        super::cuda_event::CudaEvent::record(self.context, self.device, self.raw).unwrap()
+        super::cuda::event::CudaEvent::record(self.context, self.device, self.raw).unwrap()
     }
 }
 
@@ -407,8 +407,8 @@ fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() 
     };
     let dev = last_gpu();
     let Device::Cuda(i) = dev else { unreachable!() };
-    let batched =
-        super::cuda_device::device(i).unwrap().copy_path() == super::cuda_device::CopyPath::Batched;
+    let batched = super::cuda::device::device(i).unwrap().copy_path()
+        == super::cuda::device::CopyPath::Batched;
     let mut faults = None;
     // An upload: the fault is injected on this thread, which queues uploads (downloads are
     // queued on their lane's own thread).
@@ -936,11 +936,12 @@ fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
     };
     // A pool that keeps one block: a second one given back is unpinned, and asking for
     // another size unpins the cached one first.
-    let gpu = super::cuda_device::device(ordinal).unwrap();
-    let allocator = super::cuda_pinned::CudaPinnedAllocator::new(
+    let gpu = super::cuda::device::device(ordinal).unwrap();
+    let allocator = super::cuda::pinned::CudaPinnedAllocator::new(
         gpu.context,
         Device::Cuda(ordinal),
         gpu.freer().clone(),
+        drop,
     );
     let pool = PinnedPool::new(Box::new(allocator), MIN_CLASS);
     let (a, b) = (pool.take(MIN_CLASS).unwrap(), pool.take(MIN_CLASS).unwrap());
@@ -1029,6 +1030,14 @@ fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
     let next_source = move_tensors(&[&other], dev, MoveOptions::default())
         .unwrap()
         .remove(0);
+    // A buffer of that size from the pool, filled by the host (a staging buffer), must not
+    // be the lent block either: the fake driver aborts when bytes a queued copy still has
+    // to read change. (Pinning a new block orders later copies after the held stream, as
+    // `cuMemHostAlloc` does: the blocking upload above comes first.)
+    let pool = backend_for(dev).unwrap().pinned_pool().unwrap();
+    let reused = pool.take(len).unwrap();
+    // SAFETY: the pool's buffer holds at least `len` bytes, owned by this test.
+    unsafe { std::ptr::write_bytes(reused.as_ptr(), 0xAB, len) };
     let next = move_tensors(
         &[&next_source],
         Device::Cpu,
@@ -1060,6 +1069,127 @@ fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
         assert_eq!(codes, [sys::CUresult::CUDA_SUCCESS; 2]);
     }
     assert_eq!(seen, data, "the consumer read another download's bytes");
+    drop(reused);
+    println!("{CHILD_RAN}");
+}
+
+#[test]
+fn device_memory_lent_through_dlpack_is_freed_only_after_its_consumers_stream_work() {
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
+    }
+    // `cuMemFree` waits for the whole context on a real GPU, which hides a missing fence:
+    // the fake is told not to, so that only the fence keeps the memory alive.
+    run_in_child(
+        "child_a_lent_device_buffer_is_freed_behind_its_consumers_stream",
+        &[("TF_FAKE_CUDA_LENIENT", "implicit-sync")],
+    );
+}
+
+/// Free device memory of `dev` as the driver reports it.
+fn free_memory(dev: Device) -> usize {
+    use cudarc::driver::sys;
+    let Device::Cuda(ordinal) = dev else {
+        unreachable!("a CUDA device")
+    };
+    let gpu = super::cuda::device::device(ordinal).unwrap();
+    let _current = gpu.context.enter(dev).unwrap();
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: the GPU's context is current; live out pointers.
+    let code = unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+    assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    free
+}
+
+#[test]
+fn child_a_lent_device_buffer_is_freed_behind_its_consumers_stream() {
+    use cudarc::driver::sys;
+    if !in_child() {
+        return;
+    }
+    let dev = last_gpu();
+    let Device::Cuda(ordinal) = dev else {
+        unreachable!()
+    };
+    let (host, data) = sample(20);
+    let lent = move_one(&host, dev);
+    lent.wait().unwrap();
+    let (address, len) = (lent.data_ptr() as usize, lent.nbytes());
+    // A device result handed to another library through DLPack for its stream
+    // (`torch.from_dlpack(t)` passes `stream=`), a stream still busy (held here)…
+    let consumer = ForeignStream::new(dev);
+    let target = backend_for(dev).unwrap().alloc(len).unwrap();
+    let held = gate_stream(consumer.raw as usize).unwrap();
+    let ready = Readable::ordered(&lent, consumer.stream())
+        .unwrap()
+        .unwrap();
+    let capsule = crate::dlpack::export_versioned(ready);
+    drop(lent);
+    // …which copies out of it on that stream…
+    {
+        let _current = consumer.context.enter(dev).unwrap();
+        // SAFETY: `address` is the lent memory's `len` bytes, alive while the capsule is;
+        // `target` is `len` bytes of the GPU's memory, held until the copy is done; the
+        // stream is the consumer's, in this context.
+        let code = unsafe {
+            sys::cuMemcpyDtoDAsync_v2(
+                target.as_ptr() as sys::CUdeviceptr,
+                address as sys::CUdeviceptr,
+                len,
+                consumer.raw,
+            )
+        };
+        assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
+    }
+    let before = free_memory(dev);
+    // …and releases it at once, on a thread that must not wait for the GPU.
+    let refusals = MustNotWait::refusals();
+    {
+        let _marked = MustNotWait::mark();
+        // SAFETY: the capsule came from `export_versioned` and is released once, by its
+        // consumer (DLPack's contract).
+        unsafe { ((*capsule).deleter.unwrap())(capsule) };
+    }
+    assert_eq!(MustNotWait::refusals(), refusals, "the release waited");
+    // Whatever frees were handed to the freeing thread have run: freeing the lent memory
+    // while the consumer's copy is queued aborts the process (a use after free).
+    let gpu = super::cuda::device::device(ordinal).unwrap();
+    assert!(gpu.freer().wait_idle(PATIENCE));
+    std::thread::sleep(SETTLE);
+    assert!(gpu.freer().wait_idle(PATIENCE));
+    assert_eq!(
+        free_memory(dev),
+        before,
+        "freed while the consumer may read it"
+    );
+    held.open();
+    // Once the consumer's copy has run, the memory is freed (not leaked).
+    let start = std::time::Instant::now();
+    while free_memory(dev) < before + len {
+        assert!(
+            start.elapsed() < PATIENCE,
+            "the lent memory was never freed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut seen = vec![0u32; data.len()];
+    {
+        let _current = consumer.context.enter(dev).unwrap();
+        // SAFETY: the consumer's stream is live; `seen` holds `len` bytes; `target` is
+        // `len` bytes of the GPU's memory, written by the consumer's copy.
+        let codes = unsafe {
+            [
+                sys::cuStreamSynchronize(consumer.raw),
+                sys::cuMemcpyDtoH_v2(
+                    seen.as_mut_ptr().cast(),
+                    target.as_ptr() as sys::CUdeviceptr,
+                    len,
+                ),
+            ]
+        };
+        assert_eq!(codes, [sys::CUresult::CUDA_SUCCESS; 2]);
+    }
+    assert_eq!(seen, data, "the consumer read freed memory");
     println!("{CHILD_RAN}");
 }
 
@@ -1170,7 +1300,7 @@ fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
         assert_eq!(back.to_vec::<u32>().unwrap(), data);
         drop((there, back));
         let Device::Cuda(i) = dev else { unreachable!() };
-        let freer = super::cuda_device::device(i).unwrap().freer().clone();
+        let freer = super::cuda::device::device(i).unwrap().freer().clone();
         assert!(freer.wait_idle(PATIENCE));
     })
     .join()

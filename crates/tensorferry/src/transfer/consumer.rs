@@ -44,6 +44,8 @@ pub fn order_stream_after(tensor: &Tensor, stream: StreamHandle) -> Result<bool>
 #[derive(Clone, Copy, Debug)]
 pub struct Readable<'a> {
     tensor: &'a Tensor,
+    /// The consumer's stream, when it was ordered after the copy.
+    stream: Option<StreamHandle>,
 }
 
 impl<'a> Readable<'a> {
@@ -51,7 +53,10 @@ impl<'a> Readable<'a> {
     /// read it then); the copy's failure is the error.
     pub fn wait(tensor: &'a Tensor) -> Result<Readable<'a>> {
         tensor.wait()?;
-        Ok(Readable { tensor })
+        Ok(Readable {
+            tensor,
+            stream: None,
+        })
     }
 
     /// Makes `stream` wait on the GPU for the copy filling `tensor` ([`order_stream_after`]),
@@ -59,19 +64,29 @@ impl<'a> Readable<'a> {
     /// a GPU yet (wait for it with [`wait_queued_timeout`] and ask again, or use
     /// [`Readable::wait`]).
     pub fn ordered(tensor: &'a Tensor, stream: StreamHandle) -> Result<Option<Readable<'a>>> {
-        Ok(order_stream_after(tensor, stream)?.then_some(Readable { tensor }))
+        Ok(order_stream_after(tensor, stream)?.then_some(Readable {
+            tensor,
+            stream: Some(stream),
+        }))
     }
 
     /// `other`, readable by the same consumer when it views the same memory (the same
     /// storage): one wait, or one ordering of a stream, covers every view of a buffer.
     pub fn view(&self, other: &'a Tensor) -> Option<Readable<'a>> {
-        std::sync::Arc::ptr_eq(self.tensor.storage(), other.storage())
-            .then_some(Readable { tensor: other })
+        std::sync::Arc::ptr_eq(self.tensor.storage(), other.storage()).then_some(Readable {
+            tensor: other,
+            stream: self.stream,
+        })
     }
 
     /// The tensor.
     pub fn tensor(&self) -> &'a Tensor {
         self.tensor
+    }
+
+    /// The stream the consumer reads on, when it named one ([`Readable::ordered`]).
+    pub fn stream(&self) -> Option<StreamHandle> {
+        self.stream
     }
 }
 

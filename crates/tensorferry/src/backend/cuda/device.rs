@@ -21,8 +21,8 @@
 //! else one `cuMemcpy*Async` per copy), and a `CUevent` recorded after them marks the
 //! batch's host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits
 //! for host work (a staging thread, the emulated device) is chained to it instead, and the
-//! later batches of its stream queue behind it ([`super::lane`]): the caller never blocks.
-//! The GPU's completer thread ([`super::completer`]) watches the recorded events, releases
+//! later batches of its stream queue behind it ([`crate::backend::lane`]): the caller never blocks.
+//! The GPU's completer thread ([`crate::backend::completer`]) watches the recorded events, releases
 //! what each batch held once its copies are done, then completes its host event. A copy
 //! call that fails part-way through a batch still has the copies queued before it waited
 //! for (through the event recorded after them, or by synchronising the stream) before
@@ -36,24 +36,24 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::completer::{Completer, Drain, Entry, Health};
-use super::cuda_driver::{check, cu_device, retain_primary, Context};
-use super::cuda_event::CudaEvent;
-use super::cuda_freer::Freer;
-use super::event::Progress;
-use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
+use super::driver::{check, cu_device, primary_is_active, retain_primary, Context};
+use super::event::CudaEvent;
+use super::freer::Freer;
+use crate::backend::completer::{Completer, Drain, Entry, Health};
+use crate::backend::event::Progress;
+use crate::backend::lane::{lane_of, Lane, Refused, Submitted, LANES};
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda::{status, CudaStatus};
-use super::cuda_copy::CopyQueue;
-pub use super::cuda_copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
-use super::cuda_pinned::CudaPinnedAllocator;
-use super::event::Event;
-use super::event::Failure;
-use super::fence::StreamHandle;
-use super::interface::{Backend, CopyBatch, DeviceMemory, Direction};
-use super::process::{backends_started_here, same_process};
+use super::copy::CopyQueue;
+pub use super::copy::{CopyPath, BATCHED_COPY_DRIVER, COPY_PATH_VAR};
+use super::pinned::CudaPinnedAllocator;
+use super::{status, CudaStatus};
+use crate::backend::event::Event;
+use crate::backend::event::Failure;
+use crate::backend::fence::StreamHandle;
+use crate::backend::interface::{Backend, CopyBatch, DeviceMemory, Direction};
+use crate::backend::process::{backends_started_here, same_process};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::PinnedPool;
@@ -70,6 +70,8 @@ pub struct CudaDevice {
     lanes: [Arc<Lane>; LANES],
     freer: Arc<Freer>,
     health: Arc<Health>,
+    /// What the lanes share: the completer that also returns lent memory.
+    shared: Arc<Shared>,
     /// By GPU ordinal: whether this GPU reads that GPU's memory directly (peer access),
     /// settled the first time a copy from there is queued.
     peers: Box<[OnceLock<bool>]>,
@@ -154,6 +156,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         lanes: [lane(0), lane(1)],
         freer: Arc::new(spawn_freer(name, context)?),
         health,
+        shared,
         peers: (0..gpu_count(status())).map(|_| OnceLock::new()).collect(),
     });
     devices.insert(ordinal, d.clone());
@@ -198,6 +201,30 @@ fn spawn_freer(device: Device, context: Context) -> Result<Freer> {
     })
 }
 
+/// `CU_STREAM_LEGACY`: the legacy default stream of the current context.
+const LEGACY_STREAM: usize = 1;
+
+/// Hands `keep` (a lent pinned block coming back, whose consumer named no stream) to the
+/// completer of every GPU whose primary context is active — the GPUs any library of the
+/// process can have queued work on — behind an event on that GPU's legacy default stream;
+/// the last of them to pass drops it. Work on another library's *non-blocking* streams is
+/// not covered: see README, "What only a real GPU can show". When the GPUs cannot be
+/// listed, `keep` is kept for good.
+fn release_after_every_legacy_stream(keep: Arc<dyn Any + Send + Sync>) {
+    let CudaStatus::Available { gpus, .. } = status() else {
+        return; // no driver: no device work can read the block
+    };
+    for ordinal in 0..gpus.len() {
+        let name = Device::Cuda(ordinal);
+        let active = cu_device(ordinal).and_then(|dev| primary_is_active(dev, name));
+        match active.and_then(|active| active.then(|| device(ordinal)).transpose()) {
+            Ok(None) => {} // no context: no work
+            Ok(Some(gpu)) => gpu.release_after_stream(None, Box::new(keep.clone())),
+            Err(_) => return std::mem::forget(keep),
+        }
+    }
+}
+
 /// How long an allocation that found the device full waits for queued frees.
 const FREES_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -212,8 +239,12 @@ impl Backend for CudaDevice {
         if let Some(p) = POOL.get() {
             return Ok(p.clone());
         }
-        let allocator =
-            CudaPinnedAllocator::new(self.context, Backend::device(self), self.freer.clone());
+        let allocator = CudaPinnedAllocator::new(
+            self.context,
+            Backend::device(self),
+            self.freer.clone(),
+            release_after_every_legacy_stream,
+        );
         Ok(POOL
             .get_or_init(|| PinnedPool::new(Box::new(allocator), PINNED_POOL_CAP))
             .clone())
@@ -240,7 +271,7 @@ impl Backend for CudaDevice {
         let lane = lane_of(Direction::DeviceToDevice);
         let mark = {
             let _current = src.context.enter(source)?;
-            super::cuda_event::CudaEvent::record(src.context, source, src.queue.stream(lane))?
+            super::event::CudaEvent::record(src.context, source, src.queue.stream(lane))?
         };
         let here = Backend::device(self);
         let _current = self.context.enter(here)?;
@@ -267,6 +298,41 @@ impl Backend for CudaDevice {
     fn order_after_stream(&self, stream: StreamHandle) -> Result<()> {
         // SAFETY: `StreamHandle::new`'s contract: a live stream usable with this GPU.
         unsafe { self.wait_for_stream(stream.handle() as sys::CUstream) }
+    }
+
+    /// Records an event on `stream` (the legacy default stream for `None`; in this GPU's
+    /// context, whose default stream the handles 1 and 2 name) on the calling thread —
+    /// recording never waits — and hands it with `keep` to the completer, which drops
+    /// `keep` once the GPU has passed it. An event that cannot be recorded makes the
+    /// completer synchronise the stream instead; when that fails too, `keep` is kept for
+    /// good (memory the GPU may still read is never reused).
+    fn release_after_stream(&self, stream: Option<StreamHandle>, keep: Box<dyn Any + Send>) {
+        let (device, context) = (Backend::device(self), self.context);
+        let raw = stream.map_or(LEGACY_STREAM, StreamHandle::handle);
+        let fence = context
+            .enter(device)
+            .and_then(|_current| CudaEvent::record(context, device, raw as sys::CUstream));
+        let drain: Drain = Box::new(move || {
+            let _current = context.enter(device)?;
+            // SAFETY: the driver is loaded and this GPU's context is current; the handle is
+            // a live stream of this process or a default-stream constant
+            // (`StreamHandle::new`'s contract).
+            check(
+                unsafe { sys::cuStreamSynchronize(raw as sys::CUstream) },
+                device,
+                "cuStreamSynchronize (a consumer's stream)",
+            )
+        });
+        self.shared.completer.push(Entry {
+            done: fence
+                .ok()
+                .map(|e| Arc::new(e) as Arc<dyn crate::backend::fence::Fence>),
+            drain,
+            keep,
+            event: Event::pending(),
+            outcome: Ok(()),
+            device_waits: Vec::new(),
+        });
     }
 
     /// Runs in this GPU's primary context: the default-stream handles (1 and 2) name that
@@ -433,7 +499,7 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
         Err(panic) => Err(Failure::internal(device, &*panic)),
     };
     let done = match CudaEvent::record(shared.context, device, stream) {
-        Ok(e) => Some(Arc::new(e) as Arc<dyn super::fence::Fence>),
+        Ok(e) => Some(Arc::new(e) as Arc<dyn crate::backend::fence::Fence>),
         Err(e) => {
             outcome = outcome.and(Err(Failure::from_error(device, &e)));
             None
@@ -490,7 +556,7 @@ impl CudaDevice {
     unsafe fn wait_for_stream(&self, stream: sys::CUstream) -> Result<()> {
         let device = Device::Cuda(self.ordinal);
         let _current = self.context.enter(device)?;
-        let mark = super::cuda_event::CudaEvent::record(self.context, device, stream)?;
+        let mark = super::event::CudaEvent::record(self.context, device, stream)?;
         (0..LANES).try_for_each(|lane| mark.wait_on(self.queue.stream(lane), device))
     }
 
@@ -569,7 +635,7 @@ fn driver_version_of(s: &CudaStatus) -> i32 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::cuda_driver::{exchange_capture_mode, pointer_device, RELAXED};
+    use super::super::driver::{exchange_capture_mode, pointer_device, RELAXED};
     use super::*;
 
     fn current() -> sys::CUcontext {

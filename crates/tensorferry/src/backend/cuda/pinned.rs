@@ -1,13 +1,14 @@
 //! Pinned host memory for the CUDA pinned pool: `cuMemHostAlloc(PORTABLE)`, never
 //! write-combined (which would make CPU reads slow).
 
+use std::any::Any;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_driver::{check, synchronize_active_gpus, Context};
-use super::cuda_freer::Freer;
+use super::driver::{check, Context};
+use super::freer::Freer;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::pinned::{GiveBack, HostBlock};
@@ -19,16 +20,42 @@ pub(crate) struct CudaPinnedAllocator {
     context: Context,
     device: Device,
     freer: Arc<Freer>,
+    /// Drops what it is handed once the GPUs have run the work queued so far on the
+    /// streams a consumer of lent memory may have used (never on the calling thread).
+    lent_fence: LentFence,
+}
+
+/// Drops its argument once the consumers' stream work queued so far has run.
+pub(crate) type LentFence = fn(Arc<dyn Any + Send + Sync>);
+
+/// A lent block on its way back: given back to the pool when the last fence holding it
+/// drops it.
+struct LentBlock(Mutex<Option<(HostBlock, GiveBack)>>);
+
+impl Drop for LentBlock {
+    fn drop(&mut self) {
+        let taken = self.0.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((block, back)) = taken {
+            back(block);
+        }
+    }
 }
 
 impl CudaPinnedAllocator {
     /// An allocator pinning through `device`'s primary context `context` (usable by every
-    /// GPU), freeing on that GPU's freeing thread `freer`.
-    pub(crate) fn new(context: Context, device: Device, freer: Arc<Freer>) -> Self {
+    /// GPU), freeing on that GPU's freeing thread `freer`, taking lent blocks back behind
+    /// `lent_fence`.
+    pub(crate) fn new(
+        context: Context,
+        device: Device,
+        freer: Arc<Freer>,
+        lent_fence: LentFence,
+    ) -> Self {
         CudaPinnedAllocator {
             context,
             device,
             freer,
+            lent_fence,
         }
     }
 }
@@ -92,16 +119,10 @@ unsafe impl crate::memory::pinned::PinnedAllocator for CudaPinnedAllocator {
         Ok(unsafe { crate::memory::pinned::HostBlock::new(ptr as *mut u8, len, release) })
     }
 
-    /// Behind a synchronisation of every GPU's active primary context, on the freeing
-    /// thread: the consumer's streams are unknown, but its copies out of the block were
-    /// queued before it let the block go. A block whose fence fails is kept for good.
+    /// Behind the allocator's fence (events on the consumers' streams, passed on the
+    /// GPUs' completers): its copies out of the block were queued before it let the block
+    /// go. A block whose fence fails is kept for good.
     fn return_lent(&self, block: HostBlock, back: GiveBack) {
-        self.freer.run(
-            0,
-            Box::new(move || match synchronize_active_gpus() {
-                Ok(()) => back(block),
-                Err(_) => std::mem::forget(block),
-            }),
-        );
+        (self.lent_fence)(Arc::new(LentBlock(Mutex::new(Some((block, back))))));
     }
 }

@@ -18,9 +18,9 @@ use std::sync::Mutex;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_driver::check;
-use super::interface::{CopyBatch, CopyOp, Direction};
-use super::lane::{lane_of, LANES};
+use super::driver::check;
+use crate::backend::interface::{CopyBatch, CopyOp, Direction};
+use crate::backend::lane::{lane_of, LANES};
 use crate::device::Device;
 use crate::error::{Error, Result};
 

@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda::{status, CudaStatus};
+use super::{status, CudaStatus};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -109,33 +109,6 @@ pub(crate) fn check(code: CUresult, device: Device, what: &str) -> Result<()> {
             reason: format!("{what} failed: {code:?}"),
         })
     }
-}
-
-/// Waits until the work queued so far in every GPU's active primary context has run: the
-/// contexts tensorferry and the other libraries of the process (PyTorch, JAX, CuPy) use.
-/// The fence behind which memory lent to another library, whose streams are unknown, is
-/// unused again. It waits for the GPUs: freeing threads only.
-pub(crate) fn synchronize_active_gpus() -> Result<()> {
-    let CudaStatus::Available { gpus, .. } = status() else {
-        return Ok(());
-    };
-    for ordinal in 0..gpus.len() {
-        let name = Device::Cuda(ordinal);
-        let dev = cu_device(ordinal)?;
-        if !primary_is_active(dev, name)? {
-            continue; // no context: no work
-        }
-        // Retained here and released below.
-        let ctx = retain_primary(dev, name)?;
-        let synchronised = Context(ctx).enter(name).and_then(|_current| {
-            // SAFETY: the context is current on this thread.
-            check(unsafe { sys::cuCtxSynchronize() }, name, "cuCtxSynchronize")
-        });
-        // SAFETY: retained above, released once.
-        unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
-        synchronised?;
-    }
-    Ok(())
 }
 
 /// A context to ask the driver about addresses in (under unified addressing any context

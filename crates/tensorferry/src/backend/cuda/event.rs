@@ -6,8 +6,8 @@
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::cuda_driver::{check, Context};
-use super::fence::{Fence, StreamHandle};
+use super::driver::{check, Context};
+use crate::backend::fence::{Fence, StreamHandle};
 use crate::device::Device;
 use crate::error::Result;
 
