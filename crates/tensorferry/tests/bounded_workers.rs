@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 
-use tensorferry::backend::emulated::{configure, EmuConfig};
+use tensorferry::internal::backend::emulated::{configure, EmuConfig};
 use tensorferry::{move_tensors, Device, MoveOptions, Staging, Tensor};
 
 /// Threads of this process now, as Linux lists them.

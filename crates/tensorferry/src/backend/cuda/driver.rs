@@ -169,6 +169,33 @@ pub(crate) fn retain_primary(dev: sys::CUdevice, name: Device) -> Result<sys::CU
     Ok(ctx)
 }
 
+/// Synchronises the primary context of every GPU whose primary context is active: the
+/// contexts tensorferry and the other libraries of the process (PyTorch, JAX, CuPy) use,
+/// all their streams included. The last fence behind which memory lent to another library,
+/// whose streams are unknown, is used again. It waits for the GPUs: freeing threads only.
+pub(crate) fn synchronize_active_gpus() -> Result<()> {
+    let super::CudaStatus::Available { gpus, .. } = super::status() else {
+        return Ok(());
+    };
+    for ordinal in 0..gpus.len() {
+        let name = Device::Cuda(ordinal);
+        let dev = cu_device(ordinal)?;
+        if !primary_is_active(dev, name)? {
+            continue; // no context: no work
+        }
+        // Retained here and released below.
+        let ctx = retain_primary(dev, name)?;
+        let synchronised = Context(ctx).enter(name).and_then(|_current| {
+            // SAFETY: the driver is loaded and the context is current on this thread.
+            check(unsafe { sys::cuCtxSynchronize() }, name, "cuCtxSynchronize")
+        });
+        // SAFETY: retained above, released once.
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(dev) };
+        synchronised?;
+    }
+    Ok(())
+}
+
 /// The GPU that owns device memory at `address` — a pointer handed over by another
 /// producer (the CUDA Array Interface names no device) — as the driver reports it. The
 /// driver answers in the current context, so one is pushed for the call (and popped: the

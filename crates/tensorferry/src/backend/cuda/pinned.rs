@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUresult};
 
-use super::driver::{check, Context};
+use super::driver::{check, synchronize_active_gpus, Context};
 use super::freer::Freer;
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -28,15 +28,28 @@ pub(crate) struct CudaPinnedAllocator {
 /// Drops its argument once the consumers' stream work queued so far has run.
 pub(crate) type LentFence = fn(Arc<dyn Any + Send + Sync>);
 
-/// A lent block on its way back: given back to the pool when the last fence holding it
-/// drops it.
-struct LentBlock(Mutex<Option<(HostBlock, GiveBack)>>);
+/// A lent block on its way back. When the last legacy-stream fence holding it drops it
+/// (on a completer thread), the freeing thread synchronises every active GPU context —
+/// which also covers work a consumer queued on its own non-blocking streams, which no
+/// legacy-stream event orders — and only then gives the block back to the pool. After the
+/// legacy fences have passed, that synchronisation rarely has anything left to wait for;
+/// a block whose synchronisation fails is kept for good.
+struct LentBlock {
+    block: Mutex<Option<(HostBlock, GiveBack)>>,
+    freer: Arc<Freer>,
+}
 
 impl Drop for LentBlock {
     fn drop(&mut self) {
-        let taken = self.0.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        let taken = self.block.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         if let Some((block, back)) = taken {
-            back(block);
+            self.freer.run(
+                0,
+                Box::new(move || match synchronize_active_gpus() {
+                    Ok(()) => back(block),
+                    Err(_) => std::mem::forget(block),
+                }),
+            );
         }
     }
 }
@@ -120,9 +133,13 @@ unsafe impl crate::memory::pinned::PinnedAllocator for CudaPinnedAllocator {
     }
 
     /// Behind the allocator's fence (events on the consumers' streams, passed on the
-    /// GPUs' completers): its copies out of the block were queued before it let the block
-    /// go. A block whose fence fails is kept for good.
+    /// GPUs' completers), then a synchronisation of every active GPU context on the freeing
+    /// thread (see `LentBlock`): its copies out of the block were queued before it let the
+    /// block go. A block whose fence fails is kept for good.
     fn return_lent(&self, block: HostBlock, back: GiveBack) {
-        (self.lent_fence)(Arc::new(LentBlock(Mutex::new(Some((block, back))))));
+        (self.lent_fence)(Arc::new(LentBlock {
+            block: Mutex::new(Some((block, back))),
+            freer: self.freer.clone(),
+        }));
     }
 }
