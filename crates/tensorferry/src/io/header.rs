@@ -1,20 +1,22 @@
-//! Parsing and validating a safetensors header, trusting nothing in it.
+//! The safetensors header codec: reading and validating a header, trusting nothing in it.
 //!
-//! Two passes: [`super::census`] counts what the header describes and
-//! [`super::budget`] refuses it if loading would take too much memory; then the parse
-//! that builds allocates exactly what was counted.
+//! Two passes over the borrowed text, with one tokenizer ([`super::scan`]). The first
+//! ([`count`]) checks the JSON and counts what the header describes (tensors, dimensions,
+//! metadata, the recorded tree through [`super::tree_census`]) without building any of
+//! it; [`super::budget`] refuses the header if loading it would take too much memory; the
+//! second pass ([`build`]) allocates exactly what was counted. Faults are worded as the
+//! `serde_json` reader this codec replaced worded them, with their line and column, and
+//! in the same order: syntax first, then the budget, then the first entry at fault.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::fmt;
-
-use serde::de::{DeserializeSeed, Deserializer, MapAccess, Visitor};
-use serde::Deserialize;
 
 use super::budget;
-use super::census::{count_header, HeaderCensus};
-use super::fast_header::{self, Built};
 use super::name_hash::name_hash;
+use super::scan::{Cursor, Fault, Scan};
+use super::tree_census::{self, TreeCensus};
 use super::tree_meta::shorten;
+use super::TREE_METADATA_KEY;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::checked_nbytes;
@@ -48,98 +50,34 @@ pub struct Header {
     pub data_start: u64,
 }
 
-/// One tensor entry as written in the header, before validation.
-#[derive(Deserialize)]
-struct RawEntry {
-    dtype: DTypeCode,
-    #[serde(deserialize_with = "exact_shape")]
-    shape: Vec<usize>,
-    data_offsets: (usize, usize),
+/// What a header describes, counted.
+#[derive(Debug, Default)]
+pub(crate) struct HeaderCensus {
+    /// Bytes of the header's JSON.
+    pub(crate) header_bytes: u64,
+    /// Tensor entries.
+    pub(crate) entries: u64,
+    /// Dimensions of all shapes together.
+    pub(crate) dims: u64,
+    /// Dimensions of the longest shape.
+    pub(crate) max_ndim: u64,
+    /// Bytes of all tensor names.
+    pub(crate) name_bytes: u64,
+    /// Entries of `__metadata__`.
+    pub(crate) metadata_pairs: u64,
+    /// Bytes of the keys and string values of `__metadata__`.
+    pub(crate) metadata_bytes: u64,
+    /// Bytes of the longest string the parse copies out.
+    pub(crate) longest_string: u64,
+    /// The recorded tree, counted, when `__metadata__` holds one (an error when it does not
+    /// parse: the load reports it, a header read does not care).
+    pub(crate) tree: Option<Result<TreeCensus>>,
 }
 
-/// A dtype code: the dtype, or the (shortened) unknown code.
-struct DTypeCode(std::result::Result<DType, String>);
-
-impl<'de> Deserialize<'de> for DTypeCode {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
-            type Value = DTypeCode;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a dtype code")
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<DTypeCode, E> {
-                Ok(DTypeCode(
-                    DType::from_safetensors_code(v).ok_or_else(|| shorten(v)),
-                ))
-            }
-        }
-        d.deserialize_str(V)
-    }
-}
-
-/// A shape, its vector no longer than its length (the census counted one word per dim).
-fn exact_shape<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Vec<usize>, D::Error> {
-    let mut shape = Vec::<usize>::deserialize(d)?;
-    shape.shrink_to_fit();
-    Ok(shape)
-}
-
-/// The header's top-level object: validated entries in order and the metadata.
-#[derive(Default)]
-struct RawHeader {
-    entries: Vec<TensorEntry>,
-    metadata: Option<BTreeMap<String, String>>,
-}
-
-/// Builds a [`RawHeader`] with room for `entries`; a fault of ours goes to `failure`.
-struct HeaderSeed<'a> {
-    entries: usize,
-    failure: &'a mut Option<Error>,
-}
-
-impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
-    type Value = RawHeader;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<RawHeader, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for HeaderSeed<'_> {
-    type Value = RawHeader;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON object")
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<RawHeader, A::Error> {
-        use serde::de::Error as _;
-        let mut out = RawHeader {
-            entries: Vec::with_capacity(self.entries),
-            metadata: None,
-        };
-        let mut fail = |e: Error| {
-            *self.failure = Some(e);
-            A::Error::custom("invalid entry")
-        };
-        while let Some(name) = map.next_key::<String>()? {
-            if name == "__metadata__" {
-                let m = map.next_value::<BTreeMap<String, String>>().map_err(|e| {
-                    A::Error::custom(format!("__metadata__ must map strings to strings: {e}"))
-                })?;
-                if out.metadata.replace(m).is_some() {
-                    return Err(fail(Error::format_in(
-                        &name,
-                        "name appears twice in the header",
-                    )));
-                }
-                continue;
-            }
-            let entry = map
-                .next_value::<RawEntry>()
-                .map_err(|e| A::Error::custom(format!("tensor {:?}: {e}", shorten(&name))))?;
-            out.entries
-                .push(validate_entry(name, entry).map_err(&mut fail)?);
-        }
-        Ok(out)
+impl HeaderCensus {
+    /// Notes a string of `len` bytes.
+    pub(crate) fn saw_string(&mut self, len: usize) {
+        self.longest_string = self.longest_string.max(len as u64);
     }
 }
 
@@ -222,17 +160,21 @@ pub(crate) fn parse_counted(header: &[u8], data_len: u64) -> Result<(Header, Hea
     let data_start = 8 + header.len() as u64;
     let text = std::str::from_utf8(header)
         .map_err(|e| Error::format_at(8 + e.valid_up_to() as u64, "header is not valid UTF-8"))?;
-    let fast = match fast_header::count(text) {
-        Some(counted) => {
-            budget::check(&counted.census, data_len)?;
-            fast_header::build(text, counted)
-        }
-        None => None,
-    };
-    let (entries, metadata, census) = match fast {
-        Some(built) => built,
-        None => parse_slow(text, data_len)?,
-    };
+    let Counted {
+        census,
+        tree_text,
+        fault,
+    } = count(text).map_err(|f| not_json(&f.describe(text)))?;
+    budget::check(&census, data_len)?;
+    if let Some(fault) = fault {
+        return Err(fault);
+    }
+    let (entries, metadata) = build(text, census.entries, tree_text).map_err(|f| {
+        not_json(&format!(
+            "the header changed while read: {}",
+            f.describe(text)
+        ))
+    })?;
     if let Some(name) = first_duplicate(&entries) {
         return Err(Error::format_in(
             &shorten(name),
@@ -248,30 +190,356 @@ pub(crate) fn parse_counted(header: &[u8], data_len: u64) -> Result<(Header, Hea
     Ok((header, census))
 }
 
-/// The entries, metadata and census of any header `text`, read with `serde_json` (for
-/// headers [`fast_header`] does not read), every fault worded.
-pub(super) fn parse_slow(text: &str, data_len: u64) -> Result<Built> {
-    let census = count_header(text)?;
-    budget::check(&census, data_len)?;
-    let mut failure = None;
-    let mut de = serde_json::Deserializer::from_str(text);
-    let parsed = HeaderSeed {
-        entries: census.entries as usize,
-        failure: &mut failure,
-    }
-    .deserialize(&mut de)
-    .and_then(|raw| de.end().map(|()| raw));
-    let raw = match (parsed, failure) {
-        (_, Some(fault)) => return Err(fault),
-        (Ok(raw), None) => raw,
-        (Err(e), None) => {
-            return Err(Error::format_at(
-                8,
-                format!("header is not a valid safetensors JSON object: {e}"),
-            ))
-        }
+/// The census of the header `text` (for debug builds to check the writer's own).
+#[cfg(debug_assertions)]
+pub(crate) fn census_of(text: &str) -> Result<HeaderCensus> {
+    count(text)
+        .map(|counted| counted.census)
+        .map_err(|f| not_json(&f.describe(text)))
+}
+
+/// The fault of a header that is not the JSON object of a safetensors header.
+fn not_json(why: &str) -> Error {
+    Error::format_at(
+        8,
+        format!("header is not a valid safetensors JSON object: {why}"),
+    )
+}
+
+/// What the first pass found.
+struct Counted {
+    census: HeaderCensus,
+    /// The tree record, unescaped, if `__metadata__` holds one.
+    tree_text: Option<String>,
+    /// The first fault of an entry or of the metadata (a value of the wrong type, an
+    /// unknown dtype, a shape that disagrees with its bytes): reported after the budget.
+    fault: Option<Error>,
+}
+
+/// Checks the JSON of the header `text` and counts what it describes.
+fn count(text: &str) -> Scan<Counted> {
+    let mut census = HeaderCensus {
+        header_bytes: text.len() as u64,
+        ..HeaderCensus::default()
     };
-    Ok((raw.entries, raw.metadata.unwrap_or_default(), census))
+    let mut tree_text = None;
+    let mut fault = None;
+    let mut seen_metadata = false;
+    let mut c = Cursor::new(text);
+    c.object("a JSON object", |c, key| {
+        census.saw_string(key.len());
+        let before = *c;
+        if key == "__metadata__" {
+            let read = metadata_members(c, &mut |c, key| {
+                census.saw_string(key.len());
+                census.metadata_pairs += 1;
+                census.metadata_bytes += key.len() as u64;
+                let len = { *c }.str_len()?;
+                census.saw_string(len);
+                census.metadata_bytes += len as u64;
+                if key == TREE_METADATA_KEY {
+                    let mut text = String::with_capacity(len);
+                    c.str_into(&mut text)?;
+                    tree_text = Some(text);
+                } else {
+                    c.str_len()?;
+                }
+                Ok(())
+            });
+            if let Err(f) = read {
+                let why = format!("__metadata__ must map strings to strings: {}", f.what());
+                defer(c, before, &mut fault, Fault::new(f.at(), why))?;
+            } else if std::mem::replace(&mut seen_metadata, true) && fault.is_none() {
+                fault = Some(Error::format_in(&key, "name appears twice in the header"));
+            }
+            return Ok(());
+        }
+        census.entries += 1;
+        census.name_bytes += key.len() as u64;
+        let mut ndim = 0u64;
+        match entry(c, &mut census, |_| ndim += 1) {
+            Ok(fields) => {
+                if fault.is_none() {
+                    fault = fields.check(text, &key).err();
+                }
+            }
+            Err(f) => {
+                let why = format!("tensor {:?}: {}", shorten(&key), f.what());
+                defer(c, before, &mut fault, Fault::new(f.at(), why))?;
+            }
+        }
+        census.dims += ndim;
+        census.max_ndim = census.max_ndim.max(ndim);
+        Ok(())
+    })?;
+    c.finish()?;
+    census.tree = tree_text.as_deref().map(tree_census::count);
+    Ok(Counted {
+        census,
+        tree_text,
+        fault,
+    })
+}
+
+/// A value at `before` that `c` could not read: a syntax fault when the value does not
+/// even skip as JSON, else the first fault of its kind, kept in `fault` for later.
+fn defer<'a>(
+    c: &mut Cursor<'a>,
+    before: Cursor<'a>,
+    fault: &mut Option<Error>,
+    f: Fault,
+) -> Scan<()> {
+    *c = before;
+    c.skip_value()?;
+    if fault.is_none() {
+        *fault = Some(not_json(&f.describe(before.text())));
+    }
+    Ok(())
+}
+
+/// Builds the entries (room for `entries`) and the metadata of the header `text` that
+/// [`count`] checked; `tree_text` is the record it unescaped.
+fn build(
+    text: &str,
+    entries: u64,
+    mut tree_text: Option<String>,
+) -> Scan<(Vec<TensorEntry>, BTreeMap<String, String>)> {
+    let mut tensors = Vec::with_capacity(usize::try_from(entries).unwrap_or(0));
+    let mut metadata = BTreeMap::new();
+    let mut ignored = HeaderCensus::default();
+    let mut c = Cursor::new(text);
+    c.object("a JSON object", |c, key| {
+        if key == "__metadata__" {
+            return metadata_into(c, &mut metadata, &mut tree_text);
+        }
+        // Up to eight dims are gathered on the stack; a longer shape is read again into a
+        // vector of its exact length.
+        let start = *c;
+        let (mut small, mut ndim) = ([0usize; 8], 0usize);
+        let fields = entry(c, &mut ignored, |d| {
+            if let Some(slot) = small.get_mut(ndim) {
+                *slot = d;
+            }
+            ndim += 1;
+        })?;
+        let shape = match small.get(..ndim) {
+            Some(dims) => dims.to_vec(),
+            None => {
+                let mut shape = Vec::with_capacity(ndim);
+                entry(&mut { start }, &mut ignored, |d| shape.push(d))?;
+                shape
+            }
+        };
+        let unexpected = || start.fault("an entry changed between the passes");
+        let dtype = fields.dtype.map_err(|_| unexpected())?;
+        // Packed floats: the header counts values, the tensor elements.
+        let shape = dtype.tensor_shape(shape).ok_or_else(unexpected)?;
+        tensors.push(TensorEntry {
+            name: key.into_owned(),
+            dtype,
+            shape,
+            begin: fields.begin,
+            end: fields.end,
+        });
+        Ok(())
+    })?;
+    Ok((tensors, metadata))
+}
+
+/// The `__metadata__` map into `metadata`; the tree record is taken from `tree`, already
+/// unescaped.
+fn metadata_into(
+    c: &mut Cursor<'_>,
+    metadata: &mut BTreeMap<String, String>,
+    tree: &mut Option<String>,
+) -> Scan<()> {
+    metadata_members(c, &mut |c, key| {
+        let value = if key == TREE_METADATA_KEY {
+            c.str_len()?;
+            match tree.clone() {
+                Some(text) => text,
+                None => return Err(c.fault("the tree record changed between the passes")),
+            }
+        } else {
+            let mut value = String::with_capacity({ *c }.str_len()?);
+            c.str_into(&mut value)?;
+            value
+        };
+        metadata.insert(key.into_owned(), value);
+        Ok(())
+    })?;
+    // The record once, whichever of its copies came last.
+    if let Some(text) = tree.take() {
+        metadata.insert(TREE_METADATA_KEY.to_string(), text);
+    }
+    Ok(())
+}
+
+/// Calls `each` with every key of the `__metadata__` object, the cursor at its value,
+/// which must be a string.
+fn metadata_members<'a>(
+    c: &mut Cursor<'a>,
+    each: &mut dyn FnMut(&mut Cursor<'a>, Cow<'a, str>) -> Scan<()>,
+) -> Scan<()> {
+    c.object("a map", |c, key| {
+        if c.peek() != Some(b'"') {
+            return Err(c.wrong_type("a string"));
+        }
+        each(c, key)
+    })
+}
+
+/// The fields of one entry, as read.
+struct Fields {
+    /// The dtype, or its code shortened when unknown.
+    dtype: std::result::Result<DType, String>,
+    /// The number of values the shape holds, `None` when it overflows.
+    numel: Option<usize>,
+    /// Where the shape starts in the text (read again to word a fault).
+    shape_at: usize,
+    begin: usize,
+    end: usize,
+}
+
+/// The keys of an entry.
+#[derive(Clone, Copy, PartialEq)]
+enum Field {
+    DType,
+    Shape,
+    Offsets,
+    Other,
+}
+
+impl Field {
+    /// The name of the field, as a fault about it gives it.
+    fn name(self) -> &'static str {
+        match self {
+            Field::DType => "dtype",
+            Field::Shape => "shape",
+            Field::Offsets => "data_offsets",
+            Field::Other => "",
+        }
+    }
+}
+
+/// One entry at the cursor, `{"dtype": …, "shape": […], "data_offsets": [b, e]}` (fields
+/// in any order, others skipped) or `[dtype, shape, data_offsets]`; each dimension of its
+/// shape goes to `dim`, the length of each string to `census`. Every fault of type or
+/// structure is a [`Fault`]; whether the fields agree is for [`Fields::check`].
+fn entry(
+    c: &mut Cursor<'_>,
+    census: &mut HeaderCensus,
+    mut dim: impl FnMut(usize),
+) -> Scan<Fields> {
+    const ORDER: [Field; 3] = [Field::DType, Field::Shape, Field::Offsets];
+    let mut fields = Fields {
+        dtype: Err(String::new()),
+        numel: None,
+        shape_at: 0,
+        begin: 0,
+        end: 0,
+    };
+    let mut seen = [false; 3];
+    let mut read = |c: &mut Cursor<'_>, field: Field, key_len: usize| -> Scan<()> {
+        census.saw_string(key_len);
+        let Some(i) = ORDER.iter().position(|&f| f == field) else {
+            return c.skip_value();
+        };
+        if std::mem::replace(&mut seen[i], true) {
+            return Err(c.fault(format!("duplicate field `{}`", field.name())));
+        }
+        match field {
+            Field::DType => {
+                if c.peek() != Some(b'"') {
+                    return Err(c.wrong_type("a dtype code"));
+                }
+                let code = c.str()?;
+                census.saw_string(code.len());
+                fields.dtype = DType::from_safetensors_code(&code).ok_or_else(|| shorten(&code));
+            }
+            Field::Shape => {
+                c.peek();
+                fields.shape_at = c.pos();
+                let mut numel = Some(1usize);
+                c.array("a sequence", |c| {
+                    let d = c.usize("usize")?;
+                    numel = numel.and_then(|n| n.checked_mul(d));
+                    dim(d);
+                    Ok::<(), Fault>(())
+                })?;
+                fields.numel = numel;
+            }
+            _ => (fields.begin, fields.end) = offsets(c)?,
+        }
+        Ok(())
+    };
+    const WANT: &str = "struct RawEntry with 3 elements";
+    if c.peek() == Some(b'[') {
+        let mut i = 0;
+        c.array(WANT, |c| {
+            let &field = ORDER
+                .get(i)
+                .ok_or_else(|| c.fault(format!("invalid length {}, expected {WANT}", i + 1)))?;
+            i += 1;
+            read(c, field, 0)
+        })?;
+    } else {
+        c.object("struct RawEntry", |c, key| {
+            let field = match &*key {
+                "dtype" => Field::DType,
+                "shape" => Field::Shape,
+                "data_offsets" => Field::Offsets,
+                _ => Field::Other,
+            };
+            read(c, field, key.len())
+        })?;
+    }
+    if let Some(i) = seen.iter().position(|s| !s) {
+        return Err(c.fault(format!("missing field `{}`", ORDER[i].name())));
+    }
+    Ok(fields)
+}
+
+/// The `data_offsets` pair at the cursor.
+fn offsets(c: &mut Cursor<'_>) -> Scan<(usize, usize)> {
+    const WANT: &str = "a tuple of size 2";
+    let length = |c: &Cursor<'_>, n: usize| c.fault(format!("invalid length {n}, expected {WANT}"));
+    if c.peek() != Some(b'[') {
+        return Err(c.wrong_type(WANT));
+    }
+    if c.open(b'[')? {
+        return Err(length(c, 0));
+    }
+    let begin = c.usize("usize")?;
+    if !c.more(b']')? {
+        return Err(length(c, 1));
+    }
+    let end = c.usize("usize")?;
+    if c.more(b']')? {
+        return Err(length(c, 3));
+    }
+    Ok((begin, end))
+}
+
+impl Fields {
+    /// The fields of the entry `name` agree (a known dtype; a shape whose bytes are the
+    /// span of the offsets), or the fault in words.
+    fn check(&self, text: &str, name: &str) -> Result<()> {
+        if let (Ok(&dtype), Some(numel)) = (self.dtype.as_ref(), self.numel) {
+            let nbytes = numel.checked_mul(dtype.size());
+            if dtype.lanes() == 1 && self.begin <= self.end && nbytes == Some(self.end - self.begin)
+            {
+                return Ok(());
+            }
+        }
+        // The fault, rare: the shape read again to word it.
+        let mut shape = Vec::new();
+        let _ = Cursor::at(text, self.shape_at).array("a sequence", |c| {
+            shape.push(c.usize("usize")?);
+            Ok::<(), Fault>(())
+        });
+        validate_entry(name, self.dtype.clone(), shape, self.begin, self.end).map(drop)
+    }
 }
 
 /// A name two entries share, if any. The entries are sorted by the hash of their name
@@ -305,14 +573,17 @@ fn first_duplicate(entries: &[TensorEntry]) -> Option<&str> {
     None
 }
 
-fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {
-    let at = shorten(&name);
-    let dtype = e
-        .dtype
-        .0
-        .map_err(|code| Error::format_in(&at, format!("unknown dtype {code:?}")))?;
-    let shape = packed_shape(dtype, e.shape, &at)?;
-    let (begin, end) = e.data_offsets;
+/// The entry `name` of `dtype`, `shape` and offsets `begin..end`, or its first fault.
+fn validate_entry(
+    name: &str,
+    dtype: std::result::Result<DType, String>,
+    shape: Vec<usize>,
+    begin: usize,
+    end: usize,
+) -> Result<TensorEntry> {
+    let at = shorten(name);
+    let dtype = dtype.map_err(|code| Error::format_in(&at, format!("unknown dtype {code:?}")))?;
+    let shape = packed_shape(dtype, shape, &at)?;
     if begin > end {
         return Err(Error::format_in(
             &at,
@@ -332,7 +603,7 @@ fn validate_entry(name: String, e: RawEntry) -> Result<TensorEntry> {
         ));
     }
     Ok(TensorEntry {
-        name,
+        name: name.to_string(),
         dtype,
         shape,
         begin,
@@ -557,5 +828,150 @@ mod tests {
             .to_string()
             .contains("past the end"));
         assert!(header_len(&[1, 2], 2).is_err());
+    }
+
+    /// A file holding the header `text` and `data_len` bytes of data.
+    fn file(text: &str, data_len: usize) -> Vec<u8> {
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(text.as_bytes());
+        bytes.extend((0..data_len).map(|i| i as u8));
+        bytes
+    }
+
+    /// A header as writers write it, with a tree record, escapes and fields out of order.
+    const WRITTEN: &str = r#"{"__metadata__":{"k":"v\"w\u00e9","tensorferry":"{\"format\":1,\"tree\":{\"dict\":[[\"a\",{\"tensor\":\"a\"}],[\"b\",{\"list\":[{\"int\":-3},{\"none\":null},{\"bool\":false},{\"str\":\"s\"}]}],[\"c\",{\"tensor\":\"c\"}]]}}"},"a":{"dtype":"F32","shape":[2,1],"data_offsets":[0,8]},"c":{"shape":[],"data_offsets":[8,9],"dtype":"U8"}}   "#;
+
+    /// The files the differential tests read: both corpora, a written header, and every
+    /// one-byte change (to a byte that matters to JSON) and every cut of that header.
+    fn files() -> Vec<Vec<u8>> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files = Vec::new();
+        for folder in ["../../fuzz/corpus/read_safetensors", "tests/corpus"] {
+            for file in std::fs::read_dir(dir.join(folder)).unwrap() {
+                files.push(std::fs::read(file.unwrap().path()).unwrap());
+            }
+        }
+        let bytes = WRITTEN.as_bytes();
+        for at in 0..bytes.len() {
+            for b in *b"\"\\{}[],:019-eE.ntx u" {
+                let mut changed = bytes.to_vec();
+                changed[at] = b;
+                if let Ok(text) = std::str::from_utf8(&changed) {
+                    files.push(file(text, 9));
+                }
+            }
+            files.push(file(&WRITTEN[..at], 9));
+        }
+        files.push(file(WRITTEN, 9));
+        files
+    }
+
+    /// The header text of a file, and the length of its data, when it has both.
+    fn split(bytes: &[u8]) -> Option<(&str, u64)> {
+        let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+        let end = 8usize.checked_add(usize::try_from(n).ok()?)?;
+        let text = std::str::from_utf8(bytes.get(8..end)?).ok()?;
+        Some((text, (bytes.len() - end) as u64))
+    }
+
+    #[test]
+    fn the_json_is_read_exactly_where_serde_json_reads_it() {
+        let mut read = 0;
+        for bytes in files() {
+            let Some((text, _)) = split(&bytes) else {
+                continue;
+            };
+            let oracle = serde_json::from_str::<serde_json::Value>(text);
+            let mine = count(text);
+            let oracle_reads = oracle.as_ref().is_ok_and(|v| v.is_object());
+            assert_eq!(
+                mine.is_ok(),
+                oracle_reads,
+                "{text}: {:?} / {oracle:?}",
+                mine.err()
+            );
+            read += usize::from(mine.is_ok());
+        }
+        assert!(
+            read > 100,
+            "only {read} headers read: the test tests little"
+        );
+    }
+
+    #[test]
+    fn what_it_reads_the_safetensors_crate_reads_alike() {
+        let (mut agreed, mut refused) = (0, 0);
+        for bytes in files() {
+            let Some((text, data_len)) = split(&bytes) else {
+                continue;
+            };
+            let Ok(mine) = parse_header(text.as_bytes(), data_len) else {
+                continue;
+            };
+            let Ok(theirs) = safetensors::SafeTensors::deserialize(&bytes) else {
+                refused += 1;
+                continue;
+            };
+            let data = &bytes[mine.data_start as usize..];
+            assert_eq!(mine.tensors.len(), theirs.len(), "{text}");
+            for t in &mine.tensors {
+                let view = theirs.tensor(&t.name).unwrap();
+                assert_eq!(
+                    Some(&*format!("{:?}", view.dtype())),
+                    t.dtype.safetensors_code()
+                );
+                assert_eq!(
+                    view.shape(),
+                    t.dtype.file_shape(&t.shape).unwrap(),
+                    "{text}"
+                );
+                assert_eq!(view.data(), &data[t.begin..t.end], "{text}");
+            }
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+            let theirs_meta: BTreeMap<String, String> = meta
+                .metadata()
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .collect();
+            assert_eq!(mine.metadata, theirs_meta, "{text}");
+            agreed += 1;
+        }
+        assert!(
+            agreed > 20,
+            "only {agreed} headers compared ({refused} refused by safetensors)"
+        );
+        assert!(
+            refused <= agreed / 10,
+            "safetensors refused {refused} headers read here"
+        );
+    }
+
+    #[test]
+    fn faults_are_worded_with_their_place_as_serde_json_words_them() {
+        let not_json = |json: &str| hdr(json, 0).unwrap_err().to_string();
+        let e = not_json("{\"a\" 1}");
+        assert!(
+            e.contains(
+                "header is not a valid safetensors JSON object: expected `:` at line 1 column 6"
+            ),
+            "{e}"
+        );
+        let e = not_json(r#"{"a":{"dtype":"U8","shape":"x","data_offsets":[0,0]}}"#);
+        assert!(
+            e.contains(
+                r#"tensor "a": invalid type: string "x", expected a sequence at line 1 column"#
+            ),
+            "{e}"
+        );
+        let e = not_json(r#"{"a":{"shape":[],"data_offsets":[0,0]}}"#);
+        assert!(e.contains("missing field `dtype`"), "{e}");
+        let e = not_json(r#"{"__metadata__":{"k":1}}"#);
+        assert!(e.contains("__metadata__ must map strings to strings: invalid type: integer `1`, expected a string"), "{e}");
+        let e = not_json(r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]}}"#);
+        assert!(e.contains(r#"unknown dtype "Q7""#), "{e}");
+        // A syntax fault anywhere comes before a fault of an entry, as it did.
+        let e = not_json(r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]},}"#);
+        assert!(e.contains("key must be a string"), "{e}");
     }
 }

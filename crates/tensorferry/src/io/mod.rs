@@ -24,12 +24,9 @@
 //! loaded and saved through [`object`].
 
 mod budget;
-mod census;
 mod checkpoint;
 mod direct;
 mod direct_runs;
-mod fast_header;
-mod fast_tree;
 mod file_kind;
 mod fs_name;
 mod gather_write;

@@ -12,12 +12,11 @@ use std::sync::Arc;
 use memmap2::{Mmap, MmapOptions};
 
 use super::budget;
-use super::census::HeaderCensus;
 use super::direct::{Reader, Window};
 use super::file_kind::open_regular;
-use super::header::{header_len, parse_counted, Header};
+use super::header::{header_len, parse_counted, Header, HeaderCensus};
 use super::pool::{flat_dict, Pool};
-use super::{tree_decode, TREE_METADATA_KEY};
+use super::{tree_census, tree_decode, TREE_METADATA_KEY};
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
@@ -305,7 +304,7 @@ pub(super) fn build(
         Some(text) => {
             let tree = match census.tree {
                 Some(counted) => counted?,
-                None => super::fast_tree::census(&text)?,
+                None => tree_census::count(&text)?,
             };
             let mut pool = Pool::new(header.tensors, storage, base);
             let root = tree_decode::decode(&text, &tree, &mut pool)?;

@@ -1,11 +1,66 @@
-//! A cursor over the regular subset of JSON that writers of safetensors headers emit:
-//! strings without `\u` escapes, non-negative or negative integers without exponent or
-//! fraction, and the punctuation between them.
+//! A cursor over JSON text: the one tokenizer of the header codec ([`super::header`]) and
+//! of the tree record ([`super::tree_census`], [`super::tree_decode`]).
 //!
-//! Every method returns `None` at the first byte outside that subset, and never panics
-//! nor allocates (but [`Cursor::unescaped_into`], into the caller's string): the fast
-//! readers built on it ([`super::fast_header`], [`super::fast_tree`]) then leave the
-//! input to the `serde_json` readers, which accept all of JSON and word every error.
+//! It reads all of JSON (RFC 8259), borrowing strings without escapes from the text and
+//! measuring or unescaping the others, and never panics. A fault is a [`Fault`]: a
+//! position and words in the form `serde_json` gives them (`expected `,` or `}``,
+//! `invalid type: string "x", expected a sequence`), which [`Fault::describe`] turns into
+//! a message ending in `at line L column C`.
+
+use std::borrow::Cow;
+
+/// Deepest nesting of arrays and objects skipped as a value (as `serde_json`'s limit).
+const SKIP_DEPTH: usize = 128;
+
+/// A fault in a JSON text: where, and what.
+#[derive(Debug)]
+pub(crate) struct Fault(Box<(usize, String)>);
+
+/// The result of reading a JSON token.
+pub(crate) type Scan<T> = std::result::Result<T, Fault>;
+
+impl Fault {
+    /// A fault at byte `at` of the text.
+    pub(crate) fn new(at: usize, what: impl Into<String>) -> Fault {
+        Fault(Box::new((at, what.into())))
+    }
+
+    /// The byte of the text where it went wrong.
+    pub(crate) fn at(&self) -> usize {
+        self.0 .0
+    }
+
+    /// What went wrong, without the position.
+    pub(crate) fn what(&self) -> &str {
+        &self.0 .1
+    }
+
+    /// The fault in words, with its line and column in `text`.
+    pub(crate) fn describe(&self, text: &str) -> String {
+        let at = self.0 .0.min(text.len());
+        let before = &text.as_bytes()[..at];
+        let line = 1 + before.iter().filter(|&&b| b == b'\n').count();
+        let column = at
+            - before
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map_or(0, |i| i + 1)
+            + 1;
+        format!("{} at line {line} column {column}", self.what())
+    }
+}
+
+/// A JSON number, as `serde_json` reads it: an integer when it has neither fraction nor
+/// exponent and fits, else a float.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Number {
+    /// A non-negative integer.
+    U(u64),
+    /// A negative integer.
+    I(i64),
+    /// Anything else.
+    F(f64),
+}
 
 /// A position in a JSON text.
 #[derive(Clone, Copy)]
@@ -20,8 +75,28 @@ impl<'a> Cursor<'a> {
         Cursor { text, at: 0 }
     }
 
+    /// A cursor at byte `at` of `text` (a position an earlier cursor reported).
+    pub(crate) fn at(text: &'a str, at: usize) -> Self {
+        Cursor { text, at }
+    }
+
+    /// The text the cursor moves over.
+    pub(crate) fn text(&self) -> &'a str {
+        self.text
+    }
+
+    /// The byte offset of the cursor.
+    pub(crate) fn pos(&self) -> usize {
+        self.at
+    }
+
     fn bytes(&self) -> &'a [u8] {
         self.text.as_bytes()
+    }
+
+    /// A fault at the cursor.
+    pub(crate) fn fault(&self, what: impl Into<String>) -> Fault {
+        Fault::new(self.at, what)
     }
 
     /// Skips JSON whitespace.
@@ -38,184 +113,417 @@ impl<'a> Cursor<'a> {
     }
 
     /// Consumes `byte` (after whitespace), or fails.
-    pub(crate) fn eat(&mut self, byte: u8) -> Option<()> {
-        (self.peek()? == byte).then(|| self.at += 1)
+    pub(crate) fn eat(&mut self, byte: u8) -> Scan<()> {
+        match self.peek() {
+            Some(b) if b == byte => {
+                self.at += 1;
+                Ok(())
+            }
+            Some(_) => Err(self.fault(format!("expected `{}`", byte as char))),
+            None => Err(self.fault("EOF while parsing a value")),
+        }
     }
 
     /// Consumes `byte` if it comes next; says whether it did.
     pub(crate) fn eat_if(&mut self, byte: u8) -> bool {
-        self.eat(byte).is_some()
+        let found = self.peek() == Some(byte);
+        self.at += usize::from(found);
+        found
     }
 
     /// Consumes `,` and says true, or `close` and says false.
-    pub(crate) fn more(&mut self, close: u8) -> Option<bool> {
-        match self.peek()? {
-            b',' => {
+    pub(crate) fn more(&mut self, close: u8) -> Scan<bool> {
+        match self.peek() {
+            Some(b',') => {
                 self.at += 1;
-                Some(true)
+                Ok(true)
             }
-            b if b == close => {
+            Some(b) if b == close => {
                 self.at += 1;
-                Some(false)
+                Ok(false)
             }
-            _ => None,
+            Some(_) => Err(self.fault(format!("expected `,` or `{}`", close as char))),
+            None => Err(self.fault(if close == b'}' {
+                "EOF while parsing an object"
+            } else {
+                "EOF while parsing a list"
+            })),
         }
     }
 
-    /// Consumes the bare word `word` (`null`, `true`, `false`).
-    pub(crate) fn word(&mut self, word: &str) -> Option<()> {
-        self.skip_ws();
-        let rest = self.bytes().get(self.at..)?;
-        rest.starts_with(word.as_bytes())
-            .then(|| self.at += word.len())?;
-        self.end_of_token()
+    /// Opens an object: true when it is empty (and then closed too).
+    pub(crate) fn open(&mut self, open: u8) -> Scan<bool> {
+        self.eat(open)?;
+        Ok(self.eat_if(if open == b'{' { b'}' } else { b']' }))
     }
 
-    /// Fails when a letter or digit follows a token (`truex`, `12e3`, `1.5`).
-    fn end_of_token(&self) -> Option<()> {
-        match self.bytes().get(self.at) {
-            Some(b) if b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'+') => None,
-            _ => Some(()),
+    /// Calls `each` with every key of the object at the cursor, the cursor at its value;
+    /// a value that is not an object is a type fault naming `want`.
+    pub(crate) fn object<E: From<Fault>>(
+        &mut self,
+        want: &str,
+        mut each: impl FnMut(&mut Cursor<'a>, Cow<'a, str>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        if self.peek() != Some(b'{') {
+            return Err(self.wrong_type(want).into());
         }
-    }
-
-    /// A string without escapes or control characters, borrowed from the text.
-    pub(crate) fn plain_str(&mut self) -> Option<&'a str> {
-        self.eat(b'"')?;
-        let start = self.at;
-        self.at = special_from(self.bytes(), self.at);
-        if *self.bytes().get(self.at)? != b'"' {
-            return None;
+        if self.open(b'{')? {
+            return Ok(());
         }
-        let s = self.text.get(start..self.at)?;
-        self.at += 1;
-        Some(s)
-    }
-
-    /// A string whose escapes are all short ones (`\"`, `\n`, …): its length once
-    /// unescaped, the cursor moved past it.
-    pub(crate) fn unescaped_len(&mut self) -> Option<usize> {
-        self.eat(b'"')?;
-        let mut len = 0usize;
         loop {
-            let plain = special_from(self.bytes(), self.at);
-            len += plain - self.at;
-            self.at = plain;
-            match *self.bytes().get(self.at)? {
-                b'"' => break,
-                b'\\' => {
-                    short_escape(*self.bytes().get(self.at + 1)?)?;
-                    self.at += 2;
-                }
-                _ => return None,
+            let key = self.key()?;
+            each(self, key)?;
+            if !self.more(b'}')? {
+                return Ok(());
             }
-            len += 1;
         }
-        self.at += 1;
-        // Each multi-byte character was counted once per byte: the length in bytes.
-        Some(len)
     }
 
-    /// The string [`Cursor::unescaped_len`] measured, appended to `out` unescaped.
-    pub(crate) fn unescaped_into(&mut self, out: &mut String) -> Option<()> {
+    /// Calls `each` with the cursor at every item of the array at the cursor, and counts
+    /// them; a value that is not an array is a type fault naming `want`.
+    pub(crate) fn array<E: From<Fault>>(
+        &mut self,
+        want: &str,
+        mut each: impl FnMut(&mut Cursor<'a>) -> Result<(), E>,
+    ) -> Result<u32, E> {
+        if self.peek() != Some(b'[') {
+            return Err(self.wrong_type(want).into());
+        }
+        if self.open(b'[')? {
+            return Ok(0);
+        }
+        let mut n = 0u32;
+        loop {
+            each(self)?;
+            n = n
+                .checked_add(1)
+                .ok_or_else(|| self.fault("an array is too long"))?;
+            if !self.more(b']')? {
+                return Ok(n);
+            }
+        }
+    }
+
+    /// The key of an object member and its colon: borrowed when it has no escape.
+    pub(crate) fn key(&mut self) -> Scan<Cow<'a, str>> {
+        if self.peek() != Some(b'"') {
+            return Err(match self.peek() {
+                None => self.fault("EOF while parsing an object"),
+                Some(_) => self.fault("key must be a string"),
+            });
+        }
+        let key = self.str()?;
+        self.eat(b':')?;
+        Ok(key)
+    }
+
+    /// Calls `piece` with each run of plain text and each unescaped character of the
+    /// string at the cursor, which it passes.
+    fn string(&mut self, mut piece: impl FnMut(&'a str, Option<char>)) -> Scan<()> {
         self.eat(b'"')?;
         loop {
             let start = self.at;
             self.at = special_from(self.bytes(), self.at);
-            out.push_str(self.text.get(start..self.at)?);
-            match *self.bytes().get(self.at)? {
-                b'"' => break,
-                b'\\' => {
-                    out.push(short_escape(*self.bytes().get(self.at + 1)?)?);
-                    self.at += 2;
+            if self.at > start {
+                piece(&self.text[start..self.at], None);
+            }
+            match self.bytes().get(self.at) {
+                Some(b'"') => {
+                    self.at += 1;
+                    return Ok(());
                 }
-                _ => return None,
+                Some(b'\\') => {
+                    self.at += 1;
+                    let c = self.escape()?;
+                    piece("", Some(c));
+                }
+                Some(_) => {
+                    return Err(self
+                        .fault("control character (\\u0000-\\u001F) found while parsing a string"))
+                }
+                None => return Err(self.fault("EOF while parsing a string")),
             }
         }
-        self.at += 1;
-        Some(())
     }
 
-    /// Consumes `"key"` if that string comes next (after whitespace), nothing otherwise:
-    /// what [`Cursor::plain_str`] reads when it returns `key`, for a `key` without
-    /// specials, in one comparison.
-    pub(crate) fn eat_key(&mut self, key: &str) -> bool {
-        self.skip_ws();
-        let key = key.as_bytes();
-        let Some(rest) = self.bytes().get(self.at..) else {
-            return false;
+    /// The character of the escape after a backslash.
+    fn escape(&mut self) -> Scan<char> {
+        let Some(&b) = self.bytes().get(self.at) else {
+            return Err(self.fault("EOF while parsing a string"));
         };
-        let found = rest.len() > key.len() + 1
-            && rest[0] == b'"'
-            && rest[key.len() + 1] == b'"'
-            && &rest[1..=key.len()] == key;
-        if found {
-            self.at += key.len() + 2;
+        self.at += 1;
+        if b != b'u' {
+            return short_escape(b).ok_or_else(|| self.fault("invalid escape"));
         }
-        found
+        let first = self.hex4()?;
+        if !(0xD800..0xE000).contains(&first) {
+            return Ok(char::from_u32(first).expect("not a surrogate"));
+        }
+        if first >= 0xDC00 || !self.bytes()[self.at..].starts_with(b"\\u") {
+            return Err(self.fault("lone leading surrogate in hex escape"));
+        }
+        self.at += 2;
+        let second = self.hex4()?;
+        if !(0xDC00..0xE000).contains(&second) {
+            return Err(self.fault("lone leading surrogate in hex escape"));
+        }
+        let c = 0x10000 + ((first - 0xD800) << 10) + (second - 0xDC00);
+        char::from_u32(c).ok_or_else(|| self.fault("invalid unicode code point"))
     }
 
-    /// A non-negative integer (no sign, fraction, exponent or leading zero).
-    pub(crate) fn uint(&mut self) -> Option<u64> {
+    /// Four hex digits.
+    fn hex4(&mut self) -> Scan<u32> {
+        let Some(digits) = self.bytes().get(self.at..self.at + 4) else {
+            return Err(self.fault("EOF while parsing a string"));
+        };
+        let mut n = 0;
+        for &d in digits {
+            let v = (d as char)
+                .to_digit(16)
+                .ok_or_else(|| self.fault("invalid escape"))?;
+            n = n * 16 + v;
+        }
+        self.at += 4;
+        Ok(n)
+    }
+
+    /// The string at the cursor: borrowed from the text when it holds no escape.
+    pub(crate) fn str(&mut self) -> Scan<Cow<'a, str>> {
+        let mut out: Cow<'a, str> = Cow::Borrowed("");
+        self.string(|run, c| match (&mut out, c) {
+            (Cow::Borrowed(""), None) => out = Cow::Borrowed(run),
+            (out, None) => out.to_mut().push_str(run),
+            (out, Some(c)) => out.to_mut().push(c),
+        })?;
+        Ok(out)
+    }
+
+    /// The length in bytes of the string at the cursor once unescaped; nothing allocated.
+    pub(crate) fn str_len(&mut self) -> Scan<usize> {
+        let mut len = 0;
+        self.string(|run, c| len += run.len() + c.map_or(0, char::len_utf8))?;
+        Ok(len)
+    }
+
+    /// The string at the cursor, appended to `out` unescaped.
+    pub(crate) fn str_into(&mut self, out: &mut String) -> Scan<()> {
+        self.string(|run, c| {
+            out.push_str(run);
+            if let Some(c) = c {
+                out.push(c);
+            }
+        })
+    }
+
+    /// The number at the cursor, as `serde_json` reads it.
+    pub(crate) fn number(&mut self) -> Scan<Number> {
         self.skip_ws();
         let start = self.at;
-        let digits = self
-            .bytes()
-            .get(start..)?
-            .iter()
-            .take_while(|b| b.is_ascii_digit())
-            .count();
-        let text = &self.bytes()[start..start + digits];
-        // Nineteen digits always fit a u64: only longer numbers need checked arithmetic.
-        let n = if digits <= 19 {
-            text.iter().fold(0u64, |n, &b| n * 10 + u64::from(b - b'0'))
-        } else {
-            text.iter().try_fold(0u64, |n, &b| {
-                n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
-            })?
+        let bytes = self.bytes();
+        let digits_from = |at: usize| {
+            bytes[at.min(bytes.len())..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count()
         };
-        if digits == 0 || (digits > 1 && text[0] == b'0') {
-            return None;
+        let negative = bytes.get(self.at) == Some(&b'-');
+        self.at += usize::from(negative);
+        let int = digits_from(self.at);
+        if int == 0 || (int > 1 && bytes[self.at] == b'0') {
+            return Err(self.fault("invalid number"));
         }
-        self.at += digits;
-        self.end_of_token()?;
-        Some(n)
+        self.at += int;
+        let mut float = false;
+        if bytes.get(self.at) == Some(&b'.') {
+            let frac = digits_from(self.at + 1);
+            if frac == 0 {
+                return Err(Fault::new(self.at + 1, "invalid number"));
+            }
+            self.at += 1 + frac;
+            float = true;
+        }
+        if let Some(b'e' | b'E') = bytes.get(self.at) {
+            self.at += 1;
+            if let Some(b'+' | b'-') = bytes.get(self.at) {
+                self.at += 1;
+            }
+            let exp = digits_from(self.at);
+            if exp == 0 {
+                return Err(self.fault("invalid number"));
+            }
+            self.at += exp;
+            float = true;
+        }
+        let text = &self.text[start..self.at];
+        if !float {
+            let magnitude = &text[usize::from(negative)..];
+            if let Ok(n) = magnitude.parse::<u64>() {
+                if !negative {
+                    return Ok(Number::U(n));
+                }
+                if n > 0 {
+                    if let Some(i) = 0i64.checked_sub_unsigned(n) {
+                        return Ok(Number::I(i));
+                    }
+                }
+            }
+        }
+        match text.parse::<f64>() {
+            Ok(f) if f.is_finite() => Ok(Number::F(f)),
+            _ => Err(Fault::new(start, "number out of range")),
+        }
     }
 
-    /// Skips what [`Cursor::uint`] would read, without its value or range: digits, then
-    /// the end of the token.
-    pub(crate) fn digits(&mut self) -> Option<()> {
+    /// A non-negative integer that fits `usize`; `want` words the type asked for.
+    pub(crate) fn usize(&mut self, want: &str) -> Scan<usize> {
         self.skip_ws();
-        let rest = self.bytes().get(self.at..)?;
+        // The common case, up to 19 digits and a delimiter, without the general reader.
+        let rest = &self.bytes()[self.at..];
         let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-        if digits == 0 {
-            return None;
+        let plain = (1..=19).contains(&digits)
+            && (digits == 1 || rest[0] != b'0')
+            && !matches!(rest.get(digits), Some(b'.' | b'e' | b'E'));
+        if plain {
+            let n = rest[..digits]
+                .iter()
+                .fold(0u64, |n, &b| n * 10 + u64::from(b - b'0'));
+            if let Ok(n) = usize::try_from(n) {
+                self.at += digits;
+                return Ok(n);
+            }
         }
-        self.at += digits;
-        self.end_of_token()
-    }
-
-    /// A `usize` written as [`Cursor::uint`] reads it.
-    pub(crate) fn usize(&mut self) -> Option<usize> {
-        usize::try_from(self.uint()?).ok()
+        let start = *self;
+        match self.typed(want)? {
+            Number::U(n) => usize::try_from(n)
+                .map_err(|_| start.fault(format!("invalid value: integer `{n}`, expected {want}"))),
+            Number::I(i) => {
+                Err(start.fault(format!("invalid value: integer `{i}`, expected {want}")))
+            }
+            Number::F(_) => unreachable!("typed() refuses floats"),
+        }
     }
 
     /// An integer that fits `i64`.
-    pub(crate) fn int(&mut self) -> Option<i64> {
-        if self.peek()? == b'-' {
-            self.at += 1;
-            // serde_json reads `-0` as the float -0.0: not an integer.
-            let n = self.uint().filter(|&n| n > 0)?;
-            0i64.checked_sub_unsigned(n)
-        } else {
-            i64::try_from(self.uint()?).ok()
+    pub(crate) fn i64(&mut self) -> Scan<i64> {
+        let start = *self;
+        match self.typed("i64")? {
+            Number::U(n) => i64::try_from(n)
+                .map_err(|_| start.fault(format!("invalid value: integer `{n}`, expected i64"))),
+            Number::I(i) => Ok(i),
+            Number::F(_) => unreachable!("typed() refuses floats"),
         }
     }
 
-    /// Fails unless only whitespace is left.
-    pub(crate) fn finish(mut self) -> Option<()> {
+    /// An integer number at the cursor; anything else is a type fault naming `want`.
+    fn typed(&mut self, want: &str) -> Scan<Number> {
+        match self.peek() {
+            Some(b'-' | b'0'..=b'9') => {
+                let start = *self;
+                match self.number()? {
+                    Number::F(f) => Err(start.fault(format!(
+                        "invalid type: floating point `{f}`, expected {want}"
+                    ))),
+                    n => Ok(n),
+                }
+            }
+            _ => Err(self.wrong_type(want)),
+        }
+    }
+
+    /// `true` or `false`.
+    pub(crate) fn bool(&mut self) -> Scan<bool> {
+        match self.peek() {
+            Some(b't') => self.word("true").map(|()| true),
+            Some(b'f') => self.word("false").map(|()| false),
+            _ => Err(self.wrong_type("a boolean")),
+        }
+    }
+
+    /// `null`.
+    pub(crate) fn null(&mut self) -> Scan<()> {
+        match self.peek() {
+            Some(b'n') => self.word("null"),
+            _ => Err(self.wrong_type("unit")),
+        }
+    }
+
+    /// The bare word `word`.
+    fn word(&mut self, word: &str) -> Scan<()> {
         self.skip_ws();
-        (self.at == self.text.len()).then_some(())
+        if self.bytes()[self.at..].starts_with(word.as_bytes()) {
+            self.at += word.len();
+            Ok(())
+        } else {
+            Err(self.fault("expected ident"))
+        }
+    }
+
+    /// Skips any one value (its nesting bounded).
+    pub(crate) fn skip_value(&mut self) -> Scan<()> {
+        self.skip_nested(0)
+    }
+
+    fn skip_nested(&mut self, depth: usize) -> Scan<()> {
+        match self.peek() {
+            Some(open @ (b'{' | b'[')) => {
+                if depth >= SKIP_DEPTH {
+                    return Err(self.fault("recursion limit exceeded"));
+                }
+                let close = if open == b'{' { b'}' } else { b']' };
+                if self.open(open)? {
+                    return Ok(());
+                }
+                loop {
+                    if open == b'{' {
+                        self.key()?;
+                    }
+                    self.skip_nested(depth + 1)?;
+                    if !self.more(close)? {
+                        return Ok(());
+                    }
+                }
+            }
+            Some(b'"') => self.string(|_, _| {}),
+            Some(b't' | b'f') => self.bool().map(drop),
+            Some(b'n') => self.null(),
+            Some(b'-' | b'0'..=b'9') => self.number().map(drop),
+            Some(_) => Err(self.fault("expected value")),
+            None => Err(self.fault("EOF while parsing a value")),
+        }
+    }
+
+    /// The value at the cursor is not of the type `want`: the fault as `serde_json` words
+    /// it (a syntax fault when there is no value at all).
+    pub(crate) fn wrong_type(&self, want: &str) -> Fault {
+        let mut c = *self;
+        let found = match c.peek() {
+            Some(b'"') => match c.str() {
+                Ok(s) => format!("string {:?}", super::tree_meta::shorten(&s)),
+                Err(fault) => return fault,
+            },
+            Some(b'-' | b'0'..=b'9') => match c.number() {
+                Ok(Number::U(n)) => format!("integer `{n}`"),
+                Ok(Number::I(i)) => format!("integer `{i}`"),
+                Ok(Number::F(f)) => format!("floating point `{f}`"),
+                Err(fault) => return fault,
+            },
+            Some(b't') => "boolean `true`".into(),
+            Some(b'f') => "boolean `false`".into(),
+            Some(b'n') => "null".into(),
+            Some(b'{') => "map".into(),
+            Some(b'[') => "sequence".into(),
+            Some(_) => return c.fault("expected value"),
+            None => return c.fault("EOF while parsing a value"),
+        };
+        c.fault(format!("invalid type: {found}, expected {want}"))
+    }
+
+    /// Fails unless only whitespace is left.
+    pub(crate) fn finish(mut self) -> Scan<()> {
+        match self.peek() {
+            None => Ok(()),
+            Some(_) => Err(self.fault("trailing characters")),
+        }
     }
 }
 
@@ -264,18 +572,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn strings_numbers_and_words_of_the_subset_are_read() {
-        let mut c = Cursor::new(r#" "ab" "a\"b\\n\n" 0 17 -3 true null "é" "#);
-        assert_eq!(c.plain_str(), Some("ab"));
+    fn strings_numbers_and_words_are_read() {
+        let mut c =
+            Cursor::new(r#" "ab" "a\"b\\n\n" 0 17 -3 true null "é" "\u00e9\ud83d\ude00" 1.5e3 "#);
+        assert!(matches!(c.str(), Ok(Cow::Borrowed("ab"))));
         let mut measured = c;
-        assert_eq!(measured.unescaped_len(), Some(6));
+        assert_eq!(measured.str_len().unwrap(), 6);
         let mut s = String::new();
-        c.unescaped_into(&mut s).unwrap();
+        c.str_into(&mut s).unwrap();
         assert_eq!(s, "a\"b\\n\n");
-        assert_eq!((c.uint(), c.uint(), c.int()), (Some(0), Some(17), Some(-3)));
-        assert_eq!((c.word("true"), c.word("null")), (Some(()), Some(())));
-        assert_eq!(c.unescaped_len(), Some("é".len()));
-        assert!(c.finish().is_some());
+        assert_eq!(
+            (
+                c.usize("u").unwrap(),
+                c.usize("u").unwrap(),
+                c.i64().unwrap()
+            ),
+            (0, 17, -3)
+        );
+        assert!(c.bool().unwrap());
+        c.null().unwrap();
+        assert_eq!(c.str_len().unwrap(), "é".len());
+        assert_eq!(c.str().unwrap(), "é😀");
+        assert_eq!(c.number().unwrap(), Number::F(1500.0));
+        assert!(c.finish().is_ok());
     }
 
     #[test]
@@ -297,30 +616,65 @@ mod tests {
         }
     }
 
+    /// Every token as `serde_json` reads it, or refused where it refuses it.
     #[test]
-    fn anything_outside_the_subset_is_none() {
+    fn tokens_are_read_as_serde_json_reads_them() {
         for text in [
             r#""a\u0041""#,
             "\"a\u{1}\"",
+            r#""\ud800""#,
+            r#""\udc00x""#,
+            r#""\x""#,
+            "\"open",
             "01",
             "1.5",
             "1e3",
             "-",
+            "-0",
+            "1.",
+            "1e",
             "18446744073709551616",
+            "-9223372036854775809",
+            "1e400",
+            "9223372036854775808",
+            "-9223372036854775808",
+            "true",
             "truex",
-            "\"open",
+            "nul",
+            "[1,[2,{}]]",
+            r#"{"a":1,}"#,
+            "[1 2]",
+            r#"{"a" 1}"#,
+            "{1:2}",
+            " ",
         ] {
-            let mut c = Cursor::new(text);
-            let read = match text.as_bytes()[0] {
-                b'"' => c.unescaped_len().map(drop),
-                b't' => c.word("true"),
-                _ => c.int().map(drop),
+            let mine = {
+                let mut c = Cursor::new(text);
+                c.skip_value().and_then(|()| c.finish())
             };
-            assert!(read.is_none(), "{text}");
+            let serde = serde_json::from_str::<serde_json::Value>(text);
+            assert_eq!(mine.is_ok(), serde.is_ok(), "{text}: {mine:?} {serde:?}");
+            if let (Ok(()), Ok(serde_json::Value::Number(n))) = (&mine, &serde) {
+                let read = Cursor::new(text).number().unwrap();
+                let want = match (n.as_u64(), n.as_i64()) {
+                    (Some(u), _) => Number::U(u),
+                    (None, Some(i)) => Number::I(i),
+                    _ => Number::F(n.as_f64().unwrap()),
+                };
+                assert_eq!(read, want, "{text}");
+            }
+            if let (Ok(()), Ok(serde_json::Value::String(s))) = (&mine, &serde) {
+                assert_eq!(Cursor::new(text).str().unwrap(), *s);
+            }
         }
-        assert_eq!(Cursor::new(r#""a\nb""#).plain_str(), None);
-        assert_eq!(Cursor::new("-9223372036854775808").int(), Some(i64::MIN));
-        assert_eq!(Cursor::new("9223372036854775808").int(), None);
-        assert_eq!(Cursor::new("-0").int(), None);
+    }
+
+    #[test]
+    fn a_fault_names_its_line_and_column() {
+        let text = "{\n  \"a\" 1}";
+        let mut c = Cursor::new(text);
+        c.open(b'{').unwrap();
+        let fault = c.key().unwrap_err();
+        assert_eq!(fault.describe(text), "expected `:` at line 2 column 7");
     }
 }

@@ -288,7 +288,7 @@ pub(crate) fn load_index_with(
     }
     let root = match index.record {
         Some(text) => {
-            let census = tree_census::count_tree(&text)?;
+            let census = tree_census::count(&text)?;
             let mut source = Named(by_name);
             decode(&text, &census, &mut source)?
         }

@@ -1,15 +1,13 @@
 //! Checking a tree record and counting its nodes, before anything is built from it.
 //!
-//! The record is parsed once with nothing allocated but the list of container lengths:
-//! every syntax and type fault, an unknown kind, a wrong format version and a nesting
-//! deeper than [`MAX_DEPTH`](super::tree_meta::MAX_DEPTH) are reported here, so that the memory budget can be decided
-//! on exact counts and [`super::tree_decode`] can allocate exactly what they say.
+//! The record is read once, with nothing allocated but the list of container lengths
+//! (and the names aliases refer to): every syntax and type fault, an unknown kind, a wrong
+//! format version and a nesting deeper than [`MAX_DEPTH`] are reported here, in the order
+//! of the text, so that the memory budget can be decided on exact counts and
+//! [`super::tree_decode`] can allocate exactly what they say.
 
-use std::fmt;
-
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-
-use super::tree_meta::{bad, decimal_len, node_kind, version_understood, FloatSeed, Kind};
+use super::scan::{Cursor, Number, Scan};
+use super::tree_meta::{bad, decimal_len, shorten, version_understood, Kind, KINDS, MAX_DEPTH};
 use crate::error::Result;
 
 /// What a tree record holds, counted.
@@ -25,25 +23,22 @@ pub(crate) struct TreeCensus {
     pub(crate) items: u64,
     /// Bytes of all dict keys and string values.
     pub(crate) string_bytes: u64,
-    /// Bytes of the longest string (the parser's scratch space grows to it).
+    /// Bytes of the longest string.
     pub(crate) longest_string: u64,
     /// The length of every dict, list and tuple, in the order the record lists them.
     pub(crate) lengths: Vec<u32>,
     /// The names `{"alias": name}` nodes refer to, sorted, each once: the decoder keeps
     /// the tensors of these names when it takes them (none for most records).
     pub(crate) aliased: Vec<String>,
-    /// Counted by [`super::fast_tree`], whose decoder then builds the tree.
-    pub(crate) fast: bool,
+    /// Where the root node starts in the record's text.
+    pub(crate) root_at: usize,
 }
 
 /// Checks the record `text` and counts what it holds.
-pub(crate) fn count_tree(text: &str) -> Result<TreeCensus> {
+pub(crate) fn count(text: &str) -> Result<TreeCensus> {
     let mut census = TreeCensus::default();
-    let mut de = serde_json::Deserializer::from_str(text);
-    CountDoc(&mut census)
-        .deserialize(&mut de)
-        .and_then(|()| de.end())
-        .map_err(|e| bad(format!("not a valid tree record: {e}")))?;
+    count_document(text, &mut census)
+        .map_err(|f| bad(format!("not a valid tree record: {}", f.describe(text))))?;
     census.lengths.shrink_to_fit();
     census.settle_aliases();
     Ok(census)
@@ -72,277 +67,200 @@ impl TreeCensus {
     }
 }
 
-/// The document: `{"format": 1, "tree": NODE}` (other keys skipped).
-struct CountDoc<'a>(&'a mut TreeCensus);
-
-impl<'de> DeserializeSeed<'de> for CountDoc<'_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for CountDoc<'_> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a tree record object")
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<(), A::Error> {
-        use serde::de::Error as _;
-        let (mut format, mut tree) = (false, false);
-        while let Some(key) = map.next_key_seed(DocKey)? {
-            match key {
-                DocField::Format if format => return Err(A::Error::duplicate_field("format")),
-                DocField::Tree if tree => return Err(A::Error::duplicate_field("tree")),
-                DocField::Format => {
-                    format = true;
-                    let version: u64 = map.next_value()?;
-                    if !version_understood(version) {
-                        return Err(A::Error::custom(format!(
-                            "unsupported format version {version}"
-                        )));
-                    }
+/// The document: `{"format": 1 | 2, "tree": NODE}` (other keys skipped).
+fn count_document(text: &str, census: &mut TreeCensus) -> Scan<()> {
+    let (mut format, mut tree) = (false, false);
+    let mut c = Cursor::new(text);
+    c.object("a tree record object", |c, key| {
+        match &*key {
+            "format" => {
+                if std::mem::replace(&mut format, true) {
+                    return Err(c.fault("duplicate field `format`"));
                 }
-                DocField::Tree => {
-                    tree = true;
-                    map.next_value_seed(CountNode {
-                        census: &mut *self.0,
-                        depth: 0,
-                    })?;
-                }
-                DocField::Other => map.next_value::<IgnoredAny>().map(drop)?,
-            }
-        }
-        match (format, tree) {
-            (false, _) => Err(A::Error::missing_field("format")),
-            (_, false) => Err(A::Error::missing_field("tree")),
-            _ => Ok(()),
-        }
-    }
-}
-
-/// A key of the document, as [`DocKey`] reads it.
-#[derive(Clone, Copy)]
-pub(crate) enum DocField {
-    Format,
-    Tree,
-    Other,
-}
-
-/// Reads a key of the document.
-pub(crate) struct DocKey;
-
-impl<'de> DeserializeSeed<'de> for DocKey {
-    type Value = DocField;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<DocField, D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for DocKey {
-    type Value = DocField;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a field name")
-    }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<DocField, E> {
-        Ok(match v {
-            "format" => DocField::Format,
-            "tree" => DocField::Tree,
-            _ => DocField::Other,
-        })
-    }
-}
-
-/// One node at `depth` (the root is at 0).
-struct CountNode<'a> {
-    census: &'a mut TreeCensus,
-    depth: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for CountNode<'_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for CountNode<'_> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a node object with one key")
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<(), A::Error> {
-        use serde::de::Error as _;
-        let kind = node_kind(&mut map, self.depth)?;
-        let census = self.census;
-        match kind {
-            Kind::Dict | Kind::List | Kind::Tuple => map.next_value_seed(CountItems {
-                census,
-                depth: self.depth,
-                pairs: kind == Kind::Dict,
-            })?,
-            Kind::Tensor | Kind::Str => {
-                let len = map.next_value_seed(StrLen)?;
-                census.saw_string(len);
-                if kind == Kind::Str {
-                    census.string_bytes += len as u64;
+                let at = *c;
+                let version = c.usize("u64")?;
+                if !version_understood(version as u64) {
+                    return Err(at.fault(format!("unsupported format version {version}")));
                 }
             }
-            Kind::Alias => {
-                let name: String = map.next_value()?;
-                census.saw_string(name.len());
-                census.aliased.push(name);
+            "tree" => {
+                if std::mem::replace(&mut tree, true) {
+                    return Err(c.fault("duplicate field `tree`"));
+                }
+                c.peek();
+                census.root_at = c.pos();
+                count_node(c, census, 0)?;
             }
-            Kind::None => map.next_value::<()>()?,
-            Kind::Bool => map.next_value::<bool>().map(drop)?,
-            Kind::Int => map.next_value::<i64>().map(drop)?,
-            Kind::Float => map.next_value_seed(FloatSeed).map(drop)?,
-        }
-        if map.next_key::<IgnoredAny>()?.is_some() {
-            return Err(A::Error::custom("a node object has more than one key"));
+            _ => c.skip_value()?,
         }
         Ok(())
+    })?;
+    let missing = |field: &str| c.fault(format!("missing field `{field}`"));
+    match (format, tree) {
+        (false, _) => return Err(missing("format")),
+        (_, false) => return Err(missing("tree")),
+        _ => {}
     }
+    c.finish()
 }
 
-/// The items of a list or tuple, or the `[key, node]` pairs of a dict, of a node at `depth`.
-struct CountItems<'a> {
-    census: &'a mut TreeCensus,
-    depth: usize,
-    pairs: bool,
+/// The kind of the node object at the cursor at `depth`, the cursor moved to its value.
+pub(crate) fn node_kind(c: &mut Cursor<'_>, depth: usize) -> Scan<Kind> {
+    if depth > MAX_DEPTH {
+        return Err(c.fault(format!("the tree is nested deeper than {MAX_DEPTH} levels")));
+    }
+    if c.peek() != Some(b'{') {
+        return Err(c.wrong_type("a node object with one key"));
+    }
+    if c.open(b'{')? {
+        return Err(c.fault("a node object has no kind"));
+    }
+    let at = *c;
+    let name = c.key()?;
+    Kind::from_name(&name).ok_or_else(|| {
+        let kinds: Vec<String> = KINDS.iter().map(|k| format!("`{k}`")).collect();
+        at.fault(format!(
+            "unknown variant `{}`, expected one of {}",
+            shorten(&name),
+            kinds.join(", ")
+        ))
+    })
 }
 
-impl<'de> DeserializeSeed<'de> for CountItems<'_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
-        d.deserialize_seq(self)
+/// Closes a node object: it has one key.
+pub(crate) fn node_end(c: &mut Cursor<'_>) -> Scan<()> {
+    if c.more(b'}')? {
+        return Err(c.fault("a node object has more than one key"));
     }
+    Ok(())
 }
 
-impl<'de> Visitor<'de> for CountItems<'_> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<(), A::Error> {
-        use serde::de::Error as _;
-        let census = self.census;
-        let slot = census.lengths.len();
-        census.lengths.push(0);
-        let mut n = 0u32;
-        loop {
-            let more = if self.pairs {
-                seq.next_element_seed(CountPair {
-                    census: &mut *census,
-                    depth: self.depth + 1,
+fn count_node(c: &mut Cursor<'_>, census: &mut TreeCensus, depth: usize) -> Scan<()> {
+    match node_kind(c, depth)? {
+        k @ (Kind::Dict | Kind::List | Kind::Tuple) => {
+            let slot = census.lengths.len();
+            census.lengths.push(0);
+            let n = if k == Kind::Dict {
+                c.array("an array", |c| {
+                    let len = pair_key(c)?.len();
+                    census.saw_string(len);
+                    census.string_bytes += len as u64;
+                    count_node(c, census, depth + 1)?;
+                    pair_end(c)
                 })?
             } else {
-                seq.next_element_seed(CountNode {
-                    census: &mut *census,
-                    depth: self.depth + 1,
-                })?
+                c.array("an array", |c| count_node(c, census, depth + 1))?
             };
-            if more.is_none() {
-                break;
+            census.lengths[slot] = n;
+            if k == Kind::Dict {
+                census.dicts += 1;
+                census.dict_entries += u64::from(n);
+            } else {
+                census.sequences += 1;
+                census.items += u64::from(n);
             }
-            n = n
-                .checked_add(1)
-                .ok_or_else(|| A::Error::custom("a dict, list or tuple is too long"))?;
         }
-        census.lengths[slot] = n;
-        if self.pairs {
-            census.dicts += 1;
-            census.dict_entries += u64::from(n);
-        } else {
-            census.sequences += 1;
-            census.items += u64::from(n);
+        k @ (Kind::Tensor | Kind::Str) => {
+            let len = string(c)?.len();
+            census.saw_string(len);
+            if k == Kind::Str {
+                census.string_bytes += len as u64;
+            }
         }
-        Ok(())
-    }
-}
-
-/// A dict entry: `[key, node]`, the node at `depth`.
-struct CountPair<'a> {
-    census: &'a mut TreeCensus,
-    depth: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for CountPair<'_> {
-    type Value = ();
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<(), D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for CountPair<'_> {
-    type Value = ();
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a [key, node] pair")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<(), A::Error> {
-        use serde::de::Error as _;
-        let len = seq
-            .next_element_seed(KeyLen)?
-            .ok_or_else(|| A::Error::invalid_length(0, &self))?;
-        self.census.saw_string(len);
-        self.census.string_bytes += len as u64;
-        seq.next_element_seed(CountNode {
-            census: &mut *self.census,
-            depth: self.depth,
-        })?
-        .ok_or_else(|| A::Error::invalid_length(1, &"a [key, node] pair"))?;
-        if seq.next_element::<IgnoredAny>()?.is_some() {
-            return Err(A::Error::invalid_length(3, &"a [key, node] pair"));
+        Kind::Alias => {
+            let name = string(c)?;
+            census.saw_string(name.len());
+            census.aliased.push(name.into_owned());
         }
-        Ok(())
+        Kind::None => c.null()?,
+        Kind::Bool => c.bool().map(drop)?,
+        Kind::Int => c.i64().map(drop)?,
+        Kind::Float => float(c).map(drop)?,
+    }
+    node_end(c)
+}
+
+/// The string value at the cursor.
+pub(crate) fn string<'a>(c: &mut Cursor<'a>) -> Scan<std::borrow::Cow<'a, str>> {
+    if c.peek() != Some(b'"') {
+        return Err(c.wrong_type("a string"));
+    }
+    c.str()
+}
+
+/// A dict key as the text holds it.
+pub(crate) enum Key<'a> {
+    /// A string key.
+    Str(std::borrow::Cow<'a, str>),
+    /// An integer key (format 2).
+    Int(i64),
+}
+
+impl Key<'_> {
+    /// The length of the key's text, as held in a dict.
+    fn len(&self) -> usize {
+        match self {
+            Key::Str(s) => s.len(),
+            Key::Int(i) => decimal_len(*i),
+        }
     }
 }
 
-/// The length of a dict key's text: a string's, or an integer key's decimal text.
-struct KeyLen;
-
-impl<'de> DeserializeSeed<'de> for KeyLen {
-    type Value = usize;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<usize, D::Error> {
-        d.deserialize_any(self)
+/// The key of a `[key, node]` pair, the cursor moved to the node.
+pub(crate) fn pair_key<'a>(c: &mut Cursor<'a>) -> Scan<Key<'a>> {
+    const PAIR: &str = "a [key, node] pair";
+    if c.peek() != Some(b'[') {
+        return Err(c.wrong_type(PAIR));
     }
+    if c.open(b'[')? {
+        return Err(c.fault(format!("invalid length 0, expected {PAIR}")));
+    }
+    const WANT: &str = "a dict key (a string or an integer)";
+    let at = *c;
+    let key =
+        match c.peek() {
+            Some(b'"') => Key::Str(c.str()?),
+            Some(b'-' | b'0'..=b'9') => match c.number()? {
+                Number::I(i) => Key::Int(i),
+                Number::U(u) => Key::Int(i64::try_from(u).map_err(|_| {
+                    at.fault(format!("the integer key {u} does not fit in 64 bits"))
+                })?),
+                Number::F(_) => return Err(at.wrong_type(WANT)),
+            },
+            _ => return Err(c.wrong_type(WANT)),
+        };
+    if !c.more(b']')? {
+        return Err(c.fault(format!("invalid length 1, expected {PAIR}")));
+    }
+    Ok(key)
 }
 
-impl<'de> Visitor<'de> for KeyLen {
-    type Value = usize;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a dict key (a string or an integer)")
+/// Closes a `[key, node]` pair.
+pub(crate) fn pair_end(c: &mut Cursor<'_>) -> Scan<()> {
+    if c.more(b']')? {
+        return Err(c.fault("invalid length 3, expected a [key, node] pair"));
     }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<usize, E> {
-        Ok(v.len())
-    }
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> std::result::Result<usize, E> {
-        Ok(decimal_len(v))
-    }
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<usize, E> {
-        i64::try_from(v)
-            .map(decimal_len)
-            .map_err(|_| E::custom(format!("the integer key {v} does not fit in 64 bits")))
-    }
+    Ok(())
 }
 
-/// A string's length.
-struct StrLen;
-
-impl<'de> DeserializeSeed<'de> for StrLen {
-    type Value = usize;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<usize, D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for StrLen {
-    type Value = usize;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a string")
-    }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<usize, E> {
-        Ok(v.len())
+/// A float: a JSON number, or "nan", "inf", "-inf".
+pub(crate) fn float(c: &mut Cursor<'_>) -> Scan<f64> {
+    match c.peek() {
+        Some(b'-' | b'0'..=b'9') => Ok(match c.number()? {
+            Number::U(u) => u as f64,
+            Number::I(i) => i as f64,
+            Number::F(f) => f,
+        }),
+        Some(b'"') => {
+            let at = *c;
+            match &*c.str()? {
+                "nan" => Ok(f64::NAN),
+                "inf" => Ok(f64::INFINITY),
+                "-inf" => Ok(f64::NEG_INFINITY),
+                other => Err(at.fault(format!("bad float {:?}", shorten(other)))),
+            }
+        }
+        _ => Err(c.wrong_type(r#"a number, "nan", "inf" or "-inf""#)),
     }
 }
 
@@ -357,7 +275,7 @@ mod tests {
 
     #[test]
     fn counts_containers_in_order() {
-        let c = count_tree(&record(
+        let c = count(&record(
             r#"{"dict":[["a",{"list":[{"int":1},{"none":null}]}],["b",{"tensor":"t"}],["c",{"str":"xyz"}]]}"#,
         ))
         .unwrap();
@@ -384,14 +302,14 @@ mod tests {
             r#"{"format":1}"#.to_string(),
             r#"{"format":1,"format":1,"tree":{"none":null}}"#.to_string(),
         ] {
-            let e = count_tree(&bad).unwrap_err();
+            let e = count(&bad).unwrap_err();
             assert!(matches!(e, crate::Error::Format { .. }), "{bad}: {e}");
         }
     }
 
     #[test]
     fn integer_keys_and_aliases_are_counted() {
-        let c = count_tree(
+        let c = count(
             r#"{"format":2,"tree":{"dict":[[0,{"tensor":"a"}],[-12,{"alias":"a"}],["x",{"alias":"a"}]]}}"#,
         )
         .unwrap();
@@ -405,7 +323,7 @@ mod tests {
             r#"{"format":3,"tree":{"none":null}}"#,
             r#"{"format":2,"tree":{"alias":1}}"#,
         ] {
-            assert!(count_tree(bad).is_err(), "{bad}");
+            assert!(count(bad).is_err(), "{bad}");
         }
     }
 
@@ -415,9 +333,9 @@ mod tests {
         for _ in 0..MAX_DEPTH {
             tree = format!(r#"{{"list":[{tree}]}}"#);
         }
-        assert!(count_tree(&record(&tree)).is_ok());
+        assert!(count(&record(&tree)).is_ok());
         let deeper = format!(r#"{{"list":[{tree}]}}"#);
-        let e = count_tree(&record(&deeper)).unwrap_err();
+        let e = count(&record(&deeper)).unwrap_err();
         assert!(e.to_string().contains("deeper than 40"), "{e}");
     }
 }

@@ -5,13 +5,9 @@
 //! tree is ever built; what can still fail here is a tensor reference (missing, or used
 //! twice), an alias to a tensor not taken before it, and a dict key given twice.
 
-use std::fmt;
-use std::marker::PhantomData;
-
-use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-
-use super::tree_census::{DocField, DocKey, TreeCensus};
-use super::tree_meta::{bad, node_kind, FloatSeed, KeySeed, Kind};
+use super::scan::{Cursor, Fault};
+use super::tree_census::{float, node_end, node_kind, pair_end, pair_key, string, Key, TreeCensus};
+use super::tree_meta::{bad, Kind};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::tree::{DictKey, Node, TensorDict, Value};
@@ -29,24 +25,18 @@ pub(crate) fn decode(
     census: &TreeCensus,
     tensors: &mut dyn TensorSource,
 ) -> Result<Node> {
-    if census.fast {
-        return super::fast_tree::decode(text, census, tensors);
-    }
-    let mut ctx = Ctx {
+    let mut build = Build {
         lengths: census.lengths.iter(),
         tensors: Aliasing::new(census, tensors),
-        failure: None,
     };
-    let mut de = serde_json::Deserializer::from_str(text);
-    let built = BuildDoc(&mut ctx).deserialize(&mut de).and_then(|root| {
-        de.end()?;
-        Ok(root)
-    });
-    match (built, ctx.failure.take()) {
-        (_, Some(failure)) => Err(failure),
-        (Ok(root), None) => Ok(root),
-        (Err(e), None) => Err(bad(format!("not a valid tree record: {e}"))),
-    }
+    let mut c = Cursor::at(text, census.root_at);
+    build.node(&mut c, 0).map_err(|stop| match stop {
+        Stop::Tree(e) => e,
+        Stop::Json(f) => bad(format!(
+            "not a valid tree record (it changed after its census): {}",
+            f.describe(text)
+        )),
+    })
 }
 
 /// The tensors of a record: taken from their source, and those that aliases refer to kept
@@ -91,197 +81,144 @@ impl<'c> Aliasing<'c> {
     }
 }
 
-/// What every level of the build shares.
-struct Ctx<'c> {
+/// Why a decoding stopped: a fault of the text (which the census had checked), or one of
+/// the tree.
+enum Stop {
+    Json(Fault),
+    Tree(Error),
+}
+
+impl From<Fault> for Stop {
+    fn from(f: Fault) -> Self {
+        Stop::Json(f)
+    }
+}
+
+impl From<Error> for Stop {
+    fn from(e: Error) -> Self {
+        Stop::Tree(e)
+    }
+}
+
+/// What every level of a decoding shares.
+struct Build<'c> {
     /// The census's container lengths, consumed in the same order.
     lengths: std::slice::Iter<'c, u32>,
     tensors: Aliasing<'c>,
-    /// An error of ours raised inside the parse (serde's errors carry only text).
-    failure: Option<Error>,
 }
 
-impl Ctx<'_> {
+impl Build<'_> {
     fn next_len(&mut self) -> usize {
         self.lengths.next().copied().unwrap_or(0) as usize
     }
-}
 
-/// The document; returns the root.
-struct BuildDoc<'a, 'c>(&'a mut Ctx<'c>);
-
-impl<'de> DeserializeSeed<'de> for BuildDoc<'_, '_> {
-    type Value = Node;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Node, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for BuildDoc<'_, '_> {
-    type Value = Node;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a tree record object")
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Node, A::Error> {
-        use serde::de::Error as _;
-        let mut root = None;
-        while let Some(key) = map.next_key_seed(DocKey)? {
-            match key {
-                DocField::Tree if root.is_none() => {
-                    root = Some(map.next_value_seed(BuildNode {
-                        ctx: &mut *self.0,
-                        depth: 0,
-                    })?);
+    /// The node at the cursor, at `depth`.
+    fn node(&mut self, c: &mut Cursor<'_>, depth: usize) -> std::result::Result<Node, Stop> {
+        let node = match node_kind(c, depth)? {
+            Kind::Dict => Node::Dict(self.dict(c, depth)?),
+            k @ (Kind::List | Kind::Tuple) => {
+                let mut nodes = Vec::with_capacity(self.next_len());
+                c.array("an array", |c| {
+                    nodes.push(self.node(c, depth + 1)?);
+                    Ok::<(), Stop>(())
+                })?;
+                if k == Kind::List {
+                    Node::List(nodes)
+                } else {
+                    Node::Tuple(nodes)
                 }
-                DocField::Tree => return Err(A::Error::duplicate_field("tree")),
-                DocField::Format | DocField::Other => map.next_value::<IgnoredAny>().map(drop)?,
             }
-        }
-        root.ok_or_else(|| A::Error::missing_field("tree"))
-    }
-}
-
-/// One node at `depth`.
-struct BuildNode<'a, 'c> {
-    ctx: &'a mut Ctx<'c>,
-    depth: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for BuildNode<'_, '_> {
-    type Value = Node;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Node, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for BuildNode<'_, '_> {
-    type Value = Node;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a node object with one key")
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Node, A::Error> {
-        use serde::de::Error as _;
-        let kind = node_kind(&mut map, self.depth)?;
-        let (ctx, depth) = (self.ctx, self.depth);
-        let node = match kind {
-            Kind::Dict => Node::Dict(map.next_value_seed(BuildDict { ctx, depth })?),
-            Kind::List => Node::List(map.next_value_seed(BuildItems { ctx, depth })?),
-            Kind::Tuple => Node::Tuple(map.next_value_seed(BuildItems { ctx, depth })?),
-            Kind::Tensor => Node::Tensor(map.next_value_seed(TakeTensor { ctx, alias: false })?),
-            Kind::Alias => Node::Tensor(map.next_value_seed(TakeTensor { ctx, alias: true })?),
-            Kind::None => map.next_value::<()>().map(|()| Node::Value(Value::None))?,
-            Kind::Bool => Node::Value(Value::Bool(map.next_value()?)),
-            Kind::Int => Node::Value(Value::Int(map.next_value()?)),
-            Kind::Float => Node::Value(Value::Float(map.next_value_seed(FloatSeed)?)),
-            Kind::Str => Node::Value(Value::Str(map.next_value()?)),
+            Kind::Tensor => Node::Tensor(self.tensors.take(&string(c)?)?),
+            Kind::Alias => Node::Tensor(self.tensors.alias(&string(c)?)?),
+            Kind::None => c.null().map(|()| Node::Value(Value::None))?,
+            Kind::Bool => Node::Value(Value::Bool(c.bool()?)),
+            Kind::Int => Node::Value(Value::Int(c.i64()?)),
+            Kind::Float => Node::Value(Value::Float(float(c)?)),
+            Kind::Str => Node::Value(Value::Str(string(c)?.into_owned())),
         };
-        if map.next_key::<IgnoredAny>()?.is_some() {
-            return Err(A::Error::custom("a node object has more than one key"));
-        }
+        node_end(c)?;
         Ok(node)
     }
-}
 
-/// The items of a list or tuple whose node is at `depth`, at their exact count.
-struct BuildItems<'a, 'c> {
-    ctx: &'a mut Ctx<'c>,
-    depth: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for BuildItems<'_, '_> {
-    type Value = Vec<Node>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Vec<Node>, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for BuildItems<'_, '_> {
-    type Value = Vec<Node>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of nodes")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<Vec<Node>, A::Error> {
-        let mut items = Vec::with_capacity(self.ctx.next_len());
-        while let Some(node) = seq.next_element_seed(BuildNode {
-            ctx: &mut *self.ctx,
-            depth: self.depth + 1,
-        })? {
-            items.push(node);
-        }
-        Ok(items)
-    }
-}
-
-/// The entries of a dict whose node is at `depth`, at their exact count.
-struct BuildDict<'a, 'c> {
-    ctx: &'a mut Ctx<'c>,
-    depth: usize,
-}
-
-impl<'de> DeserializeSeed<'de> for BuildDict<'_, '_> {
-    type Value = TensorDict;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<TensorDict, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for BuildDict<'_, '_> {
-    type Value = TensorDict;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of [key, node] pairs")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> std::result::Result<TensorDict, A::Error> {
-        use serde::de::Error as _;
-        let len = self.ctx.next_len();
-        // Collected straight from the parser: the dict reserves `len` once, from the hint.
-        let mut pairs = Pairs {
-            seq: &mut seq,
-            ctx: &mut *self.ctx,
-            depth: self.depth + 1,
+    /// The entries of a dict, at their exact count; a key given twice is an error.
+    fn dict(&mut self, c: &mut Cursor<'_>, depth: usize) -> std::result::Result<TensorDict, Stop> {
+        let len = self.next_len();
+        let mut pairs = DictPairs {
+            build: self,
+            c,
+            depth: depth + 1,
             left: len,
+            started: false,
             failure: None,
-            input: PhantomData,
         };
         let dict: TensorDict = pairs.by_ref().collect();
-        if let Some(e) = pairs.failure {
-            return Err(e);
+        if let Some(stop) = pairs.failure {
+            return Err(stop);
         }
         if dict.len() != len {
-            return Err(A::Error::custom(
-                "a dict of the tree has the same key twice",
-            ));
+            return Err(Stop::Tree(bad(
+                "not a valid tree record: a dict of the tree has the same key twice",
+            )));
         }
         Ok(dict)
     }
 }
 
-/// The `[key, node]` pairs of a dict as an iterator; the first error ends it and is kept.
-struct Pairs<'s, 'c, 'de, A: SeqAccess<'de>> {
-    seq: &'s mut A,
-    ctx: &'s mut Ctx<'c>,
-    depth: usize,
-    left: usize,
-    failure: Option<A::Error>,
-    input: PhantomData<&'de ()>,
+impl From<Key<'_>> for DictKey {
+    fn from(key: Key<'_>) -> DictKey {
+        match key {
+            Key::Str(s) => s.into_owned().into(),
+            Key::Int(i) => i.into(),
+        }
+    }
 }
 
-impl<'de, A: SeqAccess<'de>> Iterator for Pairs<'_, '_, 'de, A> {
+/// The `[key, node]` pairs of a dict as an iterator (so the dict reserves its size once);
+/// the first fault ends it and is kept.
+struct DictPairs<'b, 'c, 't> {
+    build: &'b mut Build<'c>,
+    c: &'b mut Cursor<'t>,
+    depth: usize,
+    left: usize,
+    started: bool,
+    failure: Option<Stop>,
+}
+
+impl DictPairs<'_, '_, '_> {
+    /// The next pair; `Ok(None)` at the end.
+    fn pair(&mut self) -> std::result::Result<Option<(DictKey, Node)>, Stop> {
+        let c = &mut *self.c;
+        if !self.started {
+            self.started = true;
+            if c.peek() != Some(b'[') {
+                return Err(c.wrong_type("an array").into());
+            }
+            if c.open(b'[')? {
+                return Ok(None);
+            }
+        } else if !c.more(b']')? {
+            return Ok(None);
+        }
+        let key = pair_key(c)?;
+        let node = self.build.node(c, self.depth)?;
+        pair_end(c)?;
+        Ok(Some((key.into(), node)))
+    }
+}
+
+impl Iterator for DictPairs<'_, '_, '_> {
     type Item = (DictKey, Node);
     fn next(&mut self) -> Option<(DictKey, Node)> {
         if self.failure.is_some() {
             return None;
         }
-        let seed = BuildPair {
-            ctx: &mut *self.ctx,
-            depth: self.depth,
-        };
-        match self.seq.next_element_seed(seed) {
-            Ok(Some(pair)) => {
+        match self.pair() {
+            Ok(pair) => {
                 self.left = self.left.saturating_sub(1);
-                Some(pair)
+                pair
             }
-            Ok(None) => None,
-            Err(e) => {
-                self.failure = Some(e);
+            Err(stop) => {
+                self.failure = Some(stop);
                 None
             }
         }
@@ -291,77 +228,177 @@ impl<'de, A: SeqAccess<'de>> Iterator for Pairs<'_, '_, 'de, A> {
     }
 }
 
-/// One `[key, node]` pair, the node at `depth`.
-struct BuildPair<'a, 'c> {
-    ctx: &'a mut Ctx<'c>,
-    depth: usize,
-}
+#[cfg(test)]
+mod tests {
+    use super::super::tree_census::count;
+    use super::super::tree_meta::MAX_DEPTH;
+    use super::*;
+    use serde_json::Value as Json;
 
-impl<'de> DeserializeSeed<'de> for BuildPair<'_, '_> {
-    type Value = (DictKey, Node);
-    fn deserialize<D: Deserializer<'de>>(
-        self,
-        d: D,
-    ) -> std::result::Result<(DictKey, Node), D::Error> {
-        d.deserialize_seq(self)
-    }
-}
+    /// Hands out a one-byte tensor for each of `names`, each once.
+    struct Names(Vec<&'static str>);
 
-impl<'de> Visitor<'de> for BuildPair<'_, '_> {
-    type Value = (DictKey, Node);
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a [key, node] pair")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(
-        self,
-        mut seq: A,
-    ) -> std::result::Result<(DictKey, Node), A::Error> {
-        use serde::de::Error as _;
-        let key = seq
-            .next_element_seed(KeySeed)?
-            .ok_or_else(|| A::Error::invalid_length(0, &"a [key, node] pair"))?;
-        let node = seq
-            .next_element_seed(BuildNode {
-                ctx: self.ctx,
-                depth: self.depth,
-            })?
-            .ok_or_else(|| A::Error::invalid_length(1, &"a [key, node] pair"))?;
-        if seq.next_element::<IgnoredAny>()?.is_some() {
-            return Err(A::Error::invalid_length(3, &"a [key, node] pair"));
+    impl TensorSource for Names {
+        fn take(&mut self, name: &str) -> Result<Tensor> {
+            let at = self
+                .0
+                .iter()
+                .position(|n| *n == name)
+                .ok_or_else(|| bad("no"))?;
+            self.0.remove(at);
+            Tensor::from_bytes(crate::DType::U8, vec![1], &[7])
         }
-        Ok((key, node))
     }
-}
 
-/// A tensor reference: the tensor, taken from the source, or for an alias the tensor an
-/// earlier reference took.
-struct TakeTensor<'a, 'c> {
-    ctx: &'a mut Ctx<'c>,
-    alias: bool,
-}
-
-impl<'de> DeserializeSeed<'de> for TakeTensor<'_, '_> {
-    type Value = Tensor;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Tensor, D::Error> {
-        d.deserialize_str(self)
+    fn names() -> Names {
+        Names(vec!["a", "b"])
     }
-}
 
-impl<'de> Visitor<'de> for TakeTensor<'_, '_> {
-    type Value = Tensor;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a tensor name")
+    /// The tree of a record parsed by `serde_json`, as the format describes it: the
+    /// oracle (`None` where the record is not a tree, or uses aliases).
+    fn oracle(record: &str) -> Option<Node> {
+        let doc: Json = serde_json::from_str(record).ok()?;
+        let version = doc.get("format")?.as_u64()?;
+        (1..=2).contains(&version).then_some(())?;
+        oracle_node(doc.get("tree")?, 0, &mut names())
     }
-    fn visit_str<E: serde::de::Error>(self, name: &str) -> std::result::Result<Tensor, E> {
-        let ctx = self.ctx;
-        let taken = if self.alias {
-            ctx.tensors.alias(name)
-        } else {
-            ctx.tensors.take(name)
+
+    fn oracle_node(node: &Json, depth: usize, tensors: &mut Names) -> Option<Node> {
+        let object = node
+            .as_object()
+            .filter(|o| o.len() == 1 && depth <= MAX_DEPTH)?;
+        let (kind, v) = object.iter().next()?;
+        let items = |tensors: &mut Names| -> Option<Vec<Node>> {
+            v.as_array()?
+                .iter()
+                .map(|n| oracle_node(n, depth + 1, tensors))
+                .collect()
         };
-        taken.map_err(|e| {
-            ctx.failure = Some(e);
-            E::custom("tensor reference failed")
+        Some(match kind.as_str() {
+            "dict" => {
+                let mut dict = TensorDict::new();
+                for pair in v.as_array()? {
+                    let [key, node] = pair.as_array()?.as_slice() else {
+                        return None;
+                    };
+                    let key: DictKey = match key {
+                        Json::String(s) => s.clone().into(),
+                        k => k.as_i64()?.into(),
+                    };
+                    let node = oracle_node(node, depth + 1, tensors)?;
+                    let before = dict.len();
+                    dict.insert(key, node);
+                    (dict.len() > before).then_some(())?;
+                }
+                Node::Dict(dict)
+            }
+            "list" => Node::List(items(tensors)?),
+            "tuple" => Node::Tuple(items(tensors)?),
+            "tensor" => Node::Tensor(tensors.take(v.as_str()?).ok()?),
+            "none" => v.is_null().then_some(Node::Value(Value::None))?,
+            "bool" => Node::Value(Value::Bool(v.as_bool()?)),
+            "int" => Node::Value(Value::Int(v.as_i64()?)),
+            "float" => Node::Value(Value::Float(match v {
+                Json::String(s) if s == "nan" => f64::NAN,
+                Json::String(s) if s == "inf" => f64::INFINITY,
+                Json::String(s) if s == "-inf" => f64::NEG_INFINITY,
+                n => n.as_f64()?,
+            })),
+            "str" => Node::Value(Value::Str(v.as_str()?.to_string())),
+            _ => return None,
         })
+    }
+
+    fn read(record: &str) -> Result<Node> {
+        let census = count(record)?;
+        decode(record, &census, &mut names())
+    }
+
+    const RECORD: &str = r#"{"format":2,"tree":{"dict":[["x",{"list":[{"int":-1},{"tensor":"b"},{"float":1.5e3},{"bool":false}]}],[7,{"tensor":"a"}],["z\u00e9",{"tuple":[{"str":"s\n"},{"dict":[]},{"float":"-inf"}]}]]}}"#;
+
+    /// What this reader builds, `serde_json` reads as the same tree; what `serde_json`
+    /// cannot read as JSON, this reader refuses.
+    fn agrees_with_the_oracle(record: &str) -> bool {
+        let mine = read(record);
+        if serde_json::from_str::<Json>(record).is_err() {
+            assert!(mine.is_err(), "read what is not JSON: {record}");
+        }
+        let Ok(tree) = mine else {
+            return false;
+        };
+        let want = oracle(record).unwrap_or_else(|| panic!("read what is no tree: {record}"));
+        assert_eq!(format!("{tree:?}"), format!("{want:?}"), "{record}");
+        true
+    }
+
+    #[test]
+    fn every_one_byte_change_of_a_record_is_read_as_serde_json_reads_it() {
+        assert!(agrees_with_the_oracle(RECORD));
+        let bytes = RECORD.as_bytes();
+        let mut read = 0;
+        for at in 0..bytes.len() {
+            for b in *b"\"{}[],:019-ab.e" {
+                let mut changed = bytes.to_vec();
+                changed[at] = b;
+                if let Ok(text) = std::str::from_utf8(&changed) {
+                    read += usize::from(agrees_with_the_oracle(text));
+                }
+            }
+            agrees_with_the_oracle(&RECORD[..at]);
+        }
+        assert!(read > 50, "only {read} changed records read");
+    }
+
+    #[test]
+    fn the_tree_corpus_is_read_as_serde_json_reads_it() {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/tree_record");
+        for file in std::fs::read_dir(dir).unwrap() {
+            let bytes = std::fs::read(file.unwrap().path()).unwrap();
+            if let Some(Ok(record)) = bytes.get(1..).map(std::str::from_utf8) {
+                agrees_with_the_oracle(record);
+            }
+        }
+    }
+
+    #[test]
+    fn references_to_tensors_are_checked() {
+        let twice = r#"{"format":1,"tree":{"list":[{"tensor":"a"},{"tensor":"a"}]}}"#;
+        assert!(read(twice).is_err());
+        let alias = r#"{"format":2,"tree":{"list":[{"tensor":"a"},{"alias":"a"}]}}"#;
+        let Node::List(items) = read(alias).unwrap() else {
+            panic!("not a list");
+        };
+        assert_eq!(items.len(), 2);
+        let early = r#"{"format":2,"tree":{"list":[{"alias":"a"},{"tensor":"a"}]}}"#;
+        assert!(read(early)
+            .unwrap_err()
+            .to_string()
+            .contains("no earlier node"));
+        let same_key = r#"{"format":1,"tree":{"dict":[["k",{"none":null}],["k",{"none":null}]]}}"#;
+        assert!(read(same_key)
+            .unwrap_err()
+            .to_string()
+            .contains("same key twice"));
+    }
+
+    #[test]
+    fn faults_are_worded_with_their_place() {
+        let e = read(r#"{"format":1,"tree":{"what":1}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown variant `what`, expected one of `dict`, `list`"),
+            "{e}"
+        );
+        assert!(e.contains("at line 1 column 21"), "{e}");
+        let e = read(r#"{"format":1,"tree":{"int":1,"str":"x"}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a node object has more than one key"), "{e}");
+        let e = read(r#"{"format":3,"tree":{"none":null}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unsupported format version 3"), "{e}");
     }
 }

@@ -1,5 +1,5 @@
 //! Recording a tree's nesting and plain values in a header's `__metadata__`: the format,
-//! and the pieces its two readers share ([`super::tree_census`] counts a record and checks
+//! and the pieces its reader shares ([`super::tree_census`] counts a record and checks
 //! it, [`super::tree_decode`] builds the tree from it); [`super::header_writer`] writes it.
 //!
 //! Encoding (JSON): `{"format": 1 | 2, "tree": NODE}` where NODE is one of
@@ -13,10 +13,6 @@
 //! node (in record order) took: one tensor under several keys, its bytes stored once. A
 //! writer marks a record 2 only when it uses them, so that every other file stays
 //! readable by readers of format 1; readers take both.
-
-use std::fmt;
-
-use serde::de::{DeserializeSeed, Deserializer, Visitor};
 
 use crate::error::Error;
 
@@ -78,76 +74,10 @@ impl Kind {
     }
 }
 
-const KINDS: &[&str] = &[
+/// The names of the kinds, as a fault about an unknown one lists them.
+pub(crate) const KINDS: &[&str] = &[
     "dict", "list", "tuple", "tensor", "alias", "none", "bool", "int", "float", "str",
 ];
-
-/// Reads a node's kind.
-pub(crate) struct KindSeed;
-
-/// The kind of the node object `map` starts (its one key), refusing nodes deeper than
-/// [`MAX_DEPTH`]: the prologue both readers of a record share.
-pub(crate) fn node_kind<'de, A: serde::de::MapAccess<'de>>(
-    map: &mut A,
-    depth: usize,
-) -> std::result::Result<Kind, A::Error> {
-    use serde::de::Error as _;
-    if depth > MAX_DEPTH {
-        return Err(A::Error::custom(format!(
-            "the tree is nested deeper than {MAX_DEPTH} levels"
-        )));
-    }
-    map.next_key_seed(KindSeed)?
-        .ok_or_else(|| A::Error::custom("a node object has no kind"))
-}
-
-impl<'de> DeserializeSeed<'de> for KindSeed {
-    type Value = Kind;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Kind, D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl<'de> Visitor<'de> for KindSeed {
-    type Value = Kind;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a node kind")
-    }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Kind, E> {
-        Kind::from_name(v).ok_or_else(|| E::unknown_variant(&shorten(v), KINDS))
-    }
-}
-
-/// Reads a dict key: a string, or an integer (format 2).
-pub(crate) struct KeySeed;
-
-impl<'de> DeserializeSeed<'de> for KeySeed {
-    type Value = crate::tree::DictKey;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for KeySeed {
-    type Value = crate::tree::DictKey;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a dict key (a string or an integer)")
-    }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(v.into())
-    }
-    fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
-        Ok(v.into())
-    }
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
-        Ok(v.into())
-    }
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
-        i64::try_from(v)
-            .map(Into::into)
-            .map_err(|_| E::custom(format!("the integer key {v} does not fit in 64 bits")))
-    }
-}
 
 /// The length of the decimal text of `i`, which an integer key is held as.
 pub(crate) fn decimal_len(i: i64) -> usize {
@@ -156,40 +86,6 @@ pub(crate) fn decimal_len(i: i64) -> usize {
         .checked_ilog10()
         .map_or(1, |l| l as usize + 1);
     digits + usize::from(i < 0)
-}
-
-/// Reads a float: a JSON number, or "nan", "inf", "-inf".
-pub(crate) struct FloatSeed;
-
-impl<'de> DeserializeSeed<'de> for FloatSeed {
-    type Value = f64;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<f64, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> Visitor<'de> for FloatSeed {
-    type Value = f64;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(r#"a number, "nan", "inf" or "-inf""#)
-    }
-    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<f64, E> {
-        Ok(v)
-    }
-    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<f64, E> {
-        Ok(v as f64)
-    }
-    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<f64, E> {
-        Ok(v as f64)
-    }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<f64, E> {
-        match v {
-            "nan" => Ok(f64::NAN),
-            "inf" => Ok(f64::INFINITY),
-            "-inf" => Ok(f64::NEG_INFINITY),
-            other => Err(E::custom(format!("bad float {:?}", shorten(other)))),
-        }
-    }
 }
 
 /// At most the first 64 characters of `s`, for error messages about hostile input.

@@ -13,10 +13,9 @@ use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 
-use super::census::HeaderCensus;
 use super::checkpoint::{commit_single, Place};
 use super::gather_write::GatherWriter;
-use super::header::MAX_HEADER_BYTES;
+use super::header::{HeaderCensus, MAX_HEADER_BYTES};
 use super::header_writer;
 use super::replace::{stage, Staged};
 use super::{budget, tree_meta, TREE_METADATA_KEY};
