@@ -290,7 +290,7 @@ fn defer<'a>(
     f: Fault,
 ) -> Scan<()> {
     *c = before;
-    c.skip_value()?;
+    c.skip_value(1)?;
     if fault.is_none() {
         *fault = Some(not_json(&f.describe(before.text())));
     }
@@ -443,7 +443,7 @@ fn entry(
     let mut read = |c: &mut Cursor<'_>, field: Field, key_len: usize| -> Scan<()> {
         census.saw_string(key_len);
         let Some(i) = ORDER.iter().position(|&f| f == field) else {
-            return c.skip_value();
+            return c.skip_value(2);
         };
         if std::mem::replace(&mut seen[i], true) {
             return Err(c.fault(format!("duplicate field `{}`", field.name())));

@@ -9,8 +9,8 @@
 
 use std::borrow::Cow;
 
-/// Deepest nesting of arrays and objects skipped as a value (as `serde_json`'s limit).
-const SKIP_DEPTH: usize = 128;
+/// Deepest nesting of arrays and objects in a text (as `serde_json`'s limit).
+const MAX_NESTING: usize = 127;
 
 /// A fault in a JSON text: where, and what.
 #[derive(Debug)]
@@ -458,15 +458,16 @@ impl<'a> Cursor<'a> {
         }
     }
 
-    /// Skips any one value (its nesting bounded).
-    pub(crate) fn skip_value(&mut self) -> Scan<()> {
-        self.skip_nested(0)
+    /// Skips any one value inside `depth` arrays and objects (the nesting of the whole
+    /// text bounded as `serde_json` bounds it).
+    pub(crate) fn skip_value(&mut self, depth: usize) -> Scan<()> {
+        self.skip_nested(depth)
     }
 
     fn skip_nested(&mut self, depth: usize) -> Scan<()> {
         match self.peek() {
             Some(open @ (b'{' | b'[')) => {
-                if depth >= SKIP_DEPTH {
+                if depth >= MAX_NESTING {
                     return Err(self.fault("recursion limit exceeded"));
                 }
                 let close = if open == b'{' { b'}' } else { b']' };
@@ -650,7 +651,7 @@ mod tests {
         ] {
             let mine = {
                 let mut c = Cursor::new(text);
-                c.skip_value().and_then(|()| c.finish())
+                c.skip_value(0).and_then(|()| c.finish())
             };
             let serde = serde_json::from_str::<serde_json::Value>(text);
             assert_eq!(mine.is_ok(), serde.is_ok(), "{text}: {mine:?} {serde:?}");
@@ -666,6 +667,19 @@ mod tests {
             if let (Ok(()), Ok(serde_json::Value::String(s))) = (&mine, &serde) {
                 assert_eq!(Cursor::new(text).str().unwrap(), *s);
             }
+        }
+    }
+
+    #[test]
+    fn nesting_is_bounded_where_serde_json_bounds_it() {
+        for n in 120..135 {
+            let text = format!("{{\"a\":{}{}}}", "[".repeat(n), "]".repeat(n));
+            let mut c = Cursor::new(&text);
+            c.open(b'{').unwrap();
+            c.key().unwrap();
+            let mine = c.skip_value(1);
+            let serde = serde_json::from_str::<serde_json::Value>(&text);
+            assert_eq!(mine.is_ok(), serde.is_ok(), "{n}");
         }
     }
 

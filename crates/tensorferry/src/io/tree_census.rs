@@ -91,7 +91,7 @@ fn count_document(text: &str, census: &mut TreeCensus) -> Scan<()> {
                 census.root_at = c.pos();
                 count_node(c, census, 0)?;
             }
-            _ => c.skip_value()?,
+            _ => c.skip_value(1)?,
         }
         Ok(())
     })?;
