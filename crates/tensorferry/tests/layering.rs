@@ -1,7 +1,7 @@
 //! The layering of the sources, checked: code that must not know which backends exist
-//! names no CUDA type, and the files of `backend/` import each other without a cycle (a
-//! file reaches another through `use super::…` or `crate::backend::…`). Test modules may
-//! drive a backend's internals and are not checked.
+//! names no CUDA type, and the files of each folder ([`FOLDERS`]) import each other
+//! without a cycle (a file of `backend/` reaches another through `use super::…` or
+//! `crate::backend::…`). Test modules may drive a backend's internals and are not checked.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -31,7 +31,16 @@ fn rust_files(dir: &Path) -> Vec<PathBuf> {
 fn backend_neutral_code_names_no_cuda_type() {
     let src = root().join("src");
     let mut files = rust_files(&src);
-    for dir in ["transfer", "memory", "io", "io/object", "tensor"] {
+    for dir in [
+        "transfer",
+        "memory",
+        "io",
+        "io/object",
+        "io/format",
+        "io/fs",
+        "io/checkpoint",
+        "tensor",
+    ] {
         files.extend(rust_files(&src.join(dir)));
     }
     for file in [
@@ -72,9 +81,14 @@ fn backend_neutral_code_names_no_cuda_type() {
     );
 }
 
-/// The files of `backend/` each file imports (by module name; `mod` for mod.rs).
-fn backend_imports() -> BTreeMap<String, BTreeSet<String>> {
-    let dir = root().join("src/backend");
+/// The folders whose files must import each other without a cycle.
+const FOLDERS: [&str; 4] = ["backend", "io/format", "io/fs", "io/checkpoint"];
+
+/// The files of the folder `folder` (under `src/`) each file imports (by module name;
+/// `mod` for mod.rs).
+fn imports(folder: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let dir = root().join("src").join(folder);
+    let in_crate = format!("crate::{}::", folder.replace('/', "::"));
     let files = rust_files(&dir);
     let names: BTreeSet<String> = files
         .iter()
@@ -86,7 +100,7 @@ fn backend_imports() -> BTreeMap<String, BTreeSet<String>> {
         let text = code(&dir.join(format!("{name}.rs")));
         let mut deps = BTreeSet::new();
         for line in text.lines().filter(|l| !l.trim_start().starts_with("//")) {
-            for prefix in ["super::", "crate::backend::"] {
+            for prefix in ["super::", in_crate.as_str()] {
                 for (i, _) in line.match_indices(prefix) {
                     let rest = &line[i + prefix.len()..];
                     let heads: Vec<&str> = match rest.strip_prefix('{') {
@@ -125,8 +139,16 @@ fn backend_imports() -> BTreeMap<String, BTreeSet<String>> {
 }
 
 #[test]
-fn the_files_of_backend_import_each_other_without_a_cycle() {
-    let graph = backend_imports();
+fn the_files_of_each_folder_import_each_other_without_a_cycle() {
+    for folder in FOLDERS {
+        if let Some(cycle) = cycle_in(&imports(folder)) {
+            panic!("an import cycle in {folder}/: {}", cycle.join(" -> "));
+        }
+    }
+}
+
+/// An import cycle of `graph`, if it has one.
+fn cycle_in(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     // Depth-first search for a back edge.
     fn visit(
         n: &str,
@@ -156,9 +178,16 @@ fn the_files_of_backend_import_each_other_without_a_cycle() {
         None
     }
     let mut state = BTreeMap::new();
-    for n in graph.keys() {
-        if let Some(cycle) = visit(n, &graph, &mut state, &mut Vec::new()) {
-            panic!("an import cycle in backend/: {}", cycle.join(" -> "));
-        }
-    }
+    graph
+        .keys()
+        .find_map(|n| visit(n, graph, &mut state, &mut Vec::new()))
+}
+
+#[test]
+fn a_cycle_is_found() {
+    let edge = |a: &str, b: &str| (a.to_string(), BTreeSet::from([b.to_string()]));
+    let graph = BTreeMap::from([edge("a", "b"), edge("b", "c"), edge("c", "a")]);
+    assert_eq!(cycle_in(&graph).unwrap(), ["a", "b", "c", "a"]);
+    let graph = BTreeMap::from([edge("a", "b"), edge("b", "c")]);
+    assert_eq!(cycle_in(&graph), None);
 }

@@ -23,34 +23,22 @@
 //! Paths that are object-storage URLs (`s3://…`, `gs://…`, `az://…`, `http(s)://…`) are
 //! loaded and saved through [`object`].
 
-mod budget;
 mod checkpoint;
-mod direct;
-mod direct_runs;
-mod file_kind;
-mod fs_name;
-mod gather_write;
-mod header;
-mod header_writer;
+mod format;
+mod fs;
 mod into_device;
-mod name_hash;
 pub mod object;
 mod pool;
 mod read;
-mod replace;
-mod scan;
-mod sharded;
-mod temp_files;
-mod tree_census;
-mod tree_decode;
-mod tree_meta;
 mod write;
 
-pub use direct_runs::{read_runs, Run, RunsRead};
-pub use header::{parse_header, Header, TensorEntry, MAX_HEADER_BYTES};
+pub use checkpoint::index::INDEX_SUFFIX;
+pub use checkpoint::sharded::{load_sharded, save_sharded, shard_files};
+pub use format::header::{Header, TensorEntry};
+pub use format::header_reader::{parse_header, MAX_HEADER_BYTES};
+pub use fs::direct_runs::{read_runs, Run, RunsRead};
 pub use into_device::{load_node_to, load_node_to_until};
 pub use read::{load, load_bytes, load_node, read_header, read_metadata, LoadOptions, Loaded};
-pub use sharded::{load_sharded, save_sharded, shard_files, INDEX_SUFFIX};
 pub use write::{header_bytes, save, save_node, SaveOptions};
 
 /// The `__metadata__` key under which tensorferry records a tree's structure.

@@ -11,12 +11,14 @@ use std::sync::Arc;
 
 use memmap2::{Mmap, MmapOptions};
 
-use super::budget;
-use super::direct::{Reader, Window};
-use super::file_kind::open_regular;
-use super::header::{header_len, parse_counted, Header, HeaderCensus};
+use super::checkpoint::sharded;
+use super::format::header::{Header, HeaderCensus};
+use super::format::header_reader::{header_len, parse_counted};
+use super::format::{budget, tree_census, tree_decode};
+use super::fs::direct::{Reader, Window};
+use super::fs::file_kind::open_regular;
 use super::pool::{flat_dict, Pool};
-use super::{tree_census, tree_decode, TREE_METADATA_KEY};
+use super::TREE_METADATA_KEY;
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
@@ -103,11 +105,9 @@ pub fn load_node(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded>
     if let Some(url) = super::object::url_of(path.as_ref()) {
         return super::object::load_url(url, &super::object::ObjectOptions::from_env(), None);
     }
-    let path = match super::sharded::resolve(path.as_ref())? {
-        super::sharded::Target::Index(index) => {
-            return super::sharded::load_sharded(index, options)
-        }
-        super::sharded::Target::File(file) => file,
+    let path = match sharded::resolve(path.as_ref())? {
+        sharded::Target::Index(index) => return sharded::load_sharded(index, options),
+        sharded::Target::File(file) => file,
     };
     load_file(&path, options)
 }
@@ -147,9 +147,9 @@ pub fn read_metadata(path: impl AsRef<Path>) -> Result<BTreeMap<String, String>>
     if let Some(url) = super::object::url_of(path.as_ref()) {
         return super::object::read_metadata_url(url, &super::object::ObjectOptions::from_env());
     }
-    let file = match super::sharded::resolve(path.as_ref())? {
-        super::sharded::Target::Index(index) => super::sharded::first_shard(&index)?,
-        super::sharded::Target::File(file) => file,
+    let file = match sharded::resolve(path.as_ref())? {
+        sharded::Target::Index(index) => sharded::first_shard(&index)?,
+        sharded::Target::File(file) => file,
     };
     Ok(read_header(file)?.metadata)
 }

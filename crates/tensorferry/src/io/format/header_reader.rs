@@ -1,4 +1,4 @@
-//! The safetensors header codec: reading and validating a header, trusting nothing in it.
+//! The safetensors header reader: reading and validating a header, trusting nothing in it.
 //!
 //! Two passes over the borrowed text, with one tokenizer ([`super::scan`]). The first
 //! ([`count`]) checks the JSON and counts what the header describes (tensors, dimensions,
@@ -8,78 +8,21 @@
 //! `serde_json` reader this codec replaced worded them, with their line and column, and
 //! in the same order: syntax first, then the budget, then the first entry at fault.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use super::budget;
+use super::header::{Header, HeaderCensus, TensorEntry};
 use super::name_hash::name_hash;
-use super::scan::{Cursor, Fault, Scan};
-use super::tree_census::{self, TreeCensus};
+use super::scan::{Cursor, Fault, Scan, Stop};
+use super::tree_census;
 use super::tree_meta::shorten;
-use super::TREE_METADATA_KEY;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::io::TREE_METADATA_KEY;
 use crate::tensor::checked_nbytes;
 
 /// Largest header accepted, in bytes (as the official implementation).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
-
-/// One tensor described by a header.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TensorEntry {
-    /// The tensor's name.
-    pub name: String,
-    /// Element type.
-    pub dtype: DType,
-    /// Shape.
-    pub shape: Vec<usize>,
-    /// Byte range inside the data section.
-    pub begin: usize,
-    /// End of the byte range (exclusive).
-    pub end: usize,
-}
-
-/// A validated header.
-#[derive(Clone, Debug, Default)]
-pub struct Header {
-    /// The tensors, in the order the header lists them.
-    pub tensors: Vec<TensorEntry>,
-    /// The `__metadata__` string map.
-    pub metadata: BTreeMap<String, String>,
-    /// File offset of the data section (8 + header length).
-    pub data_start: u64,
-}
-
-/// What a header describes, counted.
-#[derive(Debug, Default)]
-pub(crate) struct HeaderCensus {
-    /// Bytes of the header's JSON.
-    pub(crate) header_bytes: u64,
-    /// Tensor entries.
-    pub(crate) entries: u64,
-    /// Dimensions of all shapes together.
-    pub(crate) dims: u64,
-    /// Dimensions of the longest shape.
-    pub(crate) max_ndim: u64,
-    /// Bytes of all tensor names.
-    pub(crate) name_bytes: u64,
-    /// Entries of `__metadata__`.
-    pub(crate) metadata_pairs: u64,
-    /// Bytes of the keys and string values of `__metadata__`.
-    pub(crate) metadata_bytes: u64,
-    /// Bytes of the longest string the parse copies out.
-    pub(crate) longest_string: u64,
-    /// The recorded tree, counted, when `__metadata__` holds one (an error when it does not
-    /// parse: the load reports it, a header read does not care).
-    pub(crate) tree: Option<Result<TreeCensus>>,
-}
-
-impl HeaderCensus {
-    /// Notes a string of `len` bytes.
-    pub(crate) fn saw_string(&mut self, len: usize) {
-        self.longest_string = self.longest_string.max(len as u64);
-    }
-}
 
 /// Validates the first 8 bytes and returns the header length; `file_len` bounds it.
 pub(crate) fn header_len(prefix: &[u8], file_len: u64) -> Result<u64> {
@@ -160,21 +103,13 @@ pub(crate) fn parse_counted(header: &[u8], data_len: u64) -> Result<(Header, Hea
     let data_start = 8 + header.len() as u64;
     let text = std::str::from_utf8(header)
         .map_err(|e| Error::format_at(8 + e.valid_up_to() as u64, "header is not valid UTF-8"))?;
-    let Counted {
-        census,
-        tree_text,
-        fault,
-    } = count(text).map_err(|f| not_json(&f.describe(text)))?;
+    let (census, tree_text) = count(text).map_err(|f| not_json(&f.describe(text)))?;
     budget::check(&census, data_len)?;
-    if let Some(fault) = fault {
-        return Err(fault);
-    }
-    let (entries, metadata) = build(text, census.entries, tree_text).map_err(|f| {
-        not_json(&format!(
-            "the header changed while read: {}",
-            f.describe(text)
-        ))
-    })?;
+    let (entries, metadata) =
+        build(text, census.entries, tree_text).map_err(|stop| match stop {
+            Stop::Json(f) => not_json(&f.describe(text)),
+            Stop::Other(e) => e,
+        })?;
     if let Some(name) = first_duplicate(&entries) {
         return Err(Error::format_in(
             &shorten(name),
@@ -194,7 +129,7 @@ pub(crate) fn parse_counted(header: &[u8], data_len: u64) -> Result<(Header, Hea
 #[cfg(debug_assertions)]
 pub(crate) fn census_of(text: &str) -> Result<HeaderCensus> {
     count(text)
-        .map(|counted| counted.census)
+        .map(|(census, _)| census)
         .map_err(|f| not_json(&f.describe(text)))
 }
 
@@ -206,134 +141,144 @@ fn not_json(why: &str) -> Error {
     )
 }
 
-/// What the first pass found.
-struct Counted {
-    census: HeaderCensus,
-    /// The tree record, unescaped, if `__metadata__` holds one.
-    tree_text: Option<String>,
-    /// The first fault of an entry or of the metadata (a value of the wrong type, an
-    /// unknown dtype, a shape that disagrees with its bytes): reported after the budget.
-    fault: Option<Error>,
-}
-
-/// Checks the JSON of the header `text` and counts what it describes.
-fn count(text: &str) -> Scan<Counted> {
+/// Checks the JSON of the header `text` and counts what it describes, and unescapes the
+/// tree record if `__metadata__` holds one. Only the JSON's syntax and a top level that
+/// is not an object are faults here: a value of the wrong type is counted as it comes
+/// and left to [`build`], which words it.
+fn count(text: &str) -> Scan<(HeaderCensus, Option<String>)> {
     let mut census = HeaderCensus {
         header_bytes: text.len() as u64,
         ..HeaderCensus::default()
     };
     let mut tree_text = None;
-    let mut fault = None;
-    let mut seen_metadata = false;
     let mut c = Cursor::new(text);
     c.object("a JSON object", |c, key| {
         census.saw_string(key.len());
-        let before = *c;
         if key == "__metadata__" {
-            let read = metadata_members(c, &mut |c, key| {
-                census.saw_string(key.len());
-                census.metadata_pairs += 1;
-                census.metadata_bytes += key.len() as u64;
-                let len = { *c }.str_len()?;
-                census.saw_string(len);
-                census.metadata_bytes += len as u64;
-                if key == TREE_METADATA_KEY {
-                    let mut text = String::with_capacity(len);
-                    c.str_into(&mut text)?;
-                    tree_text = Some(text);
-                } else {
-                    c.str_len()?;
-                }
-                Ok(())
-            });
-            if let Err(f) = read {
-                let why = format!("__metadata__ must map strings to strings: {}", f.what());
-                defer(c, before, &mut fault, Fault::new(f.at(), why))?;
-            } else if std::mem::replace(&mut seen_metadata, true) && fault.is_none() {
-                fault = Some(Error::format_in(&key, "name appears twice in the header"));
-            }
-            return Ok(());
+            return count_metadata(c, &mut census, &mut tree_text);
         }
         census.entries += 1;
         census.name_bytes += key.len() as u64;
-        let mut ndim = 0u64;
-        match entry(c, &mut census, |_| ndim += 1) {
-            Ok(fields) => {
-                if fault.is_none() {
-                    fault = fields.check(text, &key).err();
-                }
-            }
-            Err(f) => {
-                let why = format!("tensor {:?}: {}", shorten(&key), f.what());
-                defer(c, before, &mut fault, Fault::new(f.at(), why))?;
-            }
-        }
-        census.dims += ndim;
-        census.max_ndim = census.max_ndim.max(ndim);
-        Ok(())
+        count_entry(c, &mut census)
     })?;
     c.finish()?;
     census.tree = tree_text.as_deref().map(tree_census::count);
-    Ok(Counted {
-        census,
-        tree_text,
-        fault,
+    Ok((census, tree_text))
+}
+
+/// Counts an entry's strings and the dimensions of its shape (its values skipped).
+fn count_entry(c: &mut Cursor<'_>, census: &mut HeaderCensus) -> Scan<()> {
+    let value =
+        |c: &mut Cursor<'_>, census: &mut HeaderCensus, field: Field| match (field, c.peek()) {
+            (Field::DType, Some(b'"')) => c.str_len().map(|len| census.saw_string(len)),
+            (Field::Shape, Some(b'[')) => {
+                let ndim = u64::from(c.array("", |c| c.skip_value(3))?);
+                census.dims += ndim;
+                census.max_ndim = census.max_ndim.max(ndim);
+                Ok(())
+            }
+            _ => c.skip_value(2),
+        };
+    match c.peek() {
+        Some(b'{') => entry_fields(c, |c, key_len, field| {
+            census.saw_string(key_len);
+            value(c, census, field)
+        }),
+        Some(b'[') => {
+            let mut i = 0;
+            c.array("", |c| {
+                i += 1;
+                let field = [Field::DType, Field::Shape].get(i - 1).copied();
+                value(c, census, field.unwrap_or(Field::Other))
+            })
+            .map(drop)
+        }
+        Some(b'"') => c.str_len().map(|len| census.saw_string(len)),
+        _ => c.skip_value(1),
+    }
+}
+
+/// Counts the `__metadata__` object (any other value is skipped, and refused by
+/// [`build`]); its tree record, if any, is unescaped into `tree`.
+fn count_metadata(
+    c: &mut Cursor<'_>,
+    census: &mut HeaderCensus,
+    tree: &mut Option<String>,
+) -> Scan<()> {
+    if c.peek() != Some(b'{') {
+        return c.skip_value(1);
+    }
+    c.object("", |c, key| {
+        census.saw_string(key.len());
+        census.metadata_pairs += 1;
+        census.metadata_bytes += key.len() as u64;
+        if c.peek() != Some(b'"') {
+            return c.skip_value(2);
+        }
+        let len = { *c }.str_len()?;
+        census.saw_string(len);
+        census.metadata_bytes += len as u64;
+        if key == TREE_METADATA_KEY {
+            let mut text = String::with_capacity(len);
+            c.str_into(&mut text)?;
+            *tree = Some(text);
+        } else {
+            c.str_len()?;
+        }
+        Ok(())
     })
 }
 
-/// A value at `before` that `c` could not read: a syntax fault when the value does not
-/// even skip as JSON, else the first fault of its kind, kept in `fault` for later.
-fn defer<'a>(
-    c: &mut Cursor<'a>,
-    before: Cursor<'a>,
-    fault: &mut Option<Error>,
-    f: Fault,
-) -> Scan<()> {
-    *c = before;
-    c.skip_value(1)?;
-    if fault.is_none() {
-        *fault = Some(not_json(&f.describe(before.text())));
-    }
-    Ok(())
-}
-
 /// Builds the entries (room for `entries`) and the metadata of the header `text` that
-/// [`count`] checked; `tree_text` is the record it unescaped.
+/// [`count`] checked; `tree_text` is the record it unescaped. The first entry at fault
+/// (a value of the wrong type, an unknown dtype, a shape that disagrees with its bytes)
+/// is the error.
 fn build(
     text: &str,
     entries: u64,
     mut tree_text: Option<String>,
-) -> Scan<(Vec<TensorEntry>, BTreeMap<String, String>)> {
+) -> std::result::Result<(Vec<TensorEntry>, BTreeMap<String, String>), Stop> {
     let mut tensors = Vec::with_capacity(usize::try_from(entries).unwrap_or(0));
     let mut metadata = BTreeMap::new();
-    let mut ignored = HeaderCensus::default();
+    let mut seen_metadata = false;
     let mut c = Cursor::new(text);
     c.object("a JSON object", |c, key| {
         if key == "__metadata__" {
-            return metadata_into(c, &mut metadata, &mut tree_text);
+            metadata_into(c, &mut metadata, &mut tree_text).map_err(|f| {
+                let why = format!("__metadata__ must map strings to strings: {}", f.what());
+                Fault::new(f.at(), why)
+            })?;
+            if std::mem::replace(&mut seen_metadata, true) {
+                let twice = Error::format_in(&key, "name appears twice in the header");
+                return Err(Stop::Other(twice));
+            }
+            return Ok(());
         }
+        let in_entry =
+            |f: Fault| Fault::new(f.at(), format!("tensor {:?}: {}", shorten(&key), f.what()));
         // Up to eight dims are gathered on the stack; a longer shape is read again into a
         // vector of its exact length.
         let start = *c;
         let (mut small, mut ndim) = ([0usize; 8], 0usize);
-        let fields = entry(c, &mut ignored, |d| {
+        let fields = entry(c, |d| {
             if let Some(slot) = small.get_mut(ndim) {
                 *slot = d;
             }
             ndim += 1;
-        })?;
+        })
+        .map_err(in_entry)?;
+        let dtype = fields.check(text, &key)?;
         let shape = match small.get(..ndim) {
             Some(dims) => dims.to_vec(),
             None => {
                 let mut shape = Vec::with_capacity(ndim);
-                entry(&mut { start }, &mut ignored, |d| shape.push(d))?;
+                entry(&mut { start }, |d| shape.push(d)).map_err(in_entry)?;
                 shape
             }
         };
-        let unexpected = || start.fault("an entry changed between the passes");
-        let dtype = fields.dtype.map_err(|_| unexpected())?;
         // Packed floats: the header counts values, the tensor elements.
-        let shape = dtype.tensor_shape(shape).ok_or_else(unexpected)?;
+        let unpacked = dtype.tensor_shape(shape);
+        let shape = unpacked.ok_or_else(|| start.fault("an entry changed while read"))?;
         tensors.push(TensorEntry {
             name: key.into_owned(),
             dtype,
@@ -353,12 +298,15 @@ fn metadata_into(
     metadata: &mut BTreeMap<String, String>,
     tree: &mut Option<String>,
 ) -> Scan<()> {
-    metadata_members(c, &mut |c, key| {
+    c.object("a map", |c, key| {
+        if c.peek() != Some(b'"') {
+            return Err(c.wrong_type("a string"));
+        }
         let value = if key == TREE_METADATA_KEY {
             c.str_len()?;
             match tree.clone() {
                 Some(text) => text,
-                None => return Err(c.fault("the tree record changed between the passes")),
+                None => return Err(c.fault("the tree record changed while read")),
             }
         } else {
             let mut value = String::with_capacity({ *c }.str_len()?);
@@ -367,25 +315,6 @@ fn metadata_into(
         };
         metadata.insert(key.into_owned(), value);
         Ok(())
-    })?;
-    // The record once, whichever of its copies came last.
-    if let Some(text) = tree.take() {
-        metadata.insert(TREE_METADATA_KEY.to_string(), text);
-    }
-    Ok(())
-}
-
-/// Calls `each` with every key of the `__metadata__` object, the cursor at its value,
-/// which must be a string.
-fn metadata_members<'a>(
-    c: &mut Cursor<'a>,
-    each: &mut dyn FnMut(&mut Cursor<'a>, Cow<'a, str>) -> Scan<()>,
-) -> Scan<()> {
-    c.object("a map", |c, key| {
-        if c.peek() != Some(b'"') {
-            return Err(c.wrong_type("a string"));
-        }
-        each(c, key)
     })
 }
 
@@ -410,7 +339,53 @@ enum Field {
     Other,
 }
 
+/// Calls `each` with every field of the entry object at the cursor (its key's length,
+/// and the field it names), the cursor at its value; the keys writers write are compared
+/// whole.
+fn entry_fields(
+    c: &mut Cursor<'_>,
+    mut each: impl FnMut(&mut Cursor<'_>, usize, Field) -> Scan<()>,
+) -> Scan<()> {
+    if c.peek() != Some(b'{') {
+        return Err(c.wrong_type("struct RawEntry"));
+    }
+    if c.open(b'{')? {
+        return Ok(());
+    }
+    loop {
+        let field = if c.eat_key("dtype") {
+            Field::DType
+        } else if c.eat_key("shape") {
+            Field::Shape
+        } else if c.eat_key("data_offsets") {
+            Field::Offsets
+        } else {
+            let key = c.key()?;
+            let field = Field::of(&key);
+            each(c, key.len(), field)?;
+            if !c.more(b'}')? {
+                return Ok(());
+            }
+            continue;
+        };
+        each(c, field.name().len(), field)?;
+        if !c.more(b'}')? {
+            return Ok(());
+        }
+    }
+}
+
 impl Field {
+    /// The field a key names.
+    fn of(key: &str) -> Field {
+        match key {
+            "dtype" => Field::DType,
+            "shape" => Field::Shape,
+            "data_offsets" => Field::Offsets,
+            _ => Field::Other,
+        }
+    }
+
     /// The name of the field, as a fault about it gives it.
     fn name(self) -> &'static str {
         match self {
@@ -424,13 +399,9 @@ impl Field {
 
 /// One entry at the cursor, `{"dtype": …, "shape": […], "data_offsets": [b, e]}` (fields
 /// in any order, others skipped) or `[dtype, shape, data_offsets]`; each dimension of its
-/// shape goes to `dim`, the length of each string to `census`. Every fault of type or
+/// shape goes to `dim`. Every fault of type or
 /// structure is a [`Fault`]; whether the fields agree is for [`Fields::check`].
-fn entry(
-    c: &mut Cursor<'_>,
-    census: &mut HeaderCensus,
-    mut dim: impl FnMut(usize),
-) -> Scan<Fields> {
+fn entry(c: &mut Cursor<'_>, mut dim: impl FnMut(usize)) -> Scan<Fields> {
     const ORDER: [Field; 3] = [Field::DType, Field::Shape, Field::Offsets];
     let mut fields = Fields {
         dtype: Err(String::new()),
@@ -440,8 +411,7 @@ fn entry(
         end: 0,
     };
     let mut seen = [false; 3];
-    let mut read = |c: &mut Cursor<'_>, field: Field, key_len: usize| -> Scan<()> {
-        census.saw_string(key_len);
+    let mut read = |c: &mut Cursor<'_>, field: Field| -> Scan<()> {
         let Some(i) = ORDER.iter().position(|&f| f == field) else {
             return c.skip_value(2);
         };
@@ -454,7 +424,6 @@ fn entry(
                     return Err(c.wrong_type("a dtype code"));
                 }
                 let code = c.str()?;
-                census.saw_string(code.len());
                 fields.dtype = DType::from_safetensors_code(&code).ok_or_else(|| shorten(&code));
             }
             Field::Shape => {
@@ -481,18 +450,10 @@ fn entry(
                 .get(i)
                 .ok_or_else(|| c.fault(format!("invalid length {}, expected {WANT}", i + 1)))?;
             i += 1;
-            read(c, field, 0)
+            read(c, field)
         })?;
     } else {
-        c.object("struct RawEntry", |c, key| {
-            let field = match &*key {
-                "dtype" => Field::DType,
-                "shape" => Field::Shape,
-                "data_offsets" => Field::Offsets,
-                _ => Field::Other,
-            };
-            read(c, field, key.len())
-        })?;
+        entry_fields(c, |c, _, field| read(c, field))?;
     }
     if let Some(i) = seen.iter().position(|s| !s) {
         return Err(c.fault(format!("missing field `{}`", ORDER[i].name())));
@@ -524,12 +485,12 @@ fn offsets(c: &mut Cursor<'_>) -> Scan<(usize, usize)> {
 impl Fields {
     /// The fields of the entry `name` agree (a known dtype; a shape whose bytes are the
     /// span of the offsets), or the fault in words.
-    fn check(&self, text: &str, name: &str) -> Result<()> {
+    fn check(&self, text: &str, name: &str) -> Result<DType> {
         if let (Ok(&dtype), Some(numel)) = (self.dtype.as_ref(), self.numel) {
             let nbytes = numel.checked_mul(dtype.size());
             if dtype.lanes() == 1 && self.begin <= self.end && nbytes == Some(self.end - self.begin)
             {
-                return Ok(());
+                return Ok(dtype);
             }
         }
         // The fault, rare: the shape read again to word it.
@@ -538,7 +499,7 @@ impl Fields {
             shape.push(c.usize("usize")?);
             Ok::<(), Fault>(())
         });
-        validate_entry(name, self.dtype.clone(), shape, self.begin, self.end).map(drop)
+        validate_entry(name, self.dtype.clone(), shape, self.begin, self.end).map(|e| e.dtype)
     }
 }
 

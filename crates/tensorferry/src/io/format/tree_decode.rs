@@ -5,10 +5,10 @@
 //! tree is ever built; what can still fail here is a tensor reference (missing, or used
 //! twice), an alias to a tensor not taken before it, and a dict key given twice.
 
-use super::scan::{Cursor, Fault};
+use super::scan::{Cursor, Stop};
 use super::tree_census::{float, node_end, node_kind, pair_end, pair_key, string, Key, TreeCensus};
 use super::tree_meta::{bad, Kind};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::Tensor;
 use crate::tree::{DictKey, Node, TensorDict, Value};
 
@@ -31,7 +31,7 @@ pub(crate) fn decode(
     };
     let mut c = Cursor::at(text, census.root_at);
     build.node(&mut c, 0).map_err(|stop| match stop {
-        Stop::Tree(e) => e,
+        Stop::Other(e) => e,
         Stop::Json(f) => bad(format!(
             "not a valid tree record (it changed after its census): {}",
             f.describe(text)
@@ -78,25 +78,6 @@ impl<'c> Aliasing<'c> {
                     super::tree_meta::shorten(name)
                 ))
             })
-    }
-}
-
-/// Why a decoding stopped: a fault of the text (which the census had checked), or one of
-/// the tree.
-enum Stop {
-    Json(Fault),
-    Tree(Error),
-}
-
-impl From<Fault> for Stop {
-    fn from(f: Fault) -> Self {
-        Stop::Json(f)
-    }
-}
-
-impl From<Error> for Stop {
-    fn from(e: Error) -> Self {
-        Stop::Tree(e)
     }
 }
 
@@ -156,7 +137,7 @@ impl Build<'_> {
             return Err(stop);
         }
         if dict.len() != len {
-            return Err(Stop::Tree(bad(
+            return Err(Stop::Other(bad(
                 "not a valid tree record: a dict of the tree has the same key twice",
             )));
         }

@@ -50,6 +50,27 @@ impl Fault {
     }
 }
 
+/// Why a reading stopped: a fault of the JSON, or another error (an entry or a tree that
+/// the JSON describes and that is at fault).
+pub(crate) enum Stop {
+    /// A fault of the JSON text.
+    Json(Fault),
+    /// Any other error.
+    Other(crate::Error),
+}
+
+impl From<Fault> for Stop {
+    fn from(f: Fault) -> Self {
+        Stop::Json(f)
+    }
+}
+
+impl From<crate::Error> for Stop {
+    fn from(e: crate::Error) -> Self {
+        Stop::Other(e)
+    }
+}
+
 /// A JSON number, as `serde_json` reads it: an integer when it has neither fraction nor
 /// exponent and fits, else a float.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -80,11 +101,6 @@ impl<'a> Cursor<'a> {
         Cursor { text, at }
     }
 
-    /// The text the cursor moves over.
-    pub(crate) fn text(&self) -> &'a str {
-        self.text
-    }
-
     /// The byte offset of the cursor.
     pub(crate) fn pos(&self) -> usize {
         self.at
@@ -100,6 +116,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// Skips JSON whitespace.
+    #[inline]
     fn skip_ws(&mut self) {
         while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.bytes().get(self.at) {
             self.at += 1;
@@ -107,24 +124,33 @@ impl<'a> Cursor<'a> {
     }
 
     /// The next byte after whitespace, not consumed.
+    #[inline]
     pub(crate) fn peek(&mut self) -> Option<u8> {
         self.skip_ws();
         self.bytes().get(self.at).copied()
     }
 
     /// Consumes `byte` (after whitespace), or fails.
+    #[inline]
     pub(crate) fn eat(&mut self, byte: u8) -> Scan<()> {
-        match self.peek() {
-            Some(b) if b == byte => {
-                self.at += 1;
-                Ok(())
-            }
-            Some(_) => Err(self.fault(format!("expected `{}`", byte as char))),
-            None => Err(self.fault("EOF while parsing a value")),
+        if self.peek() == Some(byte) {
+            self.at += 1;
+            return Ok(());
+        }
+        Err(self.not_eaten(byte))
+    }
+
+    /// Why [`Cursor::eat`] found no `byte`.
+    #[cold]
+    fn not_eaten(&self, byte: u8) -> Fault {
+        match self.bytes().get(self.at) {
+            Some(_) => self.fault(format!("expected `{}`", byte as char)),
+            None => self.fault("EOF while parsing a value"),
         }
     }
 
     /// Consumes `byte` if it comes next; says whether it did.
+    #[inline]
     pub(crate) fn eat_if(&mut self, byte: u8) -> bool {
         let found = self.peek() == Some(byte);
         self.at += usize::from(found);
@@ -132,6 +158,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// Consumes `,` and says true, or `close` and says false.
+    #[inline]
     pub(crate) fn more(&mut self, close: u8) -> Scan<bool> {
         match self.peek() {
             Some(b',') => {
@@ -142,12 +169,17 @@ impl<'a> Cursor<'a> {
                 self.at += 1;
                 Ok(false)
             }
-            Some(_) => Err(self.fault(format!("expected `,` or `{}`", close as char))),
-            None => Err(self.fault(if close == b'}' {
-                "EOF while parsing an object"
-            } else {
-                "EOF while parsing a list"
-            })),
+            _ => Err(self.no_more(close)),
+        }
+    }
+
+    /// Why [`Cursor::more`] found neither `,` nor `close`.
+    #[cold]
+    fn no_more(&self, close: u8) -> Fault {
+        match self.bytes().get(self.at) {
+            Some(_) => self.fault(format!("expected `,` or `{}`", close as char)),
+            None if close == b'}' => self.fault("EOF while parsing an object"),
+            None => self.fault("EOF while parsing a list"),
         }
     }
 
@@ -205,6 +237,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// The key of an object member and its colon: borrowed when it has no escape.
+    #[inline]
     pub(crate) fn key(&mut self) -> Scan<Cow<'a, str>> {
         if self.peek() != Some(b'"') {
             return Err(match self.peek() {
@@ -215,6 +248,25 @@ impl<'a> Cursor<'a> {
         let key = self.str()?;
         self.eat(b':')?;
         Ok(key)
+    }
+
+    /// Consumes `"key":` if that member key comes next (after whitespace), nothing
+    /// otherwise: what [`Cursor::key`] reads as `key`, for a `key` without specials, in
+    /// one comparison.
+    #[inline]
+    pub(crate) fn eat_key(&mut self, key: &str) -> bool {
+        self.skip_ws();
+        let key = key.as_bytes();
+        let rest = &self.bytes()[self.at..];
+        let found = rest.len() > key.len() + 2
+            && rest[0] == b'"'
+            && rest[key.len() + 1] == b'"'
+            && rest[key.len() + 2] == b':'
+            && &rest[1..=key.len()] == key;
+        if found {
+            self.at += key.len() + 3;
+        }
+        found
     }
 
     /// Calls `piece` with each run of plain text and each unescaped character of the
@@ -288,7 +340,24 @@ impl<'a> Cursor<'a> {
     }
 
     /// The string at the cursor: borrowed from the text when it holds no escape.
+    #[inline]
     pub(crate) fn str(&mut self) -> Scan<Cow<'a, str>> {
+        // Most strings hold no escape: found whole by one scan for their end.
+        self.skip_ws();
+        let bytes = self.bytes();
+        if bytes.get(self.at) == Some(&b'"') {
+            let end = special_from(bytes, self.at + 1);
+            if bytes.get(end) == Some(&b'"') {
+                let s = &self.text[self.at + 1..end];
+                self.at = end + 1;
+                return Ok(Cow::Borrowed(s));
+            }
+        }
+        self.escaped_str()
+    }
+
+    /// [`Cursor::str`] for a string with escapes (or a fault).
+    fn escaped_str(&mut self) -> Scan<Cow<'a, str>> {
         let mut out: Cow<'a, str> = Cow::Borrowed("");
         self.string(|run, c| match (&mut out, c) {
             (Cow::Borrowed(""), None) => out = Cow::Borrowed(run),
@@ -299,7 +368,23 @@ impl<'a> Cursor<'a> {
     }
 
     /// The length in bytes of the string at the cursor once unescaped; nothing allocated.
+    #[inline]
     pub(crate) fn str_len(&mut self) -> Scan<usize> {
+        self.skip_ws();
+        let bytes = self.bytes();
+        if bytes.get(self.at) == Some(&b'"') {
+            let end = special_from(bytes, self.at + 1);
+            if bytes.get(end) == Some(&b'"') {
+                let len = end - self.at - 1;
+                self.at = end + 1;
+                return Ok(len);
+            }
+        }
+        self.escaped_len()
+    }
+
+    /// [`Cursor::str_len`] for a string with escapes (or a fault).
+    fn escaped_len(&mut self) -> Scan<usize> {
         let mut len = 0;
         self.string(|run, c| len += run.len() + c.map_or(0, char::len_utf8))?;
         Ok(len)
@@ -375,6 +460,7 @@ impl<'a> Cursor<'a> {
     }
 
     /// A non-negative integer that fits `usize`; `want` words the type asked for.
+    #[inline]
     pub(crate) fn usize(&mut self, want: &str) -> Scan<usize> {
         self.skip_ws();
         // The common case, up to 19 digits and a delimiter, without the general reader.
@@ -392,6 +478,12 @@ impl<'a> Cursor<'a> {
                 return Ok(n);
             }
         }
+        self.general_usize(want)
+    }
+
+    /// [`Cursor::usize`] for any number, or the fault.
+    #[cold]
+    fn general_usize(&mut self, want: &str) -> Scan<usize> {
         let start = *self;
         match self.typed(want)? {
             Number::U(n) => usize::try_from(n)
@@ -487,7 +579,19 @@ impl<'a> Cursor<'a> {
             Some(b'"') => self.string(|_, _| {}),
             Some(b't' | b'f') => self.bool().map(drop),
             Some(b'n') => self.null(),
-            Some(b'-' | b'0'..=b'9') => self.number().map(drop),
+            Some(b'0'..=b'9') => {
+                // The common case, digits and a delimiter, without the general reader.
+                let rest = &self.bytes()[self.at..];
+                let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+                if (digits == 1 || rest[0] != b'0')
+                    && !matches!(rest.get(digits), Some(b'.' | b'e' | b'E'))
+                {
+                    self.at += digits;
+                    return Ok(());
+                }
+                self.number().map(drop)
+            }
+            Some(b'-') => self.number().map(drop),
             Some(_) => Err(self.fault("expected value")),
             None => Err(self.fault("EOF while parsing a value")),
         }
@@ -530,6 +634,7 @@ impl<'a> Cursor<'a> {
 
 /// The index of the first `"`, `\\` or control character of `bytes` from `at` on (the
 /// length when none), eight bytes at a time.
+#[inline]
 pub(crate) fn special_from(bytes: &[u8], mut at: usize) -> usize {
     const ONES: u64 = u64::from_ne_bytes([0x01; 8]);
     const HIGHS: u64 = u64::from_ne_bytes([0x80; 8]);

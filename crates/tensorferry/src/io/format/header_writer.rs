@@ -21,8 +21,8 @@ use super::name_hash::NameHasher;
 use super::scan::special_from;
 use super::tree_census::TreeCensus;
 use super::tree_meta::{FORMAT_VERSION, FORMAT_VERSION_NEWEST};
-use super::TREE_METADATA_KEY;
 use crate::error::{Error, Result};
+use crate::io::TREE_METADATA_KEY;
 use crate::memory::HOST_ALIGNMENT;
 use crate::tensor::Tensor;
 use crate::tree::{KeyPath, Node, TensorDict, Value};
@@ -658,7 +658,7 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
 #[cfg(debug_assertions)]
 fn check_census(json: &[u8], built: &HeaderCensus) {
     let text = std::str::from_utf8(json).expect("the header is built from strings");
-    let parsed = super::header::census_of(text).expect("the writer writes valid JSON");
+    let parsed = super::header_reader::census_of(text).expect("the writer writes valid JSON");
     let counts = |c: &HeaderCensus| {
         let tree = match &c.tree {
             Some(Ok(t)) => Some((
