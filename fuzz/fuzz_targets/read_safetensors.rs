@@ -1,5 +1,6 @@
 //! Any bytes given to the safetensors reader give a tree or an error: never a panic, never
-//! an allocation larger than the input. Run: cargo +nightly fuzz run read_safetensors
+//! an allocation larger than the input; the header goes through the one header codec
+//! (`io/format/header_reader.rs`). Run: cargo +nightly fuzz run read_safetensors
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

@@ -1,9 +1,9 @@
 //! The layering of the sources, checked: code that must not know which backends exist
 //! names no CUDA type, no CUDA type or driver call appears outside `backend/cuda/`, and
-//! the files of `backend/` — and those of `backend/cuda/` — import each other without a
-//! cycle (a file reaches another through `use super::…` or `crate::backend::…`; the folder
-//! `backend/cuda/` counts as one module of `backend/`). Test modules may drive a backend's
-//! internals and are not checked.
+//! the files of `backend/`, of `backend/cuda/` and of each folder of `io/` (`format/`,
+//! `fs/`, `checkpoint/`) import each other without a cycle (a file reaches another through
+//! `use super::…` or `crate::<folder>::…`; a sub-folder counts as one module of its
+//! parent). Test modules may drive a backend's internals and are not checked.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -219,6 +219,26 @@ fn the_files_of_the_cuda_folder_import_each_other_without_a_cycle() {
 }
 
 fn assert_no_cycle(folder: &str, graph: BTreeMap<String, BTreeSet<String>>) {
+    if let Some(cycle) = cycle_in(&graph) {
+        panic!("an import cycle in {folder}: {}", cycle.join(" -> "));
+    }
+}
+
+/// The folders of `io/` whose files must import each other without a cycle.
+const IO_FOLDERS: [&str; 3] = ["io/format", "io/fs", "io/checkpoint"];
+
+#[test]
+fn the_files_of_each_io_folder_import_each_other_without_a_cycle() {
+    for folder in IO_FOLDERS {
+        let in_crate = format!("crate::{}::", folder.replace('/', "::"));
+        let graph = imports_in(folder, &["super::", in_crate.as_str()]);
+        assert!(graph.len() > 1, "{folder}: {graph:?}");
+        assert_no_cycle(&format!("{folder}/"), graph);
+    }
+}
+
+/// An import cycle of `graph`, if it has one.
+fn cycle_in(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     // Depth-first search for a back edge.
     fn visit(
         n: &str,
@@ -248,9 +268,16 @@ fn assert_no_cycle(folder: &str, graph: BTreeMap<String, BTreeSet<String>>) {
         None
     }
     let mut state = BTreeMap::new();
-    for n in graph.keys() {
-        if let Some(cycle) = visit(n, &graph, &mut state, &mut Vec::new()) {
-            panic!("an import cycle in {folder}: {}", cycle.join(" -> "));
-        }
-    }
+    graph
+        .keys()
+        .find_map(|n| visit(n, graph, &mut state, &mut Vec::new()))
+}
+
+#[test]
+fn a_cycle_is_found() {
+    let edge = |a: &str, b: &str| (a.to_string(), BTreeSet::from([b.to_string()]));
+    let graph = BTreeMap::from([edge("a", "b"), edge("b", "c"), edge("c", "a")]);
+    assert_eq!(cycle_in(&graph).unwrap(), ["a", "b", "c", "a"]);
+    let graph = BTreeMap::from([edge("a", "b"), edge("b", "c")]);
+    assert_eq!(cycle_in(&graph), None);
 }

@@ -11,11 +11,11 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::direct::{Reader, Window, DIRECT_ALIGN};
-use super::file_kind::open_regular;
-use super::header::parse_counted;
+use super::checkpoint::sharded::{load_sharded_with, resolve, Target};
+use super::format::header_reader::parse_counted;
+use super::fs::direct::{Reader, Window, DIRECT_ALIGN};
+use super::fs::file_kind::open_regular;
 use super::read::{build, load, read_header_bytes, LoadOptions, Loaded};
-use super::sharded::{load_sharded_with, resolve, Target};
 use crate::backend::{backend_for, Backend};
 use crate::device::Device;
 use crate::error::{Error, Result};

@@ -24,37 +24,22 @@
 //! Paths that are object-storage URLs (`s3://…`, `gs://…`, `az://…`, `http(s)://…`) are
 //! loaded and saved through [`object`].
 
-mod budget;
-mod census;
 mod checkpoint;
-mod direct;
-mod direct_runs;
-mod fast_header;
-mod fast_tree;
-mod file_kind;
-mod fs_name;
-mod gather_write;
-mod header;
-mod header_writer;
+mod format;
+mod fs;
 mod into_device;
-mod name_hash;
 pub mod object;
 mod pool;
 mod read;
-mod replace;
-mod scan;
-mod sharded;
-mod temp_files;
-mod tree_census;
-mod tree_decode;
-mod tree_meta;
 mod write;
 
-pub use direct_runs::{read_runs, Run};
-pub use header::{parse_header, Header};
+pub use checkpoint::index::INDEX_SUFFIX;
+pub use checkpoint::sharded::{load_sharded, save_sharded, shard_files};
+pub use format::header::Header;
+pub use format::header_reader::parse_header;
+pub use fs::direct_runs::{read_runs, Run};
 pub use into_device::{load_to, load_to_until};
 pub use read::{load, load_bytes, read_header, read_metadata, LoadOptions, Loaded, Mapping};
-pub use sharded::{load_sharded, save_sharded, shard_files, INDEX_SUFFIX};
 pub use write::{header_bytes, save, SaveOptions};
 
 /// The `__metadata__` key under which tensorferry records a tree's structure.

@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use super::header::TensorEntry;
-use super::tree_decode::TensorSource;
-use super::tree_meta::{bad, shorten};
+use super::format::header::TensorEntry;
+use super::format::tree_decode::TensorSource;
+use super::format::tree_meta::{bad, shorten};
 use crate::error::{Error, Result};
 use crate::storage::Storage;
 use crate::tensor::Tensor;

@@ -11,13 +11,14 @@ use std::sync::Arc;
 
 use memmap2::{Mmap, MmapOptions};
 
-use super::budget;
-use super::census::HeaderCensus;
-use super::direct::{Reader, Window};
-use super::file_kind::open_regular;
-use super::header::{header_len, parse_counted, Header};
+use super::checkpoint::sharded;
+use super::format::header::{Header, HeaderCensus};
+use super::format::header_reader::{header_len, parse_counted};
+use super::format::{budget, tree_census, tree_decode};
+use super::fs::direct::{Reader, Window};
+use super::fs::file_kind::open_regular;
 use super::pool::{flat_dict, Pool};
-use super::{tree_decode, TREE_METADATA_KEY};
+use super::TREE_METADATA_KEY;
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
@@ -173,11 +174,9 @@ pub fn load(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
     if let Some(url) = super::object::url_of(path.as_ref()) {
         return super::object::load_url(url, &super::object::ObjectOptions::from_env(), None);
     }
-    let path = match super::sharded::resolve(path.as_ref())? {
-        super::sharded::Target::Index(index) => {
-            return super::sharded::load_sharded(index, options)
-        }
-        super::sharded::Target::File(file) => file,
+    let path = match sharded::resolve(path.as_ref())? {
+        sharded::Target::Index(index) => return sharded::load_sharded(index, options),
+        sharded::Target::File(file) => file,
     };
     load_file(&path, options)
 }
@@ -217,9 +216,9 @@ pub fn read_metadata(path: impl AsRef<Path>) -> Result<BTreeMap<String, String>>
     if let Some(url) = super::object::url_of(path.as_ref()) {
         return super::object::read_metadata_url(url, &super::object::ObjectOptions::from_env());
     }
-    let file = match super::sharded::resolve(path.as_ref())? {
-        super::sharded::Target::Index(index) => super::sharded::first_shard(&index)?,
-        super::sharded::Target::File(file) => file,
+    let file = match sharded::resolve(path.as_ref())? {
+        sharded::Target::Index(index) => sharded::first_shard(&index)?,
+        sharded::Target::File(file) => file,
     };
     Ok(read_header(file)?.metadata)
 }
@@ -375,7 +374,7 @@ pub(super) fn build(
         Some(text) => {
             let tree = match census.tree {
                 Some(counted) => counted?,
-                None => super::fast_tree::census(&text)?,
+                None => tree_census::count(&text)?,
             };
             let mut pool = Pool::new(header.tensors, storage, base);
             let root = tree_decode::decode(&text, &tree, &mut pool)?;

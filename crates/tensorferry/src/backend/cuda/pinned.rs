@@ -41,7 +41,11 @@ struct LentBlock {
 
 impl Drop for LentBlock {
     fn drop(&mut self) {
-        let taken = self.block.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        let taken = self
+            .block
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         if let Some((block, back)) = taken {
             self.freer.run(
                 0,

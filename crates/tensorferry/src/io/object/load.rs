@@ -25,9 +25,10 @@ use super::failure::{cause_of, failed, from_store, Cause};
 use super::location::Location;
 use super::{plan, runtime, ObjectOptions};
 use crate::error::{Error, Result};
-use crate::io::header::{header_len, parse_counted};
+use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SUFFIX};
+use crate::io::checkpoint::sharded::{load_index_with, READERS};
+use crate::io::format::header_reader::{header_len, parse_counted};
 use crate::io::read::{build, Loaded};
-use crate::io::sharded::{check_index_len, load_index_with, parse_index, INDEX_SUFFIX, READERS};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
 use crate::tree::{Node, TensorDict, Value};
@@ -333,10 +334,7 @@ fn head(at: &Location) -> Result<ObjectMeta> {
 }
 
 /// Reads and checks the index at `at`.
-pub(super) fn read_index(
-    at: &Location,
-    options: &ObjectOptions,
-) -> Result<crate::io::sharded::Index> {
+pub(super) fn read_index(at: &Location, options: &ObjectOptions) -> Result<Index> {
     let label = Path::new(at.url());
     let (first, meta) = get(at, GetRange::Bounded(0..options.header_bytes as u64), None)?;
     check_index_len(meta.size, label)?;

@@ -30,10 +30,10 @@ use std::fs::{self, File};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use super::replace::{stage, sync_folder, Staged};
-use super::sharded::{read_index, INDEX_SUFFIX};
-use super::temp_files;
+use super::index::{read_index, INDEX_SUFFIX, REPLACES_KEY};
 use crate::error::{Error, Result};
+use crate::io::fs::replace::{stage, sync_folder, Staged};
+use crate::io::fs::temp_files;
 
 /// A checkpoint's place: its folder and stem.
 pub(crate) struct Place {
@@ -107,13 +107,6 @@ impl Place {
             .then(|| format!("{}-{i}-of-{n}.safetensors", self.stem))
     }
 }
-
-/// The metadata key, in a sharded checkpoint's index, of the files of the checkpoint it
-/// replaced: a save that dies after its commit leaves them, and the next save removes them.
-pub(crate) const REPLACES_KEY: &str = "tensorferry.replaces";
-
-/// The metadata key, in a sharded checkpoint's index and shards, of the save that wrote it.
-pub(crate) const SAVE_ID_KEY: &str = "tensorferry.save";
 
 /// `ENOTDIR`, with its number (Python's `NotADirectoryError` needs it).
 fn not_a_directory() -> io::Error {

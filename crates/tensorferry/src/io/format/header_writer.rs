@@ -1,5 +1,5 @@
 //! Building a header in one pass over the tree, into one buffer, counting on the way what
-//! [`super::census`] would count if it parsed the result.
+//! [`super::header`] counts when it reads the result.
 //!
 //! The walk gathers each tensor's dotted name into one string (no key path or name is
 //! allocated per tensor), writes the tree record as it goes, and the entries are then
@@ -16,13 +16,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
-use super::census::HeaderCensus;
+use super::header::HeaderCensus;
 use super::name_hash::NameHasher;
 use super::scan::special_from;
 use super::tree_census::TreeCensus;
 use super::tree_meta::{FORMAT_VERSION, FORMAT_VERSION_NEWEST};
-use super::TREE_METADATA_KEY;
 use crate::error::{Error, Result};
+use crate::io::TREE_METADATA_KEY;
 use crate::memory::HOST_ALIGNMENT;
 use crate::tensor::Tensor;
 use crate::tree::{KeyPath, Node, TensorDict, Value};
@@ -532,7 +532,7 @@ pub(crate) fn check_names(walked: &Walked<'_>, paths: impl FnOnce() -> Vec<KeyPa
 pub(crate) struct Built {
     /// The 8-byte length and the JSON, padded with spaces so data starts 64-byte aligned.
     pub(crate) bytes: Vec<u8>,
-    /// What [`super::census::count_header`] counts in it.
+    /// What [`super::header`] counts in it.
     pub(crate) census: HeaderCensus,
     /// The order in which the tensors' bytes follow the header (indexes into the walk).
     pub(crate) order: Vec<usize>,
@@ -635,7 +635,7 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
             longest_string: walked.tree.longest_string,
             lengths: Vec::new(),
             aliased: Vec::new(),
-            fast: false,
+            root_at: 0,
         })
     });
     #[cfg(debug_assertions)]
@@ -651,7 +651,7 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
 #[cfg(debug_assertions)]
 fn check_census(json: &[u8], built: &HeaderCensus) {
     let text = std::str::from_utf8(json).expect("the header is built from strings");
-    let parsed = super::census::count_header(text).expect("the writer writes valid JSON");
+    let parsed = super::header_reader::census_of(text).expect("the writer writes valid JSON");
     let counts = |c: &HeaderCensus| {
         let tree = match &c.tree {
             Some(Ok(t)) => Some((

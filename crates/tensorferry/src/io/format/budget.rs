@@ -2,7 +2,7 @@
 //!
 //! What a load builds from a header (names, shapes, strides, a tree of nodes) takes
 //! several times the bytes of JSON that describe it, so a hostile header of a few
-//! megabytes could make a load allocate hundreds. From the counts of [`super::census`],
+//! megabytes could make a load allocate hundreds. From the counts of [`super::header`],
 //! [`load_cost`] bounds from above what a load allocates at its peak (the file's bytes
 //! read into memory included), and a file whose cost is over [`allowed`] — four times its
 //! size plus 4 MiB — is refused before anything is built. The writer checks the header it
@@ -10,8 +10,7 @@
 
 use std::mem::size_of;
 
-use super::census::HeaderCensus;
-use super::header::TensorEntry;
+use super::header::{HeaderCensus, TensorEntry};
 use crate::error::{Error, Result};
 use crate::tree::Node;
 

@@ -13,24 +13,19 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::checkpoint::{commit_sharded, save_id, Place, StagedShard, REPLACES_KEY, SAVE_ID_KEY};
-use super::file_kind::open_regular;
-use super::read::{load_file, LoadOptions, Loaded};
-use super::tree_decode::{decode, TensorSource};
-use super::write::{check_root, stage_node, write_walked, SaveOptions};
-use super::{header_writer, tree_census, tree_meta, TREE_METADATA_KEY};
+use super::commit::{commit_sharded, save_id, Place, StagedShard};
+use super::index::{read_index, Index, INDEX_SUFFIX, SAVE_ID_KEY};
 use crate::error::{Error, Result};
+use crate::io::format::tree_decode::{decode, TensorSource};
+use crate::io::format::{header_writer, tree_census, tree_meta};
+use crate::io::read::{load_file, LoadOptions, Loaded};
+use crate::io::write::{check_root, stage_node, write_walked, SaveOptions};
+use crate::io::TREE_METADATA_KEY;
 use crate::tensor::Tensor;
 use crate::tree::{Node, TensorDict};
 
-/// The suffix of an index file.
-pub const INDEX_SUFFIX: &str = ".safetensors.index.json";
-
-/// Largest index file read (a million tensor names fit in far less).
-const MAX_INDEX_BYTES: u64 = 256 << 20;
-
 /// Shards read at once.
-pub(super) const READERS: usize = 8;
+pub(crate) const READERS: usize = 8;
 
 /// Saves `root` as shards of at most `max_shard_bytes` of tensor data each (a tensor
 /// larger than that gets a shard of its own), plus the index, next to `path`:
@@ -58,8 +53,8 @@ pub fn save_sharded(
         });
     }
     check_root(root, options)?;
-    if let Some(url) = super::object::url_of(path) {
-        let written = super::object::save_url(root, url, options, Some(max_shard_bytes))?;
+    if let Some(url) = crate::io::object::url_of(path) {
+        let written = crate::io::object::save_url(root, url, options, Some(max_shard_bytes))?;
         return Ok(written.into_iter().map(PathBuf::from).collect());
     }
     // One walk gives what a single file and the shards both need: the tensors in tree
@@ -110,7 +105,7 @@ pub fn save_sharded(
 
 /// Groups tensor sizes, in order, into shards of at most `max` bytes (a larger tensor
 /// alone): the indexes of each shard's tensors.
-pub(super) fn plan_shards(sizes: impl Iterator<Item = u64>, max: u64) -> Vec<Vec<usize>> {
+pub(crate) fn plan_shards(sizes: impl Iterator<Item = u64>, max: u64) -> Vec<Vec<usize>> {
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut filled = 0u64;
     for (i, size) in sizes.enumerate() {
@@ -288,7 +283,7 @@ pub(crate) fn load_index_with(
     }
     let root = match index.record {
         Some(text) => {
-            let census = tree_census::count_tree(&text)?;
+            let census = tree_census::count(&text)?;
             let mut source = Named(by_name);
             decode(&text, &census, &mut source)?
         }
@@ -336,134 +331,6 @@ pub(crate) fn first_shard(index_path: &Path) -> Result<PathBuf> {
         reason: "the index names no shard".into(),
     })?;
     Ok(index_path.parent().unwrap_or(Path::new(".")).join(first))
-}
-
-/// A sharded checkpoint's index.
-pub(crate) struct Index {
-    /// Tensor name → shard file, sorted by name.
-    weight_map: BTreeMap<String, String>,
-    /// tensorferry's tree record, when tensorferry wrote the index.
-    record: Option<String>,
-    /// The save that wrote it, when tensorferry did ([`SAVE_ID_KEY`]).
-    save_id: Option<String>,
-    /// The files of the checkpoint it replaced ([`REPLACES_KEY`]), plain names only.
-    pub(crate) replaces: Vec<String>,
-}
-
-impl Index {
-    /// The tensor names it maps, sorted.
-    pub(crate) fn names(&self) -> impl Iterator<Item = &str> {
-        self.weight_map.keys().map(String::as_str)
-    }
-
-    /// The shard files it names, each once, in order of first mention.
-    pub(crate) fn files(&self) -> impl Iterator<Item = &str> {
-        let mut seen = std::collections::HashSet::new();
-        self.weight_map
-            .values()
-            .map(String::as_str)
-            .filter(move |f| seen.insert(*f))
-    }
-}
-
-/// Whether `file` is a plain file name (no folder, no `..`), as an index may name.
-fn is_plain_name(file: &str) -> bool {
-    let plain = Path::new(file)
-        .components()
-        .all(|c| matches!(c, std::path::Component::Normal(_)));
-    plain && !file.contains('/') && !file.contains('\\') && !file.is_empty()
-}
-
-/// Whether `file` is a plain name of a safetensors file.
-fn is_plain_shard_name(file: &str) -> bool {
-    is_plain_name(file) && file.ends_with(".safetensors")
-}
-
-/// Reads and checks the index at `path`: JSON of at most [`MAX_INDEX_BYTES`], in UTF-8,
-/// whose shards are safetensors files in its own folder (an index naming an index, or a
-/// path, is refused: loading never recurses).
-pub(crate) fn read_index(path: &Path) -> Result<Index> {
-    let (mut file, len) = open_regular(path)?;
-    check_index_len(len, path)?;
-    let mut bytes = Vec::with_capacity(len as usize);
-    file.read_to_end(&mut bytes)
-        .map_err(|e| Error::io("read", path, e))?;
-    parse_index(&bytes, path)
-}
-
-/// Refuses an index of `len` bytes over [`MAX_INDEX_BYTES`].
-pub(crate) fn check_index_len(len: u64, path: &Path) -> Result<()> {
-    match len > MAX_INDEX_BYTES {
-        true => Err(Error::Format {
-            at: format!("{path:?}"),
-            reason: format!("an index of {len} bytes is over the {MAX_INDEX_BYTES}-byte limit"),
-        }),
-        false => Ok(()),
-    }
-}
-
-/// Checks the index bytes read from `path`, as [`read_index`] does.
-pub(crate) fn parse_index(bytes: &[u8], path: &Path) -> Result<Index> {
-    let bad = |reason: String| Error::Format {
-        at: format!("{path:?}"),
-        reason,
-    };
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| bad(format!("not a safetensors index: not UTF-8 text ({e})")))?;
-    #[derive(serde::Deserialize)]
-    struct Raw {
-        #[serde(default)]
-        metadata: Option<serde_json::Map<String, serde_json::Value>>,
-        weight_map: BTreeMap<String, String>,
-    }
-    let raw: Raw =
-        serde_json::from_str(text).map_err(|e| bad(format!("not a safetensors index: {e}")))?;
-    let mut checked = std::collections::HashSet::new();
-    for file in raw.weight_map.values() {
-        if !checked.insert(file.as_str()) {
-            continue;
-        }
-        if !is_plain_name(file) {
-            return Err(bad(format!(
-                "shard {file:?} is not a file name in the index's folder"
-            )));
-        }
-        if file.ends_with(".json") {
-            return Err(bad(format!(
-                "shard {file:?} is an index, not a safetensors file: an index names only shards"
-            )));
-        }
-    }
-    let record = match raw.metadata.as_ref().and_then(|m| m.get(TREE_METADATA_KEY)) {
-        None => None,
-        Some(serde_json::Value::String(s)) => Some(s.clone()),
-        Some(_) => {
-            return Err(bad(format!(
-                "metadata.{TREE_METADATA_KEY} must be a string"
-            )))
-        }
-    };
-    let save_id = match raw.metadata.as_ref().and_then(|m| m.get(SAVE_ID_KEY)) {
-        None => None,
-        Some(serde_json::Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(bad(format!("metadata.{SAVE_ID_KEY} must be a string"))),
-    };
-    // Only a hint for the next save's clean-up: anything but plain shard names is ignored.
-    let replaces = match raw.metadata.as_ref().and_then(|m| m.get(REPLACES_KEY)) {
-        Some(serde_json::Value::Array(names)) => names
-            .iter()
-            .filter_map(|n| n.as_str())
-            .filter(|n| is_plain_shard_name(n))
-            .map(str::to_string)
-            .collect(),
-        _ => Vec::new(),
-    };
-    Ok(Index {
-        weight_map: raw.weight_map,
-        record,
-        save_id,
-        replaces,
-    })
 }
 
 /// Loads `files` with `load_one` on up to `readers` threads, in order; the
