@@ -16,7 +16,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let data_len = (data.len() - 8 - header.len()) as u64;
-    let mine = tensorferry::io::parse_header(header, data_len);
+    let mine = tensorferry::internal::io::parse_header(header, data_len);
     let oracle = std::str::from_utf8(header)
         .ok()
         .and_then(|text| serde_json::from_str::<serde_json::Value>(text).ok())
