@@ -108,6 +108,16 @@ struct ForeignStream {
 
 impl ForeignStream {
     fn new(device: Device) -> ForeignStream {
+        ForeignStream::with_flags(device, 0)
+    }
+
+    /// A stream created `CU_STREAM_NON_BLOCKING`, as PyTorch creates its side streams
+    /// (`torch.cuda.Stream()`): the legacy default stream does not order after it.
+    fn non_blocking(device: Device) -> ForeignStream {
+        ForeignStream::with_flags(device, 1)
+    }
+
+    fn with_flags(device: Device, flags: std::ffi::c_uint) -> ForeignStream {
         use cudarc::driver::sys;
         let Device::Cuda(ordinal) = device else {
             unreachable!("a CUDA device")
@@ -117,7 +127,7 @@ impl ForeignStream {
         let mut raw: sys::CUstream = std::ptr::null_mut();
         // SAFETY: the GPU's context is current; `raw` is a live out pointer.
         assert_eq!(
-            unsafe { sys::cuStreamCreate(&mut raw, 0) },
+            unsafe { sys::cuStreamCreate(&mut raw, flags) },
             sys::CUresult::CUDA_SUCCESS
         );
         ForeignStream {
@@ -973,11 +983,37 @@ fn a_pinned_result_lent_through_dlpack_is_not_reused_while_its_consumer_may_read
 }
 
 #[test]
-fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
-    use cudarc::driver::sys;
-    if !in_child() {
-        return;
+fn a_pinned_result_lent_to_a_consumers_non_blocking_stream_is_not_reused_while_it_may_read_it() {
+    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
+        return eprintln!("skipped: needs the fake CUDA driver");
     }
+    run_in_child(
+        "child_a_lent_pinned_block_comes_back_behind_a_non_blocking_consumers_copy",
+        &[],
+    );
+}
+
+#[test]
+fn child_a_lent_pinned_block_comes_back_behind_a_non_blocking_consumers_copy() {
+    if in_child() {
+        lent_pinned_block_comes_back_behind_its_consumers_copy(ForeignStream::non_blocking);
+    }
+}
+
+#[test]
+fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
+    if in_child() {
+        lent_pinned_block_comes_back_behind_its_consumers_copy(ForeignStream::new);
+    }
+}
+
+/// A pinned result lent as host memory, copied to the GPU by its consumer on a stream
+/// `consumer_stream` makes (held busy), then dropped: the pool must not hand the block out
+/// again, nor a later download land in it, while that copy may still read it.
+fn lent_pinned_block_comes_back_behind_its_consumers_copy(
+    consumer_stream: fn(Device) -> ForeignStream,
+) {
+    use cudarc::driver::sys;
     let dev = last_gpu();
     let pinned = MoveOptions {
         pinned: true,
@@ -997,7 +1033,7 @@ fn child_a_lent_pinned_block_comes_back_behind_its_consumers_copy() {
     drop(lent);
     // …which copies it to the GPU on its own stream (`t.cuda(non_blocking=True)`), a stream
     // still busy with earlier work (held here)…
-    let consumer = ForeignStream::new(dev);
+    let consumer = consumer_stream(dev);
     let target = backend_for(dev).unwrap().alloc(len).unwrap();
     let held = gate_stream(consumer.raw as usize).unwrap();
     {
