@@ -475,20 +475,29 @@ impl<'a> Cursor<'a> {
     /// The common case of [`Cursor::usize`]: up to 19 digits (no leading zero) that fit,
     /// with neither fraction nor exponent after them, passed. `None`, the cursor only past
     /// whitespace, for any other number or value.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn plain_usize(&mut self) -> Option<usize> {
         self.skip_ws();
         let rest = &self.bytes()[self.at..];
-        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-        let plain = (1..=19).contains(&digits)
+        // Digits counted and summed in one loop; 19 digits never overflow a u64.
+        let (mut digits, mut n) = (0usize, 0u64);
+        while let Some(&b) = rest.get(digits) {
+            let d = b.wrapping_sub(b'0');
+            if d > 9 {
+                break;
+            }
+            if digits == 19 {
+                return None;
+            }
+            n = n * 10 + u64::from(d);
+            digits += 1;
+        }
+        let plain = digits >= 1
             && (digits == 1 || rest[0] != b'0')
             && !matches!(rest.get(digits), Some(b'.' | b'e' | b'E'));
         if !plain {
             return None;
         }
-        let n = rest[..digits]
-            .iter()
-            .fold(0u64, |n, &b| n * 10 + u64::from(b - b'0'));
         let n = usize::try_from(n).ok()?;
         self.at += digits;
         Some(n)
