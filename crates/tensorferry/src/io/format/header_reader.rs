@@ -146,6 +146,13 @@ fn not_json(why: &str) -> Error {
 /// is not an object are faults here: a value of the wrong type is counted as it comes
 /// and left to [`build`], which words it.
 fn count(text: &str) -> Scan<(HeaderCensus, Option<String>)> {
+    count_in(text, true)
+}
+
+/// [`count`], skimming the entries in the form writers write with [`skim_entry`] when
+/// `skim` (tests compare it with the general reader alone).
+#[inline]
+fn count_in(text: &str, skim: bool) -> Scan<(HeaderCensus, Option<String>)> {
     let mut census = HeaderCensus {
         header_bytes: text.len() as u64,
         ..HeaderCensus::default()
@@ -159,11 +166,70 @@ fn count(text: &str) -> Scan<(HeaderCensus, Option<String>)> {
         }
         census.entries += 1;
         census.name_bytes += key.len() as u64;
-        count_entry(c, &mut census)
+        // Most entries are in the form every writer writes: skimmed in one tight loop.
+        // Anything else is counted again from the entry's start by the general reader,
+        // which also words its faults.
+        let start = *c;
+        if !skim || skim_entry(c, &mut census).is_none() {
+            *c = start;
+            count_entry(c, &mut census)?;
+        }
+        Ok(())
     })?;
     c.finish()?;
     census.tree = tree_text.as_deref().map(tree_census::count);
     Ok((census, tree_text))
+}
+
+/// Counts an entry in the form writers write, as [`count_entry`] counts it: an object of
+/// the keys `dtype` (a string without escapes), `shape` (an array of plain integers) and
+/// `data_offsets` (two plain integers), in any order. `None`, with `census` untouched,
+/// for anything else, valid JSON or not: the caller then reads the entry again with
+/// [`count_entry`], whose counts and faults are the ones that hold. Only valid JSON is
+/// skimmed, so what it accepts [`count_entry`] accepts alike and counts the same.
+#[inline]
+fn skim_entry(c: &mut Cursor<'_>, census: &mut HeaderCensus) -> Option<()> {
+    if c.peek() != Some(b'{') || c.open(b'{').ok()? {
+        return None;
+    }
+    // Counted per shape, as [`count_entry`] counts them (a shape twice counts twice).
+    let (mut dims, mut max_ndim, mut longest) = (0u64, 0u64, 0usize);
+    loop {
+        if c.eat_key("dtype") {
+            longest = longest.max("dtype".len()).max(c.plain_str()?.len());
+        } else if c.eat_key("shape") {
+            longest = longest.max("shape".len());
+            c.eat(b'[').ok()?;
+            let mut ndim = 0u64;
+            if !c.eat_if(b']') {
+                loop {
+                    c.plain_usize()?;
+                    ndim += 1;
+                    if !c.more(b']').ok()? {
+                        break;
+                    }
+                }
+            }
+            dims += ndim;
+            max_ndim = max_ndim.max(ndim);
+        } else if c.eat_key("data_offsets") {
+            longest = longest.max("data_offsets".len());
+            c.eat(b'[').ok()?;
+            c.plain_usize()?;
+            c.eat(b',').ok()?;
+            c.plain_usize()?;
+            c.eat(b']').ok()?;
+        } else {
+            return None;
+        }
+        if !c.more(b'}').ok()? {
+            break;
+        }
+    }
+    census.saw_string(longest);
+    census.dims += dims;
+    census.max_ndim = census.max_ndim.max(max_ndim);
+    Some(())
 }
 
 /// Counts an entry's strings and the dimensions of its shape (its values skipped).
@@ -236,7 +302,19 @@ fn count_metadata(
 fn build(
     text: &str,
     entries: u64,
+    tree_text: Option<String>,
+) -> std::result::Result<(Vec<TensorEntry>, BTreeMap<String, String>), Stop> {
+    build_in(text, entries, tree_text, true)
+}
+
+/// [`build`], reading the entries in the form writers write with [`plain_entry`] when
+/// `plain` (tests compare it with the general reader alone).
+#[inline]
+fn build_in(
+    text: &str,
+    entries: u64,
     mut tree_text: Option<String>,
+    plain: bool,
 ) -> std::result::Result<(Vec<TensorEntry>, BTreeMap<String, String>), Stop> {
     let mut tensors = Vec::with_capacity(usize::try_from(entries).unwrap_or(0));
     let mut metadata = BTreeMap::new();
@@ -254,12 +332,26 @@ fn build(
             }
             return Ok(());
         }
-        let in_entry =
-            |f: Fault| Fault::new(f.at(), format!("tensor {:?}: {}", shorten(&key), f.what()));
         // Up to eight dims are gathered on the stack; a longer shape is read again into a
         // vector of its exact length.
         let start = *c;
         let (mut small, mut ndim) = ([0usize; 8], 0usize);
+        // Most entries are in the form writers write, and sound: read in one tight loop.
+        // Any other is read again from its start by the general reader, which words it.
+        if let Some((dtype, ndim, begin, end)) = plain.then(|| plain_entry(c, &mut small)).flatten()
+        {
+            tensors.push(TensorEntry {
+                name: key.into_owned(),
+                dtype,
+                shape: small[..ndim].to_vec(),
+                begin,
+                end,
+            });
+            return Ok(());
+        }
+        *c = start;
+        let in_entry =
+            |f: Fault| Fault::new(f.at(), format!("tensor {:?}: {}", shorten(&key), f.what()));
         let fields = entry(c, |d| {
             if let Some(slot) = small.get_mut(ndim) {
                 *slot = d;
@@ -459,6 +551,64 @@ fn entry(c: &mut Cursor<'_>, mut dim: impl FnMut(usize)) -> Scan<Fields> {
         return Err(c.fault(format!("missing field `{}`", ORDER[i].name())));
     }
     Ok(fields)
+}
+
+/// An entry in the form writers write (as [`skim_entry`] skims it, each field once, at
+/// most eight dims, plain integers that fit) whose fields agree: a known dtype of one
+/// value an element, whose shape's bytes are the span of the offsets. Its dims go to
+/// `dims`; the result is its dtype, number of dims and offsets. `None` for any other
+/// entry: [`entry`] then reads it, which for a sound entry reads the same.
+#[inline]
+fn plain_entry(c: &mut Cursor<'_>, dims: &mut [usize; 8]) -> Option<(DType, usize, usize, usize)> {
+    if c.peek() != Some(b'{') || c.open(b'{').ok()? {
+        return None;
+    }
+    let (mut dtype, mut shape, mut offsets) = (None, None, None);
+    loop {
+        if c.eat_key("dtype") {
+            if dtype.is_some() {
+                return None;
+            }
+            dtype = Some(DType::from_safetensors_code(c.plain_str()?)?);
+        } else if c.eat_key("shape") {
+            if shape.is_some() {
+                return None;
+            }
+            c.eat(b'[').ok()?;
+            let (mut ndim, mut numel) = (0usize, 1usize);
+            if !c.eat_if(b']') {
+                loop {
+                    let d = c.plain_usize()?;
+                    *dims.get_mut(ndim)? = d;
+                    ndim += 1;
+                    numel = numel.checked_mul(d)?;
+                    if !c.more(b']').ok()? {
+                        break;
+                    }
+                }
+            }
+            shape = Some((ndim, numel));
+        } else if c.eat_key("data_offsets") {
+            if offsets.is_some() {
+                return None;
+            }
+            c.eat(b'[').ok()?;
+            let begin = c.plain_usize()?;
+            c.eat(b',').ok()?;
+            let end = c.plain_usize()?;
+            c.eat(b']').ok()?;
+            offsets = Some((begin, end));
+        } else {
+            return None;
+        }
+        if !c.more(b'}').ok()? {
+            break;
+        }
+    }
+    let (dtype, (ndim, numel), (begin, end)) = (dtype?, shape?, offsets?);
+    let agree =
+        dtype.lanes() == 1 && begin <= end && numel.checked_mul(dtype.size()) == Some(end - begin);
+    agree.then_some((dtype, ndim, begin, end))
 }
 
 /// The `data_offsets` pair at the cursor.
@@ -856,6 +1006,82 @@ mod tests {
         assert!(
             read > 100,
             "only {read} headers read: the test tests little"
+        );
+    }
+
+    /// The fast paths for the entries writers write ([`skim_entry`], [`plain_entry`]) count,
+    /// read and refuse every header exactly as the general reader alone does: the same
+    /// census, the same entries, the same fault in the same words.
+    #[test]
+    fn the_fast_paths_read_what_the_general_reader_reads() {
+        let entry = |body: &str| {
+            format!(r#"{{"a":{body},"b":{{"dtype":"U8","shape":[1],"data_offsets":[8,9]}}}}"#)
+        };
+        let mut texts: Vec<String> = [
+            r#"{"dtype":"F32","shape":[2,1],"data_offsets":[0,8]}"#,
+            r#"{ "dtype" : "F32", "shape" : [ 2 , 1 ] , "data_offsets" : [ 0 , 8 ] }"#,
+            r#"{"shape":[2,1],"data_offsets":[0,8],"dtype":"F32"}"#,
+            r#"{"dtype":"F32","shape":[2,1],"shape":[1,1,1,1,1,1,1,1,1,2],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[1,1,1,1,1,1,1,1,2],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[1,1,1,1,1,1,1,2],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[02],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[2.0],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[2e0],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[99999999999999999999],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[2],"data_offsets":[0,8,9]}"#,
+            r#"{"dtype":"F32","shape":[2],"data_offsets":[0]}"#,
+            r#"{"dtype":"F32","shape":[2],"data_offsets":[8,0]}"#,
+            r#"{"dtype":"F32","shape":[3],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[2],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F4","shape":[16],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F4","shape":[3],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[2]}"#,
+            r#"{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}"#,
+            r#"{"dtype":"F32","shape":[2],"data_offsets":[0,8],}"#,
+            r#"{"dtype":"F32","shape":[2,],"data_offsets":[0,8]}"#,
+            r#"{"dtype" :"F32","shape":[2],"data_offsets":[0,8]}"#,
+            r#"{"dtype":3,"shape":[2],"data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":"2","data_offsets":[0,8]}"#,
+            r#"{"dtype":"F32","shape":[2],"data_offsets":{}}"#,
+            r#"{"dtype":"F32","shape":[2],"data_offsets":[0,8]"#,
+            r#"{}"#,
+            r#"["F32",[2],[0,8]]"#,
+            r#""F32""#,
+            r#"7"#,
+        ]
+        .iter()
+        .map(|body| entry(body))
+        .collect();
+        texts.extend(
+            files()
+                .iter()
+                .filter_map(|bytes| split(bytes).map(|(text, _)| text.to_string())),
+        );
+        let (mut both_paths, mut built) = (0, 0);
+        for text in &texts {
+            let words = |stop: Stop| match stop {
+                Stop::Json(f) => f.describe(text),
+                Stop::Other(e) => e.to_string(),
+            };
+            let fast = count_in(text, true).map_err(|f| f.describe(text));
+            let general = count_in(text, false).map_err(|f| f.describe(text));
+            assert_eq!(format!("{fast:?}"), format!("{general:?}"), "{text}");
+            let Ok((census, tree)) = general else {
+                continue;
+            };
+            let fast = build_in(text, census.entries, tree.clone(), true).map_err(words);
+            let general = build_in(text, census.entries, tree, false).map_err(words);
+            assert_eq!(fast, general, "{text}");
+            both_paths += 1;
+            built += usize::from(fast.is_ok());
+        }
+        assert!(
+            both_paths > 100 && built > 50,
+            "only {both_paths} headers counted and {built} built: the test tests little"
         );
     }
 

@@ -339,21 +339,32 @@ impl<'a> Cursor<'a> {
         Ok(n)
     }
 
+    /// The string at the cursor when it holds no escape (most strings): found whole by one
+    /// scan for its end, and passed. `None`, the cursor only past whitespace, for any
+    /// other string or value.
+    #[inline]
+    pub(crate) fn plain_str(&mut self) -> Option<&'a str> {
+        self.skip_ws();
+        let bytes = self.bytes();
+        if bytes.get(self.at) != Some(&b'"') {
+            return None;
+        }
+        let end = special_from(bytes, self.at + 1);
+        if bytes.get(end) != Some(&b'"') {
+            return None;
+        }
+        let s = &self.text[self.at + 1..end];
+        self.at = end + 1;
+        Some(s)
+    }
+
     /// The string at the cursor: borrowed from the text when it holds no escape.
     #[inline]
     pub(crate) fn str(&mut self) -> Scan<Cow<'a, str>> {
-        // Most strings hold no escape: found whole by one scan for their end.
-        self.skip_ws();
-        let bytes = self.bytes();
-        if bytes.get(self.at) == Some(&b'"') {
-            let end = special_from(bytes, self.at + 1);
-            if bytes.get(end) == Some(&b'"') {
-                let s = &self.text[self.at + 1..end];
-                self.at = end + 1;
-                return Ok(Cow::Borrowed(s));
-            }
+        match self.plain_str() {
+            Some(s) => Ok(Cow::Borrowed(s)),
+            None => self.escaped_str(),
         }
-        self.escaped_str()
     }
 
     /// [`Cursor::str`] for a string with escapes (or a fault).
@@ -370,17 +381,10 @@ impl<'a> Cursor<'a> {
     /// The length in bytes of the string at the cursor once unescaped; nothing allocated.
     #[inline]
     pub(crate) fn str_len(&mut self) -> Scan<usize> {
-        self.skip_ws();
-        let bytes = self.bytes();
-        if bytes.get(self.at) == Some(&b'"') {
-            let end = special_from(bytes, self.at + 1);
-            if bytes.get(end) == Some(&b'"') {
-                let len = end - self.at - 1;
-                self.at = end + 1;
-                return Ok(len);
-            }
+        match self.plain_str() {
+            Some(s) => Ok(s.len()),
+            None => self.escaped_len(),
         }
-        self.escaped_len()
     }
 
     /// [`Cursor::str_len`] for a string with escapes (or a fault).
@@ -462,23 +466,41 @@ impl<'a> Cursor<'a> {
     /// A non-negative integer that fits `usize`; `want` words the type asked for.
     #[inline]
     pub(crate) fn usize(&mut self, want: &str) -> Scan<usize> {
+        match self.plain_usize() {
+            Some(n) => Ok(n),
+            None => self.general_usize(want),
+        }
+    }
+
+    /// The common case of [`Cursor::usize`]: up to 19 digits (no leading zero) that fit,
+    /// with neither fraction nor exponent after them, passed. `None`, the cursor only past
+    /// whitespace, for any other number or value.
+    #[inline(always)]
+    pub(crate) fn plain_usize(&mut self) -> Option<usize> {
         self.skip_ws();
-        // The common case, up to 19 digits and a delimiter, without the general reader.
         let rest = &self.bytes()[self.at..];
-        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-        let plain = (1..=19).contains(&digits)
+        // Digits counted and summed in one loop; 19 digits never overflow a u64.
+        let (mut digits, mut n) = (0usize, 0u64);
+        while let Some(&b) = rest.get(digits) {
+            let d = b.wrapping_sub(b'0');
+            if d > 9 {
+                break;
+            }
+            if digits == 19 {
+                return None;
+            }
+            n = n * 10 + u64::from(d);
+            digits += 1;
+        }
+        let plain = digits >= 1
             && (digits == 1 || rest[0] != b'0')
             && !matches!(rest.get(digits), Some(b'.' | b'e' | b'E'));
-        if plain {
-            let n = rest[..digits]
-                .iter()
-                .fold(0u64, |n, &b| n * 10 + u64::from(b - b'0'));
-            if let Ok(n) = usize::try_from(n) {
-                self.at += digits;
-                return Ok(n);
-            }
+        if !plain {
+            return None;
         }
-        self.general_usize(want)
+        let n = usize::try_from(n).ok()?;
+        self.at += digits;
+        Some(n)
     }
 
     /// [`Cursor::usize`] for any number, or the fault.
