@@ -137,6 +137,29 @@ impl ForeignStream {
         }
     }
 
+    /// The `words` u32s at device address `target`, read once the work queued on this
+    /// stream so far has run (the consumer's own view of what its copies wrote).
+    fn read_after(&self, target: usize, words: usize) -> Vec<u32> {
+        use cudarc::driver::sys;
+        let mut seen = vec![0u32; words];
+        let _current = self.context.enter(self.device).unwrap();
+        // SAFETY: the stream is live and its context current; `seen` holds `words` u32s;
+        // the caller's `target` is at least that many bytes of the GPU's memory, alive
+        // until this returns.
+        let codes = unsafe {
+            [
+                sys::cuStreamSynchronize(self.raw),
+                sys::cuMemcpyDtoH_v2(
+                    seen.as_mut_ptr().cast(),
+                    target as sys::CUdeviceptr,
+                    std::mem::size_of_val(seen.as_slice()),
+                ),
+            ]
+        };
+        assert_eq!(codes, [sys::CUresult::CUDA_SUCCESS; 2]);
+        seen
+    }
+
     /// This stream, as another library names it to tensorferry.
     fn stream(&self) -> StreamHandle {
         // SAFETY: a live stream of the GPU's primary context, alive while `self` is.
@@ -1087,23 +1110,7 @@ fn lent_pinned_block_comes_back_behind_its_consumers_copy(
     held.open();
     assert_eq!(next.to_vec::<u32>().unwrap(), other_data);
     // The consumer read what it was lent.
-    let mut seen = vec![0u32; data.len()];
-    {
-        let _current = consumer.context.enter(dev).unwrap();
-        // SAFETY: the consumer's stream is live; `seen` holds `len` bytes; `target` is
-        // `len` bytes of the GPU's memory, written by the consumer's copy.
-        let codes = unsafe {
-            [
-                sys::cuStreamSynchronize(consumer.raw),
-                sys::cuMemcpyDtoH_v2(
-                    seen.as_mut_ptr().cast(),
-                    target.as_ptr() as sys::CUdeviceptr,
-                    len,
-                ),
-            ]
-        };
-        assert_eq!(codes, [sys::CUresult::CUDA_SUCCESS; 2]);
-    }
+    let seen = consumer.read_after(target.as_ptr() as usize, data.len());
     assert_eq!(seen, data, "the consumer read another download's bytes");
     drop(reused);
     println!("{CHILD_RAN}");
@@ -1208,23 +1215,7 @@ fn child_a_lent_device_buffer_is_freed_behind_its_consumers_stream() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
-    let mut seen = vec![0u32; data.len()];
-    {
-        let _current = consumer.context.enter(dev).unwrap();
-        // SAFETY: the consumer's stream is live; `seen` holds `len` bytes; `target` is
-        // `len` bytes of the GPU's memory, written by the consumer's copy.
-        let codes = unsafe {
-            [
-                sys::cuStreamSynchronize(consumer.raw),
-                sys::cuMemcpyDtoH_v2(
-                    seen.as_mut_ptr().cast(),
-                    target.as_ptr() as sys::CUdeviceptr,
-                    len,
-                ),
-            ]
-        };
-        assert_eq!(codes, [sys::CUresult::CUDA_SUCCESS; 2]);
-    }
+    let seen = consumer.read_after(target.as_ptr() as usize, data.len());
     assert_eq!(seen, data, "the consumer read freed memory");
     println!("{CHILD_RAN}");
 }
