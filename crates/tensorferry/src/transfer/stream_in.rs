@@ -184,15 +184,20 @@ mod tests {
     use crate::backend::backend_for;
     use crate::device::Device;
 
-    #[test]
-    fn chunks_land_at_their_offsets_through_a_ring_smaller_than_the_data() {
-        let backend = backend_for(Device::Emulated(0)).unwrap();
-        let ring = StreamRing {
+    /// A ring of two 4 KiB slots, smaller than the tests' data.
+    fn small_ring() -> StreamRing {
+        StreamRing {
             chunk_bytes: 4096,
             depth: 2,
             align: 4096,
             automatic: false,
-        };
+        }
+    }
+
+    #[test]
+    fn chunks_land_at_their_offsets_through_a_ring_smaller_than_the_data() {
+        let backend = backend_for(Device::Emulated(0)).unwrap();
+        let ring = small_ring();
         // Five chunks of a 20 000-byte "file" whose first 100 bytes are not wanted.
         let source: Vec<u8> = (0..20_480u32).map(|i| (i % 251) as u8).collect();
         let pieces: Vec<Piece> = (0..5)
@@ -275,12 +280,7 @@ mod tests {
     #[test]
     fn a_producer_that_panics_is_an_internal_error_of_the_device_not_a_panic() {
         let backend = backend_for(Device::Emulated(0)).unwrap();
-        let ring = StreamRing {
-            chunk_bytes: 4096,
-            depth: 2,
-            align: 4096,
-            automatic: false,
-        };
+        let ring = small_ring();
         let fill = |j: usize, buffer: &mut [MaybeUninit<u8>]| {
             if j == 3 {
                 panic!("the producer has a bug");
@@ -299,12 +299,7 @@ mod tests {
     #[test]
     fn pieces_outside_their_chunk_or_overlapping_are_refused_before_anything_runs() {
         let backend = backend_for(Device::Emulated(0)).unwrap();
-        let ring = StreamRing {
-            chunk_bytes: 4096,
-            depth: 2,
-            align: 4096,
-            automatic: false,
-        };
+        let ring = small_ring();
         let mut called = false;
         let mut fill = |_: usize, _: &mut [MaybeUninit<u8>]| {
             called = true;
