@@ -1,5 +1,5 @@
 //! Packing tensors into one 64-byte-aligned buffer, with views into it: [`pack`] for a
-//! list of tensors, [`consolidate`] for a tree.
+//! list of tensors ([`crate::consolidate`] for a tree).
 //!
 //! One buffer means one allocation, one transfer and one file write for a whole
 //! dictionary. Large dictionaries are copied by several threads at once.
@@ -10,7 +10,6 @@ use crate::error::Result;
 use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
 use crate::storage::Storage;
 use crate::tensor::Tensor;
-use crate::tree::Node;
 
 /// Contiguous sources are split into pieces of at most this many bytes, so that one huge
 /// tensor still spreads over every thread.
@@ -39,25 +38,6 @@ impl PackedLayout {
         }
         PackedLayout { offsets, total: at }
     }
-}
-
-/// Packs the tensors of `tree` into one 64-byte-aligned buffer; returns the tree with
-/// contiguous views into it. The source is left as it is. Every tensor must be on the host.
-///
-/// ```
-/// use tensorferry::{consolidate, Node, Tensor, TensorDict};
-///
-/// let mut d = TensorDict::new();
-/// d.insert("a", Tensor::from_slice(&[1.0f32, 2.0], &[2])?);
-/// d.insert("b", Tensor::from_slice(&[3i32], &[1])?);
-/// let packed = consolidate(&Node::from(d))?;
-/// let (a, b) = (packed.tensor(&["a"]).unwrap(), packed.tensor(&["b"]).unwrap());
-/// assert!(std::sync::Arc::ptr_eq(a.storage(), b.storage()));
-/// # Ok::<(), tensorferry::Error>(())
-/// ```
-pub fn consolidate(tree: &Node) -> Result<Node> {
-    let mut packed = pack(&tree.tensor_refs())?.into_iter();
-    tree.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
 }
 
 enum Source<'a> {
@@ -196,7 +176,7 @@ fn copy_group(dst: &mut [u8], base: usize, pieces: &[Piece<'_>]) -> Result<()> {
 mod tests {
     use super::*;
     use crate::dtype::DType;
-    use crate::tree::TensorDict;
+    use crate::tree::{consolidate, Node, TensorDict};
 
     #[test]
     fn layout_aligns_every_tensor_to_64_bytes() {

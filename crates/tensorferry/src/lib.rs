@@ -18,7 +18,6 @@ pub(crate) mod tree;
 // their options, the moves between devices, and the one error type. Everything else is
 // the crate's own, and what the bindings and the CLI need of it is in `internal`.
 pub use backend::available_devices;
-pub use consolidate::consolidate;
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
@@ -26,7 +25,7 @@ pub use io::{load, load_to, save, LoadOptions, Loaded, Mapping, SaveOptions};
 pub use storage::Storage;
 pub use tensor::Tensor;
 pub use transfer::{move_tensors, MoveOptions, Staging};
-pub use tree::{DictKey, KeyPath, Node, TensorDict, Value};
+pub use tree::{consolidate, DictKey, KeyPath, Node, TensorDict, Value};
 
 /// The crate's internals that tensorferry's own bindings, command, tests and fuzz targets
 /// reach, each under the name of its module in the crate: not a public API, and free to

@@ -9,6 +9,7 @@ use memmap2::{Mmap, MmapMut};
 
 use crate::backend::{DeviceMemory, Event};
 use crate::device::Device;
+use crate::error::Result;
 use crate::memory::{AlignedBuffer, HostBuffer};
 
 /// Memory owned by someone else, kept alive by `owner` for as long as this value lives.
@@ -241,7 +242,7 @@ impl Storage {
 
     /// Waits until the memory holds its data; the failure of the copy that fills it, if
     /// any, naming the device whose copy failed.
-    pub fn wait(&self) -> crate::Result<()> {
+    pub fn wait(&self) -> Result<()> {
         match self.pending() {
             Some(e) => e.wait(),
             None => Ok(()),
@@ -250,7 +251,7 @@ impl Storage {
 
     /// Waits at most `timeout` for the memory to hold its data: `Ok(true)` when it does,
     /// `Ok(false)` when the copy filling it is still running, the copy's failure otherwise.
-    pub fn wait_timeout(&self, timeout: Duration) -> crate::Result<bool> {
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<bool> {
         match self.pending() {
             Some(e) => e.wait_timeout(timeout),
             None => Ok(true),
@@ -265,7 +266,7 @@ impl Storage {
     /// The bytes, when the memory is on the host (`None` for device memory). Memory still
     /// being filled by a queued copy is waited for; the failure of that copy is an error
     /// (and no bytes are handed out).
-    pub fn try_host_bytes(&self) -> crate::Result<Option<&[u8]>> {
+    pub fn try_host_bytes(&self) -> Result<Option<&[u8]>> {
         Ok(match &self.0 {
             Inner::Owned(b) => Some(b.as_slice()),
             Inner::Incoming { buffer, ready } => {

@@ -13,6 +13,7 @@ use std::hash::{Hash, Hasher};
 
 use indexmap::IndexMap;
 
+use crate::consolidate::pack;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -661,6 +662,25 @@ impl FromIterator<(DictKey, Node)> for TensorDict {
             entries: iter.into_iter().collect(),
         }
     }
+}
+
+/// Packs the tensors of `tree` into one 64-byte-aligned buffer; returns the tree with
+/// contiguous views into it. The source is left as it is. Every tensor must be on the host.
+///
+/// ```
+/// use tensorferry::{consolidate, Node, Tensor, TensorDict};
+///
+/// let mut d = TensorDict::new();
+/// d.insert("a", Tensor::from_slice(&[1.0f32, 2.0], &[2])?);
+/// d.insert("b", Tensor::from_slice(&[3i32], &[1])?);
+/// let packed = consolidate(&Node::from(d))?;
+/// let (a, b) = (packed.tensor(&["a"]).unwrap(), packed.tensor(&["b"]).unwrap());
+/// assert!(std::sync::Arc::ptr_eq(a.storage(), b.storage()));
+/// # Ok::<(), tensorferry::Error>(())
+/// ```
+pub fn consolidate(tree: &Node) -> Result<Node> {
+    let mut packed = pack(&tree.tensor_refs())?.into_iter();
+    tree.try_map_tensors_in_order(&mut |_| Ok(packed.next().expect("one view per tensor")))
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! The layering of the sources, checked: code that must not know which backends exist
 //! names no CUDA type, no CUDA type or driver call appears outside `backend/cuda/`, and
-//! the files of `backend/`, of `backend/cuda/` and of each folder of `io/` (`format/`,
-//! `fs/`, `checkpoint/`) import each other without a cycle (a file reaches another through
+//! the files of every folder of `src/` (`src/` itself, `backend/`, `backend/cuda/`, `io/`,
+//! `io/object/`, …) import each other without a cycle (a file reaches another through
 //! `use super::…` or `crate::<folder>::…`; a sub-folder counts as one module of its
 //! parent). Test modules may drive a backend's internals and are not checked.
 
@@ -12,13 +12,22 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
 }
 
-/// A source file without its test module.
+/// A source file without its test module (`#[cfg(test)]`, any further attributes, then
+/// `mod …`).
 fn code(path: &Path) -> String {
     let text = std::fs::read_to_string(path).unwrap();
-    text.split("#[cfg(test)]\nmod tests")
-        .next()
-        .unwrap_or("")
-        .to_string()
+    let is_test_module = |at: usize| {
+        text[at..]
+            .lines()
+            .skip(1)
+            .find(|l| !l.starts_with("#["))
+            .is_some_and(|l| l.starts_with("mod "))
+    };
+    let end = text
+        .match_indices("#[cfg(test)]\n")
+        .map(|(i, _)| i)
+        .find(|&i| is_test_module(i));
+    text[..end.unwrap_or(text.len())].to_string()
 }
 
 fn rust_files(dir: &Path) -> Vec<PathBuf> {
@@ -116,23 +125,31 @@ fn no_cuda_type_or_driver_call_appears_outside_the_cuda_folder() {
     );
 }
 
-/// The modules of folder `dir` (relative to `src/`) each imports (by module name; `mod`
-/// for mod.rs; a sub-folder is one module, importing what any of its files imports from
-/// `dir`), as `prefixes` name them.
+/// The modules of folder `dir` (relative to `src/`; `""` for `src/` itself) each imports
+/// (by module name; `mod` for mod.rs, `lib` for lib.rs; a sub-folder is one module with
+/// the file of the same name beside it, importing what any of its files imports from
+/// `dir`), as `prefixes` name them. A path into the folder's own module that names no
+/// child (`crate::io::Header`) reaches the parent module, which re-exports it.
 fn imports_in(dir: &str, prefixes: &[&str]) -> BTreeMap<String, BTreeSet<String>> {
     let dir = root().join("src").join(dir);
+    let parent = if dir == root().join("src").join("") {
+        "lib"
+    } else {
+        "mod"
+    };
+    // `backend/ordering_tests.rs` is a test module of its own.
+    let not_tests = |p: &PathBuf| !p.ends_with("backend/ordering_tests.rs");
     let mut sources: BTreeMap<String, Vec<PathBuf>> = BTreeMap::new();
-    for p in rust_files(&dir) {
+    for p in rust_files(&dir).into_iter().filter(not_tests) {
         let name = p.file_stem().unwrap().to_string_lossy().into_owned();
-        if name != "ordering_tests" {
-            sources.insert(name, vec![p]);
-        }
+        sources.entry(name).or_default().push(p);
     }
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         if path.is_dir() {
             let name = path.file_name().unwrap().to_string_lossy().into_owned();
-            sources.insert(name, rust_files_below(&path));
+            let files = rust_files_below(&path).into_iter().filter(not_tests);
+            sources.entry(name).or_default().extend(files);
         }
     }
     let names: BTreeSet<String> = sources.keys().cloned().collect();
@@ -148,6 +165,10 @@ fn imports_in(dir: &str, prefixes: &[&str]) -> BTreeMap<String, BTreeSet<String>
                     continue;
                 }
                 for (i, _) in line.match_indices(prefix) {
+                    // `crate::` is also the tail of `$crate::` and of longer names.
+                    if line[..i].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == '$') {
+                        continue;
+                    }
                     let rest = &line[i + prefix.len()..];
                     let heads: Vec<&str> = match rest.strip_prefix('{') {
                         Some(group) => group
@@ -163,7 +184,7 @@ fn imports_in(dir: &str, prefixes: &[&str]) -> BTreeMap<String, BTreeSet<String>
                             .unwrap_or("")],
                     };
                     for head in heads {
-                        let dep = if names.contains(head) { head } else { "mod" };
+                        let dep = if names.contains(head) { head } else { parent };
                         if dep != name {
                             deps.insert(dep.to_string());
                         }
@@ -171,10 +192,10 @@ fn imports_in(dir: &str, prefixes: &[&str]) -> BTreeMap<String, BTreeSet<String>
                 }
             }
         }
-        if name == "mod" {
+        if name == parent {
             // The parent reaches its children by name (`cuda::device::device(i)`).
             for child in &names {
-                if child != "mod" && names_child(&text, child) {
+                if child != parent && names_child(&text, child) {
                     deps.insert(child.clone());
                 }
             }
@@ -204,14 +225,6 @@ fn names_child(text: &str, child: &str) -> bool {
 }
 
 #[test]
-fn the_files_of_backend_import_each_other_without_a_cycle() {
-    assert_no_cycle(
-        "backend/",
-        imports_in("backend", &["super::", "crate::backend::"]),
-    );
-}
-
-#[test]
 fn the_files_of_the_cuda_folder_import_each_other_without_a_cycle() {
     let graph = imports_in("backend/cuda", &["super::", "crate::backend::cuda::"]);
     assert!(graph.contains_key("device") && graph.contains_key("driver"));
@@ -224,17 +237,65 @@ fn assert_no_cycle(folder: &str, graph: BTreeMap<String, BTreeSet<String>>) {
     }
 }
 
-/// The folders of `io/` whose files must import each other without a cycle.
-const IO_FOLDERS: [&str; 3] = ["io/format", "io/fs", "io/checkpoint"];
+/// Every folder of `src/`, `src/` itself first (as `""`), relative to `src/`.
+fn folders() -> Vec<String> {
+    fn below(dir: &Path, rel: &str, out: &mut Vec<String>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                let name = path.file_name().unwrap().to_string_lossy().into_owned();
+                let rel = if rel.is_empty() {
+                    name
+                } else {
+                    format!("{rel}/{name}")
+                };
+                out.push(rel.clone());
+                below(&path, &rel, out);
+            }
+        }
+    }
+    let mut out = vec![String::new()];
+    below(&root().join("src"), "", &mut out);
+    out
+}
 
 #[test]
-fn the_files_of_each_io_folder_import_each_other_without_a_cycle() {
-    for folder in IO_FOLDERS {
-        let in_crate = format!("crate::{}::", folder.replace('/', "::"));
-        let graph = imports_in(folder, &["super::", in_crate.as_str()]);
-        assert!(graph.len() > 1, "{folder}: {graph:?}");
-        assert_no_cycle(&format!("{folder}/"), graph);
+fn the_files_of_every_folder_import_each_other_without_a_cycle() {
+    let folders = folders();
+    for named in [
+        "io",
+        "io/object",
+        "io/format",
+        "transfer",
+        "memory",
+        "backend/cuda",
+    ] {
+        assert!(folders.iter().any(|f| f == named), "{named}: {folders:?}");
     }
+    for folder in folders {
+        let in_crate = if folder.is_empty() {
+            "crate::".to_string()
+        } else {
+            format!("crate::{}::", folder.replace('/', "::"))
+        };
+        let graph = imports_in(&folder, &["super::", in_crate.as_str()]);
+        assert_no_cycle(&format!("src/{folder}"), graph);
+    }
+}
+
+#[test]
+fn the_modules_of_io_and_of_the_crate_are_seen() {
+    let io = imports_in("io", &["super::", "crate::io::"]);
+    assert!(
+        io.contains_key("object") && io.contains_key("checkpoint"),
+        "{io:?}"
+    );
+    assert!(io["route"].contains("object"), "{io:?}");
+    let top = imports_in("", &["super::", "crate::"]);
+    assert!(
+        top["io"].contains("tree") && top["lib"].contains("io"),
+        "{top:?}"
+    );
 }
 
 /// An import cycle of `graph`, if it has one.

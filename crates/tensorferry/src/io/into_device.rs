@@ -15,7 +15,7 @@ use super::checkpoint::sharded::{load_sharded_with, resolve, Target};
 use super::format::header_reader::parse_counted;
 use super::fs::direct::{Reader, Window, DIRECT_ALIGN};
 use super::fs::file_kind::open_regular;
-use super::read::{build, load, read_header_bytes, LoadOptions, Loaded};
+use super::read::{build, read_header_bytes, LoadOptions, Loaded};
 use crate::backend::{backend_for, Backend};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -23,83 +23,21 @@ use crate::transfer::staging::{AUTO_CHUNK_BYTES, AUTO_DEPTH};
 use crate::transfer::stream_in::{stream_to_device, Piece, StreamRing};
 use crate::transfer::Staging;
 
-/// Loads the tree saved at `path` (a file, an index of shards, or a folder holding one)
-/// onto `device`, reading the data in chunks through a ring of pinned host buffers:
-/// `staging`'s `(chunk_bytes, depth)` when it names a ring, else [`AUTO_DEPTH`] buffers
-/// of [`AUTO_CHUNK_BYTES`] (chunks are rounded up to 4096 bytes). Host memory is bounded
-/// by the ring (shards are read one after another); device memory is the data's size.
-///
-/// With [`LoadOptions::direct`] the chunks are read with `O_DIRECT`, several reads in
-/// flight, and [`Loaded::direct_fallback`] says why where the filesystem refused it;
-/// [`LoadOptions::mmap`] has no effect here. Returns once the data is on the device. For
-/// the host ([`Device::Cpu`]) this is [`load`].
-///
-/// ```
-/// use tensorferry::load_to;
-/// use tensorferry::{save, Device, LoadOptions, Node, SaveOptions, Staging, Tensor, TensorDict};
-///
-/// let dir = tempfile::tempdir()?;
-/// let path = dir.path().join("x.safetensors");
-/// let mut d = TensorDict::new();
-/// d.insert("x", Tensor::from_slice(&[1.5f32, 2.5], &[2])?);
-/// save(&Node::from(d), &path, &SaveOptions::default())?;
-/// let options = LoadOptions { direct: true, ..LoadOptions::default() };
-/// let loaded = load_to(&path, Device::Emulated(0), options, Staging::Auto)?;
-/// let x = loaded.root.child("x").and_then(Node::as_tensor).expect("saved");
-/// assert_eq!(x.device(), Device::Emulated(0));
-/// assert_eq!(x.to(Device::Cpu, false)?.to_vec::<f32>()?, vec![1.5, 2.5]);
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn load_to(
-    path: impl AsRef<Path>,
-    device: Device,
-    options: LoadOptions,
-    staging: Staging,
-) -> Result<Loaded> {
-    load_to_until(path, device, options, staging, &AtomicBool::new(false))
-}
-
-/// [`load_to`], given up between two chunks once `stop` is set (by another thread: a
-/// caller waiting for Ctrl-C, say): then an [`Error::Io`] of kind
-/// [`std::io::ErrorKind::Interrupted`], and the device memory taken so far is released
-/// once the copies in flight (at most the ring's depth of chunks) have run. Staging out of
-/// the limits is refused first ([`Staging::validate`]).
-///
-/// ```
-/// use std::sync::atomic::AtomicBool;
-/// use tensorferry::internal::io::load_to_until;
-/// use tensorferry::{save, Device, LoadOptions, Node, SaveOptions, Staging, Tensor, TensorDict};
-///
-/// let dir = tempfile::tempdir()?;
-/// let path = dir.path().join("x.safetensors");
-/// let mut d = TensorDict::new();
-/// d.insert("x", Tensor::from_slice(&[1u8; 10_000], &[10_000])?);
-/// save(&Node::from(d), &path, &SaveOptions::default())?;
-/// let stop = AtomicBool::new(true); // already asked to stop
-/// let err = load_to_until(&path, Device::Emulated(0), LoadOptions::default(), Staging::Auto, &stop)
-///     .unwrap_err();
-/// assert!(matches!(err, tensorferry::Error::Io { ref source, .. }
-///     if source.kind() == std::io::ErrorKind::Interrupted), "{err}");
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn load_to_until(
-    path: impl AsRef<Path>,
+/// [`crate::io::load_to_until`] onto a device (not the host), `staging` validated.
+pub(crate) fn stream_to(
+    path: &Path,
     device: Device,
     options: LoadOptions,
     staging: Staging,
     stop: &AtomicBool,
 ) -> Result<Loaded> {
-    let staging = staging.validate()?;
-    if device.is_host() {
-        return load(path, options);
-    }
     device.ensure_available()?;
     let backend = backend_for(device)?;
     let ring = ring_for(staging);
     let load_one = |file: &Path| {
         stream_file(file, &backend, options.direct, ring, stop).map_err(|e| e.in_file(file))
     };
-    match resolve(path.as_ref())? {
+    match resolve(path)? {
         Target::Index(index) => load_sharded_with(&index, 1, load_one),
         Target::File(file) => load_one(&file),
     }

@@ -3,7 +3,7 @@
 //! Files follow the safetensors format rules exactly, so the official `safetensors`
 //! package reads what tensorferry writes and the other way round. The nesting of a
 //! tree and its plain values are recorded in `__metadata__` under one reserved key,
-//! [`TREE_METADATA_KEY`], so that tensorferry reads back exactly what it wrote. A flat
+//! `"tensorferry"`, so that tensorferry reads back exactly what it wrote. A flat
 //! dict of tensors needs no record and gets none: its header lists the tensors in the
 //! dict's order (their bytes follow in order of falling dtype size, for alignment), and a
 //! file without a record reads back as a flat dict in its header's order.
@@ -31,16 +31,14 @@ mod into_device;
 pub mod object;
 mod pool;
 mod read;
+mod route;
 mod write;
 
 pub use checkpoint::index::INDEX_SUFFIX;
-pub use checkpoint::sharded::{load_sharded, save_sharded, shard_files};
+pub use checkpoint::sharded::{load_sharded, shard_files};
 pub use format::header::Header;
 pub use format::header_reader::parse_header;
 pub use fs::direct_runs::{read_runs, Run};
-pub use into_device::{load_to, load_to_until};
-pub use read::{load, load_bytes, read_header, read_metadata, LoadOptions, Loaded, Mapping};
-pub use write::{header_bytes, save, SaveOptions};
-
-/// The `__metadata__` key under which tensorferry records a tree's structure.
-pub const TREE_METADATA_KEY: &str = "tensorferry";
+pub use read::{load_bytes, read_header, LoadOptions, Loaded, Mapping};
+pub use route::{load, load_to, load_to_until, read_metadata, save, save_sharded};
+pub use write::{header_bytes, SaveOptions};

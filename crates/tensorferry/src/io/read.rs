@@ -11,14 +11,13 @@ use std::sync::Arc;
 
 use memmap2::{Mmap, MmapOptions};
 
-use super::checkpoint::sharded;
 use super::format::header::{Header, HeaderCensus};
 use super::format::header_reader::{header_len, parse_counted};
+use super::format::tree_meta::TREE_METADATA_KEY;
 use super::format::{budget, tree_census, tree_decode};
 use super::fs::direct::{Reader, Window};
 use super::fs::file_kind::open_regular;
 use super::pool::{flat_dict, Pool};
-use super::TREE_METADATA_KEY;
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
@@ -146,43 +145,8 @@ impl Loaded {
     }
 }
 
-/// Loads the tree saved in the file at `path`: a safetensors file, an index of shards, a
-/// folder holding one index or one file, or an object-storage URL. A file tensorferry did
-/// not write loads as a flat dict of its tensors, in its header's order.
-///
-/// Only regular files are read: a folder is an [`Error::Io`] with `EISDIR`, a FIFO or a
-/// device an [`Error::Io`] naming its kind, both before any read. By default the data is
-/// read into fresh memory, so a file truncated or rewritten later never reaches the
-/// tensors; a file truncated during the load is an error. Mapping it instead is the
-/// `unsafe` opt-in [`Mapping::map`].
-///
-/// ```
-/// use tensorferry::{load, save, LoadOptions, Node, SaveOptions, Tensor, TensorDict};
-///
-/// let dir = std::env::temp_dir().join(format!("tf-doc-load-{}", std::process::id()));
-/// std::fs::create_dir_all(&dir)?;
-/// let path = dir.join("model.safetensors");
-/// let mut d = TensorDict::new();
-/// d.insert("w", Tensor::from_slice(&[1.0f32, 2.0], &[2])?);
-/// save(&Node::from(d), &path, &SaveOptions::default())?;
-/// let loaded = load(&path, LoadOptions::default())?;
-/// assert_eq!(loaded.root.tensor(&["w"]).unwrap().to_vec::<f32>()?, [1.0, 2.0]);
-/// # std::fs::remove_dir_all(&dir)?;
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn load(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
-    if let Some(url) = super::object::url_of(path.as_ref()) {
-        return super::object::load_url(url, &super::object::ObjectOptions::from_env(), None);
-    }
-    let path = match sharded::resolve(path.as_ref())? {
-        sharded::Target::Index(index) => return sharded::load_sharded(index, options),
-        sharded::Target::File(file) => file,
-    };
-    load_file(&path, options)
-}
-
 /// Loads one safetensors file (never an index: shards are files).
-pub(super) fn load_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
+pub(crate) fn load_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
     load_one_file(path, options).map_err(|e| e.in_file(path))
 }
 
@@ -207,20 +171,6 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
     header_of(&mut file, path, file_len)
         .map(|(header, _)| header)
         .map_err(|e| e.in_file(path))
-}
-
-/// The user metadata of the checkpoint at `path`, from headers alone: a file, an index
-/// (its first shard's metadata, as [`load`] returns), or a folder or path that
-/// [`load`] would read one from.
-pub fn read_metadata(path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
-    if let Some(url) = super::object::url_of(path.as_ref()) {
-        return super::object::read_metadata_url(url, &super::object::ObjectOptions::from_env());
-    }
-    let file = match sharded::resolve(path.as_ref())? {
-        sharded::Target::Index(index) => sharded::first_shard(&index)?,
-        sharded::Target::File(file) => file,
-    };
-    Ok(read_header(file)?.metadata)
 }
 
 /// A header and what its census counted.

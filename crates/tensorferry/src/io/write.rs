@@ -13,13 +13,12 @@ use std::fs::File;
 use std::io::Write;
 use std::path::Path;
 
-use super::checkpoint::commit::{commit_single, Place};
 use super::format::header::HeaderCensus;
 use super::format::header_reader::MAX_HEADER_BYTES;
+use super::format::tree_meta::TREE_METADATA_KEY;
 use super::format::{budget, header_writer, tree_meta};
 use super::fs::gather_write::GatherWriter;
 use super::fs::replace::{stage, Staged};
-use super::TREE_METADATA_KEY;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use crate::transfer::{staging::Ring, stream_to_sink, Staging};
@@ -57,46 +56,6 @@ impl Default for SaveOptions {
     }
 }
 
-/// Saves a tree (dict, list or tuple at the root) as a safetensors file at `path`.
-///
-/// Tensor names are the key paths joined with "."; a file no reader would read back (two
-/// paths giving one name, a tensor named `__metadata__`, a dtype the format cannot hold,
-/// a header over 100 MB, or too many values for the bytes the file holds: at most four
-/// times the file's size plus 4 MiB is allocated by a load) is an error raised before the
-/// file is touched. Tensors on a device are
-/// copied to the host first, all in one planned transfer.
-///
-/// The file is replaced atomically and keeps its permission bits; a symbolic link at
-/// `path` stays a link to the replaced file. A FIFO or device at `path`, a read-only file
-/// or a missing folder is an [`Error::Io`]; a folder at `path` means
-/// `path/model.safetensors`. A sharded checkpoint of that name
-/// (`stem.safetensors.index.json` and its shards) is removed once the file is in place.
-///
-/// ```
-/// use tensorferry::{save, Node, SaveOptions, Tensor, Value};
-///
-/// let dir = std::env::temp_dir().join(format!("tf-doc-save-{}", std::process::id()));
-/// std::fs::create_dir_all(&dir)?;
-/// // A list at the root is a tree too.
-/// let tree = Node::List(vec![Tensor::from_slice(&[1u8, 2], &[2])?.into(), Value::None.into()]);
-/// save(&tree, dir.join("list.safetensors"), &SaveOptions::default())?;
-/// assert!(save(&Node::from(3i64), dir.join("x.safetensors"), &SaveOptions::default()).is_err());
-/// # std::fs::remove_dir_all(&dir)?;
-/// # Ok::<(), Box<dyn std::error::Error>>(())
-/// ```
-pub fn save(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Result<()> {
-    check_root(root, options)?;
-    if let Some(url) = super::object::url_of(path.as_ref()) {
-        return super::object::save_url(root, url, options, None).map(|_| ());
-    }
-    write_walked(
-        header_writer::walk_node(root),
-        || root.tensors().into_iter().map(|(p, _)| p).collect(),
-        path.as_ref(),
-        options,
-    )
-}
-
 /// The bytes a save of `root` writes before the tensors' data: the 8-byte length and the
 /// JSON header, padded so data starts 64-byte aligned. Refuses what [`save`] refuses
 /// before touching a file.
@@ -107,20 +66,6 @@ pub fn header_bytes(root: &Node, options: &SaveOptions) -> Result<Vec<u8>> {
         root.tensors().into_iter().map(|(p, _)| p).collect()
     })?;
     checked_header(&walked, options).map(|built| built.bytes)
-}
-
-/// Checks the names of a walked tree, builds its header and writes the file as the
-/// checkpoint at `path`, replacing whatever checkpoint of that name was there
-/// ([`super::checkpoint`]).
-pub(crate) fn write_walked(
-    walked: header_writer::Walked<'_>,
-    paths: impl FnOnce() -> Vec<KeyPath>,
-    path: &Path,
-    options: &SaveOptions,
-) -> Result<()> {
-    let place = Place::of(path)?;
-    let staged = stage_walked(walked, paths, &place.single, options)?;
-    commit_single(&place, staged, options.fsync)
 }
 
 /// The bytes before the data and the tensors in file order, refused as [`stage_walked`]
@@ -155,7 +100,7 @@ pub(crate) fn stage_node(root: &Node, path: &Path, options: &SaveOptions) -> Res
 
 /// Checks the names of a walked tree, builds its header and writes it into a temporary
 /// file that will replace `path`.
-fn stage_walked(
+pub(crate) fn stage_walked(
     walked: header_writer::Walked<'_>,
     paths: impl FnOnce() -> Vec<KeyPath>,
     path: &Path,
@@ -206,7 +151,7 @@ fn write_data(file: &mut File, tensors: &[&Tensor], ring: Option<Ring>, path: &P
 /// `tensors` cut into stretches of consecutive tensors on one device, in order.
 pub(crate) fn device_stretches<T: std::borrow::Borrow<Tensor>>(
     tensors: &[T],
-) -> impl Iterator<Item = (crate::Device, &[T])> {
+) -> impl Iterator<Item = (crate::device::Device, &[T])> {
     let mut rest = tensors;
     std::iter::from_fn(move || {
         let device = rest.first()?.borrow().device();
@@ -275,7 +220,7 @@ fn on_host(tensors: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
     if tensors.iter().all(|t| t.device().is_host()) {
         return Ok(None);
     }
-    crate::transfer::move_tensors(tensors, crate::Device::Cpu, Default::default()).map(Some)
+    crate::transfer::move_tensors(tensors, crate::device::Device::Cpu, Default::default()).map(Some)
 }
 
 /// The dotted name of each tensor; collisions and unsupported dtypes fail.

@@ -251,7 +251,7 @@ pub(crate) struct PageableAllocator;
 // the block (its release) and freed once when the block is dropped.
 unsafe impl PinnedAllocator for PageableAllocator {
     fn alloc(&self, len: usize) -> Result<HostBlock> {
-        let mut buffer = crate::memory::AlignedBuffer::zeroed_page_aligned(len)?;
+        let mut buffer = super::aligned::AlignedBuffer::zeroed_page_aligned(len)?;
         let ptr = buffer.as_mut_slice().as_mut_ptr();
         // SAFETY: `ptr` addresses `buffer`'s `len` bytes, which the release owns and frees.
         Ok(unsafe { HostBlock::new(ptr, len, Box::new(buffer)) })

@@ -13,7 +13,6 @@
 use std::sync::Arc;
 
 use super::host_copy::pack_when_ready;
-use super::{move_tensors, MoveOptions};
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -59,8 +58,13 @@ pub(crate) fn is_fragmented(t: &Tensor) -> bool {
 /// The source to plan instead of `t` for a move to `target`, when `t` is fragmented and
 /// a host gather serves it: a contiguous host copy (host → device), or a strided view of
 /// a host copy of its device span (device → host). `None`: plan `t` as it is. Neither
-/// waits for copies still filling `t`: the result depends on them instead.
-pub(crate) fn prepare(t: &Tensor, target: Device) -> Result<Option<Tensor>> {
+/// waits for copies still filling `t`: the result depends on them instead. `fetch` brings
+/// a device span to the host (the engine's move, which this module does not know of).
+pub(crate) fn prepare(
+    t: &Tensor,
+    target: Device,
+    fetch: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Option<Tensor>> {
     let from = t.device();
     if from.is_host() == target.is_host() || !is_fragmented(t) {
         return Ok(None);
@@ -80,15 +84,7 @@ pub(crate) fn prepare(t: &Tensor, target: Device) -> Result<Option<Tensor>> {
     }
     let whole =
         Tensor::contiguous_view(t.storage().clone(), start as usize, DType::U8, vec![span])?;
-    // Its bytes are waited for before the gather (as for a blocking move): the span is
-    // copied direct, not through a staging ring of its own.
-    let options = MoveOptions {
-        copy: true,
-        non_blocking: true,
-        waits_at_once: true,
-        ..Default::default()
-    };
-    let on_host = move_tensors(&[&whole], Device::Cpu, options)?.remove(0);
+    let on_host = fetch(&whole)?;
     let offset = on_host.offset() + (t.offset() as isize - start) as usize;
     Tensor::from_storage(
         Arc::clone(on_host.storage()),

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::runs;
+use super::batch::runs;
 use crate::backend::event::Failure;
 use crate::backend::worker::run_on_pool;
 use crate::backend::Event;

@@ -16,8 +16,8 @@
 
 use std::sync::Arc;
 
+use super::batch::{plan, runs, submit, submit_when_ready, Run};
 use super::ring_memory::RingMemory;
-use super::{runs, submit_when_ready, Run};
 use crate::backend::event::{Outcome, Progress};
 use crate::backend::worker;
 use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event, Failure};
@@ -564,8 +564,8 @@ pub(crate) fn start(
 ) -> Result<()> {
     let fall_back = ring.automatic;
     let direct = |sources: Vec<Tensor>, dest: Arc<Storage>| -> Result<()> {
-        let batch = super::plan(direction, &sources, layout, &dest)?;
-        super::submit(&backend, batch, sources, dest, event);
+        let batch = plan(direction, &sources, layout, &dest)?;
+        submit(&backend, batch, sources, dest, event);
         Ok(())
     };
     // Where staging was the automatic choice, at most `MAX_AUTO_RINGS` run at once (each

@@ -13,9 +13,9 @@
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
+use super::batch::submit_when_ready;
 use super::ring::{drive, RingSteps};
 use super::ring_memory::RingMemory;
-use super::submit_when_ready;
 use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event, Failure};
 use crate::error::{Error, Result};
 use crate::storage::Storage;

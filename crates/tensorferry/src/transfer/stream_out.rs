@@ -12,17 +12,19 @@
 
 use std::sync::Arc;
 
+use super::batch::{runs, submit_when_ready};
+use super::engine::fetch_span;
+use super::fragmented;
 use super::ring::{drive, RingSteps};
 use super::ring_memory::RingMemory;
+#[cfg(test)]
+use super::staging::Staging;
 use super::staging::{chunks, Chunk, Ring};
-use super::{fragmented, runs, submit_when_ready};
 use crate::backend::{backend_for, Backend, CopyBatch, Direction, Event};
 use crate::consolidate::PackedLayout;
 use crate::device::Device;
 use crate::error::Result;
 use crate::tensor::Tensor;
-#[cfg(test)]
-use crate::transfer::Staging;
 
 /// Calls `sink` with the bytes of `tensors` (all on `device`), in order, each in C order,
 /// back to back: `sink` sees every byte once, in order, in pieces of at most
@@ -44,7 +46,7 @@ pub(crate) fn stream_to_sink(
     // Consecutive device tensors go through the ring together; gathered ones in between.
     let mut pending: Vec<Tensor> = Vec::new();
     for &t in tensors {
-        match fragmented::prepare(t, Device::Cpu)? {
+        match fragmented::prepare(t, Device::Cpu, fetch_span)? {
             Some(host) => {
                 through_ring(device, std::mem::take(&mut pending), ring, &mut sink)?;
                 host.for_each_run(&mut sink)?;

@@ -7,8 +7,8 @@ use std::io::Read;
 use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::io::format::tree_meta::TREE_METADATA_KEY;
 use crate::io::fs::file_kind::open_regular;
-use crate::io::TREE_METADATA_KEY;
 
 /// The suffix of an index file.
 pub const INDEX_SUFFIX: &str = ".safetensors.index.json";

@@ -13,50 +13,28 @@ use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::commit::{commit_sharded, save_id, Place, StagedShard};
+use super::commit::{commit_sharded, commit_single, save_id, Place, StagedShard};
 use super::index::{read_index, Index, INDEX_SUFFIX, SAVE_ID_KEY};
 use crate::error::{Error, Result};
+use crate::io::format::header_writer::Walked;
 use crate::io::format::tree_decode::{decode, TensorSource};
+use crate::io::format::tree_meta::TREE_METADATA_KEY;
 use crate::io::format::{header_writer, tree_census, tree_meta};
 use crate::io::read::{load_file, LoadOptions, Loaded};
-use crate::io::write::{check_root, stage_node, write_walked, SaveOptions};
-use crate::io::TREE_METADATA_KEY;
+use crate::io::write::{stage_node, stage_walked, SaveOptions};
 use crate::tensor::Tensor;
-use crate::tree::{Node, TensorDict};
+use crate::tree::{KeyPath, Node, TensorDict};
 
 /// Shards read at once.
 pub(crate) const READERS: usize = 8;
 
-/// Saves `root` as shards of at most `max_shard_bytes` of tensor data each (a tensor
-/// larger than that gets a shard of its own), plus the index, next to `path`:
-/// `dir/model.safetensors` gives `dir/model-00001-of-0000N.safetensors` and
-/// `dir/model.safetensors.index.json` (a folder `dir` gives the same). A tree that fits
-/// one shard is saved as `path` itself, as Hugging Face does. Every shard's metadata holds
-/// `"format": "pt"` unless `options.metadata` names a format (transformers requires the
-/// key).
-///
-/// The checkpoint is replaced as a whole ([`super::checkpoint`]): a failure or a crash at
-/// any point leaves the previous checkpoint of that name loadable, or the new one, never
-/// a mix; what the previous one held that the new one does not is removed, and nothing
-/// else in the folder. Returns the files written, the index last.
-pub fn save_sharded(
+/// [`crate::io::save_sharded`] to files: `root` checked, `max_shard_bytes` positive.
+pub(crate) fn save_sharded_files(
     root: &Node,
-    path: impl AsRef<Path>,
+    path: &Path,
     options: &SaveOptions,
     max_shard_bytes: u64,
 ) -> Result<Vec<PathBuf>> {
-    let path = path.as_ref();
-    if max_shard_bytes == 0 {
-        return Err(Error::InvalidValue {
-            key: String::new(),
-            reason: "max_shard_size must be positive".into(),
-        });
-    }
-    check_root(root, options)?;
-    if let Some(url) = crate::io::object::url_of(path) {
-        let written = crate::io::object::save_url(root, url, options, Some(max_shard_bytes))?;
-        return Ok(written.into_iter().map(PathBuf::from).collect());
-    }
     // One walk gives what a single file and the shards both need: the tensors in tree
     // order, their names (checked as a single file's are) and the tree record.
     let walked = header_writer::walk_node_recorded(root);
@@ -101,6 +79,20 @@ pub fn save_sharded(
         SAVE_ID_KEY: id,
     });
     commit_sharded(&place, &id, staged, metadata, options.fsync)
+}
+
+/// Checks the names of a walked tree, builds its header and writes the file as the
+/// checkpoint at `path`, replacing whatever checkpoint of that name was there
+/// ([`super::commit`]).
+pub(crate) fn write_walked(
+    walked: Walked<'_>,
+    paths: impl FnOnce() -> Vec<KeyPath>,
+    path: &Path,
+    options: &SaveOptions,
+) -> Result<()> {
+    let place = Place::of(path)?;
+    let staged = stage_walked(walked, paths, &place.single, options)?;
+    commit_single(&place, staged, options.fsync)
 }
 
 /// Groups tensor sizes, in order, into shards of at most `max` bytes (a larger tensor

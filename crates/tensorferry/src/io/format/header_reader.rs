@@ -16,9 +16,9 @@ use super::name_hash::name_hash;
 use super::scan::{Cursor, Fault, Scan, Stop};
 use super::tree_census;
 use super::tree_meta::shorten;
+use super::tree_meta::TREE_METADATA_KEY;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::io::TREE_METADATA_KEY;
 use crate::tensor::checked_nbytes;
 
 /// Largest header accepted, in bytes (as the official implementation).

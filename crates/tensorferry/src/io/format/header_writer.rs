@@ -20,9 +20,9 @@ use super::header::HeaderCensus;
 use super::name_hash::NameHasher;
 use super::scan::special_from;
 use super::tree_census::TreeCensus;
+use super::tree_meta::TREE_METADATA_KEY;
 use super::tree_meta::{FORMAT_VERSION, FORMAT_VERSION_NEWEST};
 use crate::error::{Error, Result};
-use crate::io::TREE_METADATA_KEY;
 use crate::memory::HOST_ALIGNMENT;
 use crate::tensor::Tensor;
 use crate::tree::{KeyPath, Node, TensorDict, Value};
@@ -156,9 +156,9 @@ impl Sharing {
                     .expect("a tensor's extent lies in its storage");
             let at = t.data_ptr() as usize;
             let device = match t.device() {
-                crate::Device::Cpu => (0, 0),
-                crate::Device::Cuda(n) => (1, n),
-                crate::Device::Emulated(n) => (2, n),
+                crate::device::Device::Cpu => (0, 0),
+                crate::device::Device::Cuda(n) => (1, n),
+                crate::device::Device::Emulated(n) => (2, n),
             };
             spans.push((
                 device,

@@ -56,7 +56,7 @@ pub(crate) enum Stop {
     /// A fault of the JSON text.
     Json(Fault),
     /// Any other error.
-    Other(crate::Error),
+    Other(crate::error::Error),
 }
 
 impl From<Fault> for Stop {
@@ -65,8 +65,8 @@ impl From<Fault> for Stop {
     }
 }
 
-impl From<crate::Error> for Stop {
-    fn from(e: crate::Error) -> Self {
+impl From<crate::error::Error> for Stop {
+    fn from(e: crate::error::Error) -> Self {
         Stop::Other(e)
     }
 }

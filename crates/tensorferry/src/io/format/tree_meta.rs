@@ -16,6 +16,9 @@
 
 use crate::error::Error;
 
+/// The `__metadata__` key under which tensorferry records a tree's structure.
+pub(crate) const TREE_METADATA_KEY: &str = "tensorferry";
+
 /// The version of a record that uses nothing of format 2.
 pub(crate) const FORMAT_VERSION: u64 = 1;
 

@@ -21,7 +21,8 @@ use super::load::{
     FetchedHeader, Version,
 };
 use super::location::Location;
-use super::{plan, runtime, ObjectOptions};
+use super::options::ObjectOptions;
+use super::{plan, runtime};
 use crate::backend::{backend_for, Backend};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -65,7 +66,7 @@ pub fn load_url_to_until(
 ) -> Result<Loaded> {
     let staging = staging.validate()?;
     if device.is_host() {
-        return super::load_url(url, options, only);
+        return super::load::load_url(url, options, only);
     }
     device.ensure_available()?;
     let backend = backend_for(device)?;

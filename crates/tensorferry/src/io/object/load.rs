@@ -23,7 +23,8 @@ use object_store::{GetOptions, GetRange, GetResult, ObjectMeta, ObjectStore, Obj
 
 use super::failure::{cause_of, failed, from_store, Cause};
 use super::location::Location;
-use super::{plan, runtime, ObjectOptions};
+use super::options::ObjectOptions;
+use super::{plan, runtime};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SUFFIX};
 use crate::io::checkpoint::sharded::{load_index_with, READERS};
@@ -120,10 +121,10 @@ pub fn read_metadata_url(url: &str, options: &ObjectOptions) -> Result<BTreeMap<
 pub fn read_header_url(
     url: &str,
     options: &ObjectOptions,
-) -> Result<(crate::io::Header, Option<String>, u64)> {
+) -> Result<(crate::io::format::header::Header, Option<String>, u64)> {
     let at = Location::open(url, options)?;
     let header = fetch_header(&at, options)?;
-    let parsed = crate::io::parse_header(&header.json, header.data_len)
+    let parsed = crate::io::format::header_reader::parse_header(&header.json, header.data_len)
         .map_err(|e| e.in_file(Path::new(at.url())))?;
     Ok((parsed, header.etag, header.size))
 }

@@ -15,7 +15,7 @@ use object_store::{BackoffConfig, ObjectStore, ObjectStoreScheme, RetryConfig};
 use url::Url;
 
 use super::failure::{failed, Cause};
-use super::ObjectOptions;
+use super::options::ObjectOptions;
 use crate::error::Result;
 
 /// The URL schemes read from object storage (compared without case).

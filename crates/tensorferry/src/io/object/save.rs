@@ -20,15 +20,16 @@ use object_store::PutPayload;
 
 use super::failure::{cause_of, from_store, Cause};
 use super::location::Location;
+use super::options::ObjectOptions;
+use super::runtime;
 use super::upload::{put, upload};
-use super::{runtime, ObjectOptions};
 use crate::error::Result;
 use crate::io::checkpoint::commit::save_id;
 use crate::io::checkpoint::index::{parse_index, INDEX_SUFFIX, SAVE_ID_KEY};
 use crate::io::checkpoint::sharded::plan_shards;
 use crate::io::format::header_writer;
+use crate::io::format::tree_meta::TREE_METADATA_KEY;
 use crate::io::write::{header_and_tensors, SaveOptions};
-use crate::io::TREE_METADATA_KEY;
 use crate::tensor::Tensor;
 use crate::transfer::staging::Ring;
 use crate::tree::{Node, TensorDict};

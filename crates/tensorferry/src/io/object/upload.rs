@@ -17,7 +17,8 @@ use tokio::task::JoinHandle;
 
 use super::failure::from_store;
 use super::location::Location;
-use super::{plan, runtime, ObjectOptions};
+use super::options::ObjectOptions;
+use super::{plan, runtime};
 use crate::error::{Error, Result};
 use crate::io::write::device_stretches;
 use crate::storage::Storage;
