@@ -638,20 +638,18 @@ fn raw_device_copies(
     let device_dst = backend.alloc(total)?;
     let copy = |direction: Direction, src: *const u8, dst: *mut u8| {
         let event = Event::pending();
-        let batch = CopyBatch {
-            direction,
-            ops: vec![CopyOp {
-                src,
-                dst,
-                len: total,
-            }],
-            waits: Vec::new(),
-        };
         // SAFETY: `src` and `dst` are `total` bytes of live memory of the kinds `direction`
         // names (set up above, ready, and held by this function until it returns), and this
         // copy is waited for before anything else reads or writes them: the pinned and
         // device destinations are this function's alone, never read.
-        unsafe { backend.submit(batch, Box::new(()), &event) };
+        unsafe {
+            let batch = CopyBatch {
+                direction,
+                ops: vec![CopyOp::new(src, dst, total)],
+                waits: Vec::new(),
+            };
+            backend.submit(batch, Box::new(()), &event)
+        };
         event.wait()
     };
     let d2h = best(r, || {

@@ -12,14 +12,39 @@ use crate::error::Result;
 
 /// One contiguous copy of `len` bytes from `src` to `dst` (host or device addresses,
 /// as the batch's [`Direction`] says).
+///
+/// Its fields are the crate's: the transfer engine builds ops from storages it holds (the
+/// elements of a tensor, inside its storage as its layout was checked to be when it was
+/// made, and a slot of a destination it allocated for the plan's total), and code outside
+/// the crate only through the `unsafe` [`CopyOp::new`]. The one thing that dereferences
+/// an op's addresses is [`Backend::submit`], an `unsafe fn` too, whose caller keeps every
+/// storage the ops address alive until the batch's event completes. So no safe code can
+/// make a copy touch freed or foreign memory through a `CopyOp`:
+///
+/// ```compile_fail,E0451
+/// use tensorferry::internal::backend::CopyOp;
+///
+/// let op = CopyOp { src: std::ptr::null(), dst: std::ptr::null_mut(), len: 1 };
+/// ```
 #[derive(Clone, Copy, Debug)]
 pub struct CopyOp {
     /// Source address.
-    pub src: *const u8,
+    pub(crate) src: *const u8,
     /// Destination address.
-    pub dst: *mut u8,
+    pub(crate) dst: *mut u8,
     /// Bytes to copy.
-    pub len: usize,
+    pub(crate) len: usize,
+}
+
+impl CopyOp {
+    /// A copy of `len` bytes from `src` to `dst`.
+    ///
+    /// # Safety
+    /// `src` and `dst` must each address `len` bytes of memory of the kinds the batch's
+    /// [`Direction`] names, live and not otherwise written until the batch has run.
+    pub unsafe fn new(src: *const u8, dst: *mut u8, len: usize) -> CopyOp {
+        CopyOp { src, dst, len }
+    }
 }
 
 /// Which memories a batch copies between.
