@@ -67,8 +67,13 @@ pub fn to_py(err: Error) -> PyErr {
             }
             _ => base_error(py),
         };
-        match class {
+        let raised = match class {
             Ok(cls) => PyErr::from_type(cls.clone(), message),
+            Err(e) => return e,
+        };
+        // The key path the error is about, as an attribute (`None` where there is none).
+        match raised.value(py).setattr("key", err.key()) {
+            Ok(()) => raised,
             Err(e) => e,
         }
     })

@@ -60,9 +60,10 @@ def test_legacy_dlpack_consumers_get_a_capsule():
     assert t.__dlpack_device__() == (1, 0)
 
 
-def test_a_dlpack_major_version_we_do_not_know_is_refused_and_released():
-    # A producer that ignores max_version=(1, 1) and hands over a DLPack 2.0 tensor: the
-    # spec has the consumer read nothing but the version, and call the deleter.
+def _dlpack_2_producer():
+    """A producer that ignores max_version=(1, 1) and hands over a DLPack 2.0 tensor (the
+    spec has the consumer read nothing but the version, and call the deleter); its
+    ``deleted`` lists the addresses its deleter was called with, ``address`` is its own."""
     import ctypes as C
 
     class Version(C.Structure):
@@ -80,26 +81,55 @@ def test_a_dlpack_major_version_we_do_not_know_is_refused_and_released():
         _fields_ = [("version", Version), ("manager_ctx", C.c_void_p), ("deleter", Deleter),
                     ("flags", C.c_uint64), ("dl_tensor", DLTensor)]
 
-    data = (C.c_uint8 * 4)(1, 2, 3, 4)
-    shape = (C.c_int64 * 1)(4)
-    deleted = []
-    deleter = Deleter(lambda p: deleted.append(p))
-    managed = Managed(Version(2, 0), None, deleter, 0,
-                      DLTensor(C.addressof(data), 1, 0, 1, 1, 8, 1, shape, None, 0))
     new_capsule = C.pythonapi.PyCapsule_New
     new_capsule.restype = C.py_object
     new_capsule.argtypes = [C.c_void_p, C.c_char_p, C.c_void_p]
 
     class Producer:
+        def __init__(self):
+            self.data = (C.c_uint8 * 4)(1, 2, 3, 4)
+            self.shape = (C.c_int64 * 1)(4)
+            self.deleted = []
+            self.deleter = Deleter(lambda p: self.deleted.append(p))
+            self.managed = Managed(Version(2, 0), None, self.deleter, 0,
+                                   DLTensor(C.addressof(self.data), 1, 0, 1, 1, 8, 1, self.shape, None, 0))
+            self.address = C.addressof(self.managed)
+
         def __dlpack__(self, **kwargs):
-            return new_capsule(C.addressof(managed), b"dltensor_versioned", None)
+            return new_capsule(self.address, b"dltensor_versioned", None)
 
         def __dlpack_device__(self):
             return (1, 0)
 
+    return Producer()
+
+
+def test_a_dlpack_major_version_we_do_not_know_is_refused_and_released():
+    producer = _dlpack_2_producer()
     with pytest.raises(tf.TensorferryError, match="major version 2"):
-        tf.Tensor.from_dlpack(Producer())
-    assert deleted == [C.addressof(managed)]
+        tf.Tensor.from_dlpack(producer)
+    assert producer.deleted == [producer.address]
+
+
+def test_a_refusal_that_knows_no_key_is_raised_naming_the_leafs_key(tmp_path):
+    # The DLPack import refuses the tensor without knowing where it sits in the tree (its
+    # error has no key): the conversion of the tree's leaves re-raises it with the key.
+    # Before errors carried their key, the keyless message's prefix passed for a keyed one
+    # and the key was lost.
+    producer = _dlpack_2_producer()
+    with pytest.raises(tf.FormatError, match="major version 2") as info:
+        tf.save({"model": {"w": producer}}, tmp_path / "f.safetensors")
+    assert "model/w" in str(info.value)
+    assert producer.deleted == [producer.address]
+
+
+def test_a_native_error_about_a_value_carries_its_key_path(tmp_path):
+    with pytest.raises(tf.FormatError) as info:
+        tf.save({"a": {"b": object()}}, tmp_path / "f.safetensors")
+    assert info.value.key == "a/b"
+    with pytest.raises(tf.FormatError) as info:
+        tf.Tensor.from_dlpack(_dlpack_2_producer())
+    assert info.value.key is None
 
 
 def test_jax_reads_our_tensor(jax):

@@ -133,6 +133,28 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// The key path of the value an error is about, where it names one: the `key` of
+    /// [`Error::InvalidValue`] and [`Error::UnsupportedDType`] when not empty (an error
+    /// raised where no key is known has an empty one). Callers that know the key re-raise
+    /// a keyless error with theirs, and pass a keyed one on as it is.
+    ///
+    /// ```
+    /// use tensorferry::Error;
+    ///
+    /// let keyed = Error::InvalidValue { key: "model/w".into(), reason: "no".into() };
+    /// assert_eq!(keyed.key(), Some("model/w"));
+    /// let keyless = Error::InvalidValue { key: String::new(), reason: "no".into() };
+    /// assert_eq!(keyless.key(), None);
+    /// ```
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Error::InvalidValue { key, .. } | Error::UnsupportedDType { key, .. } => {
+                Some(key.as_str()).filter(|k| !k.is_empty())
+            }
+            _ => None,
+        }
+    }
+
     /// A [`Error::Format`] at a byte offset.
     pub(crate) fn format_at(offset: u64, reason: impl Into<String>) -> Self {
         Error::Format {

@@ -246,7 +246,7 @@ def _exported(key, export):
     try:
         return export()
     except FormatError as e:
-        if str(e).startswith("cannot handle the value at "):
+        if getattr(e, "key", None):
             raise  # names its key already
         # tensorferry's own refusal of what the producer described (a bad CUDA Array
         # Interface, an odd DLPack layout), which knows no key.
