@@ -3,23 +3,13 @@
 //! for ordinary host memory, on the best device present — `cuda:0`, else the emulated
 //! device `emu:0`. Run: cargo run -p tensorferry --example 03-move-to-a-device
 
-use tensorferry::{available_devices, Device, MoveOptions, Node, Staging, Tensor, TensorDict};
+mod common;
+
+use tensorferry::{Device, MoveOptions, Node, Staging};
 
 fn main() -> tensorferry::Result<()> {
-    let device = available_devices()
-        .into_iter()
-        .find(|d| matches!(d, Device::Cuda(_)))
-        .unwrap_or(Device::Emulated(0));
-    let mut d = TensorDict::new();
-    for layer in 0..4 {
-        let w: Vec<f32> = (0..256 * 256).map(|i| (i + layer) as f32).collect();
-        d.insert_path(
-            &["model", &format!("layer.{layer}.weight")],
-            Tensor::from_slice(&w, &[256, 256])?,
-        )?;
-    }
-    d.insert("step", 1200i64);
-    let d = Node::from(d);
+    let device = common::best_device();
+    let d = Node::from(common::small_model()?);
     let options = MoveOptions {
         non_blocking: true,
         staging: Staging::Ring {

@@ -8,36 +8,28 @@
 use std::collections::HashSet;
 use std::sync::atomic::AtomicBool;
 
+mod common;
+
 use tensorferry::internal::io::object::{load_url, load_url_to_until, ObjectOptions};
-use tensorferry::{
-    available_devices, save, Device, Node, SaveOptions, Staging, Tensor, TensorDict,
-};
+use tensorferry::{save, Device, Node, SaveOptions, Staging};
 
 fn main() -> tensorferry::Result<()> {
     let Some(url) = std::env::args().nth(1) else {
         eprintln!("usage: 04-object-storage s3://bucket/prefix/");
         std::process::exit(2);
     };
-    let mut d = TensorDict::new();
-    for layer in 0..4 {
-        let w: Vec<f32> = (0..256 * 256).map(|i| (i + layer) as f32).collect();
-        d.insert_path(
-            &["model", &format!("layer.{layer}.weight")],
-            Tensor::from_slice(&w, &[256, 256])?,
-        )?;
-    }
-    d.insert("step", 1200i64);
     // A URL ending in `/` means `model.safetensors` in that folder.
-    save(&Node::Dict(d), &url, &SaveOptions::default())?;
+    save(
+        &Node::Dict(common::small_model()?),
+        &url,
+        &SaveOptions::default(),
+    )?;
 
     let options = ObjectOptions::from_env();
     let host = load_url(&url, &options, None)?;
     println!("loaded {} tensors to the host", host.root.tensors().len());
 
-    let device = available_devices()
-        .into_iter()
-        .find(|d| matches!(d, Device::Cuda(_)))
-        .unwrap_or(Device::Emulated(0));
+    let device = common::best_device();
     let stop = AtomicBool::new(false); // set from another thread to give up between chunks
     let there = load_url_to_until(&url, device, &options, Staging::Auto, &stop, None)?;
     println!(

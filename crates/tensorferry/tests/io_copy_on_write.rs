@@ -2,6 +2,10 @@
 //! truncated under a load is an error or whole data, never a crash; a map is the unsafe
 //! opt-in, read-only or copy-on-write (writable views whose writes never reach the file).
 
+mod common;
+
+use common::load_dict;
+
 use tensorferry::{load, save, Error, LoadOptions, Mapping, Node, SaveOptions, Tensor, TensorDict};
 
 /// A map of a file of this test's own temporary folder.
@@ -28,7 +32,7 @@ fn saved() -> (tempfile::TempDir, std::path::PathBuf) {
 fn a_copy_on_write_load_maps_the_file_writable() {
     let (_dir, path) = saved();
     let options = mapped(true);
-    let (d, _) = load(&path, options).unwrap().into_dict().unwrap();
+    let (d, _) = load_dict(&path, options);
     let w = d.tensor(&["w"]).unwrap();
     assert!(w.storage().is_mapped(), "a map, not a copy");
     assert!(!w.is_read_only());
@@ -40,7 +44,7 @@ fn writes_into_a_copy_on_write_map_never_reach_the_file() {
     let (_dir, path) = saved();
     let before = std::fs::read(&path).unwrap();
     let options = mapped(true);
-    let (d, _) = load(&path, options).unwrap().into_dict().unwrap();
+    let (d, _) = load_dict(&path, options);
     let w = d.tensor(&["w"]).unwrap();
     // SAFETY: the tensor is contiguous, its 12 bytes lie in the private, writable map that
     // `d` keeps alive, and nothing else reads or writes them meanwhile.
@@ -51,10 +55,7 @@ fn writes_into_a_copy_on_write_map_never_reach_the_file() {
         "the process sees its write"
     );
     assert_eq!(std::fs::read(&path).unwrap(), before, "the file does not");
-    let (again, _) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    let (again, _) = load_dict(&path, LoadOptions::default());
     assert_eq!(
         again.tensor(&["w"]).unwrap().to_vec::<f32>().unwrap(),
         [1.5, 2.5, 3.5]
@@ -64,7 +65,7 @@ fn writes_into_a_copy_on_write_map_never_reach_the_file() {
 #[test]
 fn a_map_without_copy_on_write_stays_read_only() {
     let (_dir, path) = saved();
-    let (d, _) = load(&path, mapped(false)).unwrap().into_dict().unwrap();
+    let (d, _) = load_dict(&path, mapped(false));
     let w = d.tensor(&["w"]).unwrap();
     assert!(w.storage().is_mapped() && w.is_read_only());
 }
@@ -73,10 +74,7 @@ fn a_map_without_copy_on_write_stays_read_only() {
 fn the_default_load_reads_into_fresh_memory_not_a_map() {
     let (_dir, path) = saved();
     assert_eq!(LoadOptions::default().mmap, Mapping::READ);
-    let (d, _) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    let (d, _) = load_dict(&path, LoadOptions::default());
     let w = d.tensor(&["w"]).unwrap();
     assert!(!w.storage().is_mapped(), "fresh memory, not a map");
 }

@@ -1,10 +1,12 @@
 //! `TENSORFERRY_DIRECT_IO=0` turns `O_DIRECT` off: direct loads read through the page
 //! cache and say so. A test binary of its own, since it sets the process's environment.
 
+mod common;
+
+use common::save_dict;
+
 use tensorferry::load_to;
-use tensorferry::{
-    load, save, DType, Device, LoadOptions, SaveOptions, Staging, Tensor, TensorDict,
-};
+use tensorferry::{load, DType, Device, LoadOptions, SaveOptions, Staging, Tensor, TensorDict};
 
 #[test]
 fn the_environment_switch_turns_direct_reads_off_with_its_reason() {
@@ -16,12 +18,7 @@ fn the_environment_switch_turns_direct_reads_off_with_its_reason() {
         "x",
         Tensor::from_bytes(DType::U8, vec![10_000], &bytes).unwrap(),
     );
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
     std::env::set_var("TENSORFERRY_DIRECT_IO", "0");
     let options = LoadOptions {
         mmap: tensorferry::Mapping::READ,

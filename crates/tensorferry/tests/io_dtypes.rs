@@ -2,6 +2,10 @@
 //! crate load, and save back byte for byte; the packed sub-byte floats follow the format's
 //! size rules (F4: two values a byte, F6: four values in three bytes).
 
+mod common;
+
+use common::{load_dict, save_dict};
+
 use tensorferry::{load, save, DType, LoadOptions, SaveOptions, Tensor, TensorDict};
 
 /// Every dtype of the official crate (`safetensors::Dtype`, version 0.8), with its code.
@@ -64,10 +68,7 @@ fn every_official_dtype_loads_and_saves_back_byte_for_byte() {
         let original = official_file(&shape);
         let path = dir.path().join("official.safetensors");
         std::fs::write(&path, &original).unwrap();
-        let (d, _) = load(&path, LoadOptions::default())
-            .unwrap()
-            .into_dict()
-            .unwrap();
+        let (d, _) = load_dict(&path, LoadOptions::default());
         assert_eq!(d.len(), OFFICIAL.len());
         for (official, code) in OFFICIAL {
             let t = d.tensor(&[&format!("t_{code}")]).unwrap();
@@ -79,12 +80,7 @@ fn every_official_dtype_loads_and_saves_back_byte_for_byte() {
             );
         }
         let again = dir.path().join("again.safetensors");
-        save(
-            &tensorferry::Node::from(d.clone()),
-            &again,
-            &SaveOptions::default(),
-        )
-        .unwrap();
+        save_dict(&d, &again, &SaveOptions::default());
         // Byte for byte, header included: the official crate writes a flat dict in order
         // of falling alignment, as tensorferry does.
         let ours = std::fs::read(&again).unwrap();
@@ -129,23 +125,10 @@ fn a_file_saved_and_saved_again_is_the_same_file() {
         );
     }
     let first = dir.path().join("a.safetensors");
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &first,
-        &SaveOptions::default(),
-    )
-    .unwrap();
-    let (back, _) = load(&first, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    save_dict(&d, &first, &SaveOptions::default());
+    let (back, _) = load_dict(&first, LoadOptions::default());
     let second = dir.path().join("b.safetensors");
-    save(
-        &tensorferry::Node::from(back.clone()),
-        &second,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&back, &second, &SaveOptions::default());
     assert_eq!(
         std::fs::read(&first).unwrap(),
         std::fs::read(&second).unwrap()

@@ -2,10 +2,14 @@
 //! tensorferry writes, through the reader: a result or an error, never a panic, and what
 //! loads reads end to end (what the fuzz targets under `fuzz/` assert).
 
+mod common;
+
+use common::save_dict;
+
 use std::path::PathBuf;
 
 use tensorferry::internal::io::load_bytes;
-use tensorferry::{save, DType, SaveOptions, Tensor, TensorDict};
+use tensorferry::{DType, SaveOptions, Tensor, TensorDict};
 
 fn corpus(target: &str) -> Vec<Vec<u8>> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -88,12 +92,7 @@ fn mutations_of_a_written_file_never_panic() {
     d.insert("s", "x\"y");
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("f.safetensors");
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
     let bytes = std::fs::read(&path).unwrap();
     assert!(load_bytes(&bytes).is_ok());
     mutate_header(&bytes, &mut |b| read_end_to_end(b));
@@ -182,12 +181,7 @@ fn the_index_corpus_and_its_mutations_never_panic_or_recurse() {
         for name in names {
             d.insert(*name, Tensor::from_slice(&[1.0f32, 2.0], &[2]).unwrap());
         }
-        save(
-            &tensorferry::Node::from(d.clone()),
-            dir.path().join(file),
-            &SaveOptions::default(),
-        )
-        .unwrap();
+        save_dict(&d, dir.path().join(file), &SaveOptions::default());
     }
     for index in corpus("sharded_index") {
         load_index(dir.path(), &index);

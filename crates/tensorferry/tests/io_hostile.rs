@@ -1,23 +1,12 @@
 //! Hostile and broken files: every one is a clear `Format` error, never a panic.
 
+mod common;
+
+use common::every_way;
+
 use std::path::PathBuf;
 
 use tensorferry::{load, Error, LoadOptions};
-
-/// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
-fn every_way() -> [LoadOptions; 3] {
-    [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
-        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
-        // rewrites them while their tensors are alive.
-        mmap: if mmap {
-            unsafe { tensorferry::Mapping::map() }
-        } else {
-            tensorferry::Mapping::READ
-        },
-        direct,
-        ..Default::default()
-    })
-}
 
 fn corpus() -> Vec<PathBuf> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/corpus");

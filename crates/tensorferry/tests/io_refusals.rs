@@ -1,24 +1,13 @@
 //! A tree that would give a file nobody can read is refused before the existing file is
 //! touched: what tensorferry's reader or the official one refuses, the writer refuses.
 
+mod common;
+
+use common::{every_way, load_dict, save_dict};
+
 use std::path::Path;
 
-use tensorferry::{load, save, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value};
-
-/// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
-fn every_way() -> [LoadOptions; 3] {
-    [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
-        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
-        // rewrites them while their tensors are alive.
-        mmap: if mmap {
-            unsafe { tensorferry::Mapping::map() }
-        } else {
-            tensorferry::Mapping::READ
-        },
-        direct,
-        ..Default::default()
-    })
-}
+use tensorferry::{save, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value};
 
 fn small() -> Tensor {
     Tensor::from_slice(&[1.0f32], &[1]).unwrap()
@@ -59,16 +48,8 @@ fn a_dict_named_metadata_is_fine_its_tensors_have_longer_names() {
     let path = dir.path().join("ok.safetensors");
     let mut d = TensorDict::new();
     d.insert_path(&["__metadata__", "w"], small()).unwrap();
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
-    let (back, _) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
+    let (back, _) = load_dict(&path, LoadOptions::default());
     assert!(back.tensor(&["__metadata__", "w"]).is_some());
 }
 
@@ -78,16 +59,8 @@ fn an_empty_name_is_accepted_as_the_format_and_the_reader_accept_it() {
     let path = dir.path().join("empty_name.safetensors");
     let mut d = TensorDict::new();
     d.insert("", small());
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
-    let (back, _) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
+    let (back, _) = load_dict(&path, LoadOptions::default());
     assert!(back.tensor(&[""]).is_some());
     let bytes = std::fs::read(&path).unwrap();
     assert!(safetensors::SafeTensors::deserialize(&bytes)
@@ -129,15 +102,10 @@ fn what_the_writer_accepts_the_reader_reads() {
     let values: Vec<Node> = (0..20_000).map(|i| Node::Value(Value::Int(i))).collect();
     let mut d = TensorDict::new();
     d.insert("values", Node::List(values));
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
     assert!(Path::new(&path).exists());
     for options in every_way() {
-        let (back, _) = load(&path, options).unwrap().into_dict().unwrap();
+        let (back, _) = load_dict(&path, options);
         assert!(matches!(back.get("values"), Some(Node::List(v)) if v.len() == 20_000));
     }
 }

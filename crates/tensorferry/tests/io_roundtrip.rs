@@ -1,27 +1,12 @@
 //! Saving and loading safetensors files: exact round trips and interoperability.
 
+mod common;
+
+use common::{every_way, f32s, load_dict, save_dict};
+
 use std::collections::BTreeMap;
 
 use tensorferry::{load, save, DType, LoadOptions, Node, SaveOptions, Tensor, TensorDict, Value};
-
-/// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
-fn every_way() -> [LoadOptions; 3] {
-    [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
-        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
-        // rewrites them while their tensors are alive.
-        mmap: if mmap {
-            unsafe { tensorferry::Mapping::map() }
-        } else {
-            tensorferry::Mapping::READ
-        },
-        direct,
-        ..Default::default()
-    })
-}
-
-fn f32s(v: &[f32], shape: &[usize]) -> Tensor {
-    Tensor::from_slice(v, shape).unwrap()
-}
 
 fn sample() -> TensorDict {
     let mut d = TensorDict::new();
@@ -74,14 +59,9 @@ fn a_saved_tree_loads_back_exactly_every_way() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.safetensors");
     let d = sample();
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
     for options in every_way() {
-        let (back, meta) = load(&path, options).unwrap().into_dict().unwrap();
+        let (back, meta) = load_dict(&path, options);
         assert!(meta.is_empty());
         assert_same(&d, &back);
         assert_eq!(
@@ -115,10 +95,7 @@ fn user_metadata_is_kept_and_the_reserved_key_is_refused() {
     let mut opts = SaveOptions::default();
     opts.metadata.insert("author".into(), "me".into());
     save(&tensorferry::Node::from(sample()), &path, &opts).unwrap();
-    let (_, meta) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    let (_, meta) = load_dict(&path, LoadOptions::default());
     assert_eq!(
         meta,
         BTreeMap::from([("author".to_string(), "me".to_string())])
@@ -181,10 +158,7 @@ fn files_of_the_official_writer_load_as_flat_dicts_keeping_dots() {
     let view =
         safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &data).unwrap();
     safetensors::serialize_to_file([("a.b.c", view)], None, &path).unwrap();
-    let (d, _) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    let (d, _) = load_dict(&path, LoadOptions::default());
     assert_eq!(d.keys().collect::<Vec<_>>(), ["a.b.c"]);
     assert_eq!(
         d.tensor(&["a.b.c"]).unwrap().to_vec::<f32>().unwrap(),
@@ -217,13 +191,13 @@ fn a_flat_dict_is_saved_without_the_tree_record_and_loads_back_in_order() {
     flat.insert("n", Tensor::from_slice(&[7i64, 8], &[2]).unwrap());
     let mut opts = SaveOptions::default();
     opts.metadata.insert("k".into(), "v".into());
-    save(&tensorferry::Node::from(flat.clone()), &path, &opts).unwrap();
+    save_dict(&flat, &path, &opts);
     assert_eq!(
         official_metadata(&path),
         BTreeMap::from([("k".to_string(), "v".to_string())])
     );
     for how in every_way() {
-        let (back, meta) = load(&path, how).unwrap().into_dict().unwrap();
+        let (back, meta) = load_dict(&path, how);
         assert_eq!(back.keys().collect::<Vec<_>>(), ["z.w", "a", "m.b", "n"]);
         assert_same(&flat, &back);
         assert_eq!(meta, opts.metadata);
@@ -242,15 +216,10 @@ fn a_flat_dict_is_saved_without_the_tree_record_and_loads_back_in_order() {
     with_value.insert("t", f32s(&[1.0], &[1]));
     with_value.insert("step", 3i64);
     for (dict, order) in [(nested, vec!["a"]), (with_value, vec!["t", "step"])] {
-        save(
-            &tensorferry::Node::from(dict.clone()),
-            &path,
-            &SaveOptions::default(),
-        )
-        .unwrap();
+        save_dict(&dict, &path, &SaveOptions::default());
         assert!(official_metadata(&path).contains_key("tensorferry"));
         for how in every_way() {
-            let (back, _) = load(&path, how).unwrap().into_dict().unwrap();
+            let (back, _) = load_dict(&path, how);
             assert_eq!(back.keys().collect::<Vec<_>>(), order);
             assert_same(&dict, &back);
         }
@@ -264,16 +233,8 @@ fn strided_tensors_are_written_in_c_order() {
     let m = Tensor::from_slice(&[1u16, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
     let mut d = TensorDict::new();
     d.insert("t", m.transpose(0, 1).unwrap());
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
-    let (back, _) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
+    let (back, _) = load_dict(&path, LoadOptions::default());
     assert_eq!(
         back.tensor(&["t"]).unwrap().to_vec::<u16>().unwrap(),
         vec![1, 4, 2, 5, 3, 6]
@@ -366,14 +327,9 @@ fn empty_dicts_and_empty_tensors_round_trip() {
     let mut d = TensorDict::new();
     d.insert("empty", Tensor::zeros(DType::F16, &[0, 3]).unwrap());
     d.insert("sub", TensorDict::new());
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
     for options in every_way() {
-        let (back, _) = load(&path, options).unwrap().into_dict().unwrap();
+        let (back, _) = load_dict(&path, options);
         assert_eq!(back.tensor(&["empty"]).unwrap().shape(), &[0, 3]);
         assert!(matches!(back.get("sub"), Some(Node::Dict(s)) if s.is_empty()));
     }
@@ -399,14 +355,9 @@ fn a_dict_of_many_small_tensors_of_every_rank_loads_back_exactly_every_way() {
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("many.safetensors");
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
     for options in every_way() {
-        let (back, _) = load(&path, options).unwrap().into_dict().unwrap();
+        let (back, _) = load_dict(&path, options);
         assert_same(&d, &back);
         assert_eq!(back.len(), d.len());
     }

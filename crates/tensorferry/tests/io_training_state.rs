@@ -2,27 +2,13 @@
 //! optimizer's state) and one tensor under several keys (tied weights) save, load back
 //! as they were, and read in other tools as flat dotted names.
 
+mod common;
+
+use common::{every_way, f32s, load_dict, save_dict};
+
 use std::sync::Arc;
 
 use tensorferry::{load, save, DType, Error, LoadOptions, Node, SaveOptions, Tensor, TensorDict};
-
-fn f32s(v: &[f32], shape: &[usize]) -> Tensor {
-    Tensor::from_slice(v, shape).unwrap()
-}
-
-fn every_way() -> [LoadOptions; 3] {
-    [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
-        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
-        // rewrites them while their tensors are alive.
-        mmap: if mmap {
-            unsafe { tensorferry::Mapping::map() }
-        } else {
-            tensorferry::Mapping::READ
-        },
-        direct,
-        ..Default::default()
-    })
-}
 
 /// An optimizer's state dict: `{"state": {0: {...}, 1: {...}}, "param_groups": [...]}`.
 fn optimizer_state() -> TensorDict {
@@ -60,7 +46,7 @@ fn integer_keys_come_back_as_integers_and_read_as_dotted_names_elsewhere() {
     )
     .unwrap();
     for how in every_way() {
-        let (back, _) = load(&path, how).unwrap().into_dict().unwrap();
+        let (back, _) = load_dict(&path, how);
         let state = back.get("state").unwrap().as_dict().unwrap();
         assert_eq!(int_keys(state), [("0".into(), true), ("1".into(), true)]);
         assert_eq!(
@@ -93,16 +79,8 @@ fn a_dict_of_tensors_under_integer_keys_keeps_its_keys() {
     d.insert(-3i64, f32s(&[1.0], &[1]));
     d.insert("w", f32s(&[2.0], &[1]));
     let path = dir.path().join("flat.safetensors");
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
-    let (back, _) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
+    let (back, _) = load_dict(&path, LoadOptions::default());
     assert_eq!(int_keys(&back), [("-3".into(), true), ("w".into(), false)]);
 }
 
@@ -111,12 +89,7 @@ fn a_record_with_integer_keys_says_format_2_and_others_stay_format_1() {
     let dir = tempfile::tempdir().unwrap();
     let record = |d: &TensorDict| {
         let path = dir.path().join("r.safetensors");
-        save(
-            &tensorferry::Node::from(d.clone()),
-            &path,
-            &SaveOptions::default(),
-        )
-        .unwrap();
+        save_dict(d, &path, &SaveOptions::default());
         let bytes = std::fs::read(&path).unwrap();
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
         meta.metadata().as_ref().unwrap()["tensorferry"].clone()
@@ -138,10 +111,7 @@ fn records_of_format_1_still_load() {
     let meta = std::collections::HashMap::from([("tensorferry".to_string(), record.to_string())]);
     let path = dir.path().join("v1.safetensors");
     safetensors::serialize_to_file([("0", view)], Some(meta), &path).unwrap();
-    let (d, _) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    let (d, _) = load_dict(&path, LoadOptions::default());
     assert_eq!(int_keys(&d), [("0".into(), false), ("n".into(), false)]);
 }
 
@@ -160,12 +130,7 @@ fn a_tensor_under_two_keys_is_written_once_and_shared_on_load() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tied.safetensors");
     let (d, _) = tied();
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut names = st.names();
@@ -174,7 +139,7 @@ fn a_tensor_under_two_keys_is_written_once_and_shared_on_load() {
     assert_eq!(names, ["h.0.bias", "wte.weight"]);
     assert_eq!(st.tensor("wte.weight").unwrap().data().len(), 24);
     for how in every_way() {
-        let (back, _) = load(&path, how).unwrap().into_dict().unwrap();
+        let (back, _) = load_dict(&path, how);
         assert_eq!(
             back.keys().collect::<Vec<_>>(),
             ["wte.weight", "h.0.bias", "lm_head.weight"]
@@ -253,16 +218,8 @@ fn overlapping_views_are_refused_naming_both_keys_and_the_way_out() {
     let mut d = TensorDict::new();
     d.insert("row0", rows(0).unwrap());
     d.insert("row1", rows(8).unwrap());
-    save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
-    let (back, _) = load(&path, LoadOptions::default())
-        .unwrap()
-        .into_dict()
-        .unwrap();
+    save_dict(&d, &path, &SaveOptions::default());
+    let (back, _) = load_dict(&path, LoadOptions::default());
     assert_eq!(
         back.tensor(&["row1"]).unwrap().to_vec::<f32>().unwrap(),
         [3.0, 4.0]

@@ -1,0 +1,41 @@
+//! What the file tests share: the ways of loading, and saving and loading a dict in one
+//! call. Each test binary uses a part of it.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use tensorferry::{load, save, LoadOptions, Node, SaveOptions, Tensor, TensorDict};
+
+/// Every way of loading: mapped, read into fresh memory, read with `O_DIRECT`.
+pub fn every_way() -> [LoadOptions; 3] {
+    [(true, false), (false, false), (false, true)].map(|(mmap, direct)| LoadOptions {
+        // SAFETY: the tests' files live in their own temporary folders; nothing truncates
+        // or rewrites them while their tensors are alive.
+        mmap: if mmap {
+            unsafe { tensorferry::Mapping::map() }
+        } else {
+            tensorferry::Mapping::READ
+        },
+        direct,
+        ..Default::default()
+    })
+}
+
+/// An `f32` tensor of `shape` holding `v`.
+pub fn f32s(v: &[f32], shape: &[usize]) -> Tensor {
+    Tensor::from_slice(v, shape).unwrap()
+}
+
+/// Saves the dict `d` at `path` (`d` stays the caller's, to compare with what loads).
+pub fn save_dict(d: &TensorDict, path: impl AsRef<Path>, options: &SaveOptions) {
+    save(&Node::from(d.clone()), path, options).unwrap()
+}
+
+/// The dict saved at `path`, with its user metadata.
+pub fn load_dict(
+    path: impl AsRef<Path>,
+    options: LoadOptions,
+) -> (TensorDict, BTreeMap<String, String>) {
+    load(path, options).unwrap().into_dict().unwrap()
+}
