@@ -67,6 +67,6 @@ pub mod internal {
     }
     /// The transfer engine and its staging ring.
     pub mod transfer {
-        pub use crate::transfer::{order_stream_after, staging, wait_queued_timeout, Readable};
+        pub use crate::transfer::{staging, wait_queued_timeout, Readable};
     }
 }

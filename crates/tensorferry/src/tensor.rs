@@ -330,6 +330,13 @@ impl Tensor {
         self.storage.as_ptr().wrapping_add(self.offset)
     }
 
+    /// The [lowest, one-past-highest) byte of its storage the tensor's elements touch
+    /// (its layout was checked to lie in the storage when it was made).
+    pub(crate) fn span_in_storage(&self) -> (usize, usize) {
+        byte_span(self.offset, self.dtype, &self.shape, &self.strides)
+            .expect("a tensor's extent lies in its storage")
+    }
+
     /// True when `self` and `other` are one tensor: the same memory (device and address of
     /// element 0), dtype, shape and strides, whatever storage object holds them (two
     /// imports of one framework tensor are one tensor).

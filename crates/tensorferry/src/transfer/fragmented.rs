@@ -16,7 +16,7 @@ use super::host_copy::pack_when_ready;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::tensor::{byte_extent, Tensor};
+use crate::tensor::Tensor;
 
 /// More runs than this, each shorter than [`SMALL_RUN_BYTES`], make a tensor fragmented.
 pub(crate) const MAX_RUNS: usize = 64;
@@ -73,19 +73,14 @@ pub(crate) fn prepare(
         let (mut packed, _) = pack_when_ready(vec![t.clone()])?;
         return Ok(packed.pop());
     }
-    let size = t.dtype().size() as isize;
-    // A tensor's layout was checked to lie in its storage when it was made.
-    let (below, above) = byte_extent(t.shape(), t.strides(), size as usize)
-        .expect("a tensor's extent lies in its storage");
-    let start = t.offset() as isize + below;
-    let span = (above - below) as usize;
+    let (start, end) = t.span_in_storage();
+    let span = end - start;
     if span > (t.nbytes() * MAX_SPAN_RATIO).max(SMALL_SPAN_BYTES) {
         return Ok(None);
     }
-    let whole =
-        Tensor::contiguous_view(t.storage().clone(), start as usize, DType::U8, vec![span])?;
+    let whole = Tensor::contiguous_view(t.storage().clone(), start, DType::U8, vec![span])?;
     let on_host = fetch(&whole)?;
-    let offset = on_host.offset() + (t.offset() as isize - start) as usize;
+    let offset = on_host.offset() + (t.offset() - start);
     Tensor::from_storage(
         Arc::clone(on_host.storage()),
         offset,

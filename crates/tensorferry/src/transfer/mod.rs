@@ -31,7 +31,9 @@ pub mod staging;
 pub(crate) mod stream_in;
 mod stream_out;
 
-pub use consumer::{order_stream_after, wait_queued_timeout, Readable};
+#[cfg(test)]
+pub(crate) use consumer::order_stream_after;
+pub use consumer::{wait_queued_timeout, Readable};
 pub use engine::{move_tensors, MoveOptions};
 pub use staging::Staging;
 #[cfg(test)]

@@ -150,11 +150,8 @@ impl Sharing {
             if t.numel() == 0 {
                 continue;
             }
-            // A tensor's layout was checked to lie in its storage when it was made.
-            let (below, above) =
-                crate::tensor::byte_extent(t.shape(), t.strides(), t.dtype().size())
-                    .expect("a tensor's extent lies in its storage");
-            let at = t.data_ptr() as usize;
+            let (lo, hi) = t.span_in_storage();
+            let base = t.storage().as_ptr() as usize;
             let device = match t.device() {
                 crate::device::Device::Cpu => (0, 0),
                 crate::device::Device::Cuda(n) => (1, n),
@@ -162,8 +159,8 @@ impl Sharing {
             };
             spans.push((
                 device,
-                at.wrapping_add_signed(below),
-                at.wrapping_add_signed(above),
+                base.wrapping_add(lo),
+                base.wrapping_add(hi),
                 i as u32,
             ));
         }
