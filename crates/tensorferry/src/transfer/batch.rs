@@ -66,7 +66,7 @@ pub(crate) fn runs(sources: &[Tensor], layout: &PackedLayout) -> Result<(Vec<Run
 
 /// The batch copying each source's runs (C order) into `dest` at the plan's offsets,
 /// waiting first for the copies that still fill any source.
-pub(super) fn plan(
+fn plan(
     direction: Direction,
     sources: &[Tensor],
     layout: &PackedLayout,
@@ -119,18 +119,22 @@ pub(crate) unsafe fn submit_when_ready(
     }
 }
 
-/// Submits `batch` with everything it touches held until it completes.
-pub(super) fn submit(
+/// Copies `sources` into `dst` (by `layout`) as one batch, queued with everything it
+/// touches held until `event` completes.
+pub(super) fn copy_direct(
     backend: &Arc<dyn Backend>,
-    batch: CopyBatch,
+    direction: Direction,
     sources: Vec<Tensor>,
+    layout: &PackedLayout,
     dst: Arc<Storage>,
     event: &Event,
-) {
+) -> Result<()> {
+    let batch = plan(direction, &sources, layout, &dst)?;
     let keep: Box<dyn Any + Send> = Box::new((sources, dst));
     // SAFETY: the ops address the sources' elements (inside their storages, by
     // `run_offsets`) and the new destination storage (inside its length, by the plan);
     // `keep` holds all of them until the event completes. The destination is new: nothing
     // else writes it, and every reader waits for its event, which is `event`.
     unsafe { submit_when_ready(backend.clone(), batch, keep, event.clone(), true) };
+    Ok(())
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::batch::{plan, submit};
+use super::batch::copy_direct;
 use super::staging::{self, Staging};
 use super::{fragmented, host_copy};
 use crate::backend::{backend_for, Backend, DeviceMemory, Direction, Event};
@@ -245,11 +245,7 @@ fn fill(
             storage,
             event,
         ),
-        None => {
-            let batch = plan(direction, &sources, layout, &storage)?;
-            submit(backend, batch, sources, storage, event);
-            Ok(())
-        }
+        None => copy_direct(backend, direction, sources, layout, storage, event),
     }
 }
 

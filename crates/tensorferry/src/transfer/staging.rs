@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use super::batch::{plan, runs, submit, submit_when_ready, Run};
+use super::batch::{copy_direct, runs, submit_when_ready, Run};
 use super::ring_memory::RingMemory;
 use crate::backend::event::{Outcome, Progress};
 use crate::backend::worker;
@@ -563,10 +563,8 @@ pub(crate) fn start(
     event: &Event,
 ) -> Result<()> {
     let fall_back = ring.automatic;
-    let direct = |sources: Vec<Tensor>, dest: Arc<Storage>| -> Result<()> {
-        let batch = plan(direction, &sources, layout, &dest)?;
-        submit(&backend, batch, sources, dest, event);
-        Ok(())
+    let direct = |sources: Vec<Tensor>, dest: Arc<Storage>| {
+        copy_direct(&backend, direction, sources, layout, dest, event)
     };
     // Where staging was the automatic choice, at most `MAX_AUTO_RINGS` run at once (each
     // holds pinned buffers): many small non-blocking moves in a row copy directly beyond
