@@ -12,7 +12,6 @@ use std::collections::BTreeMap;
 
 use super::budget;
 use super::header::{Header, HeaderCensus, TensorEntry};
-use super::name_hash::name_hash;
 use super::scan::{Cursor, Fault, Scan, Stop};
 use super::tree_census;
 use super::tree_meta::shorten;
@@ -653,35 +652,15 @@ impl Fields {
     }
 }
 
-/// A name two entries share, if any. The entries are sorted by the hash of their name
-/// (two words each), and only those of equal hashes are compared by name: hostile names
-/// that share a hash cost a sort by name of their run, never a quadratic walk.
+/// A name two entries share, if any, the first one met again. The names go into a set
+/// whose hash is keyed at random per process (std's SipHash): names chosen to collide
+/// cannot make it quadratic, and each name costs one hash and one probe.
 fn first_duplicate(entries: &[TensorEntry]) -> Option<&str> {
-    let mut keyed: Vec<(u64, usize)> = entries
+    let mut seen = std::collections::HashSet::with_capacity(entries.len());
+    entries
         .iter()
-        .enumerate()
-        .map(|(i, e)| (name_hash(&e.name), i))
-        .collect();
-    keyed.sort_unstable();
-    let name = |k: &(u64, usize)| entries[k.1].name.as_str();
-    let mut start = 0;
-    while start < keyed.len() {
-        let hash = keyed[start].0;
-        // Runs are short (one entry, but for a collision): a walk, not a search.
-        let mut end = start + 1;
-        while keyed.get(end).is_some_and(|k| k.0 == hash) {
-            end += 1;
-        }
-        let run = &mut keyed[start..end];
-        if run.len() > 1 {
-            run.sort_unstable_by(|a, b| name(a).cmp(name(b)));
-            if let Some(w) = run.windows(2).find(|w| name(&w[0]) == name(&w[1])) {
-                return Some(name(&w[0]));
-            }
-        }
-        start = end;
-    }
-    None
+        .map(|e| e.name.as_str())
+        .find(|name| !seen.insert(*name))
 }
 
 /// The entry `name` of `dtype`, `shape` and offsets `begin..end`, or its first fault.

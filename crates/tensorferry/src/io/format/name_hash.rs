@@ -1,20 +1,11 @@
 //! A fast hash of tensor names: FxHash's multiply-rotate over eight bytes at a time.
 //!
-//! Not resistant to chosen collisions: use it where the names are the caller's own (the
-//! tree being saved), or where a collision costs a comparison and never a quadratic walk
-//! (sorting by hash, as the header reader's duplicate check does).
+//! Not resistant to chosen collisions: use it only where the names are the caller's own
+//! (the tree being saved). Names read from a file go into std's randomly keyed sets.
 
 /// The hasher; [`std::hash::BuildHasherDefault`] builds it for hash maps.
 #[derive(Default)]
 pub(crate) struct NameHasher(u64);
-
-/// The hash of `name`.
-pub(crate) fn name_hash(name: &str) -> u64 {
-    use std::hash::Hasher;
-    let mut h = NameHasher::default();
-    h.write(name.as_bytes());
-    h.finish()
-}
 
 impl std::hash::Hasher for NameHasher {
     /// The state rotated: the multiply leaves its best-mixed bits at the top, and hash
