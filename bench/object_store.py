@@ -2,16 +2,18 @@
 tensorferry beside its peers, against a real S3 server on the loopback interface (s3s-fs,
 as the tests use), in one run, with every roof measured in the same run.
 
+    PEERS=$(bash scripts/bench-peers.sh)
     PYTHONPATH=bindings/python/python:$PEERS python bench/object_store.py \\
         [--mb 1024] [--tensors 300] [--small 10000] [--small-kb 8] [--repeat 3] \\
-        [--part-mb 8] [--concurrency 16] [--out FILE]
+        [--part-mb 8] [--concurrency 16] [--jobs a,b,save,memory] [--out FILE]
 
 where $PEERS holds the peers, which are not dependencies of tensorferry:
-`pip install --target $PEERS boto3 s3fs runai-model-streamer runai-model-streamer-s3`
-(torch, numpy and safetensors come from the environment). The server is the binary of
-scripts/s3-server.sh (or TENSORFERRY_S3S_FS). --mb 64 runs the whole bench in about a
-minute; the 1 GB run of bench/results/2026-11-26-cpu-object-store-loopback.txt (--repeat
-5) takes ~13 min.
+scripts/bench-peers.sh installs them into target/bench-peers (s3fs 2026.9.0 and boto3;
+runai-model-streamer and runai-model-streamer-s3 without their dependencies, and humanize),
+and prints that folder. torch, numpy and safetensors come from the environment. The
+server is the binary of scripts/s3-server.sh (or TENSORFERRY_S3S_FS). --mb 64 runs the
+whole bench in about a minute; the 1 GB run with --repeat 3 takes ~5 min on a quiet
+machine. --jobs runs only some of the jobs below (a: load A, b: load B, save, memory).
 
 Jobs, each on one object stored once (by tensorferry, untimed) in the server's folder:
 
@@ -458,11 +460,16 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--part-mb", type=int, default=8, help="part size of the roofs (and of tensorferry, set alike)")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (roofs and tensorferry)")
+    ap.add_argument("--jobs", default="a,b,save,memory",
+                    help="the jobs to run, comma-separated: a (load A), b (load B), save, memory")
     ap.add_argument("--child-memory", nargs=2, metavar=("DEVICE", "URL"), help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.child_memory:
         return child_memory(*args.child_memory)
+    jobs = set(args.jobs.split(","))
+    if not jobs or not jobs <= {"a", "b", "save", "memory"}:
+        ap.error(f"--jobs takes a, b, save and memory, comma-separated: not {args.jobs!r}")
 
     import boto3
     import runai_model_streamer
@@ -513,19 +520,26 @@ def main():
         roofs = [ROOF_THREADS.format(args.part_mb, args.concurrency),
                  ROOF_PROCESSES.format(args.part_mb, PROCESSES, args.concurrency // PROCESSES)]
 
-        size, times = load_job(args, client, fs, st, torch, tf, LARGE, large, work)
-        table(say, f"load A, {len(large)} bf16 tensors", size, times, roofs, "tensorferry.load(s3://)", peers)
-        size_b, times = load_job(args, client, fs, st, torch, tf, SMALL, small, work)
+        size = os.path.getsize(os.path.join(work, "s3", BUCKET, LARGE))
+        size_b = os.path.getsize(os.path.join(work, "s3", BUCKET, SMALL))
+        if "a" in jobs:
+            _, times = load_job(args, client, fs, st, torch, tf, LARGE, large, work)
+            table(say, f"load A, {len(large)} bf16 tensors", size, times, roofs, "tensorferry.load(s3://)", peers)
+        if "b" in jobs:
+            _, times = load_job(args, client, fs, st, torch, tf, SMALL, small, work)
+            table(say, f"load B, {args.small} bf16 tensors of {args.small_kb} KiB", size_b, times, roofs,
+                  "tensorferry.load(s3://)", peers)
         del small
-        table(say, f"load B, {args.small} bf16 tensors of {args.small_kb} KiB", size_b, times, roofs,
-              "tensorferry.load(s3://)", peers)
-        saved, times = save_job(args, client, st, torch, tf, large, work)
-        save_roofs = [SAVE_THREADS.format(args.part_mb, args.concurrency),
-                      SAVE_PROCESSES.format(args.part_mb, PROCESSES, max(1, args.concurrency // PROCESSES))]
-        table(say, f"save, load A's {len(large)} tensors", saved, times, save_roofs,
-              "tensorferry.save(s3://)", ["st.save_file + boto3 upload_file"])
+        if "save" in jobs:
+            saved, times = save_job(args, client, st, torch, tf, large, work)
+            save_roofs = [SAVE_THREADS.format(args.part_mb, args.concurrency),
+                          SAVE_PROCESSES.format(args.part_mb, PROCESSES, max(1, args.concurrency // PROCESSES))]
+            table(say, f"save, load A's {len(large)} tensors", saved, times, save_roofs,
+                  "tensorferry.save(s3://)", ["st.save_file + boto3 upload_file"])
         del large
-        memory_job(say, [(f"s3://{BUCKET}/{LARGE}", size), (f"s3://{BUCKET}/{SMALL}", size_b)], dict(os.environ))
+        if "memory" in jobs:
+            memory_job(say, [(f"s3://{BUCKET}/{LARGE}", size), (f"s3://{BUCKET}/{SMALL}", size_b)],
+                       dict(os.environ))
         say("# load average at the end (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     finally:
         proc.kill()

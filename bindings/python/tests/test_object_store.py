@@ -245,6 +245,24 @@ def test_a_subset_fetches_only_its_byte_ranges(own_server):
     assert sum(end - start for start, end in ranges) < 1_200_000 + 4 * data_start + (2 << 20)
 
 
+def test_a_whole_load_asks_for_the_rest_of_the_object_without_waiting_for_the_header(own_server, monkeypatch):
+    # A header (~8 KB) far longer than the first GET (64 bytes): the rest of the object is
+    # asked for in parts laid from the first GET's end, never by a second GET for the rest
+    # of the header followed by the data (a round trip more).
+    monkeypatch.setenv("TENSORFERRY_OBJECT_HEADER_BYTES", "64")
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(64 << 10))
+    tree = {f"t{i}": np.full(1000, float(i), np.float32) for i in range(100)}
+    tf.save(tree, "s3://bucket/m.safetensors")
+    got = tf.load("s3://bucket/m.safetensors")
+    for k, v in tree.items():
+        np.testing.assert_array_equal(got[k], v)
+    assert got["t0"].ctypes.data % 64 == 0  # the data section starts 64-byte aligned
+    size = os.path.getsize(own_server.file("m.safetensors"))
+    ranges = sorted(_ranges_read(own_server.log))
+    assert ranges[0] == (0, 64), ranges
+    assert ranges[1:] == [(a, min(a + (64 << 10), size)) for a in range(64, size, 64 << 10)], ranges
+
+
 def test_bfloat16_round_trips_with_torch(s3, url, torch):
     d = {"w": torch.randn(64, 32).to(torch.bfloat16), "b": torch.arange(5)}
     tf.save(d, url + "bf16.safetensors")

@@ -1,10 +1,13 @@
 //! Loading checkpoints from object storage into host memory.
 //!
-//! One object: the header comes from one small ranged GET (the first
-//! [`ObjectOptions::header_bytes`], which holds the whole object when it is small), and a
-//! second only when the header is longer. Then the data section comes in parallel ranged
-//! GETs ([`ObjectOptions::part_bytes`] each, [`ObjectOptions::concurrency`] at once),
-//! written straight into one aligned buffer, which goes through the same validated
+//! One object: the first GET asks for its first [`ObjectOptions::header_bytes`] (which
+//! hold the whole object when it is small). A whole load asks for the rest of the object
+//! as soon as that GET's answer begins (its size and version, and the header's length in
+//! its first bytes), in parallel ranged GETs ([`ObjectOptions::part_bytes`] each,
+//! [`ObjectOptions::concurrency`] at once) while the first body still arrives, so the
+//! header costs no round trip of its own. A subset needs the header first: the first GET,
+//! a second one only when the header is longer, then only its tensors' byte ranges. Either
+//! way the bytes land in one aligned buffer, which goes through the same validated
 //! header → tree path as a local file ([`crate::io::read`]). Every GET after the first
 //! is conditional on the first one's ETag, and its answer is checked against it: an
 //! object replaced during the read is an error, never a mix of two versions.
@@ -18,6 +21,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures_util::stream::BoxStream;
 use futures_util::{StreamExt, TryStreamExt};
 use object_store::{GetOptions, GetRange, GetResult, ObjectMeta, ObjectStore, ObjectStoreExt};
 
@@ -30,7 +34,7 @@ use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SU
 use crate::io::checkpoint::sharded::{load_index_with, READERS};
 use crate::io::format::header_reader::{header_len, parse_counted};
 use crate::io::read::{build, Loaded};
-use crate::memory::AlignedBuffer;
+use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
 use crate::storage::Storage;
 use crate::tree::{Node, TensorDict, Value};
 
@@ -461,8 +465,119 @@ fn is_empty_object(e: &Error) -> bool {
     e.to_string().contains("InvalidRange") || e.to_string().contains("416")
 }
 
-/// Loads one safetensors object (never an index).
+/// Loads one safetensors object (never an index): all of it ([`load_whole`]), or the
+/// tensors `only` names, whose byte ranges the header says ([`load_after_header`]).
 fn load_object(
+    at: &Location,
+    options: &ObjectOptions,
+    only: Option<&HashSet<String>>,
+) -> Result<Loaded> {
+    match only {
+        None => load_whole(at, options),
+        Some(_) => load_after_header(at, options, only),
+    }
+}
+
+/// Loads all of one safetensors object, its header's round trip hidden behind the data:
+/// the first GET (of [`ObjectOptions::header_bytes`]) is answered with the object's size
+/// and version and, in its first bytes, the header's length; the rest of the object is
+/// asked for at once, in parallel ranged GETs conditional on that version, while the first
+/// answer's body still arrives. The whole object lands in one buffer, placed so that its
+/// data section starts 64-byte aligned, and its header is parsed from there.
+fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
+    let in_object = |e: Error| e.in_file(Path::new(at.url()));
+    let first_len = options.header_bytes.max(8) as u64;
+    let (meta, stream, prefix) = match runtime::block_on(first_answer(at, first_len))? {
+        // An empty object has no range to give: the header's own path names the fault.
+        Err(e) if is_empty_object(&e) => return load_after_header(at, options, None),
+        other => other?,
+    };
+    let size = meta.size;
+    let data_start = 8 + header_len(&prefix, size).map_err(in_object)?;
+    let pad = data_start.next_multiple_of(HOST_ALIGNMENT as u64) - data_start;
+    test_pause_after_header();
+    let mut buffer = AlignedBuffer::zeroed((pad + size) as usize)?;
+    let object = as_uninit(&mut buffer.as_mut_slice()[pad as usize..]);
+    let first_end = first_len.min(size);
+    let (first, rest) = object.split_at_mut(first_end as usize);
+    let (got, first_rest) = first.split_at_mut(prefix.len());
+    write_into(got, &prefix);
+    let version = Version {
+        etag: meta.e_tag,
+        size,
+    };
+    let parts = plan::parts(
+        std::slice::from_ref(&(first_end..size)),
+        options.part_bytes as u64,
+    );
+    let mut slices = Vec::with_capacity(parts.len());
+    let mut rest = rest;
+    for part in parts {
+        let (slice, tail) =
+            std::mem::take(&mut rest).split_at_mut((part.end - part.start) as usize);
+        slices.push((part, slice));
+        rest = tail;
+    }
+    let (at_ref, version_ref) = (at, &version);
+    let others = futures_util::stream::iter(slices)
+        .map(|(range, slice)| fetch_part(at_ref, range, slice, version_ref))
+        .buffer_unordered(options.concurrency.saturating_sub(1).max(1))
+        .try_for_each(|()| async { Ok(()) });
+    let first_body = drain_stream(at, prefix.len() as u64..first_end, stream, first_rest);
+    runtime::block_on(futures_util::future::try_join(first_body, others))??;
+    let header = &buffer.as_slice()[(pad + 8) as usize..(pad + data_start) as usize];
+    let parsed = parse_counted(header, size - data_start).map_err(in_object)?;
+    let base = (pad + data_start) as usize;
+    build(parsed, Arc::new(Storage::owned(buffer)), base).map_err(in_object)
+}
+
+/// The first GET of an object, of its bytes `0..len`: what the store says of the object
+/// (its size and version), the rest of the body to come, and the body's first bytes (at
+/// least 8, the header's length, unless the body is shorter).
+async fn first_answer(
+    at: &Location,
+    len: u64,
+) -> Result<(
+    ObjectMeta,
+    BoxStream<'static, object_store::Result<Bytes>>,
+    Vec<u8>,
+)> {
+    let answer = at
+        .store()
+        .get_opts(
+            at.key(),
+            GetOptions {
+                range: Some(GetRange::Bounded(0..len)),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| from_store("read", at.url(), e))?;
+    let meta = answer.meta.clone();
+    let mut stream = answer.into_stream();
+    let mut prefix = Vec::new();
+    while prefix.len() < 8 {
+        match stream.next().await {
+            Some(chunk) => {
+                prefix.extend_from_slice(&chunk.map_err(|e| from_store("read", at.url(), e))?)
+            }
+            None => break,
+        }
+    }
+    if prefix.len() as u64 > len.min(meta.size) {
+        return Err(failed(
+            "read",
+            at.url(),
+            Cause::Other,
+            "the server sent more bytes than asked",
+        ));
+    }
+    Ok((meta, stream, prefix))
+}
+
+/// Loads one safetensors object once its header is in: the header's GET (a second one for
+/// a long header), then the tensors `only` names (or all), in parallel ranged GETs.
+fn load_after_header(
     at: &Location,
     options: &ObjectOptions,
     only: Option<&HashSet<String>>,
@@ -610,8 +725,18 @@ pub(super) async fn drain_into(
     answer: GetResult,
     into: &mut [MaybeUninit<u8>],
 ) -> Result<()> {
+    drain_stream(at, range, answer.into_stream(), into).await
+}
+
+/// Writes the body `stream` (of the GET of `range`, less the bytes already taken from it)
+/// into `into`, which must be exactly as long as the rest.
+async fn drain_stream(
+    at: &Location,
+    range: Range<u64>,
+    mut stream: BoxStream<'static, object_store::Result<Bytes>>,
+    into: &mut [MaybeUninit<u8>],
+) -> Result<()> {
     let read_err = |e| from_store("read", at.url(), e);
-    let mut stream = answer.into_stream();
     let mut filled = 0usize;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(read_err)?;

@@ -3,9 +3,10 @@
 //! Arrow's `object_store` client (its signing, retries with backoff, and timeouts; no
 //! HTTP code of tensorferry's own).
 //!
-//! Loads fetch the header with one small ranged GET, then the data with parallel ranged
-//! GETs into one aligned buffer, which becomes the tree exactly as a local file's bytes
-//! do ([`load_url`]); a subset fetches only its byte ranges. Onto a device, the GETs
+//! Loads fetch the header with one small ranged GET and the data with parallel ranged
+//! GETs into one aligned buffer (a whole load asks for the data as soon as the first
+//! answer begins), which becomes the tree exactly as a local file's bytes do
+//! ([`load_url`]); a subset fetches only its byte ranges. Onto a device, the GETs
 //! write into the staging ring's buffers, each copied to the device while the next is
 //! fetched, so host memory stays bounded by the ring ([`load_url_to_until`]).
 //! [`read_header_url`] and [`read_ranges`] read a header and chosen byte ranges of one

