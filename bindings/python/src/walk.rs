@@ -1,16 +1,18 @@
-//! The two tree passes of the Python package, done natively for the containers that make
-//! up nearly every tree (exact dict, list and tuple, and the `OrderedDict` that PyTorch's
-//! `state_dict()` returns); any other container (a Mapping subclass, a namedtuple) is
-//! handed back to the Python implementation for its subtree, so the rules stay in one
-//! place: `tensorferry._tree`, whose `_same_mapping` rebuilds an `OrderedDict` as
-//! [`Rebuilder`] does here.
+//! The walker of Python containers: the one place that says which objects are containers
+//! and walks them, for every call of the Python package. It enters every kind a user's
+//! tree holds: dict, `OrderedDict` (rebuilt with its instance attributes, as PyTorch's
+//! `state_dict()` needs), `defaultdict` (with its factory), any other `Mapping`, list and
+//! tuple and their subclasses, and namedtuples; anything else is a leaf. The exact dict,
+//! list and tuple that make up nearly every tree are told apart without calling Python.
 //!
-//! Both passes are bounded: a structure nested deeper than [`MAX_DEPTH`] levels, or one
-//! that contains itself, is a `FormatError` naming where, never a stack overflow. A dict
-//! is walked from a snapshot (`dict.copy()`), so another thread changing it while Python
-//! code runs (`kind_of`, a Mapping's methods) cannot break the iteration.
+//! Every pass is bounded: a structure nested deeper than [`MAX_DEPTH`] levels, or one
+//! that contains itself, is a `FormatError` naming where, never a stack overflow. A
+//! container is walked from a snapshot of its items (`dict.copy()`, `list(m.items())`),
+//! so another thread changing it while Python code runs (`kind_of`, a Mapping's methods)
+//! cannot break the iteration.
 
 use crate::numpy_interop::{is_exact_ndarray, is_ndarray};
+use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
@@ -18,51 +20,110 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyT
 use crate::errors::to_py;
 use crate::tensor::PyTensor;
 
-/// The deepest nesting of containers the walkers accept (the Python rules in
-/// `tensorferry._tree` use the same number, read from `_native.MAX_DEPTH`).
+/// The deepest nesting of containers the walkers accept (the conversion to a tree for
+/// `save` too, and `tensorferry._tree.MAX_DEPTH` is this number).
 pub const MAX_DEPTH: usize = 200;
-
-fn python_tree(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
-    static M: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-    Ok(
-        M.get_or_try_init(py, || py.import("tensorferry._tree").map(Bound::unbind))?
-            .bind(py),
-    )
-}
 
 /// A key and its value.
 type Item<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>);
 
-/// The mappings the native passes walk: an exact dict, or exactly a
-/// `collections.OrderedDict` (rebuilt as one, with its instance attributes).
-enum Mapping {
+/// What the walker makes of an object.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Exactly a dict.
     Dict,
+    /// Exactly a `collections.OrderedDict` (rebuilt as one, with its instance attributes).
     Ordered,
+    /// Any other `collections.abc.Mapping` (a `defaultdict`, a dict subclass, …).
+    Mapping,
+    /// A list or a list subclass.
+    List,
+    /// A tuple or a tuple subclass that is not a namedtuple.
+    Tuple,
+    /// A tuple subclass with `_fields`: rebuilt by its fields.
+    NamedTuple,
+    /// Anything else.
+    Leaf,
 }
 
-/// `obj`'s items in its order and its kind of mapping, when the native passes walk it: a
-/// snapshot either way, so that Python code run meanwhile cannot break the iteration
-/// (`dict.copy()` for a dict; for an `OrderedDict`, `list(obj.items())`, whose order is
-/// that of its links, which `move_to_end` changes, not of the dict underneath).
-fn mapping_items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<(Vec<Item<'py>>, Mapping)>> {
-    let py = obj.py();
-    if let Ok(d) = obj.cast_exact::<PyDict>() {
-        return Ok(Some((d.copy()?.iter().collect(), Mapping::Dict)));
+impl Kind {
+    /// The kind of `obj`: the exact built-in containers first, without calling Python.
+    fn of(obj: &Bound<'_, PyAny>) -> PyResult<Kind> {
+        if let Some(kind) = Kind::exact(obj)? {
+            return Ok(kind);
+        }
+        if is_plain(obj) || obj.is_exact_instance_of::<PyTensor>() || is_exact_ndarray(obj)? {
+            return Ok(Kind::Leaf);
+        }
+        let py = obj.py();
+        if obj.is_instance_of::<PyTuple>() {
+            let named = obj.get_type().hasattr(pyo3::intern!(py, "_fields"))?;
+            return Ok(if named { Kind::NamedTuple } else { Kind::Tuple });
+        }
+        if obj.is_instance_of::<PyList>() {
+            return Ok(Kind::List);
+        }
+        if obj.is_instance(abc_mapping_type(py)?)? {
+            return Ok(Kind::Mapping);
+        }
+        Ok(Kind::Leaf)
     }
-    if !obj.get_type().is(ordered_dict_type(py)?) {
-        return Ok(None);
+
+    /// The kind of an exact dict, `OrderedDict`, list or tuple; None for anything else.
+    fn exact(obj: &Bound<'_, PyAny>) -> PyResult<Option<Kind>> {
+        Ok(if obj.is_exact_instance_of::<PyDict>() {
+            Some(Kind::Dict)
+        } else if obj.is_exact_instance_of::<PyList>() {
+            Some(Kind::List)
+        } else if obj.is_exact_instance_of::<PyTuple>() {
+            Some(Kind::Tuple)
+        } else if obj.get_type().is(ordered_dict_type(obj.py())?) {
+            Some(Kind::Ordered)
+        } else {
+            None
+        })
     }
-    let items = obj.call_method0(pyo3::intern!(py, "items"))?;
-    let mut out = Vec::with_capacity(obj.len()?);
-    for item in items.try_iter()? {
-        out.push(item?.extract()?);
+
+    fn is_mapping(self) -> bool {
+        matches!(self, Kind::Dict | Kind::Ordered | Kind::Mapping)
     }
-    Ok(Some((out, Mapping::Ordered)))
 }
 
 fn ordered_dict_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
     static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     T.import(py, "collections", "OrderedDict")
+}
+
+fn abc_mapping_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    T.import(py, "collections.abc", "Mapping")
+}
+
+fn default_dict_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    T.import(py, "collections", "defaultdict")
+}
+
+/// The items of a mapping of `kind`, in its order, as a snapshot: `dict.copy()` for a
+/// dict; `list(obj.items())` for any other (for an `OrderedDict`, the order of its links,
+/// which `move_to_end` changes, not of the dict underneath).
+fn mapping_items<'py>(obj: &Bound<'py, PyAny>, kind: Kind) -> PyResult<Vec<Item<'py>>> {
+    if kind == Kind::Dict {
+        return Ok(obj.cast::<PyDict>()?.copy()?.iter().collect());
+    }
+    let items = obj.call_method0(pyo3::intern!(obj.py(), "items"))?;
+    let mut out = Vec::new();
+    for item in items.try_iter()? {
+        out.push(item?.extract()?);
+    }
+    Ok(out)
+}
+
+/// The items of a sequence: an exact list or tuple is read in place (by index against its
+/// length at each step: safe whatever another thread does meanwhile); a subclass through
+/// `list(obj)`, which runs its own `__iter__`.
+fn sequence_items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    obj.try_iter()?.collect()
 }
 
 /// True for values that are certainly plain leaves, decided without calling Python.
@@ -90,11 +151,17 @@ pub fn shown_path(path: &[Bound<'_, PyAny>]) -> String {
     )
 }
 
-fn invalid(path: &[Bound<'_, PyAny>], reason: String) -> PyErr {
-    to_py(tensorferry::Error::InvalidValue {
-        key: shown_path(path),
-        reason,
-    })
+fn invalid(key: String, reason: String) -> PyErr {
+    to_py(tensorferry::Error::InvalidValue { key, reason })
+}
+
+/// The `FormatError` for a value at `key` nested deeper than [`MAX_DEPTH`] levels (the
+/// conversion to a tree for `save` says the same).
+pub fn too_deep(key: String) -> PyErr {
+    invalid(
+        key,
+        format!("nested deeper than {MAX_DEPTH} levels, the most tensorferry walks"),
+    )
 }
 
 /// The ids of the containers enclosing the current position, to refuse cycles and depth.
@@ -107,17 +174,14 @@ impl Ancestors {
         let id = obj.as_ptr() as usize;
         if self.0.contains(&id) {
             return Err(invalid(
-                path,
+                shown_path(path),
                 "the structure contains itself here (a container inside itself); \
                  tensorferry needs a tree"
                     .into(),
             ));
         }
         if self.0.len() >= MAX_DEPTH {
-            return Err(invalid(
-                path,
-                format!("nested deeper than {MAX_DEPTH} levels, the most tensorferry walks"),
-            ));
+            return Err(too_deep(shown_path(path)));
         }
         self.0.push(id);
         Ok(())
@@ -128,25 +192,45 @@ impl Ancestors {
     }
 }
 
+/// Calls `f`, then `ancestors.leave()` whatever `f` returned.
+fn inside<T>(
+    ancestors: &mut Ancestors,
+    f: impl FnOnce(&mut Ancestors) -> PyResult<T>,
+) -> PyResult<T> {
+    let out = f(ancestors);
+    ancestors.leave();
+    out
+}
+
+/// `Ok(fallback)` in place of an ordinary exception `f` raised (never in place of a
+/// `KeyboardInterrupt` or `SystemExit`).
+fn or_on_exception<T>(py: Python<'_>, result: PyResult<T>, fallback: T) -> PyResult<T> {
+    match result {
+        Err(e) if e.is_instance_of::<PyException>(py) => Ok(fallback),
+        other => other,
+    }
+}
+
 /// `[(path, leaf)]` for every tensor leaf (as `kind_of` says) in traversal order; NumPy
 /// arrays are left out when `skip_numpy` (for callers that have nothing to do on them).
 /// With `select` (a `(obj, path) -> bool` that also takes some lists as leaves, such as
 /// lists of numbers to become tensors), a list whose first item is a number, a list or a
-/// tuple is a leaf when `select` says so, and subtrees left to the Python rules use it;
-/// within the state dict of a PyTorch optimizer or scheduler (`is_torch_state`) it is not
-/// asked: only tensors are leaves there.
+/// tuple is a leaf when `select` says so; within the state dict of a PyTorch optimizer or
+/// scheduler (`is_torch_state`) it is not asked: only tensors are leaves there. Paths
+/// start with `prefix` (where `obj` lies in a larger tree).
 /// `kind_of`'s answer must depend on the object's type alone (as `_frameworks.kind_of`'s,
 /// cached by type, does): it is asked once per type of tensor leaf in a call.
 #[pyfunction]
-#[pyo3(signature = (obj, kind_of, skip_numpy=false, select=None))]
+#[pyo3(signature = (obj, kind_of, skip_numpy=false, select=None, prefix=None))]
 pub fn collect_tensors<'py>(
     obj: &Bound<'py, PyAny>,
     kind_of: &Bound<'py, PyAny>,
     skip_numpy: bool,
     select: Option<Bound<'py, PyAny>>,
+    prefix: Option<Bound<'py, PyTuple>>,
 ) -> PyResult<Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>> {
     let mut out = Vec::new();
-    let mut path: Vec<Bound<'py, PyAny>> = Vec::new();
+    let mut path: Vec<Bound<'py, PyAny>> = prefix.map(|p| p.iter().collect()).unwrap_or_default();
     let mut walker = Walker {
         kind_of,
         skip_numpy,
@@ -171,16 +255,19 @@ struct Walker<'a, 'py> {
 /// True for the state dict of a PyTorch optimizer (it holds "state" and "param_groups")
 /// or learning-rate scheduler (it holds "_last_lr", as every scheduler's does, or
 /// "base_lrs" and "last_epoch"): records of hyper-parameters, whose lists of numbers
-/// (`params`, `base_lrs`, `_last_lr`, `milestones`) are no data for `select`
-/// (`tensorferry._tree.is_torch_state` says the same for the Python walk).
+/// (`params`, `base_lrs`, `_last_lr`, `milestones`) are no data for `select`. A mapping
+/// whose `in` fails holds no such state.
 fn is_torch_state(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     let py = obj.py();
     let has = |key: &Bound<'_, PyString>| obj.contains(key);
-    Ok(
-        (has(pyo3::intern!(py, "state"))? && has(pyo3::intern!(py, "param_groups"))?)
-            || has(pyo3::intern!(py, "_last_lr"))?
-            || (has(pyo3::intern!(py, "base_lrs"))? && has(pyo3::intern!(py, "last_epoch"))?),
-    )
+    let answer = (|| {
+        Ok(
+            (has(pyo3::intern!(py, "state"))? && has(pyo3::intern!(py, "param_groups"))?)
+                || has(pyo3::intern!(py, "_last_lr"))?
+                || (has(pyo3::intern!(py, "base_lrs"))? && has(pyo3::intern!(py, "last_epoch"))?),
+        )
+    })();
+    or_on_exception(py, answer, false)
 }
 
 /// True when a list could be data for `select`: its first item is a number or a list or
@@ -203,98 +290,110 @@ impl<'py> Walker<'_, 'py> {
         path: &mut Vec<Bound<'py, PyAny>>,
         out: &mut Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
     ) -> PyResult<()> {
-        let py = obj.py();
-        if let Some((items, _)) = mapping_items(obj)? {
-            self.ancestors.enter(obj, path)?;
-            // In a PyTorch optimizer's or scheduler's state, only tensors are leaves.
-            let select = match &self.select {
-                Some(_) if is_torch_state(obj)? => self.select.take(),
-                _ => None,
-            };
-            let mut walked = Ok(());
-            for (k, v) in items {
-                path.push(k);
-                walked = self.collect(&v, path, out);
-                path.pop();
-                if walked.is_err() {
-                    break;
-                }
-            }
-            if select.is_some() {
-                self.select = select;
-            }
-            walked?;
-            self.ancestors.leave();
-            return Ok(());
-        }
-        if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
-            if let Some(select) = &self.select {
-                if obj.is_exact_instance_of::<PyList>()
-                    && may_be_data(obj)?
-                    && select
-                        .call1((obj, PyTuple::new(py, path.iter())?))?
-                        .is_truthy()?
-                {
-                    out.push((PyTuple::new(py, path.iter())?, obj.clone()));
+        let kind = match Kind::exact(obj)? {
+            Some(kind) => kind,
+            None => {
+                if self.is_tensor(obj)? {
+                    if !(self.skip_numpy && is_exact_ndarray(obj)?) {
+                        out.push((PyTuple::new(obj.py(), path.iter())?, obj.clone()));
+                    }
                     return Ok(());
                 }
+                Kind::of(obj)?
             }
-            self.ancestors.enter(obj, path)?;
-            // A list is read by index against its length at each step: safe whatever
-            // another thread does to it meanwhile.
-            for (i, v) in obj.try_iter()?.enumerate() {
-                path.push(i.into_pyobject(py)?.into_any());
-                self.collect(&v?, path, out)?;
-                path.pop();
+        };
+        match kind {
+            Kind::Leaf => Ok(()),
+            Kind::Dict | Kind::Ordered | Kind::Mapping => {
+                self.collect_mapping(obj, kind, path, out)
             }
-            self.ancestors.leave();
-            return Ok(());
+            Kind::List if self.is_data(obj, path)? => {
+                out.push((PyTuple::new(obj.py(), path.iter())?, obj.clone()));
+                Ok(())
+            }
+            Kind::List | Kind::Tuple | Kind::NamedTuple => {
+                self.ancestors.enter(obj, path)?;
+                let items = sequence_items(obj);
+                let walked = items.and_then(|items| {
+                    for (i, v) in items.into_iter().enumerate() {
+                        path.push(i.into_pyobject(obj.py())?.into_any());
+                        let r = self.collect(&v, path, out);
+                        path.pop();
+                        r?;
+                    }
+                    Ok(())
+                });
+                self.ancestors.leave();
+                walked
+            }
         }
-        if obj.is_exact_instance_of::<PyTensor>() {
-            out.push((PyTuple::new(py, path.iter())?, obj.clone()));
-            return Ok(());
-        }
-        if is_exact_ndarray(obj)? {
-            if !self.skip_numpy {
-                out.push((PyTuple::new(py, path.iter())?, obj.clone()));
-            }
-            return Ok(());
+    }
+
+    /// True for a tensor leaf (as `kind_of` says); plain values are not asked about.
+    fn is_tensor(&mut self, obj: &Bound<'py, PyAny>) -> PyResult<bool> {
+        if obj.is_exact_instance_of::<PyTensor>() || is_exact_ndarray(obj)? {
+            return Ok(true);
         }
         if is_plain(obj) {
-            return Ok(());
+            return Ok(false);
         }
         let ty = obj.get_type();
         if self.tensor_types.iter().any(|t| t.is(&ty)) {
-            out.push((PyTuple::new(py, path.iter())?, obj.clone()));
-            return Ok(());
+            return Ok(true);
         }
-        if !self.kind_of.call1((obj,))?.is_none() {
-            self.tensor_types.push(ty);
-            out.push((PyTuple::new(py, path.iter())?, obj.clone()));
-            return Ok(());
+        if self.kind_of.call1((obj,))?.is_none() {
+            return Ok(false);
         }
-        // Some other container (or an unknown leaf): the Python rules decide, with the
-        // depth left and the ancestors so far.
-        let select = match &self.select {
-            Some(select) => select.clone(),
-            None => python_tree(py)?.getattr("select_tensors")?,
+        self.tensor_types.push(ty);
+        Ok(true)
+    }
+
+    /// True when `select` takes the list `obj` as one leaf (data).
+    fn is_data(&self, obj: &Bound<'py, PyAny>, path: &[Bound<'py, PyAny>]) -> PyResult<bool> {
+        let Some(select) = &self.select else {
+            return Ok(false);
         };
-        let prefix = PyTuple::new(py, path.iter())?;
-        let ancestors = PyTuple::new(py, self.ancestors.0.iter())?;
-        let found = python_tree(py)?
-            .call_method1("collect", (obj, select, prefix, py.None(), ancestors))?;
-        for item in found.try_iter()? {
-            let (p, leaf): (Bound<'py, PyTuple>, Bound<'py, PyAny>) = item?.extract()?;
-            if !(self.skip_numpy && is_ndarray(&leaf)?) {
-                out.push((p, leaf));
+        Ok(may_be_data(obj)?
+            && select
+                .call1((obj, PyTuple::new(obj.py(), path.iter())?))?
+                .is_truthy()?)
+    }
+
+    fn collect_mapping(
+        &mut self,
+        obj: &Bound<'py, PyAny>,
+        kind: Kind,
+        path: &mut Vec<Bound<'py, PyAny>>,
+        out: &mut Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
+    ) -> PyResult<()> {
+        let items = mapping_items(obj, kind)?;
+        self.ancestors.enter(obj, path)?;
+        // In a PyTorch optimizer's or scheduler's state, only tensors are leaves.
+        let select = match &self.select {
+            Some(_) if is_torch_state(obj)? => self.select.take(),
+            _ => None,
+        };
+        let mut walked = Ok(());
+        for (k, v) in items {
+            path.push(k);
+            walked = self.collect(&v, path, out);
+            path.pop();
+            if walked.is_err() {
+                break;
             }
         }
-        Ok(())
+        if select.is_some() {
+            self.select = select;
+        }
+        self.ancestors.leave();
+        walked
     }
 }
 
 /// A new structure like `obj` with each object whose `id` is a key of `replacements`
-/// swapped for its value; every other leaf is the very same object.
+/// swapped for its value; every other leaf is the very same object, and each container
+/// of the same type where it can be built from its items (a Mapping subclass that cannot
+/// becomes a dict, a list or tuple subclass a list or tuple).
 /// With `plain`, every container becomes a dict, list or tuple. With `strict` (the
 /// `kind_of` of the call), a tensor leaf that has no replacement is an error: it appeared
 /// after the leaves were collected, so another thread changed the structure meanwhile
@@ -330,82 +429,83 @@ struct Rebuilder<'a, 'py> {
 
 impl<'py> Rebuilder<'_, 'py> {
     fn rebuild(&mut self, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        let py = obj.py();
         if !self.replacements.is_empty() {
             let id = obj.as_ptr() as usize;
             if let Some(r) = self.replacements.get_item(id)? {
                 return Ok(r);
             }
         }
-        if let Some((items, mapping)) = mapping_items(obj)? {
-            self.ancestors.enter(obj, &self.path)?;
-            let ordered = matches!(mapping, Mapping::Ordered) && !self.plain;
-            let out = if ordered {
-                ordered_dict_type(py)?.call0()?
-            } else {
-                PyDict::new(py).into_any()
-            };
-            for (k, v) in items {
-                self.path.push(k.clone());
-                let value = self.rebuild(&v)?;
-                self.path.pop();
-                out.set_item(k, value)?;
+        let kind = match Kind::exact(obj)? {
+            Some(kind) => kind,
+            None => {
+                if self.is_unreplaced_tensor(obj)? {
+                    return Err(self.changed());
+                }
+                Kind::of(obj)?
             }
-            self.ancestors.leave();
-            if ordered {
-                keep_attributes(obj, &out)?;
+        };
+        let py = obj.py();
+        match kind {
+            Kind::Leaf => Ok(obj.clone()),
+            Kind::Dict | Kind::Ordered | Kind::Mapping => {
+                let items = mapping_items(obj, kind)?;
+                self.ancestors.enter(obj, &self.path)?;
+                let out = PyDict::new(py);
+                self.rebuild_items(items, &out)?;
+                if self.plain || kind == Kind::Dict {
+                    return Ok(out.into_any());
+                }
+                same_mapping(obj, kind, out)
             }
-            return Ok(out);
+            Kind::List | Kind::Tuple | Kind::NamedTuple => {
+                self.ancestors.enter(obj, &self.path)?;
+                let items = sequence_items(obj).and_then(|items| {
+                    let mut made = Vec::with_capacity(items.len());
+                    for (i, v) in items.into_iter().enumerate() {
+                        self.path.push(i.into_pyobject(py)?.into_any());
+                        let r = self.rebuild(&v);
+                        self.path.pop();
+                        made.push(r?);
+                    }
+                    Ok(made)
+                });
+                self.ancestors.leave();
+                same_sequence(obj, kind, PyList::new(py, items?)?, self.plain)
+            }
         }
-        let exact_list = obj.is_exact_instance_of::<PyList>();
-        if exact_list || obj.is_exact_instance_of::<PyTuple>() {
-            self.ancestors.enter(obj, &self.path)?;
-            let mut items = Vec::new();
-            for (i, v) in obj.try_iter()?.enumerate() {
-                self.path.push(i.into_pyobject(py)?.into_any());
-                items.push(self.rebuild(&v?)?);
-                self.path.pop();
+    }
+
+    /// Rebuilds each value of `items` into `out` under its key (the caller has entered
+    /// their mapping; this leaves it, whatever happens).
+    fn rebuild_items(&mut self, items: Vec<Item<'py>>, out: &Bound<'py, PyDict>) -> PyResult<()> {
+        let mut built = Ok(());
+        for (k, v) in items {
+            self.path.push(k.clone());
+            let value = self.rebuild(&v);
+            self.path.pop();
+            built = value.and_then(|value| out.set_item(k, value));
+            if built.is_err() {
+                break;
             }
-            self.ancestors.leave();
-            return Ok(if exact_list {
-                PyList::new(py, items)?.into_any()
-            } else {
-                PyTuple::new(py, items)?.into_any()
-            });
         }
+        self.ancestors.leave();
+        built
+    }
+
+    /// True when `obj` (no exact container) is a tensor that `strict` forbids: a tensor
+    /// leaf without a replacement (NumPy arrays are allowed with `skip_numpy`).
+    fn is_unreplaced_tensor(&self, obj: &Bound<'py, PyAny>) -> PyResult<bool> {
+        let Some(kind_of) = &self.strict else {
+            return Ok(false);
+        };
         if is_plain(obj) {
-            return Ok(obj.clone());
+            return Ok(false);
         }
         let native = obj.is_exact_instance_of::<PyTensor>();
-        let ndarray = !native && is_exact_ndarray(obj)?;
-        if native || ndarray {
-            if self.strict.is_some() && (native || !self.skip_numpy) {
-                return Err(self.changed());
-            }
-            return Ok(obj.clone());
+        if !native && !is_exact_ndarray(obj)? && kind_of.call1((obj,))?.is_none() {
+            return Ok(false);
         }
-        if let Some(kind_of) = &self.strict {
-            if !kind_of.call1((obj,))?.is_none() {
-                if self.skip_numpy && is_ndarray(obj)? {
-                    return Ok(obj.clone());
-                }
-                return Err(self.changed());
-            }
-        }
-        let ancestors = PyTuple::new(py, self.ancestors.0.iter())?;
-        let prefix = PyTuple::new(py, self.path.iter())?;
-        python_tree(py)?.call_method1(
-            "rebuild",
-            (
-                obj,
-                self.replacements,
-                self.plain,
-                ancestors,
-                prefix,
-                self.strict.clone(),
-                self.skip_numpy,
-            ),
-        )
+        Ok(native || !(self.skip_numpy && is_ndarray(obj)?))
     }
 
     fn changed(&self) -> PyErr {
@@ -417,15 +517,125 @@ impl<'py> Rebuilder<'_, 'py> {
     }
 }
 
-/// Gives `out` (a new `OrderedDict`) the instance attributes of `source` (the same
-/// objects, as every plain leaf is kept): PyTorch's `state_dict()` carries the versions of
-/// its modules' formats in `_metadata`, which `load_state_dict` reads.
-fn keep_attributes(source: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+/// A mapping of `source`'s type holding `items`: an `OrderedDict` with `source`'s instance
+/// attributes (the same objects, as every plain leaf is kept: PyTorch's `state_dict()`
+/// carries the versions of its modules' formats in `_metadata`, which `load_state_dict`
+/// reads); a `defaultdict` with its factory; any other type built from the items, or,
+/// when it cannot be, the plain dict. Never changes `source`.
+fn same_mapping<'py>(
+    source: &Bound<'py, PyAny>,
+    kind: Kind,
+    items: Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyAny>> {
     let py = source.py();
-    let attrs = source.getattr(pyo3::intern!(py, "__dict__"))?;
-    if attrs.is_truthy()? {
-        out.getattr(pyo3::intern!(py, "__dict__"))?
-            .call_method1(pyo3::intern!(py, "update"), (attrs,))?;
+    if kind == Kind::Ordered {
+        let out = ordered_dict_type(py)?.call1((&items,))?;
+        let attrs = source.getattr(pyo3::intern!(py, "__dict__"))?;
+        if attrs.is_truthy()? {
+            out.getattr(pyo3::intern!(py, "__dict__"))?
+                .call_method1(pyo3::intern!(py, "update"), (attrs,))?;
+        }
+        return Ok(out);
     }
-    Ok(())
+    let ty = source.get_type();
+    let made = if source.is_instance(default_dict_type(py)?)? {
+        source
+            .getattr(pyo3::intern!(py, "default_factory"))
+            .and_then(|factory| ty.call1((factory, &items)))
+    } else {
+        ty.call1((&items,))
+    };
+    or_on_exception(py, made, items.into_any())
+}
+
+/// A sequence like `source` (of `kind`) holding `items`: a namedtuple of its type by
+/// fields; a list or tuple, or a subclass built from the items (the list or tuple when
+/// it cannot be); with `plain`, a list or tuple.
+fn same_sequence<'py>(
+    source: &Bound<'py, PyAny>,
+    kind: Kind,
+    items: Bound<'py, PyList>,
+    plain: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = source.py();
+    let exact = source.is_exact_instance_of::<PyList>() || source.is_exact_instance_of::<PyTuple>();
+    let base = |items: Bound<'py, PyList>| -> PyResult<Bound<'py, PyAny>> {
+        Ok(if kind == Kind::List {
+            items.into_any()
+        } else {
+            items.to_tuple().into_any()
+        })
+    };
+    if plain || exact {
+        return base(items);
+    }
+    let ty = source.get_type();
+    if kind == Kind::NamedTuple {
+        return ty.call1(items.to_tuple());
+    }
+    match or_on_exception(py, ty.call1((&items,)).map(Some), None)? {
+        Some(made) => Ok(made),
+        None => base(items),
+    }
+}
+
+/// What the walker makes of `obj`: "dict" (exactly a dict), "mapping" (any other
+/// Mapping, `OrderedDict` included), "list" (subclasses too), "tuple" (subclasses that
+/// are not namedtuples too), "namedtuple", or None for a leaf. For code that compares or
+/// prunes trees the walker has already checked.
+#[pyfunction]
+pub fn container_kind(obj: &Bound<'_, PyAny>) -> PyResult<Option<&'static str>> {
+    Ok(match Kind::of(obj)? {
+        Kind::Dict => Some("dict"),
+        Kind::Ordered | Kind::Mapping => Some("mapping"),
+        Kind::List => Some("list"),
+        Kind::Tuple => Some("tuple"),
+        Kind::NamedTuple => Some("namedtuple"),
+        Kind::Leaf => None,
+    })
+}
+
+/// Every key of `obj`'s nested mappings in traversal order: a top-level key as it is, a
+/// nested one as its key path (a tuple). Only mappings are entered.
+#[pyfunction]
+pub fn nested_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    fn walk<'py>(
+        obj: &Bound<'py, PyAny>,
+        kind: Kind,
+        path: &mut Vec<Bound<'py, PyAny>>,
+        ancestors: &mut Ancestors,
+        out: &mut Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<()> {
+        let items = mapping_items(obj, kind)?;
+        ancestors.enter(obj, path)?;
+        inside(ancestors, |ancestors| {
+            for (k, v) in items {
+                path.push(k.clone());
+                out.push(if path.len() == 1 {
+                    k
+                } else {
+                    PyTuple::new(obj.py(), path.iter())?.into_any()
+                });
+                let kind = Kind::of(&v)?;
+                let r = if kind.is_mapping() {
+                    walk(&v, kind, path, ancestors, out)
+                } else {
+                    Ok(())
+                };
+                path.pop();
+                r?;
+            }
+            Ok(())
+        })
+    }
+    let mut out = Vec::new();
+    let kind = Kind::of(obj)?;
+    walk(
+        obj,
+        kind,
+        &mut Vec::new(),
+        &mut Ancestors::default(),
+        &mut out,
+    )?;
+    Ok(out)
 }
