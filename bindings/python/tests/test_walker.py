@@ -100,11 +100,14 @@ def test_plain_containers_of_other_kinds_become_dict_list_and_tuple():
 def test_a_mapping_that_is_no_dict_and_contains_itself_is_an_error():
     inner = {"w": np.ones(2)}
     m = Frozen({"inner": inner})
-    inner["loop"] = m
-    for call in (lambda: tf.to_host({"m": m}, copy=True), lambda: tf.to_device({"m": m}, "cpu"),
-                 lambda: tf.TensorDict({"m": m}).keys(nested=True)):
-        with pytest.raises(tf.FormatError, match="contains itself"):
-            call()
+    inner["loop"] = m  # through a dict
+    alone = Frozen({"w": np.ones(2)})
+    alone._items["self"] = alone  # through itself only
+    for m in (m, alone):
+        for call in (lambda: tf.to_host({"m": m}, copy=True), lambda: tf.to_device({"m": m}, "cpu"),
+                     lambda: tf.TensorDict({"m": m}).keys(nested=True)):
+            with pytest.raises(tf.FormatError, match="contains itself"):
+                call()
 
 
 def test_mappings_that_are_no_dict_nested_past_the_limit_are_an_error_naming_the_depth():
