@@ -104,26 +104,30 @@ fn default_dict_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
     T.import(py, "collections", "defaultdict")
 }
 
-/// The items of a mapping of `kind`, in its order, as a snapshot: `dict.copy()` for a
-/// dict; `list(obj.items())` for any other (for an `OrderedDict`, the order of its links,
-/// which `move_to_end` changes, not of the dict underneath).
-fn mapping_items<'py>(obj: &Bound<'py, PyAny>, kind: Kind) -> PyResult<Vec<Item<'py>>> {
+/// The items of a container of `kind` as a snapshot, each with its key (an index for a
+/// sequence): `dict.copy()` for a dict; `list(obj.items())` for any other mapping (for an
+/// `OrderedDict`, the order of its links, which `move_to_end` changes, not of the dict
+/// underneath); `list(obj)` for a sequence (a subclass's own `__iter__` runs).
+fn items_of<'py>(obj: &Bound<'py, PyAny>, kind: Kind) -> PyResult<Vec<Item<'py>>> {
+    let py = obj.py();
     if kind == Kind::Dict {
         return Ok(obj.cast::<PyDict>()?.copy()?.iter().collect());
     }
-    let items = obj.call_method0(pyo3::intern!(obj.py(), "items"))?;
+    let (iter, mapping) = match kind.is_mapping() {
+        true => (
+            obj.call_method0(pyo3::intern!(py, "items"))?.try_iter()?,
+            true,
+        ),
+        false => (obj.try_iter()?, false),
+    };
     let mut out = Vec::new();
-    for item in items.try_iter()? {
-        out.push(item?.extract()?);
+    for (i, item) in iter.enumerate() {
+        out.push(match mapping {
+            true => item?.extract()?,
+            false => (i.into_pyobject(py)?.into_any(), item?),
+        });
     }
     Ok(out)
-}
-
-/// The items of a sequence: an exact list or tuple is read in place (by index against its
-/// length at each step: safe whatever another thread does meanwhile); a subclass through
-/// `list(obj)`, which runs its own `__iter__`.
-fn sequence_items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    obj.try_iter()?.collect()
 }
 
 /// True for values that are certainly plain leaves, decided without calling Python.
@@ -164,42 +168,56 @@ pub fn too_deep(key: String) -> PyErr {
     )
 }
 
-/// The ids of the containers enclosing the current position, to refuse cycles and depth.
+/// Where a pass is: the key path from the root, and the ids of the containers enclosing
+/// it, to refuse cycles and depth.
 #[derive(Default)]
-struct Ancestors(Vec<usize>);
+struct Position<'py> {
+    path: Vec<Bound<'py, PyAny>>,
+    ancestors: Vec<usize>,
+}
 
-impl Ancestors {
-    /// Enters `obj` (a container) at `path`: an error if it encloses itself or is too deep.
-    fn enter(&mut self, obj: &Bound<'_, PyAny>, path: &[Bound<'_, PyAny>]) -> PyResult<()> {
+impl<'py> Position<'py> {
+    /// The key path as a tuple.
+    fn key(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.path.iter())
+    }
+
+    /// Calls `visit` with each key and value of the container `obj` (of `kind`), the key
+    /// pushed on the path, from a snapshot of its items ([`items_of`]), and stops at the
+    /// first error. Entering `obj` is an error if it encloses itself or lies deeper than
+    /// [`MAX_DEPTH`] levels.
+    fn each_child(
+        &mut self,
+        obj: &Bound<'py, PyAny>,
+        kind: Kind,
+        mut visit: impl FnMut(&mut Self, &Bound<'py, PyAny>, &Bound<'py, PyAny>) -> PyResult<()>,
+    ) -> PyResult<()> {
+        let items = items_of(obj, kind)?;
         let id = obj.as_ptr() as usize;
-        if self.0.contains(&id) {
+        if self.ancestors.contains(&id) {
             return Err(invalid(
-                shown_path(path),
+                shown_path(&self.path),
                 "the structure contains itself here (a container inside itself); \
                  tensorferry needs a tree"
                     .into(),
             ));
         }
-        if self.0.len() >= MAX_DEPTH {
-            return Err(too_deep(shown_path(path)));
+        if self.ancestors.len() >= MAX_DEPTH {
+            return Err(too_deep(shown_path(&self.path)));
         }
-        self.0.push(id);
-        Ok(())
+        self.ancestors.push(id);
+        let mut visited = Ok(());
+        for (k, v) in &items {
+            self.path.push(k.clone());
+            visited = visit(self, k, v);
+            self.path.pop();
+            if visited.is_err() {
+                break;
+            }
+        }
+        self.ancestors.pop();
+        visited
     }
-
-    fn leave(&mut self) {
-        self.0.pop();
-    }
-}
-
-/// Calls `f`, then `ancestors.leave()` whatever `f` returned.
-fn inside<T>(
-    ancestors: &mut Ancestors,
-    f: impl FnOnce(&mut Ancestors) -> PyResult<T>,
-) -> PyResult<T> {
-    let out = f(ancestors);
-    ancestors.leave();
-    out
 }
 
 /// `Ok(fallback)` in place of an ordinary exception `f` raised (never in place of a
@@ -229,27 +247,29 @@ pub fn collect_tensors<'py>(
     select: Option<Bound<'py, PyAny>>,
     prefix: Option<Bound<'py, PyTuple>>,
 ) -> PyResult<Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>> {
-    let mut out = Vec::new();
-    let mut path: Vec<Bound<'py, PyAny>> = prefix.map(|p| p.iter().collect()).unwrap_or_default();
+    let mut at = Position {
+        path: prefix.map(|p| p.iter().collect()).unwrap_or_default(),
+        ancestors: Vec::new(),
+    };
     let mut walker = Walker {
         kind_of,
         skip_numpy,
         select,
-        ancestors: Ancestors::default(),
         tensor_types: Vec::new(),
+        out: Vec::new(),
     };
-    walker.collect(obj, &mut path, &mut out)?;
-    Ok(out)
+    walker.collect(obj, &mut at)?;
+    Ok(walker.out)
 }
 
 struct Walker<'a, 'py> {
     kind_of: &'a Bound<'py, PyAny>,
     skip_numpy: bool,
     select: Option<Bound<'py, PyAny>>,
-    ancestors: Ancestors,
     /// The types `kind_of` has called tensors in this call: a dictionary of 20,000 PyTorch
     /// tensors asks it once, not 20,000 times.
     tensor_types: Vec<Bound<'py, PyType>>,
+    out: Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
 }
 
 /// True for the state dict of a PyTorch optimizer (it holds "state" and "param_groups")
@@ -284,49 +304,35 @@ fn may_be_data(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 }
 
 impl<'py> Walker<'_, 'py> {
-    fn collect(
-        &mut self,
-        obj: &Bound<'py, PyAny>,
-        path: &mut Vec<Bound<'py, PyAny>>,
-        out: &mut Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
-    ) -> PyResult<()> {
+    fn collect(&mut self, obj: &Bound<'py, PyAny>, at: &mut Position<'py>) -> PyResult<()> {
+        let py = obj.py();
         let kind = match Kind::exact(obj)? {
             Some(kind) => kind,
-            None => {
-                if self.is_tensor(obj)? {
-                    if !(self.skip_numpy && is_exact_ndarray(obj)?) {
-                        out.push((PyTuple::new(obj.py(), path.iter())?, obj.clone()));
-                    }
-                    return Ok(());
+            None if self.is_tensor(obj)? => {
+                if !(self.skip_numpy && is_exact_ndarray(obj)?) {
+                    self.out.push((at.key(py)?, obj.clone()));
                 }
-                Kind::of(obj)?
+                return Ok(());
             }
+            None => Kind::of(obj)?,
         };
-        match kind {
-            Kind::Leaf => Ok(()),
-            Kind::Dict | Kind::Ordered | Kind::Mapping => {
-                self.collect_mapping(obj, kind, path, out)
-            }
-            Kind::List if self.is_data(obj, path)? => {
-                out.push((PyTuple::new(obj.py(), path.iter())?, obj.clone()));
-                Ok(())
-            }
-            Kind::List | Kind::Tuple | Kind::NamedTuple => {
-                self.ancestors.enter(obj, path)?;
-                let items = sequence_items(obj);
-                let walked = items.and_then(|items| {
-                    for (i, v) in items.into_iter().enumerate() {
-                        path.push(i.into_pyobject(obj.py())?.into_any());
-                        let r = self.collect(&v, path, out);
-                        path.pop();
-                        r?;
-                    }
-                    Ok(())
-                });
-                self.ancestors.leave();
-                walked
-            }
+        if kind == Kind::Leaf {
+            return Ok(());
         }
+        if kind == Kind::List && self.is_data(obj, at)? {
+            self.out.push((at.key(py)?, obj.clone()));
+            return Ok(());
+        }
+        // In a PyTorch optimizer's or scheduler's state, only tensors are leaves.
+        let select = match &self.select {
+            Some(_) if kind.is_mapping() && is_torch_state(obj)? => self.select.take(),
+            _ => None,
+        };
+        let walked = at.each_child(obj, kind, |at, _, v| self.collect(v, at));
+        if select.is_some() {
+            self.select = select;
+        }
+        walked
     }
 
     /// True for a tensor leaf (as `kind_of` says); plain values are not asked about.
@@ -349,44 +355,11 @@ impl<'py> Walker<'_, 'py> {
     }
 
     /// True when `select` takes the list `obj` as one leaf (data).
-    fn is_data(&self, obj: &Bound<'py, PyAny>, path: &[Bound<'py, PyAny>]) -> PyResult<bool> {
+    fn is_data(&self, obj: &Bound<'py, PyAny>, at: &Position<'py>) -> PyResult<bool> {
         let Some(select) = &self.select else {
             return Ok(false);
         };
-        Ok(may_be_data(obj)?
-            && select
-                .call1((obj, PyTuple::new(obj.py(), path.iter())?))?
-                .is_truthy()?)
-    }
-
-    fn collect_mapping(
-        &mut self,
-        obj: &Bound<'py, PyAny>,
-        kind: Kind,
-        path: &mut Vec<Bound<'py, PyAny>>,
-        out: &mut Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
-    ) -> PyResult<()> {
-        let items = mapping_items(obj, kind)?;
-        self.ancestors.enter(obj, path)?;
-        // In a PyTorch optimizer's or scheduler's state, only tensors are leaves.
-        let select = match &self.select {
-            Some(_) if is_torch_state(obj)? => self.select.take(),
-            _ => None,
-        };
-        let mut walked = Ok(());
-        for (k, v) in items {
-            path.push(k);
-            walked = self.collect(&v, path, out);
-            path.pop();
-            if walked.is_err() {
-                break;
-            }
-        }
-        if select.is_some() {
-            self.select = select;
-        }
-        self.ancestors.leave();
-        walked
+        Ok(may_be_data(obj)? && select.call1((obj, at.key(obj.py())?))?.is_truthy()?)
     }
 }
 
@@ -407,15 +380,13 @@ pub fn rebuild<'py>(
     strict: Option<Bound<'py, PyAny>>,
     skip_numpy: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let mut r = Rebuilder {
+    let r = Rebuilder {
         replacements,
         plain,
         strict,
         skip_numpy,
-        ancestors: Ancestors::default(),
-        path: Vec::new(),
     };
-    r.rebuild(obj)
+    r.rebuild(obj, &mut Position::default())
 }
 
 struct Rebuilder<'a, 'py> {
@@ -423,73 +394,39 @@ struct Rebuilder<'a, 'py> {
     plain: bool,
     strict: Option<Bound<'py, PyAny>>,
     skip_numpy: bool,
-    ancestors: Ancestors,
-    path: Vec<Bound<'py, PyAny>>,
 }
 
 impl<'py> Rebuilder<'_, 'py> {
-    fn rebuild(&mut self, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn rebuild(
+        &self,
+        obj: &Bound<'py, PyAny>,
+        at: &mut Position<'py>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         if !self.replacements.is_empty() {
-            let id = obj.as_ptr() as usize;
-            if let Some(r) = self.replacements.get_item(id)? {
+            if let Some(r) = self.replacements.get_item(obj.as_ptr() as usize)? {
                 return Ok(r);
             }
         }
         let kind = match Kind::exact(obj)? {
             Some(kind) => kind,
-            None => {
-                if self.is_unreplaced_tensor(obj)? {
-                    return Err(self.changed());
-                }
-                Kind::of(obj)?
-            }
+            None if self.is_unreplaced_tensor(obj)? => return Err(changed(&at.path)),
+            None => Kind::of(obj)?,
         };
         let py = obj.py();
-        match kind {
-            Kind::Leaf => Ok(obj.clone()),
-            Kind::Dict | Kind::Ordered | Kind::Mapping => {
-                let items = mapping_items(obj, kind)?;
-                self.ancestors.enter(obj, &self.path)?;
-                let out = PyDict::new(py);
-                self.rebuild_items(items, &out)?;
-                if self.plain || kind == Kind::Dict {
-                    return Ok(out.into_any());
-                }
-                same_mapping(obj, kind, out)
-            }
-            Kind::List | Kind::Tuple | Kind::NamedTuple => {
-                self.ancestors.enter(obj, &self.path)?;
-                let items = sequence_items(obj).and_then(|items| {
-                    let mut made = Vec::with_capacity(items.len());
-                    for (i, v) in items.into_iter().enumerate() {
-                        self.path.push(i.into_pyobject(py)?.into_any());
-                        let r = self.rebuild(&v);
-                        self.path.pop();
-                        made.push(r?);
-                    }
-                    Ok(made)
-                });
-                self.ancestors.leave();
-                same_sequence(obj, kind, PyList::new(py, items?)?, self.plain)
-            }
+        if kind == Kind::Leaf {
+            return Ok(obj.clone());
         }
-    }
-
-    /// Rebuilds each value of `items` into `out` under its key (the caller has entered
-    /// their mapping; this leaves it, whatever happens).
-    fn rebuild_items(&mut self, items: Vec<Item<'py>>, out: &Bound<'py, PyDict>) -> PyResult<()> {
-        let mut built = Ok(());
-        for (k, v) in items {
-            self.path.push(k.clone());
-            let value = self.rebuild(&v);
-            self.path.pop();
-            built = value.and_then(|value| out.set_item(k, value));
-            if built.is_err() {
-                break;
+        if kind.is_mapping() {
+            let out = PyDict::new(py);
+            at.each_child(obj, kind, |at, k, v| out.set_item(k, self.rebuild(v, at)?))?;
+            if self.plain || kind == Kind::Dict {
+                return Ok(out.into_any());
             }
+            return same_mapping(obj, kind, out);
         }
-        self.ancestors.leave();
-        built
+        let out = PyList::empty(py);
+        at.each_child(obj, kind, |at, _, v| out.append(self.rebuild(v, at)?))?;
+        same_sequence(obj, kind, out, self.plain)
     }
 
     /// True when `obj` (no exact container) is a tensor that `strict` forbids: a tensor
@@ -507,14 +444,14 @@ impl<'py> Rebuilder<'_, 'py> {
         }
         Ok(native || !(self.skip_numpy && is_ndarray(obj)?))
     }
+}
 
-    fn changed(&self) -> PyErr {
-        crate::errors::runtime_err(format!(
-            "the structure changed during the call at {:?}: a tensor appeared that was not \
-             there when its leaves were collected (another thread modified it?)",
-            shown_path(&self.path)
-        ))
-    }
+fn changed(path: &[Bound<'_, PyAny>]) -> PyErr {
+    crate::errors::runtime_err(format!(
+        "the structure changed during the call at {:?}: a tensor appeared that was not \
+         there when its leaves were collected (another thread modified it?)",
+        shown_path(path)
+    ))
 }
 
 /// A mapping of `source`'s type holding `items`: an `OrderedDict` with `source`'s instance
@@ -602,40 +539,21 @@ pub fn nested_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAn
     fn walk<'py>(
         obj: &Bound<'py, PyAny>,
         kind: Kind,
-        path: &mut Vec<Bound<'py, PyAny>>,
-        ancestors: &mut Ancestors,
+        at: &mut Position<'py>,
         out: &mut Vec<Bound<'py, PyAny>>,
     ) -> PyResult<()> {
-        let items = mapping_items(obj, kind)?;
-        ancestors.enter(obj, path)?;
-        inside(ancestors, |ancestors| {
-            for (k, v) in items {
-                path.push(k.clone());
-                out.push(if path.len() == 1 {
-                    k
-                } else {
-                    PyTuple::new(obj.py(), path.iter())?.into_any()
-                });
-                let kind = Kind::of(&v)?;
-                let r = if kind.is_mapping() {
-                    walk(&v, kind, path, ancestors, out)
-                } else {
-                    Ok(())
-                };
-                path.pop();
-                r?;
+        at.each_child(obj, kind, |at, k, v| {
+            out.push(match at.path.len() {
+                1 => k.clone(),
+                _ => at.key(obj.py())?.into_any(),
+            });
+            match Kind::of(v)? {
+                kind if kind.is_mapping() => walk(v, kind, at, out),
+                _ => Ok(()),
             }
-            Ok(())
         })
     }
     let mut out = Vec::new();
-    let kind = Kind::of(obj)?;
-    walk(
-        obj,
-        kind,
-        &mut Vec::new(),
-        &mut Ancestors::default(),
-        &mut out,
-    )?;
+    walk(obj, Kind::of(obj)?, &mut Position::default(), &mut out)?;
     Ok(out)
 }
