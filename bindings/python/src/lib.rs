@@ -781,6 +781,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(walk::rebuild, m)?)?;
     m.add_function(wrap_pyfunction!(walk::container_kind, m)?)?;
     m.add_function(wrap_pyfunction!(walk::nested_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(walk::prune, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_DEPTH", walk::MAX_DEPTH)?;
     Ok(())

@@ -557,3 +557,38 @@ pub fn nested_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAn
     walk(obj, Kind::of(obj)?, &mut Position::default(), &mut out)?;
     Ok(out)
 }
+
+/// The part of `obj` whose leaves `keep(path)` says true for, as plain containers (every
+/// mapping a dict, a tuple or namedtuple a tuple, a list a list); containers left empty
+/// are dropped, and None is returned when nothing is kept.
+#[pyfunction]
+pub fn prune<'py>(
+    obj: &Bound<'py, PyAny>,
+    keep: &Bound<'py, PyAny>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn walk<'py>(
+        obj: &Bound<'py, PyAny>,
+        at: &mut Position<'py>,
+        keep: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = obj.py();
+        let kind = Kind::of(obj)?;
+        if kind == Kind::Leaf {
+            let kept = keep.call1((at.key(py)?,))?.is_truthy()?;
+            return Ok(kept.then(|| obj.clone()));
+        }
+        let (dict, list) = (PyDict::new(py), PyList::empty(py));
+        at.each_child(obj, kind, |at, k, v| match walk(v, at, keep)? {
+            Some(v) if kind.is_mapping() => dict.set_item(k, v),
+            Some(v) => list.append(v),
+            None => Ok(()),
+        })?;
+        Ok(match kind {
+            _ if kind.is_mapping() => (!dict.is_empty()).then(|| dict.into_any()),
+            _ if list.is_empty() => None,
+            Kind::List => Some(list.into_any()),
+            _ => Some(list.to_tuple().into_any()),
+        })
+    }
+    walk(obj, &mut Position::default(), keep)
+}

@@ -179,3 +179,16 @@ def test_a_tensor_added_to_a_dict_subclass_during_a_move_is_an_error_naming_its_
 def test_nested_keys_enter_every_kind_of_mapping_and_nothing_else():
     td = tf.TensorDict({"a": Frozen({"b": Versioned(c=1)}), "l": [{"x": 1}]})
     assert td.keys(nested=True) == ["a", ("a", "b"), ("a", "b", "c"), "l"]
+
+
+def test_load_keys_keeps_the_named_leaves_and_drops_containers_left_empty(tmp_path):
+    w = np.arange(3.0)
+    path = tmp_path / "f.safetensors"
+    tf.save({"a": {"x": w, "y": w + 1}, "t": (w + 2, 1), "l": [w + 3, w + 4], "gone": {"z": w}}, path)
+    out = tf.load(path, keys=["a.x", "t.0", "l.1"])
+    assert list(out) == ["a", "t", "l"] and list(out["a"]) == ["x"]
+    assert type(out["t"]) is tuple and len(out["t"]) == 1 and type(out["l"]) is list and len(out["l"]) == 1
+    np.testing.assert_array_equal(out["t"][0], w + 2)
+    np.testing.assert_array_equal(out["l"][0], w + 4)
+    whole = tf.load(path, keys="a")
+    assert list(whole) == ["a"] and list(whole["a"]) == ["x", "y"]

@@ -56,31 +56,17 @@ def select(tree, keys):
     :class:`TensorferryKeyError`."""
     used = set()
 
-    def prune(node, path):
-        kind = _native.container_kind(node)
-        if kind is None:
-            name = dotted(path)
-            hits = [p for p in keys if _matches(name, p)]
-            used.update(hits)
-            return node if hits else _DROP
-        if kind in ("dict", "mapping"):
-            items = {k: prune(v, path + (k,)) for k, v in node.items()}
-            items = {k: v for k, v in items.items() if v is not _DROP}
-            return items if items else _DROP
-        items = [prune(v, path + (i,)) for i, v in enumerate(node)]
-        kept = [v for v in items if v is not _DROP]
-        if not kept:
-            return _DROP
-        return tuple(kept) if kind in ("tuple", "namedtuple") else kept
+    def keep(path):
+        name = dotted(path)
+        hits = [p for p in keys if _matches(name, p)]
+        used.update(hits)
+        return bool(hits)
 
-    out = prune(tree, ())
+    out = _native.prune(tree, keep)
     missing = [text for text, literal in keys if (text, literal) not in used]
     if missing:
         raise TensorferryKeyError(f"no key matches {missing}")
-    return {} if out is _DROP else out
-
-
-_DROP = object()
+    return {} if out is None else out
 
 
 def _dtype_name(dtype):
