@@ -49,9 +49,14 @@ enum Kind {
 impl Kind {
     /// The kind of `obj`: the exact built-in containers first, without calling Python.
     fn of(obj: &Bound<'_, PyAny>) -> PyResult<Kind> {
-        if let Some(kind) = Kind::exact(obj)? {
-            return Ok(kind);
+        match Kind::exact(obj)? {
+            Some(kind) => Ok(kind),
+            None => Kind::other(obj),
         }
+    }
+
+    /// The kind of `obj`, known to be no exact dict, `OrderedDict`, list or tuple.
+    fn other(obj: &Bound<'_, PyAny>) -> PyResult<Kind> {
         if is_plain(obj) || obj.is_exact_instance_of::<PyTensor>() || is_exact_ndarray(obj)? {
             return Ok(Kind::Leaf);
         }
@@ -314,7 +319,7 @@ impl<'py> Walker<'_, 'py> {
                 }
                 return Ok(());
             }
-            None => Kind::of(obj)?,
+            None => Kind::other(obj)?,
         };
         if kind == Kind::Leaf {
             return Ok(());
@@ -410,7 +415,7 @@ impl<'py> Rebuilder<'_, 'py> {
         let kind = match Kind::exact(obj)? {
             Some(kind) => kind,
             None if self.is_unreplaced_tensor(obj)? => return Err(changed(&at.path)),
-            None => Kind::of(obj)?,
+            None => Kind::other(obj)?,
         };
         let py = obj.py();
         if kind == Kind::Leaf {
