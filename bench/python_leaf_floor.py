@@ -3,7 +3,8 @@
     python bench/python_leaf_floor.py [--count 20000] [--repeat 7] [--faults] [--warm-heap]
 
 Issue 11's Python rows, each beside the loop it replaces, in one run: ``to_numpy`` of NumPy
-and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_host(copy=True)`` and
+and of tensorferry leaves, ``load(mmap=True)`` to NumPy, ``to_numpy`` of PyTorch CPU tensors
+against ``{k: v.numpy()}`` (issue 24's guard rail), ``to_host(copy=True)`` and
 ``to_device(..., "cpu", copy=True)`` of PyTorch CPU tensors (in a dict, and in a module's
 ``state_dict()``, an ``OrderedDict``) against ``{k: v.clone()}``, and
 ``to_host(copy=True)`` of NumPy leaves against ``{k: v.copy()}``, and ``save`` and
@@ -108,6 +109,8 @@ def main():
 
         tensors = {f"t{i}": torch.full((1024,), float(i)) for i in range(n)}
         clone = lambda: {k: v.clone() for k, v in tensors.items()}  # noqa: E731
+        row("to_numpy, torch CPU", lambda: tf.to_numpy(tensors), "{k: v.numpy()}",
+            lambda: {k: v.numpy() for k, v in tensors.items()})
         row("to_host(copy=True), torch CPU", lambda: tf.to_host(tensors, copy=True), "{k: v.clone()}", clone)
         row("to_device(cpu, copy=True), torch CPU", lambda: tf.to_device(tensors, "cpu", copy=True),
             "{k: v.clone()}", clone)

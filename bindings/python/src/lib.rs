@@ -779,6 +779,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(groups::group_leaves, m)?)?;
     m.add_function(wrap_pyfunction!(walk::collect_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(walk::rebuild, m)?)?;
+    m.add_function(wrap_pyfunction!(walk::container_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(walk::nested_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(walk::prune, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_DEPTH", walk::MAX_DEPTH)?;
     Ok(())

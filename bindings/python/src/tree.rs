@@ -1,9 +1,13 @@
 //! Converting between Python containers and tensorferry trees, for save and load.
 //!
-//! The Python package has already turned every tensor leaf into a `tensorferry.Tensor`
-//! and every mapping into a dict; what is left here is exact: dict (keys str or int),
-//! list, tuple, `Tensor`, `None`, bool, int, float, str. A tensor a file holds under
-//! several keys (tied weights) becomes one Python object in all of its places.
+//! Not a second walker of users' containers: the Python package has already walked the
+//! tree with [`crate::walk`] (`rebuild(plain=True)`), turning every tensor leaf into a
+//! `tensorferry.Tensor` and every mapping into a dict; what is left here is exact: dict
+//! (keys str or int), list, tuple, `Tensor`, `None`, bool, int, float, str. This module's
+//! job is the conversion to and from the core's `Node` (keys that a file can name, values
+//! that fit its record, one Python object per tensor a file holds under several keys, as
+//! tied weights are), which no other pass does; it shares the walker's depth limit and its
+//! message ([`crate::walk::too_deep`]).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -41,13 +45,7 @@ fn utf8(s: &Bound<'_, PyString>, path: &[String], what: &str) -> PyResult<String
 /// The tree of a Python object; `path` is the key path so far, for error messages.
 pub fn node_from_py(obj: &Bound<'_, PyAny>, path: &mut Vec<String>) -> PyResult<Node> {
     if path.len() > crate::walk::MAX_DEPTH {
-        return Err(invalid(
-            path,
-            format!(
-                "nested deeper than {} levels, the most tensorferry walks",
-                crate::walk::MAX_DEPTH
-            ),
-        ));
+        return Err(crate::walk::too_deep(path.join("/")));
     }
     if let Ok(t) = obj.cast::<PyTensor>() {
         return Ok(Node::Tensor(t.get().inner.clone()));

@@ -1,16 +1,18 @@
-//! The two tree passes of the Python package, done natively for the containers that make
-//! up nearly every tree (exact dict, list and tuple, and the `OrderedDict` that PyTorch's
-//! `state_dict()` returns); any other container (a Mapping subclass, a namedtuple) is
-//! handed back to the Python implementation for its subtree, so the rules stay in one
-//! place: `tensorferry._tree`, whose `_same_mapping` rebuilds an `OrderedDict` as
-//! [`Rebuilder`] does here.
+//! The walker of Python containers: the one place that says which objects are containers
+//! and walks them, for every call of the Python package. It enters every kind a user's
+//! tree holds: dict, `OrderedDict` (rebuilt with its instance attributes, as PyTorch's
+//! `state_dict()` needs), `defaultdict` (with its factory), any other `Mapping`, list and
+//! tuple and their subclasses, and namedtuples; anything else is a leaf. The exact dict,
+//! list and tuple that make up nearly every tree are told apart without calling Python.
 //!
-//! Both passes are bounded: a structure nested deeper than [`MAX_DEPTH`] levels, or one
-//! that contains itself, is a `FormatError` naming where, never a stack overflow. A dict
-//! is walked from a snapshot (`dict.copy()`), so another thread changing it while Python
-//! code runs (`kind_of`, a Mapping's methods) cannot break the iteration.
+//! Every pass is bounded: a structure nested deeper than [`MAX_DEPTH`] levels, or one
+//! that contains itself, is a `FormatError` naming where, never a stack overflow. A
+//! container is walked from a snapshot of its items (`dict.copy()`, `list(m.items())`),
+//! so another thread changing it while Python code runs (`kind_of`, a Mapping's methods)
+//! cannot break the iteration.
 
 use crate::numpy_interop::{is_exact_ndarray, is_ndarray};
+use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
@@ -18,51 +20,119 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyT
 use crate::errors::to_py;
 use crate::tensor::PyTensor;
 
-/// The deepest nesting of containers the walkers accept (the Python rules in
-/// `tensorferry._tree` use the same number, read from `_native.MAX_DEPTH`).
+/// The deepest nesting of containers the walkers accept (the conversion to a tree for
+/// `save` too, and `tensorferry._tree.MAX_DEPTH` is this number).
 pub const MAX_DEPTH: usize = 200;
-
-fn python_tree(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
-    static M: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
-    Ok(
-        M.get_or_try_init(py, || py.import("tensorferry._tree").map(Bound::unbind))?
-            .bind(py),
-    )
-}
 
 /// A key and its value.
 type Item<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>);
 
-/// The mappings the native passes walk: an exact dict, or exactly a
-/// `collections.OrderedDict` (rebuilt as one, with its instance attributes).
-enum Mapping {
+/// What the walker makes of an object.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Exactly a dict.
     Dict,
+    /// Exactly a `collections.OrderedDict` (rebuilt as one, with its instance attributes).
     Ordered,
+    /// Any other `collections.abc.Mapping` (a `defaultdict`, a dict subclass, …).
+    Mapping,
+    /// A list or a list subclass.
+    List,
+    /// A tuple or a tuple subclass that is not a namedtuple.
+    Tuple,
+    /// A tuple subclass with `_fields`: rebuilt by its fields.
+    NamedTuple,
+    /// Anything else.
+    Leaf,
 }
 
-/// `obj`'s items in its order and its kind of mapping, when the native passes walk it: a
-/// snapshot either way, so that Python code run meanwhile cannot break the iteration
-/// (`dict.copy()` for a dict; for an `OrderedDict`, `list(obj.items())`, whose order is
-/// that of its links, which `move_to_end` changes, not of the dict underneath).
-fn mapping_items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<(Vec<Item<'py>>, Mapping)>> {
-    let py = obj.py();
-    if let Ok(d) = obj.cast_exact::<PyDict>() {
-        return Ok(Some((d.copy()?.iter().collect(), Mapping::Dict)));
+impl Kind {
+    /// The kind of `obj`: the exact built-in containers first, without calling Python.
+    fn of(obj: &Bound<'_, PyAny>) -> PyResult<Kind> {
+        match Kind::exact(obj)? {
+            Some(kind) => Ok(kind),
+            None => Kind::other(obj),
+        }
     }
-    if !obj.get_type().is(ordered_dict_type(py)?) {
-        return Ok(None);
+
+    /// The kind of `obj`, known to be no exact dict, `OrderedDict`, list or tuple.
+    fn other(obj: &Bound<'_, PyAny>) -> PyResult<Kind> {
+        if is_plain(obj) || obj.is_exact_instance_of::<PyTensor>() || is_exact_ndarray(obj)? {
+            return Ok(Kind::Leaf);
+        }
+        let py = obj.py();
+        if obj.is_instance_of::<PyTuple>() {
+            let named = obj.get_type().hasattr(pyo3::intern!(py, "_fields"))?;
+            return Ok(if named { Kind::NamedTuple } else { Kind::Tuple });
+        }
+        if obj.is_instance_of::<PyList>() {
+            return Ok(Kind::List);
+        }
+        if obj.is_instance(abc_mapping_type(py)?)? {
+            return Ok(Kind::Mapping);
+        }
+        Ok(Kind::Leaf)
     }
-    let items = obj.call_method0(pyo3::intern!(py, "items"))?;
-    let mut out = Vec::with_capacity(obj.len()?);
-    for item in items.try_iter()? {
-        out.push(item?.extract()?);
+
+    /// The kind of an exact dict, `OrderedDict`, list or tuple; None for anything else.
+    fn exact(obj: &Bound<'_, PyAny>) -> PyResult<Option<Kind>> {
+        Ok(if obj.is_exact_instance_of::<PyDict>() {
+            Some(Kind::Dict)
+        } else if obj.is_exact_instance_of::<PyList>() {
+            Some(Kind::List)
+        } else if obj.is_exact_instance_of::<PyTuple>() {
+            Some(Kind::Tuple)
+        } else if obj.get_type().is(ordered_dict_type(obj.py())?) {
+            Some(Kind::Ordered)
+        } else {
+            None
+        })
     }
-    Ok(Some((out, Mapping::Ordered)))
+
+    fn is_mapping(self) -> bool {
+        matches!(self, Kind::Dict | Kind::Ordered | Kind::Mapping)
+    }
 }
 
 fn ordered_dict_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
     static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     T.import(py, "collections", "OrderedDict")
+}
+
+fn abc_mapping_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    T.import(py, "collections.abc", "Mapping")
+}
+
+fn default_dict_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    T.import(py, "collections", "defaultdict")
+}
+
+/// The items of a container of `kind` as a snapshot, each with its key (an index for a
+/// sequence): `dict.copy()` for a dict; `list(obj.items())` for any other mapping (for an
+/// `OrderedDict`, the order of its links, which `move_to_end` changes, not of the dict
+/// underneath); `list(obj)` for a sequence (a subclass's own `__iter__` runs).
+fn items_of<'py>(obj: &Bound<'py, PyAny>, kind: Kind) -> PyResult<Vec<Item<'py>>> {
+    let py = obj.py();
+    if kind == Kind::Dict {
+        return Ok(obj.cast::<PyDict>()?.copy()?.iter().collect());
+    }
+    let (iter, mapping) = match kind.is_mapping() {
+        true => (
+            obj.call_method0(pyo3::intern!(py, "items"))?.try_iter()?,
+            true,
+        ),
+        false => (obj.try_iter()?, false),
+    };
+    let mut out = Vec::new();
+    for (i, item) in iter.enumerate() {
+        out.push(match mapping {
+            true => item?.extract()?,
+            false => (i.into_pyobject(py)?.into_any(), item?),
+        });
+    }
+    Ok(out)
 }
 
 /// True for values that are certainly plain leaves, decided without calling Python.
@@ -90,41 +160,77 @@ pub fn shown_path(path: &[Bound<'_, PyAny>]) -> String {
     )
 }
 
-fn invalid(path: &[Bound<'_, PyAny>], reason: String) -> PyErr {
-    to_py(tensorferry::Error::InvalidValue {
-        key: shown_path(path),
-        reason,
-    })
+fn invalid(key: String, reason: String) -> PyErr {
+    to_py(tensorferry::Error::InvalidValue { key, reason })
 }
 
-/// The ids of the containers enclosing the current position, to refuse cycles and depth.
-#[derive(Default)]
-struct Ancestors(Vec<usize>);
+/// The `FormatError` for a value at `key` nested deeper than [`MAX_DEPTH`] levels (the
+/// conversion to a tree for `save` says the same).
+pub fn too_deep(key: String) -> PyErr {
+    invalid(
+        key,
+        format!("nested deeper than {MAX_DEPTH} levels, the most tensorferry walks"),
+    )
+}
 
-impl Ancestors {
-    /// Enters `obj` (a container) at `path`: an error if it encloses itself or is too deep.
-    fn enter(&mut self, obj: &Bound<'_, PyAny>, path: &[Bound<'_, PyAny>]) -> PyResult<()> {
+/// Where a pass is: the key path from the root, and the ids of the containers enclosing
+/// it, to refuse cycles and depth.
+#[derive(Default)]
+struct Position<'py> {
+    path: Vec<Bound<'py, PyAny>>,
+    ancestors: Vec<usize>,
+}
+
+impl<'py> Position<'py> {
+    /// The key path as a tuple.
+    fn key(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.path.iter())
+    }
+
+    /// Calls `visit` with each key and value of the container `obj` (of `kind`), the key
+    /// pushed on the path, from a snapshot of its items ([`items_of`]), and stops at the
+    /// first error. Entering `obj` is an error if it encloses itself or lies deeper than
+    /// [`MAX_DEPTH`] levels.
+    fn each_child(
+        &mut self,
+        obj: &Bound<'py, PyAny>,
+        kind: Kind,
+        mut visit: impl FnMut(&mut Self, &Bound<'py, PyAny>, &Bound<'py, PyAny>) -> PyResult<()>,
+    ) -> PyResult<()> {
+        let items = items_of(obj, kind)?;
         let id = obj.as_ptr() as usize;
-        if self.0.contains(&id) {
+        if self.ancestors.contains(&id) {
             return Err(invalid(
-                path,
+                shown_path(&self.path),
                 "the structure contains itself here (a container inside itself); \
                  tensorferry needs a tree"
                     .into(),
             ));
         }
-        if self.0.len() >= MAX_DEPTH {
-            return Err(invalid(
-                path,
-                format!("nested deeper than {MAX_DEPTH} levels, the most tensorferry walks"),
-            ));
+        if self.ancestors.len() >= MAX_DEPTH {
+            return Err(too_deep(shown_path(&self.path)));
         }
-        self.0.push(id);
-        Ok(())
+        self.ancestors.push(id);
+        let mut visited = Ok(());
+        for (k, v) in &items {
+            self.path.push(k.clone());
+            visited = visit(self, k, v);
+            self.path.pop();
+            if visited.is_err() {
+                break;
+            }
+        }
+        self.ancestors.pop();
+        visited
     }
+}
 
-    fn leave(&mut self) {
-        self.0.pop();
+/// `Ok(fallback)` in place of an ordinary exception `f` raised (never in place of a
+/// `KeyboardInterrupt` or `SystemExit`).
+fn or_on_exception<T>(py: Python<'_>, result: PyResult<T>, fallback: T) -> PyResult<T> {
+    match result {
+        Err(e) if e.is_instance_of::<PyException>(py) => Ok(fallback),
+        other => other,
     }
 }
 
@@ -132,55 +238,61 @@ impl Ancestors {
 /// arrays are left out when `skip_numpy` (for callers that have nothing to do on them).
 /// With `select` (a `(obj, path) -> bool` that also takes some lists as leaves, such as
 /// lists of numbers to become tensors), a list whose first item is a number, a list or a
-/// tuple is a leaf when `select` says so, and subtrees left to the Python rules use it;
-/// within the state dict of a PyTorch optimizer or scheduler (`is_torch_state`) it is not
-/// asked: only tensors are leaves there.
+/// tuple is a leaf when `select` says so; within the state dict of a PyTorch optimizer or
+/// scheduler (`is_torch_state`) it is not asked: only tensors are leaves there. Paths
+/// start with `prefix` (where `obj` lies in a larger tree).
 /// `kind_of`'s answer must depend on the object's type alone (as `_frameworks.kind_of`'s,
 /// cached by type, does): it is asked once per type of tensor leaf in a call.
 #[pyfunction]
-#[pyo3(signature = (obj, kind_of, skip_numpy=false, select=None))]
+#[pyo3(signature = (obj, kind_of, skip_numpy=false, select=None, prefix=None))]
 pub fn collect_tensors<'py>(
     obj: &Bound<'py, PyAny>,
     kind_of: &Bound<'py, PyAny>,
     skip_numpy: bool,
     select: Option<Bound<'py, PyAny>>,
+    prefix: Option<Bound<'py, PyTuple>>,
 ) -> PyResult<Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>> {
-    let mut out = Vec::new();
-    let mut path: Vec<Bound<'py, PyAny>> = Vec::new();
+    let mut at = Position {
+        path: prefix.map(|p| p.iter().collect()).unwrap_or_default(),
+        ancestors: Vec::new(),
+    };
     let mut walker = Walker {
         kind_of,
         skip_numpy,
         select,
-        ancestors: Ancestors::default(),
         tensor_types: Vec::new(),
+        out: Vec::new(),
     };
-    walker.collect(obj, &mut path, &mut out)?;
-    Ok(out)
+    walker.collect(obj, &mut at)?;
+    Ok(walker.out)
 }
 
 struct Walker<'a, 'py> {
     kind_of: &'a Bound<'py, PyAny>,
     skip_numpy: bool,
     select: Option<Bound<'py, PyAny>>,
-    ancestors: Ancestors,
     /// The types `kind_of` has called tensors in this call: a dictionary of 20,000 PyTorch
     /// tensors asks it once, not 20,000 times.
     tensor_types: Vec<Bound<'py, PyType>>,
+    out: Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
 }
 
 /// True for the state dict of a PyTorch optimizer (it holds "state" and "param_groups")
 /// or learning-rate scheduler (it holds "_last_lr", as every scheduler's does, or
 /// "base_lrs" and "last_epoch"): records of hyper-parameters, whose lists of numbers
-/// (`params`, `base_lrs`, `_last_lr`, `milestones`) are no data for `select`
-/// (`tensorferry._tree.is_torch_state` says the same for the Python walk).
+/// (`params`, `base_lrs`, `_last_lr`, `milestones`) are no data for `select`. A mapping
+/// whose `in` fails holds no such state.
 fn is_torch_state(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     let py = obj.py();
     let has = |key: &Bound<'_, PyString>| obj.contains(key);
-    Ok(
-        (has(pyo3::intern!(py, "state"))? && has(pyo3::intern!(py, "param_groups"))?)
-            || has(pyo3::intern!(py, "_last_lr"))?
-            || (has(pyo3::intern!(py, "base_lrs"))? && has(pyo3::intern!(py, "last_epoch"))?),
-    )
+    let answer = (|| {
+        Ok(
+            (has(pyo3::intern!(py, "state"))? && has(pyo3::intern!(py, "param_groups"))?)
+                || has(pyo3::intern!(py, "_last_lr"))?
+                || (has(pyo3::intern!(py, "base_lrs"))? && has(pyo3::intern!(py, "last_epoch"))?),
+        )
+    })();
+    or_on_exception(py, answer, false)
 }
 
 /// True when a list could be data for `select`: its first item is a number or a list or
@@ -197,104 +309,69 @@ fn may_be_data(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 }
 
 impl<'py> Walker<'_, 'py> {
-    fn collect(
-        &mut self,
-        obj: &Bound<'py, PyAny>,
-        path: &mut Vec<Bound<'py, PyAny>>,
-        out: &mut Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
-    ) -> PyResult<()> {
+    fn collect(&mut self, obj: &Bound<'py, PyAny>, at: &mut Position<'py>) -> PyResult<()> {
         let py = obj.py();
-        if let Some((items, _)) = mapping_items(obj)? {
-            self.ancestors.enter(obj, path)?;
-            // In a PyTorch optimizer's or scheduler's state, only tensors are leaves.
-            let select = match &self.select {
-                Some(_) if is_torch_state(obj)? => self.select.take(),
-                _ => None,
-            };
-            let mut walked = Ok(());
-            for (k, v) in items {
-                path.push(k);
-                walked = self.collect(&v, path, out);
-                path.pop();
-                if walked.is_err() {
-                    break;
+        let kind = match Kind::exact(obj)? {
+            Some(kind) => kind,
+            None if self.is_tensor(obj)? => {
+                if !(self.skip_numpy && is_exact_ndarray(obj)?) {
+                    self.out.push((at.key(py)?, obj.clone()));
                 }
+                return Ok(());
             }
-            if select.is_some() {
-                self.select = select;
-            }
-            walked?;
-            self.ancestors.leave();
+            None => Kind::other(obj)?,
+        };
+        if kind == Kind::Leaf {
             return Ok(());
         }
-        if obj.is_exact_instance_of::<PyList>() || obj.is_exact_instance_of::<PyTuple>() {
-            if let Some(select) = &self.select {
-                if obj.is_exact_instance_of::<PyList>()
-                    && may_be_data(obj)?
-                    && select
-                        .call1((obj, PyTuple::new(py, path.iter())?))?
-                        .is_truthy()?
-                {
-                    out.push((PyTuple::new(py, path.iter())?, obj.clone()));
-                    return Ok(());
-                }
-            }
-            self.ancestors.enter(obj, path)?;
-            // A list is read by index against its length at each step: safe whatever
-            // another thread does to it meanwhile.
-            for (i, v) in obj.try_iter()?.enumerate() {
-                path.push(i.into_pyobject(py)?.into_any());
-                self.collect(&v?, path, out)?;
-                path.pop();
-            }
-            self.ancestors.leave();
+        if kind == Kind::List && self.is_data(obj, at)? {
+            self.out.push((at.key(py)?, obj.clone()));
             return Ok(());
         }
-        if obj.is_exact_instance_of::<PyTensor>() {
-            out.push((PyTuple::new(py, path.iter())?, obj.clone()));
-            return Ok(());
+        // In a PyTorch optimizer's or scheduler's state, only tensors are leaves.
+        let select = match &self.select {
+            Some(_) if kind.is_mapping() && is_torch_state(obj)? => self.select.take(),
+            _ => None,
+        };
+        let walked = at.each_child(obj, kind, |at, _, v| self.collect(v, at));
+        if select.is_some() {
+            self.select = select;
         }
-        if is_exact_ndarray(obj)? {
-            if !self.skip_numpy {
-                out.push((PyTuple::new(py, path.iter())?, obj.clone()));
-            }
-            return Ok(());
+        walked
+    }
+
+    /// True for a tensor leaf (as `kind_of` says); plain values are not asked about.
+    fn is_tensor(&mut self, obj: &Bound<'py, PyAny>) -> PyResult<bool> {
+        if obj.is_exact_instance_of::<PyTensor>() || is_exact_ndarray(obj)? {
+            return Ok(true);
         }
         if is_plain(obj) {
-            return Ok(());
+            return Ok(false);
         }
         let ty = obj.get_type();
         if self.tensor_types.iter().any(|t| t.is(&ty)) {
-            out.push((PyTuple::new(py, path.iter())?, obj.clone()));
-            return Ok(());
+            return Ok(true);
         }
-        if !self.kind_of.call1((obj,))?.is_none() {
-            self.tensor_types.push(ty);
-            out.push((PyTuple::new(py, path.iter())?, obj.clone()));
-            return Ok(());
+        if self.kind_of.call1((obj,))?.is_none() {
+            return Ok(false);
         }
-        // Some other container (or an unknown leaf): the Python rules decide, with the
-        // depth left and the ancestors so far.
-        let select = match &self.select {
-            Some(select) => select.clone(),
-            None => python_tree(py)?.getattr("select_tensors")?,
+        self.tensor_types.push(ty);
+        Ok(true)
+    }
+
+    /// True when `select` takes the list `obj` as one leaf (data).
+    fn is_data(&self, obj: &Bound<'py, PyAny>, at: &Position<'py>) -> PyResult<bool> {
+        let Some(select) = &self.select else {
+            return Ok(false);
         };
-        let prefix = PyTuple::new(py, path.iter())?;
-        let ancestors = PyTuple::new(py, self.ancestors.0.iter())?;
-        let found = python_tree(py)?
-            .call_method1("collect", (obj, select, prefix, py.None(), ancestors))?;
-        for item in found.try_iter()? {
-            let (p, leaf): (Bound<'py, PyTuple>, Bound<'py, PyAny>) = item?.extract()?;
-            if !(self.skip_numpy && is_ndarray(&leaf)?) {
-                out.push((p, leaf));
-            }
-        }
-        Ok(())
+        Ok(may_be_data(obj)? && select.call1((obj, at.key(obj.py())?))?.is_truthy()?)
     }
 }
 
 /// A new structure like `obj` with each object whose `id` is a key of `replacements`
-/// swapped for its value; every other leaf is the very same object.
+/// swapped for its value; every other leaf is the very same object, and each container
+/// of the same type where it can be built from its items (a Mapping subclass that cannot
+/// becomes a dict, a list or tuple subclass a list or tuple).
 /// With `plain`, every container becomes a dict, list or tuple. With `strict` (the
 /// `kind_of` of the call), a tensor leaf that has no replacement is an error: it appeared
 /// after the leaves were collected, so another thread changed the structure meanwhile
@@ -308,15 +385,13 @@ pub fn rebuild<'py>(
     strict: Option<Bound<'py, PyAny>>,
     skip_numpy: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let mut r = Rebuilder {
+    let r = Rebuilder {
         replacements,
         plain,
         strict,
         skip_numpy,
-        ancestors: Ancestors::default(),
-        path: Vec::new(),
     };
-    r.rebuild(obj)
+    r.rebuild(obj, &mut Position::default())
 }
 
 struct Rebuilder<'a, 'py> {
@@ -324,108 +399,201 @@ struct Rebuilder<'a, 'py> {
     plain: bool,
     strict: Option<Bound<'py, PyAny>>,
     skip_numpy: bool,
-    ancestors: Ancestors,
-    path: Vec<Bound<'py, PyAny>>,
 }
 
 impl<'py> Rebuilder<'_, 'py> {
-    fn rebuild(&mut self, obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        let py = obj.py();
+    fn rebuild(
+        &self,
+        obj: &Bound<'py, PyAny>,
+        at: &mut Position<'py>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         if !self.replacements.is_empty() {
-            let id = obj.as_ptr() as usize;
-            if let Some(r) = self.replacements.get_item(id)? {
+            if let Some(r) = self.replacements.get_item(obj.as_ptr() as usize)? {
                 return Ok(r);
             }
         }
-        if let Some((items, mapping)) = mapping_items(obj)? {
-            self.ancestors.enter(obj, &self.path)?;
-            let ordered = matches!(mapping, Mapping::Ordered) && !self.plain;
-            let out = if ordered {
-                ordered_dict_type(py)?.call0()?
-            } else {
-                PyDict::new(py).into_any()
-            };
-            for (k, v) in items {
-                self.path.push(k.clone());
-                let value = self.rebuild(&v)?;
-                self.path.pop();
-                out.set_item(k, value)?;
-            }
-            self.ancestors.leave();
-            if ordered {
-                keep_attributes(obj, &out)?;
-            }
-            return Ok(out);
-        }
-        let exact_list = obj.is_exact_instance_of::<PyList>();
-        if exact_list || obj.is_exact_instance_of::<PyTuple>() {
-            self.ancestors.enter(obj, &self.path)?;
-            let mut items = Vec::new();
-            for (i, v) in obj.try_iter()?.enumerate() {
-                self.path.push(i.into_pyobject(py)?.into_any());
-                items.push(self.rebuild(&v?)?);
-                self.path.pop();
-            }
-            self.ancestors.leave();
-            return Ok(if exact_list {
-                PyList::new(py, items)?.into_any()
-            } else {
-                PyTuple::new(py, items)?.into_any()
-            });
-        }
-        if is_plain(obj) {
+        let kind = match Kind::exact(obj)? {
+            Some(kind) => kind,
+            None if self.is_unreplaced_tensor(obj)? => return Err(changed(&at.path)),
+            None => Kind::other(obj)?,
+        };
+        let py = obj.py();
+        if kind == Kind::Leaf {
             return Ok(obj.clone());
         }
-        let native = obj.is_exact_instance_of::<PyTensor>();
-        let ndarray = !native && is_exact_ndarray(obj)?;
-        if native || ndarray {
-            if self.strict.is_some() && (native || !self.skip_numpy) {
-                return Err(self.changed());
+        if kind.is_mapping() {
+            let out = PyDict::new(py);
+            at.each_child(obj, kind, |at, k, v| out.set_item(k, self.rebuild(v, at)?))?;
+            if self.plain || kind == Kind::Dict {
+                return Ok(out.into_any());
             }
-            return Ok(obj.clone());
+            return same_mapping(obj, kind, out);
         }
-        if let Some(kind_of) = &self.strict {
-            if !kind_of.call1((obj,))?.is_none() {
-                if self.skip_numpy && is_ndarray(obj)? {
-                    return Ok(obj.clone());
-                }
-                return Err(self.changed());
-            }
-        }
-        let ancestors = PyTuple::new(py, self.ancestors.0.iter())?;
-        let prefix = PyTuple::new(py, self.path.iter())?;
-        python_tree(py)?.call_method1(
-            "rebuild",
-            (
-                obj,
-                self.replacements,
-                self.plain,
-                ancestors,
-                prefix,
-                self.strict.clone(),
-                self.skip_numpy,
-            ),
-        )
+        let out = PyList::empty(py);
+        at.each_child(obj, kind, |at, _, v| out.append(self.rebuild(v, at)?))?;
+        same_sequence(obj, kind, out, self.plain)
     }
 
-    fn changed(&self) -> PyErr {
-        crate::errors::runtime_err(format!(
-            "the structure changed during the call at {:?}: a tensor appeared that was not \
-             there when its leaves were collected (another thread modified it?)",
-            shown_path(&self.path)
-        ))
+    /// True when `obj` (no exact container) is a tensor that `strict` forbids: a tensor
+    /// leaf without a replacement (NumPy arrays are allowed with `skip_numpy`).
+    fn is_unreplaced_tensor(&self, obj: &Bound<'py, PyAny>) -> PyResult<bool> {
+        let Some(kind_of) = &self.strict else {
+            return Ok(false);
+        };
+        if is_plain(obj) {
+            return Ok(false);
+        }
+        let native = obj.is_exact_instance_of::<PyTensor>();
+        if !native && !is_exact_ndarray(obj)? && kind_of.call1((obj,))?.is_none() {
+            return Ok(false);
+        }
+        Ok(native || !(self.skip_numpy && is_ndarray(obj)?))
     }
 }
 
-/// Gives `out` (a new `OrderedDict`) the instance attributes of `source` (the same
-/// objects, as every plain leaf is kept): PyTorch's `state_dict()` carries the versions of
-/// its modules' formats in `_metadata`, which `load_state_dict` reads.
-fn keep_attributes(source: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+fn changed(path: &[Bound<'_, PyAny>]) -> PyErr {
+    crate::errors::runtime_err(format!(
+        "the structure changed during the call at {:?}: a tensor appeared that was not \
+         there when its leaves were collected (another thread modified it?)",
+        shown_path(path)
+    ))
+}
+
+/// A mapping of `source`'s type holding `items`: an `OrderedDict` with `source`'s instance
+/// attributes (the same objects, as every plain leaf is kept: PyTorch's `state_dict()`
+/// carries the versions of its modules' formats in `_metadata`, which `load_state_dict`
+/// reads); a `defaultdict` with its factory; any other type built from the items, or,
+/// when it cannot be, the plain dict. Never changes `source`.
+fn same_mapping<'py>(
+    source: &Bound<'py, PyAny>,
+    kind: Kind,
+    items: Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyAny>> {
     let py = source.py();
-    let attrs = source.getattr(pyo3::intern!(py, "__dict__"))?;
-    if attrs.is_truthy()? {
-        out.getattr(pyo3::intern!(py, "__dict__"))?
-            .call_method1(pyo3::intern!(py, "update"), (attrs,))?;
+    if kind == Kind::Ordered {
+        let out = ordered_dict_type(py)?.call1((&items,))?;
+        let attrs = source.getattr(pyo3::intern!(py, "__dict__"))?;
+        if attrs.is_truthy()? {
+            out.getattr(pyo3::intern!(py, "__dict__"))?
+                .call_method1(pyo3::intern!(py, "update"), (attrs,))?;
+        }
+        return Ok(out);
     }
-    Ok(())
+    let ty = source.get_type();
+    let made = if source.is_instance(default_dict_type(py)?)? {
+        source
+            .getattr(pyo3::intern!(py, "default_factory"))
+            .and_then(|factory| ty.call1((factory, &items)))
+    } else {
+        ty.call1((&items,))
+    };
+    or_on_exception(py, made, items.into_any())
+}
+
+/// A sequence like `source` (of `kind`) holding `items`: a namedtuple of its type by
+/// fields; a list or tuple, or a subclass built from the items (the list or tuple when
+/// it cannot be); with `plain`, a list or tuple.
+fn same_sequence<'py>(
+    source: &Bound<'py, PyAny>,
+    kind: Kind,
+    items: Bound<'py, PyList>,
+    plain: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = source.py();
+    let exact = source.is_exact_instance_of::<PyList>() || source.is_exact_instance_of::<PyTuple>();
+    let base = |items: Bound<'py, PyList>| -> PyResult<Bound<'py, PyAny>> {
+        Ok(if kind == Kind::List {
+            items.into_any()
+        } else {
+            items.to_tuple().into_any()
+        })
+    };
+    if plain || exact {
+        return base(items);
+    }
+    let ty = source.get_type();
+    if kind == Kind::NamedTuple {
+        return ty.call1(items.to_tuple());
+    }
+    match or_on_exception(py, ty.call1((&items,)).map(Some), None)? {
+        Some(made) => Ok(made),
+        None => base(items),
+    }
+}
+
+/// What the walker makes of `obj`: "dict" (exactly a dict), "mapping" (any other
+/// Mapping, `OrderedDict` included), "list" (subclasses too), "tuple" (subclasses that
+/// are not namedtuples too), "namedtuple", or None for a leaf. For code that compares or
+/// prunes trees the walker has already checked.
+#[pyfunction]
+pub fn container_kind(obj: &Bound<'_, PyAny>) -> PyResult<Option<&'static str>> {
+    Ok(match Kind::of(obj)? {
+        Kind::Dict => Some("dict"),
+        Kind::Ordered | Kind::Mapping => Some("mapping"),
+        Kind::List => Some("list"),
+        Kind::Tuple => Some("tuple"),
+        Kind::NamedTuple => Some("namedtuple"),
+        Kind::Leaf => None,
+    })
+}
+
+/// Every key of `obj`'s nested mappings in traversal order: a top-level key as it is, a
+/// nested one as its key path (a tuple). Only mappings are entered.
+#[pyfunction]
+pub fn nested_keys<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    fn walk<'py>(
+        obj: &Bound<'py, PyAny>,
+        kind: Kind,
+        at: &mut Position<'py>,
+        out: &mut Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<()> {
+        at.each_child(obj, kind, |at, k, v| {
+            out.push(match at.path.len() {
+                1 => k.clone(),
+                _ => at.key(obj.py())?.into_any(),
+            });
+            match Kind::of(v)? {
+                kind if kind.is_mapping() => walk(v, kind, at, out),
+                _ => Ok(()),
+            }
+        })
+    }
+    let mut out = Vec::new();
+    walk(obj, Kind::of(obj)?, &mut Position::default(), &mut out)?;
+    Ok(out)
+}
+
+/// The part of `obj` whose leaves `keep(path)` says true for, as plain containers (every
+/// mapping a dict, a tuple or namedtuple a tuple, a list a list); containers left empty
+/// are dropped, and None is returned when nothing is kept.
+#[pyfunction]
+pub fn prune<'py>(
+    obj: &Bound<'py, PyAny>,
+    keep: &Bound<'py, PyAny>,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    fn walk<'py>(
+        obj: &Bound<'py, PyAny>,
+        at: &mut Position<'py>,
+        keep: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = obj.py();
+        let kind = Kind::of(obj)?;
+        if kind == Kind::Leaf {
+            let kept = keep.call1((at.key(py)?,))?.is_truthy()?;
+            return Ok(kept.then(|| obj.clone()));
+        }
+        let (dict, list) = (PyDict::new(py), PyList::empty(py));
+        at.each_child(obj, kind, |at, k, v| match walk(v, at, keep)? {
+            Some(v) if kind.is_mapping() => dict.set_item(k, v),
+            Some(v) => list.append(v),
+            None => Ok(()),
+        })?;
+        Ok(match kind {
+            _ if kind.is_mapping() => (!dict.is_empty()).then(|| dict.into_any()),
+            _ if list.is_empty() => None,
+            Kind::List => Some(list.into_any()),
+            _ => Some(list.to_tuple().into_any()),
+        })
+    }
+    walk(obj, &mut Position::default(), keep)
 }

@@ -24,6 +24,25 @@ def test_torch_tensors_become_arrays_sharing_memory(torch):
     assert isinstance(arr, np.ndarray) and arr.ctypes.data == w.data_ptr()
 
 
+def test_torch_tensors_numpy_refuses_as_they_are_still_become_arrays(torch, ml_dtypes):
+    # .numpy() refuses a tensor that requires grad, a lazy conjugate view and bfloat16;
+    # after a plain tensor (which takes the loop's path), each still becomes its array.
+    plain = torch.arange(3, dtype=torch.float32)
+    src = {
+        "plain": plain,
+        "grad": torch.nn.Parameter(torch.ones(2)),
+        "conj": torch.tensor([1 + 2j]).conj(),
+        "bf16": torch.tensor([1.5], dtype=torch.bfloat16),
+        "view": plain[1:],
+    }
+    out = tf.to_numpy(src)
+    assert out["plain"].ctypes.data == plain.data_ptr() and out["view"].ctypes.data == plain.data_ptr() + 4
+    np.testing.assert_array_equal(out["grad"], [1.0, 1.0])
+    np.testing.assert_array_equal(out["conj"], [1 - 2j])
+    assert out["bf16"].dtype == np.dtype(ml_dtypes.bfloat16) and float(out["bf16"][0]) == 1.5
+    assert all(isinstance(v, np.ndarray) for v in out.values())
+
+
 def test_torch_bfloat16_becomes_an_ml_dtypes_array(torch, ml_dtypes):
     w = torch.tensor([1.0, 2.5], dtype=torch.bfloat16)
     arr = tf.to_numpy({"w": w})["w"]

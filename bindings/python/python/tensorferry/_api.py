@@ -373,6 +373,7 @@ def to_numpy(obj, *, non_blocking=False, stream=None, staging="auto"):
     collected = _native.collect_tensors(obj, fw.kind_of, True)
     # tensorferry tensors, the common case, in one native pass; other frameworks' here.
     out, rest = _native.native_leaves_to_numpy(collected)
+    rest = _torch_host_to_numpy(rest, out)
     natives, paths, leaves = [], [], []
     hosted = _to_host_many(rest)
     for path, leaf in rest:
@@ -402,6 +403,27 @@ def to_numpy(obj, *, non_blocking=False, stream=None, staging="auto"):
         for leaf, arr in zip(leaves, arrays):
             out[id(leaf)] = arr
     return _native.rebuild(obj, out, False, fw.kind_of, True)
+
+
+def _torch_host_to_numpy(leaves, out):
+    """``out[id(t)] = t.numpy()`` for each PyTorch host tensor of ``[(path, leaf)]`` whose
+    ``.numpy()`` answers as it is (at the cost of the loop a user would write); the other
+    leaves back, for the general path (devices, dtypes NumPy lacks, tensors that require
+    grad or are lazy views, and refusals, which it names by key)."""
+    if not leaves or fw.kind_of(leaves[0][1]) != fw.TORCH:
+        return leaves  # a tree of PyTorch tensors starts with one
+    import torch
+
+    exact, rest = torch.Tensor, []
+    for path, t in leaves:
+        try:
+            if (type(t) is exact or fw.kind_of(t) == fw.TORCH) and t.is_cpu:
+                out[id(t)] = t.numpy()
+                continue
+        except Exception:
+            pass
+        rest.append((path, t))
+    return rest
 
 
 def _torch_numpy(t):

@@ -7,8 +7,9 @@ import warnings
 import numpy as np
 
 from . import _frameworks as fw
+from . import _native
 from ._errors import FormatError, TensorferryOverflowError
-from ._tree import MAX_DEPTH, container_kind, shown, _LIST, _TUPLE
+from ._tree import MAX_DEPTH, shown
 
 
 def _is_number(x):
@@ -19,8 +20,7 @@ def numeric_data(obj, depth=0):
     """True for a non-empty list holding only numbers and such lists: data to become one
     tensor (a tuple is a record, never data). Lists nested deeper than a walk goes are
     not data (the walk then refuses them with the depth)."""
-    kind = container_kind(obj)
-    if kind != _LIST or not obj or depth >= MAX_DEPTH:
+    if not isinstance(obj, list) or not obj or depth >= MAX_DEPTH:
         return False
     for x in obj:
         if _is_number(x):
@@ -66,7 +66,7 @@ def _numbers(data):
     stack = [data]
     while stack:
         x = stack.pop()
-        if container_kind(x) in (_LIST, _TUPLE):
+        if _native.container_kind(x) in ("list", "tuple"):
             stack.extend(x)
         else:
             yield x

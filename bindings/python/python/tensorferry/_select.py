@@ -6,8 +6,9 @@ import fnmatch
 import numpy as np
 
 from . import _frameworks as fw
+from . import _native
 from ._errors import FormatError, TensorferryKeyError, TensorferryTypeError
-from ._tree import _DICT, _LEAF, _MAPPING, _NAMEDTUPLE, _TUPLE, collect, container_kind, dotted
+from ._tree import dotted
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -55,31 +56,17 @@ def select(tree, keys):
     :class:`TensorferryKeyError`."""
     used = set()
 
-    def prune(node, path):
-        kind = container_kind(node)
-        if kind == _LEAF:
-            name = dotted(path)
-            hits = [p for p in keys if _matches(name, p)]
-            used.update(hits)
-            return node if hits else _DROP
-        if kind in (_DICT, _MAPPING):
-            items = {k: prune(v, path + (k,)) for k, v in node.items()}
-            items = {k: v for k, v in items.items() if v is not _DROP}
-            return items if items else _DROP
-        items = [prune(v, path + (i,)) for i, v in enumerate(node)]
-        kept = [v for v in items if v is not _DROP]
-        if not kept:
-            return _DROP
-        return tuple(kept) if kind in (_TUPLE, _NAMEDTUPLE) else kept
+    def keep(path):
+        name = dotted(path)
+        hits = [p for p in keys if _matches(name, p)]
+        used.update(hits)
+        return bool(hits)
 
-    out = prune(tree, ())
+    out = _native.prune(tree, keep)
     missing = [text for text, literal in keys if (text, literal) not in used]
     if missing:
         raise TensorferryKeyError(f"no key matches {missing}")
-    return {} if out is _DROP else out
-
-
-_DROP = object()
+    return {} if out is None else out
 
 
 def _dtype_name(dtype):
@@ -125,10 +112,8 @@ def cast(tree, dtype, narrowing_only=False):
             return fw.Tensor.from_numpy(np.ascontiguousarray(x.numpy().astype(_numpy_dtype(name))))
         return x
 
-    leaves = collect(tree, lambda x, p: fw.kind_of(x) is not None)
-    from ._tree import rebuild
-
-    return rebuild(tree, {id(x): convert(x, p) for p, x in leaves})
+    leaves = _native.collect_tensors(tree, fw.kind_of)
+    return _native.rebuild(tree, {id(x): convert(x, p) for p, x in leaves})
 
 
 def _numpy_dtype(name):
@@ -144,8 +129,8 @@ def fill(out, loaded):
     (a model's ``state_dict()``), after checking every name, shape and dtype, and that every
     target can be written, naming every problem at once: nothing is written unless all
     can be. Returns ``out``."""
-    targets = {dotted(p): t for p, t in collect(out, lambda x, p: fw.kind_of(x) is not None)}
-    sources = {dotted(p): t for p, t in collect(loaded, lambda x, p: fw.kind_of(x) is not None)}
+    targets = {dotted(p): t for p, t in _native.collect_tensors(out, fw.kind_of)}
+    sources = {dotted(p): t for p, t in _native.collect_tensors(loaded, fw.kind_of)}
     problems = []
     for name in sorted(set(targets) - set(sources)):
         problems.append(f"{name}: in out= but not in the file")
@@ -199,7 +184,7 @@ def tie_shared(tree):
     replaced by that earlier object, so that a copy of the tree keeps them one tensor.
     Views that overlap without being the same are a :class:`FormatError` naming both, as a
     save refuses them."""
-    leaves = collect(tree, lambda x, p: fw.kind_of(x) in (fw.TORCH, fw.NUMPY))
+    leaves = [(p, x) for p, x in _native.collect_tensors(tree, fw.kind_of) if fw.kind_of(x) in (fw.TORCH, fw.NUMPY)]
     spans = sorted((m[0], m[1], m[2], i) for i, m in enumerate(_memory_of(x) for _, x in leaves) if m is not None)
     ties, reach, first = {}, None, None
     for low, high, layout, i in spans:
@@ -218,9 +203,7 @@ def tie_shared(tree):
             reach, first = high, (layout, i)
     if not ties:
         return tree
-    from ._tree import rebuild
-
-    return rebuild(tree, ties)
+    return _native.rebuild(tree, ties)
 
 
 def _aliased(targets, sources):

@@ -7,9 +7,10 @@ import numpy as np
 
 from . import _api
 from . import _frameworks as fw
+from . import _native
 from ._errors import FormatError, TensorferryKeyError, TensorferryTypeError, naming_key
 from ._transfer import Transfer
-from ._tree import _enter, collect, container_kind, shown, _DICT, _LIST, _MAPPING, _LEAF, _NAMEDTUPLE, _TUPLE
+from ._tree import shown
 
 
 class TensorDict:
@@ -142,18 +143,7 @@ class TensorDict:
         """Top-level keys; with ``nested=True``, also the tuple path of every nested entry."""
         if not nested:
             return self._data.keys()
-        out = []
-
-        def walk(d, prefix, ancestors):
-            ancestors = _enter(d, prefix, ancestors)  # bounded: no cycle, no deeper than MAX_DEPTH
-            for k, v in d.items():
-                path = prefix + (k,)
-                out.append(path if prefix else k)
-                if container_kind(v) in (_DICT, _MAPPING):
-                    walk(v, path, ancestors)
-
-        walk(self._data, (), ())
-        return out
+        return _native.nested_keys(self._data)  # bounded: no cycle, no deeper than MAX_DEPTH
 
     def values(self):
         """Top-level values (nested dicts as TensorDicts)."""
@@ -199,9 +189,7 @@ class TensorDict:
 
     def to_dict(self):
         """Plain nested containers (dict, list, tuple) of the values as they are."""
-        from ._tree import rebuild
-
-        return rebuild(self._data, {}, plain=True)
+        return _native.rebuild(self._data, {}, True)
 
     def consolidate(self):
         """A new TensorDict whose host tensors all live in one 64-byte-aligned buffer."""
@@ -220,7 +208,7 @@ class TensorDict:
         """Waits for every copy into this dictionary's tensors (``non_blocking`` moves
         return before they finish); raises the first copy's error, a :class:`CopyError`
         naming the key of the tensor it was filling. Returns self."""
-        for path, t in collect(self._data, lambda x, p: fw.kind_of(x) is not None):
+        for path, t in _native.collect_tensors(self._data, fw.kind_of):
             if type(t) is fw.Tensor:
                 try:
                     t.wait()
@@ -237,7 +225,7 @@ class TensorDict:
 
     # -- facts ------------------------------------------------------------------
     def _tensors(self):
-        return [leaf for _, leaf in collect(self._data, lambda x, p: fw.kind_of(x) is not None)]
+        return [leaf for _, leaf in _native.collect_tensors(self._data, fw.kind_of)]
 
     @property
     def device(self):
@@ -309,7 +297,7 @@ def _check_batch(value, batch_size, prefix):
     if not batch_size:
         return
     n = len(batch_size)
-    for path, t in collect(value, lambda x, p: fw.kind_of(x) is not None, prefix):
+    for path, t in _native.collect_tensors(value, fw.kind_of, False, None, prefix):
         shape = _shape(t)
         if shape[:n] != batch_size:
             raise FormatError(
@@ -329,17 +317,17 @@ def _same(a, b):
             and a.dtype == b.dtype
             and bool(np.array_equal(a, b))
         )
-    kind = container_kind(a)
-    if kind in (_DICT, _MAPPING):
-        if container_kind(b) not in (_DICT, _MAPPING) or len(a) != len(b):
+    kind = _native.container_kind(a)
+    if kind in ("dict", "mapping"):
+        if _native.container_kind(b) not in ("dict", "mapping") or len(a) != len(b):
             return False
         try:
             return all(_same(v, b[k]) for k, v in a.items())
         except (KeyError, TypeError):
             return False
-    if kind in (_LIST, _TUPLE, _NAMEDTUPLE):
+    if kind is not None:
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if container_kind(b) != _LEAF:
+    if _native.container_kind(b) is not None:
         return False
     try:
         return bool(a == b)
@@ -348,4 +336,4 @@ def _same(a, b):
 
 
 Mapping.register(TensorDict)
-assert container_kind(TensorDict()) != _LEAF
+assert _native.container_kind(TensorDict()) == "mapping"
