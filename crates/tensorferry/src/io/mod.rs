@@ -37,7 +37,7 @@ pub use checkpoint::index::INDEX_SUFFIX;
 pub use checkpoint::sharded::{load_sharded, save_sharded, shard_files};
 pub use format::header::Header;
 pub use format::header_reader::parse_header;
-pub use fs::direct_runs::{read_runs, Run};
+pub use fs::direct_runs::{read_runs, Run, RunFile};
 pub use into_device::{load_to, load_to_until};
 pub use read::{load, load_bytes, read_header, read_metadata, LoadOptions, Loaded, Mapping};
 pub use write::{header_bytes, save, SaveOptions};
