@@ -120,13 +120,11 @@ impl PyRunFile {
 }
 
 impl PyRunFile {
-    /// `f` of the open file, or a `ValueError` once it is closed.
+    /// `f` of the open file, or an error once it is closed.
     fn with_file<T>(&self, f: impl FnOnce(&RunFile) -> PyResult<T>) -> PyResult<T> {
         match &*self.file.read().unwrap_or_else(|p| p.into_inner()) {
             Some(file) => f(file),
-            None => Err(pyo3::exceptions::PyValueError::new_err(
-                "read of a closed RunFile",
-            )),
+            None => Err(crate::errors::runtime_err("read of a closed RunFile")),
         }
     }
 }
