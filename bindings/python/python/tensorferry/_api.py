@@ -448,8 +448,9 @@ def to_device(obj, device, *, non_blocking=False, stream=None, staging="auto", l
     the result in that framework, those made from lists included (NumPy on the host only;
     on the emulated device only "tensorferry").
     Many small PyTorch CPU tensors of one dtype and shape (rows of a multiple of 64
-    bytes) cross into tensorferry as one ``torch.stack`` per group of at most 1 MiB and come
-    back as the rows of the moved stack (each 64-byte aligned on the device).
+    bytes) cross into tensorferry as one stack per group of at most 1 MiB, copied by
+    tensorferry, and come back as the rows of the moved stack (each 64-byte aligned on the
+    device).
     Tensors already on ``device`` are returned as they are unless ``copy=True``. A bad
     device string raises :class:`InvalidDeviceError`; an absent device raises
     :class:`DeviceUnavailableError` with the reason. ``stream`` is the producer's stream, and
