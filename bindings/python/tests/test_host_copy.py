@@ -92,33 +92,36 @@ def test_a_group_mixing_devices_or_layouts_is_refused_by_name_never_copied_wrong
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(dense, out))
 
 
-def test_runs_split_large_groups_at_a_mebibyte(torch):
-    src = [torch.full((4096,), float(i)) for i in range(300)]  # 16 KiB each: 64 a run
+def test_chunks_split_large_groups(torch, monkeypatch):
+    monkeypatch.setattr(_host_copy, "CHUNK_BYTES", 64)
+    src = [torch.full((4,), float(i)) for i in range(50)]  # 16 bytes each: 4 per chunk
     out = tf.to_host(src, copy=True)
     assert all(torch.equal(a, b) for a, b in zip(src, out))
-    assert len({b.untyped_storage().data_ptr() for b in out}) == 5
-    assert max(b.untyped_storage().nbytes() for b in out) <= 1 << 20
+    assert len({b.untyped_storage().data_ptr() for b in out}) == 13
 
 
-def test_one_byte_count_in_several_shapes_is_copied_shape_by_shape(torch):
-    """Leaves of one dtype and byte count but different shapes (or layouts) never share a
-    run: each shape's rows come back in the shape of their own leaves."""
+def test_one_byte_count_in_several_shapes_is_stacked_shape_by_shape(torch, monkeypatch):
+    """Leaves are grouped by dtype and byte count (PyTorch reads that faster than a
+    shape); a group whose shapes differ is split by shape when torch.stack refuses it.
+    Tiny chunks and blocks make the call cut more stacks than it planned for, so that
+    later ones need blocks of their own, and a stack refused gives its space back."""
+    monkeypatch.setattr(_host_copy, "CHUNK_BYTES", 96)  # 2 rows of 48 bytes a chunk
+    monkeypatch.setattr(_host_copy._Blocks, "BLOCK", 256)  # two stacks a block
+    monkeypatch.setattr(_host_copy._Blocks, "HUGE", 512)
     shapes = [(12,), (3, 4), (4, 3), (2, 6), (12, 1)]
     src = [torch.arange(12.0).reshape(shapes[i % 5]) + i for i in range(40)]
     src += [torch.tensor(7.0), torch.ones(1), torch.tensor(8.0), torch.ones(1) * 2]  # () and (1,)
     src += [torch.ones(12, dtype=torch.int32), torch.ones(3, 4, dtype=torch.int32)]  # no partner
-    src += [torch.arange(12.0).reshape(3, 4).t(), torch.arange(12.0).reshape(3, 4).t() + 1]  # (4, 3), transposed
     out = tf.to_host(src, copy=True)
     for a, b in zip(src, out):
         assert b.shape == a.shape and b.dtype == a.dtype and torch.equal(a, b)
-        assert b.stride() == a.clone().stride()
         assert not _shares(a, b, torch)
-    storages = [b.untyped_storage().data_ptr() for b in out]
+    # The float rows of one shape are stacks of two (one storage per pair).
     for k in range(5):
-        assert len(set(storages[k:40:5])) == 1
-    assert len({storages[k] for k in range(5)}) == 5
-    assert storages[40] == storages[42] != storages[41] == storages[43]
-    assert storages[46] == storages[47] != storages[42]
+        rows = out[k:40:5]
+        assert len({b.untyped_storage().data_ptr() for b in rows}) == len(rows) // 2
+    assert out[40].untyped_storage().data_ptr() == out[42].untyped_storage().data_ptr()
+    assert out[41].untyped_storage().data_ptr() == out[43].untyped_storage().data_ptr()
 
 
 def test_a_row_kept_alone_keeps_its_values_and_only_its_stack_in_its_storage(torch):
@@ -132,35 +135,27 @@ def test_a_row_kept_alone_keeps_its_values_and_only_its_stack_in_its_storage(tor
     gc.collect()
     junk = [torch.full((1024,), -1.0) for _ in range(1500)]
     assert torch.equal(keep, torch.full((1024,), 700.0))
-    assert keep.untyped_storage().nbytes() <= 1 << 20
+    assert keep.untyped_storage().nbytes() <= _host_copy.CHUNK_BYTES
     assert keep.data_ptr() % 64 == 0 and not _shares(keep, src["k700"], torch)
     del junk
 
 
-def test_buffers_are_bounded_and_rows_aligned_and_small_calls_take_what_they_need(torch):
-    """A kept row holds at most one buffer of the call (4 MiB), not the call's whole memory;
-    every row starts on a 64-byte boundary; a call that needs less gets just that."""
-    from torch.utils.dlpack import to_dlpack
-
-    types = (torch.Tensor, torch.nn.Parameter)
-    big = [torch.full((1000,), float(i)) for i in range(5000)]  # 20 MB of 4000-byte rows
-    runs = tf._native.copy_small(big, types, to_dlpack)
-    assert sorted(j for _, at, _ in runs for j in at) == list(range(5000))
-    assert max(block for _, _, block in runs) <= _host_copy.BLOCK_BYTES
-    assert len({block for _, _, block in runs}) >= 2  # the last buffer holds what is left
-    for stack, at, _ in runs:
-        assert stack.data_ptr % 64 == 0 and stack.strides[0] * 4 == 4032  # rows padded to 64 bytes
-        assert stack.shape == (len(at), 1000)
-    small = tf._native.copy_small(big[:25], types, to_dlpack)
-    assert [block for _, _, block in small] == [25 * 4032]
-
-
-def test_stacks_bound_for_a_device_take_only_rows_of_whole_64_byte_blocks(torch):
-    src = [torch.ones(16) for _ in range(3)] + [torch.ones(3) for _ in range(3)]  # 64 and 12 bytes
-    stacks = _host_copy.device_stacks(src)
-    assert [at for at, _ in stacks] == [[0, 1, 2]]
-    out = tf.to_host(tf.to_device(src, "emu:0"))
-    assert all(torch.equal(torch.from_dlpack(b), a) for a, b in zip(src, out))
+def test_blocks_are_bounded_and_aligned_and_small_calls_take_what_they_need(torch):
+    """A kept row holds at most one block, not the call's whole memory; blocks start on a
+    2 MiB boundary (huge pages); a call that needs less than a block gets just that."""
+    big = _host_copy._Blocks(torch, 20 << 20)
+    like = torch.zeros(1024)
+    seen, kept = set(), []
+    for _ in range(20):
+        t = big.take(like, 256, 4096)  # 1 MiB stacks
+        kept.append(t)
+        seen.add(big.block.__array_interface__["data"][0])
+        assert big.block.nbytes <= big.BLOCK + big.HUGE and t.data_ptr() % 64 == 0
+        assert (big.block.__array_interface__["data"][0] + big.end - big.BLOCK) % big.HUGE == 0
+    assert len(seen) == 5
+    small = _host_copy._Blocks(torch, 1000)
+    small.take(torch.zeros(10), 25, 40)
+    assert small.block.nbytes == 1000 + _host_copy.ALIGN
 
 
 def test_rows_that_are_not_contiguous_keep_their_memory_format(torch):
@@ -172,8 +167,8 @@ def test_rows_that_are_not_contiguous_keep_their_memory_format(torch):
 
 
 def test_without_the_numpy_bridge_stacks_are_pytorchs_own(torch, monkeypatch):
-    """A PyTorch built without NumPy support refuses torch.from_numpy: the bulk path needs
-    no NumPy bridge (its runs come through DLPack), and gives the same results."""
+    """A PyTorch built without NumPy support refuses torch.from_numpy: the stacks are then
+    PyTorch's own memory, with the same results."""
 
     def refuse(_):
         raise RuntimeError("Numpy is not available")
@@ -244,9 +239,9 @@ def test_a_numpy_row_kept_alone_keeps_only_its_block_alive():
     out = tf.to_host(src, copy=True)
     keep = out["k3000"]
     base = keep
-    while isinstance(base, np.ndarray) and base.base is not None:
+    while base.base is not None:
         base = base.base
-    assert isinstance(base, tf.Tensor) and base.nbytes <= 1 << 20  # its run, in a buffer of at most 4 MiB
+    assert base.nbytes <= _host_copy._Blocks.BLOCK + _host_copy._Blocks.HUGE
     del out
     gc.collect()
     junk = [np.full(1024, -1.0, np.float32) for _ in range(5000)]
@@ -330,8 +325,6 @@ def test_random_groups_of_small_torch_tensors_copy_exactly(torch, target):
 
 
 def test_leaves_are_grouped_natively_by_key_in_order_skipping_others():
-    groups_of = tf._native.group_leaves
-
     class Sub(np.ndarray):
         pass
 
@@ -342,15 +335,15 @@ def test_leaves_are_grouped_natively_by_key_in_order_skipping_others():
 
     leaves = [np.zeros(2, np.float32), "x", np.zeros(3, np.int8), np.zeros(2, np.float32)]
     leaves += [np.zeros(2, np.float32).view(Sub), np.zeros(3, np.int8), Odd(), np.zeros(2, np.float32)]
-    groups = groups_of(leaves, (np.ndarray, Odd), lambda a: (a.dtype, a.shape))
+    groups = _host_copy._groups(leaves, (np.ndarray, Odd))
     # Keys in the order they first appear, indices in order; exact types only (the
     # subclass is left out) and a leaf whose key raises is left out.
     assert list(groups.items()) == [((np.dtype(np.float32), (2,)), [0, 3, 7]), ((np.dtype(np.int8), (3,)), [2, 5])]
-    assert groups_of(leaves[:1], (np.ndarray,), lambda a: (a.dtype, a.shape)) == {(np.dtype(np.float32), (2,)): [0]}
+    assert _host_copy._groups(iter(leaves[:1]), [np.ndarray]) == {(np.dtype(np.float32), (2,)): [0]}
 
     def interrupted(leaf):
         raise KeyboardInterrupt
 
     # Only an ordinary exception leaves a leaf out: an interrupt still stops the call.
     with pytest.raises(KeyboardInterrupt):
-        groups_of(leaves, (np.ndarray,), interrupted)
+        _host_copy._groups(leaves, (np.ndarray,), interrupted)

@@ -26,7 +26,7 @@ from ._errors import (
 )
 from ._data import data_to_tensor, numeric_data
 from ._gc_pause import gc_paused
-from ._host_copy import copy_many, cuda_stacks, device_stacks
+from ._host_copy import copy_many, torch_chunks
 from ._transfer import Transfer, run_in_background
 from ._tree import dotted, shown
 
@@ -56,7 +56,7 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     out = {}
     # Leaves on devices the engine does not drive (ROCm, MPS, TPU, …): their frameworks' copies.
     leaves, fallback = _fallback.start(leaves, target, non_blocking, pinned, staging)
-    # Blocking host copies of many small PyTorch and NumPy leaves: in bulk, by the core.
+    # Blocking host copies of many small PyTorch leaves: in bulk, by PyTorch itself.
     if copy and target == "cpu" and not packed and not non_blocking:
         bulk = copy_many([leaf for _, leaf in leaves])
     else:
@@ -76,24 +76,23 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     if not pending:
         return out, None if fallback is None else ([], [], [], [], None, fallback)
     # Many small PyTorch CPU tensors bound for a device cross into tensorferry as stacks,
-    # one per group of one dtype and shape (of at most 1 MiB), copied by the core, not one
-    # by one; each stack moves as one tensor and is handed back as its rows.
+    # one per group of one dtype and shape (of at most 1 MiB), not one by one; each stack
+    # moves as one tensor and is handed back as its rows.
     # Bound for the host, blocking, small PyTorch GPU tensors are stacked on their GPU by
     # PyTorch, on its current stream (which the copies of their stacks then wait for).
     if packed or fw.TORCH not in kinds:
         chunks = []
     elif target != "cpu":
-        chunks = device_stacks(pending)
+        chunks = torch_chunks(pending, device_bound=True)
     else:
-        chunks = cuda_stacks(pending) if stackable and not non_blocking else []
+        chunks = torch_chunks(pending, cuda=True) if stackable and not non_blocking else []
     groups = [([pending[j] for j in part], paths[part[0]]) for part, _ in chunks]  # leaves, a path
     if chunks:
         stacked = {j for part, _ in chunks for j in part}
         rest = [j for j in range(len(pending)) if j not in stacked]
         pending, kinds, paths = [pending[j] for j in rest], [kinds[j] for j in rest], [paths[j] for j in rest]
-    stack_kind = fw.NATIVE if target != "cpu" else fw.TORCH  # the core's stacks, or PyTorch's
     natives = fw.to_native_many(
-        pending + [t for _, t in chunks], kinds + [stack_kind] * len(chunks), paths + [p for _, p in groups]
+        pending + [t for _, t in chunks], kinds + [fw.TORCH] * len(chunks), paths + [p for _, p in groups]
     )
     try:
         moved = _native.move_tensors(natives, target, copy, non_blocking, pinned, staging)
@@ -448,9 +447,8 @@ def to_device(obj, device, *, non_blocking=False, stream=None, staging="auto", l
     the result in that framework, those made from lists included (NumPy on the host only;
     on the emulated device only "tensorferry").
     Many small PyTorch CPU tensors of one dtype and shape (rows of a multiple of 64
-    bytes) cross into tensorferry as one stack per group of at most 1 MiB, copied by
-    tensorferry, and come back as the rows of the moved stack (each 64-byte aligned on the
-    device).
+    bytes) cross into tensorferry as one ``torch.stack`` per group of at most 1 MiB and come
+    back as the rows of the moved stack (each 64-byte aligned on the device).
     Tensors already on ``device`` are returned as they are unless ``copy=True``. A bad
     device string raises :class:`InvalidDeviceError`; an absent device raises
     :class:`DeviceUnavailableError` with the reason. ``stream`` is the producer's stream, and
