@@ -651,35 +651,11 @@ fn object_read_into(
 ) -> PyResult<()> {
     let options = object::ObjectOptions::from_env();
     guard(|| {
-        let mut by_address: Vec<(usize, usize)> = spans
-            .iter()
-            .filter(|s| s.2 > 0)
-            .map(|s| (s.1, s.1.saturating_add(s.2)))
-            .collect();
-        by_address.sort_unstable();
-        if by_address.iter().any(|s| s.0 == 0) || by_address.windows(2).any(|w| w[1].0 < w[0].1) {
-            return Err(crate::errors::buffer_err(
-                "object_read_into was given a null address or spans that overlap",
-            ));
-        }
-        py.detach(|| {
-            let targets = spans
-                .iter()
-                .filter(|s| s.2 > 0)
-                // SAFETY: each span is the writable memory of a Python buffer of `len`
-                // bytes that the caller (`tensorferry._object.read_into`) keeps exported —
-                // neither freed nor resized — until this call returns; no two spans overlap
-                // (checked above), so the slices are disjoint; Python buffers hold
-                // initialised bytes.
-                .map(|&(o, address, len)| {
-                    (o, unsafe {
-                        std::slice::from_raw_parts_mut(address as *mut u8, len)
-                    })
-                })
-                .collect();
-            object::read_into(url, targets, etag.as_deref(), &options)
-        })
-        .py_err()
+        // SAFETY: each span is the writable memory of a Python buffer that the caller
+        // (`tensorferry._object.read_into`) keeps exported until this call returns.
+        let targets = unsafe { direct_runs::spans_as_slices(&spans) }?;
+        py.detach(|| object::read_into(url, targets, etag.as_deref(), &options))
+            .py_err()
     })
 }
 
@@ -761,6 +737,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runs::host_runs, m)?)?;
     m.add_function(wrap_pyfunction!(read_index, m)?)?;
     m.add_function(wrap_pyfunction!(direct_runs::read_runs, m)?)?;
+    m.add_class::<direct_runs::PyRunFile>()?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;

@@ -13,6 +13,7 @@ unpickler kills its process: here that is a failed test, not a dead suite), with
 import glob
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -372,3 +373,24 @@ def test_plain_byte_items_still_load(tmp_path):
     dcp.load(target, storage_reader=TensorferryReader(ckpt), no_dist=True)
     assert torch.equal(target["w"], state["w"])
     assert {k: v for k, v in target.items() if k != "w"} == {k: v for k, v in state.items() if k != "w"}
+
+
+def test_a_rank_file_cut_after_its_header_was_read_is_a_format_error_naming_it(tmp_path):
+    """The native run reader keeps the file open from its header to its last run; a file
+    cut in between (another program truncating it) fails the read by the file's name,
+    never fills the tensor with what the file no longer holds."""
+    import numpy as np
+
+    from tensorferry import _dcp_io
+
+    path = str(tmp_path / "rank.safetensors")
+    tf.save({"w": np.arange(1000, dtype=np.float32)}, path)
+    fd = _dcp_io.open_read(path)
+    try:
+        entry = _dcp_io.read_header(fd, path)["w"]
+        os.truncate(path, entry.begin + 10)
+        dest = bytearray(entry.end - entry.begin)
+        with pytest.raises(tf.FormatError, match=re.escape(path)):
+            _dcp_io.read_runs(fd, path, entry, [(0, len(dest))], memoryview(dest))
+    finally:
+        _dcp_io.close(fd)

@@ -49,7 +49,7 @@ pub mod internal {
     pub mod io {
         pub use crate::io::{
             header_bytes, load_bytes, load_sharded, load_to_until, object, parse_header,
-            read_header, read_metadata, read_runs, save_sharded, shard_files, Header, Run,
+            read_header, read_metadata, read_runs, save_sharded, shard_files, Header, Run, RunFile,
             INDEX_SUFFIX,
         };
     }

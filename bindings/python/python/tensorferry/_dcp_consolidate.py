@@ -106,7 +106,7 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
             weight_map.update({name: file for name in tensors})
     finally:
         for fd, _ in headers.values():
-            os.close(fd)
+            _dcp_io.close(fd)
     if len(shards) > 1:
         from .dcp import _write_atomically
 
@@ -147,7 +147,7 @@ def _read_chunk(path, name, chunk, full, headers, save_id):
         try:
             headers[path] = (fd, _dcp_io.read_header(fd, path, save_id=save_id))
         except BaseException:
-            os.close(fd)
+            _dcp_io.close(fd)
             raise
     fd, entries = headers[path]
     entry = entries.get(name)

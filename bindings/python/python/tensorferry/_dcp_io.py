@@ -4,20 +4,17 @@ A DCP reader needs, per rank file, the byte range of each stored tensor, then on
 bytes of the chunks its plan asks for. This module takes a file's index from tensorferry's
 own header reader (validated as ``load`` validates it: a :class:`~tensorferry.FormatError`
 naming the file otherwise), turns a request (offsets and lengths in a stored tensor) into
-the byte runs that hold it, and reads those runs with ``preadv`` (seek and read on Windows)
-straight into a destination buffer, on several threads, counting every byte it fetches in a
+the byte runs that hold it, and has tensorferry's native run reader (local files: positioned
+reads on several threads; object storage: parallel ranged GETs) read those runs straight
+into destination buffers, the GIL released, counting every byte it fetches in a
 :class:`ReadStats`.
 """
 
-import concurrent.futures
 import dataclasses
-import errno
 import json
-import os
-import stat
 
 from . import _native, _object
-from ._errors import FormatError, TensorferryIOError, io_error
+from ._errors import FormatError
 
 #: Bytes per element of each safetensors dtype.
 ITEM_SIZE = {
@@ -60,55 +57,6 @@ class Entry:
     end: int
 
 
-if hasattr(os, "preadv"):
-
-    def _pread_into(fd, view, offset):
-        return os.preadv(fd, [view], offset)
-
-else:  # Windows has no positional reads in os: seek, then read
-
-    def _pread_into(fd, view, offset):
-        os.lseek(fd, offset, os.SEEK_SET)
-        data = os.read(fd, len(view))
-        view[: len(data)] = data
-        return len(data)
-
-
-def _kind(mode):
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def not_regular(path, mode):
-    """The error for a path that is not a regular file: ``IsADirectoryError`` for a folder,
-    else an OSError with no errno; either way a TensorferryIOError whose ``filename`` is
-    the path."""
-    kind = _kind(mode)
-    if stat.S_ISDIR(mode):
-        return io_error(errno.EISDIR, "is a folder, not a regular file", path)
-    return TensorferryIOError(None, f"is {kind}, not a regular file", path)
-
-
-_PSEUDO = []
-
-
-def _pseudo_devices():
-    """The devices of /proc and /sys, whose files look regular but are not files of bytes
-    (their sizes say nothing, some block)."""
-    if not _PSEUDO:
-        devices = set()
-        for root in ("/proc", "/sys"):
-            try:
-                devices.add(os.stat(root).st_dev)
-            except OSError:
-                pass
-        _PSEUDO.append(frozenset(devices))
-    return _PSEUDO[0]
-
-
 class RemoteObject:
     """What :func:`open_read` gives for an object-storage URL in place of a descriptor:
     the URL, and the ETag its header was read at (every later read must find that version
@@ -120,33 +68,19 @@ class RemoteObject:
 
 
 def open_read(path):
-    """A read-only file descriptor of ``path``, refused at once (an OSError whose
-    ``filename`` is the path) unless ``path`` is a regular file: it is opened without
-    blocking (a FIFO would otherwise wait for a writer, however it came to be there), then
-    its descriptor checked, then made blocking again. For an object-storage URL
+    """The file at ``path`` open for reads of its byte runs (a native ``RunFile``), refused
+    at once (an OSError whose ``filename`` is the path) unless it is a regular file: a
+    folder, a FIFO (never waited on), a file of /proc or /sys. For an object-storage URL
     (``s3://…``), a :class:`RemoteObject` read with ranged GETs; :func:`close` either."""
     if _native.is_url(path):
         return RemoteObject(path)
-    nonblock = getattr(os, "O_NONBLOCK", 0)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | nonblock)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise not_regular(path, st.st_mode)
-        if st.st_dev in _pseudo_devices():
-            raise TensorferryIOError(None, "is a file of /proc or /sys, not a regular file", path)
-        if nonblock:
-            os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _native.RunFile(path)
 
 
 def close(fd):
     """Closes what :func:`open_read` opened."""
     if not isinstance(fd, RemoteObject):
-        os.close(fd)
+        fd.close()
 
 
 def read_small_file(path, limit):
@@ -155,45 +89,24 @@ def read_small_file(path, limit):
     further."""
     if _native.is_url(path):
         size, etag = _native.object_head(path)
-        if size > limit:
-            raise _fail(path, f"{size} bytes, more than the {limit} bytes this file may hold")
-        return _native.object_read_ranges(path, [(0, size)], etag)[0] if size else b""
-    fd = open_read(path)
+    else:
+        fd = open_read(path)
+        size = fd.size
     try:
-        size = os.fstat(fd).st_size
         if size > limit:
             raise _fail(path, f"{size} bytes, more than the {limit} bytes this file may hold")
-        chunks, total = [], 0
-        while True:
-            chunk = os.read(fd, min(limit + 1 - total, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:
-                raise _fail(path, f"more than the {limit} bytes this file may hold")
-        return b"".join(chunks)
+        if _native.is_url(path):
+            return _native.object_read_ranges(path, [(0, size)], etag)[0] if size else b""
+        data = bytearray(size)
+        read_pieces(fd, path, [(0, memoryview(data))], 1)
+        return bytes(data)
     finally:
-        os.close(fd)
+        if not _native.is_url(path):
+            close(fd)
 
 
 def _fail(path, what):
     return FormatError(f"{path}: {what}")
-
-
-def _pread_exact(fd, buffer, offset, path):
-    """Fills ``buffer`` (a writable memoryview of bytes) from ``offset``; a file that ends
-    first is a FormatError naming it."""
-    if isinstance(fd, RemoteObject):
-        _read_remote(fd, [(offset, buffer)])
-        return
-    view = buffer
-    while len(view):
-        got = _pread_into(fd, view, offset)
-        if got <= 0:
-            raise _fail(path, f"the file ends at byte {offset}, before the data its header describes")
-        view = view[got:]
-        offset += got
 
 
 #: ``read_header``'s ``save_id`` when any save will do.
@@ -229,7 +142,7 @@ def _header_metadata(fd, path, start, stats):
     ``fd`` (a header the native reader has validated), read from this descriptor: the
     file whose data is read next."""
     raw = bytearray(start)
-    _pread_exact(fd, memoryview(raw), 0, path)
+    read_pieces(fd, path, [(0, memoryview(raw))], 1)
     if stats is not None:
         stats.header += start
     try:
@@ -265,8 +178,7 @@ def byte_runs(shape, item_size, offsets, lengths):
 
 
 #: Reads are cut into pieces of at most this many bytes, so that one large tensor is read
-#: by several threads at once; consecutive small runs are gathered into tasks of about this
-#: size, so that thread hand-offs stay few.
+#: by several reads at once (ranged GETs of an object; the native file reader cuts its own).
 PIECE_BYTES = 4 << 20
 
 
@@ -287,35 +199,18 @@ def pieces(entry, runs, dest):
 
 
 def read_pieces(fd, path, todo, workers, stats=None):
-    """Reads every ``(file offset, view)`` of ``todo`` from ``fd``, on up to ``workers``
-    threads (positioned reads release the GIL, so page-cache copies run side by side);
-    the first failure is raised once every read has stopped."""
-    if isinstance(fd, RemoteObject):
-        _read_remote(fd, todo)
-        if stats is not None:
-            stats.data += sum(len(view) for _, view in todo)
-        return
-    tasks, task, size = [], [], 0
-    for offset, view in todo:
-        task.append((offset, view))
-        size += len(view)
-        if size >= PIECE_BYTES:
-            tasks.append(task)
-            task, size = [], 0
-    if task:
-        tasks.append(task)
-
-    def run(task):
-        for offset, view in task:
-            _pread_exact(fd, view, offset, path)
-
-    if workers <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            run(task)
-    else:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
-            for future in [pool.submit(run, t) for t in tasks]:
-                future.result()
+    """Reads every ``(file offset, view)`` of ``todo`` from ``fd`` natively, the GIL
+    released: a local file with up to ``workers`` positioned reads at once (a file that
+    ends first is a FormatError naming it), an object with parallel ranged GETs, each
+    checked against the version its header was read at."""
+    held, spans = _object.exported_spans(todo)
+    try:
+        if isinstance(fd, RemoteObject):
+            _native.object_read_into(fd.url, spans, fd.etag)
+        else:
+            fd.read_into(spans, max(1, workers))
+    finally:
+        del held
     if stats is not None:
         stats.data += sum(len(view) for _, view in todo)
 
@@ -324,10 +219,3 @@ def read_runs(fd, path, entry, runs, dest, stats=None):
     """Reads ``runs`` of ``entry`` end to end into ``dest`` (a writable byte memoryview of
     exactly their total size) on this thread, counting the bytes in ``stats``."""
     read_pieces(fd, path, pieces(entry, runs, dest), 1, stats)
-
-
-def _read_remote(obj, todo):
-    """Reads every ``(offset, view)`` of ``todo`` from the object ``obj`` straight into the
-    views, in parallel ranged GETs (natively, the GIL released), each checked against the
-    version its header was read at."""
-    _object.read_into(obj.url, todo, obj.etag)

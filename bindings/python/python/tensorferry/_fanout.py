@@ -262,7 +262,7 @@ def _resolve(path):
     return "file", path
 
 
-# A checkpoint's file is a local file (a descriptor, its identity ``(st_dev, st_ino)``) or an
+# A checkpoint's file is a local file (a native ``RunFile``, its identity ``(st_dev, st_ino)``) or an
 # object in object storage (a :class:`_dcp_io.RemoteObject`, its identity the ETag of the
 # version its header was read at); the reads below take either.
 
@@ -272,8 +272,7 @@ def _open(path, fds, identities):
         fd = _dcp_io.open_read(path)
         fds[path] = fd
         if not isinstance(fd, _dcp_io.RemoteObject):
-            st = os.fstat(fd)
-            identities[path] = (st.st_dev, st.st_ino)
+            identities[path] = fd.identity or _identity(path)  # None: a platform without inodes
 
 
 def _header(path, fds, identities, stats):

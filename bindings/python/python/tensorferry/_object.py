@@ -26,6 +26,17 @@ def read_into(url, targets, etag=None):
     >>> buf = bytearray(16)                                          # doctest: +SKIP
     >>> read_into("s3://bucket/model.safetensors", [(0, buf)])       # doctest: +SKIP
     """
+    held, spans = exported_spans(targets)
+    try:
+        _native.object_read_into(url, spans, etag)
+    finally:
+        del held
+
+
+def exported_spans(targets):
+    """``(held, spans)`` for ``(offset, buffer)`` targets: ``spans`` are ``(offset,
+    address, length)`` of the writable buffers (empty ones left out), which stay exported
+    while ``held`` lives — the way native reads write into Python buffers."""
     held, spans = [], []
     for offset, buffer in targets:
         view = memoryview(buffer).cast("B")  # TypeError for a buffer that is not contiguous
@@ -36,10 +47,7 @@ def read_into(url, targets, etag=None):
         window = (ctypes.c_char * len(view)).from_buffer(view)  # keeps the buffer exported
         held.append(window)
         spans.append((int(offset), ctypes.addressof(window), len(view)))
-    try:
-        _native.object_read_into(url, spans, etag)
-    finally:
-        del held
+    return held, spans
 
 
 def read_ranges(url, ranges, etag=None):

@@ -5,8 +5,8 @@ decides where the bytes go. This module's layer writes each rank's items as ONE 
 file (``__{rank}_{save id}.safetensors``) through :func:`tensorferry.save` — atomic, readable by
 ``safetensors`` and every tool that reads it — and DCP's metadata (``.metadata``) beside
 it. Loading reads each needed file's header once, then only the byte runs of the chunks
-the rank's plan asks for (``preadv`` at their offsets, straight into the planner's tensor
-when it is contiguous host memory), whatever the number of ranks that saved; the reader
+the rank's plan asks for (tensorferry's native positioned reads at their offsets, straight
+into the planner's tensor when it is contiguous host memory), whatever the number of ranks that saved; the reader
 counts what it read in ``reader.read_stats``.
 
 >>> import torch, torch.distributed.checkpoint as dcp            # doctest: +SKIP
@@ -374,8 +374,8 @@ def _build():
         """Reads a checkpoint written by :class:`TensorferryWriter` from the folder ``path``.
 
         Each rank reads the header of every file it needs once, then only the byte runs of
-        the chunks its plan names (any resharding DCP plans), with ``preadv`` straight into
-        the planner's tensor when that is contiguous host memory, else into scratch blocks
+        the chunks its plan names (any resharding DCP plans), with native positioned reads
+        straight into the planner's tensor when that is contiguous host memory, else into scratch blocks
         (at most 256 MB at a time) copied once. Reads run on ``read_threads`` threads
         (default: up to 4, one per core): page-cache copies side by side, pieces of a large
         tensor included. A damaged file is a :class:`tensorferry.FormatError` naming it.

@@ -159,27 +159,67 @@ impl Reader {
     /// # Safety
     /// As [`Reader::read_raw`].
     unsafe fn read_parallel(&self, dst: *mut u8, len: usize, at: u64) -> io::Result<()> {
-        let pieces = len.div_ceil(READ_BYTES);
+        let mut pieces = Vec::with_capacity(len.div_ceil(READ_BYTES));
+        cut_pieces(Address(dst), len, at, &mut pieces);
+        // SAFETY: forwarded contract; the pieces are disjoint parts of `dst`'s bytes.
+        unsafe { self.read_pieces(&pieces, READ_THREADS) }
+    }
+
+    /// Reads each `(at, buf)` of `targets` (the file's bytes from `at`, `buf.len()` of
+    /// them, into `buf`) through the page cache, in pieces of at most [`READ_BYTES`], up
+    /// to `threads` at once; the first error stops the rest. Every target must lie inside
+    /// the file as its size said: else an [`Error::Format`] naming the file and the byte.
+    pub(crate) fn read_scattered(
+        &self,
+        targets: &mut [(u64, &mut [u8])],
+        threads: usize,
+    ) -> Result<()> {
+        debug_assert!(!self.direct, "scattered reads go through the page cache");
+        let mut pieces = Vec::new();
+        for (at, buf) in targets.iter_mut() {
+            if at
+                .checked_add(buf.len() as u64)
+                .is_none_or(|end| end > self.file_len)
+            {
+                return Err(Error::Format {
+                    at: format!("{}: byte {at}", self.path.display()),
+                    reason: format!(
+                        "the file ends at byte {}, before the {} bytes asked for from there",
+                        self.file_len,
+                        buf.len()
+                    ),
+                });
+            }
+            cut_pieces(Address(buf.as_mut_ptr()), buf.len(), *at, &mut pieces);
+        }
+        // SAFETY: each target is a distinct `&mut [u8]`, borrowed exclusively for the call,
+        // and the pieces are disjoint parts of them.
+        unsafe { self.read_pieces(&pieces, threads.max(1)) }
+            .map_err(|e| Error::io("read", &self.path, e))
+    }
+
+    /// Reads every piece, up to `threads` at once (one at a time where positioned reads
+    /// share a cursor); the first error stops the rest.
+    ///
+    /// # Safety
+    /// Each piece's `dst` must be valid for writes of its `len` bytes, the pieces must not
+    /// overlap, and nothing else may read or write them during the call.
+    unsafe fn read_pieces(&self, pieces: &[Piece], threads: usize) -> io::Result<()> {
         let threads = if cfg!(unix) {
-            pieces.min(READ_THREADS)
+            pieces.len().min(threads)
         } else {
             1 // positioned reads move a shared cursor there: one at a time
         };
-        let dst = Address(dst);
         let next = AtomicUsize::new(0);
         let stop = AtomicBool::new(false);
         let failure: Mutex<Option<io::Error>> = Mutex::new(None);
         let work = || {
             while !stop.load(Ordering::Relaxed) {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= pieces {
-                    break;
-                }
-                let offset = i * READ_BYTES;
-                let piece = READ_BYTES.min(len - offset);
-                // SAFETY: pieces are disjoint parts of `dst`'s `len` bytes, each handed to
-                // one thread only (by `next`); the caller's contract covers the rest.
-                let read = unsafe { self.read_piece(dst.at(offset), piece, at + offset as u64) };
+                let Some(p) = pieces.get(i) else { break };
+                // SAFETY: the pieces are disjoint, each handed to one thread only (by
+                // `next`); the caller's contract covers the rest.
+                let read = unsafe { self.read_piece(p.dst.0, p.len, p.at) };
                 if let Err(e) = read {
                     stop.store(true, Ordering::Relaxed);
                     failure
@@ -257,8 +297,26 @@ unsafe impl Send for Address {}
 unsafe impl Sync for Address {}
 
 impl Address {
-    fn at(self, offset: usize) -> *mut u8 {
-        self.0.wrapping_add(offset)
+    fn at(self, offset: usize) -> Address {
+        Address(self.0.wrapping_add(offset))
+    }
+}
+
+/// One positioned read of the many a call makes: `len` bytes of the file from `at`, to `dst`.
+struct Piece {
+    dst: Address,
+    len: usize,
+    at: u64,
+}
+
+/// Appends the pieces of at most [`READ_BYTES`] that read `len` bytes from `at` to `dst`.
+fn cut_pieces(dst: Address, len: usize, at: u64, pieces: &mut Vec<Piece>) {
+    for offset in (0..len).step_by(READ_BYTES) {
+        pieces.push(Piece {
+            dst: dst.at(offset),
+            len: READ_BYTES.min(len - offset),
+            at: at + offset as u64,
+        });
     }
 }
 

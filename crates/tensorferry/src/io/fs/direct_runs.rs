@@ -9,11 +9,15 @@
 //! window's bytes are copied to the runs that overlap it. Host memory beyond the
 //! destinations stays one window; bytes read beyond those asked for stay under two blocks
 //! per span.
+//!
+//! Runs read through the page cache straight into the caller's memory (a DCP reader's
+//! tensors) go through the same [`Reader`], from a [`RunFile`].
 
 use std::fs::File;
 use std::path::Path;
 
 use super::direct::{Reader, Window, DIRECT_ALIGN};
+use super::file_kind::open_regular;
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
 
@@ -121,6 +125,65 @@ pub fn read_runs(path: &Path, sizes: &[usize], runs: &[Run]) -> Result<RunsRead>
     })
 }
 
+/// A regular file open for reads of byte runs through the page cache, straight into the
+/// caller's memory and several at once: the rank files of a DCP checkpoint, read by
+/// `tensorferry.dcp` with the file kept open from its header to its last run.
+pub struct RunFile {
+    reader: Reader,
+    len: u64,
+    meta: std::fs::Metadata,
+}
+
+impl RunFile {
+    /// Opens the regular file at `path` (anything else is refused before a read could
+    /// block, as every load refuses it).
+    pub fn open(path: &Path) -> Result<RunFile> {
+        let (file, len) = open_regular(path)?;
+        let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+        Ok(RunFile {
+            reader: Reader::new(file, path, len, false),
+            len,
+            meta,
+        })
+    }
+
+    /// What the open file was when it was opened (its size, its inode, …): a caller that
+    /// later finds another file at the path knows the file was replaced.
+    pub fn metadata(&self) -> &std::fs::Metadata {
+        &self.meta
+    }
+
+    /// The file's size when it was opened.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for an empty file.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Fills each `(at, buf)` of `targets` with the file's bytes from `at`, up to
+    /// `threads` reads at once. A target past the file's end, or a file that turns out
+    /// shorter than its size said (cut while it was read), is an [`Error::Format`] naming
+    /// the file and the byte.
+    pub fn read_into(&self, targets: &mut [(u64, &mut [u8])], threads: usize) -> Result<()> {
+        self.reader
+            .read_scattered(targets, threads)
+            .map_err(|e| match e {
+                Error::Io { path, source, .. }
+                    if source.kind() == std::io::ErrorKind::UnexpectedEof =>
+                {
+                    Error::Format {
+                        at: path.display().to_string(),
+                        reason: source.to_string(),
+                    }
+                }
+                other => other,
+            })
+    }
+}
+
 /// Copies the bytes of run `r` that the window (the file's bytes from `start`) holds to
 /// their place in `dest`.
 fn copy_overlap(window: &[u8], start: u64, r: &Run, dest: &mut AlignedBuffer) {
@@ -200,6 +263,52 @@ mod tests {
         assert!(b[..64].iter().all(|&x| x == 0));
         let asked: u64 = runs.iter().map(|r| r.len as u64).sum();
         assert!(read.bytes_read >= asked && read.bytes_read <= asked + 3 * 2 * DIRECT_ALIGN as u64);
+    }
+
+    #[test]
+    fn a_run_file_fills_each_target_with_its_bytes_on_several_threads() {
+        let bytes = pattern(2 * (4 << 20) + 5000);
+        let f = file_of(&bytes);
+        let file = RunFile::open(f.path()).unwrap();
+        assert_eq!(file.len(), bytes.len() as u64);
+        let (mut a, mut b, mut c) = (vec![0u8; 100], vec![0u8; (4 << 20) + 4000], vec![0u8; 0]);
+        let mut targets = [(7u64, &mut a[..]), (1000, &mut b[..]), (3, &mut c[..])];
+        file.read_into(&mut targets, 3).unwrap();
+        assert_eq!(&a[..], &bytes[7..107]);
+        assert_eq!(&b[..], &bytes[1000..1000 + b.len()]);
+    }
+
+    #[test]
+    fn a_run_file_refuses_a_target_past_its_end_naming_it() {
+        let f = file_of(&pattern(100));
+        let file = RunFile::open(f.path()).unwrap();
+        let mut buf = [0u8; 10];
+        let err = file.read_into(&mut [(95, &mut buf[..])], 2).err().unwrap();
+        let text = err.to_string();
+        assert!(matches!(err, Error::Format { .. }), "{text}");
+        assert!(
+            text.contains(&f.path().display().to_string()) && text.contains("byte 95"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_run_file_cut_while_open_is_a_format_error_naming_it() {
+        let f = file_of(&pattern(10_000));
+        let file = RunFile::open(f.path()).unwrap();
+        f.as_file().set_len(100).unwrap();
+        let mut buf = [0u8; 1000];
+        let err = file.read_into(&mut [(50, &mut buf[..])], 1).err().unwrap();
+        let text = err.to_string();
+        assert!(matches!(err, Error::Format { .. }), "{text}");
+        assert!(text.contains(&f.path().display().to_string()), "{text}");
+    }
+
+    #[test]
+    fn a_run_file_is_only_ever_a_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = RunFile::open(dir.path()).err().unwrap();
+        assert!(matches!(err, Error::Io { .. }), "{err}");
     }
 
     #[test]
