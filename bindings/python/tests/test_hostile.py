@@ -11,6 +11,8 @@ import pytest
 
 import tensorferry as tf
 
+from _mutating_leaf import AddsATensorWhenAsked
+
 MOVES = {
     "to_host": lambda d, p: tf.to_host(d, copy=True),
     "to_numpy": lambda d, p: tf.to_numpy(d),
@@ -83,25 +85,9 @@ def test_nesting_within_the_limit_works():
     np.testing.assert_array_equal(node, np.arange(3.0))
 
 
-class _AddsATensorWhenAsked:
-    """A DLPack leaf whose device query adds a tensor to the dictionary it lives in, as
-    another thread could between collecting the leaves and rebuilding the result."""
-
-    def __init__(self, parent):
-        self.parent = parent
-        self.array = np.ones(2, np.float32)
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        self.parent["late"] = np.zeros(3)
-        return (1, 0)
-
-
 def test_a_tensor_added_during_a_move_is_an_error_naming_its_key():
     d = {}
-    d["sneaky"] = _AddsATensorWhenAsked(d)
+    d["sneaky"] = AddsATensorWhenAsked(d)
     with pytest.raises(RuntimeError, match="late"):
         tf.to_host(d, copy=True)
 

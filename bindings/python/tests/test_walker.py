@@ -10,6 +10,8 @@ import pytest
 
 import tensorferry as tf
 
+from _mutating_leaf import AddsATensorWhenAsked
+
 Pair = namedtuple("Pair", ["first", "second"])
 
 
@@ -154,24 +156,9 @@ def test_a_mapping_whose_membership_test_fails_is_walked_as_any_other():
     assert type(out["m"]) is _NoContains and isinstance(out["m"]["x"], tf.Tensor)
 
 
-class _AddsATensorWhenAsked:
-    """A DLPack leaf whose device query adds a tensor to the mapping it lives in."""
-
-    def __init__(self, parent):
-        self.parent = parent
-        self.array = np.ones(2, np.float32)
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        self.parent["late"] = np.zeros(3)
-        return (1, 0)
-
-
 def test_a_tensor_added_to_a_dict_subclass_during_a_move_is_an_error_naming_its_key():
     d = Versioned()
-    d["sneaky"] = _AddsATensorWhenAsked(d)
+    d["sneaky"] = AddsATensorWhenAsked(d)
     with pytest.raises(RuntimeError, match="changed during the call at .*late"):
         tf.to_host({"outer": d}, copy=True)
 
