@@ -506,23 +506,14 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
         etag: meta.e_tag,
         size,
     };
+    // The rest of the object, counted from the first GET's end; that GET is one of the
+    // `concurrency` in flight.
     let parts = plan::parts(
-        std::slice::from_ref(&(first_end..size)),
+        std::slice::from_ref(&(0..size - first_end)),
         options.part_bytes as u64,
     );
-    let mut slices = Vec::with_capacity(parts.len());
-    let mut rest = rest;
-    for part in parts {
-        let (slice, tail) =
-            std::mem::take(&mut rest).split_at_mut((part.end - part.start) as usize);
-        slices.push((part, slice));
-        rest = tail;
-    }
-    let (at_ref, version_ref) = (at, &version);
-    let others = futures_util::stream::iter(slices)
-        .map(|(range, slice)| fetch_part(at_ref, range, slice, version_ref))
-        .buffer_unordered(options.concurrency.saturating_sub(1).max(1))
-        .try_for_each(|()| async { Ok(()) });
+    let concurrency = options.concurrency.saturating_sub(1).max(1);
+    let others = fetch_parts(at, rest, first_end, &parts, &version, concurrency);
     let first_body = drain_stream(at, prefix.len() as u64..first_end, stream, first_rest);
     runtime::block_on(futures_util::future::try_join(first_body, others))??;
     let header = &buffer.as_slice()[(pad + 8) as usize..(pad + data_start) as usize];
@@ -653,6 +644,27 @@ pub(super) fn fetch_into(
     version: &Version,
     options: &ObjectOptions,
 ) -> Result<()> {
+    let concurrency = options.concurrency.max(1);
+    runtime::block_on(fetch_parts(
+        at,
+        data,
+        data_start,
+        parts,
+        version,
+        concurrency,
+    ))?
+}
+
+/// [`fetch_into`]'s GETs as one future, `concurrency` of them at once (for a caller that
+/// runs it beside other work).
+fn fetch_parts<'a>(
+    at: &'a Location,
+    data: &'a mut [MaybeUninit<u8>],
+    data_start: u64,
+    parts: &[Range<u64>],
+    version: &'a Version,
+    concurrency: usize,
+) -> impl std::future::Future<Output = Result<()>> + 'a {
     let mut slices = Vec::with_capacity(parts.len());
     let mut rest = data;
     let mut rest_at = 0u64;
@@ -663,12 +675,14 @@ pub(super) fn fetch_into(
         rest = tail;
         rest_at = part.end;
     }
-    runtime::block_on(
-        futures_util::stream::iter(slices)
-            .map(|(range, slice)| fetch_part(at, range, slice, version))
-            .buffer_unordered(options.concurrency.max(1))
-            .try_for_each(|()| async { Ok(()) }),
-    )?
+    futures_util::stream::iter(slices)
+        .map(
+            move |(range, slice): (Range<u64>, &'a mut [MaybeUninit<u8>])| {
+                fetch_part(at, range, slice, version)
+            },
+        )
+        .buffer_unordered(concurrency)
+        .try_for_each(|()| async { Ok(()) })
 }
 
 /// One ranged GET into `into`, checked against the version the load started with.
