@@ -87,22 +87,19 @@ def read_small_file(path, limit):
     """The bytes of the regular file ``path`` (see :func:`open_read`), or of the object at
     that URL; one of more than ``limit`` bytes is a FormatError naming it, read no
     further."""
-    if _native.is_url(path):
-        size, etag = _native.object_head(path)
-    else:
-        fd = open_read(path)
-        size = fd.size
+    fd = open_read(path)
     try:
+        if isinstance(fd, RemoteObject):
+            size, fd.etag = _native.object_head(path)
+        else:
+            size = fd.size
         if size > limit:
             raise _fail(path, f"{size} bytes, more than the {limit} bytes this file may hold")
-        if _native.is_url(path):
-            return _native.object_read_ranges(path, [(0, size)], etag)[0] if size else b""
         data = bytearray(size)
         read_pieces(fd, path, [(0, memoryview(data))], 1)
         return bytes(data)
     finally:
-        if not _native.is_url(path):
-            close(fd)
+        close(fd)
 
 
 def _fail(path, what):

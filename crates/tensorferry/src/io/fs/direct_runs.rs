@@ -130,7 +130,6 @@ pub fn read_runs(path: &Path, sizes: &[usize], runs: &[Run]) -> Result<RunsRead>
 /// `tensorferry.dcp` with the file kept open from its header to its last run.
 pub struct RunFile {
     reader: Reader,
-    len: u64,
     meta: std::fs::Metadata,
 }
 
@@ -142,7 +141,6 @@ impl RunFile {
         let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
         Ok(RunFile {
             reader: Reader::new(file, path, len, false),
-            len,
             meta,
         })
     }
@@ -155,12 +153,12 @@ impl RunFile {
 
     /// The file's size when it was opened.
     pub fn len(&self) -> u64 {
-        self.len
+        self.meta.len()
     }
 
     /// True for an empty file.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
     /// Fills each `(at, buf)` of `targets` with the file's bytes from `at`, up to
