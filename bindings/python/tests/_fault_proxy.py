@@ -29,7 +29,8 @@ class FaultProxy:
       request byte number ``spare`` counted over all connections (to cut a later request of
       a sequence, whatever connections the client reuses).
 
-    ``cut``, ``delayed`` count the faults injected so far.
+    ``cut``, ``delayed`` count the faults injected so far; ``responded``, the response
+    bytes passed on to clients in all.
     """
 
     def __init__(self, upstream_port, *, cut_responses=0, cut_requests=0, cut_after=64 << 10,
@@ -38,6 +39,7 @@ class FaultProxy:
         self.cut_after = cut_after
         self.spare = spare
         self.requested = 0  # request bytes passed in all
+        self.responded = 0  # response bytes passed in all
         self.delay = delay
         self._budget = {"response": cut_responses, "request": cut_requests, "delay": delays}
         self.cut = 0
@@ -152,6 +154,9 @@ class _Link:
                     self.close()
                     return
                 dst.sendall(data)
+                if direction == "response":
+                    with proxy._lock:
+                        proxy.responded += len(data)
         except OSError:
             pass
         self.close()

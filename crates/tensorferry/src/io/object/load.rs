@@ -5,7 +5,9 @@
 //! as soon as that GET's answer begins (its size and version, and the header's length in
 //! its first bytes), in parallel ranged GETs ([`ObjectOptions::part_bytes`] each,
 //! [`ObjectOptions::concurrency`] at once) while the first body still arrives, so the
-//! header costs no round trip of its own. A subset needs the header first: the first GET,
+//! header costs no round trip of its own; the header is parsed as soon as its bytes are
+//! in, and a bad one ends the load there, cancelling the GETs in flight. A subset needs
+//! the header first: the first GET,
 //! a second one only when the header is longer, then only its tensors' byte ranges. Either
 //! way the bytes land in one aligned buffer, which goes through the same validated
 //! header → tree path as a local file ([`crate::io::read`]). Every GET after the first
@@ -32,6 +34,7 @@ use super::{plan, runtime};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SUFFIX};
 use crate::io::checkpoint::sharded::{load_index_with, READERS};
+use crate::io::format::header::{Header, HeaderCensus};
 use crate::io::format::header_reader::{header_len, parse_counted};
 use crate::io::read::{build, Loaded};
 use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
@@ -483,56 +486,97 @@ fn load_object(
 /// and version and, in its first bytes, the header's length; the rest of the object is
 /// asked for at once, in parallel ranged GETs conditional on that version, while the first
 /// answer's body still arrives. The whole object lands in one buffer, placed so that its
-/// data section starts 64-byte aligned, and its header is parsed from there.
+/// data section starts 64-byte aligned. The header is parsed as soon as its bytes are in
+/// (from the first GET, or with the GETs that carry its rest); a header that fails the
+/// parse ends the load there, cancelling the GETs still in flight.
 fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
-    let (meta, stream, prefix) = match runtime::block_on(first_answer(at, first_len))? {
+    let (meta, mut body) = match runtime::block_on(first_answer(at, first_len))? {
         // An empty object has no range to give: the header's own path names the fault.
         Err(e) if is_empty_object(&e) => return load_after_header(at, options, None),
         other => other?,
     };
     let size = meta.size;
-    let data_start = 8 + header_len(&prefix, size).map_err(in_object)?;
+    let first_end = first_len.min(size);
+    let mut len = [0u8; 8];
+    let k = first_end.min(8) as usize;
+    runtime::block_on(body.fill(at, as_uninit(&mut len[..k])))??;
+    let data_start = 8 + header_len(&len[..k], size).map_err(in_object)?;
     let pad = data_start.next_multiple_of(HOST_ALIGNMENT as u64) - data_start;
     test_pause_after_header();
     let mut buffer = AlignedBuffer::zeroed((pad + size) as usize)?;
-    let object = as_uninit(&mut buffer.as_mut_slice()[pad as usize..]);
-    let first_end = first_len.min(size);
-    let (first, rest) = object.split_at_mut(first_end as usize);
-    let (got, first_rest) = first.split_at_mut(prefix.len());
-    write_into(got, &prefix);
+    let object = &mut buffer.as_mut_slice()[pad as usize..];
+    object[..8].copy_from_slice(&len);
     let version = Version {
         etag: meta.e_tag,
         size,
     };
-    // The rest of the object, counted from the first GET's end; that GET is one of the
-    // `concurrency` in flight.
+    // The rest of the object, in parts laid from the first GET's end, the one that holds
+    // the header's end cut there: the header (with the first GET's bytes) is in once the
+    // GETs before `split` are.
+    let split = first_end.max(data_start);
     let parts = plan::parts(
-        std::slice::from_ref(&(0..size - first_end)),
+        std::slice::from_ref(&(first_end..size)),
         options.part_bytes as u64,
     );
-    let concurrency = options.concurrency.saturating_sub(1).max(1);
-    let others = fetch_parts(at, rest, first_end, &parts, &version, concurrency);
-    let first_body = drain_stream(at, prefix.len() as u64..first_end, stream, first_rest);
-    runtime::block_on(futures_util::future::try_join(first_body, others))??;
-    let header = &buffer.as_slice()[(pad + 8) as usize..(pad + data_start) as usize];
-    let parsed = parse_counted(header, size - data_start).map_err(in_object)?;
+    let header_parts: Vec<Range<u64>> = parts
+        .iter()
+        .filter(|p| p.start < split)
+        .map(|p| p.start - first_end..p.end.min(split) - first_end)
+        .collect();
+    let data_parts: Vec<Range<u64>> = plan::after(parts, split)
+        .into_iter()
+        .map(|p| p.start - split..p.end - split)
+        .collect();
+    // The first GET is one of the `concurrency` in flight, and so are the header's.
+    let others = options.concurrency.saturating_sub(1).max(1);
+    let for_data = others.saturating_sub(header_parts.len()).max(1);
+    let (with_header, rest) = object.split_at_mut(split as usize);
+    let (version, data_len) = (&version, size - data_start);
+    let header = async move {
+        if data_start <= first_end {
+            // The first GET holds the header: parsed as soon as it is in.
+            let (json, data_head) = with_header.split_at_mut(data_start as usize);
+            body.fill(at, &mut as_uninit(json)[k..]).await?;
+            let parsed = parsed_aside(at, &json[8..], data_len).await?;
+            body.fill(at, as_uninit(data_head)).await?;
+            body.end(at).await?;
+            return Ok(parsed);
+        }
+        let (first, carried) = as_uninit(&mut *with_header).split_at_mut(first_end as usize);
+        let first_body = async {
+            body.fill(at, &mut first[k..]).await?;
+            body.end(at).await
+        };
+        let rest_of_header = fetch_parts(at, carried, first_end, &header_parts, version, others);
+        futures_util::future::try_join(first_body, rest_of_header).await?;
+        parsed_aside(at, &with_header[8..data_start as usize], data_len).await
+    };
+    let data = fetch_parts(at, as_uninit(rest), split, &data_parts, version, for_data);
+    let ((), parsed) = runtime::block_on(futures_util::future::try_join(data, header))??;
     let base = (pad + data_start) as usize;
     build(parsed, Arc::new(Storage::owned(buffer)), base).map_err(in_object)
 }
 
+/// The header `json` of the object at `at` parsed (as [`parse_counted`] does, its errors
+/// naming the object) on a thread of its own, so that the GETs beside it go on arriving.
+async fn parsed_aside(at: &Location, json: &[u8], data_len: u64) -> Result<(Header, HeaderCensus)> {
+    let json = json.to_vec();
+    match tokio::task::spawn_blocking(move || parse_counted(&json, data_len)).await {
+        Ok(parsed) => parsed.map_err(|e| e.in_file(Path::new(at.url()))),
+        Err(e) => Err(failed(
+            "parse the header of",
+            at.url(),
+            Cause::Other,
+            e.to_string(),
+        )),
+    }
+}
+
 /// The first GET of an object, of its bytes `0..len`: what the store says of the object
-/// (its size and version), the rest of the body to come, and the body's first bytes (at
-/// least 8, the header's length, unless the body is shorter).
-async fn first_answer(
-    at: &Location,
-    len: u64,
-) -> Result<(
-    ObjectMeta,
-    BoxStream<'static, object_store::Result<Bytes>>,
-    Vec<u8>,
-)> {
+/// (its size and version), and its body, to come.
+async fn first_answer(at: &Location, len: u64) -> Result<(ObjectMeta, Body)> {
     let answer = at
         .store()
         .get_opts(
@@ -545,25 +589,8 @@ async fn first_answer(
         .await
         .map_err(|e| from_store("read", at.url(), e))?;
     let meta = answer.meta.clone();
-    let mut stream = answer.into_stream();
-    let mut prefix = Vec::new();
-    while prefix.len() < 8 {
-        match stream.next().await {
-            Some(chunk) => {
-                prefix.extend_from_slice(&chunk.map_err(|e| from_store("read", at.url(), e))?)
-            }
-            None => break,
-        }
-    }
-    if prefix.len() as u64 > len.min(meta.size) {
-        return Err(failed(
-            "read",
-            at.url(),
-            Cause::Other,
-            "the server sent more bytes than asked",
-        ));
-    }
-    Ok((meta, stream, prefix))
+    let body = Body::of(0..len.min(meta.size), answer.into_stream());
+    Ok((meta, body))
 }
 
 /// Loads one safetensors object once its header is in: the header's GET (a second one for
@@ -739,45 +766,78 @@ pub(super) async fn drain_into(
     answer: GetResult,
     into: &mut [MaybeUninit<u8>],
 ) -> Result<()> {
-    drain_stream(at, range, answer.into_stream(), into).await
+    let mut body = Body::of(range, answer.into_stream());
+    body.fill(at, into).await?;
+    body.end(at).await
 }
 
-/// Writes the body `stream` (of the GET of `range`, less the bytes already taken from it)
-/// into `into`, which must be exactly as long as the rest.
-async fn drain_stream(
-    at: &Location,
+/// The body of a GET as it arrives, taken in pieces of the lengths asked.
+struct Body {
+    /// The bytes the GET asked for, for messages.
     range: Range<u64>,
-    mut stream: BoxStream<'static, object_store::Result<Bytes>>,
-    into: &mut [MaybeUninit<u8>],
-) -> Result<()> {
-    let read_err = |e| from_store("read", at.url(), e);
-    let mut filled = 0usize;
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(read_err)?;
-        let end = filled + chunk.len();
-        if end > into.len() {
-            return Err(failed(
+    /// How many bytes were taken so far.
+    taken: u64,
+    stream: BoxStream<'static, object_store::Result<Bytes>>,
+    /// Bytes that arrived and were not taken yet.
+    pending: Bytes,
+}
+
+impl Body {
+    /// The body `stream` of the GET of `range`.
+    fn of(range: Range<u64>, stream: BoxStream<'static, object_store::Result<Bytes>>) -> Body {
+        Body {
+            range,
+            taken: 0,
+            stream,
+            pending: Bytes::new(),
+        }
+    }
+
+    /// The next bytes to arrive (empty at the body's end).
+    async fn next_chunk(&mut self, at: &Location) -> Result<Bytes> {
+        while self.pending.is_empty() {
+            match self.stream.next().await {
+                Some(chunk) => self.pending = chunk.map_err(|e| from_store("read", at.url(), e))?,
+                None => break,
+            }
+        }
+        Ok(std::mem::take(&mut self.pending))
+    }
+
+    /// Fills `into` with the body's next bytes; a body that ends first is an error.
+    async fn fill(&mut self, at: &Location, into: &mut [MaybeUninit<u8>]) -> Result<()> {
+        let mut filled = 0;
+        while filled < into.len() {
+            let mut chunk = self.next_chunk(at).await?;
+            if chunk.is_empty() {
+                let asked = self.range.end - self.range.start;
+                let detail = format!(
+                    "bytes {:?}: the server sent {} of {asked} bytes",
+                    self.range, self.taken
+                );
+                return Err(failed("read", at.url(), Cause::Other, detail));
+            }
+            let n = chunk.len().min(into.len() - filled);
+            write_into(&mut into[filled..filled + n], &chunk.split_to(n));
+            self.pending = chunk;
+            filled += n;
+            self.taken += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Checks that the body ends here.
+    async fn end(&mut self, at: &Location) -> Result<()> {
+        match self.next_chunk(at).await?.is_empty() {
+            true => Ok(()),
+            false => Err(failed(
                 "read",
                 at.url(),
                 Cause::Other,
                 "the server sent more bytes than asked",
-            ));
+            )),
         }
-        write_into(&mut into[filled..end], &chunk);
-        filled = end;
     }
-    if filled != into.len() {
-        return Err(failed(
-            "read",
-            at.url(),
-            Cause::Other,
-            format!(
-                "bytes {range:?}: the server sent {filled} of {} bytes",
-                into.len()
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// `node` with every tensor whose name is not in `only` replaced by a `None` value.
