@@ -133,7 +133,7 @@ pub fn read_header_url(
     let header = fetch_header(&at, options)?;
     let parsed = crate::io::format::header_reader::parse_header(&header.json, header.data_len)
         .map_err(|e| e.in_file(Path::new(at.url())))?;
-    Ok((parsed, header.etag, header.size))
+    Ok((parsed, header.version.etag, header.version.size))
 }
 
 /// The size and ETag (when the store gives one) of the object at `url`, from one HEAD.
@@ -222,14 +222,8 @@ pub fn read_into(
             rest = tail;
         }
     }
-    let at = &at;
-    let version = &version;
-    runtime::block_on(
-        futures_util::stream::iter(jobs)
-            .map(|(range, slice)| fetch_part(at, range, slice, version))
-            .buffer_unordered(options.concurrency.max(1))
-            .try_for_each(|()| async { Ok(()) }),
-    )?
+    let concurrency = options.concurrency.max(1);
+    runtime::block_on(fetch_jobs(&at, jobs, &version, concurrency))?
 }
 
 /// What a load of `at` reads, as [`load_url`] says, read by `object` (one safetensors
@@ -397,15 +391,12 @@ pub(super) struct FetchedHeader {
     /// The first bytes of the data section, fetched with the header.
     pub(super) data_head: Bytes,
     /// The object's version, which every later GET must find.
-    pub(super) etag: Option<String>,
-    /// The object's size.
-    pub(super) size: u64,
+    pub(super) version: Version,
 }
 
 /// The header of the object at `at`: one GET of its first bytes, a second one only
 /// when the header is longer.
 pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<FetchedHeader> {
-    let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
     let (first, meta) = match get(at, GetRange::Bounded(0..first_len), None) {
         // An empty object has no range to give.
@@ -419,48 +410,25 @@ pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<Fet
         other => other?,
     };
     let size = meta.size;
-    let n = header_len(&first, size).map_err(in_object)?;
-    let data_start = 8 + n;
-    let (json, data_head) = if data_start <= first.len() as u64 {
-        let json = first[8..data_start as usize].to_vec();
-        (json, first.slice(data_start as usize..))
-    } else {
-        let (rest, _) = get(
-            at,
-            GetRange::Bounded(first.len() as u64..data_start),
-            meta.e_tag.clone(),
-        )?;
-        let mut json = Vec::with_capacity(n as usize);
-        json.extend_from_slice(&first[8..]);
-        json.extend_from_slice(&rest);
-        (json, Bytes::new())
+    let data_start = 8 + header_len(&first, size).map_err(|e| e.in_file(Path::new(at.url())))?;
+    let version = Version {
+        etag: meta.e_tag,
+        size,
     };
-    if json.len() as u64 != n {
-        return Err(failed(
-            "read",
-            at.url(),
-            Cause::Other,
-            "the server sent a short header",
-        ));
+    let got = data_start.min(first.len() as u64);
+    let mut json = first[8..got as usize].to_vec();
+    json.resize((data_start - 8) as usize, 0);
+    if got < data_start {
+        let rest = as_uninit(&mut json[(got - 8) as usize..]);
+        runtime::block_on(fetch_part(at, got..data_start, rest, &version))??;
     }
     Ok(FetchedHeader {
         json,
         data_len: size - data_start,
         data_start,
-        data_head,
-        etag: meta.e_tag,
-        size,
+        data_head: first.slice(got as usize..),
+        version,
     })
-}
-
-impl FetchedHeader {
-    /// What every later GET of the load must find.
-    pub(super) fn version(&self) -> Version {
-        Version {
-            etag: self.etag.clone(),
-            size: self.size,
-        }
-    }
 }
 
 /// Whether a GET failed only because the object holds no bytes (no range to give).
@@ -617,7 +585,7 @@ fn load_after_header(
     let mut data = AlignedBuffer::zeroed(header.data_len as usize)?;
     let head_len = header.data_head.len();
     data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
-    let version = header.version();
+    let version = header.version;
     let ranges = plan::after(plan::merged(wanted, plan::MERGE_GAP), head_len as u64);
     let parts = plan::parts(&ranges, options.part_bytes as u64);
     fetch_into(
@@ -702,10 +670,21 @@ fn fetch_parts<'a>(
         rest = tail;
         rest_at = part.end;
     }
-    futures_util::stream::iter(slices)
+    fetch_jobs(at, slices, version, concurrency)
+}
+
+/// Fills each `(range, into)` of `jobs` with the bytes `range` of the object by one ranged
+/// GET, `concurrency` of them at once; the first failure stops the others.
+fn fetch_jobs<'a>(
+    at: &'a Location,
+    jobs: Vec<(Range<u64>, &'a mut [MaybeUninit<u8>])>,
+    version: &'a Version,
+    concurrency: usize,
+) -> impl std::future::Future<Output = Result<()>> + 'a {
+    futures_util::stream::iter(jobs)
         .map(
-            move |(range, slice): (Range<u64>, &'a mut [MaybeUninit<u8>])| {
-                fetch_part(at, range, slice, version)
+            move |(range, into): (Range<u64>, &'a mut [MaybeUninit<u8>])| {
+                fetch_part(at, range, into, version)
             },
         )
         .buffer_unordered(concurrency)
