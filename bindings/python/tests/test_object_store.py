@@ -640,6 +640,30 @@ def test_a_load_survives_dropped_connections_and_delays_by_retrying(own_server, 
         proxy.close()
 
 
+def test_a_checkpoint_saves_and_loads_over_https_its_bodies_signed_unhashed(own_server, proxied, monkeypatch, tmp_path):
+    # s3s-fs speaks plain HTTP: the proxy speaks TLS to the client, with a certificate of a
+    # CA the test makes, trusted through SSL_CERT_FILE. Over HTTPS the bodies are signed
+    # without hashing them (UNSIGNED-PAYLOAD, as AWS's SDKs do), which the server checks.
+    from test_object_stores import Certificates
+
+    tls = Certificates(str(tmp_path))
+    proxy = proxied(tls=(tls.server, tls.key))
+    assert proxy.endpoint.startswith("https://")
+    monkeypatch.setenv("SSL_CERT_FILE", tls.ca)
+    monkeypatch.delenv("AWS_UNSIGNED_PAYLOAD", raising=False)
+    tree = {"w": np.arange(3 << 20, dtype=np.float32), "b": np.arange(10)}  # 12 MiB: a multipart upload
+    tf.save(tree, "s3://bucket/tls.safetensors")
+    _same(tf.load("s3://bucket/tls.safetensors"), tree)
+    _same(tf.load("s3://bucket/tls.safetensors", keys="b"), {"b": tree["b"]})
+    with open(own_server.log) as f:
+        log = f.read()
+    parts = re.findall(r'method: PUT, uri: \S*partNumber=[^\n]*"x-amz-content-sha256": "([^"]*)"', log)
+    assert len(parts) == 2 and set(parts) == {"UNSIGNED-PAYLOAD"}, parts  # parts of 8 MiB
+    monkeypatch.delenv("SSL_CERT_FILE")
+    with pytest.raises(OSError, match="TLS certificate is not trusted"):
+        tf.load("s3://bucket/tls.safetensors")
+
+
 def test_a_multipart_save_survives_dropped_connections_by_retrying(own_server, proxied, monkeypatch):
     tree = {"w": np.arange(6 << 20, dtype=np.float32)}  # 24 MiB: 5 parts of 5 MiB
     _retrying(monkeypatch, 4)
