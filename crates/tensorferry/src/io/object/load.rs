@@ -437,7 +437,7 @@ fn is_empty_object(e: &Error) -> bool {
 }
 
 /// Loads one safetensors object (never an index): all of it ([`load_whole`]), or the
-/// tensors `only` names, whose byte ranges the header says ([`load_after_header`]).
+/// tensors `only` names, whose byte ranges the header says ([`load_subset`]).
 fn load_object(
     at: &Location,
     options: &ObjectOptions,
@@ -445,7 +445,7 @@ fn load_object(
 ) -> Result<Loaded> {
     match only {
         None => load_whole(at, options),
-        Some(_) => load_after_header(at, options, only),
+        Some(names) => load_subset(at, options, names),
     }
 }
 
@@ -461,8 +461,8 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
     let (meta, mut body) = match runtime::block_on(first_answer(at, first_len))? {
-        // An empty object has no range to give: the header's own path names the fault.
-        Err(e) if is_empty_object(&e) => return load_after_header(at, options, None),
+        // An empty object has no range to give, and no header.
+        Err(e) if is_empty_object(&e) => return Err(in_object(header_len(&[], 0).unwrap_err())),
         other => other?,
     };
     let size = meta.size;
@@ -561,27 +561,17 @@ async fn first_answer(at: &Location, len: u64) -> Result<(ObjectMeta, Body)> {
     Ok((meta, body))
 }
 
-/// Loads one safetensors object once its header is in: the header's GET (a second one for
-/// a long header), then the tensors `only` names (or all), in parallel ranged GETs.
-fn load_after_header(
-    at: &Location,
-    options: &ObjectOptions,
-    only: Option<&HashSet<String>>,
-) -> Result<Loaded> {
+/// Loads the tensors `names` names of one safetensors object: the header's GET (a second
+/// one for a long header), then only their byte ranges, in parallel ranged GETs.
+fn load_subset(at: &Location, options: &ObjectOptions, names: &HashSet<String>) -> Result<Loaded> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let header = fetch_header(at, options)?;
     let parsed = parse_counted(&header.json, header.data_len).map_err(in_object)?;
     test_pause_after_header();
-    let wanted: Vec<Range<u64>> = match only {
-        None => std::iter::once(0..header.data_len).collect(),
-        Some(names) => parsed
-            .0
-            .tensors
-            .iter()
-            .filter(|t| names.contains(&t.name))
-            .map(|t| t.begin as u64..t.end as u64)
-            .collect(),
-    };
+    let wanted: Vec<Range<u64>> = (parsed.0.tensors.iter())
+        .filter(|t| names.contains(&t.name))
+        .map(|t| t.begin as u64..t.end as u64)
+        .collect();
     let mut data = AlignedBuffer::zeroed(header.data_len as usize)?;
     let head_len = header.data_head.len();
     data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
