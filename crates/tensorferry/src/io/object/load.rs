@@ -431,9 +431,13 @@ pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<Fet
     })
 }
 
-/// Whether a GET failed only because the object holds no bytes (no range to give).
+/// Whether a GET failed only because the object holds no bytes (no range to give: HTTP
+/// 416, S3's `InvalidRange`). Not any message with "416" in it: the client's messages
+/// hold the request's duration ("in 41.6ms").
 fn is_empty_object(e: &Error) -> bool {
-    e.to_string().contains("InvalidRange") || e.to_string().contains("416")
+    let text = e.to_string();
+    cause_of(e) == Some(Cause::Other)
+        && (text.contains("InvalidRange") || text.contains("416 Range Not Satisfiable"))
 }
 
 /// Loads one safetensors object (never an index): all of it ([`load_whole`]), or the
@@ -507,9 +511,12 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
             // The first GET holds the header: parsed as soon as it is in.
             let (json, data_head) = with_header.split_at_mut(data_start as usize);
             body.fill(at, &mut as_uninit(json)[k..]).await?;
-            let parsed = parsed_aside(at, &json[8..], data_len).await?;
-            body.fill(at, as_uninit(data_head)).await?;
-            body.end(at).await?;
+            let rest_of_first = async {
+                body.fill(at, as_uninit(data_head)).await?;
+                body.end(at).await
+            };
+            let parsed = parsed_aside(at, &json[8..], data_len);
+            let (parsed, ()) = futures_util::future::try_join(parsed, rest_of_first).await?;
             return Ok(parsed);
         }
         let (first, carried) = as_uninit(&mut *with_header).split_at_mut(first_end as usize);
@@ -859,5 +866,42 @@ pub(super) fn test_pause_after_header() {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while !go.exists() && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_refused_range_is_an_empty_object_not_a_duration_that_reads_416() {
+        let missing = "Error performing GET http://h/x.safetensors in 416.2ms - 404 Not Found";
+        assert!(!is_empty_object(&failed(
+            "read",
+            "http://h/x",
+            Cause::NotFound,
+            missing
+        )));
+        let busy = "Error performing GET http://h/x in 1.416s - 503 Service Unavailable";
+        assert!(!is_empty_object(&failed(
+            "read",
+            "http://h/x",
+            Cause::Other,
+            busy
+        )));
+        let refused = "Server returned non-2xx status code: 416 Range Not Satisfiable";
+        assert!(is_empty_object(&failed(
+            "read",
+            "http://h/x",
+            Cause::Other,
+            refused
+        )));
+        let s3 = "<Code>InvalidRange</Code>";
+        assert!(is_empty_object(&failed(
+            "read",
+            "s3://b/x",
+            Cause::Other,
+            s3
+        )));
     }
 }
