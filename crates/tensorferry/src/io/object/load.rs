@@ -875,33 +875,26 @@ mod tests {
 
     #[test]
     fn only_a_refused_range_is_an_empty_object_not_a_duration_that_reads_416() {
-        let missing = "Error performing GET http://h/x.safetensors in 416.2ms - 404 Not Found";
-        assert!(!is_empty_object(&failed(
-            "read",
-            "http://h/x",
-            Cause::NotFound,
-            missing
-        )));
-        let busy = "Error performing GET http://h/x in 1.416s - 503 Service Unavailable";
-        assert!(!is_empty_object(&failed(
-            "read",
-            "http://h/x",
-            Cause::Other,
-            busy
-        )));
-        let refused = "Server returned non-2xx status code: 416 Range Not Satisfiable";
-        assert!(is_empty_object(&failed(
-            "read",
-            "http://h/x",
-            Cause::Other,
-            refused
-        )));
-        let s3 = "<Code>InvalidRange</Code>";
-        assert!(is_empty_object(&failed(
-            "read",
-            "s3://b/x",
-            Cause::Other,
-            s3
-        )));
+        for (cause, text, empty) in [
+            (
+                Cause::NotFound,
+                "GET http://h/x in 416.2ms - 404 Not Found",
+                false,
+            ),
+            (
+                Cause::Other,
+                "GET http://h/x in 1.416s - 503 Service Unavailable",
+                false,
+            ),
+            (
+                Cause::Other,
+                "non-2xx status code: 416 Range Not Satisfiable",
+                true,
+            ),
+            (Cause::Other, "<Code>InvalidRange</Code>", true),
+        ] {
+            let e = failed("read", "http://h/x", cause, text);
+            assert_eq!(is_empty_object(&e), empty, "{text}");
+        }
     }
 }
