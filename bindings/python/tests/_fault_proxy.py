@@ -10,6 +10,7 @@ after ``lifetime`` seconds, whatever the test does.
 """
 
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -29,15 +30,18 @@ class FaultProxy:
       request byte number ``spare`` counted over all connections (to cut a later request of
       a sequence, whatever connections the client reuses).
 
-    ``cut``, ``delayed`` count the faults injected so far.
+    ``cut``, ``delayed`` count the faults injected so far; ``responded``, the response
+    bytes passed on to clients in all. With ``tls=(certificate, key)`` (PEM files), clients
+    speak TLS to the proxy (``https://``), which passes plain bytes upstream.
     """
 
     def __init__(self, upstream_port, *, cut_responses=0, cut_requests=0, cut_after=64 << 10,
-                 delays=0, delay=0.5, spare=0, lifetime=120.0):
+                 delays=0, delay=0.5, spare=0, lifetime=120.0, tls=None):
         self.upstream_port = upstream_port
         self.cut_after = cut_after
         self.spare = spare
         self.requested = 0  # request bytes passed in all
+        self.responded = 0  # response bytes passed in all
         self.delay = delay
         self._budget = {"response": cut_responses, "request": cut_requests, "delay": delays}
         self.cut = 0
@@ -51,7 +55,11 @@ class FaultProxy:
         self._listener.listen(64)
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        if tls:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self._listener = context.wrap_socket(self._listener, server_side=True)
         self._deadline = time.monotonic() + lifetime
         threading.Thread(target=self._accept, name="fault-proxy", daemon=True).start()
 
@@ -72,7 +80,7 @@ class FaultProxy:
             while not self._closed.is_set() and time.monotonic() < self._deadline:
                 try:
                     client, _ = self._listener.accept()
-                except socket.timeout:
+                except (socket.timeout, ssl.SSLError):  # a TLS handshake the client gave up
                     continue
                 except OSError:
                     break
@@ -152,6 +160,9 @@ class _Link:
                     self.close()
                     return
                 dst.sendall(data)
+                if direction == "response":
+                    with proxy._lock:
+                        proxy.responded += len(data)
         except OSError:
             pass
         self.close()

@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -258,9 +259,39 @@ def test_a_whole_load_asks_for_the_rest_of_the_object_without_waiting_for_the_he
         np.testing.assert_array_equal(got[k], v)
     assert got["t0"].ctypes.data % 64 == 0  # the data section starts 64-byte aligned
     size = os.path.getsize(own_server.file("m.safetensors"))
+    data_start = size - 100 * 4000
     ranges = sorted(_ranges_read(own_server.log))
     assert ranges[0] == (0, 64), ranges
-    assert ranges[1:] == [(a, min(a + (64 << 10), size)) for a in range(64, size, 64 << 10)], ranges
+    # Parts laid from 64, the one that holds the header's end cut there (so that the
+    # header is parsed as soon as it is in): not laid from the data's start.
+    cuts = sorted({*range(64, size, 64 << 10), data_start, size})
+    assert ranges[1:] == list(zip(cuts, cuts[1:])), ranges
+
+
+@pytest.mark.parametrize("first_get", [1 << 20, 64], ids=["header-in-the-first-get", "header-past-the-first-get"])
+def test_a_broken_header_fails_the_load_before_the_rest_of_the_object_arrives(own_server, proxied, monkeypatch, first_get):
+    # 64 MiB of data behind a header of a plausible length that is not JSON (cut before its
+    # closing brace): the load fails with the error a local load of the file gives, as soon
+    # as the header is in, and the GETs for the rest of the object (asked for at once) are
+    # cancelled. Counted by the proxy: the response bytes that reached the client (with one
+    # part of 8 MiB in flight beside the first GET and the header's).
+    monkeypatch.setenv("TENSORFERRY_OBJECT_HEADER_BYTES", str(first_get))
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CONCURRENCY", "2")
+    size = 64 << 20
+    entries = {f"t{i}": {"dtype": "F32", "shape": [16], "data_offsets": [64 * i, 64 * i + 64]} for i in range(100)}
+    header = json.dumps(entries).encode()[:-1]
+    path = own_server.file("broken.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + size)
+    with pytest.raises(tf.FormatError) as local:
+        tf.load(path)
+    proxy = proxied()
+    with pytest.raises(tf.FormatError) as remote:
+        tf.load("s3://bucket/broken.safetensors")
+    assert str(remote.value) == str(local.value).replace(path, "s3://bucket/broken.safetensors")
+    print(f"{proxy.responded} of {size} bytes came down")
+    assert proxy.responded < size // 4, f"{proxy.responded} of {size} bytes came down"
 
 
 def test_bfloat16_round_trips_with_torch(s3, url, torch):
@@ -607,6 +638,30 @@ def test_a_load_survives_dropped_connections_and_delays_by_retrying(own_server, 
         np.testing.assert_array_equal(tf.to_numpy(got)["w"], tree["w"])
         assert (proxy.cut, proxy.delayed) == (3, 3), device  # the faults did happen
         proxy.close()
+
+
+def test_a_checkpoint_saves_and_loads_over_https_its_bodies_signed_unhashed(own_server, proxied, monkeypatch, tmp_path):
+    # s3s-fs speaks plain HTTP: the proxy speaks TLS to the client, with a certificate of a
+    # CA the test makes, trusted through SSL_CERT_FILE. Over HTTPS the bodies are signed
+    # without hashing them (UNSIGNED-PAYLOAD, as AWS's SDKs do), which the server checks.
+    from test_object_stores import Certificates
+
+    tls = Certificates(str(tmp_path))
+    proxy = proxied(tls=(tls.server, tls.key))
+    assert proxy.endpoint.startswith("https://")
+    monkeypatch.setenv("SSL_CERT_FILE", tls.ca)
+    monkeypatch.delenv("AWS_UNSIGNED_PAYLOAD", raising=False)
+    tree = {"w": np.arange(3 << 20, dtype=np.float32), "b": np.arange(10)}  # 12 MiB: a multipart upload
+    tf.save(tree, "s3://bucket/tls.safetensors")
+    _same(tf.load("s3://bucket/tls.safetensors"), tree)
+    _same(tf.load("s3://bucket/tls.safetensors", keys="b"), {"b": tree["b"]})
+    with open(own_server.log) as f:
+        log = f.read()
+    parts = re.findall(r'method: PUT, uri: \S*partNumber=[^\n]*"x-amz-content-sha256": "([^"]*)"', log)
+    assert len(parts) == 2 and set(parts) == {"UNSIGNED-PAYLOAD"}, parts  # parts of 8 MiB
+    monkeypatch.delenv("SSL_CERT_FILE")
+    with pytest.raises(OSError, match="TLS certificate is not trusted"):
+        tf.load("s3://bucket/tls.safetensors")
 
 
 def test_a_multipart_save_survives_dropped_connections_by_retrying(own_server, proxied, monkeypatch):

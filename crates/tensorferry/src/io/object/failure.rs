@@ -31,6 +31,9 @@ pub enum Cause {
     Dropped,
     /// The URL or the store's configuration is not usable.
     BadConfig,
+    /// The server's TLS certificate is not one the client trusts (its CA is not among the
+    /// roots: the system's, or those `SSL_CERT_FILE` / `SSL_CERT_DIR` name).
+    Untrusted,
     /// Anything else the store reported.
     Other,
 }
@@ -44,7 +47,7 @@ impl Cause {
             Cause::AccessDenied | Cause::NoCredentials | Cause::BadCredentials => libc::EACCES,
             Cause::Unreachable => libc::ECONNREFUSED,
             Cause::Dropped => libc::ECONNRESET,
-            Cause::Changed | Cause::BadConfig | Cause::Other => return None,
+            Cause::Changed | Cause::BadConfig | Cause::Untrusted | Cause::Other => return None,
         })
     }
 
@@ -63,7 +66,7 @@ impl Cause {
             Cause::Unreachable => io::ErrorKind::ConnectionRefused,
             Cause::Dropped => io::ErrorKind::ConnectionReset,
             Cause::BadConfig => io::ErrorKind::InvalidInput,
-            Cause::Changed | Cause::Other => io::ErrorKind::Other,
+            Cause::Changed | Cause::Untrusted | Cause::Other => io::ErrorKind::Other,
         }
     }
 
@@ -78,6 +81,7 @@ impl Cause {
             Cause::Unreachable => "the server could not be reached",
             Cause::Dropped => "the connection dropped in the middle of a transfer, more often than the retries allow (TENSORFERRY_OBJECT_RETRIES)",
             Cause::BadConfig => "the URL or the store's settings are not usable",
+            Cause::Untrusted => "the server's TLS certificate is not trusted (a private CA is trusted with SSL_CERT_FILE=<its PEM file>)",
             Cause::Other => "the store reported an error",
         }
     }
@@ -154,6 +158,7 @@ fn classify(e: &object_store::Error, text: &str) -> Cause {
         {
             Cause::NoCredentials
         }
+        _ if has("invalid peer certificate") => Cause::Untrusted,
         _ if has("onnection reset")
             || has("error reading a body")
             || has("body error")

@@ -179,7 +179,7 @@ fn stream_ranges(
     let reads = Reads {
         at,
         header,
-        version: header.version(),
+        version: header.version.clone(),
         options: stream.options,
     };
     // The GETs of the next chunk begin while this one's bodies arrive: the latency of

@@ -5,7 +5,9 @@
 //! as soon as that GET's answer begins (its size and version, and the header's length in
 //! its first bytes), in parallel ranged GETs ([`ObjectOptions::part_bytes`] each,
 //! [`ObjectOptions::concurrency`] at once) while the first body still arrives, so the
-//! header costs no round trip of its own. A subset needs the header first: the first GET,
+//! header costs no round trip of its own; the header is parsed as soon as its bytes are
+//! in, and a bad one ends the load there, cancelling the GETs in flight. A subset needs
+//! the header first: the first GET,
 //! a second one only when the header is longer, then only its tensors' byte ranges. Either
 //! way the bytes land in one aligned buffer, which goes through the same validated
 //! header → tree path as a local file ([`crate::io::read`]). Every GET after the first
@@ -32,6 +34,7 @@ use super::{plan, runtime};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SUFFIX};
 use crate::io::checkpoint::sharded::{load_index_with, READERS};
+use crate::io::format::header::{Header, HeaderCensus};
 use crate::io::format::header_reader::{header_len, parse_counted};
 use crate::io::read::{build, Loaded};
 use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
@@ -130,7 +133,7 @@ pub fn read_header_url(
     let header = fetch_header(&at, options)?;
     let parsed = crate::io::format::header_reader::parse_header(&header.json, header.data_len)
         .map_err(|e| e.in_file(Path::new(at.url())))?;
-    Ok((parsed, header.etag, header.size))
+    Ok((parsed, header.version.etag, header.version.size))
 }
 
 /// The size and ETag (when the store gives one) of the object at `url`, from one HEAD.
@@ -219,14 +222,8 @@ pub fn read_into(
             rest = tail;
         }
     }
-    let at = &at;
-    let version = &version;
-    runtime::block_on(
-        futures_util::stream::iter(jobs)
-            .map(|(range, slice)| fetch_part(at, range, slice, version))
-            .buffer_unordered(options.concurrency.max(1))
-            .try_for_each(|()| async { Ok(()) }),
-    )?
+    let concurrency = options.concurrency.max(1);
+    runtime::block_on(fetch_jobs(&at, jobs, &version, concurrency))?
 }
 
 /// What a load of `at` reads, as [`load_url`] says, read by `object` (one safetensors
@@ -394,15 +391,12 @@ pub(super) struct FetchedHeader {
     /// The first bytes of the data section, fetched with the header.
     pub(super) data_head: Bytes,
     /// The object's version, which every later GET must find.
-    pub(super) etag: Option<String>,
-    /// The object's size.
-    pub(super) size: u64,
+    pub(super) version: Version,
 }
 
 /// The header of the object at `at`: one GET of its first bytes, a second one only
 /// when the header is longer.
 pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<FetchedHeader> {
-    let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
     let (first, meta) = match get(at, GetRange::Bounded(0..first_len), None) {
         // An empty object has no range to give.
@@ -416,57 +410,38 @@ pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<Fet
         other => other?,
     };
     let size = meta.size;
-    let n = header_len(&first, size).map_err(in_object)?;
-    let data_start = 8 + n;
-    let (json, data_head) = if data_start <= first.len() as u64 {
-        let json = first[8..data_start as usize].to_vec();
-        (json, first.slice(data_start as usize..))
-    } else {
-        let (rest, _) = get(
-            at,
-            GetRange::Bounded(first.len() as u64..data_start),
-            meta.e_tag.clone(),
-        )?;
-        let mut json = Vec::with_capacity(n as usize);
-        json.extend_from_slice(&first[8..]);
-        json.extend_from_slice(&rest);
-        (json, Bytes::new())
+    let data_start = 8 + header_len(&first, size).map_err(|e| e.in_file(Path::new(at.url())))?;
+    let version = Version {
+        etag: meta.e_tag,
+        size,
     };
-    if json.len() as u64 != n {
-        return Err(failed(
-            "read",
-            at.url(),
-            Cause::Other,
-            "the server sent a short header",
-        ));
+    let got = data_start.min(first.len() as u64);
+    let mut json = first[8..got as usize].to_vec();
+    json.resize((data_start - 8) as usize, 0);
+    if got < data_start {
+        let rest = as_uninit(&mut json[(got - 8) as usize..]);
+        runtime::block_on(fetch_part(at, got..data_start, rest, &version))??;
     }
     Ok(FetchedHeader {
         json,
         data_len: size - data_start,
         data_start,
-        data_head,
-        etag: meta.e_tag,
-        size,
+        data_head: first.slice(got as usize..),
+        version,
     })
 }
 
-impl FetchedHeader {
-    /// What every later GET of the load must find.
-    pub(super) fn version(&self) -> Version {
-        Version {
-            etag: self.etag.clone(),
-            size: self.size,
-        }
-    }
-}
-
-/// Whether a GET failed only because the object holds no bytes (no range to give).
+/// Whether a GET failed only because the object holds no bytes (no range to give: HTTP
+/// 416, S3's `InvalidRange`). Not any message with "416" in it: the client's messages
+/// hold the request's duration ("in 41.6ms").
 fn is_empty_object(e: &Error) -> bool {
-    e.to_string().contains("InvalidRange") || e.to_string().contains("416")
+    let text = e.to_string();
+    cause_of(e) == Some(Cause::Other)
+        && (text.contains("InvalidRange") || text.contains("416 Range Not Satisfiable"))
 }
 
 /// Loads one safetensors object (never an index): all of it ([`load_whole`]), or the
-/// tensors `only` names, whose byte ranges the header says ([`load_after_header`]).
+/// tensors `only` names, whose byte ranges the header says ([`load_subset`]).
 fn load_object(
     at: &Location,
     options: &ObjectOptions,
@@ -474,7 +449,7 @@ fn load_object(
 ) -> Result<Loaded> {
     match only {
         None => load_whole(at, options),
-        Some(_) => load_after_header(at, options, only),
+        Some(names) => load_subset(at, options, names),
     }
 }
 
@@ -483,56 +458,100 @@ fn load_object(
 /// and version and, in its first bytes, the header's length; the rest of the object is
 /// asked for at once, in parallel ranged GETs conditional on that version, while the first
 /// answer's body still arrives. The whole object lands in one buffer, placed so that its
-/// data section starts 64-byte aligned, and its header is parsed from there.
+/// data section starts 64-byte aligned. The header is parsed as soon as its bytes are in
+/// (from the first GET, or with the GETs that carry its rest); a header that fails the
+/// parse ends the load there, cancelling the GETs still in flight.
 fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
-    let (meta, stream, prefix) = match runtime::block_on(first_answer(at, first_len))? {
-        // An empty object has no range to give: the header's own path names the fault.
-        Err(e) if is_empty_object(&e) => return load_after_header(at, options, None),
+    let (meta, mut body) = match runtime::block_on(first_answer(at, first_len))? {
+        // An empty object has no range to give, and no header.
+        Err(e) if is_empty_object(&e) => return Err(in_object(header_len(&[], 0).unwrap_err())),
         other => other?,
     };
     let size = meta.size;
-    let data_start = 8 + header_len(&prefix, size).map_err(in_object)?;
+    let first_end = first_len.min(size);
+    let mut len = [0u8; 8];
+    let k = first_end.min(8) as usize;
+    runtime::block_on(body.fill(at, as_uninit(&mut len[..k])))??;
+    let data_start = 8 + header_len(&len[..k], size).map_err(in_object)?;
     let pad = data_start.next_multiple_of(HOST_ALIGNMENT as u64) - data_start;
     test_pause_after_header();
     let mut buffer = AlignedBuffer::zeroed((pad + size) as usize)?;
-    let object = as_uninit(&mut buffer.as_mut_slice()[pad as usize..]);
-    let first_end = first_len.min(size);
-    let (first, rest) = object.split_at_mut(first_end as usize);
-    let (got, first_rest) = first.split_at_mut(prefix.len());
-    write_into(got, &prefix);
+    let object = &mut buffer.as_mut_slice()[pad as usize..];
+    object[..8].copy_from_slice(&len);
     let version = Version {
         etag: meta.e_tag,
         size,
     };
-    // The rest of the object, counted from the first GET's end; that GET is one of the
-    // `concurrency` in flight.
+    // The rest of the object, in parts laid from the first GET's end, the one that holds
+    // the header's end cut there: the header (with the first GET's bytes) is in once the
+    // GETs before `split` are.
+    let split = first_end.max(data_start);
     let parts = plan::parts(
-        std::slice::from_ref(&(0..size - first_end)),
+        std::slice::from_ref(&(first_end..size)),
         options.part_bytes as u64,
     );
-    let concurrency = options.concurrency.saturating_sub(1).max(1);
-    let others = fetch_parts(at, rest, first_end, &parts, &version, concurrency);
-    let first_body = drain_stream(at, prefix.len() as u64..first_end, stream, first_rest);
-    runtime::block_on(futures_util::future::try_join(first_body, others))??;
-    let header = &buffer.as_slice()[(pad + 8) as usize..(pad + data_start) as usize];
-    let parsed = parse_counted(header, size - data_start).map_err(in_object)?;
+    let header_parts: Vec<Range<u64>> = parts
+        .iter()
+        .filter(|p| p.start < split)
+        .map(|p| p.start - first_end..p.end.min(split) - first_end)
+        .collect();
+    let data_parts: Vec<Range<u64>> = plan::after(parts, split)
+        .into_iter()
+        .map(|p| p.start - split..p.end - split)
+        .collect();
+    // The first GET is one of the `concurrency` in flight, and so are the header's.
+    let others = options.concurrency.saturating_sub(1).max(1);
+    let for_data = others.saturating_sub(header_parts.len()).max(1);
+    let (with_header, rest) = object.split_at_mut(split as usize);
+    let (version, data_len) = (&version, size - data_start);
+    let header = async move {
+        if data_start <= first_end {
+            // The first GET holds the header: parsed as soon as it is in.
+            let (json, data_head) = with_header.split_at_mut(data_start as usize);
+            body.fill(at, &mut as_uninit(json)[k..]).await?;
+            let rest_of_first = async {
+                body.fill(at, as_uninit(data_head)).await?;
+                body.end(at).await
+            };
+            let parsed = parsed_aside(at, &json[8..], data_len);
+            let (parsed, ()) = futures_util::future::try_join(parsed, rest_of_first).await?;
+            return Ok(parsed);
+        }
+        let (first, carried) = as_uninit(&mut *with_header).split_at_mut(first_end as usize);
+        let first_body = async {
+            body.fill(at, &mut first[k..]).await?;
+            body.end(at).await
+        };
+        let rest_of_header = fetch_parts(at, carried, first_end, &header_parts, version, others);
+        futures_util::future::try_join(first_body, rest_of_header).await?;
+        parsed_aside(at, &with_header[8..data_start as usize], data_len).await
+    };
+    let data = fetch_parts(at, as_uninit(rest), split, &data_parts, version, for_data);
+    let ((), parsed) = runtime::block_on(futures_util::future::try_join(data, header))??;
     let base = (pad + data_start) as usize;
     build(parsed, Arc::new(Storage::owned(buffer)), base).map_err(in_object)
 }
 
+/// The header `json` of the object at `at` parsed (as [`parse_counted`] does, its errors
+/// naming the object) on a thread of its own, so that the GETs beside it go on arriving.
+async fn parsed_aside(at: &Location, json: &[u8], data_len: u64) -> Result<(Header, HeaderCensus)> {
+    let json = json.to_vec();
+    match tokio::task::spawn_blocking(move || parse_counted(&json, data_len)).await {
+        Ok(parsed) => parsed.map_err(|e| e.in_file(Path::new(at.url()))),
+        Err(e) => Err(failed(
+            "parse the header of",
+            at.url(),
+            Cause::Other,
+            e.to_string(),
+        )),
+    }
+}
+
 /// The first GET of an object, of its bytes `0..len`: what the store says of the object
-/// (its size and version), the rest of the body to come, and the body's first bytes (at
-/// least 8, the header's length, unless the body is shorter).
-async fn first_answer(
-    at: &Location,
-    len: u64,
-) -> Result<(
-    ObjectMeta,
-    BoxStream<'static, object_store::Result<Bytes>>,
-    Vec<u8>,
-)> {
+/// (its size and version), and its body, to come.
+async fn first_answer(at: &Location, len: u64) -> Result<(ObjectMeta, Body)> {
     let answer = at
         .store()
         .get_opts(
@@ -545,52 +564,25 @@ async fn first_answer(
         .await
         .map_err(|e| from_store("read", at.url(), e))?;
     let meta = answer.meta.clone();
-    let mut stream = answer.into_stream();
-    let mut prefix = Vec::new();
-    while prefix.len() < 8 {
-        match stream.next().await {
-            Some(chunk) => {
-                prefix.extend_from_slice(&chunk.map_err(|e| from_store("read", at.url(), e))?)
-            }
-            None => break,
-        }
-    }
-    if prefix.len() as u64 > len.min(meta.size) {
-        return Err(failed(
-            "read",
-            at.url(),
-            Cause::Other,
-            "the server sent more bytes than asked",
-        ));
-    }
-    Ok((meta, stream, prefix))
+    let body = Body::of(0..len.min(meta.size), answer.into_stream());
+    Ok((meta, body))
 }
 
-/// Loads one safetensors object once its header is in: the header's GET (a second one for
-/// a long header), then the tensors `only` names (or all), in parallel ranged GETs.
-fn load_after_header(
-    at: &Location,
-    options: &ObjectOptions,
-    only: Option<&HashSet<String>>,
-) -> Result<Loaded> {
+/// Loads the tensors `names` names of one safetensors object: the header's GET (a second
+/// one for a long header), then only their byte ranges, in parallel ranged GETs.
+fn load_subset(at: &Location, options: &ObjectOptions, names: &HashSet<String>) -> Result<Loaded> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let header = fetch_header(at, options)?;
     let parsed = parse_counted(&header.json, header.data_len).map_err(in_object)?;
     test_pause_after_header();
-    let wanted: Vec<Range<u64>> = match only {
-        None => std::iter::once(0..header.data_len).collect(),
-        Some(names) => parsed
-            .0
-            .tensors
-            .iter()
-            .filter(|t| names.contains(&t.name))
-            .map(|t| t.begin as u64..t.end as u64)
-            .collect(),
-    };
+    let wanted: Vec<Range<u64>> = (parsed.0.tensors.iter())
+        .filter(|t| names.contains(&t.name))
+        .map(|t| t.begin as u64..t.end as u64)
+        .collect();
     let mut data = AlignedBuffer::zeroed(header.data_len as usize)?;
     let head_len = header.data_head.len();
     data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
-    let version = header.version();
+    let version = header.version;
     let ranges = plan::after(plan::merged(wanted, plan::MERGE_GAP), head_len as u64);
     let parts = plan::parts(&ranges, options.part_bytes as u64);
     fetch_into(
@@ -675,10 +667,21 @@ fn fetch_parts<'a>(
         rest = tail;
         rest_at = part.end;
     }
-    futures_util::stream::iter(slices)
+    fetch_jobs(at, slices, version, concurrency)
+}
+
+/// Fills each `(range, into)` of `jobs` with the bytes `range` of the object by one ranged
+/// GET, `concurrency` of them at once; the first failure stops the others.
+fn fetch_jobs<'a>(
+    at: &'a Location,
+    jobs: Vec<(Range<u64>, &'a mut [MaybeUninit<u8>])>,
+    version: &'a Version,
+    concurrency: usize,
+) -> impl std::future::Future<Output = Result<()>> + 'a {
+    futures_util::stream::iter(jobs)
         .map(
-            move |(range, slice): (Range<u64>, &'a mut [MaybeUninit<u8>])| {
-                fetch_part(at, range, slice, version)
+            move |(range, into): (Range<u64>, &'a mut [MaybeUninit<u8>])| {
+                fetch_part(at, range, into, version)
             },
         )
         .buffer_unordered(concurrency)
@@ -739,45 +742,78 @@ pub(super) async fn drain_into(
     answer: GetResult,
     into: &mut [MaybeUninit<u8>],
 ) -> Result<()> {
-    drain_stream(at, range, answer.into_stream(), into).await
+    let mut body = Body::of(range, answer.into_stream());
+    body.fill(at, into).await?;
+    body.end(at).await
 }
 
-/// Writes the body `stream` (of the GET of `range`, less the bytes already taken from it)
-/// into `into`, which must be exactly as long as the rest.
-async fn drain_stream(
-    at: &Location,
+/// The body of a GET as it arrives, taken in pieces of the lengths asked.
+struct Body {
+    /// The bytes the GET asked for, for messages.
     range: Range<u64>,
-    mut stream: BoxStream<'static, object_store::Result<Bytes>>,
-    into: &mut [MaybeUninit<u8>],
-) -> Result<()> {
-    let read_err = |e| from_store("read", at.url(), e);
-    let mut filled = 0usize;
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(read_err)?;
-        let end = filled + chunk.len();
-        if end > into.len() {
-            return Err(failed(
+    /// How many bytes were taken so far.
+    taken: u64,
+    stream: BoxStream<'static, object_store::Result<Bytes>>,
+    /// Bytes that arrived and were not taken yet.
+    pending: Bytes,
+}
+
+impl Body {
+    /// The body `stream` of the GET of `range`.
+    fn of(range: Range<u64>, stream: BoxStream<'static, object_store::Result<Bytes>>) -> Body {
+        Body {
+            range,
+            taken: 0,
+            stream,
+            pending: Bytes::new(),
+        }
+    }
+
+    /// The next bytes to arrive (empty at the body's end).
+    async fn next_chunk(&mut self, at: &Location) -> Result<Bytes> {
+        while self.pending.is_empty() {
+            match self.stream.next().await {
+                Some(chunk) => self.pending = chunk.map_err(|e| from_store("read", at.url(), e))?,
+                None => break,
+            }
+        }
+        Ok(std::mem::take(&mut self.pending))
+    }
+
+    /// Fills `into` with the body's next bytes; a body that ends first is an error.
+    async fn fill(&mut self, at: &Location, into: &mut [MaybeUninit<u8>]) -> Result<()> {
+        let mut filled = 0;
+        while filled < into.len() {
+            let mut chunk = self.next_chunk(at).await?;
+            if chunk.is_empty() {
+                let asked = self.range.end - self.range.start;
+                let detail = format!(
+                    "bytes {:?}: the server sent {} of {asked} bytes",
+                    self.range, self.taken
+                );
+                return Err(failed("read", at.url(), Cause::Other, detail));
+            }
+            let n = chunk.len().min(into.len() - filled);
+            write_into(&mut into[filled..filled + n], &chunk.split_to(n));
+            self.pending = chunk;
+            filled += n;
+            self.taken += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Checks that the body ends here.
+    async fn end(&mut self, at: &Location) -> Result<()> {
+        match self.next_chunk(at).await?.is_empty() {
+            true => Ok(()),
+            false => Err(failed(
                 "read",
                 at.url(),
                 Cause::Other,
                 "the server sent more bytes than asked",
-            ));
+            )),
         }
-        write_into(&mut into[filled..end], &chunk);
-        filled = end;
     }
-    if filled != into.len() {
-        return Err(failed(
-            "read",
-            at.url(),
-            Cause::Other,
-            format!(
-                "bytes {range:?}: the server sent {filled} of {} bytes",
-                into.len()
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// `node` with every tensor whose name is not in `only` replaced by a `None` value.
@@ -830,5 +866,35 @@ pub(super) fn test_pause_after_header() {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while !go.exists() && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_refused_range_is_an_empty_object_not_a_duration_that_reads_416() {
+        for (cause, text, empty) in [
+            (
+                Cause::NotFound,
+                "GET http://h/x in 416.2ms - 404 Not Found",
+                false,
+            ),
+            (
+                Cause::Other,
+                "GET http://h/x in 1.416s - 503 Service Unavailable",
+                false,
+            ),
+            (
+                Cause::Other,
+                "non-2xx status code: 416 Range Not Satisfiable",
+                true,
+            ),
+            (Cause::Other, "<Code>InvalidRange</Code>", true),
+        ] {
+            let e = failed("read", "http://h/x", cause, text);
+            assert_eq!(is_empty_object(&e), empty, "{text}");
+        }
     }
 }
