@@ -14,6 +14,9 @@ and prints that folder. torch, numpy and safetensors come from the environment. 
 server is the binary of scripts/s3-server.sh (or TENSORFERRY_S3S_FS). --mb 64 runs the
 whole bench in about a minute; the 1 GB run with --repeat 3 takes ~5 min on a quiet
 machine. --jobs runs only some of the jobs below (a: load A, b: load B, save, memory).
+The published s3s-fs streams each GET in 4 KiB reads and caps near 0.3-0.4 GB/s here, below
+every client; TENSORFERRY_S3S_FS=$(bash scripts/s3-server.sh fast) runs the same server
+built with 1 MiB reads, so that the clients, not the server, set the pace.
 
 Jobs, each on one object stored once (by tensorferry, untimed) in the server's folder:
 
@@ -504,7 +507,8 @@ def main():
             f"{platform.python_version()}, torch {torch.__version__}, safetensors {safetensors.__version__}, boto3 "
             f"{boto3.__version__}, s3fs {s3fs.__version__}, runai-model-streamer "
             f"{_version('runai-model-streamer')}, tensorferry {tf.__version__} ({commit.stdout.strip()})")
-        say(f"# s3s-fs on loopback, sharing the {os.cpu_count()} cores with the client; roofs and tensorferry: parts "
+        server = "s3s-fs with 1 MiB reads (scripts/s3-server.sh fast)" if "s3s-fs-1m" in server_binary() else "s3s-fs"
+        say(f"# {server} on loopback, sharing the {os.cpu_count()} cores with the client; roofs and tensorferry: parts "
             f"{args.part_mb} MiB x {args.concurrency} in flight; {args.repeat} rounds, rows rotated per round")
         say("# load average at the start (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
         say()

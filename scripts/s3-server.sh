@@ -4,6 +4,15 @@
 #
 #   bash scripts/s3-server.sh install   # into target/tools/bin/s3s-fs, only if missing
 #   bash scripts/s3-server.sh path      # prints the binary's path
+#   bash scripts/s3-server.sh fast      # builds and prints a second binary for the bench
+#
+# `fast` is the same release with one constant changed: s3s-fs 0.14.1 streams a GET's body
+# from its file in 4 KiB reads, each a hop through tokio's blocking pool (src/s3.rs, the
+# `ReaderStream::with_capacity(file, 4096)` of get_object), which caps one server at about
+# 0.3-0.4 GB/s on loopback, below every client bench/object_store.py measures. Built with
+# 1 MiB reads instead, the server stops being the bottleneck and the bench compares the
+# clients. Only the bench uses it (TENSORFERRY_S3S_FS=$(bash scripts/s3-server.sh fast));
+# the tests keep the release as published.
 #
 # The tests (crates/tensorferry/tests/io_object.rs, bindings/python/tests/
 # test_object_store.py) start and stop their own servers; they find the binary through
@@ -28,8 +37,23 @@ case "${1:-install}" in
   path)
     echo "$BIN"
     ;;
+  fast)
+    FAST="$ROOT/s3s-fs-1m/target/release/s3s-fs"
+    if [ ! -x "$FAST" ]; then
+      bash "$0" install >&2
+      SRC=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/s3s-fs-"$VERSION" | head -1)
+      rm -rf "$ROOT/s3s-fs-1m" && cp -r "$SRC" "$ROOT/s3s-fs-1m"
+      sed -i 's/ReaderStream::with_capacity(file, 4096)/ReaderStream::with_capacity(file, 1 << 20)/' \
+        "$ROOT/s3s-fs-1m/src/s3.rs"
+      printf '\n[workspace]\n' >> "$ROOT/s3s-fs-1m/Cargo.toml"  # not a member of ours
+      grep -q 'ReaderStream::with_capacity(file, 1 << 20)' "$ROOT/s3s-fs-1m/src/s3.rs"
+      echo "== building s3s-fs $VERSION with 1 MiB reads into target/tools/s3s-fs-1m (for the bench)" >&2
+      (cd "$ROOT/s3s-fs-1m" && cargo build -q --release --locked --features binary >&2)
+    fi
+    echo "$FAST"
+    ;;
   *)
-    echo "usage: $0 [install|path]" >&2
+    echo "usage: $0 [install|path|fast]" >&2
     exit 2
     ;;
 esac
