@@ -1,13 +1,9 @@
 """Offset reads of safetensors rank files for :mod:`tensorferry.dcp` (no torch needed here).
 
-A DCP reader needs, per rank file, the byte range of each stored tensor, then only the
-bytes of the chunks its plan asks for. This module takes a file's index from tensorferry's
-own header reader (validated as ``load`` validates it: a :class:`~tensorferry.FormatError`
-naming the file otherwise), turns a request (offsets and lengths in a stored tensor) into
-the byte runs that hold it, and has tensorferry's native run reader (local files: positioned
-reads on several threads; object storage: parallel ranged GETs) read those runs straight
-into destination buffers, the GIL released, counting every byte it fetches in a
-:class:`ReadStats`.
+A file's index comes from the native header reader (validated as ``load`` validates it); a
+request (offsets and lengths in a stored tensor) becomes the byte runs that hold it, which
+the native run reader reads straight into destination buffers, the GIL released, counting
+every byte in a :class:`ReadStats`.
 """
 
 import dataclasses
