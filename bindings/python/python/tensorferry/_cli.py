@@ -345,7 +345,7 @@ def _untangled(tree, tensors):
         first_of_view[view] = (name, t)
         stored.append(t)
     if replace:
-        tree = _replaced(tree, replace)
+        tree = _native.rebuild(tree, replace)
     notes = []
     if tied:
         shown = ", ".join(f"{a} = {b}" for a, b in tied[:3]) + (", ..." if len(tied) > 3 else "")
@@ -358,16 +358,6 @@ def _untangled(tree, tensors):
 
 def _count(n, what):
     return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-def _replaced(value, replace):
-    if isinstance(value, dict):
-        return {k: _replaced(v, replace) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_replaced(v, replace) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_replaced(v, replace) for v in value)
-    return replace.get(id(value), value)
 
 
 def _dotted(path):
