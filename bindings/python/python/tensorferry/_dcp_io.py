@@ -19,6 +19,12 @@ ITEM_SIZE = {
     "U32": 4, "I32": 4, "F32": 4, "C64": 8,
     "U64": 8, "I64": 8, "F64": 8,
 }
+#: The name in torch of each dtype's code.
+TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "U16": "uint16", "I16": "int16", "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32",
+    "F32": "float32", "C64": "complex64", "U64": "uint64", "I64": "int64", "F64": "float64",
+}
 
 
 @dataclasses.dataclass

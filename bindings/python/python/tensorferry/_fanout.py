@@ -49,11 +49,6 @@ _INDEX_SUFFIX = ".safetensors.index.json"
 _SAVE_ID_KEY = "tensorferry.save"
 _MAX_INDEX_BYTES = 256 << 20  # as the native index reader
 _FLOAT_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
-_TORCH_NAMES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "U16": "uint16", "I16": "int16", "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32",
-    "F32": "float32", "C64": "complex64", "U64": "uint64", "I64": "int64", "F64": "float64",
-}
 
 
 @dataclass
@@ -612,7 +607,7 @@ def _check_unchanged(plan):
 def _torch_dtype(code):
     import torch
 
-    return getattr(torch, _TORCH_NAMES[code])
+    return getattr(torch, _dcp_io.TORCH_NAMES[code])
 
 
 def _torch_device(target):

@@ -223,14 +223,8 @@ def _build():
         fut.set_result(value)
         return fut
 
-    dtypes = {
-        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-        "F64": torch.float64, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    }
-    for name, attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
-        if hasattr(torch, attr):
-            dtypes[name] = getattr(torch, attr)
+    # Unsigned 16, 32 and 64-bit ints only where this torch has them.
+    dtypes = {code: getattr(torch, name) for code, name in _dcp_io.TORCH_NAMES.items() if hasattr(torch, name)}
 
     class TensorferryWriter(StorageWriter):
         """Writes a DCP checkpoint into the folder ``path``: one safetensors file per rank,
