@@ -189,13 +189,6 @@ def _write_atomically(path, data):
         os.close(fd)
 
 
-def _load_metadata(path):
-    """The checkpoint's ``Metadata``, read without running pickle (see _dcp_metadata)."""
-    from . import _dcp_metadata
-
-    return _dcp_metadata.load(path)
-
-
 def _byte_view(tensor):
     """A writable memoryview of a contiguous CPU tensor's bytes."""
     import torch
@@ -215,7 +208,7 @@ def _build():
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
     from torch.futures import Future
 
-    from . import _api, _dcp_io, _native
+    from . import _api, _dcp_io, _dcp_metadata, _native
     from ._errors import FormatError, io_error
 
     def done(value):
@@ -413,7 +406,7 @@ def _build():
             return self.path
 
         def read_metadata(self, *args, **kwargs) -> Metadata:
-            metadata = _load_metadata(os.path.join(self.path, _metadata_file(kwargs.get("rank"))))
+            metadata = _dcp_metadata.load(os.path.join(self.path, _metadata_file(kwargs.get("rank"))))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
