@@ -39,3 +39,13 @@ def state():
         "tag": "run-1",
         "none": None,
     }
+
+
+@pytest.fixture
+def failing_emu0():
+    """emu:0 with its next copy failing (an injected fault); reset afterwards."""
+    import tensorferry as tf
+
+    tf.configure_emulated(0, fail_copy=1)
+    yield "emu:0"
+    tf.configure_emulated(0)

@@ -152,6 +152,16 @@ def test_a_save_killed_at_random_points_leaves_the_old_or_the_new_checkpoint_who
     assert files == sorted(set(index["weight_map"].values()) | {"model.safetensors.index.json"}), (seed, files)
 
 
+# The saver under a file-size limit of 2 MiB (a larger write fails with EFBIG).
+_SAVER_LIMITED_TO_2_MIB = textwrap.dedent(
+    """
+    import resource, signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+    """
+) + _SAVER
+
+
 def test_a_save_that_fails_part_way_leaves_the_previous_checkpoint(tmp_path):
     # Shards 1-4 of 1 MiB, shard 5 of 4 MiB, shards 6-8 of 1 MiB; a file-size limit of
     # 2 MiB fails the save with EFBIG at shard 5 (or at once for a single file).
@@ -163,16 +173,9 @@ def test_a_save_that_fails_part_way_leaves_the_previous_checkpoint(tmp_path):
     folder.mkdir()
     proc = _start_save(folder, 1, 1 << 20, names)
     assert proc.wait(60) == 0
-    limited = textwrap.dedent(
-        """
-        import resource, signal
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
-        """
-    ) + _SAVER
     for shard in (1 << 20, 3 << 20, "none"):
         result = subprocess.run(
-            [sys.executable, "-c", limited, str(folder), "2", str(shard), str(names)],
+            [sys.executable, "-c", _SAVER_LIMITED_TO_2_MIB, str(folder), "2", str(shard), str(names)],
             capture_output=True, text=True, env=_env(), timeout=60,
         )
         assert result.returncode != 0 and "File too large" in result.stderr, result.stderr
@@ -189,16 +192,9 @@ def test_a_failed_index_write_leaves_the_previous_tensors_and_plain_values(tmp_p
     folder = tmp_path / "ckpt"
     folder.mkdir()
     assert _start_save(folder, 1, 1 << 20, names).wait(60) == 0
-    limited = textwrap.dedent(
-        """
-        import resource, signal
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
-        """
-    ) + _SAVER
     env = {**_env(), "TF_NOTES_BYTES": str(3 << 20)}
     result = subprocess.run(
-        [sys.executable, "-c", limited, str(folder), "2", str(1 << 20), str(names)],
+        [sys.executable, "-c", _SAVER_LIMITED_TO_2_MIB, str(folder), "2", str(1 << 20), str(names)],
         capture_output=True, text=True, env=env, timeout=60,
     )
     assert result.returncode != 0 and "File too large" in result.stderr, result.stderr

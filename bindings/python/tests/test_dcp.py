@@ -241,38 +241,23 @@ def test_a_rank_file_of_another_save_with_the_same_shapes_is_a_format_error_nami
 
 # ---- errors -------------------------------------------------------------------------
 
-def test_missing_rank_file_is_a_file_not_found_naming_it(tmp_path):
+@pytest.mark.parametrize(
+    "damage, error",
+    [
+        (os.remove, FileNotFoundError),
+        (lambda path: path.write_bytes(b"\xff" * 8 + b"{not json"), tf.FormatError),
+        (lambda path: path.write_bytes(path.read_bytes()[:-16]), tf.FormatError),
+    ],
+    ids=["missing", "corrupt", "truncated"],
+)
+def test_a_missing_or_damaged_rank_file_is_an_error_naming_it(tmp_path, damage, error):
     state = _plain_state()
     dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
-    os.remove(_rank_path(tmp_path, 0))
-    with pytest.raises((CheckpointException, FileNotFoundError)) as info:
+    damage(_rank_path(tmp_path, 0))
+    with pytest.raises((CheckpointException, error)) as info:
         dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
     err = _failure(info)
-    assert isinstance(err, FileNotFoundError)
-    assert "__0_" in str(err)
-
-
-def test_corrupt_rank_file_is_a_format_error_naming_it(tmp_path):
-    state = _plain_state()
-    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
-    path = _rank_path(tmp_path, 0)
-    path.write_bytes(b"\xff" * 8 + b"{not json")
-    with pytest.raises((CheckpointException, tf.FormatError)) as info:
-        dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
-    err = _failure(info)
-    assert isinstance(err, tf.FormatError)
-    assert "__0_" in str(err)
-
-
-def test_truncated_rank_file_is_a_format_error_naming_it(tmp_path):
-    state = _plain_state()
-    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
-    path = _rank_path(tmp_path, 0)
-    path.write_bytes(path.read_bytes()[:-16])
-    with pytest.raises((CheckpointException, tf.FormatError)) as info:
-        dcp.load(_zeros_like_state(state), storage_reader=TensorferryReader(tmp_path), no_dist=True)
-    err = _failure(info)
-    assert isinstance(err, tf.FormatError)
+    assert isinstance(err, error)
     assert "__0_" in str(err)
 
 

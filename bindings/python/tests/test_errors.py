@@ -125,14 +125,6 @@ def test_the_scan_finds_a_bare_raise(tmp_path):
 # ---- a failed copy is a CopyError, not an unavailable device
 
 
-@pytest.fixture
-def failing_emu0():
-    """emu:0 with its next copy failing (an injected fault); reset afterwards."""
-    tf.configure_emulated(0, fail_copy=1)
-    yield "emu:0"
-    tf.configure_emulated(0)
-
-
 def test_a_failed_copy_is_a_copy_error_naming_the_device_and_the_cause(failing_emu0):
     src = {"x": np.arange(100, dtype=np.float32)}
     with pytest.raises(tf.CopyError, match=r"a copy on emu:0 failed \(filling 'x'\): injected fault") as info:

@@ -180,14 +180,6 @@ def test_a_non_blocking_move_gives_a_tensordict_now_or_from_its_transfer(move):
 # ---- waits name the key of a failed copy
 
 
-@pytest.fixture
-def failing_emu0():
-    """emu:0 with its next copy failing (an injected fault); reset afterwards."""
-    tf.configure_emulated(0, fail_copy=1)
-    yield "emu:0"
-    tf.configure_emulated(0)
-
-
 def test_a_failed_copy_waited_for_names_the_key(failing_emu0):
     # A tensor whose copy is still queued, made by the native move itself (the public
     # non-blocking moves hand back a Transfer, which waits by itself).

@@ -205,11 +205,8 @@ fn io_err<'a>(
 /// A roof: what it is, and its best time.
 type Roof = Option<(&'static str, Duration)>;
 
-struct Row {
-    path: &'static str,
-    time: Duration,
-    roof: Roof,
-}
+/// A row of the table: the path timed, its best time, and its roof.
+type Row = (&'static str, Duration, Roof);
 
 /// Threads of the many-thread memcpy roof: one per core. The roof is the faster of this and
 /// one thread, the fastest plain way to copy the bytes here, whatever the library does.
@@ -326,28 +323,34 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
     let gather = memcpy_roof(r, &per_tensor, layout.total)?;
     bar.set_message("consolidate");
     let t = best(r, || consolidate(&dict).map(drop))?;
-    rows.push(Row {
-        path: "consolidate",
-        time: t,
-        roof: Some(("memcpy, threads", memcpy)),
-    });
-    rows.push(Row {
-        path: "consolidate",
-        time: t,
-        roof: Some(("memcpy per tensor, threads", gather)),
-    });
+    rows.push(("consolidate", t, Some(("memcpy, threads", memcpy))));
+    rows.push((
+        "consolidate",
+        t,
+        Some(("memcpy per tensor, threads", gather)),
+    ));
     bar.inc(1);
 
     let raw_path = dir.join("raw.bin");
     let file_path = dir.join("bench.safetensors");
     let raw_bytes = &src_bytes[..total.min(src_bytes.len())];
     let mut write_roof = Duration::ZERO;
-    for fsync in [false, true] {
-        bar.set_message(if fsync {
-            "writes with fsync"
-        } else {
-            "writes to page cache"
-        });
+    let writes = [
+        (
+            false,
+            "writes to page cache",
+            "save (page cache)",
+            "raw write",
+        ),
+        (
+            true,
+            "writes with fsync",
+            "save (fsync)",
+            "raw write + fsync",
+        ),
+    ];
+    for (fsync, step, path, roof) in writes {
+        bar.set_message(step);
         let raw = raw_write(r, &raw_path, raw_bytes, fsync)?;
         if !fsync {
             write_roof = raw;
@@ -362,22 +365,7 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
             || drop(std::fs::remove_file(&file_path)),
             || save(&dict, &file_path, &opts),
         )?;
-        rows.push(Row {
-            path: if fsync {
-                "save (fsync)"
-            } else {
-                "save (page cache)"
-            },
-            time: t,
-            roof: Some((
-                if fsync {
-                    "raw write + fsync"
-                } else {
-                    "raw write"
-                },
-                raw,
-            )),
-        });
+        rows.push((path, t, Some((roof, raw))));
         bar.inc(1);
     }
 
@@ -397,11 +385,11 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
         )
         .map(drop)
     })?;
-    rows.push(Row {
-        path: "load (read, cached)",
-        time: t,
-        roof: Some(("raw read, cached", read_roof)),
-    });
+    rows.push((
+        "load (read, cached)",
+        t,
+        Some(("raw read, cached", read_roof)),
+    ));
     bar.inc(1);
     let t = best(r, || {
         load(
@@ -416,28 +404,16 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
         )
         .map(drop)
     })?;
-    rows.push(Row {
-        path: "load (mmap)",
-        time: t,
-        roof: None,
-    });
+    rows.push(("load (mmap)", t, None));
     bar.inc(1);
     bar.set_message("headers");
     let options = SaveOptions::default();
     let t = best(r, || header_bytes(&dict, &options).map(drop))?;
-    rows.push(Row {
-        path: "header build",
-        time: t,
-        roof: None,
-    });
+    rows.push(("header build", t, None));
     let header = header_bytes(&dict, &options)?;
     let data_len = (file_len - header.len()) as u64;
     let t = best(r, || parse_header(&header[8..], data_len).map(drop))?;
-    rows.push(Row {
-        path: "header parse",
-        time: t,
-        roof: None,
-    });
+    rows.push(("header parse", t, None));
     bar.inc(1);
     if let Some(name) = &args.device {
         bar.set_message("device moves");
@@ -474,7 +450,7 @@ pub fn run(out: &mut Out<impl Write>, args: &BenchArgs) -> Result<(), Failure> {
         again.push(("raw copy into pinned", d2h));
         again.push(("raw copy from pinned", h2d));
     }
-    for (name, roof) in rows.iter_mut().filter_map(|row| row.roof.as_mut()) {
+    for (name, roof) in rows.iter_mut().filter_map(|row| row.2.as_mut()) {
         if let Some(&(_, later)) = again.iter().find(|(n, _)| n == name) {
             *roof = (*roof).min(later);
         }
@@ -516,6 +492,15 @@ fn raw_read(r: usize, path: &Path) -> tensorferry::Result<Duration> {
     })
 }
 
+/// The staging ring that "auto" sizes.
+fn auto_ring() -> Staging {
+    use tensorferry::internal::transfer::staging::{AUTO_CHUNK_BYTES, AUTO_DEPTH};
+    Staging::Ring {
+        chunk_bytes: AUTO_CHUNK_BYTES,
+        depth: AUTO_DEPTH,
+    }
+}
+
 /// One timed move: its name, source, target, options and roof.
 type Plan<'a> = (&'static str, &'a Node, Device, MoveOptions, Roof);
 
@@ -531,10 +516,7 @@ fn device_rows(name: &str, dict: &Node, r: usize, rows: &mut Vec<Row>) -> tensor
         staging,
         ..Default::default()
     };
-    let ring = Staging::Ring {
-        chunk_bytes: tensorferry::internal::transfer::staging::AUTO_CHUNK_BYTES,
-        depth: tensorferry::internal::transfer::staging::AUTO_DEPTH,
-    };
+    let ring = auto_ring();
     let total: usize = dict.tensor_refs().iter().map(|t| t.nbytes()).sum();
     let (d2h, h2d) = raw_device_copies(device, total.max(1), r)?;
     let to_dev = Some(("raw copy from pinned", h2d));
@@ -542,47 +524,24 @@ fn device_rows(name: &str, dict: &Node, r: usize, rows: &mut Vec<Row>) -> tensor
 
     let there = dict.to(device, false)?;
     let pinned_host = there.to_with(Device::Cpu, with(true, Staging::Off))?;
+    let (cpu, off) = (Device::Cpu, Staging::Off);
     let plans: [Plan<'_>; 6] = [
-        (
-            "to host, pinned",
-            &there,
-            Device::Cpu,
-            with(true, Staging::Off),
-            to_host,
-        ),
-        (
-            "to host, staged",
-            &there,
-            Device::Cpu,
-            with(false, ring),
-            to_host,
-        ),
-        (
-            "to host, direct",
-            &there,
-            Device::Cpu,
-            with(false, Staging::Off),
-            to_host,
-        ),
+        ("to host, pinned", &there, cpu, with(true, off), to_host),
+        ("to host, staged", &there, cpu, with(false, ring), to_host),
+        ("to host, direct", &there, cpu, with(false, off), to_host),
         (
             "to device, from pinned",
             &pinned_host,
             device,
-            with(false, Staging::Off),
+            with(false, off),
             to_dev,
         ),
         ("to device, staged", dict, device, with(false, ring), to_dev),
-        (
-            "to device, direct",
-            dict,
-            device,
-            with(false, Staging::Off),
-            to_dev,
-        ),
+        ("to device, direct", dict, device, with(false, off), to_dev),
     ];
     for (path, from, target, options, roof) in plans {
         let time = best(r, || from.to_with(target, options).map(drop))?;
-        rows.push(Row { path, time, roof });
+        rows.push((path, time, roof));
     }
     let t = best(r, || {
         for t in there.tensor_refs() {
@@ -590,22 +549,14 @@ fn device_rows(name: &str, dict: &Node, r: usize, rows: &mut Vec<Row>) -> tensor
         }
         Ok(())
     })?;
-    rows.push(Row {
-        path: "to host, per tensor",
-        time: t,
-        roof: to_host,
-    });
+    rows.push(("to host, per tensor", t, to_host));
     let t = best(r, || {
         for t in dict.tensor_refs() {
             t.to(device, true)?;
         }
         Ok(())
     })?;
-    rows.push(Row {
-        path: "to device, per tensor",
-        time: t,
-        roof: to_dev,
-    });
+    rows.push(("to device, per tensor", t, to_dev));
     Ok(())
 }
 
@@ -697,16 +648,9 @@ fn device_file_rows(
         || drop(std::fs::remove_file(roofs.path)),
         || save(&there, roofs.path, &opts),
     )?;
-    rows.push(Row {
-        path: "save from device",
-        time,
-        roof: Some(("raw write", roofs.write)),
-    });
+    rows.push(("save from device", time, Some(("raw write", roofs.write))));
     let staged = MoveOptions {
-        staging: Staging::Ring {
-            chunk_bytes: tensorferry::internal::transfer::staging::AUTO_CHUNK_BYTES,
-            depth: tensorferry::internal::transfer::staging::AUTO_DEPTH,
-        },
+        staging: auto_ring(),
         ..Default::default()
     };
     let time = best(r, || {
@@ -723,11 +667,11 @@ fn device_file_rows(
         .root;
         mapped.to_with(device, staged).map(drop)
     })?;
-    rows.push(Row {
-        path: "load onto device",
+    rows.push((
+        "load onto device",
         time,
-        roof: Some(("raw read, cached", roofs.read)),
-    });
+        Some(("raw read, cached", roofs.read)),
+    ));
     Ok(())
 }
 
@@ -761,25 +705,25 @@ fn print_table(
         "path", "time ms", "GB/s", "us/leaf", "roof", "% roof"
     )?;
     let mut mismeasured = false;
-    for row in rows {
-        let (roof_name, pct) = match row.roof {
-            Some((name, roof)) => (name, percent_of_roof(row.time, roof)),
+    for &(path, time, roof) in rows {
+        let (roof_name, pct) = match roof {
+            Some((name, roof)) => (name, percent_of_roof(time, roof)),
             None => ("-", "-".to_string()),
         };
         mismeasured |= pct == ROOF_MISMEASURED;
         writeln!(
             out,
             "{:<22} {:>10.2} {:>8.2} {:>10.3}  {:<26} {:>16}",
-            row.path,
-            row.time.as_secs_f64() * 1e3,
-            gbps(total, row.time),
-            row.time.as_secs_f64() * 1e6 / count as f64,
+            path,
+            time.as_secs_f64() * 1e3,
+            gbps(total, time),
+            time.as_secs_f64() * 1e6 / count as f64,
             roof_name,
             pct
         )?;
     }
     let mut roofs: Vec<String> = Vec::new();
-    for (name, d) in rows.iter().filter_map(|r| r.roof) {
+    for (name, d) in rows.iter().filter_map(|row| row.2) {
         let line = format!("{name} {:.2} GB/s", gbps(total, d));
         if !roofs.contains(&line) {
             roofs.push(line);

@@ -8,14 +8,10 @@
 //! takes PyTorch, so the Python entry point runs it itself and this crate's `convert`
 //! says so.
 //!
-//! How it ends, for scripts (also in `--help`): status 0 when it did its work, and also
-//! when the reader of its output stopped early (`tensorferry inspect f | head -1`): the
-//! command then ends quietly, as ripgrep does, so a pipeline under `set -o pipefail`
-//! does not fail because `head` had read enough. Status 1 for any other failure,
-//! a full disk or an error of the library included, told in one line on stderr
-//! (`tensorferry: <cause>`); status 2 for a command line it cannot parse. Never a panic's
-//! backtrace, status 101 or an abort. Control characters in names, metadata and
-//! messages are printed escaped (`\u{1b}`), never raw.
+//! How it ends, for scripts, is what `--help` says (`AFTER_HELP`): a reader of the output
+//! that stops early ends the command quietly with status 0, as ripgrep does, so a pipeline
+//! under `set -o pipefail` does not fail because `head` had read enough. Never a panic's
+//! backtrace, status 101 or an abort.
 
 #![deny(missing_docs)]
 

@@ -25,6 +25,7 @@ import threading
 from . import _native
 from ._errors import TensorferryError
 from ._progress import writes_watched
+from ._tree import dotted
 
 _PROG = "tensorferry"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -278,7 +279,7 @@ def _prepared(torch, obj):
             for k, v in value.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise _Refused(
-                        f"key {_dotted(path + [repr(k)])!r}: a {type(k).__name__} key, which a "
+                        f"key {dotted(path + [repr(k)])!r}: a {type(k).__name__} key, which a "
                         "safetensors file cannot hold (str and int keys can be kept)"
                     )
                 out[k] = walk(v, path + [str(k)])
@@ -289,7 +290,7 @@ def _prepared(torch, obj):
         if value is None or isinstance(value, (str, int, float, bool)):
             return value
         raise _Refused(
-            f"key {_dotted(path)!r}: a {type(value).__module__}.{type(value).__qualname__}, which a "
+            f"key {dotted(path)!r}: a {type(value).__module__}.{type(value).__qualname__}, which a "
             "safetensors file cannot hold (tensors, and str, int, float, bool and None in dicts, "
             "lists and tuples, are kept)"
         )
@@ -297,14 +298,14 @@ def _prepared(torch, obj):
     def tensor(t, path):
         if t.layout != torch.strided or t.is_quantized:
             raise _Refused(
-                f"key {_dotted(path)!r}: a {'quantized' if t.is_quantized else t.layout} tensor; a "
+                f"key {dotted(path)!r}: a {'quantized' if t.is_quantized else t.layout} tensor; a "
                 "safetensors file holds dense tensors only (convert it with .dequantize() or "
                 ".to_dense() first)"
             )
         if t.device.type == "meta":
-            raise _Refused(f"key {_dotted(path)!r}: a tensor on the meta device holds no data")
+            raise _Refused(f"key {dotted(path)!r}: a tensor on the meta device holds no data")
         t = t.detach()
-        tensors.append((_dotted(path), t))
+        tensors.append((dotted(path), t))
         return t
 
     tree = walk(obj, [])
@@ -345,7 +346,7 @@ def _untangled(tree, tensors):
         first_of_view[view] = (name, t)
         stored.append(t)
     if replace:
-        tree = _replaced(tree, replace)
+        tree = _native.rebuild(tree, replace)
     notes = []
     if tied:
         shown = ", ".join(f"{a} = {b}" for a, b in tied[:3]) + (", ..." if len(tied) > 3 else "")
@@ -358,20 +359,6 @@ def _untangled(tree, tensors):
 
 def _count(n, what):
     return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-def _replaced(value, replace):
-    if isinstance(value, dict):
-        return {k: _replaced(v, replace) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_replaced(v, replace) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_replaced(v, replace) for v in value)
-    return replace.get(id(value), value)
-
-
-def _dotted(path):
-    return ".".join(path)
 
 
 def _human(n):

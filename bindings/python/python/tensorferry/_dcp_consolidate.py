@@ -64,11 +64,11 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
     import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    from . import _api
-    from .dcp import METADATA_FILE, _load_metadata
+    from . import _api, _dcp_metadata
+    from .dcp import METADATA_FILE
 
     dcp_dir, out_dir = os.fspath(dcp_dir), os.fspath(out_dir)
-    metadata = _load_metadata(os.path.join(dcp_dir, METADATA_FILE))
+    metadata = _dcp_metadata.load(os.path.join(dcp_dir, METADATA_FILE))
     limit = None if max_shard_size is None else _api._parse_size(max_shard_size)
     wanted = []
     for fqn, md in metadata.state_dict_metadata.items():

@@ -1,13 +1,9 @@
 """Offset reads of safetensors rank files for :mod:`tensorferry.dcp` (no torch needed here).
 
-A DCP reader needs, per rank file, the byte range of each stored tensor, then only the
-bytes of the chunks its plan asks for. This module takes a file's index from tensorferry's
-own header reader (validated as ``load`` validates it: a :class:`~tensorferry.FormatError`
-naming the file otherwise), turns a request (offsets and lengths in a stored tensor) into
-the byte runs that hold it, and has tensorferry's native run reader (local files: positioned
-reads on several threads; object storage: parallel ranged GETs) read those runs straight
-into destination buffers, the GIL released, counting every byte it fetches in a
-:class:`ReadStats`.
+A file's index comes from the native header reader (validated as ``load`` validates it); a
+request (offsets and lengths in a stored tensor) becomes the byte runs that hold it, which
+the native run reader reads straight into destination buffers, the GIL released, counting
+every byte in a :class:`ReadStats`.
 """
 
 import dataclasses
@@ -22,6 +18,12 @@ ITEM_SIZE = {
     "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
     "U32": 4, "I32": 4, "F32": 4, "C64": 8,
     "U64": 8, "I64": 8, "F64": 8,
+}
+#: The name in torch of each dtype's code.
+TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "U16": "uint16", "I16": "int16", "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32",
+    "F32": "float32", "C64": "complex64", "U64": "uint64", "I64": "int64", "F64": "float64",
 }
 
 

@@ -1,46 +1,22 @@
 """Leaves on devices tensorferry's engine does not drive, moved by their framework's own copies.
 
-tensorferry's engine copies between the host, CUDA GPUs and its emulated devices. A tensor
-anywhere else — an AMD GPU under ROCm (which PyTorch's ROCm builds call "cuda"), Apple's MPS,
-a TPU, an XLA, oneAPI (XPU) or Gaudi (HPU) device, any DLPack device type but CPU and CUDA —
-is copied by the framework it belongs to, in the same call as the rest of its dictionary:
+A tensor on a ROCm GPU (PyTorch's ROCm builds call it "cuda"), MPS, TPU, XLA, XPU, HPU or any
+DLPack device but CPU and CUDA is copied by its framework, in the same call as the rest of
+its dictionary: PyTorch ``Tensor.to`` (pinned where it can pin, with ``non_blocking``), JAX
+``jax.device_put``/``jax.device_get`` and ``block_until_ready``, TensorFlow ``tf.identity``
+under ``tf.device``, CuPy ``ndarray.get()``, any other producer DLPack 1.0's
+``__dlpack__(dl_device=(kDLCPU, 0), copy=True)``. Each result is synchronised before it is
+handed out. The tree's rules are the engine's: results are copies in the leaf's framework, a
+tensor under several keys is copied once, errors name the key and the device; ``pinned=True``
+and the staging ring are refused for such leaves with a :class:`DeviceUnavailableError`.
+Results bound for another engine device cross the host.
 
-- PyTorch: ``Tensor.to(device)``; with ``non_blocking``, into pinned host memory where
-  PyTorch can pin it, then the device's own synchronisation before the result is handed out.
-- JAX: ``jax.device_put`` onto the host's CPU device (``jax.device_get`` where JAX has none),
-  ``block_until_ready`` before the result is handed out.
-- TensorFlow: ``tf.identity`` under ``tf.device("/CPU:0")``.
-- CuPy: ``ndarray.get()`` (a ROCm build of CuPy reports kDLROCM).
-- Any other DLPack producer: the DLPack 1.0 cross-device copy,
-  ``__dlpack__(dl_device=(kDLCPU, 0), copy=True, max_version=(1, 0))`` (what
-  ``numpy.from_dlpack(x, device="cpu", copy=True)`` asks for), whose producer synchronises
-  before it returns; the capsule becomes a host ``tensorferry.Tensor``.
+:func:`onto` puts a dictionary onto such a device for ``to_device``: "mps", "xpu:N",
+"xla:N", "hpu:N" and "rocm:N" through PyTorch, "tpu:N" through JAX (TensorFlow leaves through
+``tf.identity``); leaves of other frameworks cross into the owning one on the host first.
 
-The tree's rules are the engine's: results are copies (such a leaf is never already where
-it goes: targets are the engine's devices), in the leaf's framework; a tensor under several
-keys is copied once; errors name the key and the device. What only the engine has — its
-pinned pool (``pinned=True``) and its staging ring (``staging="on"`` or a size) — is refused
-for such leaves with a :class:`DeviceUnavailableError` that names the fallback. Results on an
-engine device other than the host (``to_device(d, "emu:0")`` of a TPU leaf) cross the host:
-the framework's copy first, then the engine's.
-
-``to_device`` also puts a dictionary onto such a device (:func:`onto`): "mps", "xpu:N",
-"xla:N", "hpu:N" and "rocm:N" (a ROCm build's "cuda:N") are PyTorch's, "tpu:N" is JAX's.
-Every tensor leaf and every list of numbers goes through that framework's upload:
-
-- PyTorch: ``Tensor.to(device, non_blocking=…, copy=…)``; with ``non_blocking``, from a
-  pinned host copy where PyTorch can pin, and ``torch.<backend>.synchronize()`` before the
-  result is handed out.
-- JAX: ``jax.device_put`` onto the TPU device, ``block_until_ready`` before the result is
-  handed out (also without ``non_blocking``: sources may be reused once the call returns).
-- TensorFlow leaves onto a TPU: ``tf.identity`` under ``tf.device("/TPU:N")``.
-
-Leaves of other frameworks (NumPy, tensorferry, JAX onto PyTorch's devices, PyTorch onto a
-TPU, …) cross into the owning framework on the host first, through DLPack (emulated leaves
-through the engine, leaves on other framework devices through their framework).
-
-None of this has run on ROCm, MPS, TPU, XLA or oneAPI hardware: the tests use stand-ins that
-report those devices as the real producers do (``tests/test_other_devices.py``).
+None of this has run on such hardware: the tests use stand-ins that report those devices as
+the real producers do (``tests/test_other_devices.py``).
 """
 
 import sys

@@ -1,35 +1,20 @@
 """Loading one checkpoint onto every rank of a ``torch.distributed`` process group, each byte
 read from storage once, and tensor-parallel shards read as slices.
 
-When many ranks load the same checkpoint, storage (a network filesystem, a bucket, one
-NVMe) is the bottleneck if every rank reads all of it. Here the tensors a load returns are
-divided among the ranks on tensor boundaries, contiguous in file order (the data sections
-of a sharded checkpoint's files laid end to end) and balanced by bytes; each rank reads its
-part with positioned reads (:mod:`tensorferry._dcp_io`), then every part is broadcast from
-its owner over the process group, so that every rank ends with the whole dictionary while
-storage served each byte once. With ``direct=True`` a rank reads its part with ``O_DIRECT``
-(the native reader of ``tf.load(direct=True)``, past the page cache) instead. Names that ``shard=`` matches are not exchanged: each rank
-reads only the byte runs of its own slice. A checkpoint in object storage (``s3://…``: an
-object, an index, a prefix, resolved as :func:`tensorferry.load` resolves it) is read the
-same way, each file being an object pinned by its ETag and read with ranged GETs
-(:mod:`tensorferry._object`); its structure comes from its headers alone.
+The tensors are divided among the ranks on tensor boundaries, in file order, balanced by
+bytes; each rank reads its part (positioned reads, ``O_DIRECT`` with ``direct=True``, ranged
+GETs of ETag-pinned objects for object storage) and broadcasts it, so every rank ends with
+the whole dictionary. Names that ``shard=`` matches are not exchanged: each rank reads only
+its slice's byte runs. The structure is the one :func:`tensorferry.load` builds, from a
+mapped load whose tensor pages are never touched.
 
-The structure (nesting, plain values, key order, each tensor's framework) is the one
-:func:`tensorferry.load` builds from the headers: it is taken from a memory-mapped load of
-the same checkpoint whose tensor pages are never touched, and its tensor leaves are
-replaced by the exchanged ones.
+Failures are agreed before any exchange (``all_gather_object`` after planning and after
+reading): every rank raises the same error, naming the first failing rank, so no rank waits
+on a broadcast its peers will never join.
 
-Failures are agreed before any exchange: after planning and after reading, the ranks
-gather each one's status (``all_gather_object``), and if any rank failed, every rank raises
-the same error, naming the first failing rank and the checkpoint, so no rank waits on a
-broadcast its peers will never join. A rank that dies makes the others fail in the next
-collective, within the process group's timeout, with :class:`ProcessGroupError`.
-
-Reads can be throttled for benchmarks: ``TENSORFERRY_FANOUT_READ_MBPS=200`` makes each
-process read at most 200 MB/s (10^6 bytes), as if its link to storage had that rate; with
-``TENSORFERRY_FANOUT_READ_LINK=<file>`` too, the rate is shared by every process naming
-that file (one storage link, a lock on the file ordering its turns), as when N ranks read
-from one drive or one filesystem server.
+``TENSORFERRY_FANOUT_READ_MBPS=200`` throttles each process's reads to 200 MB/s, for
+benchmarks; with ``TENSORFERRY_FANOUT_READ_LINK=<file>`` the rate is shared by every process
+naming that file (one storage link).
 """
 
 import builtins
@@ -64,11 +49,6 @@ _INDEX_SUFFIX = ".safetensors.index.json"
 _SAVE_ID_KEY = "tensorferry.save"
 _MAX_INDEX_BYTES = 256 << 20  # as the native index reader
 _FLOAT_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
-_TORCH_NAMES = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "U16": "uint16", "I16": "int16", "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32",
-    "F32": "float32", "C64": "complex64", "U64": "uint64", "I64": "int64", "F64": "float64",
-}
 
 
 @dataclass
@@ -627,7 +607,7 @@ def _check_unchanged(plan):
 def _torch_dtype(code):
     import torch
 
-    return getattr(torch, _TORCH_NAMES[code])
+    return getattr(torch, _dcp_io.TORCH_NAMES[code])
 
 
 def _torch_device(target):

@@ -1,16 +1,11 @@
 """Which framework a tensor leaf belongs to, and crossing between it and native tensors.
 
-Leaves that count as tensors: ``tensorferry.Tensor``, NumPy arrays, TensorFlow tensors and
-variables, anything that exports DLPack (PyTorch, JAX, CuPy), and CUDA memory described by
-``__cuda_array_interface__`` (Numba device arrays, others). Results follow the
-input's framework. A leaf that its framework cannot export (a quantized or meta PyTorch
-tensor, a TensorFlow string tensor) is a :class:`FormatError` naming its key.
-
-:func:`device_of` names every device a leaf can live on, also those tensorferry's engine
-does not drive ("rocm:0", "mps:0", "tpu:0", "xla:0", "xpu:0", "metal:0", "oneapi:0"):
-:func:`engine_drives` tells them apart, and ``_fallback`` moves the others through their
-framework's own copies. ROCm is named ROCm, never CUDA: PyTorch's ROCm builds call their
-GPUs "cuda" (``torch.version.hip`` tells them apart), DLPack calls them kDLROCM.
+Tensor leaves: ``tensorferry.Tensor``, NumPy arrays, TensorFlow tensors and variables, DLPack
+exporters (PyTorch, JAX, CuPy) and ``__cuda_array_interface__`` memory. Results follow the
+input's framework; a leaf its framework cannot export is a :class:`FormatError` naming its
+key. :func:`device_of` also names devices the engine does not drive ("rocm:0", "mps:0",
+"tpu:0", …; :func:`engine_drives` tells them apart). ROCm is never named CUDA, though
+PyTorch's ROCm builds call their GPUs "cuda" (``torch.version.hip`` tells them apart).
 """
 
 import sys

@@ -1,13 +1,8 @@
 """The cyclic garbage collector held off while a call builds a large tree.
 
-Moving a dictionary of 20,000 leaves allocates several small objects per leaf (key paths,
-results, the new containers). None of them forms a reference cycle, but their number
-triggers full collections of the collector's oldest generation mid-call, each one a walk
-over every object of the process (0.1–0.2 s with a few hundred thousand live objects):
-more than the whole move costs. :func:`gc_paused` holds the collector off for the call;
-the temporaries are freed by reference counting as usual, and the collector runs again
-afterwards, when only the results survive. A collector the caller has disabled stays
-disabled.
+A move of 20,000 leaves allocates several small objects per leaf, none in a cycle, but
+their number triggers full collections mid-call (0.1–0.2 s each with a few hundred
+thousand live objects): more than the move. A collector the caller disabled stays disabled.
 """
 
 import functools

@@ -1,18 +1,9 @@
 """Progress bars for ``save(progress=True)`` and ``load(progress=True)``.
 
-They are tqdm's bars, in bytes, drawn on stderr when tqdm is installed (as
-``huggingface_hub`` draws its downloads), and nothing at all otherwise: tqdm is not a
-dependency. What a bar counts is what can be observed from here without slowing the work:
-
-- a save: the bytes of the files written so far. The native writer writes each file
-  under a temporary name beside its target (``.tf-<pid>-<n>-<tag>.tmp``, renamed into
-  place once complete) in order, so a thread reads their sizes a few times a second.
-  Every shard of a sharded save counts. Other saves of this process started during this
-  one, into the same folder, would count too: the bar never goes beyond the total. The
-  command's ``convert`` draws its own (native) bar from the same watcher.
-- a load onto a device: the bytes of each tensor as its copy completes.
-- a load into host memory: the file is mapped or read in one native call; the bar fills
-  when it returns (a mapped file is read only as its tensors are).
+tqdm's bars, in bytes, on stderr when tqdm is installed (it is not a dependency), counting
+what can be seen without slowing the work: a save, the sizes of its files (temporary names
+included) polled a few times a second; a load onto a device, each tensor as its copy ends;
+a load into host memory, all at once when the one native call returns.
 """
 
 import contextlib

@@ -1,17 +1,11 @@
 """``Transfer``: the one handle every call with ``non_blocking=True`` returns.
 
-``to_host``, ``to_device``, ``to_numpy``, ``save`` and ``load`` all return it, whatever the
-leaves: a future in the style of ``concurrent.futures.Future`` (``result``, ``wait``,
-``done``, ``exception``, ``await``). Its result exists only once every copy it stands for
-has finished, so nothing can be read early, and a failed copy's error is raised by
-``result``. Moves queue their copies on the engine and hand the native tensors being
-filled to the handle, which waits for them; saves and loads run on a background thread.
-
-A background job's failure is never lost: the caller sees it through the handle (``wait``,
-``result``, ``exception``, ``await``); a failure nobody awaited is a ``RuntimeWarning`` on
-stderr once the last handle is collected, or at interpreter exit. The exit waits for jobs
-still running; Ctrl-C during that wait abandons them with a line on stderr naming each and
-exit status 130.
+A future in the style of ``concurrent.futures.Future`` (``result``, ``wait``, ``done``,
+``exception``, ``await``) whose result exists only once every copy it stands for has
+finished. Moves hand it the native tensors being filled; saves and loads run on a background
+thread. A failure nobody awaited is a ``RuntimeWarning`` once the last handle is collected,
+or at exit; the exit waits for running jobs, and Ctrl-C during that wait abandons them
+(a line on stderr naming each, exit status 130).
 """
 
 import asyncio

@@ -189,13 +189,6 @@ def _write_atomically(path, data):
         os.close(fd)
 
 
-def _load_metadata(path):
-    """The checkpoint's ``Metadata``, read without running pickle (see _dcp_metadata)."""
-    from . import _dcp_metadata
-
-    return _dcp_metadata.load(path)
-
-
 def _byte_view(tensor):
     """A writable memoryview of a contiguous CPU tensor's bytes."""
     import torch
@@ -215,7 +208,7 @@ def _build():
     from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
     from torch.futures import Future
 
-    from . import _api, _dcp_io, _native
+    from . import _api, _dcp_io, _dcp_metadata, _native
     from ._errors import FormatError, io_error
 
     def done(value):
@@ -223,14 +216,8 @@ def _build():
         fut.set_result(value)
         return fut
 
-    dtypes = {
-        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-        "F64": torch.float64, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    }
-    for name, attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
-        if hasattr(torch, attr):
-            dtypes[name] = getattr(torch, attr)
+    # Unsigned 16, 32 and 64-bit ints only where this torch has them.
+    dtypes = {code: getattr(torch, name) for code, name in _dcp_io.TORCH_NAMES.items() if hasattr(torch, name)}
 
     class TensorferryWriter(StorageWriter):
         """Writes a DCP checkpoint into the folder ``path``: one safetensors file per rank,
@@ -419,7 +406,7 @@ def _build():
             return self.path
 
         def read_metadata(self, *args, **kwargs) -> Metadata:
-            metadata = _load_metadata(os.path.join(self.path, _metadata_file(kwargs.get("rank"))))
+            metadata = _dcp_metadata.load(os.path.join(self.path, _metadata_file(kwargs.get("rank"))))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
