@@ -1,6 +1,9 @@
 //! Sharded checkpoints: shards plus a `*.safetensors.index.json`, as Hugging Face writes
 //! them; round trips, the official reader on every shard, other tools' indexes, bad ones.
 
+mod common;
+
+use common::write_official;
 use std::path::{Path, PathBuf};
 
 use tensorferry::internal::io::{load_sharded, save_sharded, INDEX_SUFFIX};
@@ -76,20 +79,6 @@ fn load_root(path: impl AsRef<Path>) -> Node {
 /// The first value of the first tensor of `tree`.
 fn first_value(tree: &Node) -> f32 {
     tree.tensors()[0].1.to_vec::<f32>().unwrap()[0]
-}
-
-/// Writes `tensors` (names and two f32 values each) at `path` with the official
-/// `safetensors` crate.
-fn write_official(path: &Path, tensors: &[(&str, f32)]) {
-    let data: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|(_, v)| [*v, v + 1.0].iter().flat_map(|v| v.to_le_bytes()).collect())
-        .collect();
-    let views = tensors.iter().zip(&data).map(|((name, _), data)| {
-        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], data);
-        (*name, view.unwrap())
-    });
-    safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
 #[test]
@@ -176,8 +165,12 @@ fn shards_of_an_earlier_larger_save_are_removed_and_others_kept() {
 /// Two shards written by the official `safetensors` crate and an index as transformers
 /// writes it: a flat dict of names.
 fn foreign_checkpoint(dir: &Path, weight_map: serde_json::Value) {
-    write_official(&dir.join("a.safetensors"), &[("x.weight", 1.0)]);
-    write_official(&dir.join("b.safetensors"), &[("y.bias", 1.0)]);
+    write_official(
+        dir.join("a.safetensors"),
+        &[("x.weight", &[1.0, 2.0])],
+        None,
+    );
+    write_official(dir.join("b.safetensors"), &[("y.bias", &[1.0, 2.0])], None);
     let index = serde_json::json!({"metadata": {"total_size": 16}, "weight_map": weight_map});
     std::fs::write(index_in(dir), index.to_string()).unwrap();
 }
@@ -304,7 +297,12 @@ fn an_index_of_many_distinct_shards_is_read_in_linear_time() {
 fn a_name_held_by_two_shards_loads_from_the_shard_the_index_names() {
     let dir = tempfile::tempdir().unwrap();
     for (file, value) in [("a.safetensors", 1.0f32), ("b.safetensors", 2.0)] {
-        write_official(&dir.path().join(file), &[("w", value), ("z", value)]);
+        let values = [value, value + 1.0];
+        write_official(
+            dir.path().join(file),
+            &[("w", &values), ("z", &values)],
+            None,
+        );
     }
     for (w_in, expected) in [("a.safetensors", 1.0f32), ("b.safetensors", 2.0)] {
         let z_in = if w_in == "a.safetensors" {
