@@ -524,6 +524,17 @@ impl TensorDict {
         }
     }
 
+    /// Inserts `node` at `key` if the key is new; false, and the dict unchanged, if not.
+    pub(crate) fn insert_new(&mut self, key: DictKey, node: Node) -> bool {
+        match self.entries.entry(key) {
+            indexmap::map::Entry::Vacant(slot) => {
+                slot.insert(node);
+                true
+            }
+            indexmap::map::Entry::Occupied(_) => false,
+        }
+    }
+
     /// Inserts at a nested path, creating missing dictionaries on the way.
     pub fn insert_path(&mut self, path: &[&str], node: impl Into<Node>) -> Result<Option<Node>> {
         let (last, parents) = path.split_last().ok_or_else(|| Error::KeyNotFound {
