@@ -844,65 +844,86 @@ mod tests {
         assert!(hdr(&big, 100_000_000).is_ok());
     }
 
+    /// Headers at fault (the JSON, the data section's length) and words their error holds.
     #[test]
-    fn duplicate_names_are_rejected() {
-        let e = hdr(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
-            2,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("twice"), "{e}");
-    }
-
-    #[test]
-    fn shape_and_span_must_agree() {
-        let e = hdr(
-            r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
-            8,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("needs 12 bytes"), "{e}");
-    }
-
-    #[test]
-    fn gaps_overlaps_and_trailing_bytes_are_rejected() {
-        let gap = hdr(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
-            2,
-        )
-        .unwrap_err();
-        assert!(gap.to_string().contains("gap"), "{gap}");
-        let overlap = hdr(
-            r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}"#,
-            3,
-        )
-        .unwrap_err();
-        assert!(overlap.to_string().contains("overlaps"), "{overlap}");
-        let tail = hdr(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
-            5,
-        )
-        .unwrap_err();
-        assert!(tail.to_string().contains("trailing"), "{tail}");
-        let past = hdr(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
-            2,
-        )
-        .unwrap_err();
-        assert!(past.to_string().contains("past the end"), "{past}");
-    }
-
-    #[test]
-    fn unknown_dtypes_and_bad_json_are_format_errors() {
-        assert!(matches!(
-            hdr(
-                r#"{"a":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}}"#,
-                1
+    fn faulty_headers_are_format_errors_saying_why() {
+        for (json, data_len, words) in [
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+                2,
+                "twice",
             ),
-            Err(Error::Format { .. })
-        ));
-        assert!(matches!(hdr("{not json", 0), Err(Error::Format { .. })));
-        assert!(matches!(hdr("[1,2]", 0), Err(Error::Format { .. })));
+            (
+                r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+                8,
+                "needs 12 bytes",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+                2,
+                "gap",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}"#,
+                3,
+                "overlaps",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
+                5,
+                "trailing",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+                2,
+                "past the end",
+            ),
+            (
+                r#"{"a":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}}"#,
+                1,
+                r#"unknown dtype "Q7""#,
+            ),
+            ("{not json", 0, "not a valid safetensors JSON object"),
+            ("[1,2]", 0, "not a valid safetensors JSON object"),
+            // Faults are worded with their place, as serde_json words them.
+            (
+                "{\"a\" 1}",
+                0,
+                "header is not a valid safetensors JSON object: expected `:` at line 1 column 6",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":"x","data_offsets":[0,0]}}"#,
+                0,
+                r#"tensor "a": invalid type: string "x", expected a sequence at line 1 column"#,
+            ),
+            (
+                r#"{"a":{"shape":[],"data_offsets":[0,0]}}"#,
+                0,
+                "missing field `dtype`",
+            ),
+            (
+                r#"{"__metadata__":{"k":1}}"#,
+                0,
+                "__metadata__ must map strings to strings: invalid type: integer `1`, expected a string",
+            ),
+            (
+                r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]}}"#,
+                0,
+                r#"unknown dtype "Q7""#,
+            ),
+            // A syntax fault anywhere comes before a fault of an entry.
+            (
+                r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]},}"#,
+                0,
+                "key must be a string",
+            ),
+        ] {
+            let e = hdr(json, data_len).unwrap_err();
+            assert!(
+                matches!(e, Error::Format { .. }) && e.to_string().contains(words),
+                "{json}: {e}"
+            );
+        }
     }
 
     #[test]
@@ -1111,33 +1132,5 @@ mod tests {
             refused <= agreed / 10,
             "safetensors refused {refused} headers read here"
         );
-    }
-
-    #[test]
-    fn faults_are_worded_with_their_place_as_serde_json_words_them() {
-        let not_json = |json: &str| hdr(json, 0).unwrap_err().to_string();
-        let e = not_json("{\"a\" 1}");
-        assert!(
-            e.contains(
-                "header is not a valid safetensors JSON object: expected `:` at line 1 column 6"
-            ),
-            "{e}"
-        );
-        let e = not_json(r#"{"a":{"dtype":"U8","shape":"x","data_offsets":[0,0]}}"#);
-        assert!(
-            e.contains(
-                r#"tensor "a": invalid type: string "x", expected a sequence at line 1 column"#
-            ),
-            "{e}"
-        );
-        let e = not_json(r#"{"a":{"shape":[],"data_offsets":[0,0]}}"#);
-        assert!(e.contains("missing field `dtype`"), "{e}");
-        let e = not_json(r#"{"__metadata__":{"k":1}}"#);
-        assert!(e.contains("__metadata__ must map strings to strings: invalid type: integer `1`, expected a string"), "{e}");
-        let e = not_json(r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]}}"#);
-        assert!(e.contains(r#"unknown dtype "Q7""#), "{e}");
-        // A syntax fault anywhere comes before a fault of an entry, as it did.
-        let e = not_json(r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]},}"#);
-        assert!(e.contains("key must be a string"), "{e}");
     }
 }
