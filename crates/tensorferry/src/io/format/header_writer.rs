@@ -70,16 +70,12 @@ impl Walked<'_> {
 /// Walks the tree at the root of one file (no record written for a flat dict, which the
 /// file does not carry).
 pub(crate) fn walk_node(node: &Node) -> Walked<'_> {
-    let sharing = Sharing::of(&node.tensor_refs());
-    let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();
-    walk(flat, !flat, sharing, |w| w.node(node))
+    walk(node, false)
 }
 
 /// Walks any node at the root, always writing its record (an index of shards keeps it).
 pub(crate) fn walk_node_recorded(node: &Node) -> Walked<'_> {
-    let sharing = Sharing::of(&node.tensor_refs());
-    let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();
-    walk(flat, true, sharing, |w| w.node(node))
+    walk(node, true)
 }
 
 /// Whether `dict` holds tensors only, under string keys (a file without a record reads
@@ -92,14 +88,13 @@ fn flat_dict(dict: &TensorDict) -> bool {
 /// Where the record's envelope writes its format version (one digit).
 const VERSION_AT: usize = b"{\"format\":".len();
 
-/// Walks the tree `tree` walks, the root `flat` or not; with `recording`, inside the
-/// record's envelope, marked format 2 when it holds an integer key or an alias.
-fn walk<'a>(
-    flat: bool,
-    recording: bool,
-    sharing: Sharing,
-    tree: impl FnOnce(&mut Walker<'a>),
-) -> Walked<'a> {
+/// Walks the tree at `node`; its record is written, inside the record's envelope and
+/// marked format 2 when it holds an integer key or an alias, unless the tree is a flat
+/// dict and not `always_recorded`.
+fn walk(node: &Node, always_recorded: bool) -> Walked<'_> {
+    let sharing = Sharing::of(&node.tensor_refs());
+    let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();
+    let recording = always_recorded || !flat;
     let mut w = Walker {
         recording,
         same_as: sharing.same_as,
@@ -110,7 +105,7 @@ fn walk<'a>(
         push_json(&mut w.record, &FORMAT_VERSION);
         w.record.extend_from_slice(b",\"tree\":");
     }
-    tree(&mut w);
+    w.node(node);
     if recording {
         w.record.push(b'}');
         if w.newest {
