@@ -102,6 +102,47 @@ const DL_FLOAT6_E2M3FN: u8 = 15;
 const DL_FLOAT6_E3M2FN: u8 = 16;
 const DL_FLOAT4_E2M1FN: u8 = 17;
 
+/// What each dtype is, in the order of [`DType::ALL`] (its declaration order): the name
+/// users see, the safetensors code (`None`: the format cannot hold it), the DLPack type
+/// code and bits per value, and bytes per element.
+const FACTS: [(&str, Option<&str>, u8, u8, usize); 23] = [
+    ("bool", Some("BOOL"), DL_BOOL, 8, 1),
+    ("uint8", Some("U8"), DL_UINT, 8, 1),
+    ("int8", Some("I8"), DL_INT, 8, 1),
+    ("uint16", Some("U16"), DL_UINT, 16, 2),
+    ("int16", Some("I16"), DL_INT, 16, 2),
+    ("uint32", Some("U32"), DL_UINT, 32, 4),
+    ("int32", Some("I32"), DL_INT, 32, 4),
+    ("uint64", Some("U64"), DL_UINT, 64, 8),
+    ("int64", Some("I64"), DL_INT, 64, 8),
+    ("float16", Some("F16"), DL_FLOAT, 16, 2),
+    ("bfloat16", Some("BF16"), DL_BFLOAT, 16, 2),
+    ("float32", Some("F32"), DL_FLOAT, 32, 4),
+    ("float64", Some("F64"), DL_FLOAT, 64, 8),
+    ("complex64", Some("C64"), DL_COMPLEX, 64, 8),
+    ("complex128", None, DL_COMPLEX, 128, 16),
+    ("float8_e4m3fn", Some("F8_E4M3"), DL_FLOAT8_E4M3FN, 8, 1),
+    ("float8_e5m2", Some("F8_E5M2"), DL_FLOAT8_E5M2, 8, 1),
+    ("float8_e8m0fnu", Some("F8_E8M0"), DL_FLOAT8_E8M0FNU, 8, 1),
+    (
+        "float8_e4m3fnuz",
+        Some("F8_E4M3FNUZ"),
+        DL_FLOAT8_E4M3FNUZ,
+        8,
+        1,
+    ),
+    (
+        "float8_e5m2fnuz",
+        Some("F8_E5M2FNUZ"),
+        DL_FLOAT8_E5M2FNUZ,
+        8,
+        1,
+    ),
+    ("float4_e2m1fn_x2", Some("F4"), DL_FLOAT4_E2M1FN, 4, 1),
+    ("float6_e2m3fn_x4", Some("F6_E2M3"), DL_FLOAT6_E2M3FN, 6, 3),
+    ("float6_e3m2fn_x4", Some("F6_E3M2"), DL_FLOAT6_E3M2FN, 6, 3),
+];
+
 impl DType {
     /// Every dtype, in a stable order.
     pub const ALL: [DType; 23] = [
@@ -132,22 +173,7 @@ impl DType {
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
-        match self {
-            DType::Bool
-            | DType::U8
-            | DType::I8
-            | DType::F8E4M3
-            | DType::F8E5M2
-            | DType::F8E8M0
-            | DType::F8E4M3Fnuz
-            | DType::F8E5M2Fnuz
-            | DType::F4x2 => 1,
-            DType::F6E2M3x4 | DType::F6E3M2x4 => 3,
-            DType::U16 | DType::I16 | DType::F16 | DType::BF16 => 2,
-            DType::U32 | DType::I32 | DType::F32 => 4,
-            DType::U64 | DType::I64 | DType::F64 | DType::Complex64 => 8,
-            DType::Complex128 => 16,
-        }
+        FACTS[self as usize].4
     }
 
     /// The alignment an element needs: the largest power of two dividing its size.
@@ -193,60 +219,12 @@ impl DType {
 
     /// The name users see, as NumPy and PyTorch spell it ("float32", "bfloat16", …).
     pub const fn name(self) -> &'static str {
-        match self {
-            DType::Bool => "bool",
-            DType::U8 => "uint8",
-            DType::I8 => "int8",
-            DType::U16 => "uint16",
-            DType::I16 => "int16",
-            DType::U32 => "uint32",
-            DType::I32 => "int32",
-            DType::U64 => "uint64",
-            DType::I64 => "int64",
-            DType::F16 => "float16",
-            DType::BF16 => "bfloat16",
-            DType::F32 => "float32",
-            DType::F64 => "float64",
-            DType::Complex64 => "complex64",
-            DType::Complex128 => "complex128",
-            DType::F8E4M3 => "float8_e4m3fn",
-            DType::F8E5M2 => "float8_e5m2",
-            DType::F8E8M0 => "float8_e8m0fnu",
-            DType::F8E4M3Fnuz => "float8_e4m3fnuz",
-            DType::F8E5M2Fnuz => "float8_e5m2fnuz",
-            DType::F4x2 => "float4_e2m1fn_x2",
-            DType::F6E2M3x4 => "float6_e2m3fn_x4",
-            DType::F6E3M2x4 => "float6_e3m2fn_x4",
-        }
+        FACTS[self as usize].0
     }
 
     /// The safetensors dtype code, or `None` when the format cannot hold this type.
     pub const fn safetensors_code(self) -> Option<&'static str> {
-        Some(match self {
-            DType::Bool => "BOOL",
-            DType::U8 => "U8",
-            DType::I8 => "I8",
-            DType::U16 => "U16",
-            DType::I16 => "I16",
-            DType::U32 => "U32",
-            DType::I32 => "I32",
-            DType::U64 => "U64",
-            DType::I64 => "I64",
-            DType::F16 => "F16",
-            DType::BF16 => "BF16",
-            DType::F32 => "F32",
-            DType::F64 => "F64",
-            DType::Complex64 => "C64",
-            DType::F8E4M3 => "F8_E4M3",
-            DType::F8E5M2 => "F8_E5M2",
-            DType::F8E8M0 => "F8_E8M0",
-            DType::F8E4M3Fnuz => "F8_E4M3FNUZ",
-            DType::F8E5M2Fnuz => "F8_E5M2FNUZ",
-            DType::F4x2 => "F4",
-            DType::F6E2M3x4 => "F6_E2M3",
-            DType::F6E3M2x4 => "F6_E3M2",
-            DType::Complex128 => return None,
-        })
+        FACTS[self as usize].1
     }
 
     /// The dtype of a safetensors code, or `None` for a code tensorferry does not know.
@@ -281,31 +259,7 @@ impl DType {
     /// The DLPack description of this dtype (packed floats as PyTorch describes its
     /// `float4_e2m1fn_x2`: bits of one value, lanes per element).
     pub const fn dlpack(self) -> DLDataType {
-        let (code, bits) = match self {
-            DType::Bool => (DL_BOOL, 8),
-            DType::U8 => (DL_UINT, 8),
-            DType::I8 => (DL_INT, 8),
-            DType::U16 => (DL_UINT, 16),
-            DType::I16 => (DL_INT, 16),
-            DType::U32 => (DL_UINT, 32),
-            DType::I32 => (DL_INT, 32),
-            DType::U64 => (DL_UINT, 64),
-            DType::I64 => (DL_INT, 64),
-            DType::F16 => (DL_FLOAT, 16),
-            DType::BF16 => (DL_BFLOAT, 16),
-            DType::F32 => (DL_FLOAT, 32),
-            DType::F64 => (DL_FLOAT, 64),
-            DType::Complex64 => (DL_COMPLEX, 64),
-            DType::Complex128 => (DL_COMPLEX, 128),
-            DType::F8E4M3 => (DL_FLOAT8_E4M3FN, 8),
-            DType::F8E5M2 => (DL_FLOAT8_E5M2, 8),
-            DType::F8E8M0 => (DL_FLOAT8_E8M0FNU, 8),
-            DType::F8E4M3Fnuz => (DL_FLOAT8_E4M3FNUZ, 8),
-            DType::F8E5M2Fnuz => (DL_FLOAT8_E5M2FNUZ, 8),
-            DType::F4x2 => (DL_FLOAT4_E2M1FN, 4),
-            DType::F6E2M3x4 => (DL_FLOAT6_E2M3FN, 6),
-            DType::F6E3M2x4 => (DL_FLOAT6_E3M2FN, 6),
-        };
+        let (_, _, code, bits, _) = FACTS[self as usize];
         DLDataType {
             code,
             bits,
@@ -365,6 +319,13 @@ impl FromStr for DType {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_facts_are_in_the_order_of_all() {
+        for (i, d) in DType::ALL.into_iter().enumerate() {
+            assert_eq!(d as usize, i, "{d:?}");
+        }
+    }
 
     #[test]
     fn every_dtype_round_trips_through_its_name() {

@@ -191,13 +191,33 @@ impl Tensor {
         dtype: DType,
         shape: Vec<usize>,
     ) -> Result<Self> {
+        Tensor::contiguous_in(storage, offset, dtype, shape.into())
+    }
+
+    /// A C-contiguous view of `storage` at byte `offset` with `like`'s dtype and shape (its
+    /// shape copied as it is held: no allocation for four dimensions or fewer).
+    pub(crate) fn contiguous_view_like(
+        storage: Arc<Storage>,
+        offset: usize,
+        like: &Tensor,
+    ) -> Result<Self> {
+        Tensor::contiguous_in(storage, offset, like.dtype, like.shape.clone())
+    }
+
+    fn contiguous_in(
+        storage: Arc<Storage>,
+        offset: usize,
+        dtype: DType,
+        shape: Dims<usize>,
+    ) -> Result<Self> {
         let nbytes = checked_nbytes(dtype, &shape);
         match nbytes.and_then(|n| n.checked_add(offset)) {
             Some(end) if end <= storage.len() || nbytes == Some(0) => {}
             _ => {
                 return Err(Error::Layout {
                     reason: format!(
-                        "{dtype} shape {shape:?} at offset {offset} leaves a storage of {} bytes",
+                        "{dtype} shape {:?} at offset {offset} leaves a storage of {} bytes",
+                        &*shape,
                         storage.len()
                     ),
                 })
@@ -208,38 +228,7 @@ impl Tensor {
             offset,
             dtype,
             strides: contiguous_dims(&shape),
-            shape: shape.into(),
-        })
-    }
-
-    /// A C-contiguous view of `storage` at byte `offset` with `like`'s dtype and shape (its
-    /// shape copied as it is held: no allocation for four dimensions or fewer).
-    pub(crate) fn contiguous_view_like(
-        storage: Arc<Storage>,
-        offset: usize,
-        like: &Tensor,
-    ) -> Result<Self> {
-        let nbytes = like.nbytes();
-        if offset
-            .checked_add(nbytes)
-            .is_none_or(|end| end > storage.len())
-            && nbytes != 0
-        {
-            return Err(Error::Layout {
-                reason: format!(
-                    "{} shape {:?} at offset {offset} leaves a storage of {} bytes",
-                    like.dtype,
-                    like.shape(),
-                    storage.len()
-                ),
-            });
-        }
-        Ok(Tensor {
-            storage,
-            offset,
-            dtype: like.dtype,
-            strides: contiguous_dims(like.shape()),
-            shape: like.shape.clone(),
+            shape,
         })
     }
 
@@ -389,11 +378,7 @@ impl Tensor {
     /// Waits for a copy still filling them, and fails with its error if it failed; fails
     /// with `DeviceUnavailable` when the tensor is not on the host.
     pub fn for_each_run(&self, f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
-        if let Some(bytes) = self.try_contiguous_bytes()? {
-            let mut f = f;
-            return f(bytes);
-        }
-        self.runs_in(self.host_bytes_or_err()?, f)
+        self.for_each_host_run(f)
     }
 
     /// [`Tensor::for_each_run`] with runs borrowed from the tensor itself, so a caller can
@@ -406,12 +391,6 @@ impl Tensor {
             return f(bytes);
         }
         let all = self.host_bytes_or_err()?;
-        self.run_offsets(|at, len| f(&all[at..at + len]))
-    }
-
-    /// Calls `f` on the tensor's bytes in C order, reading them from `all`, the bytes of
-    /// its storage.
-    pub(crate) fn runs_in(&self, all: &[u8], mut f: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
         self.run_offsets(|at, len| f(&all[at..at + len]))
     }
 

@@ -408,7 +408,9 @@ impl Node {
         &self,
         f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
     ) -> Result<Node> {
-        self.map_at(&mut KeyPath::default(), f)
+        let mut out = self.clone();
+        out.replace_tensors_at(&mut KeyPath::default(), f)?;
+        Ok(out)
     }
 
     /// Like [`Node::try_map_tensors`] without paths, for maps that do not need them.
@@ -445,43 +447,35 @@ impl Node {
         Ok(())
     }
 
-    fn map_at(
-        &self,
+    /// Replaces every tensor `t` at `path` (and below) of this (cloned) tree by
+    /// `f(path, t)`, in order, with one path stack pushed and popped.
+    fn replace_tensors_at(
+        &mut self,
         path: &mut KeyPath,
         f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
-    ) -> Result<Node> {
-        Ok(match self {
-            Node::Tensor(t) => Node::Tensor(f(path, t)?),
-            Node::Value(v) => Node::Value(v.clone()),
+    ) -> Result<()> {
+        let mut below = |path: &mut KeyPath, key: String, v: &mut Node| {
+            path.0.push(key);
+            let replaced = v.replace_tensors_at(path, f);
+            path.0.pop();
+            replaced
+        };
+        match self {
+            Node::Tensor(t) => *t = f(path, t)?,
+            Node::Value(_) => {}
             Node::Dict(d) => {
-                let mut out = IndexMap::with_capacity(d.entries.len());
-                for (k, v) in &d.entries {
-                    path.0.push(k.text.clone());
-                    let mapped = v.map_at(path, f);
-                    path.0.pop();
-                    out.insert(k.clone(), mapped?);
+                for (k, v) in d.entries.iter_mut() {
+                    below(path, k.text.clone(), v)?;
                 }
-                Node::Dict(TensorDict { entries: out })
             }
-            Node::List(items) => Node::List(map_items(items, path, f)?),
-            Node::Tuple(items) => Node::Tuple(map_items(items, path, f)?),
-        })
+            Node::List(items) | Node::Tuple(items) => {
+                for (i, v) in items.iter_mut().enumerate() {
+                    below(path, i.to_string(), v)?;
+                }
+            }
+        }
+        Ok(())
     }
-}
-
-fn map_items(
-    items: &[Node],
-    path: &mut KeyPath,
-    f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
-) -> Result<Vec<Node>> {
-    let mut out = Vec::with_capacity(items.len());
-    for (i, v) in items.iter().enumerate() {
-        path.0.push(i.to_string());
-        let mapped = v.map_at(path, f);
-        path.0.pop();
-        out.push(mapped?);
-    }
-    Ok(out)
 }
 
 impl TensorDict {
@@ -521,6 +515,17 @@ impl TensorDict {
                 self.entries.insert(key, node.into());
                 None
             }
+        }
+    }
+
+    /// Inserts `node` at `key` if the key is new; false, and the dict unchanged, if not.
+    pub(crate) fn insert_new(&mut self, key: DictKey, node: Node) -> bool {
+        match self.entries.entry(key) {
+            indexmap::map::Entry::Vacant(slot) => {
+                slot.insert(node);
+                true
+            }
+            indexmap::map::Entry::Occupied(_) => false,
         }
     }
 

@@ -19,13 +19,24 @@ fn mapped(copy_on_write: bool) -> LoadOptions {
     }
 }
 
-fn saved() -> (tempfile::TempDir, std::path::PathBuf) {
+/// A file of `{"w": values}` in a temporary folder.
+fn saved_values(values: &[f32]) -> (tempfile::TempDir, std::path::PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("w.safetensors");
     let mut d = TensorDict::new();
-    d.insert("w", Tensor::from_slice(&[1.5f32, 2.5, 3.5], &[3]).unwrap());
+    d.insert("w", Tensor::from_slice(values, &[values.len()]).unwrap());
     save(&Node::from(d), &path, &SaveOptions::default()).unwrap();
     (dir, path)
+}
+
+fn saved() -> (tempfile::TempDir, std::path::PathBuf) {
+    saved_values(&[1.5, 2.5, 3.5])
+}
+
+/// Cuts the file at `path` to `len` bytes, as another program could.
+fn truncate(path: &std::path::Path, len: u64) {
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    file.set_len(len).unwrap();
 }
 
 #[test]
@@ -82,12 +93,8 @@ fn the_default_load_reads_into_fresh_memory_not_a_map() {
 /// A file saved with a tensor large enough that its bytes span many pages, so that a
 /// truncation removes pages a map would still hand out.
 fn saved_large() -> (tempfile::TempDir, std::path::PathBuf, Vec<f32>) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("large.safetensors");
     let values: Vec<f32> = (0..64 * 1024).map(|i| i as f32).collect();
-    let mut d = TensorDict::new();
-    d.insert("w", Tensor::from_slice(&values, &[values.len()]).unwrap());
-    save(&Node::from(d), &path, &SaveOptions::default()).unwrap();
+    let (dir, path) = saved_values(&values);
     (dir, path, values)
 }
 
@@ -98,12 +105,7 @@ fn saved_large() -> (tempfile::TempDir, std::path::PathBuf, Vec<f32>) {
 fn a_file_truncated_after_a_default_load_leaves_the_tensors_whole() {
     let (_dir, path, values) = saved_large();
     let loaded = load(&path, LoadOptions::default()).unwrap();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .unwrap()
-        .set_len(0)
-        .unwrap();
+    truncate(&path, 0);
     let w = loaded.root.tensor(&["w"]).unwrap();
     assert_eq!(w.to_vec::<f32>().unwrap(), values);
 }
@@ -115,12 +117,7 @@ fn a_truncated_file_is_an_error_under_the_default_load() {
     let (_dir, path, _) = saved_large();
     let len = std::fs::metadata(&path).unwrap().len();
     for keep in [len - 1, len / 2, 100, 9, 3, 0] {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(keep)
-            .unwrap();
+        truncate(&path, keep);
         let err = load(&path, LoadOptions::default())
             .err()
             .unwrap_or_else(|| panic!("kept {keep} of {len} bytes: the load must fail"));

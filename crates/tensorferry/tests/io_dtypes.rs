@@ -4,9 +4,9 @@
 
 mod common;
 
-use common::{load_dict, save_dict};
+use common::{load_dict, save_dict, save_err};
 
-use tensorferry::{load, save, DType, LoadOptions, SaveOptions, Tensor, TensorDict};
+use tensorferry::{load, DType, LoadOptions, SaveOptions, Tensor, TensorDict};
 
 /// Every dtype of the official crate (`safetensors::Dtype`, version 0.8), with its code.
 const OFFICIAL: [(safetensors::Dtype, &str); 22] = {
@@ -170,12 +170,7 @@ fn a_packed_scalar_cannot_be_saved() {
         "s",
         Tensor::from_bytes(DType::F4x2, vec![], &[0x21]).unwrap(),
     );
-    let err = save(
-        &tensorferry::Node::from(d.clone()),
-        dir.path().join("s.safetensors"),
-        &SaveOptions::default(),
-    )
-    .unwrap_err();
+    let err = save_err(d, dir.path().join("s.safetensors"));
     assert!(
         matches!(&err, tensorferry::Error::UnsupportedDType { key, .. } if key == "s"),
         "{err:?}"

@@ -73,17 +73,7 @@ fn format_errors_name_the_file_they_came_from() {
             continue;
         }
         for result in [
-            load(
-                &path,
-                LoadOptions {
-                    // SAFETY: this test's files live in its own temporary folder; nothing truncates or
-                    // rewrites them while their tensors are alive.
-                    mmap: unsafe { tensorferry::Mapping::map() },
-                    direct: false,
-                    copy_on_write: false,
-                },
-            )
-            .map(drop),
+            load(&path, every_way()[0]).map(drop),
             tensorferry::internal::io::read_header(&path).map(drop),
         ] {
             if let Err(err @ Error::Format { .. }) = result {

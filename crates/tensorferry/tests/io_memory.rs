@@ -3,13 +3,16 @@
 //!
 //! Every test here takes one lock, so no other test's allocations are counted.
 
+mod common;
+
+use common::every_way;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use tensorferry::internal::io::read_header;
-use tensorferry::{load, save, DType, LoadOptions, Node, SaveOptions, Tensor, Value};
+use tensorferry::{load, save, DType, Node, SaveOptions, Tensor, Value};
 
 /// The system allocator, counting the bytes in use and their peak.
 struct Counting;
@@ -98,50 +101,19 @@ type ReadingWay<'a> = (&'static str, Box<dyn Fn() -> bool + 'a>);
 /// Loads `path` every way (mapped, read, read with `O_DIRECT`) and reads its header; each peak must stay within [`allowed`].
 /// Returns whether the loads succeeded.
 fn assert_bounded(path: &Path, file_len: usize, what: &str) -> bool {
+    let [mapped, read, direct] = every_way();
     let cases: [ReadingWay; 4] = [
         (
             "load with mmap",
-            Box::new(|| {
-                load(
-                    path,
-                    LoadOptions {
-                        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
-                        // rewrites them while their tensors are alive.
-                        mmap: unsafe { tensorferry::Mapping::map() },
-                        direct: false,
-                        copy_on_write: false,
-                    },
-                )
-                .is_ok()
-            }),
+            Box::new(move || load(path, mapped).is_ok()),
         ),
         (
             "load without mmap",
-            Box::new(|| {
-                load(
-                    path,
-                    LoadOptions {
-                        mmap: tensorferry::Mapping::READ,
-                        direct: false,
-                        copy_on_write: false,
-                    },
-                )
-                .is_ok()
-            }),
+            Box::new(move || load(path, read).is_ok()),
         ),
         (
             "load with O_DIRECT",
-            Box::new(|| {
-                load(
-                    path,
-                    LoadOptions {
-                        mmap: tensorferry::Mapping::READ,
-                        direct: true,
-                        copy_on_write: false,
-                    },
-                )
-                .is_ok()
-            }),
+            Box::new(move || load(path, direct).is_ok()),
         ),
         ("read_header", Box::new(|| read_header(path).is_ok())),
     ];

@@ -2,6 +2,9 @@
 //! and every I/O failure an `Error::Io` carrying the path and the system's error.
 #![cfg(unix)]
 
+mod common;
+
+use common::{every_way, save_dict, save_err};
 use std::io::{ErrorKind, Read};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -9,7 +12,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use tensorferry::internal::io::read_header;
-use tensorferry::{load, save, Error, LoadOptions, SaveOptions, Tensor, TensorDict};
+use tensorferry::{load, Error, LoadOptions, SaveOptions, Tensor, TensorDict};
 
 /// Runs `f` on another thread and fails the test if it has not returned within 5 s (the
 /// thread is left behind: a blocked open cannot be cancelled).
@@ -26,33 +29,10 @@ fn within_five_seconds<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Se
 fn read_all_ways(path: &Path) -> Vec<(&'static str, Error)> {
     let p = path.to_path_buf();
     within_five_seconds(&format!("reading {}", path.display()), move || {
+        let [mapped, read, _] = every_way();
         vec![
-            (
-                "load mmap",
-                load(
-                    &p,
-                    LoadOptions {
-                        // SAFETY: this test's files live in its own temporary folder; nothing truncates or
-                        // rewrites them while their tensors are alive.
-                        mmap: unsafe { tensorferry::Mapping::map() },
-                        direct: false,
-                        copy_on_write: false,
-                    },
-                )
-                .unwrap_err(),
-            ),
-            (
-                "load read",
-                load(
-                    &p,
-                    LoadOptions {
-                        mmap: tensorferry::Mapping::READ,
-                        direct: false,
-                        copy_on_write: false,
-                    },
-                )
-                .unwrap_err(),
-            ),
+            ("load mmap", load(&p, mapped).unwrap_err()),
+            ("load read", load(&p, read).unwrap_err()),
             ("read_header", read_header(&p).unwrap_err()),
         ]
     })
@@ -259,12 +239,7 @@ fn a_folder_is_an_io_error_with_eisdir() {
 #[test]
 fn saving_to_a_folder_writes_model_safetensors_in_it() {
     let dir = tempfile::tempdir().unwrap();
-    save(
-        &tensorferry::Node::from(one_tensor()),
-        dir.path(),
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&one_tensor(), dir.path(), &SaveOptions::default());
     assert!(dir.path().join("model.safetensors").is_file());
     let (loaded, _) = tensorferry::load(dir.path(), LoadOptions::default())
         .unwrap()
@@ -302,12 +277,7 @@ fn saving_over_a_fifo_is_refused_and_leaves_it() {
     mkfifo(&fifo);
     let target = fifo.clone();
     let err = within_five_seconds("saving over a FIFO", move || {
-        save(
-            &tensorferry::Node::from(one_tensor()),
-            &target,
-            &SaveOptions::default(),
-        )
-        .unwrap_err()
+        save_err(one_tensor(), &target)
     });
     assert!(
         err.to_string().contains("is a FIFO, not a regular file"),
@@ -332,12 +302,7 @@ fn a_missing_file_is_not_found_naming_it() {
         assert!(source.raw_os_error().is_some(), "{how}: the errno is kept");
     }
     let in_missing_folder = dir.path().join("nope").join("x.safetensors");
-    let err = save(
-        &tensorferry::Node::from(one_tensor()),
-        &in_missing_folder,
-        &SaveOptions::default(),
-    )
-    .unwrap_err();
+    let err = save_err(one_tensor(), &in_missing_folder);
     let (path, source) = io_error(&err);
     assert_eq!(path, dir.path().join("nope"), "the missing folder is named");
     assert_eq!(source.kind(), ErrorKind::NotFound);
@@ -352,12 +317,7 @@ fn an_unreadable_file_is_permission_denied() {
         return;
     }
     let path = dir.path().join("secret.safetensors");
-    save(
-        &tensorferry::Node::from(one_tensor()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&one_tensor(), &path, &SaveOptions::default());
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o000)).unwrap();
     for (how, err) in read_all_ways(&path) {
         let (p, source) = io_error(&err);
@@ -376,12 +336,7 @@ fn saving_into_a_read_only_folder_is_permission_denied_and_leaves_the_file() {
     let path = dir.path().join("kept.safetensors");
     std::fs::write(&path, b"previous").unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o555)).unwrap();
-    let err = save(
-        &tensorferry::Node::from(one_tensor()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap_err();
+    let err = save_err(one_tensor(), &path);
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let (p, source) = io_error(&err);
     assert_eq!(p, path);

@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{every_way, f32s, load_dict, save_dict};
+use common::{every_way, f32s, load_dict, official_names, save_dict, save_err, write_official};
 
 use std::collections::BTreeMap;
 
@@ -122,18 +122,9 @@ fn a_list_at_the_root_round_trips() {
 fn files_are_valid_for_the_official_reader_with_dotted_names() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("o.safetensors");
-    save(
-        &tensorferry::Node::from(sample()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
-    let bytes = std::fs::read(&path).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut names = st.names();
-    names.sort();
+    save_dict(&sample(), &path, &SaveOptions::default());
     assert_eq!(
-        names,
+        official_names(&path),
         [
             "history.0",
             "mask",
@@ -141,6 +132,8 @@ fn files_are_valid_for_the_official_reader_with_dotted_names() {
             "model.layer.0.weight"
         ]
     );
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let w = st.tensor("model.layer.0.weight").unwrap();
     assert_eq!(w.shape(), &[2, 2]);
     let expected: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
@@ -154,10 +147,7 @@ fn files_are_valid_for_the_official_reader_with_dotted_names() {
 fn files_of_the_official_writer_load_as_flat_dicts_keeping_dots() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("official.safetensors");
-    let data: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
-    let view =
-        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &data).unwrap();
-    safetensors::serialize_to_file([("a.b.c", view)], None, &path).unwrap();
+    write_official(&path, &[("a.b.c", &[1.0, 2.0])], None);
     let (d, _) = load_dict(&path, LoadOptions::default());
     assert_eq!(d.keys().collect::<Vec<_>>(), ["a.b.c"]);
     assert_eq!(
@@ -249,24 +239,14 @@ fn colliding_names_complex128_and_bad_roots_fail_before_touching_the_file() {
     let mut d = TensorDict::new();
     d.insert("a.b", f32s(&[1.0], &[1]));
     d.insert_path(&["a", "b"], f32s(&[2.0], &[1])).unwrap();
-    let err = save(
-        &tensorferry::Node::from(d.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap_err();
+    let err = save_err(d, &path);
     assert!(
         err.to_string().contains("a.b") && err.to_string().contains("a/b"),
         "{err}"
     );
     let mut c = TensorDict::new();
     c.insert("z", Tensor::zeros(DType::Complex128, &[1]).unwrap());
-    let err = save(
-        &tensorferry::Node::from(c.clone()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap_err();
+    let err = save_err(c, &path);
     assert!(
         err.to_string().contains("complex128") && err.to_string().contains('z'),
         "{err}"
@@ -283,12 +263,7 @@ fn colliding_names_complex128_and_bad_roots_fail_before_touching_the_file() {
 fn a_failed_write_leaves_the_previous_file_and_no_temporary() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("keep.safetensors");
-    save(
-        &tensorferry::Node::from(sample()),
-        &path,
-        &SaveOptions::default(),
-    )
-    .unwrap();
+    save_dict(&sample(), &path, &SaveOptions::default());
     let before = std::fs::read(&path).unwrap();
     // A view whose storage is foreign device memory cannot be written: the save fails.
     let mut bad = sample();

@@ -12,10 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::checkpoint::sharded::{load_sharded_with, resolve, Target};
-use super::format::header_reader::parse_counted;
 use super::fs::direct::{Reader, Window, DIRECT_ALIGN};
 use super::fs::file_kind::open_regular;
-use super::read::{build, read_header_bytes, LoadOptions, Loaded};
+use super::read::{build, header_of, LoadOptions, Loaded};
 use crate::backend::{backend_for, Backend};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -67,11 +66,8 @@ fn stream_file(
     stop: &AtomicBool,
 ) -> Result<Loaded> {
     let (mut file, file_len) = open_regular(path)?;
-    let header = read_header_bytes(&mut file, path, file_len)?;
-    let data_start = 8 + header.len() as u64;
-    let data_len = file_len - data_start;
-    let parsed = parse_counted(&header, data_len)?;
-    drop(header);
+    let parsed = header_of(&mut file, path, file_len)?;
+    let data_start = parsed.0.data_start;
     let stream = Stream { direct, ring, stop };
     let (storage, fallback) = stream_data(file, path, file_len, data_start, backend, stream)?;
     let mut loaded = build(parsed, storage, 0)?;

@@ -30,46 +30,14 @@ pub(crate) fn flat_dict(
     storage: &Arc<Storage>,
     base: usize,
 ) -> Result<TensorDict> {
-    let mut views = Views {
-        entries: entries.into_iter(),
-        storage,
-        base,
-        failure: None,
-    };
-    let dict: TensorDict = views.by_ref().collect();
-    match views.failure {
-        Some(e) => Err(e),
-        None => Ok(dict),
-    }
-}
-
-/// The entries as `(name, tensor node)` pairs; the first error ends it and is kept.
-struct Views<'a> {
-    entries: std::vec::IntoIter<TensorEntry>,
-    storage: &'a Arc<Storage>,
-    base: usize,
-    failure: Option<Error>,
-}
-
-impl Iterator for Views<'_> {
-    type Item = (String, Node);
-    fn next(&mut self) -> Option<(String, Node)> {
-        if self.failure.is_some() {
-            return None;
-        }
-        let mut entry = self.entries.next()?;
+    let mut dict = TensorDict::with_capacity(entries.len());
+    for mut entry in entries {
         let shape = std::mem::take(&mut entry.shape);
-        match view(self.storage, self.base, &entry, shape) {
-            Ok(t) => Some((entry.name, Node::Tensor(t))),
-            Err(e) => {
-                self.failure = Some(e);
-                None
-            }
-        }
+        let t = view(storage, base, &entry, shape)?;
+        let fresh = dict.insert_new(entry.name.into(), Node::Tensor(t));
+        debug_assert!(fresh, "a validated header names each tensor once");
     }
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        self.entries.size_hint()
-    }
+    Ok(dict)
 }
 
 /// The entries, handed out as tensors by name, each once. A record lists its tensors in

@@ -177,8 +177,8 @@ pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
 pub(super) type Parsed = (Header, HeaderCensus);
 
 /// Reads and validates the header at the start of `file`, leaving the file positioned at
-/// the data section.
-fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Parsed> {
+/// the data section ([`Header::data_start`]).
+pub(super) fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<Parsed> {
     let header_bytes = read_header_bytes(file, path, file_len)?;
     parse_counted(&header_bytes, file_len - 8 - header_bytes.len() as u64)
 }
@@ -201,11 +201,15 @@ pub(super) fn read_header_bytes(file: &mut File, path: &Path, file_len: u64) -> 
 /// Loads from bytes in memory (copied into aligned memory first); the same validation
 /// as files. For data that never touched a disk, and for fuzzing the reader.
 pub fn load_bytes(bytes: &[u8]) -> Result<Loaded> {
-    let n = header_len(bytes, bytes.len() as u64)?;
-    let data_start = 8 + n as usize;
-    let parsed = parse_counted(&bytes[8..data_start], (bytes.len() - data_start) as u64)?;
-    let data = AlignedBuffer::copy_from(&bytes[data_start..])?;
+    let parsed = parse_within(bytes)?;
+    let data = AlignedBuffer::copy_from(&bytes[parsed.0.data_start as usize..])?;
     build(parsed, Arc::new(Storage::owned(data)), 0)
+}
+
+/// Reads and validates the header at the start of `bytes`, a whole file in memory.
+fn parse_within(bytes: &[u8]) -> Result<Parsed> {
+    let data_start = 8 + header_len(bytes, bytes.len() as u64)? as usize;
+    parse_counted(&bytes[8..data_start], (bytes.len() - data_start) as u64)
 }
 
 /// Maps the file; tensors view the map at `data_start + begin`.
@@ -234,9 +238,8 @@ fn map_file(
         None => Storage::mapped(unsafe { Mmap::map(file) }.map_err(|e| Error::io("map", path, e))?),
     };
     let map = storage.host_bytes().expect("a map is host memory, filled");
-    let n = header_len(&map[..8], map.len() as u64)?;
-    let data_start = 8 + n as usize;
-    let parsed = parse_counted(&map[8..data_start], (map.len() - data_start) as u64)?;
+    let parsed = parse_within(map)?;
+    let data_start = parsed.0.data_start as usize;
     Ok((parsed, Arc::new(storage), data_start))
 }
 
@@ -280,11 +283,9 @@ fn read_file(file: &mut File, path: &Path, file_len: u64) -> Result<(Parsed, Arc
 /// memory budget, or the filesystem refuses `O_DIRECT`, the data is read through the page
 /// cache and the load says why.
 fn read_direct(mut file: File, path: &Path, file_len: u64) -> Result<Loaded> {
-    let header = read_header_bytes(&mut file, path, file_len)?;
-    let data_start = 8 + header.len() as u64;
+    let parsed = header_of(&mut file, path, file_len)?;
+    let data_start = parsed.0.data_start;
     let data_len = file_len - data_start;
-    let parsed = parse_counted(&header, data_len)?;
-    drop(header);
     if data_len == 0 {
         let empty = Arc::new(Storage::owned(AlignedBuffer::zeroed(0)?));
         return build(parsed, empty, 0);

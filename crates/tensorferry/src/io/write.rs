@@ -223,7 +223,6 @@ fn on_host(tensors: &[&Tensor]) -> Result<Option<Vec<Tensor>>> {
     crate::transfer::move_tensors(tensors, crate::device::Device::Cpu, Default::default()).map(Some)
 }
 
-/// The dotted name of each tensor; collisions and unsupported dtypes fail.
 /// Refuses a header that a reader would refuse for its size alone (its census counted
 /// while it was written), given the `data_len` bytes after it.
 fn check_readable(census: &HeaderCensus, data_len: u64) -> Result<()> {

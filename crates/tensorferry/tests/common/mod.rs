@@ -39,3 +39,35 @@ pub fn load_dict(
 ) -> (TensorDict, BTreeMap<String, String>) {
     load(path, options).unwrap().into_dict().unwrap()
 }
+
+/// Saves `tree` at `path` with the default options, which must fail; the error.
+pub fn save_err(tree: impl Into<Node>, path: impl AsRef<Path>) -> tensorferry::Error {
+    save(&tree.into(), path, &SaveOptions::default()).unwrap_err()
+}
+
+/// The names of the tensors of the file at `path`, sorted, as the official reader lists them.
+pub fn official_names(path: impl AsRef<Path>) -> Vec<String> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    names.sort();
+    names
+}
+
+/// Writes one-dimensional `f32` tensors and `metadata` at `path` with the official writer.
+pub fn write_official(
+    path: impl AsRef<Path>,
+    tensors: &[(&str, &[f32])],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) {
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        .collect();
+    let views = tensors.iter().zip(&data).map(|((name, v), data)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![v.len()], data);
+        (*name, view.unwrap())
+    });
+    safetensors::serialize_to_file(views, metadata, path.as_ref()).unwrap();
+}

@@ -77,13 +77,13 @@ pub(crate) fn read_index(path: &Path) -> Result<Index> {
 
 /// Refuses an index of `len` bytes over [`MAX_INDEX_BYTES`].
 pub(crate) fn check_index_len(len: u64, path: &Path) -> Result<()> {
-    match len > MAX_INDEX_BYTES {
-        true => Err(Error::Format {
+    if len > MAX_INDEX_BYTES {
+        return Err(Error::Format {
             at: format!("{path:?}"),
             reason: format!("an index of {len} bytes is over the {MAX_INDEX_BYTES}-byte limit"),
-        }),
-        false => Ok(()),
+        });
     }
+    Ok(())
 }
 
 /// Checks the index bytes read from `path`, as [`read_index`] does.
@@ -118,20 +118,13 @@ pub(crate) fn parse_index(bytes: &[u8], path: &Path) -> Result<Index> {
             )));
         }
     }
-    let record = match raw.metadata.as_ref().and_then(|m| m.get(TREE_METADATA_KEY)) {
-        None => None,
-        Some(serde_json::Value::String(s)) => Some(s.clone()),
-        Some(_) => {
-            return Err(bad(format!(
-                "metadata.{TREE_METADATA_KEY} must be a string"
-            )))
-        }
+    let string = |key: &str| match raw.metadata.as_ref().and_then(|m| m.get(key)) {
+        None => Ok(None),
+        Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(bad(format!("metadata.{key} must be a string"))),
     };
-    let save_id = match raw.metadata.as_ref().and_then(|m| m.get(SAVE_ID_KEY)) {
-        None => None,
-        Some(serde_json::Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(bad(format!("metadata.{SAVE_ID_KEY} must be a string"))),
-    };
+    let record = string(TREE_METADATA_KEY)?;
+    let save_id = string(SAVE_ID_KEY)?;
     // Only a hint for the next save's clean-up: anything but plain shard names is ignored.
     let replaces = match raw.metadata.as_ref().and_then(|m| m.get(REPLACES_KEY)) {
         Some(serde_json::Value::Array(names)) => names

@@ -4,9 +4,9 @@
 //! ([`count`]) checks the JSON and counts what the header describes (tensors, dimensions,
 //! metadata, the recorded tree through [`super::tree_census`]) without building any of
 //! it; [`super::budget`] refuses the header if loading it would take too much memory; the
-//! second pass ([`build`]) allocates exactly what was counted. Faults are worded as the
-//! `serde_json` reader this codec replaced worded them, with their line and column, and
-//! in the same order: syntax first, then the budget, then the first entry at fault.
+//! second pass ([`build`]) allocates exactly what was counted. Faults are worded as
+//! `serde_json` words them, with their line and column; syntax comes first, then the
+//! budget, then the first entry at fault.
 
 use std::collections::BTreeMap;
 
@@ -102,10 +102,10 @@ pub(crate) fn parse_counted(header: &[u8], data_len: u64) -> Result<(Header, Hea
     let data_start = 8 + header.len() as u64;
     let text = std::str::from_utf8(header)
         .map_err(|e| Error::format_at(8 + e.valid_up_to() as u64, "header is not valid UTF-8"))?;
-    let (census, tree_text) = count(text).map_err(|f| not_json(&f.describe(text)))?;
+    let (census, tree_text) = count(text, true).map_err(|f| not_json(&f.describe(text)))?;
     budget::check(&census, data_len)?;
     let (entries, metadata) =
-        build(text, census.entries, tree_text).map_err(|stop| match stop {
+        build(text, census.entries, tree_text, true).map_err(|stop| match stop {
             Stop::Json(f) => not_json(&f.describe(text)),
             Stop::Other(e) => e,
         })?;
@@ -127,7 +127,7 @@ pub(crate) fn parse_counted(header: &[u8], data_len: u64) -> Result<(Header, Hea
 /// The census of the header `text` (for debug builds to check the writer's own).
 #[cfg(debug_assertions)]
 pub(crate) fn census_of(text: &str) -> Result<HeaderCensus> {
-    count(text)
+    count(text, true)
         .map(|(census, _)| census)
         .map_err(|f| not_json(&f.describe(text)))
 }
@@ -143,15 +143,10 @@ fn not_json(why: &str) -> Error {
 /// Checks the JSON of the header `text` and counts what it describes, and unescapes the
 /// tree record if `__metadata__` holds one. Only the JSON's syntax and a top level that
 /// is not an object are faults here: a value of the wrong type is counted as it comes
-/// and left to [`build`], which words it.
-fn count(text: &str) -> Scan<(HeaderCensus, Option<String>)> {
-    count_in(text, true)
-}
-
-/// [`count`], skimming the entries in the form writers write with [`skim_entry`] when
-/// `skim` (tests compare it with the general reader alone).
+/// and left to [`build`], which words it. With `skim`, entries in the form writers write
+/// are skimmed by [`skim_entry`] (tests compare it with the general reader alone).
 #[inline]
-fn count_in(text: &str, skim: bool) -> Scan<(HeaderCensus, Option<String>)> {
+fn count(text: &str, skim: bool) -> Scan<(HeaderCensus, Option<String>)> {
     let mut census = HeaderCensus {
         header_bytes: text.len() as u64,
         ..HeaderCensus::default()
@@ -297,19 +292,10 @@ fn count_metadata(
 /// Builds the entries (room for `entries`) and the metadata of the header `text` that
 /// [`count`] checked; `tree_text` is the record it unescaped. The first entry at fault
 /// (a value of the wrong type, an unknown dtype, a shape that disagrees with its bytes)
-/// is the error.
-fn build(
-    text: &str,
-    entries: u64,
-    tree_text: Option<String>,
-) -> std::result::Result<(Vec<TensorEntry>, BTreeMap<String, String>), Stop> {
-    build_in(text, entries, tree_text, true)
-}
-
-/// [`build`], reading the entries in the form writers write with [`plain_entry`] when
-/// `plain` (tests compare it with the general reader alone).
+/// is the error. With `plain`, entries in the form writers write are read by
+/// [`plain_entry`] (tests compare it with the general reader alone).
 #[inline]
-fn build_in(
+fn build(
     text: &str,
     entries: u64,
     mut tree_text: Option<String>,
@@ -844,65 +830,86 @@ mod tests {
         assert!(hdr(&big, 100_000_000).is_ok());
     }
 
+    /// Headers at fault (the JSON, the data section's length) and words their error holds.
     #[test]
-    fn duplicate_names_are_rejected() {
-        let e = hdr(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
-            2,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("twice"), "{e}");
-    }
-
-    #[test]
-    fn shape_and_span_must_agree() {
-        let e = hdr(
-            r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
-            8,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("needs 12 bytes"), "{e}");
-    }
-
-    #[test]
-    fn gaps_overlaps_and_trailing_bytes_are_rejected() {
-        let gap = hdr(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
-            2,
-        )
-        .unwrap_err();
-        assert!(gap.to_string().contains("gap"), "{gap}");
-        let overlap = hdr(
-            r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}"#,
-            3,
-        )
-        .unwrap_err();
-        assert!(overlap.to_string().contains("overlaps"), "{overlap}");
-        let tail = hdr(
-            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
-            5,
-        )
-        .unwrap_err();
-        assert!(tail.to_string().contains("trailing"), "{tail}");
-        let past = hdr(
-            r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
-            2,
-        )
-        .unwrap_err();
-        assert!(past.to_string().contains("past the end"), "{past}");
-    }
-
-    #[test]
-    fn unknown_dtypes_and_bad_json_are_format_errors() {
-        assert!(matches!(
-            hdr(
-                r#"{"a":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}}"#,
-                1
+    fn faulty_headers_are_format_errors_saying_why() {
+        for (json, data_len, words) in [
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+                2,
+                "twice",
             ),
-            Err(Error::Format { .. })
-        ));
-        assert!(matches!(hdr("{not json", 0), Err(Error::Format { .. })));
-        assert!(matches!(hdr("[1,2]", 0), Err(Error::Format { .. })));
+            (
+                r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+                8,
+                "needs 12 bytes",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+                2,
+                "gap",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}"#,
+                3,
+                "overlaps",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
+                5,
+                "trailing",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#,
+                2,
+                "past the end",
+            ),
+            (
+                r#"{"a":{"dtype":"Q7","shape":[1],"data_offsets":[0,1]}}"#,
+                1,
+                r#"unknown dtype "Q7""#,
+            ),
+            ("{not json", 0, "not a valid safetensors JSON object"),
+            ("[1,2]", 0, "not a valid safetensors JSON object"),
+            // Faults are worded with their place, as serde_json words them.
+            (
+                "{\"a\" 1}",
+                0,
+                "header is not a valid safetensors JSON object: expected `:` at line 1 column 6",
+            ),
+            (
+                r#"{"a":{"dtype":"U8","shape":"x","data_offsets":[0,0]}}"#,
+                0,
+                r#"tensor "a": invalid type: string "x", expected a sequence at line 1 column"#,
+            ),
+            (
+                r#"{"a":{"shape":[],"data_offsets":[0,0]}}"#,
+                0,
+                "missing field `dtype`",
+            ),
+            (
+                r#"{"__metadata__":{"k":1}}"#,
+                0,
+                "__metadata__ must map strings to strings: invalid type: integer `1`, expected a string",
+            ),
+            (
+                r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]}}"#,
+                0,
+                r#"unknown dtype "Q7""#,
+            ),
+            // A syntax fault anywhere comes before a fault of an entry.
+            (
+                r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]},}"#,
+                0,
+                "key must be a string",
+            ),
+        ] {
+            let e = hdr(json, data_len).unwrap_err();
+            assert!(
+                matches!(e, Error::Format { .. }) && e.to_string().contains(words),
+                "{json}: {e}"
+            );
+        }
     }
 
     #[test]
@@ -972,7 +979,7 @@ mod tests {
                 continue;
             };
             let oracle = serde_json::from_str::<serde_json::Value>(text);
-            let mine = count(text);
+            let mine = count(text, true);
             let oracle_reads = oracle.as_ref().is_ok_and(|v| v.is_object());
             assert_eq!(
                 mine.is_ok(),
@@ -1046,14 +1053,14 @@ mod tests {
                 Stop::Json(f) => f.describe(text),
                 Stop::Other(e) => e.to_string(),
             };
-            let fast = count_in(text, true).map_err(|f| f.describe(text));
-            let general = count_in(text, false).map_err(|f| f.describe(text));
+            let fast = count(text, true).map_err(|f| f.describe(text));
+            let general = count(text, false).map_err(|f| f.describe(text));
             assert_eq!(format!("{fast:?}"), format!("{general:?}"), "{text}");
             let Ok((census, tree)) = general else {
                 continue;
             };
-            let fast = build_in(text, census.entries, tree.clone(), true).map_err(words);
-            let general = build_in(text, census.entries, tree, false).map_err(words);
+            let fast = build(text, census.entries, tree.clone(), true).map_err(words);
+            let general = build(text, census.entries, tree, false).map_err(words);
             assert_eq!(fast, general, "{text}");
             both_paths += 1;
             built += usize::from(fast.is_ok());
@@ -1111,33 +1118,5 @@ mod tests {
             refused <= agreed / 10,
             "safetensors refused {refused} headers read here"
         );
-    }
-
-    #[test]
-    fn faults_are_worded_with_their_place_as_serde_json_words_them() {
-        let not_json = |json: &str| hdr(json, 0).unwrap_err().to_string();
-        let e = not_json("{\"a\" 1}");
-        assert!(
-            e.contains(
-                "header is not a valid safetensors JSON object: expected `:` at line 1 column 6"
-            ),
-            "{e}"
-        );
-        let e = not_json(r#"{"a":{"dtype":"U8","shape":"x","data_offsets":[0,0]}}"#);
-        assert!(
-            e.contains(
-                r#"tensor "a": invalid type: string "x", expected a sequence at line 1 column"#
-            ),
-            "{e}"
-        );
-        let e = not_json(r#"{"a":{"shape":[],"data_offsets":[0,0]}}"#);
-        assert!(e.contains("missing field `dtype`"), "{e}");
-        let e = not_json(r#"{"__metadata__":{"k":1}}"#);
-        assert!(e.contains("__metadata__ must map strings to strings: invalid type: integer `1`, expected a string"), "{e}");
-        let e = not_json(r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]}}"#);
-        assert!(e.contains(r#"unknown dtype "Q7""#), "{e}");
-        // A syntax fault anywhere comes before a fault of an entry, as it did.
-        let e = not_json(r#"{"a":{"dtype":"Q7","shape":[],"data_offsets":[0,0]},}"#);
-        assert!(e.contains("key must be a string"), "{e}");
     }
 }

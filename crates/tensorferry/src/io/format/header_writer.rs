@@ -18,7 +18,6 @@ use std::fmt::Write as _;
 
 use super::header::HeaderCensus;
 use super::name_hash::NameHasher;
-use super::scan::special_from;
 use super::tree_census::TreeCensus;
 use super::tree_meta::TREE_METADATA_KEY;
 use super::tree_meta::{FORMAT_VERSION, FORMAT_VERSION_NEWEST};
@@ -71,16 +70,12 @@ impl Walked<'_> {
 /// Walks the tree at the root of one file (no record written for a flat dict, which the
 /// file does not carry).
 pub(crate) fn walk_node(node: &Node) -> Walked<'_> {
-    let sharing = Sharing::of(&node.tensor_refs());
-    let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();
-    walk(flat, !flat, sharing, |w| w.node(node))
+    walk(node, false)
 }
 
 /// Walks any node at the root, always writing its record (an index of shards keeps it).
 pub(crate) fn walk_node_recorded(node: &Node) -> Walked<'_> {
-    let sharing = Sharing::of(&node.tensor_refs());
-    let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();
-    walk(flat, true, sharing, |w| w.node(node))
+    walk(node, true)
 }
 
 /// Whether `dict` holds tensors only, under string keys (a file without a record reads
@@ -93,14 +88,13 @@ fn flat_dict(dict: &TensorDict) -> bool {
 /// Where the record's envelope writes its format version (one digit).
 const VERSION_AT: usize = b"{\"format\":".len();
 
-/// Walks the tree `tree` walks, the root `flat` or not; with `recording`, inside the
-/// record's envelope, marked format 2 when it holds an integer key or an alias.
-fn walk<'a>(
-    flat: bool,
-    recording: bool,
-    sharing: Sharing,
-    tree: impl FnOnce(&mut Walker<'a>),
-) -> Walked<'a> {
+/// Walks the tree at `node`; its record is written, inside the record's envelope and
+/// marked format 2 when it holds an integer key or an alias, unless the tree is a flat
+/// dict and not `always_recorded`.
+fn walk(node: &Node, always_recorded: bool) -> Walked<'_> {
+    let sharing = Sharing::of(&node.tensor_refs());
+    let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();
+    let recording = always_recorded || !flat;
     let mut w = Walker {
         recording,
         same_as: sharing.same_as,
@@ -108,10 +102,10 @@ fn walk<'a>(
     };
     if recording {
         w.record.extend_from_slice(b"{\"format\":");
-        push_u64(&mut w.record, FORMAT_VERSION);
+        push_json(&mut w.record, &FORMAT_VERSION);
         w.record.extend_from_slice(b",\"tree\":");
     }
-    tree(&mut w);
+    w.node(node);
     if recording {
         w.record.push(b'}');
         if w.newest {
@@ -272,7 +266,7 @@ impl<'a> Walker<'a> {
                     self.record.extend_from_slice(k_text.as_bytes());
                     self.newest = true;
                 } else {
-                    push_json_str(&mut self.record, k_text);
+                    push_json(&mut self.record, k_text);
                 }
                 self.record.push(b',');
                 self.saw_string(k_text.len());
@@ -323,7 +317,7 @@ impl<'a> Walker<'a> {
                     return;
                 }
                 self.record.extend_from_slice(b"{\"tensor\":");
-                push_json_str(&mut self.record, &self.path);
+                push_json(&mut self.record, &self.path);
                 self.record.push(b'}');
                 self.saw_string(self.path.len());
             }
@@ -346,7 +340,7 @@ impl<'a> Walker<'a> {
         let start = if at == 0 { 0 } else { self.ends[at - 1] };
         let name = &self.names[start..self.ends[at]];
         self.record.extend_from_slice(b"{\"alias\":");
-        push_json_str(&mut self.record, name);
+        push_json(&mut self.record, name);
         self.record.push(b'}');
         let len = name.len();
         self.saw_string(len);
@@ -367,7 +361,7 @@ impl<'a> Walker<'a> {
             }
             Value::Int(i) => {
                 r.extend_from_slice(b"{\"int\":");
-                serde_json::to_writer(&mut *r, i).expect("writing to a Vec");
+                push_json(r, i);
                 r.push(b'}');
             }
             Value::Float(x) => {
@@ -377,13 +371,13 @@ impl<'a> Walker<'a> {
                 } else if x.is_infinite() {
                     r.extend_from_slice(if *x > 0.0 { b"\"inf\"" } else { b"\"-inf\"" });
                 } else {
-                    serde_json::to_writer(&mut *r, x).expect("writing to a Vec");
+                    push_json(r, x);
                 }
                 r.push(b'}');
             }
             Value::Str(s) => {
                 r.extend_from_slice(b"{\"str\":");
-                push_json_str(r, s);
+                push_json(r, s);
                 r.push(b'}');
                 self.saw_string(s.len());
                 self.tree.string_bytes += s.len() as u64;
@@ -392,58 +386,12 @@ impl<'a> Walker<'a> {
     }
 }
 
-/// Appends `s` as a JSON string, escaped as `serde_json` escapes it.
-fn push_json_str(out: &mut Vec<u8>, s: &str) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let bytes = s.as_bytes();
-    out.reserve(bytes.len() + 2);
-    out.push(b'"');
-    let mut at = 0;
-    loop {
-        // Plain runs found eight bytes at a time and copied whole.
-        let end = special_from(bytes, at);
-        out.extend_from_slice(&bytes[at..end]);
-        let Some(&b) = bytes.get(end) else {
-            break;
-        };
-        match b {
-            b'"' => out.extend_from_slice(b"\\\""),
-            b'\\' => out.extend_from_slice(b"\\\\"),
-            b'\n' => out.extend_from_slice(b"\\n"),
-            b'\r' => out.extend_from_slice(b"\\r"),
-            b'\t' => out.extend_from_slice(b"\\t"),
-            0x08 => out.extend_from_slice(b"\\b"),
-            0x0c => out.extend_from_slice(b"\\f"),
-            _ => out.extend_from_slice(&[
-                b'\\',
-                b'u',
-                b'0',
-                b'0',
-                HEX[(b >> 4) as usize],
-                HEX[(b & 0xf) as usize],
-            ]),
-        }
-        at = end + 1;
-    }
-    out.push(b'"');
+/// Appends `v` as `serde_json` writes it: a string escaped and quoted, a number in decimal.
+fn push_json(out: &mut Vec<u8>, v: &(impl serde::Serialize + ?Sized)) {
+    serde_json::to_writer(out, v).expect("writing to a Vec");
 }
 
 type NameSet<'a> = HashMap<&'a str, usize, std::hash::BuildHasherDefault<NameHasher>>;
-
-/// Appends `n` in decimal.
-fn push_u64(out: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(&digits[at..]);
-}
 
 /// Refuses tensors whose dtype the format lacks (or that a file cannot shape: a packed
 /// scalar), a tensor named `__metadata__`, two paths giving one name, and tensors whose
@@ -558,9 +506,9 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
         if i > 0 {
             json.push(b',');
         }
-        push_json_str(&mut json, k);
+        push_json(&mut json, k);
         json.push(b':');
-        push_json_str(&mut json, v);
+        push_json(&mut json, v);
         census.metadata_pairs += 1;
         census.metadata_bytes += (k.len() + v.len()) as u64;
         census.longest_string = census.longest_string.max(k.len().max(v.len()) as u64);
@@ -585,7 +533,7 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
         let name = walked.name(i);
         let code = t.dtype().safetensors_code().expect("checked");
         json.push(b',');
-        push_json_str(&mut json, name);
+        push_json(&mut json, name);
         json.extend_from_slice(b":{\"dtype\":\"");
         json.extend_from_slice(code.as_bytes());
         json.extend_from_slice(b"\",\"shape\":[");
@@ -601,13 +549,13 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
             if d > 0 {
                 json.push(b',');
             }
-            push_u64(&mut json, n as u64);
+            push_json(&mut json, &n);
         }
         let begin = begins[i];
         json.extend_from_slice(b"],\"data_offsets\":[");
-        push_u64(&mut json, begin);
+        push_json(&mut json, &begin);
         json.push(b',');
-        push_u64(&mut json, begin + t.nbytes() as u64);
+        push_json(&mut json, &(begin + t.nbytes() as u64));
         json.extend_from_slice(b"]}");
         let ndim = t.shape().len() as u64;
         census.dims += ndim;
@@ -675,42 +623,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn strings_are_escaped_exactly_as_serde_json_escapes_them() {
-        for s in [
-            "",
-            "plain",
-            "a\"b\\c",
-            "\n\r\t\u{8}\u{c}\u{1}\u{1f}\u{7f}",
-            "é∂😀\"x",
-        ] {
-            let mut out = Vec::new();
-            push_json_str(&mut out, s);
-            assert_eq!(
-                String::from_utf8(out).unwrap(),
-                serde_json::to_string(s).unwrap()
-            );
-        }
-        // Every special character at every position of strings longer than a word.
-        for special in ['"', '\\', '\n', '\u{1}', '\u{1f}', ' ', '\u{7f}', 'é'] {
-            for len in 1..20 {
-                for at in 0..len {
-                    let s: String = (0..len)
-                        .map(|i| if i == at { special } else { 'x' })
-                        .collect();
-                    let mut out = Vec::new();
-                    push_json_str(&mut out, &s);
-                    assert_eq!(out, serde_json::to_vec(&s).unwrap(), "{s:?}");
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn numbers_are_written_in_decimal() {
-        for n in [0u64, 7, 10, 1234567890, u64::MAX] {
-            let mut out = Vec::new();
-            push_u64(&mut out, n);
-            assert_eq!(String::from_utf8(out).unwrap(), n.to_string());
-        }
+    fn names_and_strings_are_written_as_serde_json_writes_them_and_read_back() {
+        let odd = "a\"b\\c\n\r\t\u{8}\u{c}\u{1}\u{1f}\u{7f}é∂😀 x";
+        let mut d = TensorDict::new();
+        d.insert(odd, Tensor::from_slice(&[1u8], &[1]).unwrap());
+        d.insert("s", odd);
+        let tree = Node::from(d);
+        let walked = walk_node(&tree);
+        let user = BTreeMap::from([(odd.to_string(), odd.to_string())]);
+        let built = build(&walked, &user);
+        let json = std::str::from_utf8(&built.bytes[8..]).unwrap();
+        let quoted = serde_json::to_string(odd).unwrap();
+        assert_eq!(json.matches(&quoted).count(), 3, "{json}");
+        let header = super::super::header_reader::parse_header(&built.bytes[8..], 1).unwrap();
+        assert_eq!(header.tensors[0].name, odd);
+        assert_eq!(header.metadata[odd], odd);
     }
 }

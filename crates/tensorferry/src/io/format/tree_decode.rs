@@ -123,20 +123,16 @@ impl Build<'_> {
 
     /// The entries of a dict, at their exact count; a key given twice is an error.
     fn dict(&mut self, c: &mut Cursor<'_>, depth: usize) -> std::result::Result<TensorDict, Stop> {
-        let len = self.next_len();
-        let mut pairs = DictPairs {
-            build: self,
-            c,
-            depth: depth + 1,
-            left: len,
-            started: false,
-            failure: None,
-        };
-        let dict: TensorDict = pairs.by_ref().collect();
-        if let Some(stop) = pairs.failure {
-            return Err(stop);
-        }
-        if dict.len() != len {
+        let mut dict = TensorDict::with_capacity(self.next_len());
+        let mut twice = false;
+        c.array("an array", |c| {
+            let key = pair_key(c)?;
+            let node = self.node(c, depth + 1)?;
+            pair_end(c)?;
+            twice |= !dict.insert_new(key.into(), node);
+            Ok::<(), Stop>(())
+        })?;
+        if twice {
             return Err(Stop::Other(bad(
                 "not a valid tree record: a dict of the tree has the same key twice",
             )));
@@ -151,61 +147,6 @@ impl From<Key<'_>> for DictKey {
             Key::Str(s) => s.into_owned().into(),
             Key::Int(i) => i.into(),
         }
-    }
-}
-
-/// The `[key, node]` pairs of a dict as an iterator (so the dict reserves its size once);
-/// the first fault ends it and is kept.
-struct DictPairs<'b, 'c, 't> {
-    build: &'b mut Build<'c>,
-    c: &'b mut Cursor<'t>,
-    depth: usize,
-    left: usize,
-    started: bool,
-    failure: Option<Stop>,
-}
-
-impl DictPairs<'_, '_, '_> {
-    /// The next pair; `Ok(None)` at the end.
-    fn pair(&mut self) -> std::result::Result<Option<(DictKey, Node)>, Stop> {
-        let c = &mut *self.c;
-        if !self.started {
-            self.started = true;
-            if c.peek() != Some(b'[') {
-                return Err(c.wrong_type("an array").into());
-            }
-            if c.open(b'[')? {
-                return Ok(None);
-            }
-        } else if !c.more(b']')? {
-            return Ok(None);
-        }
-        let key = pair_key(c)?;
-        let node = self.build.node(c, self.depth)?;
-        pair_end(c)?;
-        Ok(Some((key.into(), node)))
-    }
-}
-
-impl Iterator for DictPairs<'_, '_, '_> {
-    type Item = (DictKey, Node);
-    fn next(&mut self) -> Option<(DictKey, Node)> {
-        if self.failure.is_some() {
-            return None;
-        }
-        match self.pair() {
-            Ok(pair) => {
-                self.left = self.left.saturating_sub(1);
-                pair
-            }
-            Err(stop) => {
-                self.failure = Some(stop);
-                None
-            }
-        }
-    }
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        (self.left, None)
     }
 }
 

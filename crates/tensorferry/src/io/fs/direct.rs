@@ -412,18 +412,14 @@ unsafe fn read_at(file: &File, dst: *mut u8, len: usize, at: u64) -> io::Result<
 mod tests {
     use super::*;
     use crate::memory::AlignedBuffer;
-    use std::io::Write;
 
+    use crate::io::fs::test_files::pattern;
+
+    /// A temporary file of `bytes`, and the file opened for reading.
     fn file_of(bytes: &[u8]) -> (tempfile::NamedTempFile, File) {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(bytes).unwrap();
-        f.flush().unwrap();
+        let f = crate::io::fs::test_files::file_of(bytes);
         let file = File::open(f.path()).unwrap();
         (f, file)
-    }
-
-    fn pattern(len: usize) -> Vec<u8> {
-        (0..len).map(|i| (i * 7 + i / 4096) as u8).collect()
     }
 
     #[test]

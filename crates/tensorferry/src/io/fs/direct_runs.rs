@@ -199,17 +199,12 @@ fn copy_overlap(window: &[u8], start: u64, r: &Run, dest: &mut AlignedBuffer) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
 
-    fn file_of(bytes: &[u8]) -> tempfile::NamedTempFile {
-        let mut f = tempfile::NamedTempFile::new().unwrap();
-        f.write_all(bytes).unwrap();
-        f.flush().unwrap();
-        f
-    }
+    use crate::io::fs::test_files::{file_of, pattern};
 
-    fn pattern(len: usize) -> Vec<u8> {
-        (0..len).map(|i| (i * 7 + i / 4096) as u8).collect()
+    /// The run of `len` bytes from file byte `at` to byte `to` of buffer `dest`.
+    fn run(at: u64, len: usize, dest: usize, to: usize) -> Run {
+        Run { at, len, dest, to }
     }
 
     #[test]
@@ -218,38 +213,13 @@ mod tests {
         let f = file_of(&bytes);
         let runs = [
             // Two runs a few bytes apart (one span), out of order, into one buffer.
-            Run {
-                at: 5000,
-                len: 300,
-                dest: 0,
-                to: 0,
-            },
-            Run {
-                at: 10,
-                len: 4000,
-                dest: 0,
-                to: 300,
-            },
+            run(5000, 300, 0, 0),
+            run(10, 4000, 0, 300),
             // A run across windows, into a second buffer at an offset.
-            Run {
-                at: WINDOW_BYTES as u64 - 7,
-                len: WINDOW_BYTES + 100,
-                dest: 1,
-                to: 64,
-            },
+            run(WINDOW_BYTES as u64 - 7, WINDOW_BYTES + 100, 1, 64),
             // The file's last bytes.
-            Run {
-                at: bytes.len() as u64 - 5,
-                len: 5,
-                dest: 0,
-                to: 4300,
-            },
-            Run {
-                at: 0,
-                len: 0,
-                dest: 0,
-                to: 4305,
-            },
+            run(bytes.len() as u64 - 5, 5, 0, 4300),
+            run(0, 0, 0, 4305),
         ];
         let read = read_runs(f.path(), &[4305, 64 + WINDOW_BYTES + 100], &runs).unwrap();
         let (a, b) = (read.buffers[0].as_slice(), read.buffers[1].as_slice());
@@ -312,18 +282,9 @@ mod tests {
     #[test]
     fn a_run_past_the_files_end_is_refused_naming_the_file() {
         let f = file_of(&pattern(100));
-        let err = read_runs(
-            f.path(),
-            &[10],
-            &[Run {
-                at: 95,
-                len: 10,
-                dest: 0,
-                to: 0,
-            }],
-        )
-        .err()
-        .unwrap();
+        let err = read_runs(f.path(), &[10], &[run(95, 10, 0, 0)])
+            .err()
+            .unwrap();
         let text = err.to_string();
         assert!(
             text.contains(&f.path().display().to_string()) && text.contains("100 bytes"),

@@ -11,15 +11,11 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 
-/// `EISDIR`: the same number on Linux, macOS and the BSDs.
-#[cfg(unix)]
-const EISDIR: i32 = 21;
-
 /// The error a read of a folder gives: `EISDIR` where the platform has it.
 fn is_a_directory() -> io::Error {
     #[cfg(unix)]
     {
-        io::Error::from_raw_os_error(EISDIR)
+        io::Error::from_raw_os_error(libc::EISDIR)
     }
     #[cfg(not(unix))]
     {
