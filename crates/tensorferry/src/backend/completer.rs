@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use super::event::{Event, Failure, Outcome};
 use super::fence::Fence;
+use super::process::spawn_thread;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -94,19 +95,10 @@ impl Completer {
     ) -> Result<Completer> {
         let (tx, rx) = mpsc::channel::<Entry>();
         let on_thread = health.clone();
-        std::thread::Builder::new()
-            .name(format!(
-                "tensorferry-{}-completer",
-                device.to_string().replace(':', "")
-            ))
-            .spawn(move || {
-                init();
-                complete(device, &on_thread, rx);
-            })
-            .map_err(|e| Error::DeviceUnavailable {
-                device: device.to_string(),
-                reason: format!("cannot start its completer thread: {e}"),
-            })?;
+        spawn_thread(device, "completer", "completer", move || {
+            init();
+            complete(device, &on_thread, rx);
+        })?;
         Ok(Completer {
             device,
             health,

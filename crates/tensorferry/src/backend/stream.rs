@@ -11,8 +11,9 @@ use std::sync::Mutex;
 
 use super::event::Event;
 use super::event::Failure;
+use super::process::spawn_thread;
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// A job on the stream.
 pub(crate) type Job = Box<dyn FnOnce() + Send>;
@@ -31,26 +32,17 @@ impl StreamThread {
         init: impl FnOnce() + Send + 'static,
     ) -> Result<StreamThread> {
         let (tx, rx) = mpsc::channel::<(Job, Event)>();
-        std::thread::Builder::new()
-            .name(format!(
-                "tensorferry-{}-stream",
-                device.to_string().replace(':', "")
-            ))
-            .spawn(move || {
-                init();
-                for (job, event) in rx {
-                    // What the job holds is dropped as the panic unwinds, before the event
-                    // completes; a job that completed its event before panicking keeps
-                    // that outcome.
-                    if let Err(panic) = catch_unwind(AssertUnwindSafe(job)) {
-                        event.complete(Err(Failure::internal(device, &*panic)));
-                    }
+        spawn_thread(device, "stream", "stream", move || {
+            init();
+            for (job, event) in rx {
+                // What the job holds is dropped as the panic unwinds, before the event
+                // completes; a job that completed its event before panicking keeps that
+                // outcome.
+                if let Err(panic) = catch_unwind(AssertUnwindSafe(job)) {
+                    event.complete(Err(Failure::internal(device, &*panic)));
                 }
-            })
-            .map_err(|e| Error::DeviceUnavailable {
-                device: device.to_string(),
-                reason: format!("cannot start its stream thread: {e}"),
-            })?;
+            }
+        })?;
         Ok(StreamThread {
             device,
             jobs: Mutex::new(tx),

@@ -126,23 +126,13 @@ impl Staging {
         non_blocking: bool,
     ) -> Option<Ring> {
         match self {
-            Staging::Off => None,
             Staging::Auto if !backend.prefers_pinned_staging() || total == 0 => None,
-            Staging::Auto if total >= AUTO_MIN_BYTES => Some(Ring {
-                chunk_bytes: AUTO_CHUNK_BYTES,
-                depth: AUTO_DEPTH,
-                automatic: true,
-            }),
-            Staging::Auto => non_blocking.then_some(Ring {
+            Staging::Auto if total < AUTO_MIN_BYTES => non_blocking.then_some(Ring {
                 chunk_bytes: total.min(AUTO_CHUNK_BYTES),
                 depth: 2,
                 automatic: true,
             }),
-            Staging::Ring { chunk_bytes, depth } => Some(Ring {
-                chunk_bytes: chunk_bytes.max(1),
-                depth: depth.max(1),
-                automatic: false,
-            }),
+            _ => self.ring_for_stream(),
         }
     }
 

@@ -13,8 +13,9 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use crate::backend::process::spawn_thread;
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Work for the freeing thread: a driver call that may wait for the GPU.
 pub(crate) type Job = Box<dyn FnOnce() + Send>;
@@ -53,23 +54,14 @@ impl Freer {
         let (tx, rx) = channel::<(Job, usize)>();
         let pending = Arc::new(Pending::default());
         let done = pending.clone();
-        std::thread::Builder::new()
-            .name(format!(
-                "tensorferry-{}-freer",
-                device.to_string().replace(':', "")
-            ))
-            .spawn(move || {
-                setup();
-                for (job, len) in rx {
-                    // A job that panics must not stop the frees behind it.
-                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-                    done.finish(len);
-                }
-            })
-            .map_err(|e| Error::DeviceUnavailable {
-                device: device.to_string(),
-                reason: format!("cannot start its freeing thread: {e}"),
-            })?;
+        spawn_thread(device, "freer", "freeing", move || {
+            setup();
+            for (job, len) in rx {
+                // A job that panics must not stop the frees behind it.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                done.finish(len);
+            }
+        })?;
         Ok(Freer {
             queue: Mutex::new(tx),
             pending,
