@@ -1,35 +1,28 @@
-//! The CUDA backend: device memory and copies through the driver API (cudarc's `sys`
-//! layer, loaded at run time), in each GPU's primary context so that pointers from
-//! PyTorch, JAX and CuPy in the same process are valid here.
+//! The [`Backend`] of one GPU: device memory and copies through the driver API, in the
+//! GPU's primary context so that pointers from PyTorch, JAX and CuPy in the same process
+//! are valid here.
 //!
-//! Each GPU has two CUDA streams of its own (uploads; copies that read device memory), so
-//! that an upload and a download overlap, created *non-blocking*: the legacy default stream
-//! (PyTorch's default stream) neither waits for their copies nor makes them wait, so a
-//! save or an upload overlaps a training step instead of stalling it. Every order with
-//! another library's work is therefore explicit: DLPack producers are passed the read
-//! stream, PyTorch's current stream is waited for by an event ([`Backend::order_after_stream`]),
-//! memory from the CUDA Array Interface without a stream is ordered after the legacy
-//! default stream of its GPU, and a copy from another GPU waits for that GPU's read stream.
-//! Such a copy goes directly over the GPUs' link once this GPU has peer access to the
-//! other's memory, which the first copy from there enables where the two can reach each
-//! other (`CudaDevice::reach`); otherwise the driver stages it through the host.
+//! Its two streams (uploads; copies that read device memory) are *non-blocking*: the legacy
+//! default stream (PyTorch's) neither waits for their copies nor makes them wait, so a save
+//! or an upload overlaps a training step. Every order with another library's work is
+//! therefore explicit: DLPack producers are passed the read stream, PyTorch's current
+//! stream is waited for by an event ([`Backend::order_after_stream`]), memory from the CUDA
+//! Array Interface without a stream is ordered after its GPU's legacy default stream, and
+//! a copy from another GPU waits for that GPU's read stream (and goes over the GPUs' link
+//! where they can reach each other, `CudaDevice::reach`; else the driver stages it).
 //!
-//! Batches are queued from the calling thread (with the GPU's primary context pushed for
-//! the call and popped after, so the thread keeps its own current context): the batch's
-//! waits on CUDA work become `cuStreamWaitEvent` on the GPU, its copies are queued without
-//! waiting in between (`cuda_copy`: one `cuMemcpyBatchAsync` where the driver has it,
-//! else one `cuMemcpy*Async` per copy), and a `CUevent` recorded after them marks the
-//! batch's host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits
-//! for host work (a staging thread, the emulated device) is chained to it instead, and the
-//! later batches of its stream queue behind it ([`crate::backend::lane`]): the caller never blocks.
-//! The GPU's completer thread ([`crate::backend::completer`]) watches the recorded events, releases
-//! what each batch held once its copies are done, then completes its host event. A copy
-//! call that fails part-way through a batch still has the copies queued before it waited
-//! for (through the event recorded after them, or by synchronising the stream) before
-//! anything is released; the batch's event then fails with the error.
+//! A batch is queued from the calling thread, the context pushed for the call and popped
+//! after: its waits on CUDA work become `cuStreamWaitEvent` on the GPU, its copies are
+//! queued without waiting in between (`copy`), and a `CUevent` recorded after them marks
+//! its host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits for
+//! host work is deferred by its lane ([`crate::backend::lane`]): the caller never blocks.
+//! The completer ([`crate::backend::completer`]) releases what a batch held once its event
+//! has passed, then completes the host event. A copy call that fails part-way through a
+//! batch still has the copies queued before it waited for (through the event, or by
+//! synchronising the stream) before anything is released.
 //!
-//! NOTE: exercised in CI against the fake driver in `crates/fake-cuda` (which checks
-//! contexts, address ranges and stream order); it has not run on a real GPU yet.
+//! NOTE: exercised against the fake driver in `crates/fake-cuda` (which checks contexts,
+//! address ranges and stream order); it has not run on a real GPU yet.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -610,12 +603,12 @@ impl CudaDevice {
 
     /// Why this GPU gave up batched copies, if a batched call failed.
     pub fn copy_fallback(&self) -> Option<String> {
-        self.queue.fallback_reason()
+        self.queue.path().1
     }
 
     /// How this GPU's batches are queued: batched where the driver allows it.
     pub fn copy_path(&self) -> CopyPath {
-        self.queue.path()
+        self.queue.path().0
     }
 }
 
