@@ -679,14 +679,7 @@ fn an_automatic_ring_that_gets_no_pinned_memory_copies_directly_an_explicit_one_
     let pool = backend_for(dev).unwrap().pinned_pool().unwrap();
     let (host, data) = sample(14);
     // Hold every cached buffer of the ring's size class, so that the ring must pin anew.
-    let mut cached = Vec::new();
-    loop {
-        let misses = pool.stats().misses;
-        cached.push(pool.take(host.nbytes()).unwrap());
-        if pool.stats().misses > misses {
-            break;
-        }
-    }
+    let cached = pool.hold_cached(host.nbytes());
     let _refused = Faults::inject(FAULT_PIN, &[1, 2, 3]).unwrap();
     // A small non-blocking move: `Auto` takes the ring, which gets no pinned memory.
     let auto = auto_ring();
