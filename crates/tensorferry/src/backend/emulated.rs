@@ -21,7 +21,7 @@ use super::event::{guarded, Event};
 use super::event::{Failure, Outcome};
 use super::fence::{Fence, StreamHandle};
 use super::interface::{Backend, CopyBatch, DeviceMemory};
-use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
+use super::lane::{submit_to, Lane, Refused, Submitted, LANES};
 use super::process::{backends_started_here, same_process};
 use super::stream::{Job, StreamThread};
 use crate::device::Device;
@@ -424,13 +424,7 @@ impl EmulatedDevice {
     ) {
         let n = self.copies.fetch_add(1, Ordering::SeqCst) + 1;
         self.ops.fetch_add(batch.ops.len() as u64, Ordering::SeqCst);
-        let submitted = Submitted {
-            batch,
-            keep,
-            event: event.clone(),
-            seq: n,
-        };
-        self.lanes[lane_of(submitted.batch.direction)].submit(submitted, ordered);
+        submit_to(&self.lanes, batch, keep, event, n, ordered);
     }
 
     /// Holds `direction`'s stream (test only): nothing queued on it runs until the
@@ -440,7 +434,7 @@ impl EmulatedDevice {
         let gate = Event::pending();
         let held = gate.clone();
         let job: Job = Box::new(move || drop(held.wait_outcome()));
-        let _ = self.streams[lane_of(direction)].try_queue(job, &Event::pending());
+        let _ = self.streams[super::lane::lane_of(direction)].try_queue(job, &Event::pending());
         gate
     }
 }

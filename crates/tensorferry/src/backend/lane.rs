@@ -47,6 +47,29 @@ pub(crate) struct Submitted {
     pub seq: u64,
 }
 
+/// Hands a batch to the lane of its direction among a device's `lanes`, numbered `seq`
+/// ([`Lane::submit`]).
+pub(crate) fn submit_to(
+    lanes: &[Arc<Lane>; LANES],
+    batch: CopyBatch,
+    keep: Box<dyn Any + Send>,
+    event: &Event,
+    seq: u64,
+    ordered: bool,
+) {
+    let lane = &lanes[lane_of(batch.direction)];
+    let event = event.clone();
+    lane.submit(
+        Submitted {
+            batch,
+            keep,
+            event,
+            seq,
+        },
+        ordered,
+    );
+}
+
 /// What a dispatch could not queue: drop `keep` (nothing queued uses it), then complete
 /// `event` with `outcome`.
 pub(crate) struct Refused {

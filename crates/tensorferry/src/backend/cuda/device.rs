@@ -34,7 +34,7 @@ use super::event::CudaEvent;
 use super::freer::Freer;
 use crate::backend::completer::{Completer, Drain, Entry, Health};
 use crate::backend::event::Progress;
-use crate::backend::lane::{lane_of, Lane, Refused, Submitted, LANES};
+use crate::backend::lane::{lane_of, submit_to, Lane, Refused, Submitted, LANES};
 
 use cudarc::driver::sys::{self, CUresult};
 
@@ -289,8 +289,13 @@ impl Backend for CudaDevice {
     /// producer's stream may still be writing synchronise with
     /// [`Backend::synchronize_stream`].
     fn order_after_stream(&self, stream: StreamHandle) -> Result<()> {
-        // SAFETY: `StreamHandle::new`'s contract: a live stream usable with this GPU.
-        unsafe { self.wait_for_stream(stream.handle() as sys::CUstream) }
+        let device = Backend::device(self);
+        let _current = self.context.enter(device)?;
+        // `StreamHandle::new`'s contract: a live stream usable with this GPU (the driver
+        // does not validate every handle).
+        let raw = stream.handle() as sys::CUstream;
+        let mark = CudaEvent::record(self.context, device, raw)?;
+        (0..LANES).try_for_each(|lane| mark.wait_on(self.queue.stream(lane), device))
     }
 
     /// Records an event on `stream` (the legacy default stream for `None`; in this GPU's
@@ -306,15 +311,10 @@ impl Backend for CudaDevice {
             .enter(device)
             .and_then(|_current| CudaEvent::record(context, device, raw as sys::CUstream));
         let drain: Drain = Box::new(move || {
-            let _current = context.enter(device)?;
-            // SAFETY: the driver is loaded and this GPU's context is current; the handle is
-            // a live stream of this process or a default-stream constant
+            let what = "cuStreamSynchronize (a consumer's stream)";
+            // SAFETY: a live stream of this process or a default-stream constant
             // (`StreamHandle::new`'s contract).
-            check(
-                unsafe { sys::cuStreamSynchronize(raw as sys::CUstream) },
-                device,
-                "cuStreamSynchronize (a consumer's stream)",
-            )
+            unsafe { context.synchronize(device, raw, what) }
         });
         self.shared.completer.push(Entry {
             done: fence
@@ -331,16 +331,10 @@ impl Backend for CudaDevice {
     /// Runs in this GPU's primary context: the default-stream handles (1 and 2) name that
     /// context's default stream, and with no context current the driver would refuse them.
     fn synchronize_stream(&self, stream: StreamHandle) -> Result<()> {
-        let device = Backend::device(self);
-        let _current = self.context.enter(device)?;
-        // SAFETY: the driver is loaded and this GPU's context is current; the handle is a
-        // live stream of this process or a default-stream constant (`StreamHandle::new`'s
-        // contract).
-        check(
-            unsafe { sys::cuStreamSynchronize(stream.handle() as sys::CUstream) },
-            device,
-            "cuStreamSynchronize",
-        )
+        let (device, what) = (Backend::device(self), "cuStreamSynchronize");
+        // SAFETY: a live stream of this process or a default-stream constant
+        // (`StreamHandle::new`'s contract).
+        unsafe { self.context.synchronize(device, stream.handle(), what) }
     }
 
     /// Asks the driver: host memory it knows (`cuMemHostAlloc`, `cuMemHostRegister`, by
@@ -417,11 +411,11 @@ impl Backend for CudaDevice {
     /// Queues the batch from the calling thread on its direction's stream (see the module
     /// documentation); never blocks on other work.
     unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        self.queue_batch(batch, keep, event, true);
+        submit_to(&self.lanes, batch, keep, event, 0, true);
     }
 
     unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        self.queue_batch(batch, keep, event, false);
+        submit_to(&self.lanes, batch, keep, event, 0, false);
     }
 }
 
@@ -503,12 +497,9 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
         event.set_mark(done.clone());
     }
     let (context, stream_id) = (shared.context, stream as usize);
-    let drain: Drain = Box::new(move || {
-        let _current = context.enter(device)?;
-        // SAFETY: one of this GPU's own streams (never destroyed), in its context, current.
-        let code = unsafe { sys::cuStreamSynchronize(stream_id as sys::CUstream) };
-        check(code, device, "cuStreamSynchronize")
-    });
+    // SAFETY: one of this GPU's own streams, in its context, never destroyed.
+    let drain: Drain =
+        Box::new(move || unsafe { context.synchronize(device, stream_id, "cuStreamSynchronize") });
     shared.completer.push(Entry {
         done,
         drain,
@@ -522,37 +513,6 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
 }
 
 impl CudaDevice {
-    /// Hands a batch to its direction's lane.
-    fn queue_batch(
-        &self,
-        batch: CopyBatch,
-        keep: Box<dyn Any + Send>,
-        event: &Event,
-        ordered: bool,
-    ) {
-        let lane = &self.lanes[lane_of(batch.direction)];
-        let submitted = Submitted {
-            batch,
-            keep,
-            event: event.clone(),
-            seq: 0,
-        };
-        lane.submit(submitted, ordered);
-    }
-
-    /// Makes every copy queued on this GPU from now on (on each of its streams) wait, on
-    /// the GPU, for the work queued so far on `stream`: an event recorded there.
-    ///
-    /// # Safety
-    /// `stream` must be a live stream of this GPU's primary context, or a default-stream
-    /// constant (1: legacy, 2: per-thread): the driver does not validate every handle.
-    unsafe fn wait_for_stream(&self, stream: sys::CUstream) -> Result<()> {
-        let device = Device::Cuda(self.ordinal);
-        let _current = self.context.enter(device)?;
-        let mark = super::event::CudaEvent::record(self.context, device, stream)?;
-        (0..LANES).try_for_each(|lane| mark.wait_on(self.queue.stream(lane), device))
-    }
-
     /// Lets this GPU read `src`'s memory directly (peer access, one direction), once, where
     /// the two can reach each other: copies from there then go over the GPUs' link instead
     /// of being staged through the host by the driver. Whether they do; a refusal only
