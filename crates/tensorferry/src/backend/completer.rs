@@ -19,7 +19,7 @@
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -133,16 +133,10 @@ fn complete(device: Device, health: &Health, rx: Receiver<Entry>) {
                 Err(_) => return,
             }
         }
-        loop {
-            match rx.try_recv() {
-                Ok(e) => {
-                    // New work: look again soon.
-                    pending.push(e);
-                    backoff = BACKOFF_MIN;
-                }
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => break,
-            }
+        while let Ok(e) = rx.try_recv() {
+            // New work: look again soon.
+            pending.push(e);
+            backoff = BACKOFF_MIN;
         }
         let before = pending.len();
         let mut i = 0;

@@ -536,10 +536,7 @@ impl Fence for EmuFence {
     }
 
     fn order_stream(&self, _stream: StreamHandle) -> Result<()> {
-        Err(Error::DeviceUnavailable {
-            device: self.device.to_string(),
-            reason: "it shares no streams with other libraries".into(),
-        })
+        Err(super::interface::no_foreign_streams(self.device))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -90,21 +90,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     static REGISTRY: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
     let name = Device::Cuda(ordinal);
     same_process(name)?;
-    match status() {
-        CudaStatus::Unavailable { reason } => {
-            return Err(Error::DeviceUnavailable {
-                device: name.to_string(),
-                reason: reason.clone(),
-            })
-        }
-        CudaStatus::Available { gpus, .. } if ordinal >= gpus.len() => {
-            return Err(Error::DeviceUnavailable {
-                device: name.to_string(),
-                reason: format!("only {} CUDA device(s) present", gpus.len()),
-            })
-        }
-        CudaStatus::Available { .. } => {}
-    }
+    let (driver_version, gpus) = super::gpu_present(ordinal)?;
     let mut devices = REGISTRY
         .get_or_init(Default::default)
         .lock()
@@ -115,7 +101,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     let context = Context(retain_primary(cu_device(ordinal)?, name)?);
     let queue = {
         let _current = context.enter(name)?;
-        Arc::new(CopyQueue::new(name, driver_version_of(status()))?)
+        Arc::new(CopyQueue::new(name, driver_version)?)
     };
     let health = Arc::new(Health::default());
     let shared = Arc::new(Shared {
@@ -150,7 +136,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         freer: Arc::new(spawn_freer(name, context)?),
         health,
         shared,
-        peers: (0..gpu_count(status())).map(|_| OnceLock::new()).collect(),
+        peers: (0..gpus).map(|_| OnceLock::new()).collect(),
     });
     devices.insert(ordinal, d.clone());
     backends_started_here();
@@ -569,20 +555,6 @@ impl CudaDevice {
     /// How this GPU's batches are queued: batched where the driver allows it.
     pub fn copy_path(&self) -> CopyPath {
         self.queue.path().0
-    }
-}
-
-fn gpu_count(s: &CudaStatus) -> usize {
-    match s {
-        CudaStatus::Available { gpus, .. } => gpus.len(),
-        CudaStatus::Unavailable { .. } => 0,
-    }
-}
-
-fn driver_version_of(s: &CudaStatus) -> i32 {
-    match s {
-        CudaStatus::Available { driver_version, .. } => *driver_version,
-        CudaStatus::Unavailable { .. } => 0,
     }
 }
 

@@ -49,6 +49,26 @@ pub fn status() -> &'static CudaStatus {
     STATUS.get_or_init(probe)
 }
 
+/// The driver's version and how many GPUs it reports, when `cuda:ordinal` is one of them;
+/// else why the device is unavailable.
+pub(crate) fn gpu_present(ordinal: usize) -> crate::error::Result<(i32, usize)> {
+    let unavailable = |reason| crate::error::Error::DeviceUnavailable {
+        device: crate::device::Device::Cuda(ordinal).to_string(),
+        reason,
+    };
+    match status() {
+        CudaStatus::Unavailable { reason } => Err(unavailable(reason.clone())),
+        CudaStatus::Available { gpus, .. } if ordinal >= gpus.len() => Err(unavailable(format!(
+            "only {} CUDA device(s) present",
+            gpus.len()
+        ))),
+        CudaStatus::Available {
+            driver_version,
+            gpus,
+        } => Ok((*driver_version, gpus.len())),
+    }
+}
+
 /// Formats a CUDA driver version (12080 → "12.8").
 pub fn version_string(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
