@@ -435,9 +435,8 @@ fn a_transposed_matrix_is_not_one_device_copy_per_element() {
 
 #[test]
 fn a_failing_chunk_fails_the_staged_transfer_and_frees_everything() {
-    use tensorferry::internal::backend::Backend;
     with_emu1("fail_copy=3", || {
-        let pool = emulated::device(1).unwrap().pinned_pool().unwrap();
+        let pool = pinned_pool(EMU1_DEV);
         let before_used = used();
         let d = many_tensors(100);
         let err = d.to_with(EMU1_DEV, staged(false)).unwrap_err();

@@ -179,11 +179,9 @@ pub(crate) fn finish_passed(device: Device, health: &Health, entry: Entry) {
 }
 
 /// Releases a batch whose copies are done (or, when `failure` says the fence could not
-/// tell, after draining its queue), then completes its event — with the panic as an
-/// internal error of `device` when releasing what the batch held panics: a waiter is never
-/// left blocked. When the queue cannot be drained either, what the batch held is kept for
-/// good and the device is taken out of service: a copy may still be reading or writing
-/// that memory.
+/// tell, after draining its queue), then completes its event, as the module documentation
+/// says: a panic while releasing is an internal error of `device`, and a failed drain keeps
+/// what the batch held for good.
 fn finish(device: Device, health: &Health, entry: Entry, failure: Option<Outcome>) {
     let Entry {
         done,

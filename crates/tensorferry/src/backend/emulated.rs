@@ -1,13 +1,9 @@
-//! The emulated device `emu:N`: device memory is a separate host allocation, its two
-//! streams (uploads; copies that read device memory, as on a GPU) are worker threads that
-//! run copies in the order they were submitted ([`super::lane`]), and each batch is
-//! released and its event completed by the stream thread that ran it, with the code of
-//! CUDA's completer ([`super::completer`]). Capacity, bandwidth and per-copy latency are configurable, and faults can be
-//! injected (fail the Nth allocation or the Nth copy, refuse the Nth pinned buffer, or
-//! make the Nth copy panic on the stream thread).
-//!
-//! It exists so that machines without a GPU (CI among them) run the very same transfer
-//! engine, and so that users can test their pipelines on CPU-only machines.
+//! The emulated device `emu:N`, so that machines without a GPU (CI among them) run the
+//! very same transfer engine: device memory is a separate host allocation, its two streams
+//! (uploads; copies that read device memory, as on a GPU) are threads that run copies in
+//! submission order ([`super::lane`]), and the stream thread that ran a batch releases it
+//! and completes its event with the completer's code ([`super::completer`]). Capacity,
+//! speed and faults are set by [`EmuConfig`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -166,6 +166,16 @@ impl ForeignStream {
         seen
     }
 
+    /// An event recorded on this stream now, checked not to pass while the upload the
+    /// stream was ordered after is held.
+    fn mark_held(&self) -> super::cuda::event::CudaEvent {
+        let after = self.mark();
+        std::thread::sleep(SETTLE);
+        let ran = after.query().unwrap();
+        assert!(!ran, "the consumer's stream ran past the held upload");
+        after
+    }
+
     /// This stream, as another library names it to tensorferry.
     fn stream(&self) -> StreamHandle {
         // SAFETY: a live stream of the GPU's primary context, alive while `self` is.
@@ -258,6 +268,12 @@ fn auto_ring() -> MoveOptions {
         ..Default::default()
     }
 }
+
+/// A ring that holds a sample in one chunk.
+const ONE_CHUNK_RING: crate::Staging = crate::Staging::Ring {
+    chunk_bytes: 1 << 20,
+    depth: 1,
+};
 
 /// Non-blocking copies straight on the streams (the rules here are the streams'; a small
 /// non-blocking move would otherwise take the staging ring on CUDA), results on the host in
@@ -543,8 +559,7 @@ fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the
         assert!(!first.is_ready());
         held.open();
         for t in [&first, &second] {
-            let back = move_tensors(&[t], Device::Cpu, MoveOptions::default()).unwrap();
-            assert_eq!(back[0].to_vec::<u32>().unwrap(), data, "{dev}");
+            assert_eq!(put(t, Device::Cpu).to_vec::<u32>().unwrap(), data, "{dev}");
         }
     }
 }
@@ -561,12 +576,7 @@ fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at
     assert!(crate::transfer::order_stream_after(&there, consumer.stream()).unwrap());
     // The call returned with the upload still held: the consumer's next work waits on the GPU.
     assert!(!there.is_ready(), "the caller waited for the upload");
-    let after = consumer.mark();
-    std::thread::sleep(SETTLE);
-    assert!(
-        !after.query().unwrap(),
-        "the consumer's stream ran past the held upload"
-    );
+    let after = consumer.mark_held();
     held.open();
     eventually("the consumer's stream never ran", || after.query().unwrap());
     assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
@@ -645,10 +655,7 @@ fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() 
     let held = gate(dev, Direction::HostToDevice).unwrap();
     // Through the ring (one chunk): a staging thread queues the copy, later than the call.
     let staged = MoveOptions {
-        staging: crate::Staging::Ring {
-            chunk_bytes: 1 << 20,
-            depth: 1,
-        },
+        staging: ONE_CHUNK_RING,
         ..non_blocking()
     };
     let there = moved(&host, dev, staged);
@@ -661,12 +668,7 @@ fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() 
         crate::transfer::order_stream_after(&there, consumer.stream()).unwrap(),
         "a queued staged upload still needs a host wait"
     );
-    let after = consumer.mark();
-    std::thread::sleep(SETTLE);
-    assert!(
-        !after.query().unwrap(),
-        "the consumer's stream ran past the held upload"
-    );
+    consumer.mark_held();
     held.open();
     assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
 }
@@ -693,10 +695,7 @@ fn an_automatic_ring_that_gets_no_pinned_memory_copies_directly_an_explicit_one_
         "each move asked for pinned memory"
     );
     let explicit = MoveOptions {
-        staging: crate::Staging::Ring {
-            chunk_bytes: 1 << 20,
-            depth: 1,
-        },
+        staging: ONE_CHUNK_RING,
         ..auto
     };
     assert!(move_tensors(&[&host], dev, explicit).is_err());

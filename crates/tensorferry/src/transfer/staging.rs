@@ -220,14 +220,7 @@ impl Chunk {
     /// The device copies of the chunk's runs (of `sources`) into the slot at `slot`, each
     /// at its offset from the chunk's start.
     pub(super) fn ops_into(&self, sources: &[Tensor], slot: *mut u8) -> Vec<CopyOp> {
-        self.pieces
-            .iter()
-            .map(|p| CopyOp {
-                src: p.src_address(sources),
-                dst: slot.wrapping_add(p.dst_offset - self.start),
-                len: p.len,
-            })
-            .collect()
+        super::batch::ops_into(&self.pieces, sources, slot, self.start)
     }
 }
 
