@@ -244,6 +244,12 @@ fn is_fake() -> bool {
     hook::<GateFn>(b"tf_fake_cuda_gate\0").is_some()
 }
 
+/// The one-at-a-time lock and the fake driver's last GPU, when the fake is loaded.
+fn fake_gpu() -> Option<(std::sync::MutexGuard<'static, ()>, Device)> {
+    let serial = serial();
+    fake_driver(1).then(|| (serial, last_gpu()))
+}
+
 /// Whether the fake driver is loaded with at least `gpus` GPUs; says why not otherwise.
 fn fake_driver(gpus: usize) -> bool {
     let ok = is_fake() && (gpus < 2 || last_gpu() != Device::Cuda(0));
@@ -481,9 +487,9 @@ fn what_a_batch_holds_is_released_after_its_copies_and_before_its_event() {
 
 #[test]
 fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() {
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let Device::Cuda(i) = dev else { unreachable!() };
     let batched = super::cuda::device::device(i).unwrap().copy_path()
         == super::cuda::device::CopyPath::Batched;
@@ -519,9 +525,9 @@ fn an_event_that_cannot_be_recorded_waits_for_the_stream_before_releasing() {
 
 #[test]
 fn a_failed_event_fails_every_batch_that_waited_for_it_on_the_gpu() {
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let (host, _) = sample(4);
     let held = gate(dev, Direction::HostToDevice).unwrap();
     let faults = Faults::inject(FAULT_QUERY, &[1]);
@@ -566,9 +572,9 @@ fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the
 
 #[test]
 fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at_all() {
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let consumer = ForeignStream::new(dev);
     let (host, data) = sample(9);
     let held = gate(dev, Direction::HostToDevice).unwrap();
@@ -593,9 +599,9 @@ fn ordering_a_stream_after_a_ready_or_host_tensor_needs_no_gpu_call() {
 
 #[test]
 fn copies_wait_for_a_producer_stream_on_the_gpu_and_the_caller_not_at_all() {
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let producer = ForeignStream::new(dev);
     let (host, data) = sample(11);
     let there = move_one(&host, dev);
@@ -647,9 +653,9 @@ fn a_copy_to_another_gpu_waits_for_the_producer_of_its_source() {
 
 #[test]
 fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() {
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let consumer = ForeignStream::new(dev);
     let (host, data) = sample(13);
     let held = gate(dev, Direction::HostToDevice).unwrap();
@@ -675,9 +681,9 @@ fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() 
 
 #[test]
 fn an_automatic_ring_that_gets_no_pinned_memory_copies_directly_an_explicit_one_fails() {
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let pool = backend_for(dev).unwrap().pinned_pool().unwrap();
     let (host, data) = sample(14);
     // Hold every cached buffer of the ring's size class, so that the ring must pin anew.
@@ -721,9 +727,9 @@ fn memory_freed_on_the_freeing_thread_is_there_for_the_next_allocation() {
 
 #[test]
 fn automatic_rings_in_flight_are_bounded_and_the_rest_copy_directly() {
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let pool = backend_for(dev).unwrap().pinned_pool().unwrap();
     let (host, data) = sample(15);
     // Uploads held on the GPU: each ring's thread stays until its copy is done.
@@ -1233,9 +1239,9 @@ fn child_gpus_that_cannot_reach_each_other_copy_through_the_host() {
 #[test]
 fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
     use cudarc::driver::sys;
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let captured = ForeignStream::new(dev);
     // This thread captures a graph in the global mode (PyTorch's default for CUDA graphs):
     // a potentially unsafe call (allocating or freeing memory) on any thread still in the
@@ -1317,9 +1323,9 @@ fn a_dlpack_export_hands_out_memory_only_once_the_copy_filling_it_is_done() {
 
 #[test]
 fn a_pageable_download_held_by_its_stream_blocks_no_other_submission() {
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let (host, data) = sample(21);
     let resident = put(&host, dev);
     let held = gate(dev, Direction::DeviceToHost).unwrap();
@@ -1356,9 +1362,9 @@ fn a_pageable_download_held_by_its_stream_blocks_no_other_submission() {
 
 #[test]
 fn a_queued_copy_hands_back_a_fence_that_polls_and_waits_with_no_driver_type() {
-    let _serial = serial();
-    let true = fake_driver(1) else { return };
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let (host, data) = sample(22);
     let held = gate(dev, Direction::HostToDevice).unwrap();
     let there = move_one(&host, dev);
