@@ -19,7 +19,7 @@ use super::fence::{Fence, StreamHandle};
 use super::interface::{Backend, CopyBatch, DeviceMemory};
 use super::lane::{submit_to, Lane, Refused, Submitted, LANES};
 use super::process::{backends_started_here, same_process};
-use super::stream::{Job, StreamThread};
+use super::stream::{Job, StreamThread, STREAM};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::pinned::{HostBlock, PageableAllocator, PinnedAllocator};
@@ -236,8 +236,8 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
     };
     let name = Device::Emulated(index);
     let streams = Arc::new([
-        StreamThread::spawn(name, || {})?,
-        StreamThread::spawn(name, || {})?,
+        StreamThread::spawn(name, STREAM, || {})?,
+        StreamThread::spawn(name, STREAM, || {})?,
     ]);
     let config = Arc::new(Mutex::new(config));
     let health = Arc::new(Health::default());

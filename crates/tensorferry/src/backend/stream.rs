@@ -1,9 +1,9 @@
-//! A stream as the emulated device runs it: one worker thread per stream that runs queued
-//! jobs in order, each completing its event (a batch's job passes the batch's fence, then
-//! releases what the batch held and completes its event with the completer's code, as
-//! CUDA's completer thread does). A job that panics completes its event with the panic as an
-//! internal error, and the thread goes on with the next job: no waiter is left blocked by
-//! a bug or a bad setting.
+//! A device thread that runs queued jobs in order: each stream of the emulated device (a
+//! batch's job passes the batch's fence, then releases what the batch held and completes
+//! its event with the completer's code, as CUDA's completer thread does), and a GPU's
+//! freeing thread. A job that panics completes its event with the panic as an internal
+//! error, and the thread goes on with the next job: no waiter is left blocked by a bug or a
+//! bad setting.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Sender};
@@ -15,6 +15,9 @@ use super::process::spawn_thread;
 use crate::device::Device;
 use crate::error::Result;
 
+/// The name of an emulated stream's thread, and of the thread in errors.
+pub(crate) const STREAM: (&str, &str) = ("stream", "stream");
+
 /// A job on the stream.
 pub(crate) type Job = Box<dyn FnOnce() + Send>;
 
@@ -25,14 +28,15 @@ pub(crate) struct StreamThread {
 }
 
 impl StreamThread {
-    /// Starts the thread for `device`; `init` runs on it first (e.g. to make a context
-    /// current).
+    /// Starts the thread of `device` named after `name` (`what` names it in the error when
+    /// it cannot start); `init` runs on it first (e.g. to make a context current).
     pub(crate) fn spawn(
         device: Device,
+        (name, what): (&str, &str),
         init: impl FnOnce() + Send + 'static,
     ) -> Result<StreamThread> {
         let (tx, rx) = mpsc::channel::<(Job, Event)>();
-        spawn_thread(device, "stream", "stream", move || {
+        spawn_thread(device, name, what, move || {
             init();
             for (job, event) in rx {
                 // What the job holds is dropped as the panic unwinds, before the event
@@ -81,7 +85,7 @@ mod tests {
 
     #[test]
     fn a_panicking_job_fails_its_event_and_the_thread_runs_the_next() {
-        let stream = StreamThread::spawn(Device::Emulated(0), || {}).unwrap();
+        let stream = StreamThread::spawn(Device::Emulated(0), STREAM, || {}).unwrap();
         let first = Event::pending();
         stream.queue(Box::new(|| panic!("a job fails")), &first);
         let second = Event::pending();
