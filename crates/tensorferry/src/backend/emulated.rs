@@ -209,11 +209,6 @@ impl std::fmt::Debug for EmulatedDevice {
     }
 }
 
-fn registry() -> &'static Mutex<HashMap<usize, Arc<EmulatedDevice>>> {
-    static R: OnceLock<Mutex<HashMap<usize, Arc<EmulatedDevice>>>> = OnceLock::new();
-    R.get_or_init(Default::default)
-}
-
 /// The emulated device `emu:index`, created (reading `TENSORFERRY_EMU`) on first use.
 pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
     same_process(Device::Emulated(index))?;
@@ -226,7 +221,9 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
             ),
         });
     }
-    let mut devices = registry().lock().unwrap_or_else(|p| p.into_inner());
+    static REGISTRY: OnceLock<Mutex<HashMap<usize, Arc<EmulatedDevice>>>> = OnceLock::new();
+    let registry = REGISTRY.get_or_init(Default::default);
+    let mut devices = registry.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(d) = devices.get(&index) {
         return Ok(d.clone());
     }
@@ -344,13 +341,6 @@ impl EmulatedDevice {
     pub fn ops(&self) -> u64 {
         self.ops.load(Ordering::SeqCst)
     }
-
-    fn config(&self) -> EmuConfig {
-        self.config
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
 }
 
 impl Backend for EmulatedDevice {
@@ -365,7 +355,11 @@ impl Backend for EmulatedDevice {
 
     /// Fails with out-of-memory past the capacity, or on the injected `fail_alloc`.
     fn alloc(&self, len: usize) -> Result<DeviceMemory> {
-        let config = self.config();
+        let config = self
+            .config
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let n = self.allocations.fetch_add(1, Ordering::SeqCst) + 1;
         let used = self.used.fetch_add(len, Ordering::SeqCst);
         let free = config.capacity_bytes.saturating_sub(used);

@@ -53,16 +53,6 @@ impl StreamThread {
         })
     }
 
-    /// Queues `job`, which completes `event`; if the thread is gone, completes `event` with
-    /// that error instead (dropping the job, and what it holds, first).
-    #[cfg(test)]
-    pub(crate) fn queue(&self, job: Job, event: &Event) {
-        if let Err(unsent) = self.try_queue(job, event) {
-            drop(unsent);
-            event.complete(Err(self.stopped()));
-        }
-    }
-
     /// Queues `job`, which completes `event`; gives the job back if the thread is gone.
     pub(crate) fn try_queue(&self, job: Job, event: &Event) -> std::result::Result<(), Job> {
         self.jobs
@@ -87,10 +77,12 @@ mod tests {
     fn a_panicking_job_fails_its_event_and_the_thread_runs_the_next() {
         let stream = StreamThread::spawn(Device::Emulated(0), STREAM, || {}).unwrap();
         let first = Event::pending();
-        stream.queue(Box::new(|| panic!("a job fails")), &first);
+        let queued = stream.try_queue(Box::new(|| panic!("a job fails")), &first);
+        assert!(queued.is_ok());
         let second = Event::pending();
         let done = second.clone();
-        stream.queue(Box::new(move || done.complete(Ok(()))), &second);
+        let queued = stream.try_queue(Box::new(move || done.complete(Ok(()))), &second);
+        assert!(queued.is_ok());
         let err = first.wait().unwrap_err().to_string();
         assert!(
             err.contains("emu:0") && err.contains("internal error: a job fails"),

@@ -324,7 +324,6 @@ impl Tensor {
     pub fn to(&self, device: Device, copy: bool) -> Result<Tensor> {
         let options = MoveOptions {
             copy,
-            non_blocking: false,
             ..Default::default()
         };
         let mut moved = move_tensors(&[self], device, options)?;
