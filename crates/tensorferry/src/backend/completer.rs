@@ -319,6 +319,21 @@ mod tests {
         (c, health)
     }
 
+    /// Pushes a batch whose fence cannot tell and whose queue `drain` drains: its event's
+    /// error, whether what it held was released, and the device's health.
+    fn with_broken_fence(drain: Drain) -> (String, bool, Arc<Health>) {
+        let (c, health) = completer();
+        let fence = Arc::new(TestFence {
+            broken: true,
+            ..Default::default()
+        });
+        let (e, released) = entry(&fence, drain, false);
+        let event = e.event.clone();
+        c.push(e);
+        let err = event.wait().unwrap_err().to_string();
+        (err, released.load(Ordering::SeqCst), health)
+    }
+
     #[test]
     fn a_batch_is_released_once_its_fence_is_passed_and_before_its_event_completes() {
         let (c, _) = completer();
@@ -339,52 +354,28 @@ mod tests {
 
     #[test]
     fn a_fence_that_cannot_tell_drains_the_queue_before_releasing() {
-        let (c, health) = completer();
-        let fence = Arc::new(TestFence {
-            broken: true,
-            ..Default::default()
-        });
         let drained = Arc::new(AtomicBool::new(false));
         let d = drained.clone();
-        let (e, released) = entry(
-            &fence,
-            Box::new(move || {
-                d.store(true, Ordering::SeqCst);
-                Ok(())
-            }),
-            false,
-        );
-        let event = e.event.clone();
-        c.push(e);
-        let err = event.wait().unwrap_err().to_string();
+        let (err, released, health) = with_broken_fence(Box::new(move || {
+            d.store(true, Ordering::SeqCst);
+            Ok(())
+        }));
         assert!(err.contains("cannot tell"), "{err}");
-        assert!(drained.load(Ordering::SeqCst) && released.load(Ordering::SeqCst));
+        assert!(drained.load(Ordering::SeqCst) && released);
         health.check(Device::Emulated(9)).unwrap();
     }
 
     #[test]
     fn a_failed_drain_keeps_the_memory_and_takes_the_device_out_of_service() {
-        let (c, health) = completer();
-        let fence = Arc::new(TestFence {
-            broken: true,
-            ..Default::default()
-        });
-        let drain: Drain = Box::new(|| {
+        let (err, released, health) = with_broken_fence(Box::new(|| {
             Err(Error::DeviceUnavailable {
                 device: "emu:9".into(),
                 reason: "the queue cannot be drained".into(),
             })
-        });
-        let (e, released) = entry(&fence, drain, false);
-        let event = e.event.clone();
-        c.push(e);
+        }));
         // The first failure is the batch's.
-        let err = event.wait().unwrap_err().to_string();
         assert!(err.contains("cannot tell"), "{err}");
-        assert!(
-            !released.load(Ordering::SeqCst),
-            "memory the device may use was freed"
-        );
+        assert!(!released, "memory the device may use was freed");
         let refused = health.check(Device::Emulated(9)).unwrap_err().to_string();
         assert!(
             refused.contains("out of service") && refused.contains("cannot be drained"),
