@@ -118,12 +118,6 @@ impl CopyQueue {
         })
     }
 
-    /// The raw `CUstream` handle that copies reading device memory run on, for producers
-    /// that order their work before ours (DLPack's `__dlpack__(stream=…)`).
-    pub(crate) fn stream_handle(&self) -> usize {
-        self.streams[lane_of(Direction::DeviceToHost)].0 as usize
-    }
-
     /// The stream of lane `lane` (see [`lane_of`]).
     pub(crate) fn stream(&self, lane: usize) -> sys::CUstream {
         self.streams[lane].0

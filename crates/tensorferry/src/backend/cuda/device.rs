@@ -262,9 +262,10 @@ impl Backend for CudaDevice {
     /// `__dlpack__(stream=handle)`) needs no host synchronisation before tensorferry reads
     /// its tensors. Uploads run on a second stream, so that they overlap downloads.
     fn producer_stream(&self) -> Option<StreamHandle> {
+        let read = self.queue.stream(lane_of(Direction::DeviceToHost));
         // SAFETY: one of this GPU's own streams, created in its primary context and kept
         // for the life of the process.
-        Some(unsafe { StreamHandle::new(self.queue.stream_handle()) })
+        Some(unsafe { StreamHandle::new(read as usize) })
     }
 
     /// Records an event on `stream` (in this GPU's context, whose default stream the
