@@ -398,9 +398,23 @@ impl Transfer {
             Failure::new(self.backend.device(), format!("internal error: {panic}")).to_error()
         })
     }
+}
+
+impl super::ring::RingSteps for Transfer {
+    fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// An upload's sources into the slot.
+    fn fill(&mut self, j: usize) -> Result<()> {
+        match self.direction {
+            Direction::DeviceToHost => Ok(()),
+            _ => self.host_copy(j),
+        }
+    }
 
     /// Queues chunk `j`'s device copies; the batch holds the ring's memory and the sources.
-    fn queue(&self, j: usize) -> Event {
+    fn submit(&mut self, j: usize) -> Event {
         let c = &self.chunks[j];
         let slot = self.ring.slot_address(j);
         let ops = match self.direction {
@@ -431,24 +445,6 @@ impl Transfer {
         // only at this chunk's own packed range).
         unsafe { submit_when_ready(self.backend.clone(), batch, keep, event.clone(), false) };
         event
-    }
-}
-
-impl super::ring::RingSteps for Transfer {
-    fn chunks(&self) -> usize {
-        self.chunks.len()
-    }
-
-    /// An upload's sources into the slot.
-    fn fill(&mut self, j: usize) -> Result<()> {
-        match self.direction {
-            Direction::DeviceToHost => Ok(()),
-            _ => self.host_copy(j),
-        }
-    }
-
-    fn submit(&mut self, j: usize) -> Event {
-        self.queue(j)
     }
 
     /// A download's slot out to the destination.
