@@ -48,12 +48,29 @@ fn cuda_missing() -> bool {
     }
 }
 
+/// Return before the copies run (sharing what is on the device already).
+fn non_blocking() -> MoveOptions {
+    MoveOptions {
+        non_blocking: true,
+        ..Default::default()
+    }
+}
+
 /// Always copy, and return before the copies run.
 fn copy_non_blocking() -> MoveOptions {
     MoveOptions {
         copy: true,
-        non_blocking: true,
-        ..Default::default()
+        ..non_blocking()
+    }
+}
+
+/// Polls until `done` holds, for at most 2 s.
+fn eventually(mut done: impl FnMut() -> bool) {
+    for _ in 0..400 {
+        if done() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -418,9 +435,8 @@ fn a_transposed_matrix_is_not_one_device_copy_per_element() {
 
 #[test]
 fn a_failing_chunk_fails_the_staged_transfer_and_frees_everything() {
-    use tensorferry::internal::backend::Backend;
     with_emu1("fail_copy=3", || {
-        let pool = emulated::device(1).unwrap().pinned_pool().unwrap();
+        let pool = pinned_pool(EMU1_DEV);
         let before_used = used();
         let d = many_tensors(100);
         let err = d.to_with(EMU1_DEV, staged(false)).unwrap_err();
@@ -428,12 +444,9 @@ fn a_failing_chunk_fails_the_staged_transfer_and_frees_everything() {
         assert_eq!(host_values(&d), host_values(&many_tensors(100)));
         // The ring's buffers are back in the pool and the device memory is released once
         // the chunks already queued have run.
-        for _ in 0..200 {
-            if used() == before_used && pool.stats().cached_bytes == pool.stats().pinned_bytes {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        eventually(|| {
+            used() == before_used && pool.stats().cached_bytes == pool.stats().pinned_bytes
+        });
         assert_eq!(used(), before_used);
         let stats = pool.stats();
         assert_eq!(stats.cached_bytes, stats.pinned_bytes, "{stats:?}");
@@ -544,11 +557,7 @@ fn a_failing_copy_mid_transfer_returns_the_error_and_frees_everything() {
 fn non_blocking_returns_before_the_copy_and_reads_wait_for_it() {
     with_emu1("latency_us=300000", || {
         let d = sample();
-        let opts = MoveOptions {
-            copy: false,
-            non_blocking: true,
-            ..Default::default()
-        };
+        let opts = non_blocking();
         let there = d.to_with(EMU1_DEV, opts).unwrap();
         assert!(
             !there.is_ready(),
@@ -564,11 +573,7 @@ fn non_blocking_returns_before_the_copy_and_reads_wait_for_it() {
 fn sources_dropped_at_once_stay_alive_until_copied() {
     with_emu1("latency_us=100000", || {
         let src = Tensor::from_slice(&[5u32, 6, 7], &[3]).unwrap();
-        let opts = MoveOptions {
-            copy: false,
-            non_blocking: true,
-            ..Default::default()
-        };
+        let opts = non_blocking();
         let moved = tensorferry::move_tensors(&[&src], EMU1_DEV, opts).unwrap();
         drop(src);
         let back = moved[0].to(Device::Cpu, false).unwrap();
@@ -579,11 +584,7 @@ fn sources_dropped_at_once_stay_alive_until_copied() {
 #[test]
 fn results_dropped_before_their_copy_runs_are_freed_safely() {
     with_emu1("latency_us=50000", || {
-        let opts = MoveOptions {
-            copy: false,
-            non_blocking: true,
-            ..Default::default()
-        };
+        let opts = non_blocking();
         drop(sample().to_with(EMU1_DEV, opts).unwrap());
         emulated::device(1).unwrap(); // the stream keeps running
         let again = sample().to(EMU1_DEV, false).unwrap();
@@ -878,12 +879,7 @@ fn a_non_blocking_move_can_be_waited_for_in_slices_and_abandoned() {
             let t = abandoned.tensors()[0].1.clone();
             assert!(!t.wait_timeout(Duration::from_millis(1)).unwrap());
             drop((abandoned, t));
-            for _ in 0..400 {
-                if used() == before {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            eventually(|| used() == before);
             assert_eq!(used(), before, "released once the copy has run");
         });
         with_emu1("fail_copy=1,latency_us=20000", || {

@@ -19,12 +19,13 @@
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::event::{Event, Failure, Outcome};
 use super::fence::Fence;
+use super::process::spawn_thread;
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -94,19 +95,10 @@ impl Completer {
     ) -> Result<Completer> {
         let (tx, rx) = mpsc::channel::<Entry>();
         let on_thread = health.clone();
-        std::thread::Builder::new()
-            .name(format!(
-                "tensorferry-{}-completer",
-                device.to_string().replace(':', "")
-            ))
-            .spawn(move || {
-                init();
-                complete(device, &on_thread, rx);
-            })
-            .map_err(|e| Error::DeviceUnavailable {
-                device: device.to_string(),
-                reason: format!("cannot start its completer thread: {e}"),
-            })?;
+        spawn_thread(device, "completer", "completer", move || {
+            init();
+            complete(device, &on_thread, rx);
+        })?;
         Ok(Completer {
             device,
             health,
@@ -141,16 +133,10 @@ fn complete(device: Device, health: &Health, rx: Receiver<Entry>) {
                 Err(_) => return,
             }
         }
-        loop {
-            match rx.try_recv() {
-                Ok(e) => {
-                    // New work: look again soon.
-                    pending.push(e);
-                    backoff = BACKOFF_MIN;
-                }
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => break,
-            }
+        while let Ok(e) = rx.try_recv() {
+            // New work: look again soon.
+            pending.push(e);
+            backoff = BACKOFF_MIN;
         }
         let before = pending.len();
         let mut i = 0;
@@ -193,11 +179,9 @@ pub(crate) fn finish_passed(device: Device, health: &Health, entry: Entry) {
 }
 
 /// Releases a batch whose copies are done (or, when `failure` says the fence could not
-/// tell, after draining its queue), then completes its event — with the panic as an
-/// internal error of `device` when releasing what the batch held panics: a waiter is never
-/// left blocked. When the queue cannot be drained either, what the batch held is kept for
-/// good and the device is taken out of service: a copy may still be reading or writing
-/// that memory.
+/// tell, after draining its queue), then completes its event, as the module documentation
+/// says: a panic while releasing is an internal error of `device`, and a failed drain keeps
+/// what the batch held for good.
 fn finish(device: Device, health: &Health, entry: Entry, failure: Option<Outcome>) {
     let Entry {
         done,
@@ -335,6 +319,21 @@ mod tests {
         (c, health)
     }
 
+    /// Pushes a batch whose fence cannot tell and whose queue `drain` drains: its event's
+    /// error, whether what it held was released, and the device's health.
+    fn with_broken_fence(drain: Drain) -> (String, bool, Arc<Health>) {
+        let (c, health) = completer();
+        let fence = Arc::new(TestFence {
+            broken: true,
+            ..Default::default()
+        });
+        let (e, released) = entry(&fence, drain, false);
+        let event = e.event.clone();
+        c.push(e);
+        let err = event.wait().unwrap_err().to_string();
+        (err, released.load(Ordering::SeqCst), health)
+    }
+
     #[test]
     fn a_batch_is_released_once_its_fence_is_passed_and_before_its_event_completes() {
         let (c, _) = completer();
@@ -355,52 +354,28 @@ mod tests {
 
     #[test]
     fn a_fence_that_cannot_tell_drains_the_queue_before_releasing() {
-        let (c, health) = completer();
-        let fence = Arc::new(TestFence {
-            broken: true,
-            ..Default::default()
-        });
         let drained = Arc::new(AtomicBool::new(false));
         let d = drained.clone();
-        let (e, released) = entry(
-            &fence,
-            Box::new(move || {
-                d.store(true, Ordering::SeqCst);
-                Ok(())
-            }),
-            false,
-        );
-        let event = e.event.clone();
-        c.push(e);
-        let err = event.wait().unwrap_err().to_string();
+        let (err, released, health) = with_broken_fence(Box::new(move || {
+            d.store(true, Ordering::SeqCst);
+            Ok(())
+        }));
         assert!(err.contains("cannot tell"), "{err}");
-        assert!(drained.load(Ordering::SeqCst) && released.load(Ordering::SeqCst));
+        assert!(drained.load(Ordering::SeqCst) && released);
         health.check(Device::Emulated(9)).unwrap();
     }
 
     #[test]
     fn a_failed_drain_keeps_the_memory_and_takes_the_device_out_of_service() {
-        let (c, health) = completer();
-        let fence = Arc::new(TestFence {
-            broken: true,
-            ..Default::default()
-        });
-        let drain: Drain = Box::new(|| {
+        let (err, released, health) = with_broken_fence(Box::new(|| {
             Err(Error::DeviceUnavailable {
                 device: "emu:9".into(),
                 reason: "the queue cannot be drained".into(),
             })
-        });
-        let (e, released) = entry(&fence, drain, false);
-        let event = e.event.clone();
-        c.push(e);
+        }));
         // The first failure is the batch's.
-        let err = event.wait().unwrap_err().to_string();
         assert!(err.contains("cannot tell"), "{err}");
-        assert!(
-            !released.load(Ordering::SeqCst),
-            "memory the device may use was freed"
-        );
+        assert!(!released, "memory the device may use was freed");
         let refused = health.check(Device::Emulated(9)).unwrap_err().to_string();
         assert!(
             refused.contains("out of service") && refused.contains("cannot be drained"),

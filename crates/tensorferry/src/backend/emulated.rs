@@ -1,13 +1,9 @@
-//! The emulated device `emu:N`: device memory is a separate host allocation, its two
-//! streams (uploads; copies that read device memory, as on a GPU) are worker threads that
-//! run copies in the order they were submitted ([`super::lane`]), and each batch is
-//! released and its event completed by the stream thread that ran it, with the code of
-//! CUDA's completer ([`super::completer`]). Capacity, bandwidth and per-copy latency are configurable, and faults can be
-//! injected (fail the Nth allocation or the Nth copy, refuse the Nth pinned buffer, or
-//! make the Nth copy panic on the stream thread).
-//!
-//! It exists so that machines without a GPU (CI among them) run the very same transfer
-//! engine, and so that users can test their pipelines on CPU-only machines.
+//! The emulated device `emu:N`, so that machines without a GPU (CI among them) run the
+//! very same transfer engine: device memory is a separate host allocation, its two streams
+//! (uploads; copies that read device memory, as on a GPU) are threads that run copies in
+//! submission order ([`super::lane`]), and the stream thread that ran a batch releases it
+//! and completes its event with the completer's code ([`super::completer`]). Capacity,
+//! speed and faults are set by [`EmuConfig`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -21,9 +17,9 @@ use super::event::{guarded, Event};
 use super::event::{Failure, Outcome};
 use super::fence::{Fence, StreamHandle};
 use super::interface::{Backend, CopyBatch, DeviceMemory};
-use super::lane::{lane_of, Lane, Refused, Submitted, LANES};
+use super::lane::{submit_to, Lane, Refused, Submitted, LANES};
 use super::process::{backends_started_here, same_process};
-use super::stream::{Job, StreamThread};
+use super::stream::{Job, StreamThread, STREAM};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::pinned::{HostBlock, PageableAllocator, PinnedAllocator};
@@ -213,11 +209,6 @@ impl std::fmt::Debug for EmulatedDevice {
     }
 }
 
-fn registry() -> &'static Mutex<HashMap<usize, Arc<EmulatedDevice>>> {
-    static R: OnceLock<Mutex<HashMap<usize, Arc<EmulatedDevice>>>> = OnceLock::new();
-    R.get_or_init(Default::default)
-}
-
 /// The emulated device `emu:index`, created (reading `TENSORFERRY_EMU`) on first use.
 pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
     same_process(Device::Emulated(index))?;
@@ -230,7 +221,9 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
             ),
         });
     }
-    let mut devices = registry().lock().unwrap_or_else(|p| p.into_inner());
+    static REGISTRY: OnceLock<Mutex<HashMap<usize, Arc<EmulatedDevice>>>> = OnceLock::new();
+    let registry = REGISTRY.get_or_init(Default::default);
+    let mut devices = registry.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(d) = devices.get(&index) {
         return Ok(d.clone());
     }
@@ -240,8 +233,8 @@ pub fn device(index: usize) -> Result<Arc<EmulatedDevice>> {
     };
     let name = Device::Emulated(index);
     let streams = Arc::new([
-        StreamThread::spawn(name, || {})?,
-        StreamThread::spawn(name, || {})?,
+        StreamThread::spawn(name, STREAM, || {})?,
+        StreamThread::spawn(name, STREAM, || {})?,
     ]);
     let config = Arc::new(Mutex::new(config));
     let health = Arc::new(Health::default());
@@ -348,13 +341,6 @@ impl EmulatedDevice {
     pub fn ops(&self) -> u64 {
         self.ops.load(Ordering::SeqCst)
     }
-
-    fn config(&self) -> EmuConfig {
-        self.config
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
 }
 
 impl Backend for EmulatedDevice {
@@ -369,7 +355,11 @@ impl Backend for EmulatedDevice {
 
     /// Fails with out-of-memory past the capacity, or on the injected `fail_alloc`.
     fn alloc(&self, len: usize) -> Result<DeviceMemory> {
-        let config = self.config();
+        let config = self
+            .config
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         let n = self.allocations.fetch_add(1, Ordering::SeqCst) + 1;
         let used = self.used.fetch_add(len, Ordering::SeqCst);
         let free = config.capacity_bytes.saturating_sub(used);
@@ -424,13 +414,7 @@ impl EmulatedDevice {
     ) {
         let n = self.copies.fetch_add(1, Ordering::SeqCst) + 1;
         self.ops.fetch_add(batch.ops.len() as u64, Ordering::SeqCst);
-        let submitted = Submitted {
-            batch,
-            keep,
-            event: event.clone(),
-            seq: n,
-        };
-        self.lanes[lane_of(submitted.batch.direction)].submit(submitted, ordered);
+        submit_to(&self.lanes, batch, keep, event, n, ordered);
     }
 
     /// Holds `direction`'s stream (test only): nothing queued on it runs until the
@@ -440,7 +424,7 @@ impl EmulatedDevice {
         let gate = Event::pending();
         let held = gate.clone();
         let job: Job = Box::new(move || drop(held.wait_outcome()));
-        let _ = self.streams[lane_of(direction)].try_queue(job, &Event::pending());
+        let _ = self.streams[super::lane::lane_of(direction)].try_queue(job, &Event::pending());
         gate
     }
 }
@@ -542,10 +526,7 @@ impl Fence for EmuFence {
     }
 
     fn order_stream(&self, _stream: StreamHandle) -> Result<()> {
-        Err(Error::DeviceUnavailable {
-            device: self.device.to_string(),
-            reason: "it shares no streams with other libraries".into(),
-        })
+        Err(super::interface::no_foreign_streams(self.device))
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

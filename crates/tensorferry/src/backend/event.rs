@@ -197,20 +197,28 @@ impl Event {
     /// Blocks until the work is queued on a GPU or finished, or `timeout` has passed:
     /// `true` in the first two cases.
     pub(crate) fn wait_queued_timeout(&self, timeout: Duration) -> bool {
-        // A timeout too long for the clock waits as long as it takes.
-        let deadline = Instant::now().checked_add(timeout);
+        self.wait_until(Some(timeout), |d| d.outcome.is_some() || d.mark.is_some())
+            .1
+    }
+
+    /// Blocks until `ready` holds of the state, or `timeout` (`None`: no limit) has passed;
+    /// the state, and whether `ready` held. A timeout too long for the clock waits as long
+    /// as it takes.
+    fn wait_until(
+        &self,
+        timeout: Option<Duration>,
+        ready: impl Fn(&Inner) -> bool,
+    ) -> (MutexGuard<'_, Inner>, bool) {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut done = self.0.lock();
-        loop {
-            if done.outcome.is_some() || done.mark.is_some() {
-                return true;
-            }
+        while !ready(&done) {
             let Some(deadline) = deadline else {
                 done = self.0.cv.wait(done).unwrap_or_else(|p| p.into_inner());
                 continue;
             };
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return false;
+                return (done, false);
             }
             done = self
                 .0
@@ -219,6 +227,7 @@ impl Event {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
+        (done, true)
     }
 
     /// Where the work stands, read at once (one lock): done, queued on a GPU, or pending.
@@ -234,8 +243,7 @@ impl Event {
     /// True when work on a GPU can be ordered after this event without a host wait:
     /// complete, or queued on a GPU.
     pub(crate) fn is_queued_or_ready(&self) -> bool {
-        let done = self.0.lock();
-        done.outcome.is_some() || done.mark.is_some()
+        !matches!(self.progress(), Progress::Pending)
     }
 
     /// True when the work has finished (successfully or not).
@@ -250,13 +258,8 @@ impl Event {
 
     /// Blocks until the work finishes; its outcome.
     pub fn wait_outcome(&self) -> Outcome {
-        let mut done = self.0.lock();
-        loop {
-            if let Some(outcome) = &done.outcome {
-                return outcome.clone();
-            }
-            done = self.0.cv.wait(done).unwrap_or_else(|p| p.into_inner());
-        }
+        let (done, _) = self.wait_until(None, |d| d.outcome.is_some());
+        done.outcome.clone().expect("waited for the outcome")
     }
 
     /// Blocks until the work finishes; its failure, if any, as an error naming the device
@@ -269,27 +272,11 @@ impl Event {
     /// `Ok(true)` when it finished, `Ok(false)` on timeout, the failure (as in
     /// [`Event::wait`]) when it failed. A caller that must stay responsive waits in slices.
     pub fn wait_timeout(&self, timeout: Duration) -> Result<bool> {
-        // A timeout too long for the clock waits as long as it takes.
-        let Some(deadline) = Instant::now().checked_add(timeout) else {
-            return self.wait().map(|()| true);
-        };
-        let mut done = self.0.lock();
-        loop {
-            match &done.outcome {
-                Some(Ok(())) => return Ok(true),
-                Some(Err(f)) => return Err(f.to_error()),
-                None => {}
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Ok(false);
-            }
-            done = self
-                .0
-                .cv
-                .wait_timeout(done, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        let (done, _) = self.wait_until(Some(timeout), |d| d.outcome.is_some());
+        match &done.outcome {
+            Some(Ok(())) => Ok(true),
+            Some(Err(f)) => Err(f.to_error()),
+            None => Ok(false),
         }
     }
 }

@@ -144,13 +144,13 @@ pub trait Backend: sealed::Sealed + Send + Sync + fmt::Debug {
     /// queued so far on another library's `stream` (a producer's): the caller does not
     /// wait. A device that has no streams of other libraries refuses.
     fn order_after_stream(&self, _stream: StreamHandle) -> Result<()> {
-        Err(self.no_foreign_streams())
+        Err(no_foreign_streams(self.device()))
     }
 
     /// Blocks until the work queued so far on another library's `stream` (a producer's)
     /// has run, for reads that no device stream orders (host copies).
     fn synchronize_stream(&self, _stream: StreamHandle) -> Result<()> {
-        Err(self.no_foreign_streams())
+        Err(no_foreign_streams(self.device()))
     }
 
     /// Drops `keep` (memory lent to another library, coming back) once the device has run
@@ -166,14 +166,6 @@ pub trait Backend: sealed::Sealed + Send + Sync + fmt::Debug {
     /// (DLPack's `__dlpack__(stream=…)`), when the device has one another library can use.
     fn producer_stream(&self) -> Option<StreamHandle> {
         None
-    }
-
-    /// The error of a device asked about another library's streams, which it has none of.
-    fn no_foreign_streams(&self) -> crate::error::Error {
-        crate::error::Error::DeviceUnavailable {
-            device: self.device().to_string(),
-            reason: "it shares no streams with other libraries".into(),
-        }
     }
 
     /// Queues `batch` on the device's stream for its direction, after everything submitted
@@ -206,6 +198,14 @@ pub trait Backend: sealed::Sealed + Send + Sync + fmt::Debug {
     unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
         // SAFETY: forwarded contract.
         unsafe { self.submit(batch, keep, event) }
+    }
+}
+
+/// The error of a device asked about another library's streams, which it has none of.
+pub(crate) fn no_foreign_streams(device: Device) -> crate::error::Error {
+    crate::error::Error::DeviceUnavailable {
+        device: device.to_string(),
+        reason: "it shares no streams with other libraries".into(),
     }
 }
 

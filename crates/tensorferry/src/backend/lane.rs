@@ -47,6 +47,29 @@ pub(crate) struct Submitted {
     pub seq: u64,
 }
 
+/// Hands a batch to the lane of its direction among a device's `lanes`, numbered `seq`
+/// ([`Lane::submit`]).
+pub(crate) fn submit_to(
+    lanes: &[Arc<Lane>; LANES],
+    batch: CopyBatch,
+    keep: Box<dyn Any + Send>,
+    event: &Event,
+    seq: u64,
+    ordered: bool,
+) {
+    let lane = &lanes[lane_of(batch.direction)];
+    let event = event.clone();
+    lane.submit(
+        Submitted {
+            batch,
+            keep,
+            event,
+            seq,
+        },
+        ordered,
+    );
+}
+
 /// What a dispatch could not queue: drop `keep` (nothing queued uses it), then complete
 /// `event` with `outcome`.
 pub(crate) struct Refused {
@@ -272,6 +295,16 @@ mod tests {
         }
     }
 
+    /// An upload of no copies waiting for `waits`, holding `keep`, completing `event`.
+    fn submitted(waits: Vec<Event>, keep: impl Any + Send, event: &Event) -> Submitted {
+        Submitted {
+            batch: batch(waits),
+            keep: Box::new(keep),
+            event: event.clone(),
+            seq: 0,
+        }
+    }
+
     #[test]
     fn a_deferred_batch_holds_later_ones_behind_it_and_the_caller_never_waits() {
         let order = Arc::new(Mutex::new(Vec::new()));
@@ -289,33 +322,9 @@ mod tests {
         );
         let host = Event::pending();
         let (a, b, c) = (Event::pending(), Event::pending(), Event::pending());
-        lane.submit(
-            Submitted {
-                batch: batch(vec![]),
-                keep: Box::new(0usize),
-                event: a.clone(),
-                seq: 0,
-            },
-            true,
-        );
-        lane.submit(
-            Submitted {
-                batch: batch(vec![host.clone()]),
-                keep: Box::new(1usize),
-                event: b.clone(),
-                seq: 0,
-            },
-            true,
-        );
-        lane.submit(
-            Submitted {
-                batch: batch(vec![]),
-                keep: Box::new(2usize),
-                event: c.clone(),
-                seq: 0,
-            },
-            true,
-        );
+        lane.submit(submitted(vec![], 0usize, &a), true);
+        lane.submit(submitted(vec![host.clone()], 1usize, &b), true);
+        lane.submit(submitted(vec![], 2usize, &c), true);
         assert_eq!(*order.lock().unwrap(), [0], "2 queues behind 1");
         assert!(!c.is_ready());
         host.complete(Ok(()));
@@ -340,26 +349,8 @@ mod tests {
         let e = Event::pending();
         let again = lane.clone();
         // A callback that submits to the same lane must not deadlock.
-        e.on_complete(move |_| {
-            again.submit(
-                Submitted {
-                    batch: batch(vec![]),
-                    keep: Box::new(()),
-                    event: Event::pending(),
-                    seq: 0,
-                },
-                true,
-            )
-        });
-        lane.submit(
-            Submitted {
-                batch: batch(vec![]),
-                keep: Box::new(()),
-                event: e.clone(),
-                seq: 0,
-            },
-            true,
-        );
+        e.on_complete(move |_| again.submit(submitted(vec![], (), &Event::pending()), true));
+        lane.submit(submitted(vec![], (), &e), true);
         assert!(e.wait().is_err());
     }
 
@@ -386,20 +377,10 @@ mod tests {
             },
         );
         let (a, b) = (Event::pending(), Event::pending());
-        let mut download = batch(vec![]);
-        download.direction = Direction::DeviceToHost;
-        for (n, (batch, event)) in [(download, a.clone()), (batch(vec![]), b.clone())]
-            .into_iter()
-            .enumerate()
-        {
-            let submitted = Submitted {
-                batch,
-                keep: Box::new(n),
-                event,
-                seq: 0,
-            };
-            lane.submit(submitted, true);
-        }
+        let mut download = submitted(vec![], 0usize, &a);
+        download.batch.direction = Direction::DeviceToHost;
+        lane.submit(download, true);
+        lane.submit(submitted(vec![], 1usize, &b), true);
         // Both submissions returned with the blocking dispatch still held.
         assert!(!b
             .wait_timeout(std::time::Duration::from_millis(30))

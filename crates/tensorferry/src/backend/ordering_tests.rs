@@ -32,15 +32,21 @@ const SETTLE: Duration = Duration::from_millis(30);
 /// Longer than any correct run takes.
 const PATIENCE: Duration = Duration::from_secs(20);
 
+/// Polls `done` until it holds; fails saying `never` after [`PATIENCE`].
+fn eventually(never: &str, mut done: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !done() {
+        assert!(start.elapsed() < PATIENCE, "{never}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A held stream; opened when dropped (also when a test fails with it held).
 struct Gate(Option<Box<dyn FnOnce()>>);
 
 impl Gate {
-    fn open(mut self) {
-        if let Some(f) = self.0.take() {
-            f();
-        }
-    }
+    /// Opens the gate, as dropping it does.
+    fn open(self) {}
 }
 
 impl Drop for Gate {
@@ -160,6 +166,16 @@ impl ForeignStream {
         seen
     }
 
+    /// An event recorded on this stream now, checked not to pass while the upload the
+    /// stream was ordered after is held.
+    fn mark_held(&self) -> super::cuda::event::CudaEvent {
+        let after = self.mark();
+        std::thread::sleep(SETTLE);
+        let ran = after.query().unwrap();
+        assert!(!ran, "the consumer's stream ran past the held upload");
+        after
+    }
+
     /// This stream, as another library names it to tensorferry.
     fn stream(&self) -> StreamHandle {
         // SAFETY: a live stream of the GPU's primary context, alive while `self` is.
@@ -217,10 +233,30 @@ impl Drop for Faults {
 /// when it is loaded (so that held streams disturb no other test's GPU more than needed).
 fn devices() -> Vec<Device> {
     let mut out = vec![Device::Emulated(1)];
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_some() {
+    if is_fake() {
         out.push(last_gpu());
     }
     out
+}
+
+/// Whether the loaded driver is the fake (its test hooks are there).
+fn is_fake() -> bool {
+    hook::<GateFn>(b"tf_fake_cuda_gate\0").is_some()
+}
+
+/// The one-at-a-time lock and the fake driver's last GPU, when the fake is loaded.
+fn fake_gpu() -> Option<(std::sync::MutexGuard<'static, ()>, Device)> {
+    let serial = serial();
+    fake_driver(1).then(|| (serial, last_gpu()))
+}
+
+/// Whether the fake driver is loaded with at least `gpus` GPUs; says why not otherwise.
+fn fake_driver(gpus: usize) -> bool {
+    let ok = is_fake() && (gpus < 2 || last_gpu() != Device::Cuda(0));
+    if !ok {
+        eprintln!("skipped: needs the fake CUDA driver with {gpus} GPU(s)");
+    }
+    ok
 }
 
 fn last_gpu() -> Device {
@@ -229,6 +265,21 @@ fn last_gpu() -> Device {
         _ => unreachable!("checked by the caller"),
     }
 }
+
+/// A non-blocking copy with the default (`Auto`) staging: a small one takes the ring on CUDA.
+fn auto_ring() -> MoveOptions {
+    MoveOptions {
+        copy: true,
+        non_blocking: true,
+        ..Default::default()
+    }
+}
+
+/// A ring that holds a sample in one chunk.
+const ONE_CHUNK_RING: crate::Staging = crate::Staging::Ring {
+    chunk_bytes: 1 << 20,
+    depth: 1,
+};
 
 /// Non-blocking copies straight on the streams (the rules here are the streams'; a small
 /// non-blocking move would otherwise take the staging ring on CUDA), results on the host in
@@ -244,8 +295,17 @@ fn non_blocking() -> MoveOptions {
     }
 }
 
+fn moved(t: &Tensor, to: Device, options: MoveOptions) -> Tensor {
+    move_tensors(&[t], to, options).unwrap().remove(0)
+}
+
 fn move_one(t: &Tensor, to: Device) -> Tensor {
-    move_tensors(&[t], to, non_blocking()).unwrap().remove(0)
+    moved(t, to, non_blocking())
+}
+
+/// `t` moved to `to` with the default options (blocking).
+fn put(t: &Tensor, to: Device) -> Tensor {
+    moved(t, to, MoveOptions::default())
 }
 
 fn sample(seed: u32) -> (Tensor, Vec<u32>) {
@@ -283,9 +343,7 @@ fn an_upload_and_a_download_overlap() {
     let _serial = serial();
     for dev in devices() {
         let (host, data) = sample(2);
-        let resident = move_tensors(&[&host], dev, MoveOptions::default())
-            .unwrap()
-            .remove(0);
+        let resident = put(&host, dev);
         let held = gate(dev, Direction::HostToDevice).unwrap();
         let up = move_one(&host, dev);
         // Into pageable memory: nothing is pinned meanwhile (on a GPU, pinning memory is
@@ -294,9 +352,7 @@ fn an_upload_and_a_download_overlap() {
             pinned: false,
             ..non_blocking()
         };
-        let down = move_tensors(&[&resident], Device::Cpu, pageable)
-            .unwrap()
-            .remove(0);
+        let down = moved(&resident, Device::Cpu, pageable);
         // On one stream the download would wait behind the held upload.
         assert!(down.wait_timeout(PATIENCE).unwrap(), "{dev}: download held");
         assert!(!up.is_ready(), "{dev}: the upload ran through its gate");
@@ -310,17 +366,13 @@ fn an_upload_and_a_download_overlap() {
 fn a_dictionary_split_over_two_devices_moves_on_both_at_once() {
     let _serial = serial();
     let mut pairs = vec![(Device::Emulated(0), Device::Emulated(1))];
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_some() && last_gpu() != Device::Cuda(0) {
+    if is_fake() && last_gpu() != Device::Cuda(0) {
         pairs.push((Device::Cuda(0), last_gpu()));
     }
     for (a, b) in pairs {
         let (host, data) = sample(3);
-        let on_a = move_tensors(&[&host], a, MoveOptions::default())
-            .unwrap()
-            .remove(0);
-        let on_b = move_tensors(&[&host], b, MoveOptions::default())
-            .unwrap()
-            .remove(0);
+        let on_a = put(&host, a);
+        let on_b = put(&host, b);
         let held = gate(a, Direction::DeviceToHost).unwrap();
         let back = move_tensors(&[&on_a, &on_b], Device::Cpu, non_blocking()).unwrap();
         assert!(
@@ -352,6 +404,25 @@ impl Drop for Probe {
     }
 }
 
+/// A copy of `len` bytes between `device` memory and `host` memory, in `direction`.
+fn copy_op(direction: Direction, device: *const u8, host: *mut u8, len: usize) -> CopyOp {
+    let device = device as *mut u8;
+    let (src, dst) = match direction {
+        Direction::DeviceToHost => (device, host),
+        _ => (host, device),
+    };
+    CopyOp { src, dst, len }
+}
+
+/// A batch of `ops` in `direction` that waits for nothing.
+fn batch(direction: Direction, ops: Vec<CopyOp>) -> CopyBatch {
+    CopyBatch {
+        direction,
+        ops,
+        waits: Vec::new(),
+    }
+}
+
 /// Submits a batch of `n` copies of 4 KiB from `dev` to a pinned buffer (or from it, for
 /// uploads) with its stream held, and checks that what it holds is released only after the
 /// gate opens and before its event completes; the event's outcome.
@@ -362,22 +433,8 @@ fn held_batch(dev: Device, direction: Direction, n: usize, before: impl FnOnce()
     let buffer = pool.take(n * 4096).unwrap();
     let ops = (0..n)
         .map(|i| {
-            let (device, host) = (
-                memory.as_ptr().wrapping_add(i * 4096) as *mut u8,
-                buffer.as_ptr().wrapping_add(i * 4096),
-            );
-            match direction {
-                Direction::DeviceToHost => CopyOp {
-                    src: device,
-                    dst: host,
-                    len: 4096,
-                },
-                _ => CopyOp {
-                    src: host,
-                    dst: device,
-                    len: 4096,
-                },
-            }
+            let at = |p: *const u8| p.wrapping_add(i * 4096) as *mut u8;
+            copy_op(direction, at(memory.as_ptr()), at(buffer.as_ptr()), 4096)
         })
         .collect();
     let event = Event::pending();
@@ -395,11 +452,7 @@ fn held_batch(dev: Device, direction: Direction, n: usize, before: impl FnOnce()
     };
     let held = gate(dev, direction).unwrap();
     before();
-    let batch = CopyBatch {
-        direction,
-        ops,
-        waits: Vec::new(),
-    };
+    let batch = batch(direction, ops);
     // SAFETY: the ops address `memory` and `buffer`, which the probe (the batch's keep)
     // holds until the event completes; nothing else touches them.
     unsafe { backend.submit(batch, Box::new(probe), &event) };
@@ -434,11 +487,9 @@ fn what_a_batch_holds_is_released_after_its_copies_and_before_its_event() {
 
 #[test]
 fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() {
-    let _serial = serial();
-    let Some(_) = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0") else {
-        return eprintln!("skipped: needs the fake CUDA driver");
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
     };
-    let dev = last_gpu();
     let Device::Cuda(i) = dev else { unreachable!() };
     let batched = super::cuda::device::device(i).unwrap().copy_path()
         == super::cuda::device::CopyPath::Batched;
@@ -462,9 +513,7 @@ fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() 
 #[test]
 fn an_event_that_cannot_be_recorded_waits_for_the_stream_before_releasing() {
     let _serial = serial();
-    let Some(_) = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0") else {
-        return eprintln!("skipped: needs the fake CUDA driver");
-    };
+    let true = fake_driver(1) else { return };
     let mut faults = None;
     let event = held_batch(last_gpu(), Direction::HostToDevice, 3, || {
         faults = Faults::inject(FAULT_RECORD, &[1]);
@@ -476,11 +525,9 @@ fn an_event_that_cannot_be_recorded_waits_for_the_stream_before_releasing() {
 
 #[test]
 fn a_failed_event_fails_every_batch_that_waited_for_it_on_the_gpu() {
-    let _serial = serial();
-    let Some(_) = hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0") else {
-        return eprintln!("skipped: needs the fake CUDA driver");
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
     };
-    let dev = last_gpu();
     let (host, _) = sample(4);
     let held = gate(dev, Direction::HostToDevice).unwrap();
     let faults = Faults::inject(FAULT_QUERY, &[1]);
@@ -505,9 +552,7 @@ fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the
         // A host result still being filled: its event is host work (the emulated device
         // has no GPU events), which no stream can wait for on its own.
         let source = Device::Emulated(0);
-        let on_source = move_tensors(&[&host], source, MoveOptions::default())
-            .unwrap()
-            .remove(0);
+        let on_source = put(&host, source);
         let held = gate(source, Direction::DeviceToHost).unwrap();
         let pending = move_one(&on_source, Device::Cpu);
         // Both calls return with the gate still closed: the caller never waits.
@@ -520,19 +565,16 @@ fn a_batch_waiting_for_host_work_holds_later_batches_of_its_stream_but_never_the
         assert!(!first.is_ready());
         held.open();
         for t in [&first, &second] {
-            let back = move_tensors(&[t], Device::Cpu, MoveOptions::default()).unwrap();
-            assert_eq!(back[0].to_vec::<u32>().unwrap(), data, "{dev}");
+            assert_eq!(put(t, Device::Cpu).to_vec::<u32>().unwrap(), data, "{dev}");
         }
     }
 }
 
 #[test]
 fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at_all() {
-    let _serial = serial();
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return; // needs the fake driver's gate
-    }
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let consumer = ForeignStream::new(dev);
     let (host, data) = sample(9);
     let held = gate(dev, Direction::HostToDevice).unwrap();
@@ -540,21 +582,9 @@ fn a_consumer_stream_waits_for_a_pending_upload_on_the_gpu_and_the_caller_not_at
     assert!(crate::transfer::order_stream_after(&there, consumer.stream()).unwrap());
     // The call returned with the upload still held: the consumer's next work waits on the GPU.
     assert!(!there.is_ready(), "the caller waited for the upload");
-    let after = consumer.mark();
-    std::thread::sleep(SETTLE);
-    assert!(
-        !after.query().unwrap(),
-        "the consumer's stream ran past the held upload"
-    );
+    let after = consumer.mark_held();
     held.open();
-    let start = std::time::Instant::now();
-    while !after.query().unwrap() {
-        assert!(
-            start.elapsed() < PATIENCE,
-            "the consumer's stream never ran"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    eventually("the consumer's stream never ran", || after.query().unwrap());
     assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
 }
 
@@ -569,11 +599,9 @@ fn ordering_a_stream_after_a_ready_or_host_tensor_needs_no_gpu_call() {
 
 #[test]
 fn copies_wait_for_a_producer_stream_on_the_gpu_and_the_caller_not_at_all() {
-    let _serial = serial();
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return; // needs the fake driver's gate
-    }
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let producer = ForeignStream::new(dev);
     let (host, data) = sample(11);
     let there = move_one(&host, dev);
@@ -597,9 +625,7 @@ fn copies_wait_for_a_producer_stream_on_the_gpu_and_the_caller_not_at_all() {
 #[test]
 fn a_copy_to_another_gpu_waits_for_the_producer_of_its_source() {
     let _serial = serial();
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() || last_gpu() == Device::Cuda(0) {
-        return; // needs the fake driver's gate and two GPUs
-    }
+    let true = fake_driver(2) else { return };
     let (from, to) = (Device::Cuda(0), last_gpu());
     let producer = ForeignStream::new(from);
     let (host, data) = sample(12);
@@ -627,23 +653,18 @@ fn a_copy_to_another_gpu_waits_for_the_producer_of_its_source() {
 
 #[test]
 fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() {
-    let _serial = serial();
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return; // needs the fake driver's gate
-    }
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let consumer = ForeignStream::new(dev);
     let (host, data) = sample(13);
     let held = gate(dev, Direction::HostToDevice).unwrap();
     // Through the ring (one chunk): a staging thread queues the copy, later than the call.
     let staged = MoveOptions {
-        staging: crate::Staging::Ring {
-            chunk_bytes: 1 << 20,
-            depth: 1,
-        },
+        staging: ONE_CHUNK_RING,
         ..non_blocking()
     };
-    let there = move_tensors(&[&host], dev, staged).unwrap().remove(0);
+    let there = moved(&host, dev, staged);
     assert!(
         crate::transfer::wait_queued_timeout(&there, PATIENCE),
         "the staged upload was never queued on the GPU"
@@ -653,46 +674,26 @@ fn a_staged_upload_orders_a_consumer_on_the_gpu_once_its_last_chunk_is_queued() 
         crate::transfer::order_stream_after(&there, consumer.stream()).unwrap(),
         "a queued staged upload still needs a host wait"
     );
-    let after = consumer.mark();
-    std::thread::sleep(SETTLE);
-    assert!(
-        !after.query().unwrap(),
-        "the consumer's stream ran past the held upload"
-    );
+    consumer.mark_held();
     held.open();
     assert_eq!(move_one(&there, Device::Cpu).to_vec::<u32>().unwrap(), data);
 }
 
 #[test]
 fn an_automatic_ring_that_gets_no_pinned_memory_copies_directly_an_explicit_one_fails() {
-    let _serial = serial();
-    if hook::<FailFn>(b"tf_fake_cuda_fail_on_this_thread\0").is_none() {
-        return; // needs the fake driver's fault injection
-    }
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let pool = backend_for(dev).unwrap().pinned_pool().unwrap();
     let (host, data) = sample(14);
     // Hold every cached buffer of the ring's size class, so that the ring must pin anew.
-    let mut cached = Vec::new();
-    loop {
-        let misses = pool.stats().misses;
-        cached.push(pool.take(host.nbytes()).unwrap());
-        if pool.stats().misses > misses {
-            break;
-        }
-    }
+    let cached = pool.hold_cached(host.nbytes());
     let _refused = Faults::inject(FAULT_PIN, &[1, 2, 3]).unwrap();
     // A small non-blocking move: `Auto` takes the ring, which gets no pinned memory.
-    let auto = MoveOptions {
-        copy: true,
-        non_blocking: true,
-        ..Default::default()
-    };
+    let auto = auto_ring();
     let misses = pool.stats().misses;
-    let there = move_tensors(&[&host], dev, auto).unwrap().remove(0);
-    let back = move_tensors(&[&there], Device::Cpu, auto)
-        .unwrap()
-        .remove(0);
+    let there = moved(&host, dev, auto);
+    let back = moved(&there, Device::Cpu, auto);
     assert_eq!(back.to_vec::<u32>().unwrap(), data);
     assert_eq!(
         pool.stats().misses,
@@ -700,10 +701,7 @@ fn an_automatic_ring_that_gets_no_pinned_memory_copies_directly_an_explicit_one_
         "each move asked for pinned memory"
     );
     let explicit = MoveOptions {
-        staging: crate::Staging::Ring {
-            chunk_bytes: 1 << 20,
-            depth: 1,
-        },
+        staging: ONE_CHUNK_RING,
         ..auto
     };
     assert!(move_tensors(&[&host], dev, explicit).is_err());
@@ -713,9 +711,7 @@ fn an_automatic_ring_that_gets_no_pinned_memory_copies_directly_an_explicit_one_
 #[test]
 fn memory_freed_on_the_freeing_thread_is_there_for_the_next_allocation() {
     let _serial = serial();
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return; // needs the fake driver (its capacity is the whole device)
-    }
+    let true = fake_driver(1) else { return };
     let backend = backend_for(last_gpu()).unwrap();
     let free = match backend.alloc(1 << 50) {
         Err(crate::Error::OutOfMemory { free, .. }) => free,
@@ -731,23 +727,17 @@ fn memory_freed_on_the_freeing_thread_is_there_for_the_next_allocation() {
 
 #[test]
 fn automatic_rings_in_flight_are_bounded_and_the_rest_copy_directly() {
-    let _serial = serial();
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return; // needs the fake driver's gate
-    }
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let pool = backend_for(dev).unwrap().pinned_pool().unwrap();
     let (host, data) = sample(15);
     // Uploads held on the GPU: each ring's thread stays until its copy is done.
     let held = gate(dev, Direction::HostToDevice).unwrap();
     let before = pool.stats();
-    let auto = MoveOptions {
-        copy: true,
-        non_blocking: true,
-        ..Default::default()
-    };
+    let auto = auto_ring();
     let moved: Vec<Tensor> = (0..3 * super::super::transfer::MAX_AUTO_RINGS)
-        .map(|_| move_tensors(&[&host], dev, auto).unwrap().remove(0))
+        .map(|_| moved(&host, dev, auto))
         .collect();
     let after = pool.stats();
     let rings = (after.hits + after.misses) - (before.hits + before.misses);
@@ -778,15 +768,13 @@ fn a_panic_in_a_completion_fails_its_event_on_every_backend() {
         let memory = backend.alloc(4096).unwrap();
         let pool = backend.pinned_pool().unwrap();
         let buffer = pool.take(4096).unwrap();
-        let batch = CopyBatch {
-            direction: Direction::HostToDevice,
-            ops: vec![CopyOp {
-                src: buffer.as_ptr(),
-                dst: memory.as_ptr() as *mut u8,
-                len: 4096,
-            }],
-            waits: Vec::new(),
-        };
+        let op = copy_op(
+            Direction::HostToDevice,
+            memory.as_ptr(),
+            buffer.as_ptr(),
+            4096,
+        );
+        let batch = batch(Direction::HostToDevice, vec![op]);
         let event = Event::pending();
         let keep = Box::new((memory, buffer, PanicsWhenReleased));
         // SAFETY: the op addresses `memory` and `buffer`, which the batch holds (`keep`)
@@ -853,11 +841,7 @@ type FaultContextFn = unsafe extern "C" fn(i32, u32) -> u32;
 
 #[test]
 fn memory_a_gpu_may_still_use_is_kept_when_its_synchronisation_fails() {
-    if hook::<FaultContextFn>(b"tf_fake_cuda_fault_context\0").is_none()
-        || last_gpu() == Device::Cuda(0)
-    {
-        return eprintln!("skipped: needs the fake CUDA driver with two GPUs");
-    }
+    let true = fake_driver(2) else { return };
     run_in_child(
         "child_a_failed_synchronisation_keeps_the_batchs_memory",
         &[],
@@ -879,15 +863,13 @@ fn child_a_failed_synchronisation_keeps_the_batchs_memory() {
     let backend = backend_for(faulty).unwrap();
     let memory = backend.alloc(1 << 16).unwrap();
     let buffer = pool.take(1 << 16).unwrap();
-    let batch = CopyBatch {
-        direction: Direction::DeviceToHost,
-        ops: vec![CopyOp {
-            src: memory.as_ptr(),
-            dst: buffer.as_ptr(),
-            len: 1 << 16,
-        }],
-        waits: Vec::new(),
-    };
+    let op = copy_op(
+        Direction::DeviceToHost,
+        memory.as_ptr(),
+        buffer.as_ptr(),
+        1 << 16,
+    );
+    let batch = batch(Direction::DeviceToHost, vec![op]);
     let held = gate(faulty, Direction::DeviceToHost).unwrap();
     let event = Event::pending();
     // SAFETY: the op addresses `memory` and `buffer`, which the batch holds until its copy
@@ -903,9 +885,7 @@ fn child_a_failed_synchronisation_keeps_the_batchs_memory() {
     // The buffer must not serve the next download (on the healthy GPU) while the held copy
     // may still write it: the fake driver aborts the process if it does.
     let (host, data) = sample(17);
-    let elsewhere = move_tensors(&[&host], healthy, MoveOptions::default())
-        .unwrap()
-        .remove(0);
+    let elsewhere = put(&host, healthy);
     let back = move_tensors(
         &[&elsewhere],
         Device::Cpu,
@@ -957,13 +937,24 @@ impl Drop for MustNotWait {
     }
 }
 
+/// Releases `capsule` as its consumer does (`del t`), on a thread marked as one that must
+/// not wait for the GPU, and checks that the release did not.
+fn release_without_waiting(capsule: *mut crate::dlpack::DLManagedTensorVersioned) {
+    let refusals = MustNotWait::refusals();
+    {
+        let _marked = MustNotWait::mark();
+        // SAFETY: the capsule came from `export_versioned` and is released once, by its
+        // consumer (DLPack's contract).
+        unsafe { ((*capsule).deleter.unwrap())(capsule) };
+    }
+    assert_eq!(MustNotWait::refusals(), refusals, "the release waited");
+}
+
 #[test]
 fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
     use crate::memory::pinned::{PinnedPool, MIN_CLASS};
     let _serial = serial();
-    if hook::<ForbidFn>(b"tf_fake_cuda_forbid_implicit_sync\0").is_none() {
-        return eprintln!("skipped: needs the fake CUDA driver");
-    }
+    let true = fake_driver(1) else { return };
     let Device::Cuda(ordinal) = last_gpu() else {
         unreachable!()
     };
@@ -996,24 +987,14 @@ fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
 
 #[test]
 fn a_pinned_result_lent_through_dlpack_is_not_reused_while_its_consumer_may_read_it() {
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return eprintln!("skipped: needs the fake CUDA driver");
-    }
-    run_in_child(
+    let true = fake_driver(1) else { return };
+    // On the consumer's blocking stream, and on a non-blocking one.
+    for child in [
         "child_a_lent_pinned_block_comes_back_behind_its_consumers_copy",
-        &[],
-    );
-}
-
-#[test]
-fn a_pinned_result_lent_to_a_consumers_non_blocking_stream_is_not_reused_while_it_may_read_it() {
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return eprintln!("skipped: needs the fake CUDA driver");
-    }
-    run_in_child(
         "child_a_lent_pinned_block_comes_back_behind_a_non_blocking_consumers_copy",
-        &[],
-    );
+    ] {
+        run_in_child(child, &[]);
+    }
 }
 
 #[test]
@@ -1043,13 +1024,9 @@ fn lent_pinned_block_comes_back_behind_its_consumers_copy(
         ..Default::default()
     };
     let (host, data) = sample(18);
-    let there = move_tensors(&[&host], dev, MoveOptions::default())
-        .unwrap()
-        .remove(0);
+    let there = put(&host, dev);
     // A pinned result, handed to another library through DLPack (`torch.from_dlpack`)…
-    let lent = move_tensors(&[&there], Device::Cpu, pinned)
-        .unwrap()
-        .remove(0);
+    let lent = moved(&there, Device::Cpu, pinned);
     lent.wait().unwrap();
     let (address, len) = (lent.data_ptr() as usize, lent.nbytes());
     let capsule = crate::dlpack::export_versioned(Readable::wait(&lent).unwrap());
@@ -1075,20 +1052,11 @@ fn lent_pinned_block_comes_back_behind_its_consumers_copy(
         assert_eq!(code, sys::CUresult::CUDA_SUCCESS);
     }
     // …and releases it at once (`del t`), on a thread that must not wait for the GPU.
-    let refusals = MustNotWait::refusals();
-    {
-        let _marked = MustNotWait::mark();
-        // SAFETY: the capsule came from `export_versioned` and is released once, by its
-        // consumer (DLPack's contract).
-        unsafe { ((*capsule).deleter.unwrap())(capsule) };
-    }
-    assert_eq!(MustNotWait::refusals(), refusals, "the release waited");
+    release_without_waiting(capsule);
     // The next pinned download of that size must not land in the lent block while the
     // consumer's copy may still read it: the fake driver aborts the process if it does.
     let (other, other_data) = sample(19);
-    let next_source = move_tensors(&[&other], dev, MoveOptions::default())
-        .unwrap()
-        .remove(0);
+    let next_source = put(&other, dev);
     // A buffer of that size from the pool, filled by the host (a staging buffer), must not
     // be the lent block either: the fake driver aborts when bytes a queued copy still has
     // to read change. (Pinning a new block orders later copies after the held stream, as
@@ -1118,9 +1086,7 @@ fn lent_pinned_block_comes_back_behind_its_consumers_copy(
 
 #[test]
 fn device_memory_lent_through_dlpack_is_freed_only_after_its_consumers_stream_work() {
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return eprintln!("skipped: needs the fake CUDA driver");
-    }
+    let true = fake_driver(1) else { return };
     // `cuMemFree` waits for the whole context on a real GPU, which hides a missing fence:
     // the fake is told not to, so that only the fence keeps the memory alive.
     run_in_child(
@@ -1186,14 +1152,7 @@ fn child_a_lent_device_buffer_is_freed_behind_its_consumers_stream() {
     }
     let before = free_memory(dev);
     // …and releases it at once, on a thread that must not wait for the GPU.
-    let refusals = MustNotWait::refusals();
-    {
-        let _marked = MustNotWait::mark();
-        // SAFETY: the capsule came from `export_versioned` and is released once, by its
-        // consumer (DLPack's contract).
-        unsafe { ((*capsule).deleter.unwrap())(capsule) };
-    }
-    assert_eq!(MustNotWait::refusals(), refusals, "the release waited");
+    release_without_waiting(capsule);
     // Whatever frees were handed to the freeing thread have run: freeing the lent memory
     // while the consumer's copy is queued aborts the process (a use after free).
     let gpu = super::cuda::device::device(ordinal).unwrap();
@@ -1207,14 +1166,9 @@ fn child_a_lent_device_buffer_is_freed_behind_its_consumers_stream() {
     );
     held.open();
     // Once the consumer's copy has run, the memory is freed (not leaked).
-    let start = std::time::Instant::now();
-    while free_memory(dev) < before + len {
-        assert!(
-            start.elapsed() < PATIENCE,
-            "the lent memory was never freed"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    eventually("the lent memory was never freed", || {
+        free_memory(dev) >= before + len
+    });
     let seen = consumer.read_after(target.as_ptr() as usize, data.len());
     assert_eq!(seen, data, "the consumer read freed memory");
     println!("{CHILD_RAN}");
@@ -1236,13 +1190,9 @@ fn peer_copies() -> (u64, u64) {
 fn move_across() -> (u64, u64) {
     let (from, to) = (Device::Cuda(0), last_gpu());
     let (host, data) = sample(20);
-    let there = move_tensors(&[&host], from, MoveOptions::default())
-        .unwrap()
-        .remove(0);
+    let there = put(&host, from);
     let before = peer_copies();
-    let across = move_tensors(&[&there], to, MoveOptions::default())
-        .unwrap()
-        .remove(0);
+    let across = put(&there, to);
     let after = peer_copies();
     assert_eq!(across.device(), to);
     assert_eq!(
@@ -1255,11 +1205,7 @@ fn move_across() -> (u64, u64) {
 #[test]
 fn a_copy_between_gpus_goes_direct_where_they_can_reach_each_other() {
     let _serial = serial();
-    if hook::<PeerCopiesFn>(b"tf_fake_cuda_peer_copies\0").is_none()
-        || last_gpu() == Device::Cuda(0)
-    {
-        return eprintln!("skipped: needs the fake CUDA driver with two GPUs");
-    }
+    let true = fake_driver(2) else { return };
     let (direct, staged) = move_across();
     assert!(
         direct > 0 && staged == 0,
@@ -1287,11 +1233,9 @@ fn child_gpus_that_cannot_reach_each_other_copy_through_the_host() {
 #[test]
 fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
     use cudarc::driver::sys;
-    let _serial = serial();
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return eprintln!("skipped: needs the fake CUDA driver (nothing here runs a graph)");
-    }
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let captured = ForeignStream::new(dev);
     // This thread captures a graph in the global mode (PyTorch's default for CUDA graphs):
     // a potentially unsafe call (allocating or freeing memory) on any thread still in the
@@ -1316,14 +1260,12 @@ fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
             non_blocking: true,
             ..Default::default()
         };
-        let there = move_tensors(&[&host], dev, auto).unwrap().remove(0);
+        let there = moved(&host, dev, auto);
         let pinned = MoveOptions {
             pinned: true,
             ..auto
         };
-        let back = move_tensors(&[&there], Device::Cpu, pinned)
-            .unwrap()
-            .remove(0);
+        let back = moved(&there, Device::Cpu, pinned);
         assert_eq!(back.to_vec::<u32>().unwrap(), data);
         drop((there, back));
         let Device::Cuda(i) = dev else { unreachable!() };
@@ -1348,9 +1290,7 @@ fn a_dlpack_export_hands_out_memory_only_once_the_copy_filling_it_is_done() {
     let _serial = serial();
     for dev in devices() {
         let (host, data) = sample(20);
-        let resident = move_tensors(&[&host], dev, MoveOptions::default())
-            .unwrap()
-            .remove(0);
+        let resident = put(&host, dev);
         let held = gate(dev, Direction::DeviceToHost).unwrap();
         let back = move_one(&resident, Device::Cpu);
         let (tx, rx) = std::sync::mpsc::channel();
@@ -1377,15 +1317,11 @@ fn a_dlpack_export_hands_out_memory_only_once_the_copy_filling_it_is_done() {
 
 #[test]
 fn a_pageable_download_held_by_its_stream_blocks_no_other_submission() {
-    let _serial = serial();
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return eprintln!("skipped: needs the fake CUDA driver");
-    }
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let (host, data) = sample(21);
-    let resident = move_tensors(&[&host], dev, MoveOptions::default())
-        .unwrap()
-        .remove(0);
+    let resident = put(&host, dev);
     let held = gate(dev, Direction::DeviceToHost).unwrap();
     // A download into pageable memory, which the driver copies synchronously: the call that
     // queues it returns only once the held stream has run it.
@@ -1394,11 +1330,7 @@ fn a_pageable_download_held_by_its_stream_blocks_no_other_submission() {
         ..non_blocking()
     };
     let source = resident.clone();
-    let slow = std::thread::spawn(move || {
-        move_tensors(&[&source], Device::Cpu, pageable)
-            .unwrap()
-            .remove(0)
-    });
+    let slow = std::thread::spawn(move || moved(&source, Device::Cpu, pageable));
     std::thread::sleep(SETTLE);
     // Meanwhile, non-blocking work on both of the GPU's streams is queued at once, and the
     // upload (on the stream that is not held) runs.
@@ -1424,11 +1356,9 @@ fn a_pageable_download_held_by_its_stream_blocks_no_other_submission() {
 
 #[test]
 fn a_queued_copy_hands_back_a_fence_that_polls_and_waits_with_no_driver_type() {
-    let _serial = serial();
-    if hook::<GateFn>(b"tf_fake_cuda_gate\0").is_none() {
-        return eprintln!("skipped: needs the fake CUDA driver");
-    }
-    let dev = last_gpu();
+    let Some((_serial, dev)) = fake_gpu() else {
+        return;
+    };
     let (host, data) = sample(22);
     let held = gate(dev, Direction::HostToDevice).unwrap();
     let there = move_one(&host, dev);

@@ -3,7 +3,7 @@
 
 use super::{cuda, emulated};
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 impl Device {
     /// Checks that the device can be used now; the error says why not.
@@ -11,19 +11,7 @@ impl Device {
         match self {
             Device::Cpu => Ok(()),
             Device::Emulated(index) => emulated::device(index).map(drop),
-            Device::Cuda(index) => match cuda::status() {
-                cuda::CudaStatus::Unavailable { reason } => Err(Error::DeviceUnavailable {
-                    device: self.to_string(),
-                    reason: reason.clone(),
-                }),
-                cuda::CudaStatus::Available { gpus, .. } if index >= gpus.len() => {
-                    Err(Error::DeviceUnavailable {
-                        device: self.to_string(),
-                        reason: format!("only {} CUDA device(s) present", gpus.len()),
-                    })
-                }
-                cuda::CudaStatus::Available { .. } => Ok(()),
-            },
+            Device::Cuda(index) => cuda::gpu_present(index).map(drop),
         }
     }
 }

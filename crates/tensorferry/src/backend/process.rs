@@ -25,6 +25,25 @@ pub(crate) fn same_process(device: Device) -> Result<()> {
     }
 }
 
+/// Starts a thread of `device` named after `name` that runs `body`; `what` names it in the
+/// error when it cannot start.
+pub(crate) fn spawn_thread(
+    device: Device,
+    name: &str,
+    what: &str,
+    body: impl FnOnce() + Send + 'static,
+) -> Result<()> {
+    let device_name = device.to_string().replace(':', "");
+    std::thread::Builder::new()
+        .name(format!("tensorferry-{device_name}-{name}"))
+        .spawn(body)
+        .map(drop)
+        .map_err(|e| crate::error::Error::DeviceUnavailable {
+            device: device.to_string(),
+            reason: format!("cannot start its {what} thread: {e}"),
+        })
+}
+
 /// Records that this process set up a device backend (see [`same_process`]).
 pub(crate) fn backends_started_here() {
     OWNER.get_or_init(std::process::id);

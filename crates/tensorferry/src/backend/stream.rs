@@ -1,9 +1,9 @@
-//! A stream as the emulated device runs it: one worker thread per stream that runs queued
-//! jobs in order, each completing its event (a batch's job passes the batch's fence, then
-//! releases what the batch held and completes its event with the completer's code, as
-//! CUDA's completer thread does). A job that panics completes its event with the panic as an
-//! internal error, and the thread goes on with the next job: no waiter is left blocked by
-//! a bug or a bad setting.
+//! A device thread that runs queued jobs in order: each stream of the emulated device (a
+//! batch's job passes the batch's fence, then releases what the batch held and completes
+//! its event with the completer's code, as CUDA's completer thread does), and a GPU's
+//! freeing thread. A job that panics completes its event with the panic as an internal
+//! error, and the thread goes on with the next job: no waiter is left blocked by a bug or a
+//! bad setting.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Sender};
@@ -11,8 +11,12 @@ use std::sync::Mutex;
 
 use super::event::Event;
 use super::event::Failure;
+use super::process::spawn_thread;
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
+
+/// The name of an emulated stream's thread, and of the thread in errors.
+pub(crate) const STREAM: (&str, &str) = ("stream", "stream");
 
 /// A job on the stream.
 pub(crate) type Job = Box<dyn FnOnce() + Send>;
@@ -24,47 +28,29 @@ pub(crate) struct StreamThread {
 }
 
 impl StreamThread {
-    /// Starts the thread for `device`; `init` runs on it first (e.g. to make a context
-    /// current).
+    /// Starts the thread of `device` named after `name` (`what` names it in the error when
+    /// it cannot start); `init` runs on it first (e.g. to make a context current).
     pub(crate) fn spawn(
         device: Device,
+        (name, what): (&str, &str),
         init: impl FnOnce() + Send + 'static,
     ) -> Result<StreamThread> {
         let (tx, rx) = mpsc::channel::<(Job, Event)>();
-        std::thread::Builder::new()
-            .name(format!(
-                "tensorferry-{}-stream",
-                device.to_string().replace(':', "")
-            ))
-            .spawn(move || {
-                init();
-                for (job, event) in rx {
-                    // What the job holds is dropped as the panic unwinds, before the event
-                    // completes; a job that completed its event before panicking keeps
-                    // that outcome.
-                    if let Err(panic) = catch_unwind(AssertUnwindSafe(job)) {
-                        event.complete(Err(Failure::internal(device, &*panic)));
-                    }
+        spawn_thread(device, name, what, move || {
+            init();
+            for (job, event) in rx {
+                // What the job holds is dropped as the panic unwinds, before the event
+                // completes; a job that completed its event before panicking keeps that
+                // outcome.
+                if let Err(panic) = catch_unwind(AssertUnwindSafe(job)) {
+                    event.complete(Err(Failure::internal(device, &*panic)));
                 }
-            })
-            .map_err(|e| Error::DeviceUnavailable {
-                device: device.to_string(),
-                reason: format!("cannot start its stream thread: {e}"),
-            })?;
+            }
+        })?;
         Ok(StreamThread {
             device,
             jobs: Mutex::new(tx),
         })
-    }
-
-    /// Queues `job`, which completes `event`; if the thread is gone, completes `event` with
-    /// that error instead (dropping the job, and what it holds, first).
-    #[cfg(test)]
-    pub(crate) fn queue(&self, job: Job, event: &Event) {
-        if let Err(unsent) = self.try_queue(job, event) {
-            drop(unsent);
-            event.complete(Err(self.stopped()));
-        }
     }
 
     /// Queues `job`, which completes `event`; gives the job back if the thread is gone.
@@ -89,12 +75,14 @@ mod tests {
 
     #[test]
     fn a_panicking_job_fails_its_event_and_the_thread_runs_the_next() {
-        let stream = StreamThread::spawn(Device::Emulated(0), || {}).unwrap();
+        let stream = StreamThread::spawn(Device::Emulated(0), STREAM, || {}).unwrap();
         let first = Event::pending();
-        stream.queue(Box::new(|| panic!("a job fails")), &first);
+        let queued = stream.try_queue(Box::new(|| panic!("a job fails")), &first);
+        assert!(queued.is_ok());
         let second = Event::pending();
         let done = second.clone();
-        stream.queue(Box::new(move || done.complete(Ok(()))), &second);
+        let queued = stream.try_queue(Box::new(move || done.complete(Ok(()))), &second);
+        assert!(queued.is_ok());
         let err = first.wait().unwrap_err().to_string();
         assert!(
             err.contains("emu:0") && err.contains("internal error: a job fails"),

@@ -18,6 +18,16 @@ pub const HOST_ALIGNMENT: usize = 64;
 /// From this size on, buffers are anonymous maps with huge pages.
 const MAP_THRESHOLD: usize = 4 << 20;
 
+/// The error of host memory that could not be had for `len` bytes.
+fn out_of_memory(len: usize) -> Error {
+    Error::OutOfMemory {
+        device: "cpu".into(),
+        requested: len,
+        free: 0,
+        total: 0,
+    }
+}
+
 /// An owned, zero-initialised, 64-byte-aligned byte buffer.
 pub struct AlignedBuffer {
     ptr: NonNull<u8>,
@@ -50,12 +60,7 @@ impl AlignedBuffer {
         let layout = Self::layout(len)?;
         // SAFETY: `layout` has a non-zero size (len > 0) and a valid power-of-two alignment.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or(Error::OutOfMemory {
-            device: "cpu".into(),
-            requested: len,
-            free: 0,
-            total: 0,
-        })?;
+        let ptr = NonNull::new(raw).ok_or_else(|| out_of_memory(len))?;
         Ok(AlignedBuffer {
             ptr,
             len,
@@ -81,12 +86,7 @@ impl AlignedBuffer {
 
     /// `len` (> 0) zeroed bytes of an anonymous map, marked for huge pages.
     fn mapped(len: usize) -> Result<Self> {
-        let mut map = MmapMut::map_anon(len).map_err(|_| Error::OutOfMemory {
-            device: "cpu".into(),
-            requested: len,
-            free: 0,
-            total: 0,
-        })?;
+        let mut map = MmapMut::map_anon(len).map_err(|_| out_of_memory(len))?;
         // Only a hint: without huge pages the buffer works the same, just slower to fill.
         let _ = map.advise(Advice::HugePage);
         let ptr = NonNull::new(map.as_mut_ptr()).expect("maps are never null");
@@ -105,12 +105,7 @@ impl AlignedBuffer {
     }
 
     fn layout(len: usize) -> Result<Layout> {
-        Layout::from_size_align(len, HOST_ALIGNMENT).map_err(|_| Error::OutOfMemory {
-            device: "cpu".into(),
-            requested: len,
-            free: 0,
-            total: 0,
-        })
+        Layout::from_size_align(len, HOST_ALIGNMENT).map_err(|_| out_of_memory(len))
     }
 
     /// Length in bytes.

@@ -174,6 +174,20 @@ impl PinnedPool {
         })
     }
 
+    /// Takes every cached buffer of `len`'s size class, and one newly pinned, so that the
+    /// next buffer of that class must be pinned anew (tests that refuse pinning).
+    #[cfg(test)]
+    pub(crate) fn hold_cached(self: &Arc<Self>, len: usize) -> Vec<PinnedBuffer> {
+        let mut held = Vec::new();
+        loop {
+            let misses = self.stats().misses;
+            held.push(self.take(len).unwrap());
+            if self.stats().misses > misses {
+                return held;
+            }
+        }
+    }
+
     fn give_back(&self, block: HostBlock) {
         let mut s = self.state();
         if s.stats.pinned_bytes > self.cap {

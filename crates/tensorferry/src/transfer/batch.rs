@@ -73,19 +73,27 @@ fn plan(
     dest: &Storage,
 ) -> Result<CopyBatch> {
     let (runs, waits) = runs(sources, layout)?;
-    let dst_base = dest.as_ptr().cast_mut();
     Ok(CopyBatch {
         direction,
-        ops: runs
-            .iter()
-            .map(|r| CopyOp {
-                src: r.src_address(sources),
-                dst: dst_base.wrapping_add(r.dst_offset),
-                len: r.len,
-            })
-            .collect(),
+        ops: ops_into(&runs, sources, dest.as_ptr().cast_mut(), 0),
         waits,
     })
+}
+
+/// The copies of `runs` (of `sources`) to `dst`, each at its packed offset less `start`.
+pub(crate) fn ops_into(
+    runs: &[Run],
+    sources: &[Tensor],
+    dst: *mut u8,
+    start: usize,
+) -> Vec<CopyOp> {
+    runs.iter()
+        .map(|r| CopyOp {
+            src: r.src_address(sources),
+            dst: dst.wrapping_add(r.dst_offset - start),
+            len: r.len,
+        })
+        .collect()
 }
 
 /// Queues `batch` after the events it waits for, without blocking: the backend honours

@@ -73,20 +73,16 @@ pub fn move_tensors(
     options.staging.validate()?;
     target.ensure_available()?;
     let mut results: Vec<Option<Tensor>> = vec![None; tensors.len()];
-    // Group what must move by source device, keeping order within each group.
-    let mut groups: Vec<(Device, Vec<usize>)> = Vec::new();
+    let mut moving = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
-        let from = t.device();
-        if from == target && !options.copy {
+        if t.device() == target && !options.copy {
             results[i] = Some((*t).clone());
             continue;
         }
-        from.ensure_available()?;
-        match groups.iter_mut().find(|(d, _)| *d == from) {
-            Some((_, idx)) => idx.push(i),
-            None => groups.push((from, vec![i])),
-        }
+        t.device().ensure_available()?;
+        moving.push(i);
     }
+    let groups = group_by(moving, |i| tensors[i].device());
     let events = if target.is_host() {
         to_host_groups(tensors, groups, options, &mut results)?
     } else {
@@ -101,6 +97,23 @@ pub fn move_tensors(
         .into_iter()
         .map(|t| t.expect("every tensor placed"))
         .collect())
+}
+
+/// `indices` grouped by `device_of` each, groups in order of first appearance and indices
+/// in order within each.
+fn group_by(
+    indices: impl IntoIterator<Item = usize>,
+    device_of: impl Fn(usize) -> Device,
+) -> Vec<(Device, Vec<usize>)> {
+    let mut groups: Vec<(Device, Vec<usize>)> = Vec::new();
+    for i in indices {
+        let device = device_of(i);
+        match groups.iter_mut().find(|(d, _)| *d == device) {
+            Some((_, idx)) => idx.push(i),
+            None => groups.push((device, vec![i])),
+        }
+    }
+    groups
 }
 
 /// Moves each group (indices into `tensors`, by source device) to the host, into
@@ -119,16 +132,9 @@ fn to_host_groups(
             prepared[i] = fragmented::prepare(tensors[i], Device::Cpu, fetch_span)?;
         }
     }
-    let mut regrouped: Vec<(Device, Vec<usize>)> = Vec::new();
-    for (_, idx) in groups {
-        for i in idx {
-            let from = prepared[i].as_ref().unwrap_or(tensors[i]).device();
-            match regrouped.iter_mut().find(|(d, _)| *d == from) {
-                Some((_, v)) => v.push(i),
-                None => regrouped.push((from, vec![i])),
-            }
-        }
-    }
+    let regrouped = group_by(groups.into_iter().flat_map(|(_, idx)| idx), |i| {
+        prepared[i].as_ref().unwrap_or(tensors[i]).device()
+    });
     let mut events = Vec::new();
     for (from, idx) in regrouped {
         let sources: Vec<Tensor> = idx
@@ -318,7 +324,6 @@ impl Tensor {
     pub fn to(&self, device: Device, copy: bool) -> Result<Tensor> {
         let options = MoveOptions {
             copy,
-            non_blocking: false,
             ..Default::default()
         };
         let mut moved = move_tensors(&[self], device, options)?;

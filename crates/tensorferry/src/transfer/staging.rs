@@ -126,23 +126,13 @@ impl Staging {
         non_blocking: bool,
     ) -> Option<Ring> {
         match self {
-            Staging::Off => None,
             Staging::Auto if !backend.prefers_pinned_staging() || total == 0 => None,
-            Staging::Auto if total >= AUTO_MIN_BYTES => Some(Ring {
-                chunk_bytes: AUTO_CHUNK_BYTES,
-                depth: AUTO_DEPTH,
-                automatic: true,
-            }),
-            Staging::Auto => non_blocking.then_some(Ring {
+            Staging::Auto if total < AUTO_MIN_BYTES => non_blocking.then_some(Ring {
                 chunk_bytes: total.min(AUTO_CHUNK_BYTES),
                 depth: 2,
                 automatic: true,
             }),
-            Staging::Ring { chunk_bytes, depth } => Some(Ring {
-                chunk_bytes: chunk_bytes.max(1),
-                depth: depth.max(1),
-                automatic: false,
-            }),
+            _ => self.ring_for_stream(),
         }
     }
 
@@ -230,14 +220,7 @@ impl Chunk {
     /// The device copies of the chunk's runs (of `sources`) into the slot at `slot`, each
     /// at its offset from the chunk's start.
     pub(super) fn ops_into(&self, sources: &[Tensor], slot: *mut u8) -> Vec<CopyOp> {
-        self.pieces
-            .iter()
-            .map(|p| CopyOp {
-                src: p.src_address(sources),
-                dst: slot.wrapping_add(p.dst_offset - self.start),
-                len: p.len,
-            })
-            .collect()
+        super::batch::ops_into(&self.pieces, sources, slot, self.start)
     }
 }
 
@@ -415,9 +398,23 @@ impl Transfer {
             Failure::new(self.backend.device(), format!("internal error: {panic}")).to_error()
         })
     }
+}
+
+impl super::ring::RingSteps for Transfer {
+    fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    /// An upload's sources into the slot.
+    fn fill(&mut self, j: usize) -> Result<()> {
+        match self.direction {
+            Direction::DeviceToHost => Ok(()),
+            _ => self.host_copy(j),
+        }
+    }
 
     /// Queues chunk `j`'s device copies; the batch holds the ring's memory and the sources.
-    fn queue(&self, j: usize) -> Event {
+    fn submit(&mut self, j: usize) -> Event {
         let c = &self.chunks[j];
         let slot = self.ring.slot_address(j);
         let ops = match self.direction {
@@ -448,24 +445,6 @@ impl Transfer {
         // only at this chunk's own packed range).
         unsafe { submit_when_ready(self.backend.clone(), batch, keep, event.clone(), false) };
         event
-    }
-}
-
-impl super::ring::RingSteps for Transfer {
-    fn chunks(&self) -> usize {
-        self.chunks.len()
-    }
-
-    /// An upload's sources into the slot.
-    fn fill(&mut self, j: usize) -> Result<()> {
-        match self.direction {
-            Direction::DeviceToHost => Ok(()),
-            _ => self.host_copy(j),
-        }
-    }
-
-    fn submit(&mut self, j: usize) -> Event {
-        self.queue(j)
     }
 
     /// A download's slot out to the destination.

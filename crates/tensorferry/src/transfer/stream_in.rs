@@ -235,24 +235,10 @@ mod tests {
     fn a_failing_producer_is_the_streams_error() {
         let backend = backend_for(Device::Emulated(0)).unwrap();
         let ring = StreamRing {
-            chunk_bytes: 4096,
             depth: 1,
-            align: 4096,
-            automatic: false,
+            ..small_ring()
         };
-        let pieces = [Piece {
-            skip: 0,
-            len: 10,
-            dst_offset: 0,
-        }; 3];
-        let pieces: Vec<Piece> = pieces
-            .iter()
-            .enumerate()
-            .map(|(j, p)| Piece {
-                dst_offset: 10 * j,
-                ..*p
-            })
-            .collect();
+        let pieces = pieces_of_ten(3);
         let fill = |j: usize, buffer: &mut [MaybeUninit<u8>]| match j {
             2 => Err(crate::Error::InvalidValue {
                 key: String::new(),

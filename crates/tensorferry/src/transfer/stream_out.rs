@@ -203,14 +203,7 @@ mod tests {
         let t = on_device(100_000);
         let pool = backend_for(DEV).unwrap().pinned_pool().unwrap();
         // Hold every cached buffer of the ring's size class, so that the ring must pin anew.
-        let mut cached = Vec::new();
-        loop {
-            let misses = pool.stats().misses;
-            cached.push(pool.take(100_000).unwrap());
-            if pool.stats().misses > misses {
-                break;
-            }
-        }
+        let cached = pool.hold_cached(100_000);
         let refuse_next = |n| {
             let config = EmuConfig {
                 fail_pin: Some(n),

@@ -94,10 +94,7 @@ fn a_streamed_save_pins_no_more_than_its_ring(dev: Device) {
         return; // nothing to stream
     }
     let _pool = pool_lock();
-    let pool = tensorferry::internal::backend::backend_for(dev)
-        .unwrap()
-        .pinned_pool()
-        .unwrap();
+    let pool = pinned_pool(dev);
     let data: Vec<f32> = (0..2_000_000).map(|x| x as f32).collect(); // 8 MB
     let mut d = TensorDict::new();
     d.insert("w", Tensor::from_slice(&data, &[2_000_000]).unwrap());

@@ -1,9 +1,6 @@
-//! How one batch of copies is queued on a GPU's streams: all of them without waiting in
-//! between, and without waiting for them (the caller records an event after them).
-//!
-//! Each GPU has two streams, so that an upload and a download overlap: one for copies
-//! from the host (host → device), one for copies that read device memory (device → host
-//! and device → device; its handle is what DLPack producers order their work before).
+//! How one batch of copies is queued on a GPU's streams (one for uploads, one for copies
+//! that read device memory): all of them without waiting in between, and without waiting
+//! for them (the caller records an event after them).
 //!
 //! Two paths, chosen once per GPU: `cuMemcpyBatchAsync` (one driver call for the whole
 //! batch; drivers 12.8 and newer that export it) and one `cuMemcpy*Async` per copy (every
@@ -58,18 +55,9 @@ pub(crate) fn choose_path(
 ) -> Result<CopyPath> {
     let available = version >= BATCHED_COPY_DRIVER && has_symbol;
     match forced.map(str::trim) {
-        None | Some("") | Some("auto") => Ok(if available {
-            CopyPath::Batched
-        } else {
-            CopyPath::PerCopy
-        }),
-        Some("per-copy") => Ok(CopyPath::PerCopy),
         // Forcing a path the driver lacks falls back: never fail for a driver too old.
-        Some("batched") => Ok(if available {
-            CopyPath::Batched
-        } else {
-            CopyPath::PerCopy
-        }),
+        None | Some("" | "auto" | "batched") if available => Ok(CopyPath::Batched),
+        None | Some("" | "auto" | "batched" | "per-copy") => Ok(CopyPath::PerCopy),
         Some(other) => Err(Error::InvalidValue {
             key: COPY_PATH_VAR.into(),
             reason: format!("{other:?}: expected auto, batched or per-copy"),
@@ -130,29 +118,14 @@ impl CopyQueue {
         })
     }
 
-    /// The raw `CUstream` handle that copies reading device memory run on, for producers
-    /// that order their work before ours (DLPack's `__dlpack__(stream=…)`).
-    pub(crate) fn stream_handle(&self) -> usize {
-        self.streams[lane_of(Direction::DeviceToHost)].0 as usize
-    }
-
     /// The stream of lane `lane` (see [`lane_of`]).
     pub(crate) fn stream(&self, lane: usize) -> sys::CUstream {
         self.streams[lane].0
     }
 
-    /// The path batches take now.
-    pub(crate) fn path(&self) -> CopyPath {
-        self.path.lock().unwrap_or_else(|p| p.into_inner()).0
-    }
-
-    /// Why the batched path was given up, if it was.
-    pub(crate) fn fallback_reason(&self) -> Option<String> {
-        self.path
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .1
-            .clone()
+    /// The path batches take now, and why the batched path was given up, if it was.
+    pub(crate) fn path(&self) -> (CopyPath, Option<String>) {
+        self.path.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Queues every copy of `batch` on its direction's stream, without waiting for them.
@@ -169,7 +142,7 @@ impl CopyQueue {
             return Ok(());
         }
         let mut queued = false;
-        if ops.len() > 1 && self.path() == CopyPath::Batched {
+        if ops.len() > 1 && self.path().0 == CopyPath::Batched {
             // SAFETY: forwarded contract.
             match unsafe { self.queue_batched(batch.direction, &ops) } {
                 Ok(()) => queued = true,

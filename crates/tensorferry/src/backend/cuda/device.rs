@@ -1,35 +1,28 @@
-//! The CUDA backend: device memory and copies through the driver API (cudarc's `sys`
-//! layer, loaded at run time), in each GPU's primary context so that pointers from
-//! PyTorch, JAX and CuPy in the same process are valid here.
+//! The [`Backend`] of one GPU: device memory and copies through the driver API, in the
+//! GPU's primary context so that pointers from PyTorch, JAX and CuPy in the same process
+//! are valid here.
 //!
-//! Each GPU has two CUDA streams of its own (uploads; copies that read device memory), so
-//! that an upload and a download overlap, created *non-blocking*: the legacy default stream
-//! (PyTorch's default stream) neither waits for their copies nor makes them wait, so a
-//! save or an upload overlaps a training step instead of stalling it. Every order with
-//! another library's work is therefore explicit: DLPack producers are passed the read
-//! stream, PyTorch's current stream is waited for by an event ([`Backend::order_after_stream`]),
-//! memory from the CUDA Array Interface without a stream is ordered after the legacy
-//! default stream of its GPU, and a copy from another GPU waits for that GPU's read stream.
-//! Such a copy goes directly over the GPUs' link once this GPU has peer access to the
-//! other's memory, which the first copy from there enables where the two can reach each
-//! other (`CudaDevice::reach`); otherwise the driver stages it through the host.
+//! Its two streams (uploads; copies that read device memory) are *non-blocking*: the legacy
+//! default stream (PyTorch's) neither waits for their copies nor makes them wait, so a save
+//! or an upload overlaps a training step. Every order with another library's work is
+//! therefore explicit: DLPack producers are passed the read stream, PyTorch's current
+//! stream is waited for by an event ([`Backend::order_after_stream`]), memory from the CUDA
+//! Array Interface without a stream is ordered after its GPU's legacy default stream, and
+//! a copy from another GPU waits for that GPU's read stream (and goes over the GPUs' link
+//! where they can reach each other, `CudaDevice::reach`; else the driver stages it).
 //!
-//! Batches are queued from the calling thread (with the GPU's primary context pushed for
-//! the call and popped after, so the thread keeps its own current context): the batch's
-//! waits on CUDA work become `cuStreamWaitEvent` on the GPU, its copies are queued without
-//! waiting in between (`cuda_copy`: one `cuMemcpyBatchAsync` where the driver has it,
-//! else one `cuMemcpy*Async` per copy), and a `CUevent` recorded after them marks the
-//! batch's host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits
-//! for host work (a staging thread, the emulated device) is chained to it instead, and the
-//! later batches of its stream queue behind it ([`crate::backend::lane`]): the caller never blocks.
-//! The GPU's completer thread ([`crate::backend::completer`]) watches the recorded events, releases
-//! what each batch held once its copies are done, then completes its host event. A copy
-//! call that fails part-way through a batch still has the copies queued before it waited
-//! for (through the event recorded after them, or by synchronising the stream) before
-//! anything is released; the batch's event then fails with the error.
+//! A batch is queued from the calling thread, the context pushed for the call and popped
+//! after: its waits on CUDA work become `cuStreamWaitEvent` on the GPU, its copies are
+//! queued without waiting in between (`copy`), and a `CUevent` recorded after them marks
+//! its host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits for
+//! host work is deferred by its lane ([`crate::backend::lane`]): the caller never blocks.
+//! The completer ([`crate::backend::completer`]) releases what a batch held once its event
+//! has passed, then completes the host event. A copy call that fails part-way through a
+//! batch still has the copies queued before it waited for (through the event, or by
+//! synchronising the stream) before anything is released.
 //!
-//! NOTE: exercised in CI against the fake driver in `crates/fake-cuda` (which checks
-//! contexts, address ranges and stream order); it has not run on a real GPU yet.
+//! NOTE: exercised against the fake driver in `crates/fake-cuda` (which checks contexts,
+//! address ranges and stream order); it has not run on a real GPU yet.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -41,7 +34,7 @@ use super::event::CudaEvent;
 use super::freer::Freer;
 use crate::backend::completer::{Completer, Drain, Entry, Health};
 use crate::backend::event::Progress;
-use crate::backend::lane::{lane_of, Lane, Refused, Submitted, LANES};
+use crate::backend::lane::{lane_of, submit_to, Lane, Refused, Submitted, LANES};
 
 use cudarc::driver::sys::{self, CUresult};
 
@@ -97,21 +90,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     static REGISTRY: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
     let name = Device::Cuda(ordinal);
     same_process(name)?;
-    match status() {
-        CudaStatus::Unavailable { reason } => {
-            return Err(Error::DeviceUnavailable {
-                device: name.to_string(),
-                reason: reason.clone(),
-            })
-        }
-        CudaStatus::Available { gpus, .. } if ordinal >= gpus.len() => {
-            return Err(Error::DeviceUnavailable {
-                device: name.to_string(),
-                reason: format!("only {} CUDA device(s) present", gpus.len()),
-            })
-        }
-        CudaStatus::Available { .. } => {}
-    }
+    let (driver_version, gpus) = super::gpu_present(ordinal)?;
     let mut devices = REGISTRY
         .get_or_init(Default::default)
         .lock()
@@ -122,7 +101,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
     let context = Context(retain_primary(cu_device(ordinal)?, name)?);
     let queue = {
         let _current = context.enter(name)?;
-        Arc::new(CopyQueue::new(name, driver_version_of(status()))?)
+        Arc::new(CopyQueue::new(name, driver_version)?)
     };
     let health = Arc::new(Health::default());
     let shared = Arc::new(Shared {
@@ -157,7 +136,7 @@ pub fn device(ordinal: usize) -> Result<Arc<CudaDevice>> {
         freer: Arc::new(spawn_freer(name, context)?),
         health,
         shared,
-        peers: (0..gpu_count(status())).map(|_| OnceLock::new()).collect(),
+        peers: (0..gpus).map(|_| OnceLock::new()).collect(),
     });
     devices.insert(ordinal, d.clone());
     backends_started_here();
@@ -283,9 +262,10 @@ impl Backend for CudaDevice {
     /// `__dlpack__(stream=handle)`) needs no host synchronisation before tensorferry reads
     /// its tensors. Uploads run on a second stream, so that they overlap downloads.
     fn producer_stream(&self) -> Option<StreamHandle> {
+        let read = self.queue.stream(lane_of(Direction::DeviceToHost));
         // SAFETY: one of this GPU's own streams, created in its primary context and kept
         // for the life of the process.
-        Some(unsafe { StreamHandle::new(self.queue.stream_handle()) })
+        Some(unsafe { StreamHandle::new(read as usize) })
     }
 
     /// Records an event on `stream` (in this GPU's context, whose default stream the
@@ -296,8 +276,13 @@ impl Backend for CudaDevice {
     /// producer's stream may still be writing synchronise with
     /// [`Backend::synchronize_stream`].
     fn order_after_stream(&self, stream: StreamHandle) -> Result<()> {
-        // SAFETY: `StreamHandle::new`'s contract: a live stream usable with this GPU.
-        unsafe { self.wait_for_stream(stream.handle() as sys::CUstream) }
+        let device = Backend::device(self);
+        let _current = self.context.enter(device)?;
+        // `StreamHandle::new`'s contract: a live stream usable with this GPU (the driver
+        // does not validate every handle).
+        let raw = stream.handle() as sys::CUstream;
+        let mark = CudaEvent::record(self.context, device, raw)?;
+        (0..LANES).try_for_each(|lane| mark.wait_on(self.queue.stream(lane), device))
     }
 
     /// Records an event on `stream` (the legacy default stream for `None`; in this GPU's
@@ -313,15 +298,10 @@ impl Backend for CudaDevice {
             .enter(device)
             .and_then(|_current| CudaEvent::record(context, device, raw as sys::CUstream));
         let drain: Drain = Box::new(move || {
-            let _current = context.enter(device)?;
-            // SAFETY: the driver is loaded and this GPU's context is current; the handle is
-            // a live stream of this process or a default-stream constant
+            let what = "cuStreamSynchronize (a consumer's stream)";
+            // SAFETY: a live stream of this process or a default-stream constant
             // (`StreamHandle::new`'s contract).
-            check(
-                unsafe { sys::cuStreamSynchronize(raw as sys::CUstream) },
-                device,
-                "cuStreamSynchronize (a consumer's stream)",
-            )
+            unsafe { context.synchronize(device, raw, what) }
         });
         self.shared.completer.push(Entry {
             done: fence
@@ -338,16 +318,10 @@ impl Backend for CudaDevice {
     /// Runs in this GPU's primary context: the default-stream handles (1 and 2) name that
     /// context's default stream, and with no context current the driver would refuse them.
     fn synchronize_stream(&self, stream: StreamHandle) -> Result<()> {
-        let device = Backend::device(self);
-        let _current = self.context.enter(device)?;
-        // SAFETY: the driver is loaded and this GPU's context is current; the handle is a
-        // live stream of this process or a default-stream constant (`StreamHandle::new`'s
-        // contract).
-        check(
-            unsafe { sys::cuStreamSynchronize(stream.handle() as sys::CUstream) },
-            device,
-            "cuStreamSynchronize",
-        )
+        let (device, what) = (Backend::device(self), "cuStreamSynchronize");
+        // SAFETY: a live stream of this process or a default-stream constant
+        // (`StreamHandle::new`'s contract).
+        unsafe { self.context.synchronize(device, stream.handle(), what) }
     }
 
     /// Asks the driver: host memory it knows (`cuMemHostAlloc`, `cuMemHostRegister`, by
@@ -424,11 +398,11 @@ impl Backend for CudaDevice {
     /// Queues the batch from the calling thread on its direction's stream (see the module
     /// documentation); never blocks on other work.
     unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        self.queue_batch(batch, keep, event, true);
+        submit_to(&self.lanes, batch, keep, event, 0, true);
     }
 
     unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        self.queue_batch(batch, keep, event, false);
+        submit_to(&self.lanes, batch, keep, event, 0, false);
     }
 }
 
@@ -510,12 +484,9 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
         event.set_mark(done.clone());
     }
     let (context, stream_id) = (shared.context, stream as usize);
-    let drain: Drain = Box::new(move || {
-        let _current = context.enter(device)?;
-        // SAFETY: one of this GPU's own streams (never destroyed), in its context, current.
-        let code = unsafe { sys::cuStreamSynchronize(stream_id as sys::CUstream) };
-        check(code, device, "cuStreamSynchronize")
-    });
+    // SAFETY: one of this GPU's own streams, in its context, never destroyed.
+    let drain: Drain =
+        Box::new(move || unsafe { context.synchronize(device, stream_id, "cuStreamSynchronize") });
     shared.completer.push(Entry {
         done,
         drain,
@@ -529,37 +500,6 @@ unsafe fn dispatch(shared: &Shared, lane: usize, submitted: Submitted) -> Option
 }
 
 impl CudaDevice {
-    /// Hands a batch to its direction's lane.
-    fn queue_batch(
-        &self,
-        batch: CopyBatch,
-        keep: Box<dyn Any + Send>,
-        event: &Event,
-        ordered: bool,
-    ) {
-        let lane = &self.lanes[lane_of(batch.direction)];
-        let submitted = Submitted {
-            batch,
-            keep,
-            event: event.clone(),
-            seq: 0,
-        };
-        lane.submit(submitted, ordered);
-    }
-
-    /// Makes every copy queued on this GPU from now on (on each of its streams) wait, on
-    /// the GPU, for the work queued so far on `stream`: an event recorded there.
-    ///
-    /// # Safety
-    /// `stream` must be a live stream of this GPU's primary context, or a default-stream
-    /// constant (1: legacy, 2: per-thread): the driver does not validate every handle.
-    unsafe fn wait_for_stream(&self, stream: sys::CUstream) -> Result<()> {
-        let device = Device::Cuda(self.ordinal);
-        let _current = self.context.enter(device)?;
-        let mark = super::event::CudaEvent::record(self.context, device, stream)?;
-        (0..LANES).try_for_each(|lane| mark.wait_on(self.queue.stream(lane), device))
-    }
-
     /// Lets this GPU read `src`'s memory directly (peer access, one direction), once, where
     /// the two can reach each other: copies from there then go over the GPUs' link instead
     /// of being staged through the host by the driver. Whether they do; a refusal only
@@ -610,26 +550,12 @@ impl CudaDevice {
 
     /// Why this GPU gave up batched copies, if a batched call failed.
     pub fn copy_fallback(&self) -> Option<String> {
-        self.queue.fallback_reason()
+        self.queue.path().1
     }
 
     /// How this GPU's batches are queued: batched where the driver allows it.
     pub fn copy_path(&self) -> CopyPath {
-        self.queue.path()
-    }
-}
-
-fn gpu_count(s: &CudaStatus) -> usize {
-    match s {
-        CudaStatus::Available { gpus, .. } => gpus.len(),
-        CudaStatus::Unavailable { .. } => 0,
-    }
-}
-
-fn driver_version_of(s: &CudaStatus) -> i32 {
-    match s {
-        CudaStatus::Available { driver_version, .. } => *driver_version,
-        CudaStatus::Unavailable { .. } => 0,
+        self.queue.path().0
     }
 }
 

@@ -44,6 +44,26 @@ impl Context {
         })
     }
 
+    /// Blocks until `stream` has run the work queued on it so far, with the context entered
+    /// for the call (whose default stream the handles 1 and 2 name); `what` names the call
+    /// in the error.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this process usable in this context, or a
+    /// default-stream constant (1: legacy, 2: per-thread): the driver does not validate
+    /// every handle.
+    pub(crate) unsafe fn synchronize(
+        self,
+        device: Device,
+        stream: usize,
+        what: &str,
+    ) -> Result<()> {
+        let _current = self.enter(device)?;
+        // SAFETY: the context is current; the caller's contract covers the handle.
+        let code = unsafe { sys::cuStreamSynchronize(stream as sys::CUstream) };
+        check(code, device, what)
+    }
+
     /// Makes the context current on the calling thread for good, its stream-capture mode
     /// relaxed (tensorferry's own threads only).
     pub(crate) fn make_current(self, device: Device) -> Result<()> {

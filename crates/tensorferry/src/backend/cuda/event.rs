@@ -70,17 +70,6 @@ impl CudaEvent {
         }
     }
 
-    /// Makes `stream` — a stream of any component of the process usable in this event's
-    /// context, or a default-stream constant (1: legacy, 2: per-thread) — wait on the GPU
-    /// until this event is passed, with the event's context entered for the call.
-    ///
-    /// # Safety
-    /// `stream` must be such a stream: the driver does not validate every handle.
-    pub(crate) unsafe fn order(&self, stream: sys::CUstream) -> Result<()> {
-        let _current = self.context.enter(self.device)?;
-        self.wait_on(stream, self.device)
-    }
-
     /// Makes `stream` (of the current context) wait on the GPU until this event is passed.
     pub(crate) fn wait_on(&self, stream: sys::CUstream, on: Device) -> Result<()> {
         // SAFETY: the event is live; the stream belongs to the current context (caller's
@@ -124,10 +113,12 @@ impl Fence for CudaEvent {
         )
     }
 
+    /// Runs with the event's context entered, whose default stream the handles 1 and 2
+    /// name; `StreamHandle::new`'s contract makes the handle a live stream of this process
+    /// usable with this event's GPU, or a default-stream constant.
     fn order_stream(&self, stream: StreamHandle) -> Result<()> {
-        // SAFETY: `StreamHandle::new`'s contract: a live stream of this process usable
-        // with this event's GPU, or a default-stream constant.
-        unsafe { self.order(stream.handle() as sys::CUstream) }
+        let _current = self.context.enter(self.device)?;
+        self.wait_on(stream.handle() as sys::CUstream, self.device)
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -9,15 +9,16 @@
 //! allocation that finds the device full waits for the device frees still queued
 //! ([`Freer::wait_idle`]) and tries again.
 
-use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use crate::backend::event::Event;
+use crate::backend::stream::StreamThread;
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Work for the freeing thread: a driver call that may wait for the GPU.
-pub(crate) type Job = Box<dyn FnOnce() + Send>;
+pub(crate) use crate::backend::stream::Job;
 
 /// The bytes of device memory handed over to be freed and not freed yet.
 #[derive(Default)]
@@ -40,9 +41,9 @@ impl Pending {
     }
 }
 
-/// The handle of a GPU's freeing thread.
+/// The handle of a GPU's freeing thread: a [`StreamThread`] whose jobs are frees.
 pub(crate) struct Freer {
-    queue: Mutex<Sender<(Job, usize)>>,
+    thread: StreamThread,
     pending: Arc<Pending>,
 }
 
@@ -50,29 +51,9 @@ impl Freer {
     /// Starts the thread of `device`; `setup` runs on it first (making the GPU's context
     /// current), then each job handed over, in order.
     pub(crate) fn spawn(device: Device, setup: impl FnOnce() + Send + 'static) -> Result<Freer> {
-        let (tx, rx) = channel::<(Job, usize)>();
-        let pending = Arc::new(Pending::default());
-        let done = pending.clone();
-        std::thread::Builder::new()
-            .name(format!(
-                "tensorferry-{}-freer",
-                device.to_string().replace(':', "")
-            ))
-            .spawn(move || {
-                setup();
-                for (job, len) in rx {
-                    // A job that panics must not stop the frees behind it.
-                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
-                    done.finish(len);
-                }
-            })
-            .map_err(|e| Error::DeviceUnavailable {
-                device: device.to_string(),
-                reason: format!("cannot start its freeing thread: {e}"),
-            })?;
         Ok(Freer {
-            queue: Mutex::new(tx),
-            pending,
+            thread: StreamThread::spawn(device, ("freer", "freeing"), setup)?,
+            pending: Arc::new(Pending::default()),
         })
     }
 
@@ -80,14 +61,14 @@ impl Freer {
     /// [`Freer::wait_idle`] does not wait for). Runs it here if the thread is gone.
     pub(crate) fn run(&self, len: usize, job: Job) {
         self.pending.add(len);
-        let sent = self
-            .queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send((job, len));
-        if let Err(unsent) = sent {
-            (unsent.0 .0)();
-            self.pending.finish(len);
+        let done = self.pending.clone();
+        let job: Job = Box::new(move || {
+            // A job that panics must not stop the frees behind it.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+            done.finish(len);
+        });
+        if let Err(unsent) = self.thread.try_queue(job, &Event::pending()) {
+            unsent();
         }
     }
 
@@ -176,10 +157,8 @@ mod tests {
         // Its receiver is dropped once it has unwound.
         let start = Instant::now();
         while freer
-            .queue
-            .lock()
-            .unwrap()
-            .send((Box::new(|| {}), 0))
+            .thread
+            .try_queue(Box::new(|| {}), &Event::pending())
             .is_ok()
         {
             assert!(start.elapsed() < Duration::from_secs(20));

@@ -1,31 +1,18 @@
 //! The CUDA backend, in a folder of its own: every driver call, every CUDA type and every
 //! `unsafe` block that touches the driver lives here, and nothing above `backend/cuda/`
-//! names a CUDA type (checked by `tests/layering.rs`). Code above reaches a GPU through
+//! names a CUDA type (checked by `tests/layering.rs`); code above reaches a GPU through
 //! [`crate::backend::Backend`], [`crate::backend::Fence`] and
-//! [`crate::backend::StreamHandle`].
+//! [`crate::backend::StreamHandle`]. The driver is loaded at run time by cudarc, which
+//! panics when `libcuda` cannot be loaded: every use starts with [`status`], which probes
+//! once and turns absence into a reason.
 //!
-//! - this file: the driver, loaded at run time through cudarc's dynamic loading. cudarc
-//!   panics when `libcuda` cannot be loaded, so every use starts with [`status`], which
-//!   probes for the library once, caches the answer, and turns absence into a reason
-//!   instead of a panic;
-//! - [`driver`]: the context guard (push/pop, so another library's current context is
-//!   left as it was), results typed by the call that failed, pointer queries;
-//! - [`event`]: a recorded `CUevent`, the [`crate::backend::Fence`] of CUDA work;
-//! - [`copy`]: the GPU's streams and how copies are queued on them;
-//! - [`device`]: the [`crate::backend::Backend`] of one GPU, and device allocations;
-//! - [`pinned`]: pinned host allocations for the pinned pool;
-//! - [`freer`]: the thread that frees (`cuMemFree` and `cuMemFreeHost` wait for the GPU).
-//!
-//! Each handle is an owner with private fields and a `Drop`: the context guard
-//! (`driver::Current`, popped when dropped), `event::CudaEvent` (destroyed when dropped),
-//! device allocations (`device::Allocation`) and pinned allocations (`pinned::PinnedRelease`),
-//! both freed on the freeing thread when dropped; the GPU's streams live as long as the
-//! process. cudarc's safe types (0.19: `CudaContext`, `CudaStream`, `CudaEvent`,
-//! `CudaSlice`) are not used: they make their context current with `cuCtxSetCurrent` —
-//! on creation and again in each `Drop`, on whatever thread drops them — which would change
-//! the current context of another library's thread (PyTorch's), and `CudaSlice` frees on
-//! the dropping thread; this folder pushes and pops contexts and frees on its own thread.
-//! cudarc's `sys` layer (loaded at run time) is what it uses.
+//! Each handle is an owner with private fields and a `Drop` (the context guard, events,
+//! device and pinned allocations, the last two freed on the freeing thread); the streams
+//! live as long as the process. cudarc's safe types are not used: they make their context
+//! current with `cuCtxSetCurrent` on creation and in each `Drop`, on whatever thread drops
+//! them, which would change the current context of another library's thread (PyTorch's),
+//! and `CudaSlice` frees on the dropping thread; this folder pushes and pops contexts and
+//! frees on its own thread.
 
 pub(crate) mod copy;
 pub mod device;
@@ -60,6 +47,26 @@ pub enum CudaStatus {
 pub fn status() -> &'static CudaStatus {
     static STATUS: OnceLock<CudaStatus> = OnceLock::new();
     STATUS.get_or_init(probe)
+}
+
+/// The driver's version and how many GPUs it reports, when `cuda:ordinal` is one of them;
+/// else why the device is unavailable.
+pub(crate) fn gpu_present(ordinal: usize) -> crate::error::Result<(i32, usize)> {
+    let unavailable = |reason| crate::error::Error::DeviceUnavailable {
+        device: crate::device::Device::Cuda(ordinal).to_string(),
+        reason,
+    };
+    match status() {
+        CudaStatus::Unavailable { reason } => Err(unavailable(reason.clone())),
+        CudaStatus::Available { gpus, .. } if ordinal >= gpus.len() => Err(unavailable(format!(
+            "only {} CUDA device(s) present",
+            gpus.len()
+        ))),
+        CudaStatus::Available {
+            driver_version,
+            gpus,
+        } => Ok((*driver_version, gpus.len())),
+    }
 }
 
 /// Formats a CUDA driver version (12080 → "12.8").
