@@ -110,7 +110,8 @@ fn tensor_bytes(leaf: &Bound<'_, PyAny>, item: usize, conj: bool) -> PyResult<Op
 
 /// Copies each leaf of `leaves` (NumPy arrays and PyTorch tensors of one dtype and shape,
 /// `item` bytes each, more than 0) into row `i` of `dest` (a writable NumPy `uint8` array
-/// of at least `len(leaves) * item` bytes), the GIL held; with `conj`, complex tensors'
+/// of at least `len(leaves) * item` bytes, else an error before any copy), the GIL held,
+/// each as soon as its address is read; with `conj`, complex tensors'
 /// conjugate bit is checked too. Returns, for each leaf, True when its row holds its
 /// values in C order, its strides (a tuple) when the row holds its bytes as they lie (a
 /// dense PyTorch tensor in another order: a transposed or channels-last one), and False
@@ -127,45 +128,42 @@ pub fn copy_rows<'py>(
     if item == 0 {
         return Err(format_err("copy_rows needs rows of at least one byte"));
     }
-    let mut found = Vec::with_capacity(leaves.len());
-    for leaf in leaves.iter() {
-        found.push(match is_exact_ndarray(&leaf)? {
+    let mut dest = dest.try_readwrite()?;
+    let dst = dest.as_slice_mut()?;
+    let need = leaves.len().saturating_mul(item);
+    if dst.len() < need {
+        return Err(format_err(format!(
+            "copy_rows needs {need} bytes of destination for {} rows of {item}, not {}",
+            leaves.len(),
+            dst.len()
+        )));
+    }
+    let mut copied = Vec::with_capacity(leaves.len());
+    for (i, leaf) in leaves.iter().enumerate() {
+        let found = match is_exact_ndarray(&leaf)? {
             true => array_bytes(&leaf, item).map(|address| Source {
                 address,
                 strides: None,
             }),
             false => tensor_bytes(&leaf, item, conj)?,
+        };
+        copied.push(match found {
+            None => PyBool::new(py, false).to_owned().into_any(),
+            Some(Source { address, strides }) => {
+                // SAFETY: `address` is the lowest of `item` bytes of host memory that hold
+                // the live leaf's values, read just now (a C-contiguous NumPy array, or a
+                // dense PyTorch CPU tensor of `item` bytes), and no Python code has run
+                // since that could free or resize it: `leaves` holds the leaf and the GIL is
+                // held. `dst` is memory of its own (a NumPy array borrowed read-write, so
+                // no other Rust borrow sees it), never a leaf's.
+                let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, item) };
+                copy_into(dst, &[(bytes, i * item)]).py_err()?;
+                match strides {
+                    None => PyBool::new(py, true).to_owned().into_any(),
+                    Some(strides) => PyTuple::new(py, strides)?.into_any(),
+                }
+            }
         });
     }
-    let mut dest = dest.try_readwrite()?;
-    let dst = dest.as_slice_mut()?;
-    let sources: Vec<(&[u8], usize)> = found
-        .iter()
-        .enumerate()
-        .filter_map(|(i, s)| s.as_ref().map(|s| (s.address, i * item)))
-        .map(|(a, at)| {
-            // SAFETY: `a` is the address of the lowest of `item` bytes of host memory that
-            // hold a live leaf's values (checked just above: a C-contiguous NumPy array, or a
-            // dense PyTorch CPU tensor of `item` bytes); `leaves` holds each leaf, and the
-            // GIL, held until the copy ends, keeps any Python code from freeing or resizing
-            // its memory meanwhile. `dest` is memory of its own (a NumPy array borrowed
-            // read-write, so no other Rust borrow sees it), never a leaf's.
-            (
-                unsafe { std::slice::from_raw_parts(a as *const u8, item) },
-                at,
-            )
-        })
-        .collect();
-    copy_into(dst, &sources).py_err()?;
-    found
-        .into_iter()
-        .map(|s| match s {
-            None => Ok(PyBool::new(py, false).to_owned().into_any()),
-            Some(Source { strides: None, .. }) => Ok(PyBool::new(py, true).to_owned().into_any()),
-            Some(Source {
-                strides: Some(strides),
-                ..
-            }) => Ok(PyTuple::new(py, strides)?.into_any()),
-        })
-        .collect()
+    Ok(copied)
 }

@@ -199,7 +199,8 @@ def test_torch_copies_are_the_cores_not_torch_stack(torch, monkeypatch):
 
 def test_copy_rows_copies_only_leaves_whose_bytes_are_their_values():
     """The core copies a leaf's raw bytes only when they are its values as they lie and
-    exactly one row long; a destination too small is an error, never a write past it."""
+    exactly one row long; a destination too small is an error before any copy, never a
+    write past it."""
     from tensorferry import _native
 
     a, b = np.arange(8, dtype=np.uint8), np.arange(8, 16, dtype=np.uint8)
@@ -209,8 +210,10 @@ def test_copy_rows_copies_only_leaves_whose_bytes_are_their_values():
     np.testing.assert_array_equal(dest[:8], a)
     np.testing.assert_array_equal(dest[8:16], 0)  # not C-contiguous: left as it was
     np.testing.assert_array_equal(dest[16:24], np.arange(4, dtype=np.uint16).view(np.uint8))
-    with pytest.raises(tf.TensorferryError):
-        _native.copy_rows([a, b, a, b, a], dest, 8, False)
+    small = np.zeros(32, np.uint8)
+    with pytest.raises(tf.TensorferryError, match="40 bytes"):
+        _native.copy_rows([a, b, a, b, a], small, 8, False)
+    assert not small.any()  # refused before any copy
     with pytest.raises(tf.TensorferryError):
         _native.copy_rows([a], dest, 0, False)
 
