@@ -6,6 +6,7 @@ mod direct_runs;
 mod dlpack;
 mod errors;
 mod groups;
+mod host_copy;
 mod numpy_interop;
 mod release;
 mod runs;
@@ -754,6 +755,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_array_interface_device, m)?)?;
     m.add_function(wrap_pyfunction!(groups::group_leaves, m)?)?;
+    m.add_function(wrap_pyfunction!(host_copy::copy_rows, m)?)?;
     m.add_function(wrap_pyfunction!(walk::collect_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(walk::rebuild, m)?)?;
     m.add_function(wrap_pyfunction!(walk::container_kind, m)?)?;

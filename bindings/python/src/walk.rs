@@ -376,20 +376,24 @@ impl<'py> Walker<'_, 'py> {
 /// `kind_of` of the call), a tensor leaf that has no replacement is an error: it appeared
 /// after the leaves were collected, so another thread changed the structure meanwhile
 /// (NumPy arrays are exempt when `skip_numpy`, as in `collect_tensors`).
+/// With `convert`, a `(type, function)`, each leaf of exactly that type becomes
+/// `function(leaf)` in the same pass (what it raises, the call raises).
 #[pyfunction]
-#[pyo3(signature = (obj, replacements, plain=false, strict=None, skip_numpy=false))]
+#[pyo3(signature = (obj, replacements, plain=false, strict=None, skip_numpy=false, convert=None))]
 pub fn rebuild<'py>(
     obj: &Bound<'py, PyAny>,
     replacements: &Bound<'py, PyDict>,
     plain: bool,
     strict: Option<Bound<'py, PyAny>>,
     skip_numpy: bool,
+    convert: Option<(Bound<'py, PyType>, Bound<'py, PyAny>)>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let r = Rebuilder {
         replacements,
         plain,
         strict,
         skip_numpy,
+        convert,
     };
     r.rebuild(obj, &mut Position::default())
 }
@@ -399,6 +403,7 @@ struct Rebuilder<'a, 'py> {
     plain: bool,
     strict: Option<Bound<'py, PyAny>>,
     skip_numpy: bool,
+    convert: Option<(Bound<'py, PyType>, Bound<'py, PyAny>)>,
 }
 
 impl<'py> Rebuilder<'_, 'py> {
@@ -414,8 +419,11 @@ impl<'py> Rebuilder<'_, 'py> {
         }
         let kind = match Kind::exact(obj)? {
             Some(kind) => kind,
-            None if self.is_unreplaced_tensor(obj)? => return Err(changed(&at.path)),
-            None => Kind::other(obj)?,
+            None => match &self.convert {
+                Some((ty, f)) if obj.get_type().is(ty) => return f.call1((obj,)),
+                _ if self.is_unreplaced_tensor(obj)? => return Err(changed(&at.path)),
+                _ => Kind::other(obj)?,
+            },
         };
         let py = obj.py();
         if kind == Kind::Leaf {

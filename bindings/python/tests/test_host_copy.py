@@ -140,21 +140,20 @@ def test_a_row_kept_alone_keeps_its_values_and_only_its_stack_in_its_storage(tor
     del junk
 
 
-def test_blocks_are_bounded_and_aligned_and_small_calls_take_what_they_need(torch):
+def test_blocks_are_bounded_and_aligned_and_small_calls_take_what_they_need():
     """A kept row holds at most one block, not the call's whole memory; blocks start on a
     2 MiB boundary (huge pages); a call that needs less than a block gets just that."""
-    big = _host_copy._Blocks(torch, 20 << 20)
-    like = torch.zeros(1024)
+    big = _host_copy._Blocks(20 << 20)
     seen, kept = set(), []
     for _ in range(20):
-        t = big.take(like, 256, 4096)  # 1 MiB stacks
-        kept.append(t)
+        raw = big.raw(1 << 20)  # 1 MiB chunks
+        kept.append(raw)
         seen.add(big.block.__array_interface__["data"][0])
-        assert big.block.nbytes <= big.BLOCK + big.HUGE and t.data_ptr() % 64 == 0
+        assert big.block.nbytes <= big.BLOCK + big.HUGE and raw.__array_interface__["data"][0] % 64 == 0
         assert (big.block.__array_interface__["data"][0] + big.end - big.BLOCK) % big.HUGE == 0
     assert len(seen) == 5
-    small = _host_copy._Blocks(torch, 1000)
-    small.take(torch.zeros(10), 25, 40)
+    small = _host_copy._Blocks(1000)
+    small.raw(1000)
     assert small.block.nbytes == 1000 + _host_copy.ALIGN
 
 
@@ -166,9 +165,9 @@ def test_rows_that_are_not_contiguous_keep_their_memory_format(torch):
         assert torch.equal(a, b) and b.stride() == a.clone().stride()
 
 
-def test_without_the_numpy_bridge_stacks_are_pytorchs_own(torch, monkeypatch):
-    """A PyTorch built without NumPy support refuses torch.from_numpy: the stacks are then
-    PyTorch's own memory, with the same results."""
+def test_without_the_numpy_bridge_copies_take_the_engines_path(torch, monkeypatch):
+    """A PyTorch built without NumPy support refuses torch.from_numpy, which the bulk path
+    views its memory with: every copy then takes the engine's path, with the same results."""
 
     def refuse(_):
         raise RuntimeError("Numpy is not available")
@@ -177,7 +176,63 @@ def test_without_the_numpy_bridge_stacks_are_pytorchs_own(torch, monkeypatch):
     src = {f"k{i}": torch.full((256,), float(i)) for i in range(50)}
     out = tf.to_host(src, copy=True)
     assert all(torch.equal(out[k], v) and not _shares(out[k], v, torch) for k, v in src.items())
-    assert len({b.untyped_storage().data_ptr() for b in out.values()}) == 1
+    assert all(type(b) is torch.Tensor and b.data_ptr() % 64 == 0 for b in out.values())
+
+
+def test_torch_copies_are_the_cores_not_torch_stack(torch, monkeypatch):
+    """One host-copy engine: the bytes of small PyTorch CPU tensors are copied by the core
+    into rows of one buffer a chunk (never by torch.stack), for host copies and for the
+    stacks bound for a device alike."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("torch.stack was called")
+
+    monkeypatch.setattr(torch, "stack", refuse)
+    src = [torch.full((16,), float(i)) for i in range(20)]  # 64-byte rows
+    out = tf.to_host(src, copy=True)
+    assert all(torch.equal(a, b) and not _shares(a, b, torch) for a, b in zip(src, out))
+    assert len({b.untyped_storage().data_ptr() for b in out}) == 1
+    chunks = _host_copy.torch_chunks(src, device_bound=True)
+    assert [part for part, _ in chunks] == [list(range(20))]
+    assert torch.equal(chunks[0][1], torch.arange(20.0).repeat_interleave(16).view(20, 16))
+
+
+def test_copy_rows_copies_only_leaves_whose_bytes_are_their_values():
+    """The core copies a leaf's raw bytes only when they are its values as they lie and
+    exactly one row long; a destination too small is an error before any copy, never a
+    write past it."""
+    from tensorferry import _native
+
+    a, b = np.arange(8, dtype=np.uint8), np.arange(8, 16, dtype=np.uint8)
+    dest = np.zeros(32, np.uint8)
+    odd = [np.arange(16, dtype=np.uint8)[::2], np.arange(4, dtype=np.uint16), np.arange(9, dtype=np.uint8)]
+    assert _native.copy_rows([a] + odd, dest, 8, False) == [True, False, True, False]
+    np.testing.assert_array_equal(dest[:8], a)
+    np.testing.assert_array_equal(dest[8:16], 0)  # not C-contiguous: left as it was
+    np.testing.assert_array_equal(dest[16:24], np.arange(4, dtype=np.uint16).view(np.uint8))
+    small = np.zeros(32, np.uint8)
+    with pytest.raises(tf.TensorferryError, match="40 bytes"):
+        _native.copy_rows([a, b, a, b, a], small, 8, False)
+    assert not small.any()  # refused before any copy
+    with pytest.raises(tf.TensorferryError):
+        _native.copy_rows([a], dest, 0, False)
+
+
+def test_copy_rows_refuses_torch_tensors_whose_bytes_are_not_their_values(torch):
+    from tensorferry import _native
+
+    """Negative and conjugate views, tensors off the host, sparse ones and overlapping
+    views (24 bytes of values over 12 of memory) are refused; a transposed tensor is
+    copied as it lies and its strides come back."""
+    src = torch.arange(6.0).view(2, 3)
+    odd = [torch._neg_view(src), torch.ones(2, 3, device="meta"), src.to_sparse(), torch.arange(3.0).expand(2, 3)]
+    leaves = [src, src.t().contiguous().t()] + odd
+    dest = np.zeros(24 * len(leaves), np.uint8)
+    assert _native.copy_rows(leaves, dest, 24, False) == [True, (1, 2)] + [False] * len(odd)
+    np.testing.assert_array_equal(dest[:48].view(np.float32), [0, 1, 2, 3, 4, 5, 0, 3, 1, 4, 2, 5])  # as it lies
+    np.testing.assert_array_equal(dest[48:], 0)
+    c = torch.ones(3, dtype=torch.complex64)
+    assert _native.copy_rows([c, c.conj()], np.zeros(48, np.uint8), 24, True) == [True, False]
 
 
 def test_non_blocking_copies_still_come_through_a_transfer(torch):

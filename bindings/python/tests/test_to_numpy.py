@@ -43,6 +43,42 @@ def test_torch_tensors_numpy_refuses_as_they_are_still_become_arrays(torch, ml_d
     assert all(isinstance(v, np.ndarray) for v in out.values())
 
 
+def test_a_tree_of_torch_cpu_tensors_is_converted_in_one_native_pass(torch, monkeypatch):
+    """When every tensor leaf is a PyTorch CPU tensor whose ``.numpy()`` answers (or a NumPy
+    array), the native rebuilder calls ``.numpy()`` as it walks: the leaves are never
+    collected first, and containers keep their types."""
+    from collections import OrderedDict
+
+    from tensorferry import _native
+
+    def collected(*args, **kwargs):
+        raise AssertionError("the leaves were collected")
+
+    monkeypatch.setattr(_native, "collect_tensors", collected)
+    w, t = torch.arange(4.0), torch.arange(6).reshape(2, 3).t()
+    arr = np.ones(2)
+    src = OrderedDict(w=w, n=arr, tag="run-1", nested=[t, (w, 3)])
+    out = tf.to_numpy(src)
+    assert type(out) is OrderedDict and list(out) == list(src)
+    assert out["n"] is arr and out["tag"] == "run-1" and out["nested"][1][1] == 3
+    assert out["w"].ctypes.data == w.data_ptr() and out["nested"][1][0].ctypes.data == w.data_ptr()
+    assert out["nested"][0].strides == (8, 24) and out["nested"][0].ctypes.data == t.data_ptr()
+    np.testing.assert_array_equal(out["nested"][0], np.arange(6).reshape(2, 3).T)
+
+
+def test_a_tree_mixing_torch_with_other_tensors_still_converts_every_leaf(torch):
+    """A tensorferry tensor, a Parameter or a GPU-less device's tensor after PyTorch CPU
+    tensors ends the one-pass conversion; the general path then converts every leaf."""
+    w = torch.arange(3.0)
+    src = {"w": w, "native": tf.Tensor.from_numpy(np.arange(2)), "p": torch.nn.Parameter(torch.ones(2)), "z": w}
+    out = tf.to_numpy(src)
+    assert out["w"].ctypes.data == w.data_ptr() and out["z"].ctypes.data == w.data_ptr()
+    np.testing.assert_array_equal(out["native"], [0, 1])
+    np.testing.assert_array_equal(out["p"], [1.0, 1.0])
+    with pytest.raises(tf.TensorferryError, match="'m'"):
+        tf.to_numpy({"w": w, "m": torch.ones(2, device="meta")})
+
+
 def test_torch_bfloat16_becomes_an_ml_dtypes_array(torch, ml_dtypes):
     w = torch.tensor([1.0, 2.5], dtype=torch.bfloat16)
     arr = tf.to_numpy({"w": w})["w"]

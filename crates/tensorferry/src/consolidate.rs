@@ -79,6 +79,34 @@ pub fn pack(tensors: &[&Tensor]) -> Result<Vec<Tensor>> {
     views(&Arc::new(Storage::owned(buffer)), tensors, &layout)
 }
 
+/// Copies each source's bytes into `dst` at its offset (`(bytes, offset)` pairs, in
+/// ascending offsets that do not overlap), as [`pack`] copies into its own buffer: on
+/// several threads for a large total. For a caller that owns the destination memory.
+pub fn copy_into(dst: &mut [u8], sources: &[(&[u8], usize)]) -> Result<()> {
+    let mut pieces = Vec::with_capacity(sources.len());
+    let mut end = 0;
+    for &(bytes, at) in sources {
+        if at < end || at + bytes.len() > dst.len() {
+            return Err(crate::error::Error::InvalidValue {
+                key: String::new(),
+                reason: format!(
+                    "a copy of {} bytes to offset {at} overlaps the previous one (ending at \
+                     {end}) or leaves the destination of {} bytes",
+                    bytes.len(),
+                    dst.len()
+                ),
+            });
+        }
+        end = at + bytes.len();
+        pieces.push(Piece {
+            dst: at,
+            len: bytes.len(),
+            src: Source::Bytes(bytes),
+        });
+    }
+    copy_pieces(dst, &pieces, threads_for(end))
+}
+
 /// Contiguous views of `storage`, one per tensor (same dtype and shape) at the layout's
 /// offsets: the results of a packed copy.
 pub fn views<T: std::borrow::Borrow<Tensor>>(
@@ -177,6 +205,16 @@ mod tests {
     use super::*;
     use crate::dtype::DType;
     use crate::tree::{consolidate, Node, TensorDict};
+
+    #[test]
+    fn copy_into_places_each_source_at_its_offset_and_refuses_overlaps() {
+        let (a, b) = ([1u8, 2, 3], [4u8, 5]);
+        let mut dst = [0u8; 8];
+        copy_into(&mut dst, &[(&a, 0), (&b, 5)]).unwrap();
+        assert_eq!(dst, [1, 2, 3, 0, 0, 4, 5, 0]);
+        assert!(copy_into(&mut dst, &[(&a, 0), (&b, 2)]).is_err());
+        assert!(copy_into(&mut dst, &[(&a, 6)]).is_err());
+    }
 
     #[test]
     fn layout_aligns_every_tensor_to_64_bytes() {

@@ -39,7 +39,7 @@ pub mod internal {
     }
     /// Packing tensors into one buffer.
     pub mod consolidate {
-        pub use crate::consolidate::{pack, PackedLayout};
+        pub use crate::consolidate::{copy_into, pack, PackedLayout};
     }
     /// DLPack import and export.
     pub mod dlpack {

@@ -56,7 +56,7 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     out = {}
     # Leaves on devices the engine does not drive (ROCm, MPS, TPU, …): their frameworks' copies.
     leaves, fallback = _fallback.start(leaves, target, non_blocking, pinned, staging)
-    # Blocking host copies of many small PyTorch leaves: in bulk, by PyTorch itself.
+    # Blocking host copies of many small PyTorch and NumPy leaves: in bulk, rows of chunks.
     if copy and target == "cpu" and not packed and not non_blocking:
         bulk = copy_many([leaf for _, leaf in leaves])
     else:
@@ -302,8 +302,8 @@ def to_host(obj, *, non_blocking=False, stream=None, staging="auto", like=None, 
     in their own framework (CuPy as NumPy); every other leaf is returned as the very same
     object. Tensors already on the host are returned as they are unless ``copy=True``,
     in which case no result shares memory with the input. The source is never modified.
-    Blocking host copies of many small PyTorch CPU tensors are made in bulk by PyTorch,
-    each group of tensors of one dtype and shape as rows of stacks of at most 1 MiB cut
+    Blocking host copies of many small PyTorch CPU tensors are made in bulk by the core,
+    each group of tensors of one dtype and shape as rows of chunks of at most 1 MiB cut
     from 4 MiB blocks (their values independent; a result kept alive keeps its block
     alive); other copies land in one 64-byte-aligned buffer. Blocking
     moves of many small PyTorch GPU tensors stack each such group on its GPU first (on
@@ -370,6 +370,9 @@ def to_numpy(obj, *, non_blocking=False, stream=None, staging="auto"):
         # The copies from devices with the producer's stream or the ring asked for; what
         # follows then finds every tensor on the host.
         obj = to_host(obj, stream=stream, staging=staging)
+    converted = _torch_cpu_to_numpy(obj)
+    if converted is not None:
+        return converted
     collected = _native.collect_tensors(obj, fw.kind_of, True)
     # tensorferry tensors, the common case, in one native pass; other frameworks' here.
     out, rest = _native.native_leaves_to_numpy(collected)
@@ -403,6 +406,22 @@ def to_numpy(obj, *, non_blocking=False, stream=None, staging="auto"):
         for leaf, arr in zip(leaves, arrays):
             out[id(leaf)] = arr
     return _native.rebuild(obj, out, False, fw.kind_of, True)
+
+
+def _torch_cpu_to_numpy(obj):
+    """``obj`` rebuilt with each PyTorch tensor as its ``.numpy()``, in one native pass,
+    when every tensor leaf is a PyTorch tensor (exactly ``torch.Tensor``) whose ``.numpy()``
+    answers as it is, or a NumPy array; else None, for the general path (which names any
+    error)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return _native.rebuild(obj, {}, False, fw.kind_of, True, (torch.Tensor, torch.Tensor.numpy))
+    except Exception:
+        return None
 
 
 def _torch_host_to_numpy(leaves, out):
