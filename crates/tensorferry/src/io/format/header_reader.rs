@@ -639,10 +639,14 @@ impl Fields {
 }
 
 /// A name two entries share, if any, the first one met again. The names go into a set
-/// whose hash is keyed at random per process (std's SipHash): names chosen to collide
-/// cannot make it quadratic, and each name costs one hash and one probe.
+/// whose hash is seeded at random (foldhash, as hashbrown's own maps): no list of names
+/// collides for every seed, so a file cannot make it quadratic, and each name costs one
+/// hash and one probe.
 fn first_duplicate(entries: &[TensorEntry]) -> Option<&str> {
-    let mut seen = std::collections::HashSet::with_capacity(entries.len());
+    let mut seen = std::collections::HashSet::with_capacity_and_hasher(
+        entries.len(),
+        foldhash::fast::RandomState::default(),
+    );
     entries
         .iter()
         .map(|e| e.name.as_str())

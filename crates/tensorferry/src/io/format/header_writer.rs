@@ -17,7 +17,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use super::header::HeaderCensus;
-use super::name_hash::NameHasher;
 use super::tree_census::TreeCensus;
 use super::tree_meta::TREE_METADATA_KEY;
 use super::tree_meta::{FORMAT_VERSION, FORMAT_VERSION_NEWEST};
@@ -391,7 +390,7 @@ fn push_json(out: &mut Vec<u8>, v: &(impl serde::Serialize + ?Sized)) {
     serde_json::to_writer(out, v).expect("writing to a Vec");
 }
 
-type NameSet<'a> = HashMap<&'a str, usize, std::hash::BuildHasherDefault<NameHasher>>;
+type NameSet<'a> = HashMap<&'a str, usize, foldhash::fast::RandomState>;
 
 /// Refuses tensors whose dtype the format lacks (or that a file cannot shape: a packed
 /// scalar), a tensor named `__metadata__`, two paths giving one name, and tensors whose

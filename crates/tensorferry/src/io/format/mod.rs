@@ -7,7 +7,6 @@ pub(crate) mod budget;
 pub(crate) mod header;
 pub(crate) mod header_reader;
 pub(crate) mod header_writer;
-pub(crate) mod name_hash;
 pub(crate) mod scan;
 pub(crate) mod tree_census;
 pub(crate) mod tree_decode;
