@@ -84,11 +84,31 @@ impl AlignedBuffer {
         Self::mapped(len)
     }
 
+    /// Allocates `len` zeroed bytes as [`AlignedBuffer::zeroed`] does, but never asks the
+    /// kernel for huge pages: for a buffer filled piecemeal from the network. Where the
+    /// kernel compacts memory to make a huge page at the fault (`defrag=madvise`, a common
+    /// default), those faults stall behind a full page cache: a 1 GB object load took 2.6 s
+    /// instead of 1.0 s against the same server (docs/benchmarks.md, object storage).
+    pub fn zeroed_small_pages(len: usize) -> Result<Self> {
+        if len < MAP_THRESHOLD {
+            return Self::zeroed(len);
+        }
+        Self::map_anon(len)
+    }
+
     /// `len` (> 0) zeroed bytes of an anonymous map, marked for huge pages.
     fn mapped(len: usize) -> Result<Self> {
+        let mut buffer = Self::map_anon(len)?;
+        if let Some(map) = buffer.map.as_mut() {
+            // Only a hint: without huge pages the buffer works the same, just slower to fill.
+            let _ = map.advise(Advice::HugePage);
+        }
+        Ok(buffer)
+    }
+
+    /// `len` (> 0) zeroed bytes of an anonymous map.
+    fn map_anon(len: usize) -> Result<Self> {
         let mut map = MmapMut::map_anon(len).map_err(|_| out_of_memory(len))?;
-        // Only a hint: without huge pages the buffer works the same, just slower to fill.
-        let _ = map.advise(Advice::HugePage);
         let ptr = NonNull::new(map.as_mut_ptr()).expect("maps are never null");
         Ok(AlignedBuffer {
             ptr,

@@ -477,7 +477,7 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
     let data_start = 8 + header_len(&len[..k], size).map_err(in_object)?;
     let pad = data_start.next_multiple_of(HOST_ALIGNMENT as u64) - data_start;
     test_pause_after_header();
-    let mut buffer = AlignedBuffer::zeroed((pad + size) as usize)?;
+    let mut buffer = AlignedBuffer::zeroed_small_pages((pad + size) as usize)?;
     let object = &mut buffer.as_mut_slice()[pad as usize..];
     object[..8].copy_from_slice(&len);
     let version = Version {
@@ -579,7 +579,7 @@ fn load_subset(at: &Location, options: &ObjectOptions, names: &HashSet<String>) 
         .filter(|t| names.contains(&t.name))
         .map(|t| t.begin as u64..t.end as u64)
         .collect();
-    let mut data = AlignedBuffer::zeroed(header.data_len as usize)?;
+    let mut data = AlignedBuffer::zeroed_small_pages(header.data_len as usize)?;
     let head_len = header.data_head.len();
     data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
     let version = header.version;
