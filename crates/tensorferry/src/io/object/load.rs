@@ -477,9 +477,6 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
     let data_start = 8 + header_len(&len[..k], size).map_err(in_object)?;
     let pad = data_start.next_multiple_of(HOST_ALIGNMENT as u64) - data_start;
     test_pause_after_header();
-    let mut buffer = AlignedBuffer::zeroed_small_pages((pad + size) as usize)?;
-    let object = &mut buffer.as_mut_slice()[pad as usize..];
-    object[..8].copy_from_slice(&len);
     let version = Version {
         etag: meta.e_tag,
         size,
@@ -504,32 +501,39 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
     // The first GET is one of the `concurrency` in flight, and so are the header's.
     let others = options.concurrency.saturating_sub(1).max(1);
     let for_data = others.saturating_sub(header_parts.len()).max(1);
-    let (with_header, rest) = object.split_at_mut(split as usize);
-    let (version, data_len) = (&version, size - data_start);
-    let header = async move {
-        if data_start <= first_end {
-            // The first GET holds the header: parsed as soon as it is in.
-            let (json, data_head) = with_header.split_at_mut(data_start as usize);
-            body.fill(at, &mut as_uninit(json)[k..]).await?;
-            let rest_of_first = async {
-                body.fill(at, as_uninit(data_head)).await?;
+    let mut buffer = AlignedBuffer::zeroed_small_pages((pad + size) as usize)?;
+    let parsed = buffer.fill_with_pages_ahead(|bytes| {
+        let object = &mut bytes[pad as usize..];
+        object[..8].copy_from_slice(&len);
+        let (with_header, rest) = object.split_at_mut(split as usize);
+        let (version, data_len) = (&version, size - data_start);
+        let header = async move {
+            if data_start <= first_end {
+                // The first GET holds the header: parsed as soon as it is in.
+                let (json, data_head) = with_header.split_at_mut(data_start as usize);
+                body.fill(at, &mut as_uninit(json)[k..]).await?;
+                let rest_of_first = async {
+                    body.fill(at, as_uninit(data_head)).await?;
+                    body.end(at).await
+                };
+                let parsed = parsed_aside(at, &json[8..], data_len);
+                let (parsed, ()) = futures_util::future::try_join(parsed, rest_of_first).await?;
+                return Ok(parsed);
+            }
+            let (first, carried) = as_uninit(&mut *with_header).split_at_mut(first_end as usize);
+            let first_body = async {
+                body.fill(at, &mut first[k..]).await?;
                 body.end(at).await
             };
-            let parsed = parsed_aside(at, &json[8..], data_len);
-            let (parsed, ()) = futures_util::future::try_join(parsed, rest_of_first).await?;
-            return Ok(parsed);
-        }
-        let (first, carried) = as_uninit(&mut *with_header).split_at_mut(first_end as usize);
-        let first_body = async {
-            body.fill(at, &mut first[k..]).await?;
-            body.end(at).await
+            let rest_of_header =
+                fetch_parts(at, carried, first_end, &header_parts, version, others);
+            futures_util::future::try_join(first_body, rest_of_header).await?;
+            parsed_aside(at, &with_header[8..data_start as usize], data_len).await
         };
-        let rest_of_header = fetch_parts(at, carried, first_end, &header_parts, version, others);
-        futures_util::future::try_join(first_body, rest_of_header).await?;
-        parsed_aside(at, &with_header[8..data_start as usize], data_len).await
-    };
-    let data = fetch_parts(at, as_uninit(rest), split, &data_parts, version, for_data);
-    let ((), parsed) = runtime::block_on(futures_util::future::try_join(data, header))??;
+        let data = fetch_parts(at, as_uninit(rest), split, &data_parts, version, for_data);
+        let ((), parsed) = runtime::block_on(futures_util::future::try_join(data, header))??;
+        Ok::<_, Error>(parsed)
+    })?;
     let base = (pad + data_start) as usize;
     build(parsed, Arc::new(Storage::owned(buffer)), base).map_err(in_object)
 }
@@ -579,20 +583,14 @@ fn load_subset(at: &Location, options: &ObjectOptions, names: &HashSet<String>) 
         .filter(|t| names.contains(&t.name))
         .map(|t| t.begin as u64..t.end as u64)
         .collect();
-    let mut data = AlignedBuffer::zeroed_small_pages(header.data_len as usize)?;
     let head_len = header.data_head.len();
-    data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
-    let version = header.version;
     let ranges = plan::after(plan::merged(wanted, plan::MERGE_GAP), head_len as u64);
     let parts = plan::parts(&ranges, options.part_bytes as u64);
-    fetch_into(
-        at,
-        as_uninit(data.as_mut_slice()),
-        header.data_start,
-        &parts,
-        &version,
-        options,
-    )?;
+    let mut data = AlignedBuffer::zeroed_small_pages(header.data_len as usize)?;
+    data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
+    let into = as_uninit(data.as_mut_slice());
+    let start = header.data_start;
+    fetch_into(at, into, start, &parts, &header.version, options)?;
     build(parsed, Arc::new(Storage::owned(data)), 0).map_err(in_object)
 }
 
