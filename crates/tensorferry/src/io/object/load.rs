@@ -30,7 +30,7 @@ use object_store::{GetOptions, GetRange, GetResult, ObjectMeta, ObjectStore, Obj
 use super::failure::{cause_of, failed, from_store, Cause};
 use super::location::Location;
 use super::options::ObjectOptions;
-use super::{plan, runtime};
+use super::{lanes, plan, runtime};
 use crate::error::{Error, Result};
 use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SUFFIX};
 use crate::io::checkpoint::sharded::{load_index_with, READERS};
@@ -222,8 +222,9 @@ pub fn read_into(
             rest = tail;
         }
     }
-    let concurrency = options.concurrency.max(1);
-    runtime::block_on(fetch_jobs(&at, jobs, &version, concurrency))?
+    lanes::fetch_spawned(&at, jobs, &version, options.concurrency, |lanes| {
+        runtime::block_on(lanes.join())
+    })??
 }
 
 /// What a load of `at` reads, as [`load_url`] says, read by `object` (one safetensors
@@ -530,8 +531,10 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
             futures_util::future::try_join(first_body, rest_of_header).await?;
             parsed_aside(at, &with_header[8..data_start as usize], data_len).await
         };
-        let data = fetch_parts(at, as_uninit(rest), split, &data_parts, version, for_data);
-        let ((), parsed) = runtime::block_on(futures_util::future::try_join(data, header))??;
+        let data = jobs_of(as_uninit(rest), split, &data_parts);
+        let ((), parsed) = lanes::fetch_spawned(at, data, version, for_data, |lanes| {
+            runtime::block_on(futures_util::future::try_join(lanes.join(), header))
+        })???;
         Ok::<_, Error>(parsed)
     })?;
     let base = (pad + data_start) as usize;
@@ -634,15 +637,10 @@ pub(super) fn fetch_into(
     version: &Version,
     options: &ObjectOptions,
 ) -> Result<()> {
-    let concurrency = options.concurrency.max(1);
-    runtime::block_on(fetch_parts(
-        at,
-        data,
-        data_start,
-        parts,
-        version,
-        concurrency,
-    ))?
+    let jobs = jobs_of(data, data_start, parts);
+    lanes::fetch_spawned(at, jobs, version, options.concurrency, |lanes| {
+        runtime::block_on(lanes.join())
+    })??
 }
 
 /// [`fetch_into`]'s GETs as one future, `concurrency` of them at once (for a caller that
@@ -655,17 +653,28 @@ fn fetch_parts<'a>(
     version: &'a Version,
     concurrency: usize,
 ) -> impl std::future::Future<Output = Result<()>> + 'a {
-    let mut slices = Vec::with_capacity(parts.len());
+    fetch_jobs(at, jobs_of(data, data_start, parts), version, concurrency)
+}
+
+/// The `(range, into)` of each of `parts` (sorted and disjoint, counted from the object's
+/// byte `data_start`): its bytes of the object and its slice of `data` (which begins at
+/// `data_start`).
+fn jobs_of<'a>(
+    data: &'a mut [MaybeUninit<u8>],
+    data_start: u64,
+    parts: &[Range<u64>],
+) -> Vec<(Range<u64>, &'a mut [MaybeUninit<u8>])> {
+    let mut jobs = Vec::with_capacity(parts.len());
     let mut rest = data;
     let mut rest_at = 0u64;
     for part in parts {
         let (_, tail) = std::mem::take(&mut rest).split_at_mut((part.start - rest_at) as usize);
         let (slice, tail) = tail.split_at_mut((part.end - part.start) as usize);
-        slices.push((data_start + part.start..data_start + part.end, slice));
+        jobs.push((data_start + part.start..data_start + part.end, slice));
         rest = tail;
         rest_at = part.end;
     }
-    fetch_jobs(at, slices, version, concurrency)
+    jobs
 }
 
 /// Fills each `(range, into)` of `jobs` with the bytes `range` of the object by one ranged
@@ -687,7 +696,7 @@ fn fetch_jobs<'a>(
 }
 
 /// One ranged GET into `into`, checked against the version the load started with.
-async fn fetch_part(
+pub(super) async fn fetch_part(
     at: &Location,
     range: Range<u64>,
     into: &mut [MaybeUninit<u8>],

@@ -18,6 +18,7 @@
 
 mod failure;
 mod into_device;
+mod lanes;
 mod load;
 mod location;
 mod options;
