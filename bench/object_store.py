@@ -292,8 +292,8 @@ def check_tree(torch, got, want):
 
 def timed_rounds(rows, repeat):
     """Runs each ``(name, run, check)`` of ``rows`` once per round, ``repeat`` rounds, the
-    order rotated by one place per round; ``check(result)`` runs once, untimed. Returns
-    {name: [seconds, ...]}."""
+    order rotated by one place per round; ``check(result)`` runs once, untimed, and so
+    does a ``sync`` after each run. Returns {name: [seconds, ...]}."""
     times = {name: [] for name, _, _ in rows}
     checked = set()
     for r in range(repeat):
@@ -306,6 +306,7 @@ def timed_rounds(rows, repeat):
                 check(out)
                 checked.add(name)
             del out
+            os.sync()  # untimed: a row's written files (boto3's download) flushed before the next row
     return times
 
 
@@ -313,7 +314,7 @@ def table(say, title, size, times, roofs, tensorferry, peers):
     """One job's table: median, best, GB/s, of roof, vs the fastest peer (from medians)."""
     med = {name: statistics.median(t) for name, t in times.items()}
     roof = min(med[n] for n in roofs)
-    fastest = min((med[n] for n in peers), default=None)
+    fastest = min((med[n] for n in peers if n in med), default=None)
     say(f"## {title}: {size / 1e6:.1f} MB")
     say(f"{'row':44} {'median s':>9} {'best s':>8} {'GB/s':>6} {'of roof':>8} {'tf speed-up':>11}   rounds (s)")
     for name, t in times.items():
@@ -359,11 +360,14 @@ def load_job(args, client, fs, st, torch, tf, key, tree, work):
         ("s3fs cat + st.load", lambda: st.load(fs.cat(f"{BUCKET}/{key}")), same_tree),
         ("boto3 download_file + st.load_file", boto_download, same_tree),
     ]
+    if args.skip_peers:
+        rows = [row for row in rows if row[0].startswith("roof") or row[0].startswith("tensorferry")]
     try:
         times = timed_rounds(rows, args.repeat)
     finally:
         processes.close()
-    os.remove(local)
+    if os.path.exists(local):
+        os.remove(local)
     return size, times
 
 
@@ -465,6 +469,8 @@ def main():
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (roofs and tensorferry)")
     ap.add_argument("--jobs", default="a,b,save,memory",
                     help="the jobs to run, comma-separated: a (load A), b (load B), save, memory")
+    ap.add_argument("--skip-peers", action="store_true",
+                    help="loads: only the roofs and tensorferry, alternated (steadier ratios on a noisy machine)")
     ap.add_argument("--child-memory", nargs=2, metavar=("DEVICE", "URL"), help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()

@@ -3,8 +3,8 @@
 //! A part's body arrives on a worker (the connection's task) and is copied into its place
 //! by a task on a worker too, usually the same one, while the bytes are still in its cache:
 //! the caller's thread neither copies every chunk nor is woken for each. That made a 1 GB
-//! object load 11 % faster on loopback than draining every part on the caller's thread
-//! (docs/benchmarks.md, object storage).
+//! object load 5–11 % faster on loopback, in alternated runs, than draining every part on
+//! the caller's thread (docs/benchmarks.md, object storage).
 //!
 //! The tasks write into memory the caller lends them. [`fetch_spawned`] is built like
 //! `std::thread::scope`: it returns, or unwinds, only once every task it started has ended
