@@ -16,10 +16,8 @@ use futures_util::{StreamExt, TryStreamExt};
 use object_store::GetResult;
 use tokio::task::JoinHandle;
 
-use super::load::{
-    blank_unwanted, drain_into, fetch_header, read_index, request_part, resolved, write_into,
-    FetchedHeader, Version,
-};
+use super::get::{drain_into, request_part, write_into, Version};
+use super::load::{blank_unwanted, fetch_header, read_index, resolved, FetchedHeader};
 use super::location::Location;
 use super::options::ObjectOptions;
 use super::{plan, runtime};

@@ -21,7 +21,7 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::task::JoinHandle;
 
 use super::failure::{failed, Cause};
-use super::load::{fetch_part, Version};
+use super::get::{fetch_part, Version};
 use super::location::Location;
 use super::runtime;
 use crate::error::Result;

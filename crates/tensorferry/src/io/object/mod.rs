@@ -17,6 +17,7 @@
 //! limit) and never partial data.
 
 mod failure;
+mod get;
 mod into_device;
 mod lanes;
 mod load;
