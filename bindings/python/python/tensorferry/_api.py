@@ -905,22 +905,31 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
         pending = not target.startswith("emu")  # no framework holds emulated memory
     result = tree
     if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):
-        recorded = _recorded_frameworks(meta)
+        default, exceptions = _recorded_frameworks(meta)
         leaves = [(p, t) for p, t in _native.collect_tensors(tree, fw.kind_of, True) if type(t) is fw.Tensor]
         # Only the frameworks the file names are imported (importing all three would cost a
         # process seconds on its first load).
         held = {}
-        kinds, todo = [], []
-        for p, t in leaves:
-            kind = like or recorded(dotted(p))
+
+        def holds(kind):
             if kind not in held:
                 held[kind] = kind in (fw.TORCH, fw.JAX, fw.TENSORFLOW) and fw.importable(kind)
-            if held[kind]:
-                kinds.append(kind)
-                todo.append((p, t))
-            elif kind != fw.NATIVE and not on_device and _numpy_can_hold(t.dtype):
-                kinds.append(fw.NUMPY)
-                todo.append((p, t))
+            return held[kind]
+
+        uniform = like or (default if not exceptions else None)
+        if uniform is not None and holds(uniform):
+            # One framework for every tensor (the common case): no name to look up.
+            kinds, todo = [uniform] * len(leaves), leaves
+        else:
+            kinds, todo = [], []
+            for p, t in leaves:
+                kind = like or _recorded(default, exceptions, dotted(p))
+                if holds(kind):
+                    kinds.append(kind)
+                    todo.append((p, t))
+                elif kind != fw.NATIVE and not on_device and _numpy_can_hold(t.dtype):
+                    kinds.append(fw.NUMPY)
+                    todo.append((p, t))
         results = fw.from_native_many([t for _, t in todo], kinds, [p for p, _ in todo])
         result = _native.rebuild(tree, {id(t): r for (_, t), r in zip(todo, results)})
     if dtype is not None:
@@ -955,11 +964,11 @@ _FORMATS = {"pt": fw.TORCH, "tf": fw.TENSORFLOW, "flax": fw.JAX, "jax": fw.JAX, 
 
 
 def _recorded_frameworks(meta):
-    """name -> framework recorded at save time (a default and exceptions)."""
+    """The frameworks recorded at save time: ``(default, {name: framework})``, the
+    exceptions to the default (see :func:`_recorded`)."""
     if _FRAMEWORKS_KEY not in meta:
         # Files of other tools: the Hugging Face convention names the framework.
-        hinted = _FORMATS.get(meta.get("format"))
-        return lambda name: hinted
+        return _FORMATS.get(meta.get("format")), {}
     try:
         record = json.loads(meta.get(_FRAMEWORKS_KEY, "{}"))
     except (ValueError, RecursionError):
@@ -970,14 +979,13 @@ def _recorded_frameworks(meta):
     default = record.get("default")
     default = default if isinstance(default, str) else None
     exceptions = record.get("except")
-    if not isinstance(exceptions, dict):
-        exceptions = {}
+    return default, exceptions if isinstance(exceptions, dict) else {}
 
-    def recorded(name):
-        kind = exceptions.get(name, default)
-        return kind if isinstance(kind, str) else default
 
-    return recorded
+def _recorded(default, exceptions, name):
+    """The framework recorded for the tensor ``name``."""
+    kind = exceptions.get(name, default)
+    return kind if isinstance(kind, str) else default
 
 
 def _numpy_can_hold(dtype):
