@@ -364,7 +364,7 @@ def from_native_many(tensors, kinds, paths, order=False):
     if kinds.count(NATIVE) == len(kinds):
         return list(tensors)  # nothing to convert (no pass per leaf)
     if kinds.count(TORCH) == len(kinds):
-        return list(_torch_from_native_many(list(tensors), order))  # one framework: no pass per leaf
+        return _torch_from_native_many(list(tensors), order)  # one framework: no pass per leaf
     out = [None] * len(tensors)
     numpy_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if _host_numpy(k, t)]
     if numpy_at:

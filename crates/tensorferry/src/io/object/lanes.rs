@@ -99,6 +99,19 @@ pub(super) fn fetch_spawned<R>(
     fetch_spawned_with(url, jobs, concurrency, fetch, alongside)
 }
 
+/// Fills each `(range, into)` of `jobs` as [`fetch_spawned`] does, waiting on this
+/// thread for all of them; the first failure stops the others.
+pub(super) fn fetch_all(
+    at: &Location,
+    jobs: Vec<(Range<u64>, &mut [MaybeUninit<u8>])>,
+    version: &Version,
+    concurrency: usize,
+) -> Result<()> {
+    fetch_spawned(at, jobs, version, concurrency, |lanes| {
+        runtime::block_on(lanes.join())
+    })??
+}
+
 /// `fetch`, typed as [`fetch_spawned_with`] takes it (for any lifetime of the slice: a
 /// closure's type is only inferred so when it is passed where that is asked).
 fn part_fetcher<F>(fetch: F) -> F

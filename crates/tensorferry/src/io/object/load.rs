@@ -23,7 +23,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures_util::{StreamExt, TryStreamExt};
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStoreExt};
 
 use super::failure::{cause_of, failed, from_store, Cause};
@@ -222,9 +221,7 @@ pub fn read_into(
             rest = tail;
         }
     }
-    lanes::fetch_spawned(&at, jobs, &version, options.concurrency, |lanes| {
-        runtime::block_on(lanes.join())
-    })??
+    lanes::fetch_all(&at, jobs, &version, options.concurrency)
 }
 
 /// What a load of `at` reads, as [`load_url`] says, read by `object` (one safetensors
@@ -508,33 +505,44 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
         object[..8].copy_from_slice(&len);
         let (with_header, rest) = object.split_at_mut(split as usize);
         let (version, data_len) = (&version, size - data_start);
-        let header = async move {
+        let data = jobs_of(as_uninit(rest), split, &data_parts);
+        // The data parts fill on the runtime's workers while this thread brings the header
+        // in (the first GET's body, and the parts that carry the header's rest), then parses
+        // it as the data goes on arriving.
+        let parsed = lanes::fetch_spawned(at, data, version, for_data, |data_lanes| {
             if data_start <= first_end {
                 // The first GET holds the header: parsed as soon as it is in.
                 let (json, data_head) = with_header.split_at_mut(data_start as usize);
-                body.fill(at, &mut as_uninit(json)[k..]).await?;
+                runtime::block_on(body.fill(at, &mut as_uninit(json)[k..]))??;
                 let rest_of_first = async {
                     body.fill(at, as_uninit(data_head)).await?;
                     body.end(at).await
                 };
-                let parsed = parsed_aside(at, &json[8..], data_len);
-                let (parsed, ()) = futures_util::future::try_join(parsed, rest_of_first).await?;
+                let header = futures_util::future::try_join(
+                    parsed_aside(at, &json[8..], data_len),
+                    rest_of_first,
+                );
+                let both = futures_util::future::try_join(data_lanes.join(), header);
+                let ((), (parsed, ())) = runtime::block_on(both)??;
                 return Ok(parsed);
             }
             let (first, carried) = as_uninit(&mut *with_header).split_at_mut(first_end as usize);
-            let first_body = async {
-                body.fill(at, &mut first[k..]).await?;
-                body.end(at).await
-            };
-            let rest_of_header =
-                fetch_parts(at, carried, first_end, &header_parts, version, others);
-            futures_util::future::try_join(first_body, rest_of_header).await?;
-            parsed_aside(at, &with_header[8..data_start as usize], data_len).await
-        };
-        let data = jobs_of(as_uninit(rest), split, &data_parts);
-        let ((), parsed) = lanes::fetch_spawned(at, data, version, for_data, |lanes| {
-            runtime::block_on(futures_util::future::try_join(lanes.join(), header))
-        })???;
+            let carried = jobs_of(carried, first_end, &header_parts);
+            lanes::fetch_spawned(at, carried, version, others, |header_lanes| {
+                let first_body = async {
+                    body.fill(at, &mut first[k..]).await?;
+                    body.end(at).await
+                };
+                runtime::block_on(futures_util::future::try_join(
+                    first_body,
+                    header_lanes.join(),
+                ))
+            })???;
+            let header = parsed_aside(at, &with_header[8..data_start as usize], data_len);
+            let both = futures_util::future::try_join(data_lanes.join(), header);
+            let ((), parsed) = runtime::block_on(both)??;
+            Ok(parsed)
+        })??;
         Ok::<_, Error>(parsed)
     })?;
     let base = (pad + data_start) as usize;
@@ -591,48 +599,16 @@ fn load_subset(at: &Location, options: &ObjectOptions, names: &HashSet<String>) 
     let parts = plan::parts(&ranges, options.part_bytes as u64);
     let mut data = AlignedBuffer::zeroed_small_pages(header.data_len as usize)?;
     data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
-    let into = as_uninit(data.as_mut_slice());
-    let start = header.data_start;
-    fetch_into(at, into, start, &parts, &header.version, options)?;
+    let jobs = jobs_of(as_uninit(data.as_mut_slice()), header.data_start, &parts);
+    lanes::fetch_all(at, jobs, &header.version, options.concurrency)?;
     build(parsed, Arc::new(Storage::owned(data)), 0).map_err(in_object)
 }
 
-/// `bytes` as memory that may be written but not read: what [`fetch_into`] fills.
+/// `bytes` as memory that may be written but not read: what the GETs fill.
 fn as_uninit(bytes: &mut [u8]) -> &mut [MaybeUninit<u8>] {
     // SAFETY: same address and length; `MaybeUninit<u8>` has the layout of `u8`, and the
     // only writes through the result are of initialised bytes, so `bytes` stays valid.
     unsafe { &mut *(bytes as *mut [u8] as *mut [MaybeUninit<u8>]) }
-}
-
-/// Fetches `parts` (byte ranges, sorted and disjoint, counted from the object's byte
-/// `data_start`) into `data` (which begins at `data_start`), at most
-/// `options.concurrency` at once; the first failure stops the others. The bytes of
-/// `data` outside the parts are left as they were.
-pub(super) fn fetch_into(
-    at: &Location,
-    data: &mut [MaybeUninit<u8>],
-    data_start: u64,
-    parts: &[Range<u64>],
-    version: &Version,
-    options: &ObjectOptions,
-) -> Result<()> {
-    let jobs = jobs_of(data, data_start, parts);
-    lanes::fetch_spawned(at, jobs, version, options.concurrency, |lanes| {
-        runtime::block_on(lanes.join())
-    })??
-}
-
-/// [`fetch_into`]'s GETs as one future, `concurrency` of them at once (for a caller that
-/// runs it beside other work).
-fn fetch_parts<'a>(
-    at: &'a Location,
-    data: &'a mut [MaybeUninit<u8>],
-    data_start: u64,
-    parts: &[Range<u64>],
-    version: &'a Version,
-    concurrency: usize,
-) -> impl std::future::Future<Output = Result<()>> + 'a {
-    fetch_jobs(at, jobs_of(data, data_start, parts), version, concurrency)
 }
 
 /// The `(range, into)` of each of `parts` (sorted and disjoint, counted from the object's
@@ -654,24 +630,6 @@ fn jobs_of<'a>(
         rest_at = part.end;
     }
     jobs
-}
-
-/// Fills each `(range, into)` of `jobs` with the bytes `range` of the object by one ranged
-/// GET, `concurrency` of them at once; the first failure stops the others.
-fn fetch_jobs<'a>(
-    at: &'a Location,
-    jobs: Vec<(Range<u64>, &'a mut [MaybeUninit<u8>])>,
-    version: &'a Version,
-    concurrency: usize,
-) -> impl std::future::Future<Output = Result<()>> + 'a {
-    futures_util::stream::iter(jobs)
-        .map(
-            move |(range, into): (Range<u64>, &'a mut [MaybeUninit<u8>])| {
-                fetch_part(at, range, into, version)
-            },
-        )
-        .buffer_unordered(concurrency)
-        .try_for_each(|()| async { Ok(()) })
 }
 
 /// `node` with every tensor whose name is not in `only` replaced by a `None` value.
