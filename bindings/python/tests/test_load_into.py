@@ -87,6 +87,23 @@ def test_a_cast_on_load_works_on_the_emulated_device_for_every_framework(saved_f
         np.testing.assert_allclose(back, values, rtol=1 / 128)
 
 
+@pytest.mark.parametrize("group_bytes", [1, 5000, 1 << 30])
+def test_a_cast_load_onto_a_device_goes_a_group_at_a_time_and_keeps_the_structure(group_bytes, tmp_path, monkeypatch):
+    """Groups of one tensor, of a few and of all give the same tree (nested dicts, lists,
+    tuples, values kept), every tensor cast and on the device."""
+    layers = [{"w": np.linspace(-1, 1, 500, dtype=np.float32) + i, "n": np.arange(i + 1)} for i in range(6)]
+    tree = {"layers": layers, "pair": (np.ones(7, np.float64), "x"), "step": 3}
+    tf.save(tree, tmp_path / "m.safetensors")
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", str(group_bytes))
+    got = tf.load(tmp_path / "m.safetensors", device="emu:0", dtype="float16")
+    assert got["step"] == 3 and got["pair"][1] == "x" and type(got["pair"]) is tuple
+    for i, layer in enumerate(got["layers"]):
+        assert (layer["w"].device, layer["w"].dtype, layer["n"].dtype) == ("emu:0", "float16", "int64")
+        np.testing.assert_array_equal(tf.to_numpy(layer)["w"], layers[i]["w"].astype(np.float16))
+        np.testing.assert_array_equal(tf.to_numpy(layer)["n"], layers[i]["n"])
+    assert tf.to_numpy(got)["pair"][0].dtype == np.float16
+
+
 def test_a_narrowing_cast_happens_before_the_bytes_reach_the_device(tmp_path):
     # 4 MiB of float32: as bfloat16 it fits a device of 3 MiB, as float32 it does not.
     tf.save({"w": np.ones(1 << 20, np.float32)}, tmp_path / "m.safetensors")

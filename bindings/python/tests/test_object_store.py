@@ -593,6 +593,85 @@ def test_host_memory_of_a_device_load_from_s3_is_bounded_by_the_ring(s3, url, ho
         assert grown > size + (96 << 20), f"peak resident memory grew only {grown >> 20} MiB"
 
 
+# ---- loads cast onto a device (dtype=), a group of tensors at a time ------------------------
+
+
+@pytest.mark.parametrize("where", ["one/model.safetensors", "many/"], ids=["whole", "sharded"])
+def test_a_cast_load_onto_a_device_comes_in_groups_whole_and_sharded(s3, url, monkeypatch, where):
+    tree = _model(layers=8, size=8192)  # 32 KiB a tensor
+    tf.save(tree, url + "one/model.safetensors")
+    tf.save(tree, url + "many/", max_shard_size=80_000)
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", str(70_000))  # two tensors a group
+    got = tf.load(url + where, device="emu:0", dtype="float16")
+    assert {w.device for w in got["model"].values()} == {"emu:0"}
+    expected = dict(tree, model={k: v.astype(np.float16) for k, v in tree["model"].items()})
+    _same(tf.to_numpy(got), expected)
+    got = tf.load(url + where, device="emu:0", dtype="float16", keys=["model.layer.1.*", "model.layer.6.*"])
+    _same(tf.to_numpy(got), {"model": {k: expected["model"][k] for k in ("layer.1.weight", "layer.6.weight")}})
+
+
+def test_a_shard_replaced_during_a_cast_load_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path):
+    """The first group's load stops after its header; meanwhile the second shard is
+    replaced by its counterpart of another save of the same layout (other values): the
+    load must fail, not return the first shard's old values beside the second's new ones."""
+    tf.save(_model(layers=4, size=8192), url + "a/", max_shard_size=70_000)
+    tf.save(_model(layers=4, size=8192, salt=100.0), url + "b/", max_shard_size=70_000)
+    shards, others = ([f for f in sorted(os.listdir(s3.file(url[len("s3://bucket/"):] + d))) if f.endswith(".safetensors")]
+                      for d in ("a", "b"))
+    assert len(shards) == len(others) >= 2, shards
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", str(40_000))
+    go, outcome = _paused_load(monkeypatch, tmp_path, url + "a/", device="emu:0", dtype="float16")
+    replaced = _native_object_bytes(url + "b/" + others[-1])
+    tf._native.object_put(url + "a/" + shards[-1], replaced)
+    go()
+    kind, value = outcome[0]
+    assert kind == "error", value
+    assert isinstance(value, tf.FormatError) and shards[-1] in str(value), value
+
+
+def _native_object_bytes(target):
+    size, _ = tf._native.object_head(target)
+    return tf._native.object_read_ranges(target, [(0, size)], None)[0]
+
+
+_PEAK_RSS_OF_A_CAST_LOAD = """
+import sys, tensorferry as tf
+url = sys.argv[1]
+def status(key):
+    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+    return int(line.split()[1]) << 10
+tf.load(url, device="emu:0", dtype="float16")  # every path warmed once (pools, runtime)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")                               # the peak resident size starts again from now
+before = status("VmRSS")
+got = tf.load(url, device="emu:0", dtype="float16")
+assert got["w0"].device == "emu:0" and got["w0"].dtype == "float16"
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("group_mib, bounded", [(16, True), (1024, False)])
+def test_host_memory_of_a_cast_device_load_from_s3_is_bounded_by_its_groups(s3, url, group_mib, bounded):
+    """128 MiB of float32 (32 tensors) loaded as float16 onto the emulated device (whose
+    memory is host memory: 64 MiB of the growth) in groups of 16 MiB grows the peak
+    resident memory by the device's share plus two groups and one group's cast, and slack;
+    as one group, by the whole object and its cast too, which shows that the measurement
+    tells the two apart."""
+    size = 128 << 20
+    target = url + "big.safetensors"
+    tf.save({f"w{i}": np.ones(size // 4 // 32, np.float32) for i in range(32)}, target)
+    env = dict(os.environ, TENSORFERRY_CAST_GROUP_BYTES=str(group_mib << 20))
+    out = subprocess.run([sys.executable, "-c", _PEAK_RSS_OF_A_CAST_LOAD, target],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout.split()[-1])
+    print(f"peak resident memory grew {grown >> 20} MiB")
+    if bounded:
+        assert grown < size // 2 + (64 << 20), f"peak resident memory grew {grown >> 20} MiB"
+    else:
+        assert grown > size // 2 + (128 << 20), f"peak resident memory grew only {grown >> 20} MiB"
+
+
 # ---- retries, proven through a proxy that drops connections and delays responses -----------
 
 

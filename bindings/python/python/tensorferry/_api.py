@@ -9,6 +9,7 @@ from collections import Counter
 
 import numpy as np
 
+from . import _cast_load
 from . import _devices
 from . import _fallback
 from . import _frameworks as fw
@@ -782,7 +783,9 @@ def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto",
     "float16", "float32", "float64", or a torch/NumPy dtype) casts every floating tensor,
     whatever the framework: on the host before the move when the cast narrows (half the
     bytes cross for float32 -> bfloat16), else on the device for PyTorch tensors (on the
-    host for the emulated device). ``out`` is a dictionary of existing tensors (a model's
+    host for the emulated device); onto a device, a group of tensors at a time (see
+    ``tensorferry._cast_load``), so host memory holds two groups of about 256 MiB and one
+    cast, not the checkpoint (``direct=True`` reads the whole file first). ``out`` is a dictionary of existing tensors (a model's
     ``state_dict()``) to fill in place, after checking every name, shape, dtype and target
     and naming every problem; nothing is written unless all can be. Names of one tensor
     (tied weights) are filled once, and the file must hold equal values for them;
@@ -871,20 +874,30 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     # checkpoint in object storage, or a subset of it, streams onto the device through the
     # ring (ranged GETs into its buffers); out= goes through host memory.
     streamed = on_device and dtype is None and (direct or (url and out is None))
-    tree, meta, pending, fallback = _native.load(
-        os.fspath(path),
-        mapped,
-        native_like,
-        fw.importable("ml_dtypes"),
-        direct,
-        target if streamed else None,
-        staging if streamed else None,
-        # Frameworks that need writable memory (PyTorch) share a private, copy-on-write map.
-        mapped and not on_device and like not in (fw.NUMPY, fw.NATIVE),
-        only=only,
-    )
+    # A cast onto a device goes a group of tensors at a time (host memory bounded by two
+    # groups, whatever the checkpoint's size); from object storage, each group is fetched
+    # alone.
+    grouped = on_device and dtype is not None and out is None and not direct
+    if grouped and url:
+        tree, meta = _cast_load.from_objects(path, dtype, target, staging, _onto_device, keys, progress)
+        pending, fallback = False, None
+    else:
+        tree, meta, pending, fallback = _native.load(
+            os.fspath(path),
+            mapped,
+            native_like,
+            fw.importable("ml_dtypes"),
+            direct,
+            target if streamed else None,
+            staging if streamed else None,
+            # Frameworks that need writable memory (PyTorch) share a private, copy-on-write map.
+            mapped and not on_device and like not in (fw.NUMPY, fw.NATIVE),
+            only=only,
+        )
     if fallback is not None:
         warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=4)
+    if grouped and not url:
+        tree = _cast_load.onto_device(tree, dtype, target, staging, _onto_device, progress and os.fspath(path))
     if progress and (streamed or not on_device):
         # Read (or mapped) in the one native call above: the bar fills at once.
         total = sum(t.nbytes for _, t in _native.collect_tensors(tree, fw.kind_of))
@@ -896,11 +909,11 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     if out is not None:
         return _select.fill(out, tree if dtype is None else _select.cast(tree, dtype))
     if on_device:
-        if dtype is not None:
+        if dtype is not None and not grouped:
             # Narrowing casts before the bytes cross (half the traffic for float32 ->
             # bfloat16); on the emulated device every cast, since nothing there casts.
             tree = _select.cast(tree, dtype, narrowing_only=not target.startswith("emu"))
-        if not streamed:
+        if not (streamed or grouped):
             tree = _onto_device(tree, target, staging, progress and os.fspath(path))
         pending = not target.startswith("emu")  # no framework holds emulated memory
     result = tree

@@ -1,0 +1,125 @@
+"""Loads that cast (``dtype=``) onto a device, a group of tensors at a time.
+
+A device holds no kernels of tensorferry's own, so a cast runs on the host before the
+bytes cross. Cast as a whole, a checkpoint would sit in host memory twice (read, then
+cast); here its tensors go in groups of about :data:`GROUP_BYTES` (a larger tensor is a
+group of its own), in file order: each group is read, cast and moved through the staging
+ring while the next one is read, so host memory holds two groups and one group's cast,
+whatever the checkpoint's size.
+
+A local file's groups are views of its memory map. A checkpoint in object storage is read
+a group at a time with ranged GETs of those tensors alone; each object's version is pinned
+when the load starts (its ETag, and the index's), and a checkpoint replaced meanwhile is an
+error, never a mix of two saves.
+"""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from . import _fanout
+from . import _frameworks as fw
+from . import _native
+from . import _progress
+from . import _select
+from ._errors import FormatError
+from ._tree import dotted
+
+#: Host bytes of one group of tensors (``TENSORFERRY_CAST_GROUP_BYTES`` sets another).
+GROUP_BYTES = 256 << 20
+
+
+def group_bytes():
+    """The bytes of one group: :data:`GROUP_BYTES`, unless the environment says otherwise."""
+    return int(os.environ.get("TENSORFERRY_CAST_GROUP_BYTES", GROUP_BYTES))
+
+
+def _groups(leaves, limit, key=lambda leaf: None):
+    """``leaves`` (``[(path, tensor)]``) cut, in order, into runs of at most ``limit`` bytes
+    (a larger tensor alone), never two ``key``s (files) in one run."""
+    runs, run, size, at = [], [], 0, None
+    for leaf in leaves:
+        n, k = leaf[1].nbytes, key(leaf)
+        if run and (size + n > limit or k != at):
+            runs.append(run)
+            run, size = [], 0
+        run.append(leaf)
+        size += n
+        at = k
+    if run:
+        runs.append(run)
+    return runs
+
+
+def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None, key=lambda leaf: None):
+    """``tree`` with every tensor cast to ``dtype`` (narrowing casts only, but on the
+    emulated device, where nothing casts) and moved to ``target`` by ``move(tensors, target,
+    staging)``, a group at a time. ``fetch(group)`` gives the host tensors of a group of
+    ``tree``'s leaves (read while the previous group is cast and moved); without it, the
+    leaves are the host tensors. ``progress_of`` (a file's name) draws a bar."""
+    leaves = _native.collect_tensors(tree, fw.kind_of)
+    groups = _groups(leaves, group_bytes(), key)
+    progress = None
+    if progress_of:
+        progress = _progress.bar(sum(t.nbytes for _, t in leaves), f"load {os.path.basename(progress_of)}")
+    narrowing_only = not target.startswith("emu")
+    replacements = {}
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="tensorferry-cast-load") as reader:
+            read = (lambda group: fetch(group)) if fetch else (lambda group: [t for _, t in group])
+            ahead = reader.submit(read, groups[0]) if groups else None
+            for i, group in enumerate(groups):
+                host = ahead.result()
+                ahead = reader.submit(read, groups[i + 1]) if i + 1 < len(groups) else None
+                moved = move(_select.cast(host, dtype, narrowing_only), target, staging)
+                del host
+                replacements.update((id(leaf), m) for (_, leaf), m in zip(group, moved))
+                if progress is not None:
+                    progress.update(sum(t.nbytes for _, t in group))
+    finally:
+        if progress is not None:
+            progress.close()
+    return _native.rebuild(tree, replacements)
+
+
+def from_objects(path, dtype, target, staging, move, keys, progress):
+    """``(tree, metadata)``: the checkpoint at the object-storage URL ``path`` (an object,
+    an index or a prefix; ``keys``: patterns, as ``load`` takes them) cast to ``dtype`` on
+    ``target``, read a group at a time (see :func:`onto_device`). Its tensors are
+    ``tensorferry.Tensor``s; ``metadata`` is the first object's."""
+    kind, top = _fanout._resolve(path)
+    index_version = _native.object_head(top)[1] if kind == "index" else None
+    save_id = None
+    if kind == "index":
+        weight_map, save_id = _fanout._read_index(top)
+        folder = top.rsplit("/", 1)[0]
+        file_of = {name: f"{folder}/{f}" for name, f in weight_map.items()}
+        files = sorted(set(file_of.values()))
+    else:
+        file_of, files = None, [top]
+    versions = {}
+    skeleton = _fanout._skeleton_of_objects(top, files, fw.NATIVE, keys, {}, versions)
+    meta = {}
+
+    def file(item):
+        return top if file_of is None else file_of.get(dotted(item[0]))
+
+    def fetch(group):
+        url = file(group[0])
+        names = [dotted(p) for p, _ in group]
+        tree, found, _, _ = _native.load(url, True, fw.NATIVE, fw.importable("ml_dtypes"), only=set(names))
+        if save_id is not None and found.get(_fanout._SAVE_ID_KEY) != save_id:
+            raise FormatError(f"{url}: the shard was written by another save than its index {top!r}")
+        if not meta:
+            meta.update(found)
+        by_name = {dotted(p): t for p, t in _native.collect_tensors(tree, fw.kind_of)}
+        if not all(n in by_name for n in names):
+            raise _fanout._replaced(url)
+        return [by_name[n] for n in names]
+
+    tree = onto_device(skeleton, dtype, target, staging, move, progress and path, fetch, file)
+    # Each group read one version of its object; the load is one save only if every object
+    # (and the index) is still the version pinned when the load began.
+    for url, version in list(versions.items()) + ([(top, index_version)] if kind == "index" else []):
+        if _fanout._identity(url) != version:
+            raise _fanout._replaced(url)
+    return tree, meta
