@@ -40,7 +40,8 @@ Jobs, each on one object stored once (by tensorferry, untimed) in the server's f
   (no body hashing, as the roof, and as tensorferry does by default over HTTPS).
 - memory: in fresh child processes, the peak resident memory (VmHWM) added by
   tensorferry.load("s3://...") of load A's and load B's objects, onto the emulated device (device=
-  "emu:0": the GETs land in the staging ring, 3 x 32 MiB by default) and to the host.
+  "emu:0": the GETs land in the staging ring, 3 x 32 MiB by default; and with dtype="float16",
+  cast a group of tensors at a time) and to the host.
   The emulated device's memory is ordinary memory of the process, so the device load's
   host overhead is its peak minus the checkpoint's size.
 
@@ -429,13 +430,14 @@ def hwm_kib():
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def child_memory(device, url):
-    """In a child process: the peak resident memory a load of ``url`` onto ``device`` adds."""
+def child_memory(device, dtype, url):
+    """In a child process: the peak resident memory a load of ``url`` onto ``device`` adds
+    (cast to ``dtype`` unless it is "-")."""
     import tensorferry as tf
 
     before = hwm_kib()
     start = time.perf_counter()
-    out = tf.load(url, device=device, like="tensorferry")
+    out = tf.load(url, device=device, like="tensorferry", dtype=None if dtype == "-" else dtype)
     seconds = time.perf_counter() - start
     print(json.dumps({"before_kib": before, "after_kib": hwm_kib(), "seconds": seconds, "leaves": len(out)}))
 
@@ -446,15 +448,17 @@ def memory_job(say, objects, env):
     say("## memory: peak resident memory (VmHWM) added by one load, each in a fresh process")
     say(f"{'load':52} {'object MB':>9} {'peak added MB':>13} {'minus object MB':>15} {'s':>6}")
     for url, size in objects:
-        for device in ("emu:0", "cpu"):
-            run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", device, url],
+        for device, dtype in (("emu:0", "-"), ("emu:0", "float16"), ("cpu", "-")):
+            run = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", device, dtype, url],
                                  env=env, check=True, capture_output=True, text=True)
             got = json.loads(run.stdout.strip().splitlines()[-1])
             added = (got["after_kib"] - got["before_kib"]) * 1024
-            name = f"tensorferry.load({url.rsplit('/', 1)[-1]}, device={device!r})"
+            cast = "" if dtype == "-" else f", dtype={dtype!r}"
+            name = f"tensorferry.load({url.rsplit('/', 1)[-1]}, device={device!r}{cast})"
             say(f"{name:52} {size / 1e6:9.1f} {added / 1e6:13.1f} {(added - size) / 1e6:15.1f} {got['seconds']:6.2f}")
     say("(the emulated device's memory is ordinary memory of the process: for emu:0, peak minus the object is the")
-    say(" host memory of the load itself; the staging ring is 3 x 32 MiB = 100.7 MB by default)")
+    say(" host memory of the load itself; the staging ring is 3 x 32 MiB = 100.7 MB by default; a cast goes")
+    say(" a group of tensors at a time, host memory two groups of 256 MiB and one group's cast)")
     say()
 
 
@@ -471,7 +475,7 @@ def main():
                     help="the jobs to run, comma-separated: a (load A), b (load B), save, memory")
     ap.add_argument("--skip-peers", action="store_true",
                     help="loads: only the roofs and tensorferry, alternated (steadier ratios on a noisy machine)")
-    ap.add_argument("--child-memory", nargs=2, metavar=("DEVICE", "URL"), help=argparse.SUPPRESS)
+    ap.add_argument("--child-memory", nargs=3, metavar=("DEVICE", "DTYPE", "URL"), help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.child_memory:
