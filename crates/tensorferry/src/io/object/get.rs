@@ -8,9 +8,11 @@ use bytes::Bytes;
 use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use object_store::{GetOptions, GetRange, GetResult, ObjectStore};
+use tokio::task::JoinHandle;
 
 use super::failure::{failed, from_store, Cause};
 use super::location::Location;
+use super::runtime;
 use crate::error::Result;
 
 /// What every GET of one load must find: the object the first GET found.
@@ -43,6 +45,33 @@ pub(super) async fn fetch_part(
 ) -> Result<()> {
     let answer = request_part(at, range.clone(), version).await?;
     drain_into(at, range, answer, into).await
+}
+
+/// A ranged GET asked for ahead of its turn: begun on the runtime, cancelled if dropped
+/// before its answer is taken (the read failed or stopped).
+pub(super) struct Asked(JoinHandle<Result<GetResult>>);
+
+impl Asked {
+    /// Asks for `range` now, as [`request_part`] does; [`Asked::answer`] gives the answer.
+    pub(super) fn begin(at: &Location, range: Range<u64>, version: &Version) -> Result<Asked> {
+        let (at, version) = (at.clone(), version.clone());
+        Ok(Asked(runtime::spawn(async move {
+            request_part(&at, range, &version).await
+        })?))
+    }
+
+    /// The answer (status and headers checked; the body still to come).
+    pub(super) async fn answer(mut self, at: &Location) -> Result<GetResult> {
+        (&mut self.0)
+            .await
+            .map_err(|e| failed("read", at.url(), Cause::Other, e.to_string()))?
+    }
+}
+
+impl Drop for Asked {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A ranged GET of `range`, once its answer has begun (status and headers, checked

@@ -5,22 +5,18 @@
 //! ([`stream_to_device`]). Host memory stays bounded by the ring (plus the first GET's
 //! bytes) whatever the object's size.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use futures_util::{StreamExt, TryStreamExt};
-use object_store::GetResult;
-use tokio::task::JoinHandle;
-
-use super::get::{drain_into, request_part, write_into, Version};
+use super::get::{write_into, Asked, Version};
 use super::load::{blank_unwanted, fetch_header, read_index, resolved, FetchedHeader};
 use super::location::Location;
 use super::options::ObjectOptions;
-use super::{plan, runtime};
+use super::{lanes, plan};
 use crate::backend::{backend_for, Backend};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -239,24 +235,6 @@ struct Begun {
     asked: Vec<Asked>,
 }
 
-/// A GET begun on the runtime, cancelled if dropped before its answer is taken (the load
-/// failed or stopped).
-struct Asked(JoinHandle<Result<GetResult>>);
-
-impl Asked {
-    async fn answer(mut self, at: &Location) -> Result<GetResult> {
-        (&mut self.0)
-            .await
-            .map_err(|e| Error::io("read", at.url(), std::io::Error::other(e.to_string())))?
-    }
-}
-
-impl Drop for Asked {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 impl Reads<'_> {
     /// The sources of `chunk` (ranges of the data section), and the first
     /// [`ObjectOptions::concurrency`] of its GETs begun.
@@ -281,20 +259,18 @@ impl Reads<'_> {
             if asked.len() == concurrency {
                 break;
             }
-            let (at, version, range) = (self.at.clone(), self.version.clone(), range.clone());
-            asked.push(Asked(runtime::spawn(async move {
-                request_part(&at, range, &version).await
-            })?));
+            asked.push(Asked::begin(self.at, range.clone(), &self.version)?);
         }
         Ok(Begun { sources, asked })
     }
 
     /// Fills `into` (as long as the chunk) from the chunk's sources, in order: the first
-    /// GET's bytes copied, the GETs `begun` (those not begun yet asked for now), several
-    /// at once.
+    /// GET's bytes copied, the GETs `begun` drained and the others asked for now, several
+    /// at once, on the runtime's workers ([`lanes`]).
     fn fill(&self, into: &mut [MaybeUninit<u8>], begun: Begun) -> Result<()> {
         let head = &self.header.data_head;
         let mut asked = begun.asked.into_iter();
+        let mut ahead = HashMap::with_capacity(asked.len());
         let mut jobs = Vec::with_capacity(begun.sources.len());
         let mut rest = into;
         for source in &begun.sources {
@@ -304,23 +280,16 @@ impl Reads<'_> {
             rest = tail;
             match source {
                 Source::Head(r) => write_into(slice, &head[r.start as usize..r.end as usize]),
-                Source::Get(r) => jobs.push((r.clone(), slice, asked.next())),
+                Source::Get(r) => {
+                    if let Some(request) = asked.next() {
+                        ahead.insert(r.start, request);
+                    }
+                    jobs.push((r.clone(), slice));
+                }
             }
         }
-        let at = self.at;
-        let version = &self.version;
-        runtime::block_on(
-            futures_util::stream::iter(jobs)
-                .map(|(range, slice, asked)| async move {
-                    let answer = match asked {
-                        Some(request) => request.answer(at).await?,
-                        None => request_part(at, range.clone(), version).await?,
-                    };
-                    drain_into(at, range, answer, slice).await
-                })
-                .buffer_unordered(self.options.concurrency.max(1))
-                .try_for_each(|()| async { Ok(()) }),
-        )?
+        let concurrency = self.options.concurrency;
+        lanes::fetch_all_ahead(self.at, jobs, &self.version, concurrency, ahead)
     }
 }
 

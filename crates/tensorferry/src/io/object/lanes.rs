@@ -10,7 +10,7 @@
 //! `std::thread::scope`: it returns, or unwinds, only once every task it started has ended
 //! (run to its end, or aborted and dropped), so no task outlives the borrow.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::mem::MaybeUninit;
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
@@ -21,7 +21,7 @@ use futures_util::{FutureExt, StreamExt};
 use tokio::task::JoinHandle;
 
 use super::failure::{failed, Cause};
-use super::get::{fetch_part, Version};
+use super::get::{drain_into, request_part, Asked, Version};
 use super::location::Location;
 use super::runtime;
 use crate::error::Result;
@@ -82,7 +82,7 @@ impl Lanes {
 }
 
 /// Fills each `(range, into)` of `jobs` with the bytes `range` of the object at `at` by
-/// one ranged GET, as [`fetch_part`] does; see [`fetch_spawned_with`].
+/// one ranged GET, as [`request_part`] and [`drain_into`] do; see [`fetch_spawned_with`].
 pub(super) fn fetch_spawned<R>(
     at: &Location,
     jobs: Vec<(Range<u64>, &mut [MaybeUninit<u8>])>,
@@ -90,11 +90,33 @@ pub(super) fn fetch_spawned<R>(
     concurrency: usize,
     alongside: impl FnOnce(&mut Lanes) -> R,
 ) -> Result<R> {
+    fetch_spawned_ahead(at, jobs, version, concurrency, HashMap::new(), alongside)
+}
+
+/// [`fetch_spawned`], where `ahead` holds GETs of some of the ranges asked for already
+/// (by their range's first byte): their answers are drained instead of asking again.
+fn fetch_spawned_ahead<R>(
+    at: &Location,
+    jobs: Vec<(Range<u64>, &mut [MaybeUninit<u8>])>,
+    version: &Version,
+    concurrency: usize,
+    ahead: HashMap<u64, Asked>,
+    alongside: impl FnOnce(&mut Lanes) -> R,
+) -> Result<R> {
     let url = at.url().to_string();
     let (at, version) = (at.clone(), version.clone());
+    let ahead = Arc::new(Mutex::new(ahead));
     let fetch = part_fetcher(move |range, into| {
-        let (at, version) = (at.clone(), version.clone());
-        async move { fetch_part(&at, range, into, &version).await }.boxed()
+        let (at, version, ahead) = (at.clone(), version.clone(), ahead.clone());
+        async move {
+            let asked = (ahead.lock().unwrap_or_else(|p| p.into_inner())).remove(&range.start);
+            let answer = match asked {
+                Some(asked) => asked.answer(&at).await?,
+                None => request_part(&at, range.clone(), &version).await?,
+            };
+            drain_into(&at, range, answer, into).await
+        }
+        .boxed()
     });
     fetch_spawned_with(url, jobs, concurrency, fetch, alongside)
 }
@@ -107,7 +129,19 @@ pub(super) fn fetch_all(
     version: &Version,
     concurrency: usize,
 ) -> Result<()> {
-    fetch_spawned(at, jobs, version, concurrency, |lanes| {
+    fetch_all_ahead(at, jobs, version, concurrency, HashMap::new())
+}
+
+/// [`fetch_all`], taking the answers of the GETs `ahead` holds (see
+/// [`fetch_spawned_ahead`]).
+pub(super) fn fetch_all_ahead(
+    at: &Location,
+    jobs: Vec<(Range<u64>, &mut [MaybeUninit<u8>])>,
+    version: &Version,
+    concurrency: usize,
+    ahead: HashMap<u64, Asked>,
+) -> Result<()> {
+    fetch_spawned_ahead(at, jobs, version, concurrency, ahead, |lanes| {
         runtime::block_on(lanes.join())
     })??
 }
