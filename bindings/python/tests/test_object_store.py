@@ -554,6 +554,24 @@ def test_a_subset_streams_onto_a_device_fetching_only_its_byte_ranges(own_server
     _same(tf.to_numpy(got), {"model": {k: sharded["model"][k] for k in ("layer.0.weight", "layer.3.weight")}})
 
 
+def test_a_device_load_asks_for_each_byte_once_its_next_chunks_gets_begun_ahead(own_server, monkeypatch):
+    """Through a ring of 1 MiB chunks, in GETs of 256 KiB, two at once: the first two GETs
+    of each next chunk are asked for while the chunk before arrives, and their answers are
+    the ones drained (no range asked for twice, none left out)."""
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(256 << 10))
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CONCURRENCY", "2")
+    tree = {"w": np.arange(2 << 20, dtype=np.float32)}  # 8 MiB: 8 chunks
+    tf.save(tree, "s3://bucket/m.safetensors")
+    got = tf.load("s3://bucket/m.safetensors", device="emu:0", staging=(1 << 20, 2))
+    np.testing.assert_array_equal(tf.to_numpy(got)["w"], tree["w"])
+    ranges = sorted(_ranges_read(own_server.log))
+    size = os.path.getsize(own_server.file("m.safetensors"))
+    first = ranges[0][1]
+    data = [r for r in ranges if r[0] >= first]
+    assert all(a[1] == b[0] for a, b in zip(data, data[1:])), data  # disjoint, no gap
+    assert (data[0][0], data[-1][1]) == (first, size), (first, data[0], data[-1], size)
+
+
 _PEAK_RSS_OF_A_URL_LOAD = """
 import sys, tensorferry as tf
 url, how = sys.argv[1], sys.argv[2]
