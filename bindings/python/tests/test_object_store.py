@@ -647,6 +647,22 @@ def test_a_shard_replaced_during_a_cast_load_is_an_error_never_a_mix(s3, url, mo
     assert isinstance(value, tf.FormatError) and shards[-1] in str(value), value
 
 
+@pytest.mark.parametrize("shard", ["../secret/m.safetensors", "/abs.safetensors", ".."])
+def test_a_cast_load_reads_no_shard_outside_the_index_folder(own_server, shard):
+    tf.save({"w": np.ones(4, np.float32)}, "s3://bucket/secret/m.safetensors")
+    index = json.dumps({"metadata": {}, "weight_map": {"w": shard}}).encode()
+    tf._native.object_put("s3://bucket/run/model.safetensors.index.json", index)
+    time.sleep(0.2)  # the server's log of the save is written
+    before = os.path.getsize(own_server.log)
+    with pytest.raises(tf.FormatError, match="is not a file name in the index's folder"):
+        tf.load("s3://bucket/run/", device="emu:0", dtype="float16")
+    time.sleep(0.2)
+    with open(own_server.log) as f:
+        f.seek(before)
+        asked = re.findall(r"uri: (/bucket/\S+),", f.read())
+    assert asked and not [u for u in asked if not u.startswith("/bucket/run/")], asked
+
+
 def _native_object_bytes(target):
     size, _ = tf._native.object_head(target)
     return tf._native.object_read_ranges(target, [(0, size)], None)[0]

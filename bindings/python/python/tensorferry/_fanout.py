@@ -325,6 +325,12 @@ def _read_index(path):
         meta = index.get("metadata") or {}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise FormatError(f"{path}: not a safetensors index ({e})") from None
+    if not isinstance(weight_map, dict):
+        raise FormatError(f"{path}: not a safetensors index (weight_map is not an object)")
+    for file in set(weight_map.values()):
+        # As the native reader checks: no shard is read from outside the index's folder.
+        if not isinstance(file, str) or file in ("", ".", "..") or "/" in file or "\\" in file:
+            raise FormatError(f"{path}: shard {file!r} is not a file name in the index's folder")
     return weight_map, meta.get(_SAVE_ID_KEY) if isinstance(meta, dict) else None
 
 
