@@ -104,6 +104,18 @@ def test_a_cast_load_onto_a_device_goes_a_group_at_a_time_and_keeps_the_structur
     assert tf.to_numpy(got)["pair"][0].dtype == np.float16
 
 
+def test_a_cast_load_of_a_subset_moves_only_the_subset(tmp_path):
+    # 8 MiB of float32 beside 4 KiB: as float16 the 4 KiB fit a device of 1 MiB, the rest not.
+    tf.save({"big": np.ones(2 << 20, np.float32), "w": np.arange(1024, dtype=np.float32)}, tmp_path / "m.safetensors")
+    tf.configure_emulated(1, capacity_bytes=1 << 20)
+    try:
+        got = tf.load(tmp_path / "m.safetensors", device="emu:1", dtype="float16", keys="w")
+        assert list(got) == ["w"] and got["w"].dtype == "float16"
+        np.testing.assert_array_equal(tf.to_numpy(got)["w"], np.arange(1024, dtype=np.float16))
+    finally:
+        tf.configure_emulated(1, capacity_bytes=1 << 40)
+
+
 def test_a_narrowing_cast_happens_before_the_bytes_reach_the_device(tmp_path):
     # 4 MiB of float32: as bfloat16 it fits a device of 3 MiB, as float32 it does not.
     tf.save({"w": np.ones(1 << 20, np.float32)}, tmp_path / "m.safetensors")

@@ -896,8 +896,6 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
         )
     if fallback is not None:
         warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=4)
-    if grouped and not url:
-        tree = _cast_load.onto_device(tree, dtype, target, staging, _onto_device, progress and os.fspath(path))
     if progress and (streamed or not on_device):
         # Read (or mapped) in the one native call above: the bar fills at once.
         total = sum(t.nbytes for _, t in _native.collect_tensors(tree, fw.kind_of))
@@ -909,11 +907,13 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     if out is not None:
         return _select.fill(out, tree if dtype is None else _select.cast(tree, dtype))
     if on_device:
-        if dtype is not None and not grouped:
-            # Narrowing casts before the bytes cross (half the traffic for float32 ->
-            # bfloat16); on the emulated device every cast, since nothing there casts.
-            tree = _select.cast(tree, dtype, narrowing_only=not target.startswith("emu"))
-        if not (streamed or grouped):
+        # Narrowing casts before the bytes cross (half the traffic for float32 -> bfloat16);
+        # on the emulated device every cast, since nothing there casts.
+        if grouped and not url:
+            tree = _cast_load.onto_device(tree, dtype, target, staging, _onto_device, progress and os.fspath(path))
+        elif not (streamed or grouped):
+            if dtype is not None:  # direct=True: the file was read whole
+                tree = _select.cast(tree, dtype, narrowing_only=not target.startswith("emu"))
             tree = _onto_device(tree, target, staging, progress and os.fspath(path))
         pending = not target.startswith("emu")  # no framework holds emulated memory
     result = tree
