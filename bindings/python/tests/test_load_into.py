@@ -92,7 +92,7 @@ def test_a_cast_load_onto_a_device_goes_a_group_at_a_time_and_keeps_the_structur
     """Groups of one tensor, of a few and of all give the same tree (nested dicts, lists,
     tuples, values kept), every tensor cast and on the device."""
     layers = [{"w": np.linspace(-1, 1, 500, dtype=np.float32) + i, "n": np.arange(i + 1)} for i in range(6)]
-    tree = {"layers": layers, "pair": (np.ones(7, np.float64), "x"), "step": 3}
+    tree = {"layers": layers, "pair": (np.ones(7, np.float64), "x"), "step": 3, "tied": layers[2]["w"]}
     tf.save(tree, tmp_path / "m.safetensors")
     monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", str(group_bytes))
     got = tf.load(tmp_path / "m.safetensors", device="emu:0", dtype="float16")
@@ -102,6 +102,7 @@ def test_a_cast_load_onto_a_device_goes_a_group_at_a_time_and_keeps_the_structur
         np.testing.assert_array_equal(tf.to_numpy(layer)["w"], layers[i]["w"].astype(np.float16))
         np.testing.assert_array_equal(tf.to_numpy(layer)["n"], layers[i]["n"])
     assert tf.to_numpy(got)["pair"][0].dtype == np.float16
+    assert got["tied"] is got["layers"][2]["w"], "a tensor under two names stays one tensor"
 
 
 def test_a_cast_load_of_a_subset_moves_only_the_subset(tmp_path):

@@ -628,6 +628,21 @@ def test_a_cast_load_onto_a_device_comes_in_groups_whole_and_sharded(s3, url, mo
     _same(tf.to_numpy(got), {"model": {k: expected["model"][k] for k in ("layer.1.weight", "layer.6.weight")}})
 
 
+def test_a_cast_load_of_tied_tensors_reads_each_once_under_its_stored_name(s3, url, monkeypatch):
+    """A tensor under two names (a head tied to the embedding) is stored once, under one
+    name; the other is in no header. Loaded whole or alone, sharded, in groups of one
+    tensor, it comes back as one tensor under both names."""
+    embedding = np.arange(5000, dtype=np.float32)
+    tf.save({"embed": embedding, "mid": np.ones(5000, np.float32), "head": embedding}, url, max_shard_size=25_000)
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", "1")
+    got = tf.load(url, device="emu:0", dtype="float16")
+    assert list(got) == ["embed", "mid", "head"] and got["head"] is got["embed"]
+    np.testing.assert_array_equal(tf.to_numpy(got)["head"], embedding.astype(np.float16))
+    alone = tf.load(url, device="emu:0", dtype="float16", keys="head")
+    assert list(alone) == ["head"]
+    np.testing.assert_array_equal(tf.to_numpy(alone)["head"], embedding.astype(np.float16))
+
+
 def test_a_shard_replaced_during_a_cast_load_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path):
     """The first group's load stops after its header; meanwhile the second shard is
     replaced by its counterpart of another save of the same layout (other values): the

@@ -288,11 +288,12 @@ def _metadata(path, fd):
     return _dcp_io._header_metadata(fd, path, _native.object_read_header(path)[0], None)
 
 
-def _skeleton_of_objects(top, files, like, keys, fds, identities):
+def _skeleton_of_objects(top, files, like, keys, fds, identities, stored=None):
     """The tree :func:`tensorferry.load` gives for the checkpoint whose index or one object
     is ``top`` (``files``: its objects), its tensors not read: a mapped load of a local
     stand-in holding the index and the objects' headers alone (sparse files of the objects'
-    sizes, never read past their headers). Each object's version is pinned here."""
+    sizes, never read past their headers). Each object's version is pinned here; the names
+    its header stores are added to the set ``stored``, if given."""
     import shutil
     import tempfile
 
@@ -305,8 +306,10 @@ def _skeleton_of_objects(top, files, like, keys, fds, identities):
                 f.write(_dcp_io.read_small_file(top, _MAX_INDEX_BYTES))
         for url in files:
             _open(url, fds, identities)
-            start, _, etag, size = _native.object_read_header(url)
+            start, entries, etag, size = _native.object_read_header(url)
             identities[url] = etag  # the version every later read must find
+            if stored is not None:
+                stored.update(e[0] for e in entries)
             (head,) = _native.object_read_ranges(url, [(0, start)], etag)
             with open(os.path.join(folder, os.path.basename(url)), "wb") as f:
                 f.write(head)
