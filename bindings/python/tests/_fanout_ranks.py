@@ -137,6 +137,11 @@ def make_checkpoints(folder):
     other = mixed_tree()
     other["model"]["embed"] = other["model"]["embed"][:299]
     tf.save(other, os.path.join(folder, "other.safetensors"))
+    # A head tied to the embedding: stored once, under the embedding's name alone.
+    embedding = torch.arange(6000, dtype=torch.float32).reshape(60, 100)
+    tied = {"embed.weight": embedding, "mid": torch.ones(6000), "head.weight": embedding}
+    tf.save(tied, os.path.join(folder, "tied.safetensors"))
+    tf.save(tied, os.path.join(folder, "tied") + "/", max_shard_size=30_000)
 
 
 # ---- checks ------------------------------------------------------------------------------
@@ -551,6 +556,18 @@ def object_storage(folder, pg, out, rank, world):
     os.environ.pop("TENSORFERRY_FANOUT_READ_MBPS", None)
 
 
+def tied(folder, pg):
+    """A tensor under two names loads as one, whole or alone (keys=), from one file or shards."""
+    import tensorferry as tf
+
+    for name in ("tied.safetensors", "tied"):
+        path = os.path.join(folder, name)
+        got, want = tf.load(path, process_group=pg), tf.load(path)
+        assert_same(got, want)
+        assert got["head.weight"] is got["embed.weight"], name
+        assert_same(tf.load(path, process_group=pg, keys="head.weight"), tf.load(path, keys="head.weight"))
+
+
 def scenario_s3(rank, world, folder, pg, out):
     object_storage(folder, pg, out, rank, world)
 
@@ -575,6 +592,7 @@ def scenario_two(rank, world, folder, pg, out):
     memory(folder, pg, out)
     composed(folder, pg, out)
     devices_and_frameworks(folder, pg, out)
+    tied(folder, pg)
     errors(folder, pg, out, rank)
     replaced(folder, pg, out, rank)
 

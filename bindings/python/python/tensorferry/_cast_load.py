@@ -50,17 +50,6 @@ def _groups(leaves, limit, key=lambda leaf: None):
     return runs
 
 
-def _distinct(leaves, stored=None):
-    """``leaves`` (``[(path, tensor)]``), each tensor once (tied names are one tensor), in
-    order, under a name of ``stored`` (the names the files hold) where it has one."""
-    first = {}
-    for path, leaf in leaves:
-        seen = first.get(id(leaf))
-        if seen is None or (stored is not None and dotted(seen[0]) not in stored and dotted(path) in stored):
-            first[id(leaf)] = (path, leaf)
-    return list(first.values())
-
-
 def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None, key=lambda leaf: None):
     """``tree`` with every tensor cast to ``dtype`` (narrowing casts only, but on the
     emulated device, where nothing casts) and moved to ``target`` by ``move(tensors, target,
@@ -68,7 +57,7 @@ def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None
     gives the host tensors of a group of ``tree``'s leaves (read while the previous group is
     cast and moved); without it, the leaves are the host tensors. ``progress_of`` (a file's
     name) draws a bar."""
-    leaves = _distinct(_native.collect_tensors(tree, fw.kind_of))
+    leaves = _select.distinct(_native.collect_tensors(tree, fw.kind_of))
     groups = _groups(leaves, group_bytes(), key)
     progress = None
     if progress_of:
@@ -112,7 +101,7 @@ def from_objects(path, dtype, target, staging, move, keys, progress):
     skeleton = _fanout._skeleton_of_objects(top, files, fw.NATIVE, None, {}, versions, stored)
     # The name each tensor is stored under (a tied name, such as a head sharing the
     # embedding's weight, is in no header), found before keys= may leave that name out.
-    name_of = {id(t): dotted(p) for p, t in _distinct(_native.collect_tensors(skeleton, fw.kind_of), stored)}
+    name_of = {id(t): dotted(p) for p, t in _select.distinct(_native.collect_tensors(skeleton, fw.kind_of), stored)}
     if keys is not None:
         skeleton = _select.select(skeleton, _select.patterns(keys))
     meta = {}

@@ -163,23 +163,32 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         # The structure as tensorferry.load builds it, from a map whose tensor pages stay
         # untouched (an object's, below, from its headers alone).
         remote = isinstance(fds[top], _dcp_io.RemoteObject)
-        skeleton = None if remote else _api.load(path, like=like, keys=keys)
+        skeleton = None if remote else _api.load(path, like=like)
         folder = os.path.dirname(top)
         save_id = None
+        headers = {}
         if kind == "index":
             weight_map, save_id = _read_index(top)
             file_of = {name: os.path.join(folder, f) for name, f in weight_map.items()}
         if remote:
             files = sorted(set(file_of.values())) if kind == "index" else [top]
-            skeleton = _skeleton_of_objects(top, files, like, keys, fds, identities)
-        leaves = _native.collect_tensors(skeleton, fw.kind_of)
-        names = [dotted(p) for p, _ in leaves]
+            skeleton = _skeleton_of_objects(top, files, like, None, fds, identities)
+        if kind == "file":
+            headers[top] = _header(top, fds, identities, stats)
+        # Each tensor once, under the name a file stores it by (found before keys= may
+        # leave that name out): a tied name is in no header.
+        stored = set(file_of) if kind == "index" else set(headers[top])
+        name_of = {id(t): dotted(p) for p, t in _select.distinct(_native.collect_tensors(skeleton, fw.kind_of), stored)}
+        if keys is not None:
+            skeleton = _select.select(skeleton, _select.patterns(keys))
+        leaves = _select.distinct(_native.collect_tensors(skeleton, fw.kind_of))
+        names = [name_of[id(leaf)] for _, leaf in leaves]
         files = [top] * len(names) if kind == "file" else [file_of.get(n) for n in names]
         order = sorted(set(files) - {None})
-        headers = {}
         for f in order:
-            _open(f, fds, identities)
-            headers[f] = _header(f, fds, identities, stats)
+            if f not in headers:
+                _open(f, fds, identities)
+                headers[f] = _header(f, fds, identities, stats)
             if save_id is not None and _metadata(f, fds[f]).get(_SAVE_ID_KEY) != save_id:
                 raise FormatError(f"{f}: the shard was written by another save than its index {top!r}")
         narrow = _narrowing(dtype)

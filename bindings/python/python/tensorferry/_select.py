@@ -69,6 +69,18 @@ def select(tree, keys):
     return {} if out is None else out
 
 
+def distinct(leaves, stored=None):
+    """``leaves`` (``[(path, tensor)]``), each tensor once (tied names, such as a head sharing
+    the embedding's weight, are one tensor), in order, under a name of the set ``stored``
+    (the names the files hold: a tied name is in no header) where it has one."""
+    first = {}
+    for path, leaf in leaves:
+        seen = first.get(id(leaf))
+        if seen is None or (stored is not None and dotted(seen[0]) not in stored and dotted(path) in stored):
+            first[id(leaf)] = (path, leaf)
+    return list(first.values())
+
+
 def _dtype_name(dtype):
     """"bfloat16" of "bf16", "bfloat16", torch.bfloat16, np.float16, …"""
     text = str(dtype).replace("torch.", "").replace("<class 'numpy.", "").rstrip("'>")
