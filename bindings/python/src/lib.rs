@@ -555,9 +555,10 @@ fn wait_tensors(
     })
 }
 
-/// The tensor names of the checkpoint at an object-storage URL, from its index or header.
+/// `(names, aliased)`: the tensor names of the checkpoint at an object-storage URL, from
+/// its index or header, and whether its tree record gives a tensor a second name.
 #[pyfunction]
-fn object_names(py: Python<'_>, url: &str) -> PyResult<Vec<String>> {
+fn object_names(py: Python<'_>, url: &str) -> PyResult<(Vec<String>, bool)> {
     let options = object::ObjectOptions::from_env();
     guard(|| py.detach(|| object::tensor_names(url, &options)).py_err())
 }

@@ -643,6 +643,21 @@ def test_a_cast_load_of_tied_tensors_reads_each_once_under_its_stored_name(s3, u
     np.testing.assert_array_equal(tf.to_numpy(alone)["head"], embedding.astype(np.float16))
 
 
+@pytest.mark.parametrize("device", ["cpu", "emu:0"])
+@pytest.mark.parametrize("where", ["one.safetensors", "many/"], ids=["whole", "sharded"])
+def test_a_subset_of_a_tied_name_alone_fetches_the_tensor_it_names(s3, url, device, where):
+    """keys= naming only the tied name (no header lists it) fetches the stored tensor's
+    bytes: the result is that tensor, never None."""
+    embedding = np.arange(5000, dtype=np.float32)
+    tf.save({"embed": embedding, "mid": np.ones(5000, np.float32), "head": embedding}, url + where, max_shard_size=25_000)
+    got = tf.load(url + where, keys="head", device=device)
+    assert list(got) == ["head"] and got["head"] is not None
+    np.testing.assert_array_equal(tf.to_numpy(got)["head"], embedding)
+    both = tf.load(url + where, keys=["head", "mid"], device=device)
+    assert list(both) == ["mid", "head"]
+    np.testing.assert_array_equal(tf.to_numpy(both)["mid"], 1.0)
+
+
 def test_a_shard_replaced_during_a_cast_load_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path):
     """The first group's load stops after its header; meanwhile the second shard is
     replaced by its counterpart of another save of the same layout (other values): the

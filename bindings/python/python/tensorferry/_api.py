@@ -845,7 +845,11 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
         raise FormatError(f"direct=True reads local files past the page cache; {path!r} is in object storage")
     only = None
     if url and patterns is not None:
-        only = {n for n in _native.object_names(path) if any(_select._matches(n, p) for p in patterns)}
+        names, aliased = _native.object_names(path)
+        if aliased:  # a tensor of two names (tied): its paths come from the tree record
+            only = _cast_load.subset_names(path, keys)
+        else:
+            only = {n for n in names if any(_select._matches(n, p) for p in patterns)}
     if direct and keys is not None:
         raise FormatError(
             "keys= reads only the selected tensors' bytes, from a memory map; direct=True reads "

@@ -82,39 +82,69 @@ def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None
     return _native.rebuild(tree, replacements)
 
 
+class _Objects:
+    """A checkpoint in object storage as its headers describe it, no tensor read: what
+    :func:`tensorferry.load` resolves ``path`` to (``top``: an object or an index, and its
+    ``files``), the tree it builds (``skeleton``; its tensors view sparse stand-ins), the
+    name each tensor is stored under (``name_of``, by ``id``: a tied name is in no
+    header), and each object's version (``versions``), pinned from here on."""
+
+    def __init__(self, path):
+        self.kind, self.top = _fanout._resolve(path)
+        self.index_version = _native.object_head(self.top)[1] if self.kind == "index" else None
+        self.save_id, self.file_of = None, None
+        files = [self.top]
+        if self.kind == "index":
+            weight_map, self.save_id = _fanout._read_index(self.top)
+            folder = self.top.rsplit("/", 1)[0]
+            self.file_of = {name: f"{folder}/{f}" for name, f in weight_map.items()}
+            files = sorted(set(self.file_of.values()))
+        self.versions, stored = {}, set()
+        self.skeleton = _fanout._skeleton_of_objects(self.top, files, fw.NATIVE, None, {}, self.versions, stored)
+        leaves = _native.collect_tensors(self.skeleton, fw.kind_of)
+        self.name_of = {id(t): dotted(p) for p, t in _select.distinct(leaves, stored)}
+
+    def selected(self, keys):
+        """The skeleton pruned to ``keys`` (patterns, as ``load`` takes them)."""
+        return _select.select(self.skeleton, _select.patterns(keys))
+
+    def file(self, leaf):
+        """The object that stores the tensor ``leaf`` of the skeleton."""
+        return self.top if self.file_of is None else self.file_of[self.name_of[id(leaf)]]
+
+    def check_unchanged(self):
+        """Raises the error of a replaced object unless every object (and the index) is
+        still the version pinned when the headers were read."""
+        pinned = list(self.versions.items()) + ([(self.top, self.index_version)] if self.kind == "index" else [])
+        for url, version in pinned:
+            if _fanout._identity(url) != version:
+                raise _fanout._replaced(url)
+
+
+def subset_names(path, keys):
+    """The names a native subset load of ``keys`` from the object-storage checkpoint
+    ``path`` takes (as ``only``): each chosen tensor's dotted path, and the name its bytes
+    are stored under, which differs for a tied name."""
+    objects = _Objects(path)
+    chosen = _native.collect_tensors(objects.selected(keys), fw.kind_of)
+    return {dotted(p) for p, _ in chosen} | {objects.name_of[id(t)] for _, t in chosen}
+
+
 def from_objects(path, dtype, target, staging, move, keys, progress):
     """``(tree, metadata)``: the checkpoint at the object-storage URL ``path`` (an object,
     an index or a prefix; ``keys``: patterns, as ``load`` takes them) cast to ``dtype`` on
     ``target``, read a group at a time (see :func:`onto_device`). Its tensors are
     ``tensorferry.Tensor``s; ``metadata`` is the first object's."""
-    kind, top = _fanout._resolve(path)
-    index_version = _native.object_head(top)[1] if kind == "index" else None
-    save_id = None
-    if kind == "index":
-        weight_map, save_id = _fanout._read_index(top)
-        folder = top.rsplit("/", 1)[0]
-        file_of = {name: f"{folder}/{f}" for name, f in weight_map.items()}
-        files = sorted(set(file_of.values()))
-    else:
-        file_of, files = None, [top]
-    versions, stored = {}, set()
-    skeleton = _fanout._skeleton_of_objects(top, files, fw.NATIVE, None, {}, versions, stored)
-    # The name each tensor is stored under (a tied name, such as a head sharing the
-    # embedding's weight, is in no header), found before keys= may leave that name out.
-    name_of = {id(t): dotted(p) for p, t in _select.distinct(_native.collect_tensors(skeleton, fw.kind_of), stored)}
-    if keys is not None:
-        skeleton = _select.select(skeleton, _select.patterns(keys))
+    objects = _Objects(path)
+    skeleton = objects.skeleton if keys is None else objects.selected(keys)
     meta = {}
 
-    def file(item):
-        return top if file_of is None else file_of[name_of[id(item[1])]]
-
     def fetch(group):
-        url = file(group[0])
-        names = [name_of[id(t)] for _, t in group]
+        url = objects.file(group[0][1])
+        names = [objects.name_of[id(t)] for _, t in group]
         tree, found, _, _ = _native.load(url, True, fw.NATIVE, fw.importable("ml_dtypes"), only=set(names))
-        if save_id is not None and found.get(_fanout._SAVE_ID_KEY) != save_id:
-            raise FormatError(f"{url}: the shard was written by another save than its index {top!r}")
+        if objects.save_id is not None and found.get(_fanout._SAVE_ID_KEY) != objects.save_id:
+            raise FormatError(f"{url}: the shard was written by another save than its index {objects.top!r}")
         if not meta:
             meta.update(found)
         by_name = {dotted(p): t for p, t in _native.collect_tensors(tree, fw.kind_of)}
@@ -122,10 +152,8 @@ def from_objects(path, dtype, target, staging, move, keys, progress):
             raise _fanout._replaced(url)
         return [by_name[n] for n in names]
 
-    tree = onto_device(skeleton, dtype, target, staging, move, progress and path, fetch, file)
+    tree = onto_device(skeleton, dtype, target, staging, move, progress and path, fetch, lambda item: objects.file(item[1]))
     # Each group read one version of its object; the load is one save only if every object
     # (and the index) is still the version pinned when the load began.
-    for url, version in list(versions.items()) + ([(top, index_version)] if kind == "index" else []):
-        if _fanout._identity(url) != version:
-            raise _fanout._replaced(url)
+    objects.check_unchanged()
     return tree, meta

@@ -35,6 +35,7 @@ use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SU
 use crate::io::checkpoint::sharded::{load_index_with, READERS};
 use crate::io::format::header::{Header, HeaderCensus};
 use crate::io::format::header_reader::{header_len, parse_counted};
+use crate::io::format::tree_census;
 use crate::io::read::{build, Loaded};
 use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
 use crate::storage::Storage;
@@ -67,22 +68,29 @@ pub fn load_url(
 }
 
 /// The names of the tensors the checkpoint at `url` holds (as [`load_url`] finds it),
-/// from its index or its header alone.
-pub fn tensor_names(url: &str, options: &ObjectOptions) -> Result<Vec<String>> {
+/// from its index or its header alone, and whether its tree record gives some tensor a
+/// second name (an alias, such as a head tied to the embedding), which no header lists.
+pub fn tensor_names(url: &str, options: &ObjectOptions) -> Result<(Vec<String>, bool)> {
     let at = Location::open(url, options)?;
     resolved(
         at,
         |object| {
             let header = fetch_header(object, options)?;
-            let parsed = parse_counted(&header.json, header.data_len)
+            let (header, census) = parse_counted(&header.json, header.data_len)
                 .map_err(|e| e.in_file(Path::new(object.url())))?;
-            Ok(parsed.0.tensors.into_iter().map(|t| t.name).collect())
+            let aliased = matches!(census.tree, Some(Ok(tree)) if !tree.aliased.is_empty());
+            Ok((
+                header.tensors.into_iter().map(|t| t.name).collect(),
+                aliased,
+            ))
         },
         |index| {
-            Ok(read_index(index, options)?
-                .names()
-                .map(String::from)
-                .collect())
+            let index = read_index(index, options)?;
+            let aliased = match &index.record {
+                Some(text) => !tree_census::count(text)?.aliased.is_empty(),
+                None => false,
+            };
+            Ok((index.names().map(String::from).collect(), aliased))
         },
     )
 }
