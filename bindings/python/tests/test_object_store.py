@@ -435,11 +435,11 @@ def _paused_load(monkeypatch, tmp_path, target, **options):
     return go, outcome
 
 
-@pytest.mark.parametrize("device", ["cpu", "emu:0"])
-def test_an_object_replaced_during_the_read_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path, device):
+@pytest.mark.parametrize("device, dtype", [("cpu", None), ("emu:0", None), ("emu:0", "float16")])
+def test_an_object_replaced_during_the_read_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path, device, dtype):
     target = url + "m.safetensors"
     tf.save({"w": np.full(100_000, 1.0, np.float32)}, target)
-    go, outcome = _paused_load(monkeypatch, tmp_path, target, device=device)
+    go, outcome = _paused_load(monkeypatch, tmp_path, target, device=device, dtype=dtype)
     tf.save({"w": np.full(100_000, 2.0, np.float32)}, target)  # same size, other bytes
     go()
     kind, value = outcome[0]
@@ -449,11 +449,11 @@ def test_an_object_replaced_during_the_read_is_an_error_never_a_mix(s3, url, mon
     np.testing.assert_array_equal(tf.load(target)["w"], 2.0)
 
 
-@pytest.mark.parametrize("device", ["cpu", "emu:0"])
-def test_the_server_stopped_mid_load_is_a_clear_error(own_server, monkeypatch, tmp_path, device):
+@pytest.mark.parametrize("device, dtype", [("cpu", None), ("emu:0", None), ("emu:0", "float16")])
+def test_the_server_stopped_mid_load_is_a_clear_error(own_server, monkeypatch, tmp_path, device, dtype):
     target = "s3://bucket/m.safetensors"
     tf.save({"w": np.ones(200_000, np.float32)}, target)
-    go, outcome = _paused_load(monkeypatch, tmp_path, target, device=device)
+    go, outcome = _paused_load(monkeypatch, tmp_path, target, device=device, dtype=dtype)
     own_server.stop()
     started = time.monotonic()
     go()
