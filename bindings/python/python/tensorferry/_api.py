@@ -843,8 +843,12 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     url = isinstance(path, str) and _native.is_url(path)
     if url and direct:
         raise FormatError(f"direct=True reads local files past the page cache; {path!r} is in object storage")
+    # A cast onto a device goes a group of tensors at a time (host memory bounded by two
+    # groups, whatever the checkpoint's size); from object storage, each group is fetched
+    # alone (the subset too: it needs no names from here).
+    grouped = on_device and dtype is not None and out is None and not direct
     only = None
-    if url and patterns is not None:
+    if url and patterns is not None and not grouped:
         names, aliased = _native.object_names(path)
         if aliased:  # a tensor of two names (tied): its paths come from the tree record
             only = _cast_load.subset_names(path, keys)
@@ -878,10 +882,6 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     # checkpoint in object storage, or a subset of it, streams onto the device through the
     # ring (ranged GETs into its buffers); out= goes through host memory.
     streamed = on_device and dtype is None and (direct or (url and out is None))
-    # A cast onto a device goes a group of tensors at a time (host memory bounded by two
-    # groups, whatever the checkpoint's size); from object storage, each group is fetched
-    # alone.
-    grouped = on_device and dtype is not None and out is None and not direct
     if grouped and url:
         tree, meta = _cast_load.from_objects(path, dtype, target, staging, _onto_device, keys, progress)
         pending, fallback = False, None

@@ -21,7 +21,6 @@ from . import _frameworks as fw
 from . import _native
 from . import _progress
 from . import _select
-from ._errors import FormatError
 from ._tree import dotted
 
 #: Host bytes of one group of tensors (``TENSORFERRY_CAST_GROUP_BYTES`` sets another).
@@ -66,7 +65,7 @@ def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None
     replacements = {}
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="tensorferry-cast-load") as reader:
-            read = (lambda group: fetch(group)) if fetch else (lambda group: [t for _, t in group])
+            read = fetch or (lambda group: [t for _, t in group])
             ahead = reader.submit(read, groups[0]) if groups else None
             for i, group in enumerate(groups):
                 host = ahead.result()
@@ -87,22 +86,19 @@ class _Objects:
     :func:`tensorferry.load` resolves ``path`` to (``top``: an object or an index, and its
     ``files``), the tree it builds (``skeleton``; its tensors view sparse stand-ins), the
     name each tensor is stored under (``name_of``, by ``id``: a tied name is in no
-    header), and each object's version (``versions``), pinned from here on."""
+    header), and the version of each object and of the index (``versions``), pinned from
+    here on."""
 
     def __init__(self, path):
         self.kind, self.top = _fanout._resolve(path)
-        self.index_version = _native.object_head(self.top)[1] if self.kind == "index" else None
-        self.save_id, self.file_of = None, None
-        files = [self.top]
+        self.save_id, self.file_of, files = None, None, [self.top]
+        # The index's version too: a save that replaced it names other shards.
+        self.versions = {self.top: _native.object_head(self.top)[1]} if self.kind == "index" else {}
         if self.kind == "index":
-            weight_map, self.save_id = _fanout._read_index(self.top)
-            folder = self.top.rsplit("/", 1)[0]
-            self.file_of = {name: f"{folder}/{f}" for name, f in weight_map.items()}
-            files = sorted(set(self.file_of.values()))
-        self.versions, stored = {}, set()
+            self.file_of, files, self.save_id = _fanout._shards(self.top)
+        stored = set()
         self.skeleton = _fanout._skeleton_of_objects(self.top, files, fw.NATIVE, None, {}, self.versions, stored)
-        leaves = _native.collect_tensors(self.skeleton, fw.kind_of)
-        self.name_of = {id(t): dotted(p) for p, t in _select.distinct(leaves, stored)}
+        self.name_of = _select.stored_names(self.skeleton, stored)
 
     def selected(self, keys):
         """The skeleton pruned to ``keys`` (patterns, as ``load`` takes them)."""
@@ -111,14 +107,6 @@ class _Objects:
     def file(self, leaf):
         """The object that stores the tensor ``leaf`` of the skeleton."""
         return self.top if self.file_of is None else self.file_of[self.name_of[id(leaf)]]
-
-    def check_unchanged(self):
-        """Raises the error of a replaced object unless every object (and the index) is
-        still the version pinned when the headers were read."""
-        pinned = list(self.versions.items()) + ([(self.top, self.index_version)] if self.kind == "index" else [])
-        for url, version in pinned:
-            if _fanout._identity(url) != version:
-                raise _fanout._replaced(url)
 
 
 def subset_names(path, keys):
@@ -144,7 +132,7 @@ def from_objects(path, dtype, target, staging, move, keys, progress):
         names = [objects.name_of[id(t)] for _, t in group]
         tree, found, _, _ = _native.load(url, True, fw.NATIVE, fw.importable("ml_dtypes"), only=set(names))
         if objects.save_id is not None and found.get(_fanout._SAVE_ID_KEY) != objects.save_id:
-            raise FormatError(f"{url}: the shard was written by another save than its index {objects.top!r}")
+            raise _fanout._other_save(url, objects.top)
         if not meta:
             meta.update(found)
         by_name = {dotted(p): t for p, t in _native.collect_tensors(tree, fw.kind_of)}
@@ -155,5 +143,5 @@ def from_objects(path, dtype, target, staging, move, keys, progress):
     tree = onto_device(skeleton, dtype, target, staging, move, progress and path, fetch, lambda item: objects.file(item[1]))
     # Each group read one version of its object; the load is one save only if every object
     # (and the index) is still the version pinned when the load began.
-    objects.check_unchanged()
+    _fanout._check_unchanged(objects.versions)
     return tree, meta

@@ -123,7 +123,7 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
             )
         try:
             part, slices = _read(plan, rank, stats, direct)
-            _check_unchanged(plan)
+            _check_unchanged(plan.identities)
         except Exception as e:
             error = e
     finally:
@@ -164,21 +164,17 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         # untouched (an object's, below, from its headers alone).
         remote = isinstance(fds[top], _dcp_io.RemoteObject)
         skeleton = None if remote else _api.load(path, like=like)
-        folder = os.path.dirname(top)
         save_id = None
         headers = {}
         if kind == "index":
-            weight_map, save_id = _read_index(top)
-            file_of = {name: os.path.join(folder, f) for name, f in weight_map.items()}
+            file_of, files, save_id = _shards(top)
         if remote:
-            files = sorted(set(file_of.values())) if kind == "index" else [top]
-            skeleton = _skeleton_of_objects(top, files, like, None, fds, identities)
+            skeleton = _skeleton_of_objects(top, files if kind == "index" else [top], like, None, fds, identities)
         if kind == "file":
             headers[top] = _header(top, fds, identities, stats)
         # Each tensor once, under the name a file stores it by (found before keys= may
         # leave that name out): a tied name is in no header.
-        stored = set(file_of) if kind == "index" else set(headers[top])
-        name_of = {id(t): dotted(p) for p, t in _select.distinct(_native.collect_tensors(skeleton, fw.kind_of), stored)}
+        name_of = _select.stored_names(skeleton, set(file_of) if kind == "index" else set(headers[top]))
         if keys is not None:
             skeleton = _select.select(skeleton, _select.patterns(keys))
         leaves = _select.distinct(_native.collect_tensors(skeleton, fw.kind_of))
@@ -190,7 +186,7 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
                 _open(f, fds, identities)
                 headers[f] = _header(f, fds, identities, stats)
             if save_id is not None and _metadata(f, fds[f]).get(_SAVE_ID_KEY) != save_id:
-                raise FormatError(f"{f}: the shard was written by another save than its index {top!r}")
+                raise _other_save(f, top)
         narrow = _narrowing(dtype)
         items = []
         for (p, leaf), name, f in zip(leaves, names, files):
@@ -326,6 +322,19 @@ def _skeleton_of_objects(top, files, like, keys, fds, identities, stored=None):
         return _api.load(os.path.join(folder, os.path.basename(top)), like=like, keys=keys)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the maps stay valid
+
+
+def _shards(top):
+    """``(file_of, files, save id or None)`` of the index ``top`` (a file or an object):
+    each tensor name's shard, as a path beside the index, and the shards in order."""
+    weight_map, save_id = _read_index(top)
+    folder = os.path.dirname(top)
+    file_of = {name: os.path.join(folder, f) for name, f in weight_map.items()}
+    return file_of, sorted(set(file_of.values())), save_id
+
+
+def _other_save(shard, top):
+    return FormatError(f"{shard}: the shard was written by another save than its index {top!r}")
 
 
 def _read_index(path):
@@ -611,10 +620,11 @@ class _Throttle:
             os.close(fd)  # releases the lock
 
 
-def _check_unchanged(plan):
-    """Every file still has the path it was opened by (a save that replaced one during the
-    load would have mixed two checkpoints)."""
-    for f, ident in plan.identities.items():
+def _check_unchanged(identities):
+    """Every file still has the identity ``identities`` recorded for it (the path it was
+    opened by; an object's ETag): a save that replaced one during the load would have mixed
+    two checkpoints."""
+    for f, ident in identities.items():
         if _identity(f) != ident:
             raise _replaced(f)
 

@@ -81,6 +81,12 @@ def distinct(leaves, stored=None):
     return list(first.values())
 
 
+def stored_names(tree, stored):
+    """``{id(tensor): name}``: the name each tensor of ``tree`` is stored under, one of the
+    set ``stored`` where it has one (see :func:`distinct`)."""
+    return {id(t): dotted(p) for p, t in distinct(_native.collect_tensors(tree, fw.kind_of), stored)}
+
+
 def _dtype_name(dtype):
     """"bfloat16" of "bf16", "bfloat16", torch.bfloat16, np.float16, …"""
     text = str(dtype).replace("torch.", "").replace("<class 'numpy.", "").rstrip("'>")
