@@ -693,6 +693,21 @@ def test_a_cast_load_reads_no_shard_outside_the_index_folder(own_server, shard):
     assert asked and not [u for u in asked if not u.startswith("/bucket/run/")], asked
 
 
+def test_a_sharded_checkpoint_saved_again_during_a_cast_load_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path):
+    """A whole new save (new shards, then a new index) lands while the first group's load
+    waits: the load fails, never returns old and new tensors together."""
+    tf.save(_model(layers=4, size=8192), url, max_shard_size=70_000)
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", str(40_000))
+    go, outcome = _paused_load(monkeypatch, tmp_path, url, device="emu:0", dtype="float16")
+    tf.save(_model(layers=4, size=8192, salt=100.0), url, max_shard_size=70_000)
+    go()
+    kind, value = outcome[0]
+    assert kind == "error", value
+    # The save removes the shards it replaced: the error names the one the load still wanted
+    # (were it kept, its pinned ETag or the index's would say "replaced").
+    assert isinstance(value, (tf.FormatError, FileNotFoundError)) and ".safetensors" in str(value), value
+
+
 def _native_object_bytes(target):
     size, _ = tf._native.object_head(target)
     return tf._native.object_read_ranges(target, [(0, size)], None)[0]
