@@ -5,7 +5,7 @@ as the tests use), in one run, with every roof measured in the same run.
     PEERS=$(bash scripts/bench-peers.sh)
     PYTHONPATH=bindings/python/python:$PEERS python bench/object_store.py \\
         [--mb 1024] [--tensors 300] [--small 10000] [--small-kb 8] [--repeat 3] \\
-        [--part-mb 8] [--concurrency 16] [--jobs a,b,save,memory] [--out FILE]
+        [--part-mb 8] [--concurrency 16] [--jobs a,b,save,memory] [--link-gbit G] [--out FILE]
 
 where $PEERS holds the peers, which are not dependencies of tensorferry:
 scripts/bench-peers.sh installs them into target/bench-peers (s3fs 2026.9.0 and boto3;
@@ -51,7 +51,11 @@ and best of the rounds and computes GB/s, "of roof" and the ratio to the fastest
 from the medians (median row / median of the faster roof). Every result is checked
 against the saved tensors once, outside the timing. The server's files are in the page
 cache (read once before). Server and client share this machine's cores, so every figure
-is for loopback on this machine, not for a network.
+is for loopback on this machine, not for a network: on two cores the clients' CPU, not the
+transport, sets the pace. --link-gbit G (root, iproute2) puts the server behind a link of
+G Gbit/s instead: a veth pair to a network namespace of its own, each direction shaped by a
+token bucket (tc tbf). The roofs run over the same link, so "of roof" then says how much of
+a link that is the bottleneck, as a NIC is, each client fills.
 """
 
 import argparse
@@ -89,21 +93,66 @@ def server_binary():
     return found
 
 
-def start_server(root):
+class Link:
+    """A network link of ``gbit`` Gbit/s each way between this process and the server: a
+    veth pair whose far end is in a network namespace of its own (where the server runs),
+    each end's egress shaped by a token bucket (``tc tbf``). Needs root and iproute2.
+    Without ``gbit``, the loopback interface, unshaped."""
+
+    CLIENT, SERVER = "10.77.0.1", "10.77.0.2"
+
+    def __init__(self, gbit):
+        self.gbit, self.netns = gbit, None
+        if not gbit:
+            self.host, self.run = "127.0.0.1", []
+            return
+        self.netns = f"tf-bench-{os.getpid()}"
+        self.host, self.run = self.SERVER, ["ip", "netns", "exec", self.netns]
+        near, far = f"tfb{os.getpid() % 100000}a", f"tfb{os.getpid() % 100000}b"
+        # A bucket of 2 ms at the rate (at least 1 MiB): veth hands over 64 KiB segments.
+        burst = max(1 << 20, int(gbit * 1e9 / 8 * 0.002))
+        shape = ["root", "tbf", "rate", f"{gbit}gbit", "burst", str(burst), "latency", "20ms"]
+        for cmd in (["ip", "netns", "add", self.netns],
+                    ["ip", "link", "add", near, "type", "veth", "peer", "name", far],
+                    ["ip", "link", "set", far, "netns", self.netns],
+                    ["ip", "addr", "add", f"{self.CLIENT}/30", "dev", near],
+                    ["ip", "link", "set", near, "up"],
+                    self.run + ["ip", "addr", "add", f"{self.SERVER}/30", "dev", far],
+                    self.run + ["ip", "link", "set", far, "up"],
+                    ["tc", "qdisc", "add", "dev", near] + shape,
+                    self.run + ["tc", "qdisc", "add", "dev", far] + shape):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                self.close()
+                sys.exit(f"--link-gbit: {' '.join(cmd)} failed (root and iproute2 needed): {done.stderr.strip()}")
+
+    def describe(self, cores):
+        if not self.gbit:
+            return f"on loopback, sharing the {cores} cores with the client"
+        return (f"in a network namespace of its own behind a veth pair shaped to {self.gbit:g} Gbit/s each way "
+                f"(tc tbf), sharing the {cores} cores with the client")
+
+    def close(self):
+        if self.netns:
+            subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)  # the veth pair goes with it
+            self.netns = None
+
+
+def start_server(root, link):
     os.makedirs(os.path.join(root, BUCKET), exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [server_binary(), "--host", "127.0.0.1", "--port", str(port), "--access-key", ACCESS_KEY,
-         "--secret-key", SECRET_KEY, root],
+        link.run + [server_binary(), "--host", link.host, "--port", str(port), "--access-key", ACCESS_KEY,
+                    "--secret-key", SECRET_KEY, root],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 20
     while True:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
+            socket.create_connection((link.host, port), timeout=1).close()
+            return proc, f"http://{link.host}:{port}"
         except OSError:
             if time.monotonic() > deadline:
                 proc.kill()
@@ -475,6 +524,8 @@ def main():
                     help="the jobs to run, comma-separated: a (load A), b (load B), save, memory")
     ap.add_argument("--skip-peers", action="store_true",
                     help="loads: only the roofs and tensorferry, alternated (steadier ratios on a noisy machine)")
+    ap.add_argument("--link-gbit", type=float, default=0,
+                    help="the server behind a link of this many Gbit/s each way (a shaped veth pair; root)")
     ap.add_argument("--child-memory", nargs=3, metavar=("DEVICE", "DTYPE", "URL"), help=argparse.SUPPRESS)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -494,7 +545,12 @@ def main():
     import tensorferry as tf
 
     work = tempfile.mkdtemp(prefix="tf-object-bench-")
-    proc, endpoint = start_server(os.path.join(work, "s3"))
+    link = Link(args.link_gbit)
+    try:
+        proc, endpoint = start_server(os.path.join(work, "s3"), link)
+    except BaseException:
+        link.close()
+        raise
     os.environ.update({
         "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
         "AWS_ENDPOINT_URL": endpoint, "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9", "AWS_EC2_METADATA_DISABLED": "true",
@@ -518,7 +574,7 @@ def main():
             f"{boto3.__version__}, s3fs {s3fs.__version__}, runai-model-streamer "
             f"{_version('runai-model-streamer')}, tensorferry {tf.__version__} ({commit.stdout.strip()})")
         server = "s3s-fs with 1 MiB reads (scripts/s3-server.sh fast)" if "s3s-fs-1m" in server_binary() else "s3s-fs"
-        say(f"# {server} on loopback, sharing the {os.cpu_count()} cores with the client; roofs and tensorferry: parts "
+        say(f"# {server} {link.describe(os.cpu_count())}; roofs and tensorferry: parts "
             f"{args.part_mb} MiB x {args.concurrency} in flight; {args.repeat} rounds, rows rotated per round")
         say("# load average at the start (1, 5, 15 min): " + " ".join(f"{x:.1f}" for x in os.getloadavg()))
         say()
@@ -558,6 +614,7 @@ def main():
     finally:
         proc.kill()
         proc.wait()
+        link.close()
         shutil.rmtree(work, ignore_errors=True)
     if args.out:
         with open(args.out, "w") as f:
