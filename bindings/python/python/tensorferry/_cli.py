@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 
-from . import _native
+from . import _native, _select
 from ._errors import TensorferryError
 from ._progress import writes_watched
 from ._tree import dotted
@@ -333,8 +333,7 @@ def _untangled(tree, tensors):
             if kept.data_ptr() != t.data_ptr():
                 replace[id(t)] = kept
             continue
-        begin = t.data_ptr()
-        end = begin + t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        begin, end, _ = _select._memory_of(t)
         kept = spans.setdefault(t.untyped_storage().data_ptr(), [])
         if any(b < end and begin < e for b, e in kept):
             copy = replace[id(t)] = t.clone()

@@ -308,22 +308,23 @@ def to_native_many(leaves, kinds, paths):
     if kinds.count(NATIVE) == len(kinds):
         return list(leaves)  # nothing to convert (no pass per leaf)
     out = [None] * len(leaves)
-    numpy_at = [i for i, k in enumerate(kinds) if k == NUMPY]
-    if numpy_at:
-        for i, t in zip(numpy_at, _numpy_to_native_many([leaves[i] for i in numpy_at], [paths[i] for i in numpy_at])):
-            out[i] = t
-    torch_at = [i for i, k in enumerate(kinds) if k == TORCH]
-    if torch_at:
-        for i, t in zip(torch_at, _torch_to_native_many([leaves[i] for i in torch_at], [paths[i] for i in torch_at])):
-            out[i] = t
-    tf_at = [i for i, k in enumerate(kinds) if k == TENSORFLOW]
-    if tf_at:
-        for i, t in zip(tf_at, _tf_to_native_many([leaves[i] for i in tf_at], [shown(paths[i]) for i in tf_at])):
-            out[i] = t
+    _convert_each(out, [i for i, k in enumerate(kinds) if k == NUMPY],
+                  lambda at: _numpy_to_native_many([leaves[i] for i in at], [paths[i] for i in at]))
+    _convert_each(out, [i for i, k in enumerate(kinds) if k == TORCH],
+                  lambda at: _torch_to_native_many([leaves[i] for i in at], [paths[i] for i in at]))
+    _convert_each(out, [i for i, k in enumerate(kinds) if k == TENSORFLOW],
+                  lambda at: _tf_to_native_many([leaves[i] for i in at], [shown(paths[i]) for i in at]))
     for i, (leaf, kind) in enumerate(zip(leaves, kinds)):
         if out[i] is None:
             out[i] = to_native(leaf, kind, paths[i])
     return out
+
+
+def _convert_each(out, at, convert):
+    """``out[i]`` for each index ``i`` of ``at`` from ``convert(at)`` (one call for all)."""
+    if at:
+        for i, result in zip(at, convert(at)):
+            out[i] = result
 
 
 def _host_numpy(kind, tensor):
@@ -366,19 +367,12 @@ def from_native_many(tensors, kinds, paths, order=False):
     if kinds.count(TORCH) == len(kinds):
         return _torch_from_native_many(list(tensors), order)  # one framework: no pass per leaf
     out = [None] * len(tensors)
-    numpy_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if _host_numpy(k, t)]
-    if numpy_at:
-        arrays = tensors_to_numpy([tensors[i] for i in numpy_at], lambda j: shown(paths[numpy_at[j]]))
-        for i, a in zip(numpy_at, arrays):
-            out[i] = a
-    torch_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if k == TORCH and out[i] is None]
-    if torch_at:
-        for i, t in zip(torch_at, _torch_from_native_many([tensors[i] for i in torch_at], order)):
-            out[i] = t
-    tf_at = [i for i, (t, k) in enumerate(zip(tensors, kinds)) if k == TENSORFLOW and out[i] is None]
-    if tf_at:
-        for i, t in zip(tf_at, _tf_from_native_many([tensors[i] for i in tf_at])):
-            out[i] = t
+    _convert_each(out, [i for i, (t, k) in enumerate(zip(tensors, kinds)) if _host_numpy(k, t)],
+                  lambda at: tensors_to_numpy([tensors[i] for i in at], lambda j: shown(paths[at[j]])))
+    _convert_each(out, [i for i, (t, k) in enumerate(zip(tensors, kinds)) if k == TORCH and out[i] is None],
+                  lambda at: _torch_from_native_many([tensors[i] for i in at], order))
+    _convert_each(out, [i for i, (t, k) in enumerate(zip(tensors, kinds)) if k == TENSORFLOW and out[i] is None],
+                  lambda at: _tf_from_native_many([tensors[i] for i in at]))
     for i, (t, k) in enumerate(zip(tensors, kinds)):
         if out[i] is None:
             out[i] = from_native(t, k, paths[i])

@@ -196,6 +196,23 @@ def _memory_of(t):
     return low, high, (start, shape, strides, str(t.dtype))
 
 
+def _overlap_runs(spans):
+    """The runs of ``spans`` (``[(low, high, layout, item)]``, sorted) whose memory overlaps
+    an earlier member's, each ``[(layout, item)]`` of two or more, in order."""
+    runs, run, reach = [], [], None
+    for low, high, layout, item in spans:
+        if reach is not None and low < reach:
+            run.append((layout, item))
+            reach = max(reach, high)
+        else:
+            if len(run) > 1:
+                runs.append(run)
+            run, reach = [(layout, item)], high
+    if len(run) > 1:
+        runs.append(run)
+    return runs
+
+
 def tie_shared(tree):
     """``tree`` with every PyTorch tensor or NumPy array that is the same view of memory as
     an earlier one (tied weights: ``lm_head.weight`` and ``wte.weight`` of one storage)
@@ -204,11 +221,10 @@ def tie_shared(tree):
     save refuses them."""
     leaves = [(p, x) for p, x in _native.collect_tensors(tree, fw.kind_of) if fw.kind_of(x) in (fw.TORCH, fw.NUMPY)]
     spans = sorted((m[0], m[1], m[2], i) for i, m in enumerate(_memory_of(x) for _, x in leaves) if m is not None)
-    ties, reach, first = {}, None, None
-    for low, high, layout, i in spans:
-        if reach is not None and low < reach:
-            j = first[1]
-            if layout != first[0]:
+    ties = {}
+    for (first, j), *rest in _overlap_runs(spans):
+        for layout, i in rest:
+            if layout != first:
                 a, b = sorted((i, j))
                 raise FormatError(
                     f"{dotted(leaves[b][0])!r}: its memory overlaps that of {dotted(leaves[a][0])!r} (views of "
@@ -216,9 +232,6 @@ def tie_shared(tree):
                     "cannot keep the overlap: save a copy of one (`.clone()`), or leave one out"
                 )
             ties[id(leaves[i][1])] = leaves[j][1]
-            reach = max(reach, high)
-        else:
-            reach, first = high, (layout, i)
     if not ties:
         return tree
     return _native.rebuild(tree, ties)
@@ -230,20 +243,8 @@ def _aliased(targets, sources):
     spans = sorted(
         (m[0], m[1], m[2], name) for name, m in ((n, _memory_of(t)) for n, t in targets.items()) if m is not None
     )
-    problems, group = [], []
-    groups = []
-    reach = None
-    for low, high, layout, name in spans:
-        if reach is not None and low < reach:
-            group.append((layout, name))
-            reach = max(reach, high)
-        else:
-            if len(group) > 1:
-                groups.append(group)
-            group, reach = [(layout, name)], high
-    if len(group) > 1:
-        groups.append(group)
-    for group in groups:
+    problems = []
+    for group in _overlap_runs(spans):
         names = sorted(n for _, n in group)
         if len({layout for layout, _ in group}) > 1:
             problems.append(f"{', '.join(names)}: overlapping views of one memory in out= cannot be filled; clone() them")
