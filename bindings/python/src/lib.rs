@@ -580,13 +580,29 @@ fn object_read_header(
     })
 }
 
-/// `(is_index, url)`: the index or the one object `load` reads for the object-storage
-/// `url` (an index, a folder, the index a sharded save to `url` wrote), resolved as it
-/// resolves them; a missing checkpoint is the error `load` gives.
+/// `(is_index, path)`: the index or the one file (object) `load` reads for `path` (a file,
+/// an index, a folder, the index a sharded save to `path` wrote; or an object-storage
+/// URL), resolved as it resolves them; a checkpoint it refuses is the error it gives.
 #[pyfunction]
-fn object_resolve(py: Python<'_>, url: &str) -> PyResult<(bool, String)> {
-    let options = object::ObjectOptions::from_env();
-    guard(|| py.detach(|| object::resolve_url(url, &options)).py_err())
+fn resolve(py: Python<'_>, path: PathBuf) -> PyResult<(bool, std::ffi::OsString)> {
+    guard(|| {
+        let (is_index, found) = py
+            .detach(|| tensorferry::internal::io::resolve(&path))
+            .py_err()?;
+        Ok((is_index, found.into_os_string()))
+    })
+}
+
+/// `(weight_map, save_id)` of the index of a sharded checkpoint whose bytes `data` were
+/// read from `path` (a file or an object), checked as every load checks it: a bad index
+/// (a shard outside its folder or that is no safetensors file, a save id that is no
+/// string…) is a `FormatError` naming `path`.
+#[pyfunction]
+fn parse_index(data: &[u8], path: PathBuf) -> PyResult<(BTreeMap<String, String>, Option<String>)> {
+    guard(|| {
+        let index = tensorferry::internal::io::parse_index(data, &path).py_err()?;
+        Ok((index.weight_map, index.save_id))
+    })
 }
 
 /// `(size, etag)` of the object at `url` (one HEAD); `etag` None where the store gives
@@ -748,7 +764,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(object_read_header, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(object_head, m)?)?;
-    m.add_function(wrap_pyfunction!(object_resolve, m)?)?;
+    m.add_function(wrap_pyfunction!(resolve, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_index, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_into, m)?)?;
     m.add_function(wrap_pyfunction!(object_put, m)?)?;
     m.add_function(wrap_pyfunction!(object_delete, m)?)?;
@@ -764,5 +781,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(walk::prune, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_DEPTH", walk::MAX_DEPTH)?;
+    m.add(
+        "MAX_INDEX_BYTES",
+        tensorferry::internal::io::MAX_INDEX_BYTES,
+    )?;
     Ok(())
 }

@@ -693,6 +693,21 @@ def test_a_cast_load_reads_no_shard_outside_the_index_folder(own_server, shard):
     assert asked and not [u for u in asked if not u.startswith("/bucket/run/")], asked
 
 
+@pytest.mark.parametrize("how", [{}, {"device": "emu:0", "dtype": "float16"}], ids=["load", "cast_load"])
+@pytest.mark.parametrize("metadata, shard, refusal", [
+    ({}, "other.safetensors.index.json", "is an index, not a safetensors file"),
+    ({"tensorferry.save": 5}, "m.safetensors", "metadata.tensorferry.save must be a string"),
+], ids=["an_index_as_its_shard", "a_save_id_not_a_string"])
+def test_an_index_the_native_reader_refuses_is_refused_by_a_cast_load_too(s3, url, how, metadata, shard, refusal):
+    tf.save({"w": np.ones(4, np.float32)}, url + "m.safetensors")
+    other = json.dumps({"metadata": {}, "weight_map": {"w": "m.safetensors"}}).encode()
+    tf._native.object_put(url + "other.safetensors.index.json", other)
+    index = json.dumps({"metadata": metadata, "weight_map": {"w": shard}}).encode()
+    tf._native.object_put(url + "model.safetensors.index.json", index)
+    with pytest.raises(tf.FormatError, match=refusal):
+        tf.load(url + "model.safetensors.index.json", **how)
+
+
 def test_a_sharded_checkpoint_saved_again_during_a_cast_load_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path):
     """A whole new save (new shards, then a new index) lands while the first group's load
     waits: the load fails, never returns old and new tensors together."""

@@ -53,6 +53,22 @@ pub fn load(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
     load_file(&path, options)
 }
 
+/// What [`load`] reads for `path`: `(true, the index)` for a sharded checkpoint, else
+/// `(false, the file)`, resolved as it resolves them (an index, a folder holding one
+/// checkpoint, the index a sharded save to `path` wrote; an object-storage URL among
+/// objects). A folder it would refuse, or a missing object, is the error it gives; a
+/// missing local file resolves to itself. For readers that plan their own reads.
+pub fn resolve(path: impl AsRef<Path>) -> Result<(bool, PathBuf)> {
+    if let Some(url) = object::url_of(path.as_ref()) {
+        let (is_index, found) = object::resolve_url(url, &object::ObjectOptions::from_env())?;
+        return Ok((is_index, PathBuf::from(found)));
+    }
+    Ok(match sharded::resolve(path.as_ref())? {
+        sharded::Target::Index(index) => (true, index),
+        sharded::Target::File(file) => (false, file),
+    })
+}
+
 /// The user metadata of the checkpoint at `path`, from headers alone: a file, an index
 /// (its first shard's metadata, as [`load`] returns), or a folder or path that
 /// [`load`] would read one from.
