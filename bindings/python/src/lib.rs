@@ -613,12 +613,16 @@ fn object_head(py: Python<'_>, url: &str) -> PyResult<(u64, Option<String>)> {
     guard(|| py.detach(|| object::head_url(url, &options)).py_err())
 }
 
-/// Writes `data` as the object at `url` in one PUT (GIL released): it appears whole or
-/// stays as it was.
+/// Writes `data` as the file at `path` (replaced atomically as `save` replaces a file,
+/// its permissions kept; with `fsync`, synced with its folder) or as the object at an
+/// object-storage URL (one PUT), the GIL released: it appears whole or stays as it was.
 #[pyfunction]
-fn object_put(py: Python<'_>, url: &str, data: Vec<u8>) -> PyResult<()> {
-    let options = object::ObjectOptions::from_env();
-    guard(|| py.detach(|| object::put_url(url, data, &options)).py_err())
+#[pyo3(signature = (path, data, fsync=false))]
+fn put(py: Python<'_>, path: PathBuf, data: Vec<u8>, fsync: bool) -> PyResult<()> {
+    guard(|| {
+        py.detach(|| tensorferry::internal::io::put(&path, data, fsync))
+            .py_err()
+    })
 }
 
 /// Deletes the object at `url` (GIL released); one already absent is no error.
@@ -767,7 +771,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(resolve, m)?)?;
     m.add_function(wrap_pyfunction!(parse_index, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_into, m)?)?;
-    m.add_function(wrap_pyfunction!(object_put, m)?)?;
+    m.add_function(wrap_pyfunction!(put, m)?)?;
     m.add_function(wrap_pyfunction!(object_delete, m)?)?;
     m.add_function(wrap_pyfunction!(wait_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;

@@ -539,14 +539,14 @@ def object_storage(folder, pg, out, rank, world):
     for case, (metadata, shard) in refused.items():
         url = prefix + f"{case}_{world}/model.safetensors.index.json"
         if rank == 0:
-            _native.object_put(url, json.dumps({"metadata": metadata, "weight_map": {"w": shard}}).encode())
+            _native.put(url, json.dumps({"metadata": metadata, "weight_map": {"w": shard}}).encode())
         dist.barrier(group=pg)
         out[f"error:s3_{case}"] = expect_error(lambda: tf.load(url, process_group=pg))
     # Replaced while rank 0 reads its part: the replacement is written as its read starts.
     url = prefix + f"race_{world}.safetensors"
     if rank == 0:
         with open(os.path.join(folder, "mixed.safetensors"), "rb") as f:
-            _native.object_put(url, f.read())
+            _native.put(url, f.read())
     dist.barrier(group=pg)
     wait = _fanout._Throttle.wait
     if rank == 0:
@@ -554,7 +554,7 @@ def object_storage(folder, pg, out, rank, world):
 
         def replace_then_wait(self, nbytes):
             with open(os.path.join(folder, "tp.safetensors"), "rb") as f:
-                _native.object_put(url, f.read())
+                _native.put(url, f.read())
             _fanout._Throttle.wait = wait
             wait(self, nbytes)
 

@@ -336,7 +336,7 @@ def s3_results(folder, tmp_path_factory):
             for name in ("mixed.safetensors", "tp.safetensors", "hf", "ts"):
                 local = folder / name
                 for f in [local] if local.is_file() else sorted(local.iterdir()):
-                    tf._native.object_put(f"s3://bucket/fanout/{f.relative_to(folder)}", f.read_bytes())
+                    tf._native.put(f"s3://bucket/fanout/{f.relative_to(folder)}", f.read_bytes())
             yield {world: ranks.run_ranks("s3", world, folder) for world in (4, 2)}
     finally:
         server.stop()

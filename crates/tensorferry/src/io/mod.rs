@@ -22,5 +22,5 @@ pub use format::header::Header;
 pub use format::header_reader::parse_header;
 pub use fs::direct_runs::{read_runs, Run, RunFile};
 pub use read::{load_bytes, read_header, LoadOptions, Loaded, Mapping};
-pub use route::{load, load_to, load_to_until, read_metadata, resolve, save, save_sharded};
+pub use route::{load, load_to, load_to_until, put, read_metadata, resolve, save, save_sharded};
 pub use write::{header_bytes, SaveOptions};

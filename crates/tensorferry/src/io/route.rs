@@ -9,6 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use super::checkpoint::sharded;
 use super::format::header_writer;
+use super::fs::replace;
 use super::into_device;
 use super::object;
 use super::read::{load_file, read_header, LoadOptions, Loaded};
@@ -67,6 +68,18 @@ pub fn resolve(path: impl AsRef<Path>) -> Result<(bool, PathBuf)> {
         sharded::Target::Index(index) => (true, index),
         sharded::Target::File(file) => (false, file),
     })
+}
+
+/// Writes `bytes` as the file at `path`, replaced atomically as [`save`] replaces a file
+/// (its permissions kept, a link followed, nothing left behind by a failure; with `fsync`
+/// the file, then its folder, synced), or as the object at an object-storage URL in one
+/// PUT: it appears whole, or stays as it was. For the small files that commit a
+/// checkpoint (an index, DCP's `.metadata`).
+pub fn put(path: impl AsRef<Path>, bytes: Vec<u8>, fsync: bool) -> Result<()> {
+    if let Some(url) = object::url_of(path.as_ref()) {
+        return object::put_url(url, bytes, &object::ObjectOptions::from_env());
+    }
+    replace::replace_with(path.as_ref(), &bytes, fsync)
 }
 
 /// The user metadata of the checkpoint at `path`, from headers alone: a file, an index
