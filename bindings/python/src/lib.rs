@@ -564,19 +564,39 @@ fn object_names(py: Python<'_>, url: &str) -> PyResult<(Vec<String>, bool)> {
 }
 
 /// The header of the safetensors object at `url` (one object, no folder or index
-/// resolved): `(data_start, entries, etag, size)`, entries as `read_index` gives them
-/// (offsets absolute in the object), `etag` None where the store gives none.
+/// resolved), read and validated as `load` does: `(data_start, entries, etag, size,
+/// metadata, stored)`, entries as `RunFile.read_header` gives them (offsets absolute in
+/// the object), `etag` None where the store gives none, `metadata` the header's
+/// `__metadata__`, `stored` the header's bytes as the object holds them (`data_start`
+/// bytes).
 #[pyfunction]
+#[allow(clippy::type_complexity)]
 fn object_read_header(
     py: Python<'_>,
     url: &str,
-) -> PyResult<(u64, Vec<IndexEntry>, Option<String>, u64)> {
+) -> PyResult<(
+    u64,
+    Vec<IndexEntry>,
+    Option<String>,
+    u64,
+    BTreeMap<String, String>,
+    Py<pyo3::types::PyBytes>,
+)> {
     let options = object::ObjectOptions::from_env();
     guard(|| {
-        let (header, etag, size) = py
+        let (mut header, stored, etag, size) = py
             .detach(|| object::read_header_url(url, &options))
             .py_err()?;
-        Ok((header.data_start, entries_of(header), etag, size))
+        let metadata = std::mem::take(&mut header.metadata);
+        let stored = pyo3::types::PyBytes::new(py, &stored).unbind();
+        Ok((
+            header.data_start,
+            entries_of(header),
+            etag,
+            size,
+            metadata,
+            stored,
+        ))
     })
 }
 
@@ -696,26 +716,12 @@ fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, Str
     })
 }
 
-/// One tensor of a file's index: name, safetensors dtype code, shape, and its first and
+/// One tensor of a file's header: name, safetensors dtype code, shape, and its first and
 /// end byte, absolute in the file.
-type IndexEntry = (String, &'static str, Vec<usize>, u64, u64);
-
-/// The tensors of the safetensors file at `path`, from its header alone, validated as `load`
-/// validates it (a malformed or truncated file is a `FormatError` naming it): the file
-/// offset of the data section, and each tensor's entry in header order.
-#[pyfunction]
-fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<(u64, Vec<IndexEntry>)> {
-    guard(|| {
-        let header = py
-            .detach(|| tensorferry::internal::io::read_header(&path))
-            .py_err()?;
-        let start = header.data_start;
-        Ok((start, entries_of(header)))
-    })
-}
+pub(crate) type IndexEntry = (String, &'static str, Vec<usize>, u64, u64);
 
 /// The entries of `header`, offsets absolute in its file or object.
-fn entries_of(header: tensorferry::internal::io::Header) -> Vec<IndexEntry> {
+pub(crate) fn entries_of(header: tensorferry::internal::io::Header) -> Vec<IndexEntry> {
     let start = header.data_start;
     header
         .tensors
@@ -757,7 +763,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(from_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(to_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(runs::host_runs, m)?)?;
-    m.add_function(wrap_pyfunction!(read_index, m)?)?;
     m.add_function(wrap_pyfunction!(direct_runs::read_runs, m)?)?;
     m.add_class::<direct_runs::PyRunFile>()?;
     m.add_function(wrap_pyfunction!(save, m)?)?;

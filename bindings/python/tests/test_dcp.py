@@ -393,3 +393,14 @@ def test_loading_one_tensor_reads_only_its_bytes_and_the_header(tmp_path):
     stats = reader.read_stats
     assert (stats.needed, stats.data, stats.files) == (4000, 4000, 1)
     assert 8 < stats.header < 4000 and stats.total == stats.data + stats.header
+
+
+def test_a_load_reads_and_counts_each_rank_files_header_once(tmp_path):
+    state = {f"w{i}": torch.full((1000,), float(i)) for i in range(8)}
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    reader = TensorferryReader(tmp_path)
+    target = {"w5": torch.zeros(1000)}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    with open(_rank_path(tmp_path, 0), "rb") as f:
+        header_bytes = 8 + int.from_bytes(f.read(8), "little")
+    assert (reader.read_stats.files, reader.read_stats.header) == (1, header_bytes)

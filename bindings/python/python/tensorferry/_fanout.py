@@ -169,7 +169,7 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         if remote:
             skeleton = _skeleton_of_objects(top, files if is_index else [top], like, None, fds, identities)
         if not is_index:
-            headers[top] = _header(top, fds, identities, stats)
+            headers[top], _ = _header(top, fds, identities, stats)
         # Each tensor once, under the name a file stores it by (found before keys= may
         # leave that name out): a tied name is in no header.
         name_of = _select.stored_names(skeleton, set(file_of) if is_index else set(headers[top]))
@@ -182,9 +182,9 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         for f in order:
             if f not in headers:
                 _open(f, fds, identities)
-                headers[f] = _header(f, fds, identities, stats)
-            if save_id is not None and _metadata(f, fds[f]).get(_SAVE_ID_KEY) != save_id:
-                raise _other_save(f, top)
+                headers[f], metadata = _header(f, fds, identities, stats)
+                if save_id is not None and metadata.get(_SAVE_ID_KEY) != save_id:
+                    raise _other_save(f, top)
         narrow = _narrowing(dtype)
         items = []
         for (p, leaf), name, f in zip(leaves, names, files):
@@ -224,14 +224,15 @@ def _open(path, fds, identities):
 
 
 def _header(path, fds, identities, stats):
-    """``{name: Entry}`` of the file open in ``fds``; an object's version is pinned from here on."""
+    """``({name: Entry}, metadata)`` of the file open in ``fds``; an object's version is
+    pinned from here on."""
     fd = fds[path]
-    entries = _dcp_io.read_header(fd, path, stats)
+    entries, metadata = _dcp_io.header(fd, path, stats)
     if isinstance(fd, _dcp_io.RemoteObject):
         if identities.setdefault(path, fd.etag) != fd.etag:
             raise _replaced(path)
         fd.etag = identities[path]
-    return entries
+    return entries, metadata
 
 
 def _replaced(path):
@@ -247,13 +248,6 @@ def _identity(path):
     except OSError:
         return None
     return st.st_dev, st.st_ino
-
-
-def _metadata(path, fd):
-    """The user metadata of the file open as ``fd``."""
-    if not isinstance(fd, _dcp_io.RemoteObject):
-        return _native.read_metadata(path)
-    return _dcp_io._header_metadata(fd, path, _native.object_read_header(path)[0], None)
 
 
 def _skeleton_of_objects(top, files, like, keys, fds, identities, stored=None):
@@ -274,11 +268,10 @@ def _skeleton_of_objects(top, files, like, keys, fds, identities, stored=None):
                 f.write(_dcp_io.read_small_file(top, _native.MAX_INDEX_BYTES))
         for url in files:
             _open(url, fds, identities)
-            start, entries, etag, size = _native.object_read_header(url)
+            _, entries, etag, size, _, head = _native.object_read_header(url)
             identities[url] = etag  # the version every later read must find
             if stored is not None:
                 stored.update(e[0] for e in entries)
-            (head,) = _native.object_read_ranges(url, [(0, start)], etag)
             with open(os.path.join(folder, os.path.basename(url)), "wb") as f:
                 f.write(head)
                 f.truncate(size)

@@ -21,6 +21,6 @@ pub use checkpoint::sharded::{load_sharded, shard_files};
 pub use format::header::Header;
 pub use format::header_reader::parse_header;
 pub use fs::direct_runs::{read_runs, Run, RunFile};
-pub use read::{load_bytes, read_header, LoadOptions, Loaded, Mapping};
+pub use read::{load_bytes, read_header, read_run_file_header, LoadOptions, Loaded, Mapping};
 pub use route::{load, load_to, load_to_until, put, read_metadata, resolve, save, save_sharded};
 pub use write::{header_bytes, SaveOptions};
