@@ -2,15 +2,17 @@
 //! of a process group reads (`tensorferry._fanout` with `direct=True`), or through it
 //! straight into the caller's buffers from a [`PyRunFile`] (`tensorferry._dcp_io`).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
-use tensorferry::internal::io::{Run, RunFile};
+use tensorferry::internal::io::{read_run_file_header, Run, RunFile};
 use tensorferry::{DType, Storage, Tensor};
 
 use crate::errors::{guard, IntoPy};
 use crate::tensor::PyTensor;
+use crate::{entries_of, IndexEntry};
 
 /// `(buffers, bytes_read, fallback)`: runs `(file offset, bytes, destination, offset in
 /// it)` of the file at `path` read with `O_DIRECT` (`tensorferry::internal::io::read_runs`) into
@@ -110,6 +112,23 @@ impl PyRunFile {
             // resized) until this call returns.
             let mut targets = unsafe { spans_as_slices(&spans) }?;
             self.with_file(|f| py.detach(|| f.read_into(&mut targets, threads)).py_err())
+        })
+    }
+
+    /// `(data_start, entries, metadata)` of the file's safetensors header, read from this
+    /// open file and validated as `load` validates it (a malformed or truncated file is a
+    /// `FormatError` naming it): the data section's offset, each tensor's `(name, dtype
+    /// code, shape, begin, end)` in header order (offsets absolute in the file), and the
+    /// header's `__metadata__`.
+    #[allow(clippy::type_complexity)]
+    fn read_header(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<(u64, Vec<IndexEntry>, BTreeMap<String, String>)> {
+        guard(|| {
+            let mut header = self.with_file(|f| py.detach(|| read_run_file_header(f)).py_err())?;
+            let metadata = std::mem::take(&mut header.metadata);
+            Ok((header.data_start, entries_of(header), metadata))
         })
     }
 

@@ -564,29 +564,65 @@ fn object_names(py: Python<'_>, url: &str) -> PyResult<(Vec<String>, bool)> {
 }
 
 /// The header of the safetensors object at `url` (one object, no folder or index
-/// resolved): `(data_start, entries, etag, size)`, entries as `read_index` gives them
-/// (offsets absolute in the object), `etag` None where the store gives none.
+/// resolved), read and validated as `load` does: `(data_start, entries, etag, size,
+/// metadata, stored)`, entries as `RunFile.read_header` gives them (offsets absolute in
+/// the object), `etag` None where the store gives none, `metadata` the header's
+/// `__metadata__`, `stored` the header's bytes as the object holds them (`data_start`
+/// bytes).
 #[pyfunction]
+#[allow(clippy::type_complexity)]
 fn object_read_header(
     py: Python<'_>,
     url: &str,
-) -> PyResult<(u64, Vec<IndexEntry>, Option<String>, u64)> {
+) -> PyResult<(
+    u64,
+    Vec<IndexEntry>,
+    Option<String>,
+    u64,
+    BTreeMap<String, String>,
+    Py<pyo3::types::PyBytes>,
+)> {
     let options = object::ObjectOptions::from_env();
     guard(|| {
-        let (header, etag, size) = py
+        let (mut header, stored, etag, size) = py
             .detach(|| object::read_header_url(url, &options))
             .py_err()?;
-        Ok((header.data_start, entries_of(header), etag, size))
+        let metadata = std::mem::take(&mut header.metadata);
+        let stored = pyo3::types::PyBytes::new(py, &stored).unbind();
+        Ok((
+            header.data_start,
+            entries_of(header),
+            etag,
+            size,
+            metadata,
+            stored,
+        ))
     })
 }
 
-/// `(is_index, url)`: the index or the one object `load` reads for the object-storage
-/// `url` (an index, a folder, the index a sharded save to `url` wrote), resolved as it
-/// resolves them; a missing checkpoint is the error `load` gives.
+/// `(is_index, path)`: the index or the one file (object) `load` reads for `path` (a file,
+/// an index, a folder, the index a sharded save to `path` wrote; or an object-storage
+/// URL), resolved as it resolves them; a checkpoint it refuses is the error it gives.
 #[pyfunction]
-fn object_resolve(py: Python<'_>, url: &str) -> PyResult<(bool, String)> {
-    let options = object::ObjectOptions::from_env();
-    guard(|| py.detach(|| object::resolve_url(url, &options)).py_err())
+fn resolve(py: Python<'_>, path: PathBuf) -> PyResult<(bool, std::ffi::OsString)> {
+    guard(|| {
+        let (is_index, found) = py
+            .detach(|| tensorferry::internal::io::resolve(&path))
+            .py_err()?;
+        Ok((is_index, found.into_os_string()))
+    })
+}
+
+/// `(weight_map, save_id)` of the index of a sharded checkpoint whose bytes `data` were
+/// read from `path` (a file or an object), checked as every load checks it: a bad index
+/// (a shard outside its folder or that is no safetensors file, a save id that is no
+/// string…) is a `FormatError` naming `path`.
+#[pyfunction]
+fn parse_index(data: &[u8], path: PathBuf) -> PyResult<(BTreeMap<String, String>, Option<String>)> {
+    guard(|| {
+        let index = tensorferry::internal::io::parse_index(data, &path).py_err()?;
+        Ok((index.weight_map, index.save_id))
+    })
 }
 
 /// `(size, etag)` of the object at `url` (one HEAD); `etag` None where the store gives
@@ -597,12 +633,16 @@ fn object_head(py: Python<'_>, url: &str) -> PyResult<(u64, Option<String>)> {
     guard(|| py.detach(|| object::head_url(url, &options)).py_err())
 }
 
-/// Writes `data` as the object at `url` in one PUT (GIL released): it appears whole or
-/// stays as it was.
+/// Writes `data` as the file at `path` (replaced atomically as `save` replaces a file,
+/// its permissions kept; with `fsync`, synced with its folder) or as the object at an
+/// object-storage URL (one PUT), the GIL released: it appears whole or stays as it was.
 #[pyfunction]
-fn object_put(py: Python<'_>, url: &str, data: Vec<u8>) -> PyResult<()> {
-    let options = object::ObjectOptions::from_env();
-    guard(|| py.detach(|| object::put_url(url, data, &options)).py_err())
+#[pyo3(signature = (path, data, fsync=false))]
+fn put(py: Python<'_>, path: PathBuf, data: Vec<u8>, fsync: bool) -> PyResult<()> {
+    guard(|| {
+        py.detach(|| tensorferry::internal::io::put(&path, data, fsync))
+            .py_err()
+    })
 }
 
 /// Deletes the object at `url` (GIL released); one already absent is no error.
@@ -676,26 +716,12 @@ fn read_metadata(py: Python<'_>, path: PathBuf) -> PyResult<BTreeMap<String, Str
     })
 }
 
-/// One tensor of a file's index: name, safetensors dtype code, shape, and its first and
+/// One tensor of a file's header: name, safetensors dtype code, shape, and its first and
 /// end byte, absolute in the file.
-type IndexEntry = (String, &'static str, Vec<usize>, u64, u64);
-
-/// The tensors of the safetensors file at `path`, from its header alone, validated as `load`
-/// validates it (a malformed or truncated file is a `FormatError` naming it): the file
-/// offset of the data section, and each tensor's entry in header order.
-#[pyfunction]
-fn read_index(py: Python<'_>, path: PathBuf) -> PyResult<(u64, Vec<IndexEntry>)> {
-    guard(|| {
-        let header = py
-            .detach(|| tensorferry::internal::io::read_header(&path))
-            .py_err()?;
-        let start = header.data_start;
-        Ok((start, entries_of(header)))
-    })
-}
+pub(crate) type IndexEntry = (String, &'static str, Vec<usize>, u64, u64);
 
 /// The entries of `header`, offsets absolute in its file or object.
-fn entries_of(header: tensorferry::internal::io::Header) -> Vec<IndexEntry> {
+pub(crate) fn entries_of(header: tensorferry::internal::io::Header) -> Vec<IndexEntry> {
     let start = header.data_start;
     header
         .tensors
@@ -737,7 +763,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(from_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(to_dlpack_capsules, m)?)?;
     m.add_function(wrap_pyfunction!(runs::host_runs, m)?)?;
-    m.add_function(wrap_pyfunction!(read_index, m)?)?;
     m.add_function(wrap_pyfunction!(direct_runs::read_runs, m)?)?;
     m.add_class::<direct_runs::PyRunFile>()?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
@@ -748,9 +773,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(object_read_header, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(object_head, m)?)?;
-    m.add_function(wrap_pyfunction!(object_resolve, m)?)?;
+    m.add_function(wrap_pyfunction!(resolve, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_index, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_into, m)?)?;
-    m.add_function(wrap_pyfunction!(object_put, m)?)?;
+    m.add_function(wrap_pyfunction!(put, m)?)?;
     m.add_function(wrap_pyfunction!(object_delete, m)?)?;
     m.add_function(wrap_pyfunction!(wait_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;
@@ -764,5 +790,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(walk::prune, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("MAX_DEPTH", walk::MAX_DEPTH)?;
+    m.add(
+        "MAX_INDEX_BYTES",
+        tensorferry::internal::io::MAX_INDEX_BYTES,
+    )?;
     Ok(())
 }

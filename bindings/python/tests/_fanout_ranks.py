@@ -203,7 +203,7 @@ def replicated(folder, pg, out):
     import tensorferry as tf
     from tensorferry.dcp import ReadStats
 
-    for name in ("mixed.safetensors", "ts", "hf", "tp.safetensors", "ts/model.safetensors", "hf_saved"):
+    for name in ("mixed.safetensors", "ts", "hf", "tp.safetensors", "ts/model.safetensors", "ts/model", "hf_saved"):
         path = os.path.join(folder, name)
         stats = ReadStats()
         try:
@@ -534,11 +534,19 @@ def object_storage(folder, pg, out, rank, world):
     for n in sliced:
         assert torch.equal(got[n], torch.tensor_split(full[n], world, TP_SPLITS[n])[rank]), n
     out["s3:sharded_only"] = stats_of(stats)
+    # Indexes the native reader refuses: refused on every rank, as tf.load refuses them.
+    refused = {"index_as_shard": ({}, "x.json"), "save_id_not_a_string": ({"tensorferry.save": 5}, "m.safetensors")}
+    for case, (metadata, shard) in refused.items():
+        url = prefix + f"{case}_{world}/model.safetensors.index.json"
+        if rank == 0:
+            _native.put(url, json.dumps({"metadata": metadata, "weight_map": {"w": shard}}).encode())
+        dist.barrier(group=pg)
+        out[f"error:s3_{case}"] = expect_error(lambda: tf.load(url, process_group=pg))
     # Replaced while rank 0 reads its part: the replacement is written as its read starts.
     url = prefix + f"race_{world}.safetensors"
     if rank == 0:
         with open(os.path.join(folder, "mixed.safetensors"), "rb") as f:
-            _native.object_put(url, f.read())
+            _native.put(url, f.read())
     dist.barrier(group=pg)
     wait = _fanout._Throttle.wait
     if rank == 0:
@@ -546,7 +554,7 @@ def object_storage(folder, pg, out, rank, world):
 
         def replace_then_wait(self, nbytes):
             with open(os.path.join(folder, "tp.safetensors"), "rb") as f:
-                _native.object_put(url, f.read())
+                _native.put(url, f.read())
             _fanout._Throttle.wait = wait
             wait(self, nbytes)
 

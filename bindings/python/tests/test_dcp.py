@@ -6,6 +6,7 @@ Run alone: ``python -m pytest bindings/python/tests/test_dcp.py -q``. The multi-
 """
 
 import os
+import stat
 import subprocess
 import sys
 
@@ -174,6 +175,29 @@ def test_a_process_killed_mid_save_leaves_a_loadable_checkpoint_of_one_save(tmp_
     dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
     values = {float(v[0]) for v in target.values()} | {float(v[-1]) for v in target.values()}
     assert values in ({1.0}, {2.0}), f"a mix of two saves: {values}"
+
+
+@pytest.mark.parametrize("sync_files", [True, False])
+def test_a_save_replaces_the_metadata_as_tf_save_replaces_a_file_keeping_its_permissions(tmp_path, sync_files):
+    dcp.save({"w": torch.arange(6.0)}, storage_writer=TensorferryWriter(tmp_path, sync_files=sync_files), no_dist=True)
+    os.chmod(tmp_path / ".metadata", 0o640)
+    state = {"w": torch.arange(6.0) * 2}
+    _assert_same(_save_load_one_process(tmp_path, state), state)
+    assert stat.S_IMODE(os.stat(tmp_path / ".metadata").st_mode) == 0o640
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("sync_files", [True, False])
+def test_a_metadata_write_that_fails_leaves_no_temporary_file(tmp_path, sync_files):
+    """A folder where ``.metadata`` should be: the save fails, as ``tf.save`` to a folder's
+    place does, and leaves nothing of its ``.metadata`` behind."""
+    (tmp_path / ".metadata").mkdir()
+    (tmp_path / ".metadata" / "keep").write_text("x")
+    with pytest.raises(BaseException) as e:
+        dcp.save({"w": torch.arange(6.0)}, storage_writer=TensorferryWriter(tmp_path, sync_files=sync_files),
+                 no_dist=True)
+    assert ".metadata" in str(_failure(e))
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")], os.listdir(tmp_path)
 
 
 def _named_files(folder):
@@ -369,3 +393,14 @@ def test_loading_one_tensor_reads_only_its_bytes_and_the_header(tmp_path):
     stats = reader.read_stats
     assert (stats.needed, stats.data, stats.files) == (4000, 4000, 1)
     assert 8 < stats.header < 4000 and stats.total == stats.data + stats.header
+
+
+def test_a_load_reads_and_counts_each_rank_files_header_once(tmp_path):
+    state = {f"w{i}": torch.full((1000,), float(i)) for i in range(8)}
+    dcp.save(state, storage_writer=TensorferryWriter(tmp_path), no_dist=True)
+    reader = TensorferryReader(tmp_path)
+    target = {"w5": torch.zeros(1000)}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    with open(_rank_path(tmp_path, 0), "rb") as f:
+        header_bytes = 8 + int.from_bytes(f.read(8), "little")
+    assert (reader.read_stats.files, reader.read_stats.header) == (1, header_bytes)

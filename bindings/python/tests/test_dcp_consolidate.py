@@ -177,3 +177,15 @@ def test_consolidating_again_replaces_the_earlier_output_and_touches_nothing_els
     assert sorted(loaded) == sorted(changed["model"])
     for k, v in changed["model"].items():
         assert torch.equal(loaded[k], v), k
+
+
+def test_consolidating_again_keeps_the_permissions_of_the_index_it_replaces(tmp_path):
+    import stat
+
+    _saved(tmp_path)
+    out = tmp_path / "hf"
+    consolidate(tmp_path / "dcp", out, max_shard_size="1KB", prefix="model.")
+    os.chmod(out / "model.safetensors.index.json", 0o640)
+    consolidate(tmp_path / "dcp", out, max_shard_size="1KB", prefix="model.")
+    assert stat.S_IMODE(os.stat(out / "model.safetensors.index.json").st_mode) == 0o640
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]

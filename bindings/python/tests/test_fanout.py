@@ -94,7 +94,7 @@ def test_four_ranks_read_the_whole_checkpoint_once_between_them(four, folder):
     assert sorted(results) == [0, 1, 2]
     with open(folder / "results" / "four_3.json") as f:
         results[3] = json.load(f)
-    for name in ("mixed.safetensors", "ts", "hf", "tp.safetensors", "ts/model.safetensors"):
+    for name in ("mixed.safetensors", "ts", "hf", "tp.safetensors", "ts/model.safetensors", "ts/model"):
         if f"replicated:{name}" not in results[0]:
             continue  # a path the native build does not resolve (the ranks checked the error)
         total, _ = checkpoint_sizes(str(folder / name.split("/")[0]))
@@ -336,7 +336,7 @@ def s3_results(folder, tmp_path_factory):
             for name in ("mixed.safetensors", "tp.safetensors", "hf", "ts"):
                 local = folder / name
                 for f in [local] if local.is_file() else sorted(local.iterdir()):
-                    tf._native.object_put(f"s3://bucket/fanout/{f.relative_to(folder)}", f.read_bytes())
+                    tf._native.put(f"s3://bucket/fanout/{f.relative_to(folder)}", f.read_bytes())
             yield {world: ranks.run_ranks("s3", world, folder) for world in (4, 2)}
     finally:
         server.stop()
@@ -367,6 +367,14 @@ def test_a_sharded_load_from_object_storage_reads_exactly_its_slices(world, fold
     want = slice_bytes(str(folder / "tp.safetensors"), world, sliced)
     for r, res in s3_results[world].items():
         assert res["s3:sharded_only"]["data"] == res["s3:sharded_only"]["needed"] == want, r
+
+
+@pytest.mark.parametrize("world", [4, 2])
+@pytest.mark.parametrize("case, refusal", [("index_as_shard", "is an index, not a safetensors file"),
+                                           ("save_id_not_a_string", "metadata.tensorferry.save must be a string")])
+def test_an_index_the_native_reader_refuses_is_refused_on_every_rank(world, s3_results, case, refusal):
+    e = _same_everywhere(s3_results[world], f"error:s3_{case}")
+    assert e["type"] == "FormatError" and refusal in e["message"] and f"on rank 0 of {world}" in e["message"]
 
 
 @pytest.mark.parametrize("world", [4, 2])

@@ -670,7 +670,7 @@ def test_a_shard_replaced_during_a_cast_load_is_an_error_never_a_mix(s3, url, mo
     monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", str(40_000))
     go, outcome = _paused_load(monkeypatch, tmp_path, url + "a/", device="emu:0", dtype="float16")
     replaced = _native_object_bytes(url + "b/" + others[-1])
-    tf._native.object_put(url + "a/" + shards[-1], replaced)
+    tf._native.put(url + "a/" + shards[-1], replaced)
     go()
     kind, value = outcome[0]
     assert kind == "error", value
@@ -681,7 +681,7 @@ def test_a_shard_replaced_during_a_cast_load_is_an_error_never_a_mix(s3, url, mo
 def test_a_cast_load_reads_no_shard_outside_the_index_folder(own_server, shard):
     tf.save({"w": np.ones(4, np.float32)}, "s3://bucket/secret/m.safetensors")
     index = json.dumps({"metadata": {}, "weight_map": {"w": shard}}).encode()
-    tf._native.object_put("s3://bucket/run/model.safetensors.index.json", index)
+    tf._native.put("s3://bucket/run/model.safetensors.index.json", index)
     time.sleep(0.2)  # the server's log of the save is written
     before = os.path.getsize(own_server.log)
     with pytest.raises(tf.FormatError, match="is not a file name in the index's folder"):
@@ -691,6 +691,21 @@ def test_a_cast_load_reads_no_shard_outside_the_index_folder(own_server, shard):
         f.seek(before)
         asked = re.findall(r"uri: (/bucket/\S+),", f.read())
     assert asked and not [u for u in asked if not u.startswith("/bucket/run/")], asked
+
+
+@pytest.mark.parametrize("how", [{}, {"device": "emu:0", "dtype": "float16"}], ids=["load", "cast_load"])
+@pytest.mark.parametrize("metadata, shard, refusal", [
+    ({}, "other.safetensors.index.json", "is an index, not a safetensors file"),
+    ({"tensorferry.save": 5}, "m.safetensors", "metadata.tensorferry.save must be a string"),
+], ids=["an_index_as_its_shard", "a_save_id_not_a_string"])
+def test_an_index_the_native_reader_refuses_is_refused_by_a_cast_load_too(s3, url, how, metadata, shard, refusal):
+    tf.save({"w": np.ones(4, np.float32)}, url + "m.safetensors")
+    other = json.dumps({"metadata": {}, "weight_map": {"w": "m.safetensors"}}).encode()
+    tf._native.put(url + "other.safetensors.index.json", other)
+    index = json.dumps({"metadata": metadata, "weight_map": {"w": shard}}).encode()
+    tf._native.put(url + "model.safetensors.index.json", index)
+    with pytest.raises(tf.FormatError, match=refusal):
+        tf.load(url + "model.safetensors.index.json", **how)
 
 
 def test_a_sharded_checkpoint_saved_again_during_a_cast_load_is_an_error_never_a_mix(s3, url, monkeypatch, tmp_path):

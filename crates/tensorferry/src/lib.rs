@@ -49,8 +49,8 @@ pub mod internal {
     pub mod io {
         pub use crate::io::{
             header_bytes, load_bytes, load_sharded, load_to_until, object, parse_header,
-            read_header, read_metadata, read_runs, save_sharded, shard_files, Header, Run, RunFile,
-            INDEX_SUFFIX,
+            parse_index, put, read_header, read_metadata, read_run_file_header, read_runs, resolve,
+            save_sharded, shard_files, Header, Index, Run, RunFile, INDEX_SUFFIX, MAX_INDEX_BYTES,
         };
     }
     /// Host memory: aligned buffers and the pinned pool.

@@ -398,8 +398,13 @@ fn byte_ranges_read_from_the_header_come_from_one_version_of_the_object() {
     let url = "s3://bucket/r.safetensors";
     save(&tree, url, &SaveOptions::default()).unwrap();
     let options = ObjectOptions::from_env();
-    let (header, etag, size) = read_header_url(url, &options).unwrap();
+    let (header, stored, etag, size) = read_header_url(url, &options).unwrap();
     assert!(etag.is_some());
+    assert_eq!(
+        stored.len() as u64,
+        header.data_start,
+        "the 8-byte length and the JSON"
+    );
     let ranges: Vec<std::ops::Range<u64>> = header
         .tensors
         .iter()

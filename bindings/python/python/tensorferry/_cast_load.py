@@ -90,11 +90,11 @@ class _Objects:
     here on."""
 
     def __init__(self, path):
-        self.kind, self.top = _fanout._resolve(path)
+        is_index, self.top = _native.resolve(path)
         self.save_id, self.file_of, files = None, None, [self.top]
         # The index's version too: a save that replaced it names other shards.
-        self.versions = {self.top: _native.object_head(self.top)[1]} if self.kind == "index" else {}
-        if self.kind == "index":
+        self.versions = {self.top: _native.object_head(self.top)[1]} if is_index else {}
+        if is_index:
             self.file_of, files, self.save_id = _fanout._shards(self.top)
         stored = set()
         self.skeleton = _fanout._skeleton_of_objects(self.top, files, fw.NATIVE, None, {}, self.versions, stored)

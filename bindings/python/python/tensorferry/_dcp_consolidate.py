@@ -5,7 +5,7 @@ import json
 import os
 import re
 
-from . import _dcp_io
+from . import _dcp_io, _native
 from ._errors import FormatError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -108,11 +108,9 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
         for fd, _ in headers.values():
             _dcp_io.close(fd)
     if len(shards) > 1:
-        from .dcp import _write_atomically
-
         index = {"metadata": {"total_size": sum(t[1] for t in wanted)}, "weight_map": weight_map}
         path = os.path.join(out_dir, INDEX_FILE)
-        _write_atomically(path, json.dumps(index, indent=2).encode())
+        _native.put(path, json.dumps(index, indent=2).encode(), fsync)
         written.append(path)
     for name in earlier - {os.path.basename(p) for p in written}:
         try:

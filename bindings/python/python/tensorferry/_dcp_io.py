@@ -7,7 +7,6 @@ every byte in a :class:`ReadStats`.
 """
 
 import dataclasses
-import json
 
 from . import _native, _object
 from ._errors import FormatError
@@ -114,44 +113,33 @@ ANY_SAVE = object()
 
 def read_header(fd, path, stats=None, save_id=ANY_SAVE):
     """``{name: Entry}`` of the safetensors file at ``path`` (open as ``fd`` for the reads
-    that follow), from its header as tensorferry's reader validates it — a known dtype, a
-    shape whose size matches its byte range, ranges inside the file; a malformed file is a
-    FormatError naming it. Counts the header's bytes in ``stats``.
+    that follow), from its header (see :func:`header`).
 
     With ``save_id``, the file must be a rank file of that DCP save: one whose metadata
     names another save (its ``DCP_SAVE_ID``) is a FormatError naming it. A file that names
     none was written before rank files carried it, and is taken as it is."""
+    entries, metadata = header(fd, path, stats)
+    found = metadata.get("DCP_SAVE_ID")
+    if save_id is not ANY_SAVE and found is not None and found != save_id:
+        raise _fail(path, f"a rank file of the save {found}, not of this checkpoint's save {save_id} "
+                          f"(a file of another save?)")
+    return entries
+
+
+def header(fd, path, stats=None):
+    """``({name: Entry}, metadata)`` of the safetensors file at ``path``, its header read
+    once from ``fd`` (the file or the object version whose data is read next) and validated
+    by tensorferry's reader — a known dtype, a shape whose size matches its byte range,
+    ranges inside the file; a malformed file is a FormatError naming it. Counts the
+    header's bytes in ``stats``."""
     if isinstance(fd, RemoteObject):
-        start, items, fd.etag, _ = _native.object_read_header(path)
+        start, items, fd.etag, _, metadata, _ = _native.object_read_header(path)
     else:
-        start, items = _native.read_index(path)
+        start, items, metadata = fd.read_header()
     if stats is not None:
         stats.header += start
         stats.files += 1
-    if save_id is not ANY_SAVE:
-        found = _header_metadata(fd, path, start, stats).get("DCP_SAVE_ID")
-        if found is not None and found != save_id:
-            raise _fail(path, f"a rank file of the save {found}, not of this checkpoint's save {save_id} "
-                              f"(a file of another save?)")
-    return {name: Entry(code, tuple(shape), begin, end) for name, code, shape, begin, end in items}
-
-
-def _header_metadata(fd, path, start, stats):
-    """The ``__metadata__`` of the safetensors header in the first ``start`` bytes of
-    ``fd`` (a header the native reader has validated), read from this descriptor: the
-    file whose data is read next."""
-    raw = bytearray(start)
-    read_pieces(fd, path, [(0, memoryview(raw))], 1)
-    if stats is not None:
-        stats.header += start
-    try:
-        header = json.loads(bytes(raw[8:8 + int.from_bytes(raw[:8], "little")]))
-        meta = header.get("__metadata__") or {}
-    except (ValueError, AttributeError):
-        raise _fail(path, "a header that is not a JSON object") from None
-    if not isinstance(meta, dict):
-        raise _fail(path, "a header whose __metadata__ is not an object")
-    return meta
+    return {name: Entry(code, tuple(shape), begin, end) for name, code, shape, begin, end in items}, metadata
 
 
 def byte_runs(shape, item_size, offsets, lengths):

@@ -45,9 +45,7 @@ READ_LINK_ENV = "TENSORFERRY_FANOUT_READ_LINK"
 #: Threads reading one file at once (page-cache copies run side by side).
 READ_WORKERS = min(4, os.cpu_count() or 1)
 
-_INDEX_SUFFIX = ".safetensors.index.json"
 _SAVE_ID_KEY = "tensorferry.save"
-_MAX_INDEX_BYTES = 256 << 20  # as the native index reader
 _FLOAT_CODES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}
 
 
@@ -152,7 +150,7 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
     slices' places)."""
     from . import _api
 
-    kind, top = _resolve(path)
+    is_index, top = _native.resolve(path)  # as tensorferry.load resolves it
     fds, identities = {}, {}
     try:
         try:
@@ -166,27 +164,27 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         skeleton = None if remote else _api.load(path, like=like)
         save_id = None
         headers = {}
-        if kind == "index":
+        if is_index:
             file_of, files, save_id = _shards(top)
         if remote:
-            skeleton = _skeleton_of_objects(top, files if kind == "index" else [top], like, None, fds, identities)
-        if kind == "file":
-            headers[top] = _header(top, fds, identities, stats)
+            skeleton = _skeleton_of_objects(top, files if is_index else [top], like, None, fds, identities)
+        if not is_index:
+            headers[top], _ = _header(top, fds, identities, stats)
         # Each tensor once, under the name a file stores it by (found before keys= may
         # leave that name out): a tied name is in no header.
-        name_of = _select.stored_names(skeleton, set(file_of) if kind == "index" else set(headers[top]))
+        name_of = _select.stored_names(skeleton, set(file_of) if is_index else set(headers[top]))
         if keys is not None:
             skeleton = _select.select(skeleton, _select.patterns(keys))
         leaves = _select.distinct(_native.collect_tensors(skeleton, fw.kind_of))
         names = [name_of[id(leaf)] for _, leaf in leaves]
-        files = [top] * len(names) if kind == "file" else [file_of.get(n) for n in names]
+        files = [file_of.get(n) for n in names] if is_index else [top] * len(names)
         order = sorted(set(files) - {None})
         for f in order:
             if f not in headers:
                 _open(f, fds, identities)
-                headers[f] = _header(f, fds, identities, stats)
-            if save_id is not None and _metadata(f, fds[f]).get(_SAVE_ID_KEY) != save_id:
-                raise _other_save(f, top)
+                headers[f], metadata = _header(f, fds, identities, stats)
+                if save_id is not None and metadata.get(_SAVE_ID_KEY) != save_id:
+                    raise _other_save(f, top)
         narrow = _narrowing(dtype)
         items = []
         for (p, leaf), name, f in zip(leaves, names, files):
@@ -212,41 +210,6 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
     return _Plan(skeleton, leaves, items, sizes, fds, identities, digest)
 
 
-def _resolve(path):
-    """``("index" | "file", path)``: what :func:`tensorferry.load` reads for ``path`` (an
-    index, a file, a folder holding one, or ``x.safetensors`` saved as shards), resolved as
-    the native loader does. Paths it would refuse resolve to themselves: its load names the
-    problem. An object-storage URL resolves as the native loader resolves it."""
-    if _native.is_url(path):
-        is_index, found = _native.object_resolve(path)
-        return ("index" if is_index else "file"), found
-    if path.endswith(_INDEX_SUFFIX):
-        return "index", path
-    if os.path.isdir(path):
-        try:
-            names = os.listdir(path)
-        except OSError:
-            return "file", path
-        indexes = [n[: -len(_INDEX_SUFFIX)] for n in names if n.endswith(_INDEX_SUFFIX)]
-        files = [n for n in names if n.endswith(".safetensors")]
-
-        def choose(stem):
-            if stem + ".safetensors" in files:
-                return "file", os.path.join(path, stem + ".safetensors")
-            return "index", os.path.join(path, stem + _INDEX_SUFFIX)
-
-        if "model.safetensors" in files or "model" in indexes:
-            return choose("model")
-        if len(indexes) == 1:
-            return choose(indexes[0])
-        if not indexes and len(files) == 1:
-            return "file", os.path.join(path, files[0])
-        return "file", path
-    if not os.path.exists(path) and path.endswith(".safetensors") and os.path.isfile(path + ".index.json"):
-        return "index", path + ".index.json"
-    return "file", path
-
-
 # A checkpoint's file is a local file (a native ``RunFile``, its identity ``(st_dev, st_ino)``) or an
 # object in object storage (a :class:`_dcp_io.RemoteObject`, its identity the ETag of the
 # version its header was read at); the reads below take either.
@@ -261,14 +224,15 @@ def _open(path, fds, identities):
 
 
 def _header(path, fds, identities, stats):
-    """``{name: Entry}`` of the file open in ``fds``; an object's version is pinned from here on."""
+    """``({name: Entry}, metadata)`` of the file open in ``fds``; an object's version is
+    pinned from here on."""
     fd = fds[path]
-    entries = _dcp_io.read_header(fd, path, stats)
+    entries, metadata = _dcp_io.header(fd, path, stats)
     if isinstance(fd, _dcp_io.RemoteObject):
         if identities.setdefault(path, fd.etag) != fd.etag:
             raise _replaced(path)
         fd.etag = identities[path]
-    return entries
+    return entries, metadata
 
 
 def _replaced(path):
@@ -286,13 +250,6 @@ def _identity(path):
     return st.st_dev, st.st_ino
 
 
-def _metadata(path, fd):
-    """The user metadata of the file open as ``fd``."""
-    if not isinstance(fd, _dcp_io.RemoteObject):
-        return _native.read_metadata(path)
-    return _dcp_io._header_metadata(fd, path, _native.object_read_header(path)[0], None)
-
-
 def _skeleton_of_objects(top, files, like, keys, fds, identities, stored=None):
     """The tree :func:`tensorferry.load` gives for the checkpoint whose index or one object
     is ``top`` (``files``: its objects), its tensors not read: a mapped load of a local
@@ -308,14 +265,13 @@ def _skeleton_of_objects(top, files, like, keys, fds, identities, stored=None):
     try:
         if files != [top]:
             with open(os.path.join(folder, os.path.basename(top)), "wb") as f:
-                f.write(_dcp_io.read_small_file(top, _MAX_INDEX_BYTES))
+                f.write(_dcp_io.read_small_file(top, _native.MAX_INDEX_BYTES))
         for url in files:
             _open(url, fds, identities)
-            start, entries, etag, size = _native.object_read_header(url)
+            _, entries, etag, size, _, head = _native.object_read_header(url)
             identities[url] = etag  # the version every later read must find
             if stored is not None:
                 stored.update(e[0] for e in entries)
-            (head,) = _native.object_read_ranges(url, [(0, start)], etag)
             with open(os.path.join(folder, os.path.basename(url)), "wb") as f:
                 f.write(head)
                 f.truncate(size)
@@ -325,9 +281,11 @@ def _skeleton_of_objects(top, files, like, keys, fds, identities, stored=None):
 
 
 def _shards(top):
-    """``(file_of, files, save id or None)`` of the index ``top`` (a file or an object):
-    each tensor name's shard, as a path beside the index, and the shards in order."""
-    weight_map, save_id = _read_index(top)
+    """``(file_of, files, save id or None)`` of the index ``top`` (a file or an object),
+    checked natively as every load checks an index: each tensor name's shard, as a path
+    beside the index, and the shards in order."""
+    data = _dcp_io.read_small_file(top, _native.MAX_INDEX_BYTES)
+    weight_map, save_id = _native.parse_index(data, top)
     folder = os.path.dirname(top)
     file_of = {name: os.path.join(folder, f) for name, f in weight_map.items()}
     return file_of, sorted(set(file_of.values())), save_id
@@ -335,24 +293,6 @@ def _shards(top):
 
 def _other_save(shard, top):
     return FormatError(f"{shard}: the shard was written by another save than its index {top!r}")
-
-
-def _read_index(path):
-    """``(weight_map, save id or None)`` of the index at ``path`` (a file or an object)."""
-    data = _dcp_io.read_small_file(path, _MAX_INDEX_BYTES)
-    try:
-        index = json.loads(data)
-        weight_map = index["weight_map"]
-        meta = index.get("metadata") or {}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise FormatError(f"{path}: not a safetensors index ({e})") from None
-    if not isinstance(weight_map, dict):
-        raise FormatError(f"{path}: not a safetensors index (weight_map is not an object)")
-    for file in set(weight_map.values()):
-        # As the native reader checks: no shard is read from outside the index's folder.
-        if not isinstance(file, str) or file in ("", ".", "..") or "/" in file or "\\" in file:
-            raise FormatError(f"{path}: shard {file!r} is not a file name in the index's folder")
-    return weight_map, meta.get(_SAVE_ID_KEY) if isinstance(meta, dict) else None
 
 
 def _narrowing(dtype):

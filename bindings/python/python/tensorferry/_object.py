@@ -13,7 +13,7 @@ def read_header(url):
     """``(data_start, entries, etag, size)`` of the safetensors object at ``url``: entries
     ``(name, dtype code, shape, begin, end)`` with offsets absolute in the object, validated
     as ``tensorferry.load`` validates a header; ``etag`` None where the store gives none."""
-    return _native.object_read_header(url)
+    return _native.object_read_header(url)[:4]
 
 
 def read_into(url, targets, etag=None):

@@ -164,31 +164,6 @@ def _metadata_file(rank=None):
     return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
 
 
-def _write_atomically(path, data):
-    """Writes ``data`` to ``path`` through a fsynced temporary file and a rename."""
-    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    try:
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _byte_view(tensor):
     """A writable memoryview of a contiguous CPU tensor's bytes."""
     import torch
@@ -342,15 +317,8 @@ def _build():
             path = os.path.join(self.path, _metadata_file(rank))
             replaced = _files_named_by(path)
             blob = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-            if _native.is_url(path):
-                _native.object_put(path, blob)  # one PUT: the object appears whole, or not
-            elif self.sync_files:
-                _write_atomically(path, blob)
-            else:
-                tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(blob)
-                os.replace(tmp, path)
+            # Replaced as tf.save replaces a file (an object: one PUT): whole, or not at all.
+            _native.put(path, blob, self.sync_files)
             # Committed: what the replaced checkpoint named is no longer needed.
             _remove_files(self.path, replaced - named)
 

@@ -16,11 +16,11 @@ mod read;
 mod route;
 mod write;
 
-pub use checkpoint::index::INDEX_SUFFIX;
+pub use checkpoint::index::{parse_index, Index, INDEX_SUFFIX, MAX_INDEX_BYTES};
 pub use checkpoint::sharded::{load_sharded, shard_files};
 pub use format::header::Header;
 pub use format::header_reader::parse_header;
 pub use fs::direct_runs::{read_runs, Run, RunFile};
-pub use read::{load_bytes, read_header, LoadOptions, Loaded, Mapping};
-pub use route::{load, load_to, load_to_until, read_metadata, save, save_sharded};
+pub use read::{load_bytes, read_header, read_run_file_header, LoadOptions, Loaded, Mapping};
+pub use route::{load, load_to, load_to_until, put, read_metadata, resolve, save, save_sharded};
 pub use write::{header_bytes, SaveOptions};

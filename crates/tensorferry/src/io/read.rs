@@ -12,10 +12,11 @@ use std::sync::Arc;
 use memmap2::{Mmap, MmapOptions};
 
 use super::format::header::{Header, HeaderCensus};
-use super::format::header_reader::{header_len, parse_counted};
+use super::format::header_reader::{header_len, parse_counted, parse_header};
 use super::format::tree_meta::TREE_METADATA_KEY;
 use super::format::{budget, tree_census, tree_decode};
 use super::fs::direct::{Reader, Window};
+use super::fs::direct_runs::RunFile;
 use super::fs::file_kind::open_regular;
 use super::pool::{flat_dict, Pool};
 use crate::error::{Error, Result};
@@ -186,16 +187,36 @@ pub(super) fn header_of(file: &mut File, path: &Path, file_len: u64) -> Result<P
 /// The header's JSON bytes (its length checked against the file), the file left
 /// positioned at the data section.
 pub(super) fn read_header_bytes(file: &mut File, path: &Path, file_len: u64) -> Result<Vec<u8>> {
+    // Read in order from the file's start: each read begins where the last one ended.
+    header_json(file_len, |_, buf| {
+        file.read_exact(buf).map_err(|e| Error::io("read", path, e))
+    })
+}
+
+/// The header of the file open as `file`, read from that open file (never from its path,
+/// which may name another file by now) and validated as [`read_header`] validates it.
+pub fn read_run_file_header(file: &RunFile) -> Result<Header> {
+    let file_len = file.len();
+    header_json(file_len, |at, buf| file.read_into(&mut [(at, buf)], 1))
+        .and_then(|json| parse_header(&json, file_len - 8 - json.len() as u64))
+        .map_err(|e| e.in_file(file.path()))
+}
+
+/// The header's JSON bytes of a file of `file_len` bytes, its length checked against the
+/// file: `read(at, buf)` fills `buf` with the file's bytes from `at` (the length's 8
+/// bytes at 0, then the JSON at 8).
+fn header_json(
+    file_len: u64,
+    mut read: impl FnMut(u64, &mut [u8]) -> Result<()>,
+) -> Result<Vec<u8>> {
     let mut prefix = [0u8; 8];
     if file_len >= 8 {
-        file.read_exact(&mut prefix)
-            .map_err(|e| Error::io("read", path, e))?;
+        read(0, &mut prefix)?;
     }
     let n = header_len(&prefix, file_len)?;
-    let mut header_bytes = vec![0u8; n as usize];
-    file.read_exact(&mut header_bytes)
-        .map_err(|e| Error::io("read", path, e))?;
-    Ok(header_bytes)
+    let mut json = vec![0u8; n as usize];
+    read(8, &mut json)?;
+    Ok(json)
 }
 
 /// Loads from bytes in memory (copied into aligned memory first); the same validation

@@ -9,6 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use super::checkpoint::sharded;
 use super::format::header_writer;
+use super::fs::replace;
 use super::into_device;
 use super::object;
 use super::read::{load_file, read_header, LoadOptions, Loaded};
@@ -51,6 +52,34 @@ pub fn load(path: impl AsRef<Path>, options: LoadOptions) -> Result<Loaded> {
         sharded::Target::File(file) => file,
     };
     load_file(&path, options)
+}
+
+/// What [`load`] reads for `path`: `(true, the index)` for a sharded checkpoint, else
+/// `(false, the file)`, resolved as it resolves them (an index, a folder holding one
+/// checkpoint, the index a sharded save to `path` wrote; an object-storage URL among
+/// objects). A folder it would refuse, or a missing object, is the error it gives; a
+/// missing local file resolves to itself. For readers that plan their own reads.
+pub fn resolve(path: impl AsRef<Path>) -> Result<(bool, PathBuf)> {
+    if let Some(url) = object::url_of(path.as_ref()) {
+        let (is_index, found) = object::resolve_url(url, &object::ObjectOptions::from_env())?;
+        return Ok((is_index, PathBuf::from(found)));
+    }
+    Ok(match sharded::resolve(path.as_ref())? {
+        sharded::Target::Index(index) => (true, index),
+        sharded::Target::File(file) => (false, file),
+    })
+}
+
+/// Writes `bytes` as the file at `path`, replaced atomically as [`save`] replaces a file
+/// (its permissions kept, a link followed, nothing left behind by a failure; with `fsync`
+/// the file, then its folder, synced), or as the object at an object-storage URL in one
+/// PUT: it appears whole, or stays as it was. For the small files that commit a
+/// checkpoint (an index, DCP's `.metadata`).
+pub fn put(path: impl AsRef<Path>, bytes: Vec<u8>, fsync: bool) -> Result<()> {
+    if let Some(url) = object::url_of(path.as_ref()) {
+        return object::put_url(url, bytes, &object::ObjectOptions::from_env());
+    }
+    replace::replace_with(path.as_ref(), &bytes, fsync)
 }
 
 /// The user metadata of the checkpoint at `path`, from headers alone: a file, an index

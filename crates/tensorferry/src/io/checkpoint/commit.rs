@@ -27,12 +27,12 @@
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 
 use super::index::{read_index, INDEX_SUFFIX, REPLACES_KEY};
 use crate::error::{Error, Result};
-use crate::io::fs::replace::{stage, sync_folder, Staged};
+use crate::io::fs::replace::{replace_with, sync_folder, Staged};
 use crate::io::fs::temp_files;
 
 /// A checkpoint's place: its folder and stem.
@@ -241,15 +241,7 @@ pub(crate) fn commit_sharded(
             "weight_map": weight_map,
         }))
         .expect("an index always serialises");
-        stage(&index, fsync, |out| {
-            out.write_all(&text)
-                .map_err(|e| Error::io("write", &index, e))
-        })?
-        .commit()?;
-        if fsync {
-            sync_folder(&place.dir)?;
-        }
-        Ok(())
+        replace_with(&index, &text, fsync)
     };
     if fsync {
         // The shards' names reach the disk before the index that names them.

@@ -14,7 +14,7 @@ use crate::io::fs::file_kind::open_regular;
 pub const INDEX_SUFFIX: &str = ".safetensors.index.json";
 
 /// Largest index file read (a million tensor names fit in far less).
-const MAX_INDEX_BYTES: u64 = 256 << 20;
+pub const MAX_INDEX_BYTES: u64 = 256 << 20;
 
 /// The metadata key, in a sharded checkpoint's index, of the files of the checkpoint it
 /// replaced: a save that dies after its commit leaves them, and the next save removes them.
@@ -23,15 +23,15 @@ pub(crate) const REPLACES_KEY: &str = "tensorferry.replaces";
 pub(crate) const SAVE_ID_KEY: &str = "tensorferry.save";
 
 /// A sharded checkpoint's index.
-pub(crate) struct Index {
+pub struct Index {
     /// Tensor name → shard file, sorted by name.
-    pub(crate) weight_map: BTreeMap<String, String>,
+    pub weight_map: BTreeMap<String, String>,
     /// tensorferry's tree record, when tensorferry wrote the index.
-    pub(crate) record: Option<String>,
+    pub record: Option<String>,
     /// The save that wrote it, when tensorferry did ([`SAVE_ID_KEY`]).
-    pub(crate) save_id: Option<String>,
+    pub save_id: Option<String>,
     /// The files of the checkpoint it replaced ([`REPLACES_KEY`]), plain names only.
-    pub(crate) replaces: Vec<String>,
+    pub replaces: Vec<String>,
 }
 
 impl Index {
@@ -86,8 +86,9 @@ pub(crate) fn check_index_len(len: u64, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Checks the index bytes read from `path`, as [`read_index`] does.
-pub(crate) fn parse_index(bytes: &[u8], path: &Path) -> Result<Index> {
+/// Checks the index bytes read from `path` (a file or an object), as [`read_index`] does:
+/// every reader of an index, Python's included, checks it here.
+pub fn parse_index(bytes: &[u8], path: &Path) -> Result<Index> {
     let bad = |reason: String| Error::Format {
         at: format!("{path:?}"),
         reason,

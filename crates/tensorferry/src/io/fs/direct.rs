@@ -103,6 +103,11 @@ impl Reader {
         reader
     }
 
+    /// The path the file was opened at (which errors name).
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Why the reads went through the page cache although `O_DIRECT` was asked for.
     pub(crate) fn fallback(&self) -> Option<&str> {
         self.fallback.as_deref()

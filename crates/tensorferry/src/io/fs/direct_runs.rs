@@ -151,6 +151,11 @@ impl RunFile {
         &self.meta
     }
 
+    /// The path the file was opened at (which errors name).
+    pub fn path(&self) -> &Path {
+        self.reader.path()
+    }
+
     /// The file's size when it was opened.
     pub fn len(&self) -> u64 {
         self.meta.len()

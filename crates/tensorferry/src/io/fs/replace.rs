@@ -10,7 +10,7 @@
 //! replaced: a folder, a FIFO or a device node at the path is an error.
 
 use std::fs::{self, File, Metadata};
-use std::io::{self, BufWriter};
+use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use super::file_kind::require_regular;
@@ -99,6 +99,21 @@ impl Drop for Staged {
             let _ = fs::remove_file(&self.tmp);
         }
     }
+}
+
+/// Replaces the file `path` names with `bytes` ([`stage`], then [`Staged::commit`]); with
+/// `fsync`, the file and then its folder are synced, so the new file survives a crash.
+pub(crate) fn replace_with(path: &Path, bytes: &[u8], fsync: bool) -> Result<()> {
+    let staged = stage(path, fsync, |out| {
+        out.write_all(bytes)
+            .map_err(|e| Error::io("write", path, e))
+    })?;
+    let folder = folder_of(&staged.target).to_path_buf();
+    staged.commit()?;
+    if fsync {
+        sync_folder(&folder)?;
+    }
+    Ok(())
 }
 
 /// Flushes `folder`'s entries (renames, removals) to stable storage.

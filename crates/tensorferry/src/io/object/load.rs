@@ -129,18 +129,21 @@ pub fn read_metadata_url(url: &str, options: &ObjectOptions) -> Result<BTreeMap<
 }
 
 /// The header of the safetensors object at `url` (one object: no folder or index is
-/// resolved), validated as a load validates it, with the object's ETag (when the store
-/// gives one) and size: what [`read_ranges`] needs to read the tensors' bytes of that
-/// version. Offsets in the header are relative to its `data_start`.
+/// resolved), validated as a load validates it, with its bytes as stored (the 8-byte
+/// length, then the JSON), the object's ETag (when the store gives one) and size: what
+/// [`read_ranges`] needs to read the tensors' bytes of that version. Offsets in the
+/// header are relative to its `data_start`.
 pub fn read_header_url(
     url: &str,
     options: &ObjectOptions,
-) -> Result<(crate::io::format::header::Header, Option<String>, u64)> {
+) -> Result<(Header, Vec<u8>, Option<String>, u64)> {
     let at = Location::open(url, options)?;
     let header = fetch_header(&at, options)?;
     let parsed = crate::io::format::header_reader::parse_header(&header.json, header.data_len)
         .map_err(|e| e.in_file(Path::new(at.url())))?;
-    Ok((parsed, header.version.etag, header.version.size))
+    let mut stored = (header.json.len() as u64).to_le_bytes().to_vec();
+    stored.extend_from_slice(&header.json);
+    Ok((parsed, stored, header.version.etag, header.version.size))
 }
 
 /// The size and ETag (when the store gives one) of the object at `url`, from one HEAD.
