@@ -923,7 +923,9 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     result = tree
     if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):
         default, exceptions = _recorded_frameworks(meta)
-        leaves = [(p, t) for p, t in _native.collect_tensors(tree, fw.kind_of, True) if type(t) is fw.Tensor]
+        leaves = _native.collect_tensors(tree, fw.kind_of, True)
+        if set(map(type, (t for _, t in leaves))) - {fw.Tensor}:
+            leaves = [(p, t) for p, t in leaves if type(t) is fw.Tensor]
         # Only the frameworks the file names are imported (importing all three would cost a
         # process seconds on its first load).
         held = {}
@@ -947,8 +949,9 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
                 elif kind != fw.NATIVE and not on_device and _numpy_can_hold(t.dtype):
                     kinds.append(fw.NUMPY)
                     todo.append((p, t))
-        results = fw.from_native_many([t for _, t in todo], kinds, [p for p, _ in todo])
-        result = _native.rebuild(tree, {id(t): r for (_, t), r in zip(todo, results)})
+        paths, tensors = zip(*todo) if todo else ((), ())
+        results = fw.from_native_many(tensors, kinds, paths)
+        result = _native.rebuild(tree, dict(zip(map(id, tensors), results)))
     if dtype is not None:
         result = _select.cast(result, dtype)
     return result
