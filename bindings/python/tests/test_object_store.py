@@ -1176,3 +1176,26 @@ def test_a_sharded_save_failing_midway_removes_its_shards_and_leaves_the_previou
     assert _files(objects) == before
     monkeypatch.setenv("AWS_ENDPOINT_URL", own_server.endpoint)
     _same(tf.load("s3://bucket/ckpt/")["model"], previous["model"])
+
+
+def test_a_process_group_plan_reads_each_object_header_once(own_server):
+    # The plan of a load on many ranks builds the structure from the objects' headers and
+    # checks each shard against them: one GET from byte 0 per object and for the index,
+    # none of the data.
+    from tensorferry import _dcp_io, _fanout
+
+    tree = {f"layer{i}": np.full(100_000, float(i), np.float32) for i in range(4)}
+    tf.save(tree, "s3://bucket/ts/", max_shard_size=500_000)
+    shards = sorted(f for f in os.listdir(own_server.file("ts")) if f.endswith(".safetensors"))
+    assert len(shards) == 4
+    with open(own_server.log) as f:
+        before = len(f.read())
+    plan = _fanout._plan("s3://bucket/ts/", 0, 1, None, None, None, None, None)
+    for fd in plan.fds.values():
+        _dcp_io.close(fd)
+    with open(own_server.log) as f:
+        log = f.read()[before:]
+    gets = re.findall(r'method: GET, uri: /bucket/ts/(\S+?)[,? ][^\n]*?"range": "bytes=(\d+)-(\d+)"', log)
+    # The index once too (the stand-in is written from the bytes the plan checked).
+    assert sorted(key for key, start, _ in gets if start == "0") == shards + ["model.safetensors.index.json"], gets
+    assert all(start == "0" for _, start, _ in gets), gets  # no data read by the plan

@@ -94,11 +94,11 @@ class _Objects:
         self.save_id, self.file_of, files = None, None, [self.top]
         # The index's version too: a save that replaced it names other shards.
         self.versions = {self.top: _native.object_head(self.top)[1]} if is_index else {}
+        index, headers = None, {}
         if is_index:
-            self.file_of, files, self.save_id = _fanout._shards(self.top)
-        stored = set()
-        self.skeleton = _fanout._skeleton_of_objects(self.top, files, fw.NATIVE, None, {}, self.versions, stored)
-        self.name_of = _select.stored_names(self.skeleton, stored)
+            self.file_of, files, self.save_id, index = _fanout._shards(self.top)
+        self.skeleton = _fanout._skeleton_of_objects(self.top, files, fw.NATIVE, {}, self.versions, headers, index)
+        self.name_of = _select.stored_names(self.skeleton, {n for entries, _ in headers.values() for n in entries})
 
     def selected(self, keys):
         """The skeleton pruned to ``keys`` (patterns, as ``load`` takes them)."""

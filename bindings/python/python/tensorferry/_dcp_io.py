@@ -136,10 +136,16 @@ def header(fd, path, stats=None):
         start, items, fd.etag, _, metadata, _ = _native.object_read_header(path)
     else:
         start, items, metadata = fd.read_header()
+    return entries_of(items, start, stats), metadata
+
+
+def entries_of(items, start, stats=None):
+    """``{name: Entry}`` of a header's ``items`` (as the native readers give them), whose
+    ``start`` bytes ``stats`` counts as one file's header."""
     if stats is not None:
         stats.header += start
         stats.files += 1
-    return {name: Entry(code, tuple(shape), begin, end) for name, code, shape, begin, end in items}, metadata
+    return {name: Entry(code, tuple(shape), begin, end) for name, code, shape, begin, end in items}
 
 
 def byte_runs(shape, item_size, offsets, lengths):

@@ -162,17 +162,18 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         # untouched (an object's, below, from its headers alone).
         remote = isinstance(fds[top], _dcp_io.RemoteObject)
         skeleton = None if remote else _api.load(path, like=like)
-        save_id = None
-        headers = {}
+        save_id, index = None, None
+        headers = {}  # file -> ({name: Entry}, metadata), each header read once
         if is_index:
-            file_of, files, save_id = _shards(top)
+            file_of, files, save_id, index = _shards(top)
         if remote:
-            skeleton = _skeleton_of_objects(top, files if is_index else [top], like, None, fds, identities)
-        if not is_index:
-            headers[top], _ = _header(top, fds, identities, stats)
+            skeleton = _skeleton_of_objects(top, files if is_index else [top], like, fds, identities, headers, index,
+                                            stats)
+        if not is_index and top not in headers:
+            headers[top] = _header(top, fds, identities, stats)
         # Each tensor once, under the name a file stores it by (found before keys= may
         # leave that name out): a tied name is in no header.
-        name_of = _select.stored_names(skeleton, set(file_of) if is_index else set(headers[top]))
+        name_of = _select.stored_names(skeleton, set(file_of) if is_index else set(headers[top][0]))
         if keys is not None:
             skeleton = _select.select(skeleton, _select.patterns(keys))
         leaves = _select.distinct(_native.collect_tensors(skeleton, fw.kind_of))
@@ -182,13 +183,13 @@ def _plan(path, rank, world, like, keys, dtype, shard, stats):
         for f in order:
             if f not in headers:
                 _open(f, fds, identities)
-                headers[f], metadata = _header(f, fds, identities, stats)
-                if save_id is not None and metadata.get(_SAVE_ID_KEY) != save_id:
-                    raise _other_save(f, top)
+                headers[f] = _header(f, fds, identities, stats)
+            if save_id is not None and headers[f][1].get(_SAVE_ID_KEY) != save_id:
+                raise _other_save(f, top)
         narrow = _narrowing(dtype)
         items = []
         for (p, leaf), name, f in zip(leaves, names, files):
-            e = headers.get(f, {}).get(name)
+            e = headers.get(f, ({},))[0].get(name)
             if e is None or tuple(leaf.shape) != e.shape:
                 raise FormatError(f"{f or top}: {name!r} is not there as the load found it (changed during the load?)")
             items.append(_Item(p, name, f, e.dtype, e.shape, e.begin, e.end, narrow(e.dtype)))
@@ -250,12 +251,13 @@ def _identity(path):
     return st.st_dev, st.st_ino
 
 
-def _skeleton_of_objects(top, files, like, keys, fds, identities, stored=None):
-    """The tree :func:`tensorferry.load` gives for the checkpoint whose index or one object
-    is ``top`` (``files``: its objects), its tensors not read: a mapped load of a local
-    stand-in holding the index and the objects' headers alone (sparse files of the objects'
-    sizes, never read past their headers). Each object's version is pinned here; the names
-    its header stores are added to the set ``stored``, if given."""
+def _skeleton_of_objects(top, files, like, fds, identities, headers, index=None, stats=None):
+    """The tree :func:`tensorferry.load` gives for the checkpoint whose index (its bytes:
+    ``index``) or one object is ``top`` (``files``: its objects), its tensors not read: a
+    mapped load of a local stand-in holding the index and the objects' headers alone (sparse
+    files of the objects' sizes, never read past their headers). Each object's header is
+    read once, its version pinned here, and ``headers[url]`` given ``({name: Entry},
+    metadata)``; ``stats`` counts the headers' bytes."""
     import shutil
     import tempfile
 
@@ -265,30 +267,29 @@ def _skeleton_of_objects(top, files, like, keys, fds, identities, stored=None):
     try:
         if files != [top]:
             with open(os.path.join(folder, os.path.basename(top)), "wb") as f:
-                f.write(_dcp_io.read_small_file(top, _native.MAX_INDEX_BYTES))
+                f.write(index)
         for url in files:
             _open(url, fds, identities)
-            _, entries, etag, size, _, head = _native.object_read_header(url)
-            identities[url] = etag  # the version every later read must find
-            if stored is not None:
-                stored.update(e[0] for e in entries)
+            start, items, etag, size, metadata, head = _native.object_read_header(url)
+            identities[url] = fds[url].etag = etag  # the version every later read must find
+            headers[url] = _dcp_io.entries_of(items, start, stats), metadata
             with open(os.path.join(folder, os.path.basename(url)), "wb") as f:
                 f.write(head)
                 f.truncate(size)
-        return _api.load(os.path.join(folder, os.path.basename(top)), like=like, keys=keys)
+        return _api.load(os.path.join(folder, os.path.basename(top)), like=like)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the maps stay valid
 
 
 def _shards(top):
-    """``(file_of, files, save id or None)`` of the index ``top`` (a file or an object),
-    checked natively as every load checks an index: each tensor name's shard, as a path
-    beside the index, and the shards in order."""
+    """``(file_of, files, save id or None, index bytes)`` of the index ``top`` (a file or
+    an object), checked natively as every load checks an index: each tensor name's shard,
+    as a path beside the index, and the shards in order."""
     data = _dcp_io.read_small_file(top, _native.MAX_INDEX_BYTES)
     weight_map, save_id = _native.parse_index(data, top)
     folder = os.path.dirname(top)
     file_of = {name: os.path.join(folder, f) for name, f in weight_map.items()}
-    return file_of, sorted(set(file_of.values())), save_id
+    return file_of, sorted(set(file_of.values())), save_id, data
 
 
 def _other_save(shard, top):
