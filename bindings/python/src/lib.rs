@@ -350,40 +350,54 @@ fn load(
             pending: false,
         };
         if like.is_none() {
-            if let Some(text) = loaded.metadata.get(FRAMEWORKS_KEY) {
-                // A damaged record only loses the framework hint, never the data.
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(text) {
-                    out.default = v.get("default").and_then(|d| d.as_str()).map(String::from);
-                    if let Some(map) = v.get("except").and_then(|e| e.as_object()) {
-                        out.exceptions = map
-                            .iter()
-                            .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
-                            .collect();
-                    }
-                }
-            } else {
-                // Files of other tools: the Hugging Face convention names the framework.
-                out.default = loaded
-                    .metadata
-                    .get("format")
-                    .and_then(|f| framework_of_format(f))
-                    .map(String::from);
-            }
+            let field = |key: &str| loaded.metadata.get(key).map(String::as_str);
+            (out.default, out.exceptions) =
+                recorded_frameworks(field(FRAMEWORKS_KEY), field("format"));
         }
         let tree = tree::node_to_py(py, loaded.root, &mut out, &mut Vec::new())?;
         Ok((tree, loaded.metadata, out.pending, loaded.direct_fallback))
     })
 }
 
-/// The framework a Hugging Face `__metadata__["format"]` names ("pt" → "torch", …).
-fn framework_of_format(format: &str) -> Option<&'static str> {
-    match format {
-        "pt" => Some("torch"),
-        "tf" => Some("tensorflow"),
-        "flax" | "jax" => Some("jax"),
-        "np" | "numpy" => Some("numpy"),
-        _ => None,
-    }
+/// The frameworks a file records its tensors were saved from, from its metadata's
+/// `record` (under [`FRAMEWORKS_KEY`]) and `format`: `(default, {dotted name: framework})`,
+/// the exceptions to the default. Files of other tools have no record: the Hugging Face
+/// convention, `format` ("pt" → "torch", …), names their default. A damaged record only
+/// loses the framework hint, never the data: what is not a string where one belongs is
+/// left out.
+#[pyfunction]
+#[pyo3(signature = (record, format))]
+fn recorded_frameworks(
+    record: Option<&str>,
+    format: Option<&str>,
+) -> (Option<String>, std::collections::HashMap<String, String>) {
+    let Some(text) = record else {
+        let default = match format {
+            Some("pt") => Some("torch"),
+            Some("tf") => Some("tensorflow"),
+            Some("flax" | "jax") => Some("jax"),
+            Some("np" | "numpy") => Some("numpy"),
+            _ => None,
+        };
+        return (default.map(String::from), Default::default());
+    };
+    let Ok(record) = serde_json::from_str::<serde_json::Value>(text) else {
+        return (None, Default::default());
+    };
+    let default = record
+        .get("default")
+        .and_then(|d| d.as_str())
+        .map(String::from);
+    let exceptions = record
+        .get("except")
+        .and_then(|e| e.as_object())
+        .map(|map| {
+            map.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
+                .collect()
+        })
+        .unwrap_or_default();
+    (default, exceptions)
 }
 
 /// NumPy arrays viewing each host tensor (zero-copy), in order.
@@ -767,6 +781,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<direct_runs::PyRunFile>()?;
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(recorded_frameworks, m)?)?;
     m.add_function(wrap_pyfunction!(read_metadata, m)?)?;
     m.add_function(wrap_pyfunction!(object_names, m)?)?;
     m.add_function(wrap_pyfunction!(is_url, m)?)?;

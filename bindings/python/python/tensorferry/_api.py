@@ -942,7 +942,7 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
         else:
             kinds, todo = [], []
             for p, t in leaves:
-                kind = like or _recorded(default, exceptions, dotted(p))
+                kind = like or exceptions.get(dotted(p), default)
                 if holds(kind):
                     kinds.append(kind)
                     todo.append((p, t))
@@ -980,32 +980,10 @@ def _onto_device(tree, target, staging, progress_of=None):
         return _onto_device(tree, target, "off", progress_of)
 
 
-_FORMATS = {"pt": fw.TORCH, "tf": fw.TENSORFLOW, "flax": fw.JAX, "jax": fw.JAX, "np": fw.NUMPY, "numpy": fw.NUMPY}
-
-
 def _recorded_frameworks(meta):
     """The frameworks recorded at save time: ``(default, {name: framework})``, the
-    exceptions to the default (see :func:`_recorded`)."""
-    if _FRAMEWORKS_KEY not in meta:
-        # Files of other tools: the Hugging Face convention names the framework.
-        return _FORMATS.get(meta.get("format")), {}
-    try:
-        record = json.loads(meta.get(_FRAMEWORKS_KEY, "{}"))
-    except (ValueError, RecursionError):
-        record = {}
-    # A damaged or foreign record only loses the framework hint, never the data.
-    if not isinstance(record, dict):
-        record = {}
-    default = record.get("default")
-    default = default if isinstance(default, str) else None
-    exceptions = record.get("except")
-    return default, exceptions if isinstance(exceptions, dict) else {}
-
-
-def _recorded(default, exceptions, name):
-    """The framework recorded for the tensor ``name``."""
-    kind = exceptions.get(name, default)
-    return kind if isinstance(kind, str) else default
+    exceptions to the default, read as the native load reads them."""
+    return _native.recorded_frameworks(meta.get(_FRAMEWORKS_KEY), meta.get("format"))
 
 
 def _numpy_can_hold(dtype):
