@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from _trees import assert_same
 
 import tensorferry as tf
 
@@ -103,25 +104,6 @@ def _values(x):
     return np.asarray(x)
 
 
-def _same(a, b):
-    """The same structure, the same leaf types, the same values."""
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)) and not all(isinstance(v, (int, float)) for v in a):
-        assert len(a) == len(b)
-        for u, v in zip(a, b):
-            _same(u, v)
-    elif isinstance(a, (str, int, float, list, type(None))):
-        assert a == b
-    else:
-        if isinstance(a, tf.Tensor):
-            assert a.device == b.device
-        np.testing.assert_array_equal(_values(a), _values(b))
-
-
 def _saved(tmp_path, tag):
     return tf.to_numpy(tf.load(tmp_path / f"{tag}.safetensors"))
 
@@ -140,9 +122,9 @@ def test_non_blocking_returns_a_transfer_whose_result_is_the_blocking_result(nam
     assert pending.done() and pending.exception() is None
     if name == "save":
         assert blocking is None and got is None
-        _same(_saved(tmp_path, "pending"), _saved(tmp_path, "blocking"))
+        assert_same(_saved(tmp_path, "pending"), _saved(tmp_path, "blocking"))
     else:
-        _same(got, blocking)
+        assert_same(got, blocking)
 
 
 @pytest.mark.parametrize("name", MOVING)
@@ -156,7 +138,7 @@ def test_a_transfer_can_be_awaited(name, tmp_path):
 
     got = asyncio.run(main())
     if name != "save":
-        _same(got, _call(name, tree, tmp_path, "blocking"))
+        assert_same(got, _call(name, tree, tmp_path, "blocking"))
 
 
 @pytest.fixture
