@@ -1,6 +1,7 @@
 """Checkpoints in object storage, against a real S3 server on the loopback interface:
 ``s3s-fs`` from crates.io (SigV4, ranged GETs, multipart uploads over a local folder),
-started by the fixtures on a free port with fixed credentials and stopped after them.
+started by the fixtures on a free port with fixed credentials (``_servers.py``) and
+stopped after them.
 
 Without the server's binary these tests skip with the reason (``bash
 scripts/s3-server.sh install`` builds it); ``scripts/test.sh`` installs it and sets
@@ -12,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -22,82 +22,15 @@ import time
 
 import numpy as np
 import pytest
+from _servers import SECRET_KEY, S3Server, point_at, s3_binary_or_skip
 from _trees import assert_same
 
 import tensorferry as tf
 
-ACCESS_KEY = "tensorferry-test"
-SECRET_KEY = "tensorferry-test-secret"
-REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-
-
-def _server_binary():
-    """``TENSORFERRY_S3S_FS``, else the repository's ``target/tools``, else the PATH."""
-    given = os.environ.get("TENSORFERRY_S3S_FS")
-    if given:
-        return given if os.path.isfile(given) else None
-    tools = os.path.join(REPO, "target", "tools", "bin", "s3s-fs")
-    return tools if os.path.isfile(tools) else shutil.which("s3s-fs")
-
-
-class S3Server:
-    """An ``s3s-fs`` process serving ``root`` (bucket ``bucket``) on 127.0.0.1."""
-
-    def __init__(self, binary, root, log=None):
-        self.root = root
-        self.log = log
-        os.makedirs(os.path.join(root, "bucket"), exist_ok=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.binary = binary
-        self.start()
-
-    def start(self):
-        """Starts the server (again: same port, same folder) and waits until it answers."""
-        # With a log: every request, its headers (ranges) included.
-        out = open(self.log, "a") if self.log else subprocess.DEVNULL
-        try:
-            self.process = subprocess.Popen(
-                [self.binary, "--host", "127.0.0.1", "--port", str(self.port),
-                 "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY, self.root],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=dict(os.environ, RUST_LOG="s3s::service=debug") if self.log else None,
-            )
-        finally:
-            if self.log:
-                out.close()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"s3s-fs did not answer on port {self.port}")
-                time.sleep(0.02)
-
-    def file(self, key):
-        """The file in which the server keeps ``key`` of the bucket."""
-        return os.path.join(self.root, "bucket", key)
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-
 
 @pytest.fixture(scope="module")
 def server_binary():
-    binary = _server_binary()
-    if binary is None:
-        if os.environ.get("TENSORFERRY_REQUIRE_S3"):
-            pytest.fail("TENSORFERRY_REQUIRE_S3 is set and no s3s-fs binary was found")
-        pytest.skip("no s3s-fs binary: bash scripts/s3-server.sh install")
-    return binary
+    return s3_binary_or_skip()
 
 
 @pytest.fixture(scope="module")
@@ -107,24 +40,10 @@ def shared_server(server_binary, tmp_path_factory):
     server.stop()
 
 
-def _point_at(monkeypatch, server):
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-        "AWS_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": server.endpoint,
-        # Without keys the client asks the instance-metadata service: on loopback here.
-        "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
-        "TENSORFERRY_OBJECT_RETRIES": "1",
-        "TENSORFERRY_OBJECT_RETRY_TIMEOUT": "2",
-    }.items():
-        monkeypatch.setenv(key, value)
-
-
 @pytest.fixture
 def s3(shared_server, monkeypatch):
     """The shared server, the client's environment pointing at it."""
-    _point_at(monkeypatch, shared_server)
+    point_at(monkeypatch, shared_server)
     return shared_server
 
 
@@ -133,7 +52,7 @@ def own_server(server_binary, tmp_path, monkeypatch):
     """A server of the test's own (it may be stopped; it logs every request to
     ``.log``), the environment pointing at it."""
     server = S3Server(server_binary, str(tmp_path / "s3"), log=str(tmp_path / "s3.log"))
-    _point_at(monkeypatch, server)
+    point_at(monkeypatch, server)
     yield server
     server.stop()
 

