@@ -179,9 +179,9 @@ def test_a_failed_copy_is_raised_by_result_every_time(name):
         else:
             pending = getattr(tf, name)(on_device, non_blocking=True)
         for _ in range(2):
-            with pytest.raises(tf.TensorferryError, match="emu:1"):
+            with pytest.raises(tf.CopyError, match="emu:1"):
                 pending.result()
-        assert isinstance(pending.exception(), tf.TensorferryError)
+        assert isinstance(pending.exception(), tf.CopyError)
     finally:
         tf.configure_emulated(1)
 

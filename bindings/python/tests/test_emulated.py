@@ -323,26 +323,6 @@ def test_a_transfer_can_be_awaited(emu1):
     assert ticks > 3, "the event loop ran while the copy was in flight"
 
 
-def test_a_transfer_times_out_without_losing_the_copy(emu1):
-    src, on_device = _slow_device_dict(emu1)
-    pending = tf.to_numpy(on_device, non_blocking=True)
-    assert pending.wait(timeout=0.01) is False
-    with pytest.raises(TimeoutError):
-        pending.result(timeout=0.01)
-    np.testing.assert_array_equal(pending.result()["w"], src["w"])
-
-
-def test_a_failed_transfer_raises_its_error_every_time(emu1):
-    on_device = tf.to_device({"w": np.arange(10.0)}, emu1)
-    tf.configure_emulated(1, fail_copy=1, latency_us=50_000)
-    pending = tf.to_numpy(on_device, non_blocking=True)
-    with pytest.raises(tf.CopyError, match="emu:1"):
-        pending.result()
-    assert isinstance(pending.exception(), tf.CopyError)
-    with pytest.raises(tf.CopyError, match="emu:1"):
-        pending.result()
-
-
 def test_ctrl_c_interrupts_a_transfers_wait(emu1):
     src, on_device = _slow_device_dict(emu1, latency_us=1_500_000)
     pending = tf.to_numpy(on_device, non_blocking=True)
