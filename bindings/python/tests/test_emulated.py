@@ -127,23 +127,6 @@ def test_pinned_results_reuse_the_pool(emu1, state):
     assert again["pinned_bytes"] == stats["pinned_bytes"]
 
 
-class _RecordingStream:
-    """A producer stream as the protocol sees it: something with synchronize()."""
-
-    def __init__(self):
-        self.synchronized = 0
-
-    def synchronize(self):
-        self.synchronized += 1
-
-
-def test_the_producers_stream_is_synchronized_before_reading(state):
-    s = _RecordingStream()
-    tf.to_device(state, "emu:0", stream=s)
-    tf.to_host(state, stream=s)
-    assert s.synchronized == 2
-
-
 def test_a_raw_stream_handle_without_a_driver_says_why(state):
     if any(d.startswith("cuda") for d in tf.devices()):
         pytest.skip("a CUDA device is present")
