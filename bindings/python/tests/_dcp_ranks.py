@@ -20,6 +20,7 @@ import time
 from datetime import timedelta
 
 import _ranks
+from _trees import assert_same
 
 RANK_TIMEOUT_S = 120
 PG_TIMEOUT_S = 20
@@ -81,25 +82,6 @@ def full(state):
     if torch.is_tensor(state):
         return state.clone()
     return state
-
-
-def assert_same(got, want, path=""):
-    import torch
-
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), (path, got.keys(), want.keys())
-        for k in want:
-            assert_same(got[k], want[k], f"{path}.{k}")
-    elif isinstance(want, list):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
-    elif torch.is_tensor(want):
-        assert torch.is_tensor(got), path
-        assert got.dtype == want.dtype and got.shape == want.shape, (path, got.dtype, want.dtype, got.shape, want.shape)
-        assert torch.equal(got, want), path
-    else:
-        assert got == want, (path, got, want)
 
 
 def stats_dict(reader):

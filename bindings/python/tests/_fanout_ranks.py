@@ -17,6 +17,7 @@ import time
 from datetime import timedelta
 
 import _ranks
+from _trees import assert_same
 
 RANK_TIMEOUT_S = 90
 PG_TIMEOUT_S = 10
@@ -145,30 +146,6 @@ def make_checkpoints(folder):
 
 
 # ---- checks ------------------------------------------------------------------------------
-
-
-def assert_same(got, want, path="<root>"):
-    """Same structure, container types, plain values, and tensors of the same framework,
-    dtype, shape and bytes."""
-    import numpy as np
-    import torch
-
-    assert type(got) is type(want), (path, type(got), type(want))
-    if isinstance(want, dict):
-        assert list(got) == list(want), (path, list(got), list(want))
-        for k in want:
-            assert_same(got[k], want[k], f"{path}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), path
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}/{i}")
-    elif torch.is_tensor(want):
-        assert (got.dtype, got.shape, got.device) == (want.dtype, want.shape, want.device), (path, got.dtype, want.dtype)
-        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), path
-    elif isinstance(want, np.ndarray):
-        assert (got.dtype, got.shape) == (want.dtype, want.shape) and got.tobytes() == want.tobytes(), path
-    else:
-        assert got == want, (path, got, want)
 
 
 def leaves(tree, path=()):

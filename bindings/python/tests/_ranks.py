@@ -6,15 +6,10 @@ scenarios (``_dcp_ranks.py``, ``_fanout_ranks.py``) run as ``world`` processes, 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _servers import free_port
 
 
 def run_ranks(script, scenario, world, folder, *, timeout, expect_killed=None, results_of_killed=False):

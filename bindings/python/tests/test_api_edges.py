@@ -58,7 +58,7 @@ def test_a_ring_beyond_the_limits_is_a_value_error_naming_staging_and_the_value(
     assert not os.path.exists(p)
 
 
-@pytest.mark.parametrize("bad", [(-1, 2), (2**70, 2), (True, 2), (4096, 2.5), (4096,), "sometimes"])
+@pytest.mark.parametrize("bad", [(-1, 2), (0, 2), (2**70, 2), (True, 2), (4096, 2.5), (4096,), "sometimes", "fast", 3])
 def test_a_malformed_ring_is_the_same_value_error(bad):
     with pytest.raises(tf.FormatError, match="staging"):
         tf.to_device({"x": np.ones(4)}, "emu:0", staging=bad)

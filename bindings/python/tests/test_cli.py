@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from _trees import assert_same
 
 import tensorferry as tf
 from tensorferry import _native
@@ -211,12 +212,6 @@ def _logits(model, torch):
         return model(torch.arange(8).reshape(1, 8)).logits
 
 
-def _assert_same_state(loaded, sd, torch):
-    assert list(loaded) == list(sd)
-    for name, t in sd.items():
-        assert torch.equal(loaded[name], t), name
-
-
 def test_convert_turns_a_torch_save_of_gpt2_into_a_file_tf_load_and_transformers_read(tmp_path, torch):
     transformers = pytest.importorskip("transformers")
     model, config = _gpt2(transformers, torch)
@@ -236,7 +231,7 @@ def test_convert_turns_a_torch_save_of_gpt2_into_a_file_tf_load_and_transformers
     assert out.stderr == ""  # no terminal: no bar
 
     loaded = tf.load(target, like="torch")
-    _assert_same_state(loaded, sd, torch)
+    assert_same(loaded, dict(sd))  # a file holds the OrderedDict as a dict
     assert loaded["lm_head.weight"] is loaded["transformer.wte.weight"]
     count, total, _ = stored(target)
     assert (count, total) == (len(unique), sum(unique.values()))
@@ -257,7 +252,7 @@ def test_convert_writes_shards_and_an_index_that_transformers_reads(tmp_path, to
     shards = sorted(p for p in os.listdir(tmp_path) if p.startswith("model-") and p.endswith(".safetensors"))
     assert len(shards) > 2
     assert all(os.path.getsize(tmp_path / s) < 20_000 + 4096 or stored(tmp_path / s)[0] == 1 for s in shards)
-    _assert_same_state(tf.load(tmp_path, like="torch"), sd, torch)
+    assert_same(tf.load(tmp_path, like="torch"), dict(sd))
     doc = json.loads(run("inspect", "--json", tmp_path).stdout)
     assert doc["total_bytes"] == sum({t.data_ptr(): t.nbytes for t in sd.values()}.values())
     config.save_pretrained(tmp_path)
@@ -278,7 +273,7 @@ def test_convert_reads_sharded_pickles_through_their_index(tmp_path, torch):
         json.dumps({"metadata": {"total_size": 5 * 64}, "weight_map": weight_map}))
     out = run("convert", tmp_path)
     assert out.returncode == 0, out.stderr
-    _assert_same_state(tf.load(tmp_path / "model.safetensors", like="torch"), sd, torch)
+    assert_same(tf.load(tmp_path / "model.safetensors", like="torch"), sd)
 
 
 def test_convert_keeps_nesting_and_plain_values(tmp_path, torch):

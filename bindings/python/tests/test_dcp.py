@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from _trees import assert_same
 
 torch = pytest.importorskip("torch", reason="DCP needs PyTorch")
 if not torch.distributed.is_available():
@@ -49,19 +50,6 @@ def _zeros_like_state(state):
     return out
 
 
-def _assert_same(got, want, path=""):
-    assert type(got) is type(want) or (torch.is_tensor(got) and torch.is_tensor(want)), path
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), path
-        for k in want:
-            _assert_same(got[k], want[k], f"{path}.{k}")
-    elif torch.is_tensor(want):
-        assert got.dtype == want.dtype and got.shape == want.shape, path
-        assert torch.equal(got, want), path
-    else:
-        assert got == want, path
-
-
 def _failure(exc_info):
     """The exception a rank raised: DCP wraps it in a CheckpointException."""
     exc = exc_info.value
@@ -89,7 +77,7 @@ def _rank_path(folder, rank):
 
 def test_single_process_save_load_round_trips_every_tensor_and_value(tmp_path):
     state = _plain_state()
-    _assert_same(_save_load_one_process(tmp_path, state), state)
+    assert_same(_save_load_one_process(tmp_path, state), state)
 
 
 def test_single_process_writes_one_safetensors_file_and_the_metadata(tmp_path):
@@ -132,7 +120,7 @@ def test_saving_again_into_the_same_folder_replaces_the_checkpoint(tmp_path):
     _save_load_one_process(tmp_path, _plain_state())
     state = {"x": torch.arange(4.0)}
     got = _save_load_one_process(tmp_path, state)
-    _assert_same(got, state)
+    assert_same(got, state)
 
 
 def test_a_save_that_dies_before_its_metadata_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -148,7 +136,7 @@ def test_a_save_that_dies_before_its_metadata_leaves_the_previous_checkpoint(tmp
     monkeypatch.undo()
     target = _zeros_like_state(before)
     dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
-    _assert_same(target, before)
+    assert_same(target, before)
 
 
 _KILLED_SAVE = """
@@ -182,7 +170,7 @@ def test_a_save_replaces_the_metadata_as_tf_save_replaces_a_file_keeping_its_per
     dcp.save({"w": torch.arange(6.0)}, storage_writer=TensorferryWriter(tmp_path, sync_files=sync_files), no_dist=True)
     os.chmod(tmp_path / ".metadata", 0o640)
     state = {"w": torch.arange(6.0) * 2}
-    _assert_same(_save_load_one_process(tmp_path, state), state)
+    assert_same(_save_load_one_process(tmp_path, state), state)
     assert stat.S_IMODE(os.stat(tmp_path / ".metadata").st_mode) == 0o640
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
@@ -216,7 +204,7 @@ def test_a_save_removes_the_files_of_the_checkpoint_it_replaces_and_nothing_else
     (tmp_path / "__0_0123abcd.safetensors").write_bytes(b"not ours")
     (tmp_path / "config.json").write_text("{}")
     state = {"w": torch.arange(6.0) * 2}
-    _assert_same(_save_load_one_process(tmp_path, state), state)
+    assert_same(_save_load_one_process(tmp_path, state), state)
     second = _named_files(tmp_path)
     assert not first & second
     names = set(os.listdir(tmp_path))
@@ -321,7 +309,7 @@ def test_async_save_with_the_tensorferry_stager_snapshots_the_state(tmp_path):
     stager.close()
     target = _zeros_like_state(want)
     dcp.load(target, storage_reader=TensorferryReader(tmp_path), no_dist=True)
-    _assert_same(target, want)
+    assert_same(target, want)
 
 
 # ---- GPU state dicts (run by the GPU kit; skipped without a CUDA GPU) -----------------

@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+from _trees import assert_same
 
 import tensorferry as tf
 
@@ -24,26 +25,6 @@ def _tree():
         "step": 3,
         "tag": "run",
     }
-
-
-def _assert_same(a, b):
-    assert type(a) is type(b)
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_same(x, y)
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(a, b)
-    elif type(a).__module__.startswith("torch"):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert bool((a == b).all())
-    else:
-        assert a == b
 
 
 def _supports_direct(folder):
@@ -76,7 +57,7 @@ def test_a_direct_load_equals_the_default_for_numpy_results(tmp_path):
     p = tmp_path / "x.safetensors"
     tf.save(_tree(), p)
     direct = _no_warnings(lambda: tf.load(p, direct=True))
-    _assert_same(direct, tf.load(p))
+    assert_same(direct, tf.load(p))
     assert direct["model"]["t.1"].flags.writeable, "fresh memory, not the map"
 
 
@@ -86,8 +67,8 @@ def test_a_direct_load_equals_the_default_for_torch_results(tmp_path, torch):
     tf.save(src, p)
     direct = tf.load(p, direct=True)
     assert all(type(v) is torch.Tensor for v in direct.values())
-    _assert_same(direct, tf.load(p))
-    _assert_same(direct, src)
+    assert_same(direct, tf.load(p))
+    assert_same(direct, src)
 
 
 def test_direct_wins_over_the_default_mmap(tmp_path):
@@ -104,7 +85,7 @@ def test_a_sharded_checkpoint_loads_directly(tmp_path):
     tf.save(tree, tmp_path / "model.safetensors", max_shard_size="1MB")
     assert len([n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]) > 2
     direct = _no_warnings(lambda: tf.load(tmp_path, direct=True))
-    _assert_same(direct, tf.load(tmp_path))
+    assert_same(direct, tf.load(tmp_path))
 
 
 def test_a_refusal_reads_through_the_page_cache_with_one_warning_saying_why(tmp_path, monkeypatch):
@@ -116,7 +97,7 @@ def test_a_refusal_reads_through_the_page_cache_with_one_warning_saying_why(tmp_
         back = tf.load(p, direct=True)
     assert len(caught) == 1
     assert caught[0].filename == __file__, "the warning points at the caller"
-    _assert_same(back, tf.load(p))
+    assert_same(back, tf.load(p))
 
 
 def test_a_sharded_checkpoint_whose_shards_all_fall_back_warns_once(tmp_path, monkeypatch):
@@ -139,7 +120,7 @@ def test_tmpfs_reads_directly_or_through_the_page_cache_with_its_reason():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             back = tf.load(p, direct=True)
-        _assert_same(back, tf.load(p))
+        assert_same(back, tf.load(p))
         if _supports_direct(folder):
             assert not caught, "tmpfs accepts O_DIRECT on this kernel (Linux 6.6 and later)"
         else:
@@ -152,8 +133,8 @@ def test_a_direct_load_onto_a_device_equals_the_default_one(tmp_path):
     tree = _tree()
     tf.save(tree, tmp_path / "model.safetensors", max_shard_size="1MB")
     direct = tf.to_numpy(tf.load(tmp_path, device="emu:1", direct=True))
-    _assert_same(direct, tf.to_numpy(tf.load(tmp_path, device="emu:1")))
-    _assert_same(direct, tree)
+    assert_same(direct, tf.to_numpy(tf.load(tmp_path, device="emu:1")))
+    assert_same(direct, tree)
 
 
 def test_a_refusal_on_the_way_to_a_device_warns_too(tmp_path, monkeypatch):

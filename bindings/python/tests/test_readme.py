@@ -12,7 +12,7 @@ TensorFlow one (tests-tensorflow/test_readme_tensorflow.py). A block after the H
 ``<!-- readme-test: skip, needs a GPU -->`` runs only where a CUDA device is present.
 
 What a section needs is provided as a reader would provide it: an S3 server on loopback
-(``s3s-fs``, as in test_object_store.py) with the ``AWS_*`` variables pointing at it for a
+(``s3s-fs``, ``_servers.S3Server``) with the ``AWS_*`` variables pointing at it for a
 section that uses ``s3://``; the environment ``torchrun`` gives one rank for a section that
 calls ``init_process_group``.
 """
@@ -21,11 +21,11 @@ import ast
 import importlib.util
 import os
 import re
-import socket
 import sys
 from dataclasses import dataclass, field
 
 import pytest
+from _servers import S3Server, free_port, s3_binary_or_skip
 
 import tensorferry as tf
 
@@ -117,12 +117,6 @@ def _has_gpu():
     return any(d.startswith("cuda") for d in tf.devices())
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class SectionRun:
     """One section's namespace, working folder and environment, undone by ``close``."""
 
@@ -131,14 +125,13 @@ class SectionRun:
         self.folder = folder
         self.namespace = {"__name__": "__readme__"}
         self.failed_at = None
-        self.skip_reason = None
         self._saved_env = {}
         self._server = None
         code = "".join(b.code for b in blocks)
         if "s3://" in code:
             self._start_s3()
         if "init_process_group" in code:
-            self._setenv(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+            self._setenv(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         self._setenv(JAX_PLATFORMS="cpu")
 
@@ -148,18 +141,10 @@ class SectionRun:
             os.environ[key] = value
 
     def _start_s3(self):
-        # The object-storage tests' server and credentials, one server per section.
-        from test_object_store import ACCESS_KEY, SECRET_KEY, S3Server, _server_binary
-
-        binary = _server_binary()
-        if binary is None:
-            if os.environ.get("TENSORFERRY_REQUIRE_S3"):
-                pytest.fail("TENSORFERRY_REQUIRE_S3 is set and no s3s-fs binary was found")
-            self.skip_reason = "no s3s-fs binary: bash scripts/s3-server.sh install"
-            return
-        self._server = S3Server(binary, os.path.join(self.folder, ".s3"))
-        self._setenv(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_REGION="us-east-1",
-                     AWS_ENDPOINT_URL=self._server.endpoint, AWS_METADATA_ENDPOINT="http://127.0.0.1:9")
+        # The object-storage tests' server and credentials, one server per section; without
+        # the server, each block of the section skips (or fails under TENSORFERRY_REQUIRE_S3).
+        self._server = S3Server(s3_binary_or_skip(), os.path.join(self.folder, ".s3"))
+        self._setenv(**self._server.environment())
 
     def run(self, block):
         before = os.getcwd()
@@ -213,11 +198,9 @@ def run_block(block, sections, tmp_path_factory):
     run = sections.get("run")
     if run is None or run.name != block.section:
         if run is not None:
-            run.close()
+            sections.pop("run").close()
         mine = [b for b in BLOCKS if b.section == block.section]
         run = sections["run"] = SectionRun(block.section, str(tmp_path_factory.mktemp("readme")), mine)
-    if run.skip_reason:
-        pytest.skip(run.skip_reason)
     if block.needs_gpu and not _has_gpu():
         pytest.skip("needs a GPU")
     missing = _missing(block.needs)

@@ -11,6 +11,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from _trees import assert_same
 
 import tensorferry as tf
 
@@ -21,37 +22,6 @@ pytestmark = pytest.mark.torch
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def assert_exact(a, b, path="<root>"):
-    """``a`` and ``b`` hold the same values of the same types at every place: dict keys
-    of the same types in the same order, tuples as tuples, ints as ints, tensors equal
-    (any framework, compared through NumPy)."""
-    if isinstance(a, torch.Tensor) or isinstance(a, (tf.Tensor, np.ndarray)):
-        assert isinstance(b, (torch.Tensor, tf.Tensor, np.ndarray)), f"{path}: {type(b)}"
-        assert np.array_equal(_np(a), _np(b)), path
-        return
-    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), f"{path}: {type(a)} vs {type(b)}"
-    if isinstance(a, dict):
-        assert [(type(k), k) for k in a] == [(type(k), k) for k in b], path
-        for k in a:
-            assert_exact(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_exact(x, y, f"{path}/{i}")
-    elif isinstance(a, float) and a != a:
-        assert b != b, path
-    else:
-        assert a == b, path
-
-
-def _np(t):
-    if isinstance(t, torch.Tensor):
-        return t.detach().cpu().numpy()
-    if isinstance(t, tf.Tensor):
-        return tf.to_numpy({"t": t})["t"]
-    return t
 
 
 def as_torch(tree):
@@ -130,7 +100,7 @@ def training_state(opt_kind):
 def test_a_training_state_moved_on_the_host_is_exact_and_resumes_identically(opt_kind, move):
     state = training_state(opt_kind)
     moved = tf.to_host(state, copy=True) if move == "to_host" else tf.to_device(state, "cpu", copy=True)
-    assert_exact(state, moved)
+    assert_same(moved, state)
     groups = moved["optimizer"]["param_groups"]
     assert all(type(g["params"]) is list and type(g["params"][0]) is int for g in groups)
     if opt_kind == "adamw":
@@ -147,9 +117,9 @@ def test_a_training_state_on_the_emulated_device_keeps_every_plain_value(opt_kin
     there = tf.to_device(state, "emu:0")
     exp_avg = there["optimizer"]["state"][0]["exp_avg" if opt_kind == "adamw" else "momentum_buffer"]
     assert type(exp_avg) is tf.Tensor and exp_avg.device == "emu:0"
-    assert_exact(state, there)  # ints, tuples, integer keys, lists of numbers as they were
+    assert_same(there, state, any_framework=True)  # ints, tuples, integer keys, lists of numbers as they were
     back = as_torch(there)
-    assert_exact(state, back)
+    assert_same(back, state, any_dict=True)  # as_torch makes the OrderedDict a dict
     want, got = resume(state, opt_kind), resume(back, opt_kind)
     assert all(a.equal(b) for a, b in zip(want[0], got[0])) and want[1:] == got[1:]
 
@@ -161,14 +131,14 @@ def test_a_training_state_saves_and_loads_back_exactly_and_resumes_identically(t
     path = tmp_path / "ckpt.safetensors"
     tf.save(state if device == "cpu" else tf.to_device(state, device), path)
     back = tf.load(path) if device == "cpu" else tf.load(path, like="torch")
-    assert_exact(state, back)
+    assert_same(back, state, any_dict=True)  # a file holds the OrderedDict as a dict
     assert type(back["epoch"]) is int and type(back["scaler"]["scale"]) is float
     assert type(back["scaler"]["growth_interval"]) is int
     assert list(back["optimizer"]["state"]) == [0, 1, 2, 3]
     want, got = resume(state, opt_kind), resume(back, opt_kind)
     assert all(a.equal(b) for a, b in zip(want[0], got[0])) and want[1:] == got[1:]
     # On the device, the same structure.
-    assert_exact(state, tf.load(path, device="emu:0"))
+    assert_same(tf.load(path, device="emu:0"), state, any_framework=True, any_dict=True)
 
 
 def test_other_tools_read_an_optimizer_state_as_dotted_names(tmp_path):
@@ -225,7 +195,7 @@ def test_every_scheduler_state_moves_and_saves_exactly_and_loads_into_the_schedu
             milestones = moved["scheduler"]["milestones"]
             assert type(milestones) in (Counter, dict) and dict(milestones) == {2: 1, 4: 1}
             moved["scheduler"] = {**moved["scheduler"], "milestones": Counter(milestones)}
-        assert_exact(sd, moved)
+        assert_same(moved, sd)
         fresh_opt, fresh = _schedule(name, 0)
         fresh_opt.load_state_dict(moved["optimizer"])
         fresh.load_state_dict(moved["scheduler"])
@@ -240,7 +210,7 @@ def test_a_grad_scaler_state_saves_exactly(tmp_path):
     sd = scaler.state_dict()
     tf.save({"scaler": sd}, tmp_path / "g.safetensors")
     back = tf.load(tmp_path / "g.safetensors")["scaler"]
-    assert_exact(sd, back)
+    assert_same(back, sd)
     fresh = torch.amp.GradScaler("cpu")
     fresh.load_state_dict(back)
     assert fresh.get_scale() == 1024.0 and fresh.get_growth_interval() == 7
@@ -268,10 +238,10 @@ def test_an_integer_key_and_its_text_as_a_key_are_refused_naming_them(tmp_path):
 def test_integer_keys_of_plain_values_and_nested_dicts_come_back_as_integers(tmp_path):
     src = {"counts": {3: 7, -1: "x", 10**12: [1.5, None]}, "t": np.arange(2)}
     tf.save(src, tmp_path / "i.safetensors")
-    assert_exact(src, tf.load(tmp_path / "i.safetensors"))
+    assert_same(tf.load(tmp_path / "i.safetensors"), src)
     flat = {-3: np.arange(2), "w": np.ones(1)}  # tensors only: a file without a record would lose -3
     tf.save(flat, tmp_path / "f.safetensors")
-    assert_exact(flat, tf.load(tmp_path / "f.safetensors"))
+    assert_same(tf.load(tmp_path / "f.safetensors"), flat)
 
 
 def test_a_file_with_a_record_of_format_1_still_loads(tmp_path):
@@ -331,7 +301,7 @@ def test_one_tensor_under_two_keys_is_one_object_after_load(tmp_path, like):
     tf.save({"a": w, "b": {"c": w}, "l": [w]}, tmp_path / "t.safetensors")
     out = tf.load(tmp_path / "t.safetensors", like=like)
     assert out["a"] is out["b"]["c"] is out["l"][0]
-    assert np.array_equal(_np(out["a"]), w)
+    assert_same(out["a"], w, any_framework=True)
 
 
 def test_tied_tensors_loaded_on_a_device_are_one_object(tmp_path):
