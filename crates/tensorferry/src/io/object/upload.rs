@@ -196,6 +196,9 @@ impl<F: FnMut(PutPayload) -> Result<()>> Parts<F> {
     }
 }
 
+/// How long an aborted upload waits for its parts in flight to end before cancelling them.
+const PARTS_SETTLE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The parts of one multipart upload on their way: at most `concurrency` at once.
 struct Sender<'a> {
     at: &'a Location,
@@ -247,11 +250,20 @@ impl Sender<'_> {
         waited
     }
 
-    /// Gives the upload up: the parts in flight are cancelled and the store told to drop
-    /// the parts it holds (as far as it can be reached); the object stays as it was.
+    /// Gives the upload up: the store is told to drop the parts it holds (as far as it can
+    /// be reached); the object stays as it was. A part still on its way when the abort
+    /// arrives may be stored after it, and kept (S3 documents as much), so the parts in
+    /// flight are first waited for, together for at most [`PARTS_SETTLE`], and only then
+    /// cancelled.
     fn abort(&mut self) {
+        let deadline = std::time::Instant::now() + PARTS_SETTLE;
         for part in self.in_flight.drain(..) {
-            part.abort();
+            let cancel = part.abort_handle();
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let ended = runtime::block_on(async move { tokio::time::timeout(left, part).await });
+            if !matches!(ended, Ok(Ok(_))) {
+                cancel.abort();
+            }
         }
         let _ = runtime::block_on(self.upload.abort());
     }
