@@ -278,7 +278,7 @@ const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
 /// file streams onto it through the ring `staging` names (`tensorferry::load_to`).
 /// With `copy_on_write`, a map is private and writable (`LoadOptions::copy_on_write`).
 #[pyfunction]
-#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None))]
+#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None, early=false))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn load(
     py: Python<'_>,
@@ -291,7 +291,14 @@ fn load(
     staging: Option<Bound<'_, PyAny>>,
     copy_on_write: bool,
     only: Option<std::collections::HashSet<String>>,
-) -> PyResult<(Py<PyAny>, BTreeMap<String, String>, bool, Option<String>)> {
+    early: bool,
+) -> PyResult<(
+    Py<PyAny>,
+    BTreeMap<String, String>,
+    bool,
+    Option<String>,
+    Option<wait::PyArrival>,
+)> {
     guard(|| {
         let mmap = if mmap {
             // SAFETY: Python's `load(mmap=True)` is the documented default (README, "Limits":
@@ -313,10 +320,18 @@ fn load(
             .to_str()
             .filter(|p| object::is_url(p))
             .map(String::from);
+        let mut arrival = None;
         let loaded = match (url, device) {
-            (Some(url), None) => wait::run_interruptibly(py, "tensorferry-load", move |_| {
-                object::load_url(&url, &object::ObjectOptions::from_env(), only.as_ref())
-            })?,
+            (Some(url), None) => {
+                let (loaded, arriving) =
+                    wait::run_interruptibly(py, "tensorferry-load", move |_| {
+                        let options = object::ObjectOptions::from_env();
+                        object::load_url_arriving(&url, &options, only.as_ref())
+                    })?
+                    .py_err()?;
+                arrival = Some(wait::PyArrival(arriving));
+                Ok(loaded)
+            }
             (Some(url), Some(d)) => {
                 let target: Device = d.parse().py_err()?;
                 let staging = parse_staging(staging.as_ref())?;
@@ -354,8 +369,19 @@ fn load(
             (out.default, out.exceptions) =
                 recorded_frameworks(field(FRAMEWORKS_KEY), field("format"));
         }
+        // A tree of NumPy arrays is built from the bytes: they must all be in first. Tensors
+        // left for Python to convert are views, built while the bytes arrive.
+        if let Some(arriving) = arrival.take_if(|a| !early || out.reads_bytes() || a.0.is_done()) {
+            arriving.wait(py)?;
+        }
         let tree = tree::node_to_py(py, loaded.root, &mut out, &mut Vec::new())?;
-        Ok((tree, loaded.metadata, out.pending, loaded.direct_fallback))
+        Ok((
+            tree,
+            loaded.metadata,
+            out.pending,
+            loaded.direct_fallback,
+            arrival,
+        ))
     })
 }
 
@@ -472,13 +498,16 @@ fn from_dlpack_capsules(capsules: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<PyTenso
 /// has finished (every consumer stream may use it at once) — or, for a CUDA tensor of GPU
 /// `i` when `streams` maps `i` to the consumer's stream handle, once that stream is made
 /// to wait for the copy on the GPU (the copy may still be running). Read-only memory is
-/// copied: the legacy form cannot flag it.
+/// copied: the legacy form cannot flag it. With `promised`, host tensors are exported at
+/// once, their copies maybe still running: only for `_api._load`, which hands nothing out
+/// before its load's `Arrival.wait()` returns (see the SAFETY below).
 #[pyfunction]
-#[pyo3(signature = (tensors, streams=None))]
+#[pyo3(signature = (tensors, streams=None, promised=false))]
 fn to_dlpack_capsules(
     py: Python<'_>,
     tensors: Vec<Py<PyTensor>>,
     streams: Option<std::collections::HashMap<usize, usize>>,
+    promised: bool,
 ) -> PyResult<Vec<Py<PyAny>>> {
     guard(|| {
         let inner: Vec<&tensorferry::Tensor> = tensors.iter().map(|t| &t.get().inner).collect();
@@ -515,6 +544,15 @@ fn to_dlpack_capsules(
                             }
                         }
                     }
+                    // SAFETY: `promised` is passed by `_api._load` alone, for the tensors of
+                    // a load from object storage whose bytes may still arrive: it turns them
+                    // into PyTorch tensors (views: no byte is read) and hands none of them
+                    // out before the load's `Arrival.wait()` has returned; when anything
+                    // fails first, it cancels the arrival, which returns once nothing writes
+                    // the memory any more, and drops them.
+                    None if promised && t.device() == Device::Cpu => unsafe {
+                        Readable::promised(t)
+                    },
                     None => wait::readable(py, t)?,
                 };
                 dlpack::export_capsule(py, ready, false, true)
@@ -760,6 +798,7 @@ mod cli;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cli::register(m)?;
     m.add_class::<PyTensor>()?;
+    m.add_class::<wait::PyArrival>()?;
     m.add_function(wrap_pyfunction!(parse_device, m)?)?;
     m.add_function(wrap_pyfunction!(ensure_device, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;

@@ -26,11 +26,21 @@ type Run = (PyTensor, &'static str, Vec<usize>, usize, Vec<usize>);
 /// `(runs, rest)`: the runs of two or more of `tensors` (after their pending copies), and
 /// the indices of the tensors in no run (on a device, read-only, empty, not contiguous, or
 /// alone), which take the ordinary path.
+///
+/// With `promised`, the copies are not waited for (no byte is read here): the caller
+/// exports the runs with `to_dlpack_capsules(…, promised=True)`, whose contract it keeps.
 #[pyfunction]
-pub fn host_runs(py: Python<'_>, tensors: Vec<Py<PyTensor>>) -> PyResult<(Vec<Run>, Vec<usize>)> {
+#[pyo3(signature = (tensors, promised=false))]
+pub fn host_runs(
+    py: Python<'_>,
+    tensors: Vec<Py<PyTensor>>,
+    promised: bool,
+) -> PyResult<(Vec<Run>, Vec<usize>)> {
     guard(|| {
         let inner: Vec<&Tensor> = tensors.iter().map(|t| &t.get().inner).collect();
-        wait::wait_all(py, inner.iter().copied())?;
+        if !promised {
+            wait::wait_all(py, inner.iter().copied())?;
+        }
         let mut rest = Vec::new();
         // (storage address, byte offset, index) of every candidate, sorted into storage order.
         let mut placed: Vec<(usize, usize, usize)> = Vec::new();

@@ -177,6 +177,18 @@ impl Output<'_> {
         }
         self.default.as_deref().unwrap_or("numpy")
     }
+
+    /// True when some tensor may become a NumPy array, made from its bytes (the others
+    /// stay `Tensor` objects, views whose bytes are not read).
+    pub fn reads_bytes(&self) -> bool {
+        match self.like {
+            Some(like) => like == "numpy",
+            None => {
+                self.default.as_deref().is_none_or(|k| k == "numpy")
+                    || self.exceptions.values().any(|k| k == "numpy")
+            }
+        }
+    }
 }
 
 /// The Python containers of a tree: dict, list, tuple, plain values; tensors become NumPy

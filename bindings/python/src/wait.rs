@@ -141,3 +141,30 @@ pub fn run_interruptibly<T: Send + 'static>(
         }
     }
 }
+
+/// The bytes of a load from object storage still arriving into the memory of the tensors
+/// it handed over (`_native.load(…, early=True)`): nothing of them may be read, or handed
+/// out, before `wait()` returns.
+#[pyclass(name = "Arrival", module = "tensorferry._native", frozen)]
+pub struct PyArrival(pub tensorferry::internal::io::object::Arrival);
+
+#[pymethods]
+impl PyArrival {
+    /// Waits until every byte is in, in slices: Ctrl-C stops the GETs, waits until
+    /// nothing writes the memory any more, and raises `KeyboardInterrupt`. The load's
+    /// error when the GETs failed.
+    pub fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        while !py.detach(|| self.0.wait_timeout(SLICE)) {
+            if let Err(interrupted) = py.check_signals() {
+                py.detach(|| self.0.cancel());
+                return Err(interrupted);
+            }
+        }
+        py.detach(|| self.0.wait()).py_err()
+    }
+
+    /// Stops the GETs still in flight and waits until nothing writes the memory any more.
+    fn cancel(&self, py: Python<'_>) {
+        py.detach(|| self.0.cancel())
+    }
+}

@@ -308,12 +308,13 @@ def test_no_credentials_at_all_is_named(s3, url, monkeypatch):
         tf.load(url + "x.safetensors")
 
 
-def _paused_load(monkeypatch, tmp_path, target, **options):
+def _paused_load(monkeypatch, tmp_path, target, hook="TENSORFERRY_TEST_OBJECT_PAUSE", **options):
     """Starts ``tf.load(target)`` on a thread that stops after the header (the loader's
-    test hook); returns ``(go, outcome)``: ``go()`` lets it read the data and returns
-    once it finished, ``outcome`` then holds ``("ok", tree)`` or ``("error", exc)``."""
+    test hook; ``TENSORFERRY_TEST_OBJECT_HANDED``: once it handed its tree over, while the
+    data arrives); returns ``(go, outcome)``: ``go()`` lets it go on and returns once it
+    finished, ``outcome`` then holds ``("ok", tree)`` or ``("error", exc)``."""
     base = str(tmp_path / "pause")
-    monkeypatch.setenv("TENSORFERRY_TEST_OBJECT_PAUSE", base)
+    monkeypatch.setenv(hook, base)
     monkeypatch.setenv("TENSORFERRY_OBJECT_HEADER_BYTES", "64")
     outcome = []
 
@@ -364,6 +365,91 @@ def test_the_server_stopped_mid_load_is_a_clear_error(own_server, monkeypatch, t
     assert kind == "error", value
     assert isinstance(value, ConnectionError) and "could not be reached" in str(value)
     assert time.monotonic() - started < 30
+
+
+def _spy_on_torch_results(monkeypatch):
+    """The ``promised`` flag of each call that makes PyTorch tensors of native ones."""
+    from tensorferry import _frameworks
+
+    calls = []
+    real = _frameworks._torch_from_native_many
+
+    def spy(tensors, order=False, promised=False):
+        calls.append(promised)
+        return real(tensors, order, promised)
+
+    monkeypatch.setattr(_frameworks, "_torch_from_native_many", spy)
+    return calls
+
+
+def _until(condition, what):
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_torch_load_makes_its_tensors_while_the_bytes_arrive_and_returns_once_all_are_in(
+        s3, url, monkeypatch, tmp_path, torch):
+    target = url + "m.safetensors"
+    want = {"model": {f"w{i}": torch.full((2000,), float(i)) for i in range(40)}, "step": 3}
+    tf.save(want, target)
+    calls = _spy_on_torch_results(monkeypatch)
+    go, outcome = _paused_load(monkeypatch, tmp_path, target, hook="TENSORFERRY_TEST_OBJECT_HANDED")
+    # The loader holds its data back: the tensors are made all the same, ahead of it ...
+    _until(lambda: calls, "no PyTorch tensors were made while the data was held back")
+    assert calls == [True]
+    time.sleep(0.3)
+    assert outcome == []  # ... and none is handed out before it is in
+    go()
+    kind, got = outcome[0]
+    assert kind == "ok", got
+    assert_same(got, want)
+
+
+def test_bytes_that_stop_arriving_after_the_tensors_were_made_fail_the_load_handing_nothing_out(
+        own_server, proxied, monkeypatch, tmp_path, torch):
+    target = "s3://bucket/m.safetensors"
+    tf.save({"w": torch.ones(2 << 20)}, target)  # 8 MiB
+    # One GET for the data at a time, each answer a second late: 8 parts take 8 s, the
+    # server is stopped after the first.
+    _retrying(monkeypatch, 0)
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(1 << 20))
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CONCURRENCY", "2")
+    proxied(delays=100, delay=1.0)
+    calls = _spy_on_torch_results(monkeypatch)
+    go, outcome = _paused_load(monkeypatch, tmp_path, target, hook="TENSORFERRY_TEST_OBJECT_HANDED")
+    _until(lambda: calls, "no PyTorch tensors were made while the data was held back")
+    own_server.stop()
+    go()
+    kind, value = outcome[0]
+    assert kind == "error", value
+    assert isinstance(value, ConnectionError) and "m.safetensors" in str(value), value
+    assert calls == [True]
+
+
+def test_an_interruption_while_the_tensors_are_made_stops_the_download_at_once(
+        own_server, proxied, monkeypatch, torch):
+    target = "s3://bucket/m.safetensors"
+    tf.save({"w": torch.ones(2 << 20)}, target)  # 8 MiB: 8 s through the proxy (as above)
+    monkeypatch.setenv("TENSORFERRY_OBJECT_PART_BYTES", str(1 << 20))
+    monkeypatch.setenv("TENSORFERRY_OBJECT_CONCURRENCY", "2")
+    proxy = proxied(delays=100, delay=1.0)
+    from tensorferry import _frameworks
+
+    def interrupted(tensors, order=False, promised=False):
+        assert promised
+        raise KeyboardInterrupt  # as Ctrl-C would, while the bytes still arrive
+
+    monkeypatch.setattr(_frameworks, "_torch_from_native_many", interrupted)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        tf.load(target)
+    assert time.monotonic() - started < 5  # the GETs were stopped, not waited for
+    time.sleep(0.3)
+    asked = proxy.requested
+    time.sleep(2.5)  # a GET of the data goes up every second until the last one
+    assert proxy.requested == asked  # nothing more is asked for
 
 
 def test_a_save_killed_mid_upload_leaves_the_previous_object_whole(s3, url, tmp_path):

@@ -13,8 +13,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tensorferry::internal::io::object::{
-    cause_of, load_url, load_url_to_until, read_header_url, read_ranges, save_url, tensor_names,
-    Cause, ObjectOptions,
+    cause_of, load_url, load_url_arriving, load_url_to_until, read_header_url, read_ranges,
+    save_url, tensor_names, Cause, ObjectOptions,
 };
 use tensorferry::{load, save, Device, Node, SaveOptions, Staging, Tensor, TensorDict, Value};
 
@@ -166,6 +166,41 @@ fn a_tree_saved_to_s3_loads_back_the_same_through_the_generic_load() {
     assert_eq!(values(&loaded.root), values(&tree));
     let d = loaded.root.as_dict().unwrap();
     assert!(matches!(d.get("step"), Some(Node::Value(Value::Int(42)))));
+}
+
+#[test]
+fn a_tree_handed_over_before_its_bytes_are_in_is_read_only_once_they_are() {
+    let Some(server) = S3Server::start() else {
+        return;
+    };
+    let tree = model(3, 0.25);
+    let url = "s3://bucket/arriving/model.safetensors";
+    save(&tree, url, &SaveOptions::default()).unwrap();
+    // The loader's test hook holds it once it has handed the tree over.
+    let base = server.root.path().join("handed");
+    let with = |suffix: &str| PathBuf::from(format!("{}{suffix}", base.display()));
+    std::env::set_var("TENSORFERRY_TEST_OBJECT_HANDED", &base);
+    let handed = load_url_arriving(url, &ObjectOptions::from_env(), None);
+    std::env::remove_var("TENSORFERRY_TEST_OBJECT_HANDED");
+    let (loaded, arrival) = handed.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !with(".ready").exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the loader never reached its hook"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!arrival.is_done());
+    let reader = std::thread::spawn(move || values(&loaded.root));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !reader.is_finished(),
+        "a tensor was read before its bytes were all in"
+    );
+    std::fs::write(with(".go"), b"").unwrap();
+    assert_eq!(reader.join().unwrap(), values(&tree));
+    arrival.wait().unwrap();
 }
 
 #[test]

@@ -4,6 +4,7 @@ import functools
 import json
 import math
 import os
+import traceback
 import warnings
 from collections import Counter
 
@@ -882,11 +883,14 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     # checkpoint in object storage, or a subset of it, streams onto the device through the
     # ring (ranged GETs into its buffers); out= goes through host memory.
     streamed = on_device and dtype is None and (direct or (url and out is None))
+    # A whole object's tree comes before its last byte: its PyTorch tensors are made (views:
+    # no byte is read) while the rest arrives, and nothing is handed out before it has.
+    early = url and not on_device and keys is None and out is None and dtype is None and like in (None, fw.TORCH)
     if grouped and url:
         tree, meta = _cast_load.from_objects(path, dtype, target, staging, _onto_device, keys, progress)
-        pending, fallback = False, None
+        pending, fallback, arrival = False, None, None
     else:
-        tree, meta, pending, fallback = _native.load(
+        tree, meta, pending, fallback, arrival = _native.load(
             os.fspath(path),
             mapped,
             native_like,
@@ -897,63 +901,80 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
             # Frameworks that need writable memory (PyTorch) share a private, copy-on-write map.
             mapped and not on_device and like not in (fw.NUMPY, fw.NATIVE),
             only=only,
+            early=early,
         )
-    if fallback is not None:
-        warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=4)
-    if progress and (streamed or not on_device):
-        # Read (or mapped) in the one native call above: the bar fills at once.
-        total = sum(t.nbytes for _, t in _native.collect_tensors(tree, fw.kind_of))
-        _progress.filled(total, f"load {os.path.basename(os.fspath(path))}")
-    if keys is not None:
-        tree = _select.select(tree, patterns)
-        if not (mmap or on_device or url):
-            tree = to_host(tree, copy=True)
-    if out is not None:
-        return _select.fill(out, tree if dtype is None else _select.cast(tree, dtype))
-    if on_device:
-        # Narrowing casts before the bytes cross (half the traffic for float32 -> bfloat16);
-        # on the emulated device every cast, since nothing there casts.
-        if grouped and not url:
-            tree = _cast_load.onto_device(tree, dtype, target, staging, _onto_device, progress and os.fspath(path))
-        elif not (streamed or grouped):
-            if dtype is not None:  # direct=True: the file was read whole
-                tree = _select.cast(tree, dtype, narrowing_only=not target.startswith("emu"))
-            tree = _onto_device(tree, target, staging, progress and os.fspath(path))
-        pending = not target.startswith("emu")  # no framework holds emulated memory
-    result = tree
-    if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):
-        default, exceptions = _recorded_frameworks(meta)
-        leaves = _native.collect_tensors(tree, fw.kind_of, True)
-        if set(map(type, (t for _, t in leaves))) - {fw.Tensor}:
-            leaves = [(p, t) for p, t in leaves if type(t) is fw.Tensor]
-        # Only the frameworks the file names are imported (importing all three would cost a
-        # process seconds on its first load).
-        held = {}
+    try:
+        if fallback is not None:
+            warnings.warn(f"tensorferry.load(direct=True): {fallback}", RuntimeWarning, stacklevel=4)
+        if progress and (streamed or not on_device):
+            # Read (or mapped) in the one native call above: the bar fills at once.
+            total = sum(t.nbytes for _, t in _native.collect_tensors(tree, fw.kind_of))
+            _progress.filled(total, f"load {os.path.basename(os.fspath(path))}")
+        if keys is not None:
+            tree = _select.select(tree, patterns)
+            if not (mmap or on_device or url):
+                tree = to_host(tree, copy=True)
+        if out is not None:
+            return _select.fill(out, tree if dtype is None else _select.cast(tree, dtype))
+        if on_device:
+            # Narrowing casts before the bytes cross (half the traffic for float32 -> bfloat16);
+            # on the emulated device every cast, since nothing there casts.
+            if grouped and not url:
+                tree = _cast_load.onto_device(tree, dtype, target, staging, _onto_device, progress and os.fspath(path))
+            elif not (streamed or grouped):
+                if dtype is not None:  # direct=True: the file was read whole
+                    tree = _select.cast(tree, dtype, narrowing_only=not target.startswith("emu"))
+                tree = _onto_device(tree, target, staging, progress and os.fspath(path))
+            pending = not target.startswith("emu")  # no framework holds emulated memory
+        result = tree
+        if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):
+            default, exceptions = _recorded_frameworks(meta)
+            leaves = _native.collect_tensors(tree, fw.kind_of, True)
+            if set(map(type, (t for _, t in leaves))) - {fw.Tensor}:
+                leaves = [(p, t) for p, t in leaves if type(t) is fw.Tensor]
+            # Only the frameworks the file names are imported (importing all three would cost a
+            # process seconds on its first load).
+            held = {}
 
-        def holds(kind):
-            if kind not in held:
-                held[kind] = kind in (fw.TORCH, fw.JAX, fw.TENSORFLOW) and fw.importable(kind)
-            return held[kind]
+            def holds(kind):
+                if kind not in held:
+                    held[kind] = kind in (fw.TORCH, fw.JAX, fw.TENSORFLOW) and fw.importable(kind)
+                return held[kind]
 
-        uniform = like or (default if not exceptions else None)
-        if uniform is not None and holds(uniform):
-            # One framework for every tensor (the common case): no name to look up.
-            kinds, todo = [uniform] * len(leaves), leaves
-        else:
-            kinds, todo = [], []
-            for p, t in leaves:
-                kind = like or exceptions.get(dotted(p), default)
-                if holds(kind):
-                    kinds.append(kind)
-                    todo.append((p, t))
-                elif kind != fw.NATIVE and not on_device and _numpy_can_hold(t.dtype):
-                    kinds.append(fw.NUMPY)
-                    todo.append((p, t))
-        paths, tensors = zip(*todo) if todo else ((), ())
-        results = fw.from_native_many(tensors, kinds, paths)
-        result = _native.rebuild(tree, dict(zip(map(id, tensors), results)))
-    if dtype is not None:
-        result = _select.cast(result, dtype)
+            uniform = like or (default if not exceptions else None)
+            if uniform is not None and holds(uniform):
+                # One framework for every tensor (the common case): no name to look up.
+                kinds, todo = [uniform] * len(leaves), leaves
+            else:
+                kinds, todo = [], []
+                for p, t in leaves:
+                    kind = like or exceptions.get(dotted(p), default)
+                    if holds(kind):
+                        kinds.append(kind)
+                        todo.append((p, t))
+                    elif kind != fw.NATIVE and not on_device and _numpy_can_hold(t.dtype):
+                        kinds.append(fw.NUMPY)
+                        todo.append((p, t))
+            paths, tensors = zip(*todo) if todo else ((), ())
+            # PyTorch tensors of bytes still arriving are views made ahead of them; other
+            # frameworks get the bytes once in.
+            promised = arrival is not None and set(kinds) == {fw.TORCH}
+            if arrival is not None and not promised:
+                arrival.wait()
+            results = fw.from_native_many(tensors, kinds, paths, promised=promised)
+            result = _native.rebuild(tree, dict(zip(map(id, tensors), results)))
+        if dtype is not None:
+            result = _select.cast(result, dtype)
+        if arrival is not None:
+            arrival.wait()
+    except BaseException as e:
+        if arrival is not None:
+            arrival.cancel()  # returns once nothing writes the memory any more
+            # No view of bytes that did not all arrive is left to read, even through the
+            # traceback's frames.
+            tree = result = results = None
+            traceback.clear_frames(e.__traceback__)
+        raise
     return result
 
 

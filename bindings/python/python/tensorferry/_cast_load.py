@@ -130,7 +130,7 @@ def from_objects(path, dtype, target, staging, move, keys, progress):
     def fetch(group):
         url = objects.file(group[0][1])
         names = [objects.name_of[id(t)] for _, t in group]
-        tree, found, _, _ = _native.load(url, True, fw.NATIVE, fw.importable("ml_dtypes"), only=set(names))
+        tree, found, _, _, _ = _native.load(url, True, fw.NATIVE, fw.importable("ml_dtypes"), only=set(names))
         if objects.save_id is not None and found.get(_fanout._SAVE_ID_KEY) != objects.save_id:
             raise _fanout._other_save(url, objects.top)
         if not meta:

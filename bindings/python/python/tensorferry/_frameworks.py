@@ -358,14 +358,16 @@ def from_native(tensor, kind, key=""):
     raise AssertionError(kind)
 
 
-def from_native_many(tensors, kinds, paths, order=False):
+def from_native_many(tensors, kinds, paths, order=False, promised=False):
     """``from_native`` for many tensors; NumPy results come from one native call. With
     ``order``, PyTorch CUDA results whose copies may still run come at once, PyTorch's
-    current stream on their GPU made to wait for the copies on the GPU."""
+    current stream on their GPU made to wait for the copies on the GPU. ``promised`` is
+    ``_torch_from_native_many``'s when every result is PyTorch's (the other conversions
+    wait for the bytes)."""
     if kinds.count(NATIVE) == len(kinds):
         return list(tensors)  # nothing to convert (no pass per leaf)
     if kinds.count(TORCH) == len(kinds):
-        return _torch_from_native_many(list(tensors), order)  # one framework: no pass per leaf
+        return _torch_from_native_many(list(tensors), order, promised)  # one framework: no pass per leaf
     out = [None] * len(tensors)
     _convert_each(out, [i for i, (t, k) in enumerate(zip(tensors, kinds)) if _host_numpy(k, t)],
                   lambda at: tensors_to_numpy([tensors[i] for i in at], lambda j: shown(paths[at[j]])))
@@ -388,7 +390,7 @@ def _tf_from_native_many(tensors):
     return _from_capsules(tensors, tf.experimental.dlpack.from_dlpack)
 
 
-def _torch_from_native_many(tensors, order=False):
+def _torch_from_native_many(tensors, order=False, promised=False):
     """PyTorch tensors for many native tensors (after their pending copies). Host tensors
     that lie evenly spaced in one buffer with one dtype and shape (what a load or a move
     to the host gives) come as runs: one capsule and one strided view per run, split by
@@ -396,17 +398,20 @@ def _torch_from_native_many(tensors, order=False):
     takes without the protocol's per-call overhead. Read-only memory is copied first:
     PyTorch tensors are always writable. With ``order``, CUDA tensors are handed over at
     once, PyTorch's current stream on their GPU made to wait for their copies on the GPU
-    (as ``torch.from_dlpack`` would ask through ``__dlpack__(stream=…)``)."""
+    (as ``torch.from_dlpack`` would ask through ``__dlpack__(stream=…)``). With
+    ``promised``, host tensors whose bytes may still be arriving are made at once (views:
+    no byte is read); the caller keeps ``_native.to_dlpack_capsules``'s contract for them
+    (``_api._load`` alone)."""
     import torch
 
     take = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
     tensors = _writable(tensors)
     streams = _torch_streams(torch, tensors) if order else None
     if len(tensors) < 2:
-        return _take_capsules(tensors, take, streams)
+        return _take_capsules(tensors, take, streams, promised)
     out = [None] * len(tensors)
-    runs, rest = _native.host_runs(tensors)
-    for (_, dtype, shape, spacing, at), flat in zip(runs, _take_capsules([r[0] for r in runs], take)):
+    runs, rest = _native.host_runs(tensors, promised)
+    for (_, dtype, shape, spacing, at), flat in zip(runs, _take_capsules([r[0] for r in runs], take, None, promised)):
         tdtype = getattr(torch, dtype, None)
         try:
             flat = flat.view(tdtype)
@@ -418,7 +423,7 @@ def _torch_from_native_many(tensors, order=False):
         for i, row in zip(at, torch.as_strided(flat, (len(at), *shape), (step, *strides)).unbind(0)):
             out[i] = row
     if rest:
-        for i, t in zip(rest, _take_capsules([tensors[i] for i in rest], take, streams)):
+        for i, t in zip(rest, _take_capsules([tensors[i] for i in rest], take, streams, promised)):
             out[i] = t
     return out
 
@@ -459,10 +464,10 @@ def _from_capsules(tensors, take):
     return _take_capsules(_writable(tensors), take)
 
 
-def _take_capsules(tensors, take, streams=None):
+def _take_capsules(tensors, take, streams=None, promised=False):
     """``take`` of a legacy DLPack capsule of each tensor (writable already); ``streams``
-    as for ``_native.to_dlpack_capsules``."""
-    return [take(c) for c in _native.to_dlpack_capsules(tensors, streams)]
+    and ``promised`` as for ``_native.to_dlpack_capsules``."""
+    return [take(c) for c in _native.to_dlpack_capsules(tensors, streams, promised)]
 
 
 def importable(kind):

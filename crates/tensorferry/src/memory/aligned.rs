@@ -19,8 +19,8 @@ pub const HOST_ALIGNMENT: usize = 64;
 /// From this size on, buffers are anonymous maps with huge pages.
 const MAP_THRESHOLD: usize = 4 << 20;
 
-/// From this size on, [`AlignedBuffer::fill_with_pages_ahead`] faults pages in on a thread
-/// of its own, this many bytes at a time (a multiple of every page size).
+/// From this size on, a buffer's pages are faulted in ahead of its filler ([`PagesAhead`]),
+/// this many bytes at a time (a multiple of every page size).
 const POPULATE_ASIDE: usize = 32 << 20;
 const POPULATE_STEP: usize = 8 << 20;
 
@@ -102,42 +102,12 @@ impl AlignedBuffer {
         Self::map_anon(len)
     }
 
-    /// Runs `fill` on the buffer's bytes while a thread of its own faults the buffer's
-    /// pages in ahead of it, from the start, with `MADV_POPULATE_WRITE` (Linux 5.14; on
-    /// older kernels, and for buffers under 32 MiB, `fill` simply runs alone). For a large
-    /// buffer filled piecemeal from the network: a page fault per 4 KiB page on the filling
-    /// thread cost about as much as the download itself (a 1 GB object load took 1.13 s
-    /// with them, 0.80 s with the pages faulted in aside; docs/benchmarks.md).
-    ///
-    /// Returns `fill`'s result once the faulting thread has stopped too (it stops early
-    /// when `fill` returns first).
-    pub fn fill_with_pages_ahead<R>(&mut self, fill: impl FnOnce(&mut [u8]) -> R) -> R {
-        if self.map.is_none() || self.len < POPULATE_ASIDE {
-            return fill(self.as_mut_slice());
-        }
-        let (start, len) = (self.ptr.as_ptr() as usize, self.len);
-        let done = AtomicBool::new(false);
-        std::thread::scope(|s| {
-            let done = &done;
-            // Without a thread (none could be started), `fill` faults the pages in itself.
-            let _ = std::thread::Builder::new()
-                .name("tensorferry-pages".into())
-                .spawn_scoped(s, move || {
-                    let mut at = 0;
-                    while at < len && !done.load(Ordering::Relaxed) {
-                        let step = POPULATE_STEP.min(len - at);
-                        // SAFETY: `start + at .. + step` lies inside this buffer's map (`start`
-                        // is its page-aligned start, `at` a multiple of the page size), which
-                        // outlives this thread: the scope joins it before `self` is released.
-                        if !unsafe { populate_write(start + at, step) } {
-                            break; // an older kernel: the pages fault in as `fill` writes.
-                        }
-                        at += step;
-                    }
-                });
-            let result = fill(self.as_mut_slice());
-            done.store(true, Ordering::Relaxed);
-            result
+    /// The span to fault in ahead of the code that fills this buffer ([`PagesAhead`]):
+    /// `None` under 32 MiB, or for heap memory, which fills as fast alone.
+    pub(crate) fn page_span(&self) -> Option<PageSpan> {
+        (self.map.is_some() && self.len >= POPULATE_ASIDE).then_some(PageSpan {
+            start: self.ptr.as_ptr() as usize,
+            len: self.len,
         })
     }
 
@@ -240,6 +210,62 @@ unsafe fn populate_write(_addr: usize, _len: usize) -> bool {
     false
 }
 
+/// The page-aligned span of a mapped buffer, to fault in ahead of its filler.
+pub(crate) struct PageSpan {
+    start: usize,
+    len: usize,
+}
+
+/// A buffer's pages faulted in ahead of the code filling it, from the start, by a thread
+/// of its own (with `MADV_POPULATE_WRITE`, Linux 5.14; on older kernels, or without a
+/// thread, the filler faults them in itself), until the guard is dropped, which stops the
+/// thread and waits for it. For a large buffer filled piecemeal from the network: a page
+/// fault per 4 KiB page on the filling threads cost about as much as the download itself
+/// (a 1 GB object load took 1.13 s with them, 0.80 s with the pages faulted in aside;
+/// docs/benchmarks.md). The pages' contents are never touched: what the filler wrote
+/// stays.
+pub(crate) struct PagesAhead {
+    stop: std::sync::Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PagesAhead {
+    /// Starts faulting `span`'s pages in.
+    ///
+    /// # Safety
+    /// The buffer `span` was taken from must stay allocated until the guard is dropped.
+    pub(crate) unsafe fn start(span: PageSpan) -> PagesAhead {
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("tensorferry-pages".into())
+            .spawn(move || {
+                let mut at = 0;
+                while at < span.len && !stopped.load(Ordering::Relaxed) {
+                    let step = POPULATE_STEP.min(span.len - at);
+                    // SAFETY: `span.start + at .. + step` lies inside the buffer's map (its
+                    // page-aligned start, `at` a multiple of the page size), which the caller
+                    // of `start` keeps allocated until this thread is joined.
+                    if !unsafe { populate_write(span.start + at, step) } {
+                        break; // an older kernel: the pages fault in as the filler writes.
+                    }
+                    at += step;
+                }
+            })
+            .ok();
+        PagesAhead { stop, thread }
+    }
+}
+
+impl Drop for PagesAhead {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
 impl std::fmt::Debug for AlignedBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "AlignedBuffer({} bytes)", self.len)
@@ -290,18 +316,21 @@ mod tests {
                 .iter()
                 .step_by(2)
                 .chain(steps.iter().skip(1).step_by(2));
-            let written = buf.fill_with_pages_ahead(|bytes| {
-                for &step in order {
-                    let at = step * POPULATE_STEP;
-                    let half = POPULATE_STEP.min(bytes.len() - at) / 2;
-                    for (i, b) in bytes[at..at + half].iter_mut().enumerate().step_by(4093) {
-                        *b = (i % 251) as u8 + 1;
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(1));
+            // SAFETY: `buf` outlives the guard, dropped below.
+            let pages = buf
+                .page_span()
+                .map(|span| unsafe { PagesAhead::start(span) });
+            assert_eq!(pages.is_some(), len >= POPULATE_ASIDE);
+            let bytes = buf.as_mut_slice();
+            for &step in order {
+                let at = step * POPULATE_STEP;
+                let half = POPULATE_STEP.min(bytes.len() - at) / 2;
+                for (i, b) in bytes[at..at + half].iter_mut().enumerate().step_by(4093) {
+                    *b = (i % 251) as u8 + 1;
                 }
-                "done"
-            });
-            assert_eq!(written, "done");
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            drop(pages);
             for (s, chunk) in buf.as_slice().chunks(POPULATE_STEP).enumerate() {
                 for (i, &b) in chunk.iter().enumerate() {
                     let want = match i < chunk.len() / 2 && i % 4093 == 0 {

@@ -3,6 +3,7 @@
 mod aligned;
 pub(crate) mod pinned;
 
+pub(crate) use aligned::PagesAhead;
 pub use aligned::{AlignedBuffer, HOST_ALIGNMENT};
 pub(crate) use pinned::PinnedBuffer;
 pub use pinned::{PinnedPool, PoolStats};

@@ -70,6 +70,23 @@ impl<'a> Readable<'a> {
         }))
     }
 
+    /// `tensor`, taken by a consumer that reads none of its memory before the copy filling
+    /// it has finished ([`Tensor::wait`] returns `Ok`), nor hands anything that could read
+    /// it to anyone before then: views prepared over memory still arriving (a load from
+    /// object storage whose GETs go on: [`crate::internal::io::object::load_url_arriving`]),
+    /// so that preparing them overlaps the copy.
+    ///
+    /// # Safety
+    /// The consumer must keep that promise: a read before the copy finished races with the
+    /// writes still landing (a data race, undefined behaviour), and sees bytes that are not
+    /// the tensor's.
+    pub unsafe fn promised(tensor: &'a Tensor) -> Readable<'a> {
+        Readable {
+            tensor,
+            stream: None,
+        }
+    }
+
     /// `other`, readable by the same consumer when it views the same memory (the same
     /// storage): one wait, or one ordering of a stream, covers every view of a buffer.
     pub fn view(&self, other: &'a Tensor) -> Option<Readable<'a>> {

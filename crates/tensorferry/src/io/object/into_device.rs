@@ -103,7 +103,7 @@ fn stream_object(
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let header = fetch_header(at, stream.options)?;
     let parsed = parse_counted(&header.json, header.data_len).map_err(in_object)?;
-    super::load::test_pause_after_header();
+    super::load::test_pause("TENSORFERRY_TEST_OBJECT_PAUSE");
     let Some(names) = only else {
         let whole = 0..header.data_len;
         let storage = stream_ranges(at, &header, std::slice::from_ref(&whole), stream)?;

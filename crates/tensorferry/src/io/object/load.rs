@@ -25,11 +25,13 @@ use std::sync::Arc;
 use bytes::Bytes;
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStoreExt};
 
+use super::arrival::{Arrival, Stop};
 use super::failure::{cause_of, failed, from_store, Cause};
 use super::get::{fetch_part, Body, Version};
 use super::location::Location;
 use super::options::ObjectOptions;
 use super::{lanes, plan, runtime};
+use crate::backend::Event;
 use crate::error::{Error, Result};
 use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SUFFIX};
 use crate::io::checkpoint::sharded::{load_index_with, READERS};
@@ -37,7 +39,7 @@ use crate::io::format::header::{Header, HeaderCensus};
 use crate::io::format::header_reader::{header_len, parse_counted};
 use crate::io::format::tree_census;
 use crate::io::read::{build, Loaded};
-use crate::memory::{AlignedBuffer, HOST_ALIGNMENT};
+use crate::memory::{AlignedBuffer, HostBuffer, HOST_ALIGNMENT};
 use crate::storage::Storage;
 use crate::tree::{Node, TensorDict, Value};
 
@@ -55,16 +57,35 @@ pub fn load_url(
     options: &ObjectOptions,
     only: Option<&HashSet<String>>,
 ) -> Result<Loaded> {
+    let (loaded, arrival) = load_url_arriving(url, options, only)?;
+    arrival.wait()?;
+    Ok(loaded)
+}
+
+/// [`load_url`], handing the tree over as soon as it is built: a whole object's bytes may
+/// still be arriving then, into the memory its tensors view. Every read of that memory
+/// waits until they are in, and fails if they never come; [`Arrival::wait`] gives the
+/// load's own error. What the caller does meanwhile (such as handing each tensor to its
+/// framework) overlaps the download. An index's shards and a subset arrive whole.
+pub fn load_url_arriving(
+    url: &str,
+    options: &ObjectOptions,
+    only: Option<&HashSet<String>>,
+) -> Result<(Loaded, Arrival)> {
     let at = Location::open(url, options)?;
-    let mut loaded = resolved(
+    let arrived = |loaded| (loaded, Arrival::complete());
+    let (mut loaded, arrival) = resolved(
         at,
-        |object| load_object(object, options, only),
-        |index| load_index(index, options, only),
+        |object| match only {
+            None => arrive_whole(object, options),
+            Some(names) => load_subset(object, options, names).map(arrived),
+        },
+        |index| load_index(index, options, only).map(arrived),
     )?;
     if let Some(names) = only {
         loaded.root = blank_unwanted(loaded.root, &mut Vec::new(), names);
     }
-    Ok(loaded)
+    Ok((loaded, arrival))
 }
 
 /// The names of the tensors the checkpoint at `url` holds (as [`load_url`] finds it),
@@ -462,15 +483,25 @@ fn load_object(
     }
 }
 
-/// Loads all of one safetensors object, its header's round trip hidden behind the data:
-/// the first GET (of [`ObjectOptions::header_bytes`]) is answered with the object's size
-/// and version and, in its first bytes, the header's length; the rest of the object is
-/// asked for at once, in parallel ranged GETs conditional on that version, while the first
-/// answer's body still arrives. The whole object lands in one buffer, placed so that its
-/// data section starts 64-byte aligned. The header is parsed as soon as its bytes are in
-/// (from the first GET, or with the GETs that carry its rest); a header that fails the
-/// parse ends the load there, cancelling the GETs still in flight.
+/// Loads all of one safetensors object ([`arrive_whole`]), once every byte is in.
 fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
+    let (loaded, arrival) = arrive_whole(at, options)?;
+    arrival.wait()?;
+    Ok(loaded)
+}
+
+/// Loads all of one safetensors object, its header's round trip hidden behind the data,
+/// and hands its tree over before the last byte is in: the first GET (of
+/// [`ObjectOptions::header_bytes`]) is answered with the object's size and version and, in
+/// its first bytes, the header's length; the rest of the object is asked for at once, in
+/// parallel ranged GETs conditional on that version, while the first answer's body still
+/// arrives. The whole object lands in one buffer, placed so that its data section starts
+/// 64-byte aligned. The header is parsed as soon as its bytes are in (from the first GET,
+/// or with the GETs that carry its rest), and the tree is built from it then, over the
+/// buffer the GETs go on filling on a thread of their own: every read of it waits for the
+/// [`Arrival`]. A header that fails the parse ends the load there, cancelling the GETs
+/// still in flight.
+fn arrive_whole(at: &Location, options: &ObjectOptions) -> Result<(Loaded, Arrival)> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
     let (meta, mut body) = match runtime::block_on(first_answer(at, first_len))? {
@@ -485,7 +516,7 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
     runtime::block_on(body.fill(at, as_uninit(&mut len[..k])))??;
     let data_start = 8 + header_len(&len[..k], size).map_err(in_object)?;
     let pad = data_start.next_multiple_of(HOST_ALIGNMENT as u64) - data_start;
-    test_pause_after_header();
+    test_pause("TENSORFERRY_TEST_OBJECT_PAUSE");
     let version = Version {
         etag: meta.e_tag,
         size,
@@ -510,54 +541,179 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
     // The first GET is one of the `concurrency` in flight, and so are the header's.
     let others = options.concurrency.saturating_sub(1).max(1);
     let for_data = others.saturating_sub(header_parts.len()).max(1);
-    let mut buffer = AlignedBuffer::zeroed_small_pages((pad + size) as usize)?;
-    let parsed = buffer.fill_with_pages_ahead(|bytes| {
-        let object = &mut bytes[pad as usize..];
-        object[..8].copy_from_slice(&len);
-        let (with_header, rest) = object.split_at_mut(split as usize);
-        let (version, data_len) = (&version, size - data_start);
-        let data = jobs_of(as_uninit(rest), split, &data_parts);
-        // The data parts fill on the runtime's workers while this thread brings the header
-        // in (the first GET's body, and the parts that carry the header's rest), then parses
-        // it as the data goes on arriving.
-        let parsed = lanes::fetch_spawned(at, data, version, for_data, |data_lanes| {
+    let fill = Fill {
+        at: at.clone(),
+        body,
+        len,
+        k,
+        first_end,
+        data_start,
+        split,
+        version,
+        header_parts,
+        data_parts,
+        others,
+        for_data,
+    };
+    let buffer = AlignedBuffer::zeroed_small_pages((pad + size) as usize)?;
+    let pages = buffer.page_span();
+    let done = Event::pending();
+    let storage = Arc::new(Storage::incoming(
+        HostBuffer::Pageable(buffer),
+        done.clone(),
+    ));
+    let (arrival, writer) = Arrival::pending(done);
+    let (header_tx, header_rx) = std::sync::mpsc::sync_channel(1);
+    let memory = storage.clone();
+    let url = at.url().to_string();
+    let spawned = std::thread::Builder::new()
+        .name("tensorferry-object".into())
+        .spawn(move || {
+            let mut header_tx = Some(header_tx);
+            let filled = {
+                // SAFETY: `memory` keeps the buffer allocated until after the guard is dropped
+                // at the end of this block.
+                let _pages = pages.map(|span| unsafe { crate::memory::PagesAhead::start(span) });
+                // SAFETY: `memory` is incoming memory (`Storage::incoming`): safe code reads its
+                // bytes only after `done` completes, which happens below, once this slice and
+                // every GET writing through it are gone (`fill` returns only then); the tree
+                // handed over meanwhile holds views, whose readers wait, and a consumer that
+                // takes one's address before (`Readable::promised`) has promised not to read it
+                // before then. Nothing else writes the buffer, which `memory` keeps alive.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts_mut(memory.as_ptr().cast_mut(), memory.len())
+                };
+                fill.run(&mut bytes[pad as usize..], &writer.stop, &mut |parsed| {
+                    if let Some(tx) = header_tx.take() {
+                        let _ = tx.send(Ok(parsed));
+                    }
+                })
+            };
+            match (filled, header_tx) {
+                (Ok(()), _) => writer.succeed(),
+                // Before the header was handed over: the caller gets the error.
+                (Err(e), Some(tx)) => {
+                    writer.fail(&url, failed("read", &url, Cause::Other, e.to_string()));
+                    let _ = tx.send(Err(e));
+                }
+                (Err(e), None) => writer.fail(&url, e),
+            }
+            drop(memory);
+        });
+    if let Err(source) = spawned {
+        return Err(Error::Io {
+            op: "start a thread to read",
+            path: at.url().into(),
+            source,
+        });
+    }
+    let parsed = header_rx.recv().unwrap_or_else(|_| {
+        Err(failed(
+            "read",
+            at.url(),
+            Cause::Other,
+            "the thread reading the object ended",
+        ))
+    })?;
+    let base = (pad + data_start) as usize;
+    match build(parsed, storage, base).map_err(in_object) {
+        Ok(loaded) => Ok((loaded, arrival)),
+        Err(e) => {
+            arrival.cancel();
+            Err(e)
+        }
+    }
+}
+
+/// The GETs of [`arrive_whole`] after the first one's answer began: what they fetch and
+/// where it goes.
+struct Fill {
+    at: Location,
+    /// The first GET's body, past the header's length.
+    body: Body,
+    /// The header's length, as stored (its first `k` bytes are the first GET's).
+    len: [u8; 8],
+    k: usize,
+    /// The first GET's end, the data section's start, and the end of the GETs that carry
+    /// the header (the larger of the two).
+    first_end: u64,
+    data_start: u64,
+    split: u64,
+    version: Version,
+    /// The parts before `split` (counted from `first_end`) and after it (from `split`).
+    header_parts: Vec<Range<u64>>,
+    data_parts: Vec<Range<u64>>,
+    /// GETs at once beside the first one, and for the data alone.
+    others: usize,
+    for_data: usize,
+}
+
+impl Fill {
+    /// Fills `object` (the whole object's bytes) and hands the parsed header to `header`
+    /// as soon as it is in, while the data goes on arriving; returns once every GET has
+    /// ended. The data parts fill on the runtime's workers while this thread brings the
+    /// header in (the first GET's body, and the parts that carry the header's rest), then
+    /// parses it as the data goes on arriving. `stop` ends it early.
+    fn run(
+        mut self,
+        object: &mut [u8],
+        stop: &Stop,
+        header: &mut (dyn FnMut((Header, HeaderCensus)) + Send),
+    ) -> Result<()> {
+        let (at, url) = (&self.at, self.at.url());
+        let (data_start, first_end, k) = (self.data_start, self.first_end, self.k);
+        object[..8].copy_from_slice(&self.len);
+        let (with_header, rest) = object.split_at_mut(self.split as usize);
+        let (version, data_len) = (&self.version, self.version.size - data_start);
+        let data = jobs_of(as_uninit(rest), self.split, &self.data_parts);
+        let body = &mut self.body;
+        lanes::fetch_spawned(at, data, version, self.for_data, |data_lanes| {
             if data_start <= first_end {
                 // The first GET holds the header: parsed as soon as it is in.
                 let (json, data_head) = with_header.split_at_mut(data_start as usize);
-                runtime::block_on(body.fill(at, &mut as_uninit(json)[k..]))??;
+                let fill_json = body.fill(at, &mut as_uninit(json)[k..]);
+                runtime::block_on(stop.or_stopped(url, fill_json))??;
                 let rest_of_first = async {
                     body.fill(at, as_uninit(data_head)).await?;
                     body.end(at).await
                 };
                 let header = futures_util::future::try_join(
-                    parsed_aside(at, &json[8..], data_len),
+                    handed(at, &json[8..], data_len, header),
                     rest_of_first,
                 );
                 let both = futures_util::future::try_join(data_lanes.join(), header);
-                let ((), (parsed, ())) = runtime::block_on(both)??;
-                return Ok(parsed);
+                runtime::block_on(stop.or_stopped(url, both))??;
+                return Ok(());
             }
             let (first, carried) = as_uninit(&mut *with_header).split_at_mut(first_end as usize);
-            let carried = jobs_of(carried, first_end, &header_parts);
-            lanes::fetch_spawned(at, carried, version, others, |header_lanes| {
+            let carried = jobs_of(carried, first_end, &self.header_parts);
+            lanes::fetch_spawned(at, carried, version, self.others, |header_lanes| {
                 let first_body = async {
                     body.fill(at, &mut first[k..]).await?;
                     body.end(at).await
                 };
-                runtime::block_on(futures_util::future::try_join(
-                    first_body,
-                    header_lanes.join(),
-                ))
+                let both = futures_util::future::try_join(first_body, header_lanes.join());
+                runtime::block_on(stop.or_stopped(url, both))
             })???;
-            let header = parsed_aside(at, &with_header[8..data_start as usize], data_len);
+            let header = handed(at, &with_header[8..data_start as usize], data_len, header);
             let both = futures_util::future::try_join(data_lanes.join(), header);
-            let ((), parsed) = runtime::block_on(both)??;
-            Ok(parsed)
-        })??;
-        Ok::<_, Error>(parsed)
-    })?;
-    let base = (pad + data_start) as usize;
-    build(parsed, Arc::new(Storage::owned(buffer)), base).map_err(in_object)
+            runtime::block_on(stop.or_stopped(url, both))??;
+            Ok(())
+        })?
+    }
+}
+
+/// The header `json` of the object at `at`, parsed ([`parsed_aside`]) and handed to
+/// `header`.
+async fn handed(
+    at: &Location,
+    json: &[u8],
+    data_len: u64,
+    header: &mut (dyn FnMut((Header, HeaderCensus)) + Send),
+) -> Result<()> {
+    header(parsed_aside(at, json, data_len).await?);
+    test_pause("TENSORFERRY_TEST_OBJECT_HANDED");
+    Ok(())
 }
 
 /// The header `json` of the object at `at` parsed (as [`parse_counted`] does, its errors
@@ -600,7 +756,7 @@ fn load_subset(at: &Location, options: &ObjectOptions, names: &HashSet<String>) 
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let header = fetch_header(at, options)?;
     let parsed = parse_counted(&header.json, header.data_len).map_err(in_object)?;
-    test_pause_after_header();
+    test_pause("TENSORFERRY_TEST_OBJECT_PAUSE");
     let wanted: Vec<Range<u64>> = (parsed.0.tensors.iter())
         .filter(|t| names.contains(&t.name))
         .map(|t| t.begin as u64..t.end as u64)
@@ -675,11 +831,14 @@ fn blank_items(items: Vec<Node>, path: &mut Vec<String>, only: &HashSet<String>)
     out
 }
 
-/// For tests only: with `TENSORFERRY_TEST_OBJECT_PAUSE=<path>` set, a load that has its
-/// header creates `<path>.ready` and waits (up to 30 s) for `<path>.go` before it reads
-/// the data, so a test can replace the object between the two deterministically.
-pub(super) fn test_pause_after_header() {
-    let Some(base) = std::env::var_os("TENSORFERRY_TEST_OBJECT_PAUSE") else {
+/// For tests only: with the environment variable `var` set to `<path>`, creates
+/// `<path>.ready` and waits (up to 30 s) for `<path>.go`, so that a test can act at that
+/// point of a load deterministically. `TENSORFERRY_TEST_OBJECT_PAUSE`: a load that has
+/// its header's length, before it reads the data (to replace the object, or stop the
+/// server, between the two). `TENSORFERRY_TEST_OBJECT_HANDED`: a whole load that has
+/// handed its tree over, while its data still arrives.
+pub(super) fn test_pause(var: &str) {
+    let Some(base) = std::env::var_os(var) else {
         return;
     };
     let base = std::path::PathBuf::from(base);

@@ -16,6 +16,7 @@
 //! typed [`Cause`] ([`cause_of`]): never a hang (every request has a timeout, retries a
 //! limit) and never partial data.
 
+mod arrival;
 mod failure;
 mod get;
 mod into_device;
@@ -28,11 +29,12 @@ mod runtime;
 mod save;
 mod upload;
 
+pub use arrival::Arrival;
 pub use failure::{cause_of, Cause, ObjectFailure};
 pub use into_device::load_url_to_until;
 pub use load::{
-    head_url, load_url, read_header_url, read_into, read_metadata_url, read_ranges, resolve_url,
-    tensor_names,
+    head_url, load_url, load_url_arriving, read_header_url, read_into, read_metadata_url,
+    read_ranges, resolve_url, tensor_names,
 };
 pub use location::is_url;
 pub(crate) use location::url_of;
