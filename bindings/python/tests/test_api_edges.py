@@ -204,6 +204,25 @@ def test_an_interpreter_that_exits_during_a_non_blocking_save_finishes_it_whole(
     assert x.shape == (16 << 20,) and (x == 7).all()
 
 
+# PyTorch tensors saved in the background, the save awaited, then the interpreter exits: the
+# save's own tree (native views of PyTorch memory) must be gone before the caller is woken,
+# or the writer thread frees it while the exit tears the thread down (PyTorch's deleter
+# then aborted the process: "terminate called without an active exception", status 134).
+_TORCH_SAVE_AWAITED_THEN_EXIT = """
+import sys, torch, tensorferry as tf
+tree = {f"p{i}": torch.full((1024,), float(i)) for i in range(100)}
+tf.save(tree, sys.argv[1] + ".a", fsync=False)
+tf.load(sys.argv[1] + ".a", non_blocking=True).result()
+tf.save(tree, sys.argv[1], fsync=False, non_blocking=True).wait()
+"""
+
+
+def test_an_interpreter_exits_cleanly_after_non_blocking_saves_and_loads_of_torch_tensors(tmp_path, torch):
+    for _ in range(3):
+        done = _run(_TORCH_SAVE_AWAITED_THEN_EXIT, tmp_path / "t.safetensors")
+        assert done.returncode == 0, done.stderr
+
+
 # A disk that takes a minute to write: the writer thread sleeps before the real save.
 _SLOW_SAVE_THEN_EXIT = """
 import sys, time, types, numpy as np, tensorferry as tf

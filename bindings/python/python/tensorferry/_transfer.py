@@ -263,16 +263,25 @@ class _Writers:
 
     def _serve(self):
         while True:
-            future, fn, args = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
+            job = list(self._jobs.get())  # [future, fn, args]
+            if not job[0].set_running_or_notify_cancel():
                 continue
+            outcome = []
             try:
-                result = fn(*args)
+                outcome.append(job[1](*job[2]))
+                settle = job[0].set_result
             except BaseException as e:  # the caller's to see, through the future
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-            del future, fn, args
+                outcome.append(e)
+                settle = job[0].set_exception
+            # The job's inputs go before its caller is woken. One of them may hold the last
+            # reference to another framework's tensor (a save's tree, as native views of
+            # PyTorch memory): freed once the caller went on and the interpreter began to
+            # exit, its deleter would take the GIL on a thread the exit tears down, and
+            # PyTorch's deleter then aborts the process. The result passes straight into the
+            # future, which holds it from then on.
+            del job[:]
+            settle(outcome.pop())
+            del settle
 
 
 _WRITERS = None
