@@ -836,6 +836,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(from_cuda_array_interface, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_array_interface_device, m)?)?;
     m.add_function(wrap_pyfunction!(groups::group_leaves, m)?)?;
+    m.add_function(wrap_pyfunction!(host_copy::copy_arrays, m)?)?;
     m.add_function(wrap_pyfunction!(host_copy::copy_rows, m)?)?;
     m.add_function(wrap_pyfunction!(walk::collect_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(walk::rebuild, m)?)?;

@@ -14,7 +14,7 @@ use tensorferry::{DType, Device, Storage, Tensor};
 use crate::errors::{format_err, IntoPy};
 use crate::tensor::PyTensor;
 
-const NPY_ARRAY_WRITEABLE: c_int = 0x0400;
+pub const NPY_ARRAY_WRITEABLE: c_int = 0x0400;
 
 /// The tensorferry dtype of a NumPy dtype, or `None` (byte-swapped, object, strings…).
 fn dtype_of(descr: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
@@ -158,7 +158,7 @@ fn descr_for<'py>(py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, PyArrayD
     Ok(descr.bind(py).clone())
 }
 
-fn ndarray_type(py: Python<'_>) -> PyResult<*mut pyo3::ffi::PyTypeObject> {
+pub fn ndarray_type(py: Python<'_>) -> PyResult<*mut pyo3::ffi::PyTypeObject> {
     static T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
     Ok(T.import(py, "numpy", "ndarray")?.as_type_ptr())
 }

@@ -197,25 +197,47 @@ def test_torch_copies_are_the_cores_not_torch_stack(torch, monkeypatch):
     assert torch.equal(chunks[0][1], torch.arange(20.0).repeat_interleave(16).view(20, 16))
 
 
-def test_copy_rows_copies_only_leaves_whose_bytes_are_their_values():
-    """The core copies a leaf's raw bytes only when they are its values as they lie and
-    exactly one row long; a destination too small is an error before any copy, never a
-    write past it."""
+def test_copy_arrays_copies_only_groups_of_plain_contiguous_arrays_into_rows():
+    """The core copies an array only when it is exactly an ndarray, C-contiguous, of a plain
+    dtype of the machine's byte order and a whole number of rows of ``align`` bytes (at most
+    ``max_bytes``), in a group of at least two of one dtype and shape; each copy is a new
+    array of the leaf's dtype and shape over its row of the memory given, put in ``out``
+    under its id. The other items come back in order; memory too small for a chunk is an
+    error before any copy, and no memory at all leaves every item to the caller."""
     from tensorferry import _native
 
+    class Sub(np.ndarray):
+        pass
+
     a, b = np.arange(8, dtype=np.uint8), np.arange(8, 16, dtype=np.uint8)
-    dest = np.zeros(32, np.uint8)
-    odd = [np.arange(16, dtype=np.uint8)[::2], np.arange(4, dtype=np.uint16), np.arange(9, dtype=np.uint8)]
-    assert _native.copy_rows([a] + odd, dest, 8, False) == [True, False, True, False]
-    np.testing.assert_array_equal(dest[:8], a)
-    np.testing.assert_array_equal(dest[8:16], 0)  # not C-contiguous: left as it was
-    np.testing.assert_array_equal(dest[16:24], np.arange(4, dtype=np.uint16).view(np.uint8))
-    small = np.zeros(32, np.uint8)
-    with pytest.raises(tf.TensorferryError, match="40 bytes"):
-        _native.copy_rows([a, b, a, b, a], small, 8, False)
+    c, d = np.arange(4, dtype=np.int16).reshape(2, 2), np.arange(4, 8, dtype=np.int16).reshape(2, 2)
+    odd = [np.arange(16, dtype=np.uint8)[::2], np.arange(9, dtype=np.uint8), a.view(Sub), np.ones(2, np.float32)]
+    odd += [np.arange(4, dtype=">u2"), np.arange(4, dtype=">u2"), np.zeros((0, 8), np.uint8), np.zeros((0, 8), np.uint8)]
+    odd += [np.ones(1, np.longdouble), np.ones(1, np.longdouble), "x", np.zeros(64, np.uint8), np.zeros(64, np.uint8)]
+    pairs = [((str(i),), x) for i, x in enumerate([a, c] + odd[:5] + [b] + odd[5:] + [d])]
+    memory, asked = np.zeros(40, np.uint8), []
+
+    def blocks(need):
+        asked.append(need)
+        chunks = iter([memory[:16], memory[16:]])
+        return lambda nbytes: next(chunks)[:nbytes]
+
+    out = {}
+    rest = _native.copy_arrays(pairs, out, blocks, 8, 32, 1 << 20)
+    assert rest == [p for p in pairs if p[1] is not a and p[1] is not b and p[1] is not c and p[1] is not d]
+    assert asked == [32] and set(out) == {id(a), id(b), id(c), id(d)}
+    for x in (a, b, c, d):
+        y = out[id(x)]
+        assert type(y) is np.ndarray and y.dtype == x.dtype and y.shape == x.shape and y.strides == x.strides
+        np.testing.assert_array_equal(x, y)
+        assert y.flags.c_contiguous and y.flags.writeable and np.shares_memory(y, memory)
+    np.testing.assert_array_equal(memory[:32], np.concatenate([a, b, c.view(np.uint8).ravel(), d.view(np.uint8).ravel()]))
+    small = np.zeros(8, np.uint8)
+    with pytest.raises(tf.TensorferryError, match="too little memory"):
+        _native.copy_arrays([((), a), ((), b)], {}, lambda need: lambda nbytes: small, 8, 32, 1 << 20)
     assert not small.any()  # refused before any copy
-    with pytest.raises(tf.TensorferryError):
-        _native.copy_rows([a], dest, 0, False)
+    out = {}
+    assert _native.copy_arrays(pairs, out, lambda need: lambda nbytes: None, 8, 32, 1 << 20) == pairs and not out
 
 
 def test_copy_rows_refuses_torch_tensors_whose_bytes_are_not_their_values(torch):

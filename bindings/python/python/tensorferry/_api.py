@@ -56,18 +56,13 @@ def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, st
     that PyTorch's current stream may read the PyTorch GPU tensors (no other producer
     stream was named), so that blocking moves to the host may stack them there."""
     out = {}
+    # Blocking host copies of many small NumPy and PyTorch CPU leaves: in bulk, rows of chunks.
+    if copy and target == "cpu" and not packed and not non_blocking:
+        leaves = copy_many(leaves, out)
     # Leaves on devices the engine does not drive (ROCm, MPS, TPU, …): their frameworks' copies.
     leaves, fallback = _fallback.start(leaves, target, non_blocking, pinned, staging)
-    # Blocking host copies of many small PyTorch and NumPy leaves: in bulk, rows of chunks.
-    if copy and target == "cpu" and not packed and not non_blocking:
-        bulk = copy_many([leaf for _, leaf in leaves])
-    else:
-        bulk = [None] * len(leaves)
     paths, pending, kinds = [], [], []
-    for (path, leaf), done in zip(leaves, bulk):
-        if done is not None:
-            out[id(leaf)] = done
-            continue
+    for path, leaf in leaves:
         kind = fw.kind_of(leaf)
         if not copy and fw.device_of(leaf, kind) == target:
             out[id(leaf)] = leaf

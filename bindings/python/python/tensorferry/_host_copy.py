@@ -8,10 +8,11 @@ native pass (``_native.group_leaves``), and the bytes of each group of up to
 :data:`CHUNK_BYTES` are copied by the core in one call (``_native.copy_rows``, which reads
 each leaf's address with the fewest calls, never through a DLPack capsule) into memory
 cut from blocks of a few MiB (see :class:`_Blocks`); the group is then handed out as its
-rows (one view, split by ``unbind``; NumPy rows by iteration). NumPy leaves of a plain
-native dtype whose rows are whole multiples of 64 bytes (4 KiB float32 blocks, say) are
-copied the same way, each row 64-byte aligned as the engine would place it; other NumPy
-leaves keep the engine's path, which pads each tensor to 64 bytes.
+rows (one view, split by ``unbind``). NumPy leaves of a plain native dtype whose rows are
+whole multiples of 64 bytes (4 KiB float32 blocks, say) are grouped, copied into the same
+blocks and handed out as rows (new arrays of their dtype and shape) all in one native call
+(``_native.copy_arrays``), each row 64-byte aligned as the engine would place it; other
+NumPy leaves keep the engine's path, which pads each tensor to 64 bytes.
 
 Results are copies: they share no memory with the inputs, and writing one never changes
 another's values. They do share memory blocks, as a consolidated tensordict's results
@@ -30,7 +31,7 @@ Small PyTorch GPU tensors bound for the host are gathered on their GPU by ``torc
 import operator
 import sys
 
-from ._native import copy_rows, group_leaves
+from ._native import copy_arrays, copy_rows, group_leaves
 
 #: Leaves up to this many bytes are copied in bulk; larger ones go through the engine, where
 #: their bytes, not the crossing, set the time.
@@ -67,31 +68,6 @@ _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 _CUDA_KEYS = (operator.attrgetter("dtype", "nbytes", "device"), operator.attrgetter("dtype", "shape", "device"))
 
 
-def _numpy_copy_many(leaves, out, np):
-    """Fills ``out`` with copies of the NumPy leaves the bulk path takes: every group of
-    one plain native dtype and shape whose rows are a multiple of :data:`ALIGN` bytes and
-    at most :data:`SMALL_BYTES`, copied chunk by chunk (at most :data:`CHUNK_BYTES` each)
-    into memory cut from blocks (see :class:`_Blocks`), every row 64-byte aligned.
-    Arrays that are not C-contiguous keep the engine's path."""
-    plain = _plain_numpy_dtypes(np)
-    taken = []
-    for (dtype, shape), group in _groups(leaves, (np.ndarray,)).items():
-        if dtype not in plain or not shape or len(group) < 2:
-            continue
-        item = dtype.itemsize
-        for n in shape:
-            item *= n
-        if item == 0 or item % ALIGN or item > SMALL_BYTES:
-            continue
-        taken.append((dtype, shape, group, item))
-    blocks = _Blocks(sum(item * len(group) for _, _, group, item in taken))
-    for dtype, shape, group, item in taken:
-        for part, raw, copied in _copies(leaves, group, item, blocks, False):
-            for j, row, done in zip(part, raw.view(dtype).reshape((len(part),) + shape), copied):
-                if done is True:
-                    out[j] = row
-
-
 def _copies(leaves, group, item, blocks, conj):
     """``(part, raw, copied)`` for each chunk of ``group`` (leaves of ``item`` bytes): the
     core copied ``part``'s leaves into the rows of ``raw`` (new memory, a NumPy ``uint8``
@@ -105,39 +81,30 @@ def _copies(leaves, group, item, blocks, conj):
         yield part, raw, copy_rows([leaves[j] for j in part], raw, item, conj)
 
 
-_PLAIN = None
-
-
-def _plain_numpy_dtypes(np):
-    """The NumPy dtypes the bulk path copies: booleans, integers, floats and complex
-    numbers of the machine's byte order that the engine also takes."""
-    global _PLAIN
-    if _PLAIN is None:
-        names = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
-        names += ("float16", "float32", "float64", "complex64", "complex128")
-        _PLAIN = frozenset(np.dtype(n) for n in names)
-    return _PLAIN
-
-
-def copy_many(leaves):
-    """A copy of each small PyTorch CPU tensor and NumPy array of ``leaves`` copied in
-    bulk, and None in the places of the other leaves (any kind), which are left to the
-    caller's ordinary path."""
-    out = [None] * len(leaves)
-    np = sys.modules.get("numpy")
-    if np is None or len(leaves) < 2:
-        return out  # the blocks are NumPy memory
-    _numpy_copy_many(leaves, out, np)
+def copy_many(leaves, out):
+    """Copies in bulk the small NumPy arrays and PyTorch CPU tensors of ``[(path, leaf)]``
+    (``leaves``) into ``out``, under their ``id``; returns the other items of ``leaves``,
+    in order, left to the caller's ordinary path."""
+    if sys.modules.get("numpy") is None or len(leaves) < 2:
+        return leaves  # the blocks are NumPy memory
+    leaves = copy_arrays(leaves if type(leaves) is list else list(leaves), out, _raw, ALIGN, SMALL_BYTES, CHUNK_BYTES)
     torch = sys.modules.get("torch")
-    if torch is not None:
-        with torch.no_grad():  # views made without autograd's bookkeeping
-            for part, stacked, copied in _torch_copies(torch, leaves, False):
-                for j, row, done in zip(part, stacked.unbind(0), copied):
-                    if done is True:
-                        out[j] = row
-                    elif done:  # a dense tensor in another order: its strides, as clone keeps them
-                        out[j] = row.as_strided(row.shape, done)
-    return out
+    if torch is None or len(leaves) < 2:
+        return leaves
+    tensors = [leaf for _, leaf in leaves]
+    with torch.no_grad():  # views made without autograd's bookkeeping
+        for part, stacked, copied in _torch_copies(torch, tensors, False):
+            for j, row, done in zip(part, stacked.unbind(0), copied):
+                if done is True:
+                    out[id(tensors[j])] = row
+                elif done:  # a dense tensor in another order: its strides, as clone keeps them
+                    out[id(tensors[j])] = row.as_strided(row.shape, done)
+    return [item for item in leaves if id(item[1]) not in out]
+
+
+def _raw(need):
+    """The memory of one call's NumPy copies (``need`` bytes): chunks cut from blocks."""
+    return _Blocks(need).raw
 
 
 def _torch_copies(torch, leaves, device_bound):
