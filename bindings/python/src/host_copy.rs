@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::ffi::c_int;
 
-use numpy::npyffi::{self, npy_intp, NPY_TYPES, PY_ARRAY_API};
+use numpy::npyffi::{self, npy_intp, NPY_TYPES};
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -18,7 +18,7 @@ use pyo3::types::{PyBool, PyDict, PyList, PyTuple};
 use tensorferry::internal::consolidate::copy_into;
 
 use crate::errors::{format_err, IntoPy};
-use crate::numpy_interop::{is_exact_ndarray, ndarray_type, NPY_ARRAY_WRITEABLE};
+use crate::numpy_interop::{array_over, is_exact_ndarray, NPY_ARRAY_WRITEABLE};
 
 /// NumPy's flag of a C-contiguous array.
 const NPY_ARRAY_C_CONTIGUOUS: c_int = 0x0001;
@@ -87,7 +87,6 @@ fn row<'py>(
     item: usize,
     raw: &Bound<'py, PyArray1<u8>>,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
-    let py = arr.py();
     let descr = arr.dtype();
     let (_, shape) = array_fields(arr);
     let nd = shape.len();
@@ -105,30 +104,20 @@ fn row<'py>(
     if size as usize != item {
         return Ok(None);
     }
-    // SAFETY: NewFromDescr steals the reference `into_ptr` gives to `descr`; `dims` and
-    // `strides` hold `nd` entries (C order) that lay out exactly `item` bytes (checked just above) from
-    // `data`, which the caller guarantees lie inside `raw`'s memory; `raw`, given its own
-    // reference (stolen by SetBaseObject), keeps that memory alive for the row's lifetime.
-    unsafe {
-        let made = PY_ARRAY_API.PyArray_NewFromDescr(
-            py,
-            ndarray_type(py)?,
-            descr.into_ptr() as *mut npyffi::PyArray_Descr,
-            nd as c_int,
-            dims.as_mut_ptr(),
-            strides.as_mut_ptr(),
+    // SAFETY: `dims` and `strides` hold `nd` entries (C order) that lay out exactly `item`
+    // bytes (checked just above) from `data`, which the caller guarantees lie inside `raw`'s
+    // writable memory; `raw`, the row's base, keeps that memory alive for the row's lifetime.
+    let made = unsafe {
+        array_over(
+            descr,
+            &mut dims[..nd],
+            &mut strides[..nd],
             data as *mut std::ffi::c_void,
             NPY_ARRAY_WRITEABLE,
-            std::ptr::null_mut(),
-        );
-        let made = Bound::from_owned_ptr_or_err(py, made)?;
-        let base = raw.clone().into_any().into_ptr();
-        let arr = made.as_ptr() as *mut npyffi::PyArrayObject;
-        if PY_ARRAY_API.PyArray_SetBaseObject(py, arr, base) != 0 {
-            return Err(PyErr::fetch(py));
-        }
-        Ok(Some(made))
-    }
+            raw.clone().into_any(),
+        )
+    }?;
+    Ok(Some(made))
 }
 
 /// Copies into `raw` (new memory, a NumPy `uint8` array of at least `item` bytes a member)

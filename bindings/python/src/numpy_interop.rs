@@ -207,10 +207,42 @@ pub fn tensor_to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py
     } else {
         NPY_ARRAY_WRITEABLE
     };
-    // SAFETY: NewFromDescr steals one reference to `descr` (given by `into_ptr`); dims and
-    // strides have `ndim` entries and describe memory inside the tensor's storage, which the
-    // array's base (the tensor object, given its own reference, stolen by SetBaseObject)
-    // keeps alive for the array's lifetime.
+    // SAFETY: dims and strides have one entry per dimension and describe memory inside the
+    // tensor's storage (read-only memory flagged so), which the array's base, the tensor
+    // object, keeps alive for the array's lifetime.
+    unsafe {
+        array_over(
+            descr,
+            &mut dims,
+            &mut strides,
+            t.data_ptr() as *mut std::ffi::c_void,
+            flags,
+            tensor.clone().into_any(),
+        )
+    }
+}
+
+/// A new `numpy.ndarray` of `descr` over the memory at `data`, of dimensions `dims` and
+/// byte strides `strides`, with NumPy's `flags`, whose base is `base`.
+///
+/// # Safety
+/// `dims` and `strides` have one entry per dimension (as many each), and describe memory
+/// from `data` that `base` keeps alive, readable (and writable when `flags` say so), for
+/// as long as `base` lives.
+pub unsafe fn array_over<'py>(
+    descr: Bound<'py, PyArrayDescr>,
+    dims: &mut [npy_intp],
+    strides: &mut [npy_intp],
+    data: *mut std::ffi::c_void,
+    flags: c_int,
+    base: Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = descr.py();
+    debug_assert_eq!(dims.len(), strides.len());
+    // SAFETY: NewFromDescr steals the reference `into_ptr` gives to `descr`; `dims` and
+    // `strides` and the memory they describe are as the caller guarantees. SetBaseObject
+    // steals the reference `into_ptr` gives to `base`, which from then on keeps that memory
+    // alive as long as the array.
     unsafe {
         let raw = PY_ARRAY_API.PyArray_NewFromDescr(
             py,
@@ -219,12 +251,12 @@ pub fn tensor_to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py
             dims.len() as c_int,
             dims.as_mut_ptr(),
             strides.as_mut_ptr(),
-            t.data_ptr() as *mut std::ffi::c_void,
+            data,
             flags,
             std::ptr::null_mut(),
         );
         let arr = Bound::from_owned_ptr_or_err(py, raw)?;
-        let base = tensor.clone().into_any().into_ptr();
+        let base = base.into_ptr();
         if PY_ARRAY_API.PyArray_SetBaseObject(py, arr.as_ptr() as *mut npyffi::PyArrayObject, base)
             != 0
         {
