@@ -86,7 +86,9 @@ impl Arrival {
     }
 }
 
-/// The side of an [`Arrival`] that the thread filling the memory holds.
+/// The side of an [`Arrival`] that the thread filling the memory holds. Dropped without
+/// [`Writer::succeed`] or [`Writer::fail`] (the thread panicked), it fails the arrival, so
+/// that no waiter waits for ever.
 pub(super) struct Writer {
     done: Event,
     failure: Arc<Mutex<Option<Error>>>,
@@ -106,6 +108,16 @@ impl Writer {
         let failure = Failure::from_error(url, &error);
         *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(error);
         self.done.complete(Err(failure));
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        // After `succeed` or `fail`, a no-op: an event keeps its first outcome.
+        self.done.complete(Err(Failure::new(
+            "cpu",
+            "internal error: the thread reading the object stopped",
+        )));
     }
 }
 
@@ -178,6 +190,19 @@ mod tests {
         assert!(ended.unwrap_err().to_string().contains("cancelled"));
         let later = rt.block_on(stop.or_stopped("s3://b/k", async { Ok(1) }));
         assert!(later.is_err(), "a future started after stop() must not run");
+    }
+
+    #[test]
+    fn a_writer_gone_without_an_outcome_fails_the_arrival_instead_of_hanging_it() {
+        let (arrival, writer) = Arrival::pending(Event::pending());
+        let thread = std::thread::spawn(move || {
+            let _writer = writer;
+            panic!("the filler died");
+        });
+        assert!(thread.join().is_err());
+        assert!(arrival.wait_timeout(Duration::from_secs(10)));
+        let e = arrival.wait().unwrap_err().to_string();
+        assert!(e.contains("thread reading the object stopped"), "{e}");
     }
 
     #[test]
