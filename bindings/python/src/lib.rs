@@ -278,7 +278,7 @@ const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
 /// file streams onto it through the ring `staging` names (`tensorferry::load_to`).
 /// With `copy_on_write`, a map is private and writable (`LoadOptions::copy_on_write`).
 #[pyfunction]
-#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None, early=false))]
+#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None, early=false, etag=None))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn load(
     py: Python<'_>,
@@ -292,6 +292,7 @@ fn load(
     copy_on_write: bool,
     only: Option<std::collections::HashSet<String>>,
     early: bool,
+    etag: Option<String>,
 ) -> PyResult<(
     Py<PyAny>,
     BTreeMap<String, String>,
@@ -320,13 +321,17 @@ fn load(
             .to_str()
             .filter(|p| object::is_url(p))
             .map(String::from);
+        // `etag`: the object's version an earlier read pinned, which this load must find.
+        let object_options = object::ObjectOptions {
+            version: etag,
+            ..object::ObjectOptions::from_env()
+        };
         let mut arrival = None;
         let loaded = match (url, device) {
             (Some(url), None) => {
                 let (loaded, arriving) =
                     wait::run_interruptibly(py, "tensorferry-load", move |_| {
-                        let options = object::ObjectOptions::from_env();
-                        object::load_url_arriving(&url, &options, only.as_ref())
+                        object::load_url_arriving(&url, &object_options, only.as_ref())
                     })?
                     .py_err()?;
                 arrival = Some(wait::PyArrival(arriving));
@@ -336,9 +341,8 @@ fn load(
                 let target: Device = d.parse().py_err()?;
                 let staging = parse_staging(staging.as_ref())?;
                 wait::run_interruptibly(py, "tensorferry-load", move |stop| {
-                    let options = object::ObjectOptions::from_env();
                     let only = only.as_ref();
-                    object::load_url_to_until(&url, target, &options, staging, stop, only)
+                    object::load_url_to_until(&url, target, &object_options, staging, stop, only)
                 })?
             }
             // On a thread of its own too: Ctrl-C reaches the caller at once, whatever the

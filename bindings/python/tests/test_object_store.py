@@ -663,7 +663,9 @@ def test_a_shard_replaced_during_a_cast_load_is_an_error_never_a_mix(s3, url, mo
     go()
     kind, value = outcome[0]
     assert kind == "error", value
-    assert isinstance(value, tf.FormatError) and shards[-1] in str(value), value
+    # Its pinned ETag or its save id says the shard is another save's.
+    other_save = isinstance(value, tf.FormatError) or "replaced while it was read" in str(value)
+    assert other_save and shards[-1] in str(value), value
 
 
 @pytest.mark.parametrize("shard", ["../secret/m.safetensors", "/abs.safetensors", ".."])
@@ -717,6 +719,17 @@ def _native_object_bytes(target):
     return tf._native.object_read_ranges(target, [(0, size)], None)[0]
 
 
+def _peak_rss_growth(script, target, group_mib):
+    """How much the peak resident memory of ``script``, run on ``target`` in a process of
+    its own with groups of ``group_mib`` MiB, grew (the number it prints last)."""
+    env = dict(os.environ, TENSORFERRY_CAST_GROUP_BYTES=str(group_mib << 20))
+    out = subprocess.run([sys.executable, "-c", script, target], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout.split()[-1])
+    print(f"peak resident memory grew {grown >> 20} MiB")
+    return grown
+
+
 _PEAK_RSS_OF_A_CAST_LOAD = """
 import sys, tensorferry as tf
 url = sys.argv[1]
@@ -743,16 +756,183 @@ def test_host_memory_of_a_cast_device_load_from_s3_is_bounded_by_its_groups(s3, 
     size = 128 << 20
     target = url + "big.safetensors"
     tf.save({f"w{i}": np.ones(size // 4 // 32, np.float32) for i in range(32)}, target)
-    env = dict(os.environ, TENSORFERRY_CAST_GROUP_BYTES=str(group_mib << 20))
-    out = subprocess.run([sys.executable, "-c", _PEAK_RSS_OF_A_CAST_LOAD, target],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr
-    grown = int(out.stdout.split()[-1])
-    print(f"peak resident memory grew {grown >> 20} MiB")
+    grown = _peak_rss_growth(_PEAK_RSS_OF_A_CAST_LOAD, target, group_mib)
     if bounded:
         assert grown < size // 2 + (64 << 20), f"peak resident memory grew {grown >> 20} MiB"
     else:
         assert grown > size // 2 + (128 << 20), f"peak resident memory grew only {grown >> 20} MiB"
+
+
+# ---- out= filled from object storage, a group of tensors at a time -------------------------
+
+
+def _zeros_like(tree):
+    """``tree``'s tensors as zeroed arrays of the same shapes and dtypes, keyed as ``out=``
+    takes them (plain values dropped)."""
+    return {"model": {k: np.zeros_like(v) for k, v in tree["model"].items()}}
+
+
+@pytest.mark.parametrize("group", [70_000, 1 << 30], ids=["two_a_group", "one_group"])
+@pytest.mark.parametrize("where", ["one/model.safetensors", "many/"], ids=["whole", "sharded"])
+def test_out_is_filled_from_objects_whole_sharded_subset_and_cast(s3, url, monkeypatch, where, group):
+    tree = _model(layers=8, size=8192)  # 32 KiB a tensor
+    tf.save(tree, url + "one/model.safetensors")
+    tf.save(tree, url + "many/", max_shard_size=80_000)
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", str(group))
+    out = _zeros_like(tree)
+    assert tf.load(url + where, out=out) is out
+    assert_same(out, {"model": tree["model"]})
+    part = {"model": {"layer.6.weight": np.zeros(8192, np.float16)}}
+    tf.load(url + where, out=part, keys="model.layer.6.*", dtype="float16")
+    np.testing.assert_array_equal(part["model"]["layer.6.weight"], tree["model"]["layer.6.weight"].astype(np.float16))
+
+
+def test_out_of_torch_tensors_is_filled_from_objects_in_groups(s3, url, monkeypatch, torch):
+    tree = _model(layers=4, size=8192)
+    tf.save(tree, url, max_shard_size=80_000)
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", "1")  # a tensor a group
+    out = {"model": {k: torch.zeros(8192, dtype=torch.bfloat16) for k in tree["model"]}}
+    tf.load(url, out=out, dtype=torch.bfloat16)
+    for k, v in tree["model"].items():
+        assert torch.equal(out["model"][k], torch.from_numpy(v).to(torch.bfloat16)), k
+
+
+def test_out_from_objects_is_checked_whole_before_any_tensor_is_fetched(own_server, monkeypatch):
+    """Two problems (a shape, a dtype) in the last groups are both named, and nothing of
+    ``out=`` is written, nor any tensor's bytes asked for."""
+    tree = _model(layers=4, size=8192)
+    tf.save(tree, "s3://bucket/run/", max_shard_size=80_000)
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", "1")
+    out = _zeros_like(tree)
+    out["model"]["layer.2.weight"] = np.zeros(8191, np.float32)
+    out["model"]["layer.3.weight"] = np.zeros(8192, np.float64)
+    with pytest.raises(tf.FormatError) as caught:
+        tf.load("s3://bucket/run/", out=out)
+    assert "layer.2.weight: shape (8192,) in the file, (8191,) in out=" in str(caught.value)
+    assert "layer.3.weight: dtype float32 in the file, float64 in out=" in str(caught.value)
+    assert all(not v.any() for v in out["model"].values())
+    # Only headers were read (the saves were PUTs): ranged GETs from each object's start.
+    time.sleep(0.2)
+    ranges = _ranges_read(own_server.log)
+    assert ranges and all(start == 0 for start, _ in ranges), ranges
+
+
+@pytest.mark.parametrize("equal", [True, False])
+def test_tied_names_in_out_are_compared_before_anything_is_written(s3, url, monkeypatch, torch, equal):
+    head = np.arange(5000, dtype=np.float32)
+    tf.save({"embed": head, "mid": np.ones(5000, np.float32), "head": head.copy() if equal else head + 1}, url,
+            max_shard_size=25_000)
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", "1")
+    shared = torch.zeros(5000)
+    out = {"embed": shared, "mid": torch.zeros(5000), "head": shared}
+    if equal:
+        tf.load(url, out=out)
+        assert torch.equal(shared, torch.from_numpy(head)) and torch.equal(out["mid"], torch.ones(5000))
+    else:
+        with pytest.raises(tf.FormatError, match="file holds different values for embed, head"):
+            tf.load(url, out=out)
+        assert not shared.any() and not out["mid"].any()
+
+
+def test_a_shard_replaced_during_an_out_fill_is_an_error_saying_what_was_written(s3, url, monkeypatch, tmp_path):
+    """The first group's read stops after its header while the last shard is replaced by
+    another save's: the load fails naming that shard, and its note says how many tensors
+    of ``out=`` were written before (the groups are written as they arrive)."""
+    tf.save(_model(layers=4, size=8192), url + "a/", max_shard_size=70_000)
+    tf.save(_model(layers=4, size=8192, salt=100.0), url + "b/", max_shard_size=70_000)
+    shards, others = ([f for f in sorted(os.listdir(s3.file(url[len("s3://bucket/"):] + d))) if f.endswith(".safetensors")]
+                      for d in ("a", "b"))
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", str(40_000))
+    out = _zeros_like(_model(layers=4, size=8192))
+    go, outcome = _paused_load(monkeypatch, tmp_path, url + "a/", out=out)
+    tf._native.put(url + "a/" + shards[-1], _native_object_bytes(url + "b/" + others[-1]))
+    go()
+    kind, value = outcome[0]
+    assert kind == "error", value
+    # Its pinned ETag or its save id says the shard is another save's.
+    other_save = isinstance(value, tf.FormatError) or "replaced while it was read" in str(value)
+    assert other_save and shards[-1] in str(value), value
+    written = sum(bool(v.any()) for v in out["model"].values())
+    assert 0 < written < 4
+    if sys.version_info >= (3, 11):
+        assert value.__notes__ == [f"out= is partly filled: {written} of 4 tensors were written before this error"]
+    # Nothing of the other save was written.
+    assert all(v[0] < 100 for v in out["model"].values())
+
+
+def test_an_object_replaced_during_an_out_fill_is_an_error_and_none_of_its_bytes_are_written(s3, url, monkeypatch):
+    """One object, a tensor a group: once the first group is being written, the object is
+    replaced by another save of the same layout. The third group is asked for only after
+    that, of the version the load pinned: it fails, and nothing of the new object reaches
+    ``out=`` (a group read at the version it found would have written it)."""
+    from tensorferry import _select
+
+    target = url + "m.safetensors"
+    tf.save(_model(layers=4, size=8192), target)
+    tf.save(_model(layers=4, size=8192, salt=100.0), url + "other.safetensors")
+    replacement = _native_object_bytes(url + "other.safetensors")
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", "1")
+    copy_into, replaced = _select.copy_into, []
+
+    def replacing(t, source):
+        if not replaced:
+            tf._native.put(target, replacement)
+            replaced.append(True)
+        copy_into(t, source)
+
+    monkeypatch.setattr(_select, "copy_into", replacing)
+    out = _zeros_like(_model(layers=4, size=8192))
+    with pytest.raises(OSError, match="replaced while it was read") as caught:
+        tf.load(target, out=out)
+    assert "m.safetensors" in str(caught.value)
+    assert out["model"]["layer.0.weight"][1] == 1  # the first group was written
+    assert all(v[0] < 100 for v in out["model"].values())
+
+
+@pytest.mark.parametrize("only", [None, {"model.layer.1.weight"}], ids=["whole", "subset"])
+@pytest.mark.parametrize("device", [None, "emu:0"])
+def test_a_load_pinned_to_a_version_refuses_another(s3, url, only, device):
+    target = url + "m.safetensors"
+    tf.save(_model(), target)
+    _, pinned = tf._native.object_head(target)
+    tf.save(_model(salt=1.0), target)
+    with pytest.raises(OSError, match="replaced while it was read"):
+        tf._native.load(target, True, "numpy", False, device=device, only=only, etag=pinned)
+    _, now = tf._native.object_head(target)
+    got = tf.to_numpy(tf._native.load(target, True, "numpy", False, device=device, only=only, etag=now)[0])
+    assert got["model"]["layer.1.weight"][0] == 2.0
+
+
+_PEAK_RSS_OF_AN_OUT_LOAD = """
+import sys, numpy as np, tensorferry as tf
+url = sys.argv[1]
+def status(key):
+    line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
+    return int(line.split()[1]) << 10
+out = {f"w{i}": np.ones((128 << 20) // 4 // 32, np.float32) for i in range(32)}  # touched
+tf.load(url, out={"w0": out["w0"]}, keys="w0")  # every path warmed once (pools, runtime)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")                               # the peak resident size starts again from now
+before = status("VmRSS")
+tf.load(url, out=out)
+assert all((v == 2).all() for v in out.values())
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("group_mib, bounded", [(16, True), (1024, False)])
+def test_host_memory_of_an_out_load_from_s3_is_bounded_by_its_groups(s3, url, group_mib, bounded):
+    """128 MiB of float32 in 32 tensors filled into existing arrays in groups of 16 MiB
+    grows the peak resident memory by two groups and slack; as one group, by the whole
+    object, which shows that the measurement tells the two apart."""
+    size = 128 << 20
+    target = url + "big.safetensors"
+    tf.save({f"w{i}": np.full(size // 4 // 32, 2, np.float32) for i in range(32)}, target)
+    grown = _peak_rss_growth(_PEAK_RSS_OF_AN_OUT_LOAD, target, group_mib)
+    if bounded:
+        assert grown < 64 << 20, f"peak resident memory grew {grown >> 20} MiB"
+    else:
+        assert grown > size - (16 << 20), f"peak resident memory grew only {grown >> 20} MiB"
 
 
 # ---- retries, proven through a proxy that drops connections and delays responses -----------

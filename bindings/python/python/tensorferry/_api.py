@@ -781,11 +781,14 @@ def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto",
     bytes cross for float32 -> bfloat16), else on the device for PyTorch tensors (on the
     host for the emulated device); onto a device, a group of tensors at a time (see
     ``tensorferry._cast_load``), so host memory holds two groups of about 256 MiB and one
-    cast, not the checkpoint (``direct=True`` reads the whole file first). ``out`` is a dictionary of existing tensors (a model's
-    ``state_dict()``) to fill in place, after checking every name, shape, dtype and target
-    and naming every problem; nothing is written unless all can be. Names of one tensor
-    (tied weights) are filled once, and the file must hold equal values for them;
-    overlapping views are refused. It is returned.
+    cast, not the checkpoint (``direct=True`` reads the whole file first). ``out`` is a
+    dictionary of existing tensors (a model's ``state_dict()``) to fill in place, after
+    checking every name, shape, dtype and target and naming every problem; nothing is
+    written unless all can be. Names of one tensor (tied weights) are filled once, and the
+    file must hold equal values for them; overlapping views are refused. It is returned.
+    From object storage it is filled a group at a time, as a cast load reads (host memory
+    holds two groups): a read that fails after the first group leaves the groups before it
+    written, and its error says how many tensors were.
 
     >>> import os, tempfile, numpy as np, tensorferry as tf
     >>> p = os.path.join(tempfile.mkdtemp(), "x.safetensors")
@@ -839,6 +842,10 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     url = isinstance(path, str) and _native.is_url(path)
     if url and direct:
         raise FormatError(f"direct=True reads local files past the page cache; {path!r} is in object storage")
+    if url and out is not None:
+        # A group of tensors at a time, every name, shape and dtype checked first: host
+        # memory holds two groups, whatever the checkpoint's size.
+        return _cast_load.into(out, path, dtype, keys, progress)
     # A cast onto a device goes a group of tensors at a time (host memory bounded by two
     # groups, whatever the checkpoint's size); from object storage, each group is fetched
     # alone (the subset too: it needs no names from here).
@@ -876,8 +883,8 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     # A cast goes with the host's bytes (a device holds no kernels of tensorferry's own):
     # a file read past the page cache is cast on the host before its move. A whole
     # checkpoint in object storage, or a subset of it, streams onto the device through the
-    # ring (ranged GETs into its buffers); out= goes through host memory.
-    streamed = on_device and dtype is None and (direct or (url and out is None))
+    # ring (ranged GETs into its buffers).
+    streamed = on_device and dtype is None and (direct or url)
     # A whole object's tree comes before its last byte: its PyTorch tensors are made (views:
     # no byte is read) while the rest arrives, and nothing is handed out before it has.
     early = url and not on_device and keys is None and out is None and dtype is None and like in (None, fw.TORCH)

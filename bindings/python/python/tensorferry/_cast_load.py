@@ -1,4 +1,5 @@
-"""Loads that cast (``dtype=``) onto a device, a group of tensors at a time.
+"""Loads that go a group of tensors at a time: casts (``dtype=``) onto a device, and
+``out=`` filled from object storage.
 
 A device holds no kernels of tensorferry's own, so a cast runs on the host before the
 bytes cross. Cast as a whole, a checkpoint would sit in host memory twice (read, then
@@ -11,6 +12,9 @@ A local file's groups are views of its memory map. A checkpoint in object storag
 a group at a time with ranged GETs of those tensors alone; each object's version is pinned
 when the load starts (its ETag, and the index's), and a checkpoint replaced meanwhile is an
 error, never a mix of two saves.
+
+``out=`` filled from object storage goes the same way (:func:`into`), so that host memory
+holds two groups, not the checkpoint.
 """
 
 import os
@@ -49,6 +53,25 @@ def _groups(leaves, limit, key=lambda leaf: None):
     return runs
 
 
+def _in_groups(groups, read, each):
+    """``each(group, read(group))`` for each of ``groups`` in turn, the next group read on
+    a thread of its own meanwhile: two groups' host tensors live at once, at most."""
+    with ThreadPoolExecutor(1, thread_name_prefix="tensorferry-grouped-load") as reader:
+        ahead = reader.submit(read, groups[0]) if groups else None
+        for i, group in enumerate(groups):
+            host = ahead.result()
+            ahead = reader.submit(read, groups[i + 1]) if i + 1 < len(groups) else None
+            each(group, host)
+            del host
+
+
+def _bar(leaves, progress_of):
+    """A progress bar over the bytes of ``leaves`` for the file ``progress_of``, or None."""
+    if not progress_of:
+        return None
+    return _progress.bar(sum(t.nbytes for _, t in leaves), f"load {os.path.basename(progress_of)}")
+
+
 def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None, key=lambda leaf: None):
     """``tree`` with every tensor cast to ``dtype`` (narrowing casts only, but on the
     emulated device, where nothing casts) and moved to ``target`` by ``move(tensors, target,
@@ -57,24 +80,18 @@ def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None
     cast and moved); without it, the leaves are the host tensors. ``progress_of`` (a file's
     name) draws a bar."""
     leaves = _select.distinct(_native.collect_tensors(tree, fw.kind_of))
-    groups = _groups(leaves, group_bytes(), key)
-    progress = None
-    if progress_of:
-        progress = _progress.bar(sum(t.nbytes for _, t in leaves), f"load {os.path.basename(progress_of)}")
     narrowing_only = not target.startswith("emu")
     replacements = {}
+    progress = _bar(leaves, progress_of)
+
+    def each(group, host):
+        moved = move(_select.cast(host, dtype, narrowing_only), target, staging)
+        replacements.update((id(leaf), m) for (_, leaf), m in zip(group, moved))
+        if progress is not None:
+            progress.update(sum(t.nbytes for _, t in group))
+
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="tensorferry-cast-load") as reader:
-            read = fetch or (lambda group: [t for _, t in group])
-            ahead = reader.submit(read, groups[0]) if groups else None
-            for i, group in enumerate(groups):
-                host = ahead.result()
-                ahead = reader.submit(read, groups[i + 1]) if i + 1 < len(groups) else None
-                moved = move(_select.cast(host, dtype, narrowing_only), target, staging)
-                del host
-                replacements.update((id(leaf), m) for (_, leaf), m in zip(group, moved))
-                if progress is not None:
-                    progress.update(sum(t.nbytes for _, t in group))
+        _in_groups(_groups(leaves, group_bytes(), key), fetch or (lambda group: [t for _, t in group]), each)
     finally:
         if progress is not None:
             progress.close()
@@ -104,6 +121,30 @@ class _Objects:
         """The skeleton pruned to ``keys`` (patterns, as ``load`` takes them)."""
         return _select.select(self.skeleton, _select.patterns(keys))
 
+    def fetcher(self, like, meta):
+        """``fetch(group)``: the tensors (``like``: NumPy or native) of a group of the
+        skeleton's leaves, all of one object, by one subset load of the object's version its
+        header was read at (another is an error saying it was replaced); ``meta`` takes the
+        first object's metadata. A group of another save (its save id) or lacking a name is
+        an error, never a mix."""
+
+        def fetch(group):
+            url = self.file(group[0][1])
+            names = [self.name_of[id(t)] for _, t in group]
+            tree, found, _, _, _ = _native.load(
+                url, True, like, fw.importable("ml_dtypes"), only=set(names), etag=self.versions.get(url)
+            )
+            if self.save_id is not None and found.get(_fanout._SAVE_ID_KEY) != self.save_id:
+                raise _fanout._other_save(url, self.top)
+            if not meta:
+                meta.update(found)
+            by_name = {dotted(p): t for p, t in _native.collect_tensors(tree, fw.kind_of)}
+            if not all(n in by_name for n in names):
+                raise _fanout._replaced(url)
+            return [by_name[n] for n in names]
+
+        return fetch
+
     def file(self, leaf):
         """The object that stores the tensor ``leaf`` of the skeleton."""
         return self.top if self.file_of is None else self.file_of[self.name_of[id(leaf)]]
@@ -126,22 +167,59 @@ def from_objects(path, dtype, target, staging, move, keys, progress):
     objects = _Objects(path)
     skeleton = objects.skeleton if keys is None else objects.selected(keys)
     meta = {}
-
-    def fetch(group):
-        url = objects.file(group[0][1])
-        names = [objects.name_of[id(t)] for _, t in group]
-        tree, found, _, _, _ = _native.load(url, True, fw.NATIVE, fw.importable("ml_dtypes"), only=set(names))
-        if objects.save_id is not None and found.get(_fanout._SAVE_ID_KEY) != objects.save_id:
-            raise _fanout._other_save(url, objects.top)
-        if not meta:
-            meta.update(found)
-        by_name = {dotted(p): t for p, t in _native.collect_tensors(tree, fw.kind_of)}
-        if not all(n in by_name for n in names):
-            raise _fanout._replaced(url)
-        return [by_name[n] for n in names]
-
+    fetch = objects.fetcher(fw.NATIVE, meta)
     tree = onto_device(skeleton, dtype, target, staging, move, progress and path, fetch, lambda item: objects.file(item[1]))
     # Each group read one version of its object; the load is one save only if every object
     # (and the index) is still the version pinned when the load began.
     _fanout._check_unchanged(objects.versions)
     return tree, meta
+
+
+def into(out, path, dtype, keys, progress):
+    """Fills ``out=`` (PyTorch tensors and NumPy arrays, on any device) from the
+    object-storage checkpoint ``path`` a group of tensors at a time, as a cast load reads
+    it: host memory holds two groups, whatever the checkpoint's size. Every name, shape,
+    dtype and target is checked against the headers before the first byte is fetched, and
+    the names ``out=`` ties are compared first (their tensors fetched alone). A checkpoint
+    of one group is fetched whole before anything is written; past that, a read that fails
+    (the network, a checkpoint replaced meanwhile) leaves the groups before it written, and
+    its error says how many tensors were. Returns ``out``."""
+    objects = _Objects(path)
+    skeleton = objects.skeleton if keys is None else objects.selected(keys)
+    leaves = _native.collect_tensors(skeleton, fw.kind_of)
+    cast_to = None if dtype is None else _select._dtype_name(dtype)
+    fetch = objects.fetcher(fw.NUMPY, {})
+
+    def arrived(group):
+        host = fetch(group)
+        return host if dtype is None else _select.cast(host, dtype)
+
+    stand_ins = {dotted(p): t for p, t in leaves}
+    targets = _select.fill_targets(out, stand_ins, lambda name: arrived([((), stand_ins[name])])[0], cast_to)
+    targets_of = {}
+    for name, t in targets.items():
+        targets_of.setdefault(id(stand_ins[name]), []).append(t)
+    distinct = _select.distinct(leaves)
+    written = 0
+    progress = _bar(distinct, progress and path)
+
+    def each(group, host):
+        nonlocal written
+        for (_, leaf), source in zip(group, host):
+            for t in targets_of[id(leaf)]:
+                _select.copy_into(t, source)
+            written += 1
+        if progress is not None:
+            progress.update(sum(t.nbytes for _, t in group))
+
+    try:
+        _in_groups(_groups(distinct, group_bytes(), lambda item: objects.file(item[1])), arrived, each)
+        _fanout._check_unchanged(objects.versions)
+    except BaseException as e:
+        if written and hasattr(e, "add_note"):
+            e.add_note(f"out= is partly filled: {written} of {len(distinct)} tensors were written before this error")
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+    return out

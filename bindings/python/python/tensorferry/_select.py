@@ -147,8 +147,23 @@ def fill(out, loaded):
     (a model's ``state_dict()``), after checking every name, shape and dtype, and that every
     target can be written, naming every problem at once: nothing is written unless all
     can be. Returns ``out``."""
-    targets = {dotted(p): t for p, t in _native.collect_tensors(out, fw.kind_of)}
     sources = {dotted(p): t for p, t in _native.collect_tensors(loaded, fw.kind_of)}
+    targets = fill_targets(out, sources, sources.__getitem__)
+    # Every source in its target's framework before the first write: a conversion that
+    # fails leaves every target as it was.
+    ready = [(t, _like_target(t, sources[name])) for name, t in targets.items()]
+    for t, s in ready:
+        _copy_into(t, s)
+    return out
+
+
+def fill_targets(out, sources, value, cast_to=None):
+    """``{name: tensor}`` of ``out=``'s leaves, once each can take the source of its name
+    (``sources``: ``{name: tensor}``, whose shapes and dtypes are read; ``cast_to``: the
+    dtype name floating sources arrive in); names that one tensor of ``out=`` shares (tied)
+    must hold equal values, read through ``value(name)``. Every problem is named at once,
+    in a :class:`FormatError`."""
+    targets = {dotted(p): t for p, t in _native.collect_tensors(out, fw.kind_of)}
     problems = []
     for name in sorted(set(targets) - set(sources)):
         problems.append(f"{name}: in out= but not in the file")
@@ -157,21 +172,25 @@ def fill(out, loaded):
     for name in sorted(set(targets) & set(sources)):
         t, s = targets[name], sources[name]
         unwritable = _unwritable(t)
+        stored = _name_of(s.dtype)
+        if cast_to is not None and stored in _FLOATS:
+            stored = cast_to
         if unwritable:
             problems.append(f"{name}: {unwritable}")
         elif tuple(t.shape) != tuple(s.shape):
             problems.append(f"{name}: shape {tuple(s.shape)} in the file, {tuple(t.shape)} in out=")
-        elif _name_of(t.dtype) != _name_of(s.dtype):
-            problems.append(f"{name}: dtype {_name_of(s.dtype)} in the file, {_name_of(t.dtype)} in out=")
-    problems += _aliased(targets, sources)
+        elif _name_of(t.dtype) != stored:
+            problems.append(f"{name}: dtype {stored} in the file, {_name_of(t.dtype)} in out=")
+    problems += _aliased(targets, value)
     if problems:
         raise FormatError("out= cannot be filled from the file:\n  " + "\n  ".join(problems))
-    # Every source in its target's framework before the first write: a conversion that
-    # fails leaves every target as it was.
-    ready = [(t, _like_target(t, sources[name])) for name, t in targets.items()]
-    for t, s in ready:
-        _copy_into(t, s)
-    return out
+    return targets
+
+
+def copy_into(target, source):
+    """Writes ``source`` (a loaded tensor of the same shape and dtype) into ``target``, a
+    leaf of ``out=`` that :func:`fill_targets` accepted."""
+    _copy_into(target, _like_target(target, source))
 
 
 def _memory_of(t):
@@ -237,9 +256,10 @@ def tie_shared(tree):
     return _native.rebuild(tree, ties)
 
 
-def _aliased(targets, sources):
+def _aliased(targets, value):
     """Problems with targets that share memory: names of one tensor (tied weights) must
-    hold equal values in the file, and overlapping views cannot be filled at all."""
+    hold equal values in the file (``value(name)``: the loaded tensor of a name), and
+    overlapping views cannot be filled at all."""
     spans = sorted(
         (m[0], m[1], m[2], name) for name, m in ((n, _memory_of(t)) for n, t in targets.items()) if m is not None
     )
@@ -249,8 +269,8 @@ def _aliased(targets, sources):
         if len({layout for layout, _ in group}) > 1:
             problems.append(f"{', '.join(names)}: overlapping views of one memory in out= cannot be filled; clone() them")
             continue
-        first = np.asarray(_bytes_of(sources[names[0]]))
-        differ = [n for n in names[1:] if not np.array_equal(first, np.asarray(_bytes_of(sources[n])))]
+        first = np.asarray(_bytes_of(value(names[0])))
+        differ = [n for n in names[1:] if not np.array_equal(first, np.asarray(_bytes_of(value(n))))]
         if differ:
             problems.append(
                 f"{', '.join(names)}: one tensor in out= (tied), but the file holds different values for "

@@ -428,7 +428,7 @@ pub(super) struct FetchedHeader {
 /// when the header is longer.
 pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<FetchedHeader> {
     let first_len = options.header_bytes.max(8) as u64;
-    let (first, meta) = match get(at, GetRange::Bounded(0..first_len), None) {
+    let (first, meta) = match get(at, GetRange::Bounded(0..first_len), options.version.clone()) {
         // An empty object has no range to give.
         Err(e) if is_empty_object(&e) => (
             Bytes::new(),
@@ -439,6 +439,7 @@ pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<Fet
         ),
         other => other?,
     };
+    check_pinned(at, &meta, options.version.as_ref())?;
     let size = meta.size;
     let data_start = 8 + header_len(&first, size).map_err(|e| e.in_file(Path::new(at.url())))?;
     let version = Version {
@@ -459,6 +460,24 @@ pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<Fet
         data_head: first.slice(got as usize..),
         version,
     })
+}
+
+/// An error saying the object at `at` was replaced when the version `meta` found is not
+/// the one `pinned` (by an earlier read); a server that ignored the GET's `If-Match` is
+/// caught here too.
+fn check_pinned(at: &Location, meta: &ObjectMeta, pinned: Option<&String>) -> Result<()> {
+    match pinned {
+        Some(etag) if meta.e_tag.as_ref() != Some(etag) => Err(failed(
+            "read",
+            at.url(),
+            Cause::Changed,
+            format!(
+                "an earlier read found ETag {etag}, this one {}",
+                meta.e_tag.as_deref().unwrap_or("none")
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Whether a GET failed only because the object holds no bytes (no range to give: HTTP
@@ -504,7 +523,8 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
 fn arrive_whole(at: &Location, options: &ObjectOptions) -> Result<(Loaded, Arrival)> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
-    let (meta, mut body) = match runtime::block_on(first_answer(at, first_len))? {
+    let pinned = options.version.clone();
+    let (meta, mut body) = match runtime::block_on(first_answer(at, first_len, pinned))? {
         // An empty object has no range to give, and no header.
         Err(e) if is_empty_object(&e) => return Err(in_object(header_len(&[], 0).unwrap_err())),
         other => other?,
@@ -733,19 +753,25 @@ async fn parsed_aside(at: &Location, json: &[u8], data_len: u64) -> Result<(Head
 
 /// The first GET of an object, of its bytes `0..len`: what the store says of the object
 /// (its size and version), and its body, to come.
-async fn first_answer(at: &Location, len: u64) -> Result<(ObjectMeta, Body)> {
+async fn first_answer(
+    at: &Location,
+    len: u64,
+    pinned: Option<String>,
+) -> Result<(ObjectMeta, Body)> {
     let answer = at
         .store()
         .get_opts(
             at.key(),
             GetOptions {
                 range: Some(GetRange::Bounded(0..len)),
+                if_match: pinned.clone(),
                 ..Default::default()
             },
         )
         .await
         .map_err(|e| from_store("read", at.url(), e))?;
     let meta = answer.meta.clone();
+    check_pinned(at, &meta, pinned.as_ref())?;
     let body = Body::of(0..len.min(meta.size), answer.into_stream());
     Ok((meta, body))
 }

@@ -23,6 +23,10 @@ pub struct ObjectOptions {
     /// No retry starts later than this after a request's first try (default 60 s).
     /// `TENSORFERRY_OBJECT_RETRY_TIMEOUT` (seconds).
     pub retry_timeout: Duration,
+    /// The version (ETag) of the object a load must find, pinned by an earlier read of
+    /// it; a load that finds another is an error saying it was replaced. `None` (the
+    /// default): the version the load's first GET finds, which every later GET must find.
+    pub version: Option<String>,
 }
 
 impl Default for ObjectOptions {
@@ -33,6 +37,7 @@ impl Default for ObjectOptions {
             header_bytes: 1 << 20,
             max_retries: 5,
             retry_timeout: Duration::from_secs(60),
+            version: None,
         }
     }
 }
