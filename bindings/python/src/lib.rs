@@ -278,7 +278,7 @@ const FRAMEWORKS_KEY: &str = "tensorferry.frameworks";
 /// file streams onto it through the ring `staging` names (`tensorferry::load_to`).
 /// With `copy_on_write`, a map is private and writable (`LoadOptions::copy_on_write`).
 #[pyfunction]
-#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None, early=false, etag=None))]
+#[pyo3(signature = (path, mmap=true, like=None, ml_dtypes=false, direct=false, device=None, staging=None, copy_on_write=false, only=None, early=false, pinned=None))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn load(
     py: Python<'_>,
@@ -292,7 +292,7 @@ fn load(
     copy_on_write: bool,
     only: Option<std::collections::HashSet<String>>,
     early: bool,
-    etag: Option<String>,
+    pinned: Option<(Option<String>, u64, Bound<'_, pyo3::types::PyBytes>)>,
 ) -> PyResult<(
     Py<PyAny>,
     BTreeMap<String, String>,
@@ -321,9 +321,15 @@ fn load(
             .to_str()
             .filter(|p| object::is_url(p))
             .map(String::from);
-        // `etag`: the object's version an earlier read pinned, which this load must find.
+        // `pinned`: `(etag, size, header as stored)` of the one object an earlier read
+        // found (`object_read_header`): this load must find that version, and asks for no
+        // header.
         let object_options = object::ObjectOptions {
-            version: etag,
+            pinned: pinned.map(|(etag, size, header)| object::Pinned {
+                etag,
+                size,
+                header: header.as_bytes().to_vec(),
+            }),
             ..object::ObjectOptions::from_env()
         };
         let mut arrival = None;

@@ -892,15 +892,42 @@ def test_an_object_replaced_during_an_out_fill_is_an_error_and_none_of_its_bytes
 @pytest.mark.parametrize("only", [None, {"model.layer.1.weight"}], ids=["whole", "subset"])
 @pytest.mark.parametrize("device", [None, "emu:0"])
 def test_a_load_pinned_to_a_version_refuses_another(s3, url, only, device):
+    """A load given what an earlier read found of an object (its ETag, size and header)
+    fails when the object was replaced since, whole or a subset, to the host or a device."""
     target = url + "m.safetensors"
+
+    def pinned():
+        _, _, etag, size, _, header = tf._native.object_read_header(target)
+        return etag, size, header
+
     tf.save(_model(), target)
-    _, pinned = tf._native.object_head(target)
+    before = pinned()
     tf.save(_model(salt=1.0), target)
     with pytest.raises(OSError, match="replaced while it was read"):
-        tf._native.load(target, True, "numpy", False, device=device, only=only, etag=pinned)
-    _, now = tf._native.object_head(target)
-    got = tf.to_numpy(tf._native.load(target, True, "numpy", False, device=device, only=only, etag=now)[0])
+        tf._native.load(target, True, "numpy", False, device=device, only=only, pinned=before)
+    got = tf.to_numpy(tf._native.load(target, True, "numpy", False, device=device, only=only, pinned=pinned())[0])
     assert got["model"]["layer.1.weight"][0] == 2.0
+
+
+@pytest.mark.parametrize("how", [{"out": "zeros"}, {"device": "emu:0", "dtype": "float16"}], ids=["out", "cast"])
+def test_a_load_in_groups_asks_for_each_header_once(own_server, monkeypatch, how):
+    """A tensor a group, four groups an object: each object's header is asked for once
+    (when the load begins), never again by a group."""
+    tree = _model(layers=8, size=8192)
+    tf.save(tree, "s3://bucket/run/", max_shard_size=140_000)
+    monkeypatch.setenv("TENSORFERRY_CAST_GROUP_BYTES", "1")
+    time.sleep(0.2)  # the server's log of the save is written
+    before = os.path.getsize(own_server.log)
+    if how.get("out"):
+        how = {"out": _zeros_like(tree)}
+    tf.load("s3://bucket/run/", **how)
+    time.sleep(0.2)
+    with open(own_server.log) as f:
+        f.seek(before)
+        log = f.read()
+    shards = set(re.findall(r"uri: (/bucket/run/model-\S+\.safetensors),", log))
+    headers = re.findall(r'uri: (/bucket/run/model-\S+\.safetensors),[^\n]*?"range": "bytes=0-', log)
+    assert len(shards) == 2 and sorted(headers) == sorted(shards), (shards, headers)
 
 
 _PEAK_RSS_OF_AN_OUT_LOAD = """

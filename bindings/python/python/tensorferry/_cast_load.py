@@ -101,8 +101,9 @@ def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None
 class _Objects:
     """A checkpoint in object storage as its headers describe it, no tensor read: what
     :func:`tensorferry.load` resolves ``path`` to (``top``: an object or an index, and its
-    ``files``), the tree it builds (``skeleton``; its tensors view sparse stand-ins), the
-    name each tensor is stored under (``name_of``, by ``id``: a tied name is in no
+    ``files``), the tree it builds (``skeleton``; its tensors view sparse stand-ins), each
+    object as its header was read (``objects``: ``_dcp_io.RemoteObject``s), the name each
+    tensor is stored under (``name_of``, by ``id``: a tied name is in no
     header), and the version of each object and of the index (``versions``), pinned from
     here on."""
 
@@ -111,10 +112,12 @@ class _Objects:
         self.save_id, self.file_of, files = None, None, [self.top]
         # The index's version too: a save that replaced it names other shards.
         self.versions = {self.top: _native.object_head(self.top)[1]} if is_index else {}
-        index, headers = None, {}
+        index, headers, self.objects = None, {}, {}
         if is_index:
             self.file_of, files, self.save_id, index = _fanout._shards(self.top)
-        self.skeleton = _fanout._skeleton_of_objects(self.top, files, fw.NATIVE, {}, self.versions, headers, index)
+        self.skeleton = _fanout._skeleton_of_objects(
+            self.top, files, fw.NATIVE, self.objects, self.versions, headers, index
+        )
         self.name_of = _select.stored_names(self.skeleton, {n for entries, _ in headers.values() for n in entries})
 
     def selected(self, keys):
@@ -124,15 +127,15 @@ class _Objects:
     def fetcher(self, like, meta):
         """``fetch(group)``: the tensors (``like``: NumPy or native) of a group of the
         skeleton's leaves, all of one object, by one subset load of the object's version its
-        header was read at (another is an error saying it was replaced); ``meta`` takes the
-        first object's metadata. A group of another save (its save id) or lacking a name is
+        header was read at (another is an error saying it was replaced), that header not
+        asked for again; ``meta`` takes the first object's metadata. A group of another save (its save id) or lacking a name is
         an error, never a mix."""
 
         def fetch(group):
             url = self.file(group[0][1])
             names = [self.name_of[id(t)] for _, t in group]
             tree, found, _, _, _ = _native.load(
-                url, True, like, fw.importable("ml_dtypes"), only=set(names), etag=self.versions.get(url)
+                url, True, like, fw.importable("ml_dtypes"), only=set(names), pinned=self.objects[url].pinned
             )
             if self.save_id is not None and found.get(_fanout._SAVE_ID_KEY) != self.save_id:
                 raise _fanout._other_save(url, self.top)

@@ -61,11 +61,14 @@ class Entry:
 class RemoteObject:
     """What :func:`open_read` gives for an object-storage URL in place of a descriptor:
     the URL, and the ETag its header was read at (every later read must find that version
-    of the object, else an error saying it was replaced)."""
+    of the object, else an error saying it was replaced); ``pinned``, where a reader keeps
+    it, ``(etag, size, header as stored)``: what a native load of that version takes
+    (``_native.load(pinned=)``) so as to ask for no header again."""
 
     def __init__(self, url):
         self.url = url
         self.etag = None
+        self.pinned = None
 
 
 def open_read(path):

@@ -272,6 +272,7 @@ def _skeleton_of_objects(top, files, like, fds, identities, headers, index=None,
             _open(url, fds, identities)
             start, items, etag, size, metadata, head = _native.object_read_header(url)
             identities[url] = fds[url].etag = etag  # the version every later read must find
+            fds[url].pinned = etag, size, head
             headers[url] = _dcp_io.entries_of(items, start, stats), metadata
             with open(os.path.join(folder, os.path.basename(url)), "wb") as f:
                 f.write(head)

@@ -29,7 +29,7 @@ use super::arrival::{Arrival, Stop};
 use super::failure::{cause_of, failed, from_store, Cause};
 use super::get::{fetch_part, Body, Version};
 use super::location::Location;
-use super::options::ObjectOptions;
+use super::options::{ObjectOptions, Pinned};
 use super::{lanes, plan, runtime};
 use crate::backend::Event;
 use crate::error::{Error, Result};
@@ -427,8 +427,11 @@ pub(super) struct FetchedHeader {
 /// The header of the object at `at`: one GET of its first bytes, a second one only
 /// when the header is longer.
 pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<FetchedHeader> {
+    if let Some(pinned) = &options.pinned {
+        return pinned_header(at, pinned);
+    }
     let first_len = options.header_bytes.max(8) as u64;
-    let (first, meta) = match get(at, GetRange::Bounded(0..first_len), options.version.clone()) {
+    let (first, meta) = match get(at, GetRange::Bounded(0..first_len), None) {
         // An empty object has no range to give.
         Err(e) if is_empty_object(&e) => (
             Bytes::new(),
@@ -439,7 +442,6 @@ pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<Fet
         ),
         other => other?,
     };
-    check_pinned(at, &meta, options.version.as_ref())?;
     let size = meta.size;
     let data_start = 8 + header_len(&first, size).map_err(|e| e.in_file(Path::new(at.url())))?;
     let version = Version {
@@ -459,6 +461,28 @@ pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<Fet
         data_start,
         data_head: first.slice(got as usize..),
         version,
+    })
+}
+
+/// The header an earlier read of `at` found (`pinned`), as [`fetch_header`] gives it,
+/// asking for nothing: the GETs that follow must find that version.
+fn pinned_header(at: &Location, pinned: &Pinned) -> Result<FetchedHeader> {
+    let in_object = |e: Error| e.in_file(Path::new(at.url()));
+    let data_start = 8 + header_len(&pinned.header, pinned.size).map_err(in_object)?;
+    if pinned.header.len() as u64 != data_start {
+        let held = pinned.header.len();
+        let reason = format!("the pinned header holds {held} bytes, its length says {data_start}");
+        return Err(in_object(Error::format_at(0, reason)));
+    }
+    Ok(FetchedHeader {
+        json: pinned.header[8..].to_vec(),
+        data_len: pinned.size - data_start,
+        data_start,
+        data_head: Bytes::new(),
+        version: Version {
+            etag: pinned.etag.clone(),
+            size: pinned.size,
+        },
     })
 }
 
@@ -523,7 +547,7 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
 fn arrive_whole(at: &Location, options: &ObjectOptions) -> Result<(Loaded, Arrival)> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
-    let pinned = options.version.clone();
+    let pinned = options.pinned.as_ref().and_then(|p| p.etag.clone());
     let (meta, mut body) = match runtime::block_on(first_answer(at, first_len, pinned))? {
         // An empty object has no range to give, and no header.
         Err(e) if is_empty_object(&e) => return Err(in_object(header_len(&[], 0).unwrap_err())),

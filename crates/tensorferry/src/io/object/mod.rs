@@ -38,5 +38,5 @@ pub use load::{
 };
 pub use location::is_url;
 pub(crate) use location::url_of;
-pub use options::ObjectOptions;
+pub use options::{ObjectOptions, Pinned};
 pub use save::{delete_url, put_url, save_url};

@@ -23,10 +23,22 @@ pub struct ObjectOptions {
     /// No retry starts later than this after a request's first try (default 60 s).
     /// `TENSORFERRY_OBJECT_RETRY_TIMEOUT` (seconds).
     pub retry_timeout: Duration,
-    /// The version (ETag) of the object a load must find, pinned by an earlier read of
-    /// it; a load that finds another is an error saying it was replaced. `None` (the
-    /// default): the version the load's first GET finds, which every later GET must find.
-    pub version: Option<String>,
+    /// What an earlier read found of the one object a load reads (its version and
+    /// header): a load that finds another version is an error saying it was replaced, and
+    /// a subset load asks for no header. `None` (the default): the version the load's
+    /// first GET finds, which every later GET must find.
+    pub pinned: Option<Pinned>,
+}
+
+/// One version of an object, as an earlier read found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pinned {
+    /// Its ETag, where the store gives one.
+    pub etag: Option<String>,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its header as stored: the 8-byte length, then the JSON.
+    pub header: Vec<u8>,
 }
 
 impl Default for ObjectOptions {
@@ -37,7 +49,7 @@ impl Default for ObjectOptions {
             header_bytes: 1 << 20,
             max_retries: 5,
             retry_timeout: Duration::from_secs(60),
-            version: None,
+            pinned: None,
         }
     }
 }
