@@ -55,14 +55,21 @@ def _groups(leaves, limit, key=lambda leaf: None):
 
 def _in_groups(groups, read, each):
     """``each(group, read(group))`` for each of ``groups`` in turn, the next group read on
-    a thread of its own meanwhile: two groups' host tensors live at once, at most."""
-    with ThreadPoolExecutor(1, thread_name_prefix="tensorferry-grouped-load") as reader:
+    a thread of its own meanwhile: two groups' host tensors live at once, at most. An
+    exception (Ctrl-C too) returns at once: a read still running finishes on its own, into
+    memory of its own, and is dropped."""
+    reader = ThreadPoolExecutor(1, thread_name_prefix="tensorferry-grouped-load")
+    done = False
+    try:
         ahead = reader.submit(read, groups[0]) if groups else None
         for i, group in enumerate(groups):
             host = ahead.result()
             ahead = reader.submit(read, groups[i + 1]) if i + 1 < len(groups) else None
             each(group, host)
             del host
+        done = True
+    finally:
+        reader.shutdown(wait=done, cancel_futures=not done)
 
 
 def _bar(leaves, progress_of):
@@ -72,14 +79,18 @@ def _bar(leaves, progress_of):
     return _progress.bar(sum(t.nbytes for _, t in leaves), f"load {os.path.basename(progress_of)}")
 
 
-def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None, key=lambda leaf: None):
+def onto_device(tree, dtype, target, staging, move, progress_of=None, objects=None):
     """``tree`` with every tensor cast to ``dtype`` (narrowing casts only, but on the
     emulated device, where nothing casts) and moved to ``target`` by ``move(tensors, target,
-    staging)``, a group at a time (``key(leaf)``: what a group never mixes). ``fetch(group)``
-    gives the host tensors of a group of ``tree``'s leaves (read while the previous group is
-    cast and moved); without it, the leaves are the host tensors. ``progress_of`` (a file's
-    name) draws a bar."""
+    staging)``, a group at a time. With ``objects`` (an :class:`_Objects`), a group's host
+    tensors are fetched from its one object, in the order the objects hold them (read while
+    the previous group is cast and moved); without, the leaves are the host tensors.
+    ``progress_of`` (a file's name) draws a bar."""
     leaves = _select.distinct(_native.collect_tensors(tree, fw.kind_of))
+    read, key = (lambda group: [t for _, t in group]), (lambda leaf: None)
+    if objects is not None:
+        leaves.sort(key=objects.place)
+        read, key = objects.fetcher(fw.NATIVE), objects.file_of_item
     narrowing_only = not target.startswith("emu")
     replacements = {}
     progress = _bar(leaves, progress_of)
@@ -91,7 +102,7 @@ def onto_device(tree, dtype, target, staging, move, progress_of=None, fetch=None
             progress.update(sum(t.nbytes for _, t in group))
 
     try:
-        _in_groups(_groups(leaves, group_bytes(), key), fetch or (lambda group: [t for _, t in group]), each)
+        _in_groups(_groups(leaves, group_bytes(), key), read, each)
     finally:
         if progress is not None:
             progress.close()
@@ -102,34 +113,35 @@ class _Objects:
     """A checkpoint in object storage as its headers describe it, no tensor read: what
     :func:`tensorferry.load` resolves ``path`` to (``top``: an object or an index, and its
     ``files``), the tree it builds (``skeleton``; its tensors view sparse stand-ins), each
-    object as its header was read (``objects``: ``_dcp_io.RemoteObject``s), the name each
-    tensor is stored under (``name_of``, by ``id``: a tied name is in no
-    header), and the version of each object and of the index (``versions``), pinned from
-    here on."""
+    object as its header was read (``objects``: ``_dcp_io.RemoteObject``s; ``headers``:
+    ``({name: Entry}, metadata)``), the name each tensor is stored under (``name_of``, by
+    ``id``: a tied name is in no header), and the version of each object and of the index
+    (``versions``), pinned from here on."""
 
     def __init__(self, path):
         is_index, self.top = _native.resolve(path)
         self.save_id, self.file_of, files = None, None, [self.top]
         # The index's version too: a save that replaced it names other shards.
         self.versions = {self.top: _native.object_head(self.top)[1]} if is_index else {}
-        index, headers, self.objects = None, {}, {}
+        index, self.headers, self.objects = None, {}, {}
         if is_index:
             self.file_of, files, self.save_id, index = _fanout._shards(self.top)
         self.skeleton = _fanout._skeleton_of_objects(
-            self.top, files, fw.NATIVE, self.objects, self.versions, headers, index
+            self.top, files, fw.NATIVE, self.objects, self.versions, self.headers, index
         )
-        self.name_of = _select.stored_names(self.skeleton, {n for entries, _ in headers.values() for n in entries})
+        self.name_of = _select.stored_names(self.skeleton, {n for entries, _ in self.headers.values() for n in entries})
+        self.files, self.order = files, {f: i for i, f in enumerate(files)}
 
     def selected(self, keys):
         """The skeleton pruned to ``keys`` (patterns, as ``load`` takes them)."""
         return _select.select(self.skeleton, _select.patterns(keys))
 
-    def fetcher(self, like, meta):
+    def fetcher(self, like):
         """``fetch(group)``: the tensors (``like``: NumPy or native) of a group of the
-        skeleton's leaves, all of one object, by one subset load of the object's version its
-        header was read at (another is an error saying it was replaced), that header not
-        asked for again; ``meta`` takes the first object's metadata. A group of another save (its save id) or lacking a name is
-        an error, never a mix."""
+        skeleton's leaves, all of one object, by one subset load of the version of the
+        object whose header the load began with (another version is an error saying it was
+        replaced), that header not asked for again. A group of another save (its save id)
+        or lacking a name is an error, never a mix."""
 
         def fetch(group):
             url = self.file(group[0][1])
@@ -139,14 +151,23 @@ class _Objects:
             )
             if self.save_id is not None and found.get(_fanout._SAVE_ID_KEY) != self.save_id:
                 raise _fanout._other_save(url, self.top)
-            if not meta:
-                meta.update(found)
             by_name = {dotted(p): t for p, t in _native.collect_tensors(tree, fw.kind_of)}
             if not all(n in by_name for n in names):
                 raise _fanout._replaced(url)
             return [by_name[n] for n in names]
 
         return fetch
+
+    def place(self, item):
+        """Where the tensor of ``item`` (a skeleton's ``(path, leaf)``) lies: its object's
+        place in the checkpoint, and its first byte there. Read in that order, groups are
+        as few as the objects allow."""
+        url = self.file(item[1])
+        return self.order[url], self.headers[url][0][self.name_of[id(item[1])]].begin
+
+    def file_of_item(self, item):
+        """The object that stores the tensor of ``item``, a skeleton's ``(path, leaf)``."""
+        return self.file(item[1])
 
     def file(self, leaf):
         """The object that stores the tensor ``leaf`` of the skeleton."""
@@ -166,16 +187,12 @@ def from_objects(path, dtype, target, staging, move, keys, progress):
     """``(tree, metadata)``: the checkpoint at the object-storage URL ``path`` (an object,
     an index or a prefix; ``keys``: patterns, as ``load`` takes them) cast to ``dtype`` on
     ``target``, read a group at a time (see :func:`onto_device`). Its tensors are
-    ``tensorferry.Tensor``s; ``metadata`` is the first object's."""
+    ``tensorferry.Tensor``s; ``metadata`` is the first object's. Every group reads the
+    version of its object whose header the load began with: the result is one save."""
     objects = _Objects(path)
     skeleton = objects.skeleton if keys is None else objects.selected(keys)
-    meta = {}
-    fetch = objects.fetcher(fw.NATIVE, meta)
-    tree = onto_device(skeleton, dtype, target, staging, move, progress and path, fetch, lambda item: objects.file(item[1]))
-    # Each group read one version of its object; the load is one save only if every object
-    # (and the index) is still the version pinned when the load began.
-    _fanout._check_unchanged(objects.versions)
-    return tree, meta
+    tree = onto_device(skeleton, dtype, target, staging, move, progress and path, objects)
+    return tree, objects.headers[objects.files[0]][1] if objects.files else {}
 
 
 def into(out, path, dtype, keys, progress):
@@ -183,26 +200,47 @@ def into(out, path, dtype, keys, progress):
     object-storage checkpoint ``path`` a group of tensors at a time, as a cast load reads
     it: host memory holds two groups, whatever the checkpoint's size. Every name, shape,
     dtype and target is checked against the headers before the first byte is fetched, and
-    the names ``out=`` ties are compared first (their tensors fetched alone). A checkpoint
-    of one group is fetched whole before anything is written; past that, a read that fails
-    (the network, a checkpoint replaced meanwhile) leaves the groups before it written, and
-    its error says how many tensors were. Returns ``out``."""
+    the names ``out=`` ties are compared first (their tensors fetched alone). Each group is
+    read (of the version of its object the load began with), put in its targets'
+    frameworks and cast whole before any of it is written: a checkpoint of one group is
+    written only once all of it is in; past that, a read that fails (the network, an
+    object replaced meanwhile) leaves the groups before it written, and its error says how
+    many tensors were (a note, which Python shows from 3.11 on). Returns ``out``."""
     objects = _Objects(path)
     skeleton = objects.skeleton if keys is None else objects.selected(keys)
     leaves = _native.collect_tensors(skeleton, fw.kind_of)
-    cast_to = None if dtype is None else _select._dtype_name(dtype)
-    fetch = objects.fetcher(fw.NUMPY, {})
+    stand_ins = {dotted(p): t for p, t in leaves}
+    kind_of = {dotted(p): fw.kind_of(t) for p, t in _native.collect_tensors(out, fw.kind_of)}
+    fetch = objects.fetcher(fw.NATIVE)
 
     def arrived(group):
-        host = fetch(group)
-        return host if dtype is None else _select.cast(host, dtype)
+        """A group's tensors, each in its target's framework (bfloat16 into PyTorch needs
+        no ml_dtypes), cast as ``dtype`` says."""
+        paths = [p for p, _ in group]
+        kinds = [kind_of.get(dotted(p)) if kind_of.get(dotted(p)) == fw.TORCH else fw.NUMPY for p in paths]
+        host = fw.from_native_many(fetch(group), kinds, paths)
+        if dtype is not None:  # the floating dtypes loads cast, as the checks expect
+            at = [i for i, (_, leaf) in enumerate(group) if leaf.dtype in _select._FLOATS]
+            for i, cast in zip(at, _select.cast([host[i] for i in at], dtype)):
+                host[i] = cast
+        return host
 
-    stand_ins = {dotted(p): t for p, t in leaves}
-    targets = _select.fill_targets(out, stand_ins, lambda name: arrived([((), stand_ins[name])])[0], cast_to)
+    fetched = {}
+
+    def value(name):
+        """The tensor of ``name`` (compared for the names ``out=`` ties), fetched once."""
+        leaf = stand_ins[name]
+        if id(leaf) not in fetched:
+            fetched[id(leaf)] = arrived([(_path_of(name, leaves), leaf)])[0]
+        return fetched[id(leaf)]
+
+    cast_to = None if dtype is None else _select._dtype_name(dtype)
+    targets = _select.fill_targets(out, stand_ins, value, cast_to)
+    fetched.clear()
     targets_of = {}
     for name, t in targets.items():
         targets_of.setdefault(id(stand_ins[name]), []).append(t)
-    distinct = _select.distinct(leaves)
+    distinct = sorted(_select.distinct(leaves), key=objects.place)
     written = 0
     progress = _bar(distinct, progress and path)
 
@@ -216,13 +254,21 @@ def into(out, path, dtype, keys, progress):
             progress.update(sum(t.nbytes for _, t in group))
 
     try:
-        _in_groups(_groups(distinct, group_bytes(), lambda item: objects.file(item[1])), arrived, each)
-        _fanout._check_unchanged(objects.versions)
+        _in_groups(_groups(distinct, group_bytes(), objects.file_of_item), arrived, each)
     except BaseException as e:
-        if written and hasattr(e, "add_note"):
-            e.add_note(f"out= is partly filled: {written} of {len(distinct)} tensors were written before this error")
+        if written:
+            note = f"out= is partly filled: {written} of {len(distinct)} tensors were written before this error"
+            if hasattr(e, "add_note"):
+                e.add_note(note)
+            else:  # Python before 3.11 keeps the note, without showing it
+                e.__notes__ = [*getattr(e, "__notes__", []), note]
         raise
     finally:
         if progress is not None:
             progress.close()
     return out
+
+
+def _path_of(name, leaves):
+    """The key path of the leaf whose dotted name is ``name``."""
+    return next(p for p, _ in leaves if dotted(p) == name)

@@ -181,7 +181,7 @@ def fill_targets(out, sources, value, cast_to=None):
             problems.append(f"{name}: shape {tuple(s.shape)} in the file, {tuple(t.shape)} in out=")
         elif _name_of(t.dtype) != stored:
             problems.append(f"{name}: dtype {stored} in the file, {_name_of(t.dtype)} in out=")
-    problems += _aliased(targets, value)
+    problems += _aliased({n: t for n, t in targets.items() if n in sources}, value)
     if problems:
         raise FormatError("out= cannot be filled from the file:\n  " + "\n  ".join(problems))
     return targets

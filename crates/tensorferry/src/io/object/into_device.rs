@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::get::{write_into, Asked, Version};
-use super::load::{blank_unwanted, fetch_header, read_index, resolved, FetchedHeader};
+use super::load::{blank_unwanted, fetch_header, read_index, resolved_load, FetchedHeader};
 use super::location::Location;
 use super::options::ObjectOptions;
 use super::{lanes, plan};
@@ -73,7 +73,7 @@ pub fn load_url_to_until(
         stop,
     };
     let one = |object: &Location| stream_object(object, &stream, only);
-    let mut loaded = resolved(at, one, |index| {
+    let mut loaded = resolved_load(at, options, one, |index| {
         let parsed = read_index(index, options)?;
         load_index_with(parsed, Path::new(index.url()), 1, |name| {
             one(&index.sibling(name))

@@ -74,8 +74,9 @@ pub fn load_url_arriving(
 ) -> Result<(Loaded, Arrival)> {
     let at = Location::open(url, options)?;
     let arrived = |loaded| (loaded, Arrival::complete());
-    let (mut loaded, arrival) = resolved(
+    let (mut loaded, arrival) = resolved_load(
         at,
+        options,
         |object| match only {
             None => arrive_whole(object, options),
             Some(names) => load_subset(object, options, names).map(arrived),
@@ -289,6 +290,24 @@ pub(super) fn resolved<T>(
     }
 }
 
+/// [`resolved`] for a load with `options`: one [`ObjectOptions::pinned`] names one object,
+/// read as it is (never an index, a folder, or the index a sharded save to its name wrote).
+pub(super) fn resolved_load<T>(
+    at: Location,
+    options: &ObjectOptions,
+    object: impl Fn(&Location) -> Result<T>,
+    index: impl Fn(&Location) -> Result<T>,
+) -> Result<T> {
+    if options.pinned.is_none() {
+        return resolved(at, object, index);
+    }
+    if at.is_folder() || at.name().ends_with(INDEX_SUFFIX) {
+        let why = "a pinned version and header belong to one object, not an index or a folder";
+        return Err(failed("read", at.url(), Cause::BadConfig, why));
+    }
+    object(&at)
+}
+
 /// The error saying the bucket of `at` does not exist, when a listing says so (some
 /// servers answer a GET in a missing bucket with "no such key"); `None` otherwise.
 fn missing_bucket(at: &Location) -> Option<Error> {
@@ -489,19 +508,22 @@ fn pinned_header(at: &Location, pinned: &Pinned) -> Result<FetchedHeader> {
 /// An error saying the object at `at` was replaced when the version `meta` found is not
 /// the one `pinned` (by an earlier read); a server that ignored the GET's `If-Match` is
 /// caught here too.
-fn check_pinned(at: &Location, meta: &ObjectMeta, pinned: Option<&String>) -> Result<()> {
-    match pinned {
-        Some(etag) if meta.e_tag.as_ref() != Some(etag) => Err(failed(
-            "read",
-            at.url(),
-            Cause::Changed,
-            format!(
-                "an earlier read found ETag {etag}, this one {}",
-                meta.e_tag.as_deref().unwrap_or("none")
-            ),
-        )),
-        _ => Ok(()),
+fn check_pinned(at: &Location, meta: &ObjectMeta, pinned: Option<&Pinned>) -> Result<()> {
+    let Some(pinned) = pinned else {
+        return Ok(());
+    };
+    if meta.size == pinned.size && (pinned.etag.is_none() || meta.e_tag == pinned.etag) {
+        return Ok(());
     }
+    let etag = |e: &Option<String>| e.clone().unwrap_or_else(|| "none".into());
+    let detail = format!(
+        "an earlier read found ETag {} and {} bytes, this one {} and {} bytes",
+        etag(&pinned.etag),
+        pinned.size,
+        etag(&meta.e_tag),
+        meta.size
+    );
+    Err(failed("read", at.url(), Cause::Changed, detail))
 }
 
 /// Whether a GET failed only because the object holds no bytes (no range to give: HTTP
@@ -547,7 +569,7 @@ fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
 fn arrive_whole(at: &Location, options: &ObjectOptions) -> Result<(Loaded, Arrival)> {
     let in_object = |e: Error| e.in_file(Path::new(at.url()));
     let first_len = options.header_bytes.max(8) as u64;
-    let pinned = options.pinned.as_ref().and_then(|p| p.etag.clone());
+    let pinned = options.pinned.as_ref();
     let (meta, mut body) = match runtime::block_on(first_answer(at, first_len, pinned))? {
         // An empty object has no range to give, and no header.
         Err(e) if is_empty_object(&e) => return Err(in_object(header_len(&[], 0).unwrap_err())),
@@ -780,7 +802,7 @@ async fn parsed_aside(at: &Location, json: &[u8], data_len: u64) -> Result<(Head
 async fn first_answer(
     at: &Location,
     len: u64,
-    pinned: Option<String>,
+    pinned: Option<&Pinned>,
 ) -> Result<(ObjectMeta, Body)> {
     let answer = at
         .store()
@@ -788,14 +810,14 @@ async fn first_answer(
             at.key(),
             GetOptions {
                 range: Some(GetRange::Bounded(0..len)),
-                if_match: pinned.clone(),
+                if_match: pinned.and_then(|p| p.etag.clone()),
                 ..Default::default()
             },
         )
         .await
         .map_err(|e| from_store("read", at.url(), e))?;
     let meta = answer.meta.clone();
-    check_pinned(at, &meta, pinned.as_ref())?;
+    check_pinned(at, &meta, pinned)?;
     let body = Body::of(0..len.min(meta.size), answer.into_stream());
     Ok((meta, body))
 }
