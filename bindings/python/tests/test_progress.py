@@ -112,6 +112,19 @@ def test_a_load_draws_a_bar_of_its_bytes(tqdm, tmp_path, capfd, device):
     np.testing.assert_array_equal(tf.to_numpy(got)["a"], tree["a"])
 
 
+@pytest.mark.parametrize("how", [{}, {"device": "emu:0"}, {"device": "emu:0", "dtype": "bfloat16"}],
+                         ids=["host", "device", "cast"])
+def test_a_bar_of_a_folder_bears_the_folder_s_name(tqdm, tmp_path, capfd, how):
+    """A checkpoint named by its folder ("ckpt/") is drawn as "load ckpt", never as a
+    bare "load"."""
+    (tmp_path / "ckpt").mkdir()
+    tf.save(_big(), tmp_path / "ckpt" / "model.safetensors")
+    capfd.readouterr()
+    tf.load(f"{tmp_path / 'ckpt'}/", progress=True, **how)
+    err = capfd.readouterr().err
+    assert "load ckpt:" in err and "100%" in _last_line(err), err
+
+
 def test_without_tqdm_nothing_is_drawn(no_tqdm, tmp_path, capfd):
     tree = _big()
     tf.save(tree, tmp_path / "x.safetensors", progress=True)

@@ -911,7 +911,7 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
         if progress and (streamed or not on_device):
             # Read (or mapped) in the one native call above: the bar fills at once.
             total = sum(t.nbytes for _, t in _native.collect_tensors(tree, fw.kind_of))
-            _progress.filled(total, f"load {os.path.basename(os.fspath(path))}")
+            _progress.filled(total, _progress.named("load", path))
         if keys is not None:
             tree = _select.select(tree, patterns)
             if not (mmap or on_device or url):
@@ -990,7 +990,7 @@ def _onto_device(tree, target, staging, progress_of=None):
             return to_device(tree, target, staging=ring)
         pending = to_device(tree, target, staging=ring, non_blocking=True)
         total = sum(t.nbytes for _, t in _native.collect_tensors(tree, fw.kind_of))
-        progress = _progress.bar(total, f"load {os.path.basename(progress_of)}")
+        progress = _progress.bar(total, _progress.named("load", progress_of))
         if progress is None:
             return pending.result()
         try:

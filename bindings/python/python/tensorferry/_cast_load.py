@@ -76,7 +76,7 @@ def _bar(leaves, progress_of):
     """A progress bar over the bytes of ``leaves`` for the file ``progress_of``, or None."""
     if not progress_of:
         return None
-    return _progress.bar(sum(t.nbytes for _, t in leaves), f"load {os.path.basename(progress_of)}")
+    return _progress.bar(sum(t.nbytes for _, t in leaves), _progress.named("load", progress_of))
 
 
 def onto_device(tree, dtype, target, staging, move, progress_of=None, objects=None):

@@ -23,6 +23,12 @@ def bar(total, what):
     return tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True)
 
 
+def named(verb, path):
+    """A bar's name: ``verb`` and the last part of ``path`` (a folder's or a prefix's own
+    name when it ends with a slash: "load ckpt" for "s3://bucket/ckpt/")."""
+    return f"{verb} {os.path.basename(os.path.normpath(os.fspath(path)))}"
+
+
 def advance_to(progress, n):
     """Moves ``progress`` forward to ``n`` bytes (never back)."""
     n = min(n, progress.total)
@@ -85,10 +91,8 @@ def writes_watched(path, report):
 def watched_save(path, total, save):
     """``save`` (a callable writing ``path``) wrapped to draw a bar of the bytes written,
     or ``save`` itself when tqdm is not installed."""
-    name = os.path.basename(os.path.normpath(os.fspath(path)))
-
     def run(*args):
-        progress = bar(total, f"save {name}")
+        progress = bar(total, named("save", path))
         if progress is None:
             return save(*args)
         try:
