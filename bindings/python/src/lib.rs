@@ -617,12 +617,30 @@ fn wait_tensors(
     })
 }
 
-/// `(names, aliased)`: the tensor names of the checkpoint at an object-storage URL, from
-/// its index or header, and whether its tree record gives a tensor a second name.
+/// `(names, aliased, pinned)`: the tensor names of the checkpoint at an object-storage
+/// URL, from its index or header, whether its tree record gives a tensor a second name,
+/// and for a URL that names one object itself, `(etag, size, header)` as `load(pinned=)`
+/// takes them (None otherwise).
 #[pyfunction]
-fn object_names(py: Python<'_>, url: &str) -> PyResult<(Vec<String>, bool)> {
+#[allow(clippy::type_complexity)]
+fn object_names(
+    py: Python<'_>,
+    url: &str,
+) -> PyResult<(
+    Vec<String>,
+    bool,
+    Option<(Option<String>, u64, Py<pyo3::types::PyBytes>)>,
+)> {
     let options = object::ObjectOptions::from_env();
-    guard(|| py.detach(|| object::tensor_names(url, &options)).py_err())
+    guard(|| {
+        let (names, aliased, pinned) =
+            py.detach(|| object::tensor_names(url, &options)).py_err()?;
+        let pinned = pinned.map(|p| {
+            let header = pyo3::types::PyBytes::new(py, &p.header).unbind();
+            (p.etag, p.size, header)
+        });
+        Ok((names, aliased, pinned))
+    })
 }
 
 /// The header of the safetensors object at `url` (one object, no folder or index

@@ -850,9 +850,10 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     # groups, whatever the checkpoint's size); from object storage, each group is fetched
     # alone (the subset too: it needs no names from here).
     grouped = on_device and dtype is not None and out is None and not direct
-    only = None
+    only = pinned = None
     if url and patterns is not None and not grouped:
-        names, aliased = _native.object_names(path)
+        # One object's header, read for its names, is not asked for again by the load.
+        names, aliased, pinned = _native.object_names(path)
         if aliased:  # a tensor of two names (tied): its paths come from the tree record
             only = _cast_load.subset_names(path, keys)
         else:
@@ -904,6 +905,7 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
             mapped and not on_device and like not in (fw.NUMPY, fw.NATIVE),
             only=only,
             early=early,
+            pinned=pinned,
         )
     try:
         if fallback is not None:

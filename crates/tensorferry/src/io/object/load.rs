@@ -89,22 +89,35 @@ pub fn load_url_arriving(
     Ok((loaded, arrival))
 }
 
+/// What [`tensor_names`] finds: the names, whether a tensor has a second name, and for a
+/// URL that names one object itself, that object as read ([`ObjectOptions::pinned`] for
+/// the load that follows: no second GET of its header).
+pub type Names = (Vec<String>, bool, Option<Pinned>);
+
 /// The names of the tensors the checkpoint at `url` holds (as [`load_url`] finds it),
 /// from its index or its header alone, and whether its tree record gives some tensor a
 /// second name (an alias, such as a head tied to the embedding), which no header lists.
-pub fn tensor_names(url: &str, options: &ObjectOptions) -> Result<(Vec<String>, bool)> {
+pub fn tensor_names(url: &str, options: &ObjectOptions) -> Result<Names> {
     let at = Location::open(url, options)?;
+    let named = at.url().to_string();
     resolved(
         at,
         |object| {
-            let header = fetch_header(object, options)?;
-            let (header, census) = parse_counted(&header.json, header.data_len)
+            let fetched = fetch_header(object, options)?;
+            let (header, census) = parse_counted(&fetched.json, fetched.data_len)
                 .map_err(|e| e.in_file(Path::new(object.url())))?;
             let aliased = matches!(census.tree, Some(Ok(tree)) if !tree.aliased.is_empty());
-            Ok((
-                header.tensors.into_iter().map(|t| t.name).collect(),
-                aliased,
-            ))
+            let pinned = (object.url() == named).then(|| {
+                let mut stored = (fetched.json.len() as u64).to_le_bytes().to_vec();
+                stored.extend_from_slice(&fetched.json);
+                Pinned {
+                    etag: fetched.version.etag,
+                    size: fetched.version.size,
+                    header: stored,
+                }
+            });
+            let names = header.tensors.into_iter().map(|t| t.name).collect();
+            Ok((names, aliased, pinned))
         },
         |index| {
             let index = read_index(index, options)?;
@@ -112,7 +125,7 @@ pub fn tensor_names(url: &str, options: &ObjectOptions) -> Result<(Vec<String>, 
                 Some(text) => !tree_census::count(text)?.aliased.is_empty(),
                 None => false,
             };
-            Ok((index.names().map(String::from).collect(), aliased))
+            Ok((index.names().map(String::from).collect(), aliased, None))
         },
     )
 }
