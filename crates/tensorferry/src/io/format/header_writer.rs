@@ -91,12 +91,21 @@ const VERSION_AT: usize = b"{\"format\":".len();
 /// marked format 2 when it holds an integer key or an alias, unless the tree is a flat
 /// dict and not `always_recorded`.
 fn walk(node: &Node, always_recorded: bool) -> Walked<'_> {
-    let sharing = Sharing::of(&node.tensor_refs());
+    let refs = node.tensor_refs();
+    let sharing = Sharing::of(&refs);
     let flat = node.as_dict().is_some_and(flat_dict) && sharing.is_none();
     let recording = always_recorded || !flat;
+    // Sized once: a tree of many tensors grows no vector by copying it.
+    let names = match node.as_dict() {
+        Some(d) if flat => d.iter_keyed().map(|(k, _)| k.as_str().len()).sum(),
+        _ => refs.len() * 32,
+    };
     let mut w = Walker {
         recording,
         same_as: sharing.same_as,
+        tensors: Vec::with_capacity(refs.len()),
+        names: String::with_capacity(names),
+        ends: Vec::with_capacity(refs.len()),
         ..Walker::default()
     };
     if recording {
