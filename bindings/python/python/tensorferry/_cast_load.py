@@ -210,14 +210,15 @@ def into(out, path, dtype, keys, progress):
     skeleton = objects.skeleton if keys is None else objects.selected(keys)
     leaves = _native.collect_tensors(skeleton, fw.kind_of)
     stand_ins = {dotted(p): t for p, t in leaves}
-    kind_of = {dotted(p): fw.kind_of(t) for p, t in _native.collect_tensors(out, fw.kind_of)}
+    path_of = {dotted(p): p for p, _ in leaves}
+    torch_targets = {dotted(p) for p, t in _native.collect_tensors(out, fw.kind_of) if fw.kind_of(t) == fw.TORCH}
     fetch = objects.fetcher(fw.NATIVE)
 
     def arrived(group):
         """A group's tensors, each in its target's framework (bfloat16 into PyTorch needs
         no ml_dtypes), cast as ``dtype`` says."""
         paths = [p for p, _ in group]
-        kinds = [kind_of.get(dotted(p)) if kind_of.get(dotted(p)) == fw.TORCH else fw.NUMPY for p in paths]
+        kinds = [fw.TORCH if dotted(p) in torch_targets else fw.NUMPY for p in paths]
         host = fw.from_native_many(fetch(group), kinds, paths)
         if dtype is not None:  # the floating dtypes loads cast, as the checks expect
             at = [i for i, (_, leaf) in enumerate(group) if leaf.dtype in _select._FLOATS]
@@ -231,7 +232,7 @@ def into(out, path, dtype, keys, progress):
         """The tensor of ``name`` (compared for the names ``out=`` ties), fetched once."""
         leaf = stand_ins[name]
         if id(leaf) not in fetched:
-            fetched[id(leaf)] = arrived([(_path_of(name, leaves), leaf)])[0]
+            fetched[id(leaf)] = arrived([(path_of[name], leaf)])[0]
         return fetched[id(leaf)]
 
     cast_to = None if dtype is None else _select._dtype_name(dtype)
@@ -267,8 +268,3 @@ def into(out, path, dtype, keys, progress):
         if progress is not None:
             progress.close()
     return out
-
-
-def _path_of(name, leaves):
-    """The key path of the leaf whose dotted name is ``name``."""
-    return next(p for p, _ in leaves if dotted(p) == name)

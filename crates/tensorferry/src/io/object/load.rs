@@ -107,15 +107,7 @@ pub fn tensor_names(url: &str, options: &ObjectOptions) -> Result<Names> {
             let (header, census) = parse_counted(&fetched.json, fetched.data_len)
                 .map_err(|e| e.in_file(Path::new(object.url())))?;
             let aliased = matches!(census.tree, Some(Ok(tree)) if !tree.aliased.is_empty());
-            let pinned = (object.url() == named).then(|| {
-                let mut stored = (fetched.json.len() as u64).to_le_bytes().to_vec();
-                stored.extend_from_slice(&fetched.json);
-                Pinned {
-                    etag: fetched.version.etag,
-                    size: fetched.version.size,
-                    header: stored,
-                }
-            });
+            let pinned = (object.url() == named).then(|| fetched.pinned());
             let names = header.tensors.into_iter().map(|t| t.name).collect();
             Ok((names, aliased, pinned))
         },
@@ -176,9 +168,8 @@ pub fn read_header_url(
     let header = fetch_header(&at, options)?;
     let parsed = crate::io::format::header_reader::parse_header(&header.json, header.data_len)
         .map_err(|e| e.in_file(Path::new(at.url())))?;
-    let mut stored = (header.json.len() as u64).to_le_bytes().to_vec();
-    stored.extend_from_slice(&header.json);
-    Ok((parsed, stored, header.version.etag, header.version.size))
+    let Pinned { etag, size, header } = header.pinned();
+    Ok((parsed, header, etag, size))
 }
 
 /// The size and ETag (when the store gives one) of the object at `url`, from one HEAD.
@@ -454,6 +445,21 @@ pub(super) struct FetchedHeader {
     pub(super) data_head: Bytes,
     /// The object's version, which every later GET must find.
     pub(super) version: Version,
+}
+
+impl FetchedHeader {
+    /// The object as this read found it: its version, and its header as stored (the
+    /// 8-byte length, then the JSON), as a later load of that version takes it
+    /// ([`ObjectOptions::pinned`]; [`pinned_header`] reads it back).
+    fn pinned(&self) -> Pinned {
+        let mut header = (self.json.len() as u64).to_le_bytes().to_vec();
+        header.extend_from_slice(&self.json);
+        Pinned {
+            etag: self.version.etag.clone(),
+            size: self.version.size,
+            header,
+        }
+    }
 }
 
 /// The header of the object at `at`: one GET of its first bytes, a second one only
