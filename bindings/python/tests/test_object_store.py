@@ -867,6 +867,22 @@ def test_a_shard_replaced_during_an_out_fill_is_an_error_saying_what_was_written
     assert all(v[0] < 100 for v in out["model"].values())
 
 
+def test_a_checkpoint_of_one_group_that_fails_mid_read_leaves_out_untouched(s3, url, monkeypatch, tmp_path):
+    """One object, one group (the default size): the read stops after the load began and
+    the object is replaced; the error comes before anything of ``out=`` is written, and
+    carries no note of a partial fill."""
+    target = url + "m.safetensors"
+    tf.save(_model(layers=4, size=8192), target)
+    out = _zeros_like(_model(layers=4, size=8192))
+    go, outcome = _paused_load(monkeypatch, tmp_path, target, out=out)
+    tf.save(_model(layers=4, size=8192, salt=100.0), target)
+    go()
+    kind, value = outcome[0]
+    assert kind == "error" and "replaced while it was read" in str(value), value
+    assert not getattr(value, "__notes__", None)
+    assert all(not v.any() for v in out["model"].values())
+
+
 def test_an_object_replaced_during_an_out_fill_is_an_error_and_none_of_its_bytes_are_written(s3, url, monkeypatch):
     """One object, a tensor a group: after two groups were read, the object is replaced by
     another save of the same layout, and the third group is asked for only then, of the
