@@ -7,7 +7,7 @@
 //! `object_store`'s builders. Retries (with backoff) are the client's, bounded by
 //! [`super::ObjectOptions`].
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use object_store::aws::AmazonS3ConfigKey;
 use object_store::path::Path as ObjectPath;
@@ -64,13 +64,83 @@ pub(crate) struct Location {
     url: String,
 }
 
+/// The clients built so far: a client (its TLS roots read from the system, its pool of
+/// open connections) is reused by every later open of an object in the same folder, made
+/// in the same process with the same environment and options. Building one reads and
+/// decodes the system's root certificates, a few milliseconds each time.
+static CLIENTS: Mutex<Vec<(ClientKey, Arc<dyn ObjectStore>)>> = Mutex::new(Vec::new());
+
+/// The most clients kept; the oldest goes first.
+const CLIENTS_KEPT: usize = 16;
+
+/// What a client was built from: the process (a forked child builds its own, as it runs
+/// its own runtime), the folder's URL (a client serves every object beside the one it was
+/// built for, as [`Location::sibling`] does), the whole environment (credentials,
+/// endpoint, proxies: any change builds a new client) and the retry options.
+#[derive(PartialEq)]
+struct ClientKey {
+    pid: u32,
+    folder: String,
+    env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
+    retries: (usize, std::time::Duration),
+}
+
+impl ClientKey {
+    fn of(url: &str, options: &ObjectOptions) -> ClientKey {
+        ClientKey {
+            pid: std::process::id(),
+            folder: folder_of(url).to_string(),
+            env: std::env::vars_os().collect(),
+            retries: (options.max_retries, options.retry_timeout),
+        }
+    }
+}
+
+/// `url` up to its last `/` after the scheme's (the URL itself where there is none: a
+/// bucket's root), so that the folder always holds the store's whole address.
+fn folder_of(url: &str) -> &str {
+    let body = url.find("://").map_or(0, |i| i + 3);
+    url[body..].rfind('/').map_or(url, |i| &url[..body + i])
+}
+
+/// The client `key` was built for, if one was.
+fn client_for(key: &ClientKey) -> Option<Arc<dyn ObjectStore>> {
+    let clients = CLIENTS.lock().unwrap_or_else(|p| p.into_inner());
+    clients
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, c)| c.clone())
+}
+
+/// Keeps `client`, built for `key`. Clients of another process (this one's parent, before
+/// a fork) are leaked, not dropped: their connections belong to the parent's runtime.
+fn keep_client(key: ClientKey, client: Arc<dyn ObjectStore>) {
+    let mut clients = CLIENTS.lock().unwrap_or_else(|p| p.into_inner());
+    if clients.first().is_some_and(|(k, _)| k.pid != key.pid) {
+        std::mem::forget(std::mem::take(&mut *clients));
+    }
+    if clients.len() >= CLIENTS_KEPT {
+        clients.remove(0);
+    }
+    clients.push((key, client));
+}
+
 impl Location {
-    /// The object at `url`, with a client built from the environment and `options`.
+    /// The object at `url`, with a client built from the environment and `options` (or
+    /// the one built before for the same folder, environment and options).
     pub(crate) fn open(url: &str, options: &ObjectOptions) -> Result<Location> {
         super::runtime::install_tls_provider();
         let bad = |detail: String| failed("open", url, Cause::BadConfig, detail);
         let parsed = Url::parse(url).map_err(|e| bad(format!("not a URL: {e}")))?;
         let (scheme, key) = ObjectStoreScheme::parse(&parsed).map_err(|e| bad(e.to_string()))?;
+        let client_key = ClientKey::of(url, options);
+        if let Some(store) = client_for(&client_key) {
+            return Ok(Location {
+                store,
+                key,
+                url: url.to_string(),
+            });
+        }
         let retry = RetryConfig {
             backoff: BackoffConfig::default(),
             max_retries: options.max_retries,
@@ -115,6 +185,7 @@ impl Location {
             other => return Err(bad(format!("{other:?} is not an object store"))),
         };
         let store = built.map_err(|e| super::failure::from_store("open", url, e))?;
+        keep_client(client_key, store.clone());
         Ok(Location {
             store,
             key,
@@ -174,6 +245,31 @@ mod tests {
         // Explicit settings: no environment, no network (building a client connects to
         // nothing).
         Location::open(url, &ObjectOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn a_client_serves_its_folder_only() {
+        assert_eq!(folder_of("s3://b/run/model.safetensors"), "s3://b/run");
+        assert_eq!(folder_of("s3://b/run/"), "s3://b/run");
+        assert_eq!(folder_of("s3://b/x"), "s3://b");
+        assert_eq!(folder_of("s3://b"), "s3://b");
+        assert_eq!(folder_of("https://h:9/c/x"), "https://h:9/c");
+        let (a, b) = (opened("s3://a/x"), opened("s3://b/x"));
+        assert!(!Arc::ptr_eq(&a.store, &b.store), "buckets share no client");
+        let (x, y) = (opened("s3://a/d/x"), opened("s3://a/d/y"));
+        assert!(Arc::ptr_eq(&x.store, &y.store), "one folder, one client");
+        let later = Location::open(
+            "s3://a/d/x",
+            &ObjectOptions {
+                max_retries: 1,
+                ..ObjectOptions::default()
+            },
+        )
+        .unwrap();
+        assert!(
+            !Arc::ptr_eq(&x.store, &later.store),
+            "other options, other client"
+        );
     }
 
     #[test]
