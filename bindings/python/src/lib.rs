@@ -20,7 +20,6 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use tensorferry::internal::backend::cuda;
 use tensorferry::internal::backend::StreamHandle;
 use tensorferry::internal::io::object;
 use tensorferry::internal::transfer::Readable;
@@ -52,29 +51,6 @@ fn devices() -> Vec<String> {
         .iter()
         .map(|d| d.to_string())
         .collect()
-}
-
-/// What the CUDA driver offers: `{"available": bool, "driver_version": str, "gpus": [...],
-/// "reason": str}`.
-#[pyfunction]
-fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let d = PyDict::new(py);
-    match cuda::status() {
-        cuda::CudaStatus::Available {
-            driver_version,
-            gpus,
-        } => {
-            d.set_item("available", true)?;
-            d.set_item("driver_version", cuda::version_string(*driver_version))?;
-            d.set_item("gpus", gpus.clone())?;
-        }
-        cuda::CudaStatus::Unavailable { reason } => {
-            d.set_item("available", false)?;
-            d.set_item("reason", reason)?;
-            d.set_item("gpus", Vec::<String>::new())?;
-        }
-    }
-    Ok(d)
 }
 
 /// Moves tensors to `device` in one planned transfer (GIL released); see
@@ -830,7 +806,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_device, m)?)?;
     m.add_function(wrap_pyfunction!(ensure_device, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(move_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(configure_emulated, m)?)?;
     m.add_function(wrap_pyfunction!(check_staging, m)?)?;
