@@ -6,10 +6,11 @@ the native run reader reads straight into destination buffers, the GIL released,
 every byte in a :class:`ReadStats`.
 """
 
+import ctypes
 import dataclasses
 
-from . import _native, _object
-from ._errors import FormatError
+from . import _native
+from ._errors import FormatError, TensorferryTypeError
 
 #: Bytes per element of each safetensors dtype.
 ITEM_SIZE = {
@@ -199,7 +200,7 @@ def read_pieces(fd, path, todo, workers, stats=None):
     released: a local file with up to ``workers`` positioned reads at once (a file that
     ends first is a FormatError naming it), an object with parallel ranged GETs, each
     checked against the version its header was read at."""
-    held, spans = _object.exported_spans(todo)
+    held, spans = exported_spans(todo)
     try:
         if isinstance(fd, RemoteObject):
             _native.object_read_into(fd.url, spans, fd.etag)
@@ -209,6 +210,23 @@ def read_pieces(fd, path, todo, workers, stats=None):
         del held
     if stats is not None:
         stats.data += sum(len(view) for _, view in todo)
+
+
+def exported_spans(targets):
+    """``(held, spans)`` for ``(offset, buffer)`` targets: ``spans`` are ``(offset,
+    address, length)`` of the writable buffers (empty ones left out), which stay exported
+    while ``held`` lives — the way native reads write into Python buffers."""
+    held, spans = [], []
+    for offset, buffer in targets:
+        view = memoryview(buffer).cast("B")  # TypeError for a buffer that is not contiguous
+        if view.readonly:
+            raise TensorferryTypeError(f"read_into writes into its buffers: a read-only {type(buffer).__name__} was given")
+        if not len(view):
+            continue
+        window = (ctypes.c_char * len(view)).from_buffer(view)  # keeps the buffer exported
+        held.append(window)
+        spans.append((int(offset), ctypes.addressof(window), len(view)))
+    return held, spans
 
 
 def read_runs(fd, path, entry, runs, dest, stats=None):
