@@ -111,20 +111,16 @@ def _fail(path, what):
     return FormatError(f"{path}: {what}")
 
 
-#: ``read_header``'s ``save_id`` when any save will do.
-ANY_SAVE = object()
-
-
-def read_header(fd, path, stats=None, save_id=ANY_SAVE):
+def read_header(fd, path, stats=None, *, save_id):
     """``{name: Entry}`` of the safetensors file at ``path`` (open as ``fd`` for the reads
     that follow), from its header (see :func:`header`).
 
-    With ``save_id``, the file must be a rank file of that DCP save: one whose metadata
-    names another save (its ``DCP_SAVE_ID``) is a FormatError naming it. A file that names
-    none was written before rank files carried it, and is taken as it is."""
+    The file must be a rank file of the DCP save ``save_id``: one whose metadata names
+    another save (its ``DCP_SAVE_ID``) is a FormatError naming it. A file that names none
+    was written before rank files carried it, and is taken as it is."""
     entries, metadata = header(fd, path, stats)
     found = metadata.get("DCP_SAVE_ID")
-    if save_id is not ANY_SAVE and found is not None and found != save_id:
+    if found is not None and found != save_id:
         raise _fail(path, f"a rank file of the save {found}, not of this checkpoint's save {save_id} "
                           f"(a file of another save?)")
     return entries
