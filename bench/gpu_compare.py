@@ -75,8 +75,13 @@ def main():
     except ImportError:
         print("skipped: PyTorch is not installed")
         return 0
-    if not torch.cuda.is_available() or "cuda:0" not in tf.devices():
-        print(f"skipped: no usable GPU ({tf._native.cuda_info().get('reason', 'torch sees none')})")
+    try:
+        tf._native.ensure_device("cuda:0")
+    except tf.DeviceUnavailableError as e:
+        print(f"skipped: no usable GPU ({e})")
+        return 0
+    if not torch.cuda.is_available():
+        print("skipped: no usable GPU (torch sees none)")
         return 0
 
     d = presets(torch, args.preset, args.scale)

@@ -54,23 +54,7 @@ fn dtype_of(typestr: &str) -> PyResult<DType> {
             )))
         }
     }
-    Ok(match (kind, size) {
-        ('b', 1) => DType::Bool,
-        ('i', 1) => DType::I8,
-        ('i', 2) => DType::I16,
-        ('i', 4) => DType::I32,
-        ('i', 8) => DType::I64,
-        ('u', 1) => DType::U8,
-        ('u', 2) => DType::U16,
-        ('u', 4) => DType::U32,
-        ('u', 8) => DType::U64,
-        ('f', 2) => DType::F16,
-        ('f', 4) => DType::F32,
-        ('f', 8) => DType::F64,
-        ('c', 8) => DType::Complex64,
-        ('c', 16) => DType::Complex128,
-        _ => return Err(bad()),
-    })
+    crate::numpy_interop::dtype_of_kind(kind, size).ok_or_else(bad)
 }
 
 /// The typestr of an element type; `None` for types the interface cannot name (bfloat16,

@@ -20,7 +20,6 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use tensorferry::internal::backend::cuda;
 use tensorferry::internal::backend::StreamHandle;
 use tensorferry::internal::io::object;
 use tensorferry::internal::transfer::Readable;
@@ -52,29 +51,6 @@ fn devices() -> Vec<String> {
         .iter()
         .map(|d| d.to_string())
         .collect()
-}
-
-/// What the CUDA driver offers: `{"available": bool, "driver_version": str, "gpus": [...],
-/// "reason": str}`.
-#[pyfunction]
-fn cuda_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let d = PyDict::new(py);
-    match cuda::status() {
-        cuda::CudaStatus::Available {
-            driver_version,
-            gpus,
-        } => {
-            d.set_item("available", true)?;
-            d.set_item("driver_version", cuda::version_string(*driver_version))?;
-            d.set_item("gpus", gpus.clone())?;
-        }
-        cuda::CudaStatus::Unavailable { reason } => {
-            d.set_item("available", false)?;
-            d.set_item("reason", reason)?;
-            d.set_item("gpus", Vec::<String>::new())?;
-        }
-    }
-    Ok(d)
 }
 
 /// Moves tensors to `device` in one planned transfer (GIL released); see
@@ -732,35 +708,10 @@ fn object_delete(py: Python<'_>, url: &str) -> PyResult<()> {
     guard(|| py.detach(|| object::delete_url(url, &options)).py_err())
 }
 
-/// The bytes of `ranges` (`(start, end)`, absolute offsets) of the object at `url`, in
-/// parallel ranged GETs (GIL released), as `bytes` in order. With `etag`, the object must
-/// still be that version (else an `OSError` saying it was replaced); all ranges come from
-/// one version of it.
-#[pyfunction]
-#[pyo3(signature = (url, ranges, etag=None))]
-fn object_read_ranges(
-    py: Python<'_>,
-    url: &str,
-    ranges: Vec<(u64, u64)>,
-    etag: Option<String>,
-) -> PyResult<Vec<Py<pyo3::types::PyBytes>>> {
-    let options = object::ObjectOptions::from_env();
-    guard(|| {
-        let ranges: Vec<std::ops::Range<u64>> = ranges.iter().map(|&(a, b)| a..b).collect();
-        let got = py
-            .detach(|| object::read_ranges(url, &ranges, etag.as_deref(), &options))
-            .py_err()?;
-        Ok(got
-            .iter()
-            .map(|b| pyo3::types::PyBytes::new(py, b).unbind())
-            .collect())
-    })
-}
-
 /// Fills the memory of each `(offset, address, length)` of `spans` with the bytes of the
 /// object at `url` from that offset, in parallel ranged GETs (GIL released), all from one
 /// version of the object (with `etag`, that version). Spans that overlap are refused.
-/// Private to the package: `tensorferry._object.read_into` passes the addresses of
+/// Private to the package: `tensorferry._dcp_io.read_pieces` passes the addresses of
 /// writable buffers it holds exported for the call (the only way to write into Python
 /// buffers under the stable ABI before Python 3.11).
 #[pyfunction]
@@ -774,7 +725,7 @@ fn object_read_into(
     let options = object::ObjectOptions::from_env();
     guard(|| {
         // SAFETY: each span is the writable memory of a Python buffer that the caller
-        // (`tensorferry._object.read_into`) keeps exported until this call returns.
+        // (`tensorferry._dcp_io.read_pieces`) keeps exported until this call returns.
         let targets = unsafe { direct_runs::spans_as_slices(&spans) }?;
         py.detach(|| object::read_into(url, targets, etag.as_deref(), &options))
             .py_err()
@@ -830,7 +781,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_device, m)?)?;
     m.add_function(wrap_pyfunction!(ensure_device, m)?)?;
     m.add_function(wrap_pyfunction!(devices, m)?)?;
-    m.add_function(wrap_pyfunction!(cuda_info, m)?)?;
     m.add_function(wrap_pyfunction!(move_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(configure_emulated, m)?)?;
     m.add_function(wrap_pyfunction!(check_staging, m)?)?;
@@ -853,7 +803,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(object_names, m)?)?;
     m.add_function(wrap_pyfunction!(is_url, m)?)?;
     m.add_function(wrap_pyfunction!(object_read_header, m)?)?;
-    m.add_function(wrap_pyfunction!(object_read_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(object_head, m)?)?;
     m.add_function(wrap_pyfunction!(resolve, m)?)?;
     m.add_function(wrap_pyfunction!(parse_index, m)?)?;

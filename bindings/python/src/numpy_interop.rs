@@ -33,22 +33,28 @@ fn dtype_of(descr: &Bound<'_, PyArrayDescr>) -> PyResult<Option<DType>> {
             return Ok(Some(d));
         }
     }
-    Ok(match (descr.kind(), size) {
-        (b'b', 1) => Some(DType::Bool),
-        (b'u', 1) => Some(DType::U8),
-        (b'u', 2) => Some(DType::U16),
-        (b'u', 4) => Some(DType::U32),
-        (b'u', 8) => Some(DType::U64),
-        (b'i', 1) => Some(DType::I8),
-        (b'i', 2) => Some(DType::I16),
-        (b'i', 4) => Some(DType::I32),
-        (b'i', 8) => Some(DType::I64),
-        (b'f', 2) => Some(DType::F16),
-        (b'f', 4) => Some(DType::F32),
-        (b'f', 8) => Some(DType::F64),
-        (b'c', 8) => Some(DType::Complex64),
-        (b'c', 16) => Some(DType::Complex128),
-        _ => None,
+    Ok(dtype_of_kind(char::from(descr.kind()), size))
+}
+
+/// The element type of an array-protocol kind character and item size (`('f', 4)` is
+/// float32), as NumPy's dtypes and the CUDA Array Interface's typestrs name them.
+pub(crate) fn dtype_of_kind(kind: char, size: usize) -> Option<DType> {
+    Some(match (kind, size) {
+        ('b', 1) => DType::Bool,
+        ('u', 1) => DType::U8,
+        ('u', 2) => DType::U16,
+        ('u', 4) => DType::U32,
+        ('u', 8) => DType::U64,
+        ('i', 1) => DType::I8,
+        ('i', 2) => DType::I16,
+        ('i', 4) => DType::I32,
+        ('i', 8) => DType::I64,
+        ('f', 2) => DType::F16,
+        ('f', 4) => DType::F32,
+        ('f', 8) => DType::F64,
+        ('c', 8) => DType::Complex64,
+        ('c', 16) => DType::Complex128,
+        _ => return None,
     })
 }
 

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def cuda():
-    if "cuda:0" not in tf.devices():
-        pytest.skip(f"no usable CUDA device: {_native.cuda_info().get('reason', 'none listed')}")
+    try:
+        _native.ensure_device("cuda:0")
+    except tf.DeviceUnavailableError as e:
+        pytest.skip(f"no usable CUDA device: {e}")
     return "cuda:0"
 
 

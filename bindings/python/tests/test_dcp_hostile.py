@@ -387,7 +387,7 @@ def test_a_rank_file_cut_after_its_header_was_read_is_a_format_error_naming_it(t
     tf.save({"w": np.arange(1000, dtype=np.float32)}, path)
     fd = _dcp_io.open_read(path)
     try:
-        entry = _dcp_io.read_header(fd, path)["w"]
+        entry = _dcp_io.header(fd, path)[0]["w"]
         os.truncate(path, entry.begin + 10)
         dest = bytearray(entry.end - entry.begin)
         with pytest.raises(tf.FormatError, match=re.escape(path)):

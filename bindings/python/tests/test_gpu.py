@@ -12,9 +12,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def cuda():
-    if "cuda:0" not in tf.devices():
-        info = _native.cuda_info()
-        pytest.skip(f"no usable CUDA device: {info.get('reason', 'none listed')}")
+    try:
+        _native.ensure_device("cuda:0")
+    except tf.DeviceUnavailableError as e:
+        pytest.skip(f"no usable CUDA device: {e}")
     return "cuda:0"
 
 

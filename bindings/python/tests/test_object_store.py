@@ -26,6 +26,7 @@ from _servers import SECRET_KEY, S3Server, point_at, s3_binary_or_skip
 from _trees import assert_same
 
 import tensorferry as tf
+from tensorferry import _dcp_io
 
 
 @pytest.fixture(scope="module")
@@ -739,8 +740,7 @@ def test_a_sharded_checkpoint_saved_again_during_a_cast_load_is_an_error_never_a
 
 
 def _native_object_bytes(target):
-    size, _ = tf._native.object_head(target)
-    return tf._native.object_read_ranges(target, [(0, size)], None)[0]
+    return _dcp_io.read_small_file(target, 1 << 40)
 
 
 def _peak_rss_growth(script, target, group_mib):
@@ -1434,27 +1434,27 @@ def test_a_streamed_load_asks_for_the_next_chunk_while_this_one_arrives(own_serv
 
 
 def test_byte_ranges_of_one_object_version_are_read_into_buffers(s3, url):
-    from tensorferry import _object
-
     tree = {"a": np.arange(1000, dtype=np.float32), "b": np.arange(10, dtype=np.int64)}
     target = url + "r.safetensors"
     tf.save(tree, target)
-    start, entries, etag, size = _object.read_header(target)
+    start, entries, etag, size, _, _ = tf._native.object_read_header(target)
     assert etag and size == max(e[4] for e in entries) and start == min(e[3] for e in entries)
     found = {name: (begin, end) for name, _, _, begin, end in entries}
+    fd = _dcp_io.open_read(target)
+    fd.etag = etag
     a = np.zeros(1000, np.float32)
     b = bytearray(80)
-    _object.read_into(target, [(found["a"][0], a), (found["b"][0], b)], etag)
+    _dcp_io.read_pieces(fd, target, [(found["a"][0], a), (found["b"][0], b)], 1)
     np.testing.assert_array_equal(a, tree["a"])
     np.testing.assert_array_equal(np.frombuffer(b, np.int64), tree["b"])
-    assert _object.read_ranges(target, [found["b"]], etag) == [bytes(b)]
+    assert _dcp_io.read_small_file(target, size)[slice(*found["b"])] == bytes(b)
     with pytest.raises(TypeError, match="read-only"):
-        _object.read_into(target, [(0, b"12345678")])
+        _dcp_io.read_pieces(_dcp_io.open_read(target), target, [(0, b"12345678")], 1)
     with pytest.raises(BufferError, match="overlap"):  # checked before any address is used
         tf._native.object_read_into(target, [(0, 1 << 40, 8), (0, (1 << 40) + 4, 8)])
     tf.save({"a": np.ones(3)}, target)  # replaced: the old ETag no longer reads
     with pytest.raises(OSError, match="replaced"):
-        _object.read_into(target, [(0, bytearray(8))], etag)
+        _dcp_io.read_pieces(fd, target, [(0, bytearray(8))], 1)
 
 
 def test_a_checkpoint_without_tensor_bytes_streams_onto_a_device(s3, url):

@@ -13,8 +13,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tensorferry::internal::io::object::{
-    cause_of, load_url, load_url_arriving, load_url_to_until, read_header_url, read_ranges,
-    save_url, tensor_names, Cause, ObjectOptions,
+    cause_of, load_url, load_url_arriving, load_url_to_until, read_header_url, read_into, save_url,
+    tensor_names, Cause, ObjectOptions,
 };
 use tensorferry::{load, save, Device, Node, SaveOptions, Staging, Tensor, TensorDict, Value};
 
@@ -451,7 +451,14 @@ fn byte_ranges_read_from_the_header_come_from_one_version_of_the_object() {
         .map(|t| header.data_start + t.begin as u64..header.data_start + t.end as u64)
         .collect();
     assert_eq!(ranges.last().unwrap().end, size);
-    let got = read_ranges(url, &ranges, etag.as_deref(), &options).unwrap();
+    let mut got: Vec<Vec<u8>> = ranges
+        .iter()
+        .map(|r| vec![0; (r.end - r.start) as usize])
+        .collect();
+    let targets = (ranges.iter().map(|r| r.start))
+        .zip(got.iter_mut().map(|b| b.as_mut_slice()))
+        .collect();
+    read_into(url, targets, etag.as_deref(), &options).unwrap();
     let expected = values(&tree);
     for (i, bytes) in got.iter().enumerate() {
         let floats: Vec<f32> = bytes
@@ -462,10 +469,10 @@ fn byte_ranges_read_from_the_header_come_from_one_version_of_the_object() {
         let (_, want) = expected.iter().find(|(n, _)| n == name).unwrap();
         assert_eq!(&floats, want, "{name}");
     }
-    let e = read_ranges(url, &ranges[..1], Some("\"stale\""), &options).unwrap_err();
+    let e = read_into(url, vec![(0, &mut [0; 8][..])], Some("\"stale\""), &options).unwrap_err();
     assert_eq!(cause_of(&e), Some(Cause::Changed), "{e}");
-    let past_the_end = 0..size + 1;
-    let e = read_ranges(url, std::slice::from_ref(&past_the_end), None, &options).unwrap_err();
+    let mut past_the_end = vec![0; size as usize + 1];
+    let e = read_into(url, vec![(0, &mut past_the_end[..])], None, &options).unwrap_err();
     assert!(
         e.to_string().contains(&format!("holds {size} bytes")),
         "{e}"

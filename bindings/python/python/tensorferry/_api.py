@@ -29,24 +29,12 @@ from ._errors import (
 from ._data import data_to_tensor, numeric_data
 from ._gc_pause import gc_paused
 from ._host_copy import copy_many, torch_chunks
+from ._numpy import numpy_can_hold
 from ._transfer import Transfer, run_in_background
 from ._tree import dotted, shown
 
 _FRAMEWORKS_KEY = "tensorferry.frameworks"
 _RESERVED_PREFIX = "tensorferry"
-
-
-def _move(leaves, target, copy, non_blocking=False, pinned=False, staging=None, stackable=True):
-    """Moves ``[(path, leaf)]`` to ``target``; returns ``{id(leaf): result}``.
-
-    Leaves already on the target stay as they are unless ``copy``. Everything that
-    must move goes through one native call: one plan, one buffer per source device.
-    Results on a device are ``tensorferry.Tensor``; on the host they follow the input's
-    framework (CuPy and device-only inputs come back as NumPy and ``tensorferry.Tensor``).
-    """
-    out, queued = _start(leaves, target, copy, non_blocking, pinned, staging, stackable=stackable)
-    _finish(out, queued, non_blocking)
-    return out
 
 
 def _start(leaves, target, copy, non_blocking, pinned, staging, packed=False, stackable=True):
@@ -286,7 +274,11 @@ def _to_host_many(leaves):
     """``{id(leaf): host tensor}`` for the leaves of ``[(path, leaf)]`` on a device: one
     planned transfer for all of them, not one per leaf."""
     on_device = [(p, x) for p, x in leaves if fw.device_of(x, fw.kind_of(x)) != "cpu"]
-    return _move(on_device, "cpu", False) if on_device else {}
+    if not on_device:
+        return {}
+    out, queued = _start(on_device, "cpu", False, False, False, None)
+    _finish(out, queued)
+    return out
 
 
 @gc_paused
@@ -932,7 +924,9 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
             pending = not target.startswith("emu")  # no framework holds emulated memory
         result = tree
         if pending or (like not in (None, fw.NUMPY, fw.NATIVE) and not on_device):
-            default, exceptions = _recorded_frameworks(meta)
+            # The frameworks recorded at save time: the default, and {name: framework} for
+            # the exceptions to it, read as the native load reads them.
+            default, exceptions = _native.recorded_frameworks(meta.get(_FRAMEWORKS_KEY), meta.get("format"))
             leaves = _native.collect_tensors(tree, fw.kind_of, True)
             if set(map(type, (t for _, t in leaves))) - {fw.Tensor}:
                 leaves = [(p, t) for p, t in leaves if type(t) is fw.Tensor]
@@ -956,7 +950,7 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
                     if holds(kind):
                         kinds.append(kind)
                         todo.append((p, t))
-                    elif kind != fw.NATIVE and not on_device and _numpy_can_hold(t.dtype):
+                    elif kind != fw.NATIVE and not on_device and numpy_can_hold(t.dtype):
                         kinds.append(fw.NUMPY)
                         todo.append((p, t))
             paths, tensors = zip(*todo) if todo else ((), ())
@@ -1003,18 +997,6 @@ def _onto_device(tree, target, staging, progress_of=None):
         if staging != "auto":
             raise
         return _onto_device(tree, target, "off", progress_of)
-
-
-def _recorded_frameworks(meta):
-    """The frameworks recorded at save time: ``(default, {name: framework})``, the
-    exceptions to the default, read as the native load reads them."""
-    return _native.recorded_frameworks(meta.get(_FRAMEWORKS_KEY), meta.get("format"))
-
-
-def _numpy_can_hold(dtype):
-    from ._numpy import numpy_can_hold
-
-    return numpy_can_hold(dtype)
 
 
 def metadata(path):

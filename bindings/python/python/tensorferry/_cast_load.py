@@ -36,12 +36,13 @@ def group_bytes():
     return int(os.environ.get("TENSORFERRY_CAST_GROUP_BYTES", GROUP_BYTES))
 
 
-def _groups(leaves, limit, key=lambda leaf: None):
-    """``leaves`` (``[(path, tensor)]``) cut, in order, into runs of at most ``limit`` bytes
-    (a larger tensor alone), never two ``key``s (files) in one run."""
+def _groups(leaves, limit, key=lambda leaf: None, nbytes=None):
+    """``leaves`` (``[(path, tensor)]``, or items whose bytes ``nbytes(item)`` gives) cut
+    greedily, in order, into runs of at most ``limit`` bytes (a larger tensor alone), never
+    two ``key``s (files) in one run."""
     runs, run, size, at = [], [], 0, None
     for leaf in leaves:
-        n, k = leaf[1].nbytes, key(leaf)
+        n, k = leaf[1].nbytes if nbytes is None else nbytes(leaf), key(leaf)
         if run and (size + n > limit or k != at):
             runs.append(run)
             run, size = [], 0

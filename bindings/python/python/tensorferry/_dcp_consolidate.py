@@ -2,6 +2,7 @@
 into one Hugging Face style safetensors checkpoint (see :func:`consolidate`)."""
 
 import json
+import math
 import os
 import re
 
@@ -17,21 +18,6 @@ _MAX_INDEX_BYTES = 64 << 20
 
 def _shard_name(i, n):
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-
-
-def _plan(tensors, limit):
-    """Groups ``[(name, nbytes, ...)]`` greedily, in order, into shards of at most ``limit``
-    bytes (a tensor larger than ``limit`` alone in its shard), as transformers does."""
-    shards, current, size = [], [], 0
-    for t in tensors:
-        if current and limit is not None and size + t[1] > limit:
-            shards.append(current)
-            current, size = [], 0
-        current.append(t)
-        size += t[1]
-    if current:
-        shards.append(current)
-    return shards
 
 
 def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=True):
@@ -64,7 +50,7 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
     import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-    from . import _api, _dcp_metadata
+    from . import _api, _cast_load, _dcp_metadata
     from .dcp import METADATA_FILE
 
     dcp_dir, out_dir = os.fspath(dcp_dir), os.fspath(out_dir)
@@ -83,7 +69,8 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
     os.makedirs(out_dir, exist_ok=True)
     earlier = _earlier_output(out_dir)
     save_id = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
-    shards = _plan(wanted, limit)
+    # Shards of at most ``limit`` bytes (a larger tensor alone), in order, as transformers cuts them.
+    shards = _cast_load._groups(wanted, math.inf if limit is None else limit, nbytes=lambda t: t[1])
     headers, written, weight_map = {}, [], {}
     try:
         for i, shard in enumerate(shards):

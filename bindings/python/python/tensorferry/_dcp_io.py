@@ -6,10 +6,11 @@ the native run reader reads straight into destination buffers, the GIL released,
 every byte in a :class:`ReadStats`.
 """
 
+import ctypes
 import dataclasses
 
-from . import _native, _object
-from ._errors import FormatError
+from . import _native
+from ._errors import FormatError, TensorferryTypeError
 
 #: Bytes per element of each safetensors dtype.
 ITEM_SIZE = {
@@ -110,20 +111,16 @@ def _fail(path, what):
     return FormatError(f"{path}: {what}")
 
 
-#: ``read_header``'s ``save_id`` when any save will do.
-ANY_SAVE = object()
-
-
-def read_header(fd, path, stats=None, save_id=ANY_SAVE):
+def read_header(fd, path, stats=None, *, save_id):
     """``{name: Entry}`` of the safetensors file at ``path`` (open as ``fd`` for the reads
     that follow), from its header (see :func:`header`).
 
-    With ``save_id``, the file must be a rank file of that DCP save: one whose metadata
-    names another save (its ``DCP_SAVE_ID``) is a FormatError naming it. A file that names
-    none was written before rank files carried it, and is taken as it is."""
+    The file must be a rank file of the DCP save ``save_id``: one whose metadata names
+    another save (its ``DCP_SAVE_ID``) is a FormatError naming it. A file that names none
+    was written before rank files carried it, and is taken as it is."""
     entries, metadata = header(fd, path, stats)
     found = metadata.get("DCP_SAVE_ID")
-    if save_id is not ANY_SAVE and found is not None and found != save_id:
+    if found is not None and found != save_id:
         raise _fail(path, f"a rank file of the save {found}, not of this checkpoint's save {save_id} "
                           f"(a file of another save?)")
     return entries
@@ -199,7 +196,7 @@ def read_pieces(fd, path, todo, workers, stats=None):
     released: a local file with up to ``workers`` positioned reads at once (a file that
     ends first is a FormatError naming it), an object with parallel ranged GETs, each
     checked against the version its header was read at."""
-    held, spans = _object.exported_spans(todo)
+    held, spans = exported_spans(todo)
     try:
         if isinstance(fd, RemoteObject):
             _native.object_read_into(fd.url, spans, fd.etag)
@@ -209,6 +206,23 @@ def read_pieces(fd, path, todo, workers, stats=None):
         del held
     if stats is not None:
         stats.data += sum(len(view) for _, view in todo)
+
+
+def exported_spans(targets):
+    """``(held, spans)`` for ``(offset, buffer)`` targets: ``spans`` are ``(offset,
+    address, length)`` of the writable buffers (empty ones left out), which stay exported
+    while ``held`` lives — the way native reads write into Python buffers."""
+    held, spans = [], []
+    for offset, buffer in targets:
+        view = memoryview(buffer).cast("B")  # TypeError for a buffer that is not contiguous
+        if view.readonly:
+            raise TensorferryTypeError(f"read_into writes into its buffers: a read-only {type(buffer).__name__} was given")
+        if not len(view):
+            continue
+        window = (ctypes.c_char * len(view)).from_buffer(view)  # keeps the buffer exported
+        held.append(window)
+        spans.append((int(offset), ctypes.addressof(window), len(view)))
+    return held, spans
 
 
 def read_runs(fd, path, entry, runs, dest, stats=None):

@@ -257,10 +257,10 @@ class _Reader:
             self.grow(target, self.place(item))
             target.append(item)
 
-    def memoize(self, index=None):
+    def memoize(self, index):
         if not self.stack:
             raise _Refused("MEMOIZE with nothing to remember")
-        if index is None or index == len(self.memo):
+        if index == len(self.memo):
             if len(self.memo) >= self.max_memo:
                 raise _Refused(f"more than {self.max_memo} remembered objects")
             self.memo.append(self.stack[-1])
@@ -504,12 +504,10 @@ _OPS = {
     0x8A: _long1,                                                      # LONG1
     0x8C: lambda r: r.push(r.text(r.uint(1))),                         # SHORT_BINUNICODE
     ord("X"): lambda r: r.push(r.text(r.uint(4))),                     # BINUNICODE
-    0x94: lambda r: r.memoize(),                                       # MEMOIZE
     ord("q"): lambda r: r.memoize(r.uint(1)),                          # BINPUT
     ord("r"): lambda r: r.memoize(r.uint(4)),                          # LONG_BINPUT
     ord("h"): lambda r: r.recall(r.uint(1)),                           # BINGET
     ord("j"): lambda r: r.recall(r.uint(4)),                           # LONG_BINGET
-    ord(")"): lambda r: r.push(()),                                    # EMPTY_TUPLE
     0x85: _tuple_n(1),                                                 # TUPLE1
     0x86: _tuple_n(2),                                                 # TUPLE2
     0x87: _tuple_n(3),                                                 # TUPLE3

@@ -387,7 +387,7 @@ def _tf_from_native_many(tensors):
     op's output, writing into it."""
     import tensorflow as tf
 
-    return _from_capsules(tensors, tf.experimental.dlpack.from_dlpack)
+    return _take_capsules(_writable(tensors), tf.experimental.dlpack.from_dlpack)
 
 
 def _torch_from_native_many(tensors, order=False, promised=False):
@@ -456,12 +456,6 @@ def _writable(tensors):
     for i, c in zip(read_only, copies):
         tensors[i] = c
     return tensors
-
-
-def _from_capsules(tensors, take):
-    """``take`` (a framework's capsule import) of a legacy DLPack capsule of each tensor,
-    read-only ones copied first: these frameworks' tensors are writable."""
-    return _take_capsules(_writable(tensors), take)
 
 
 def _take_capsules(tensors, take, streams=None, promised=False):

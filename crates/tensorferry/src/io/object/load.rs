@@ -158,7 +158,7 @@ pub fn read_metadata_url(url: &str, options: &ObjectOptions) -> Result<BTreeMap<
 /// The header of the safetensors object at `url` (one object: no folder or index is
 /// resolved), validated as a load validates it, with its bytes as stored (the 8-byte
 /// length, then the JSON), the object's ETag (when the store gives one) and size: what
-/// [`read_ranges`] needs to read the tensors' bytes of that version. Offsets in the
+/// [`read_into`] needs to read the tensors' bytes of that version. Offsets in the
 /// header are relative to its `data_start`.
 pub fn read_header_url(
     url: &str,
@@ -177,33 +177,6 @@ pub fn head_url(url: &str, options: &ObjectOptions) -> Result<(u64, Option<Strin
     let at = Location::open(url, options)?;
     let meta = head(&at)?;
     Ok((meta.size, meta.e_tag))
-}
-
-/// The bytes `ranges` (absolute offsets, each within the object) of the object at `url`,
-/// as [`read_into`] reads them.
-pub fn read_ranges(
-    url: &str,
-    ranges: &[Range<u64>],
-    etag: Option<&str>,
-    options: &ObjectOptions,
-) -> Result<Vec<Vec<u8>>> {
-    if let Some(r) = ranges.iter().find(|r| r.start > r.end) {
-        return Err(Error::InvalidValue {
-            key: String::new(),
-            reason: format!("bytes {r:?} of {url}: a range that ends before it starts"),
-        });
-    }
-    let mut out: Vec<Vec<u8>> = ranges
-        .iter()
-        .map(|r| vec![0u8; (r.end - r.start) as usize])
-        .collect();
-    let targets = ranges
-        .iter()
-        .zip(out.iter_mut())
-        .map(|(r, buffer)| (r.start, buffer.as_mut_slice()))
-        .collect();
-    read_into(url, targets, etag, options)?;
-    Ok(out)
 }
 
 /// Fills each `(offset, buffer)` of `targets` with the bytes of the object at `url` (one

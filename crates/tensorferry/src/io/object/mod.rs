@@ -9,7 +9,7 @@
 //! ([`load_url`]); a subset fetches only its byte ranges. Onto a device, the GETs
 //! write into the staging ring's buffers, each copied to the device while the next is
 //! fetched, so host memory stays bounded by the ring ([`load_url_to_until`]).
-//! [`read_header_url`] and [`read_ranges`] read a header and chosen byte ranges of one
+//! [`read_header_url`] and [`read_into`] read a header and chosen byte ranges of one
 //! version of an object, for callers that plan their own reads. Saves are multipart uploads
 //! straight from the tensors' memory, committed whole ([`save_url`]). Every failure is an
 //! [`crate::Error::Io`] naming the object, whose source is an [`ObjectFailure`] with a
@@ -34,7 +34,7 @@ pub use failure::{cause_of, Cause, ObjectFailure};
 pub use into_device::load_url_to_until;
 pub use load::{
     head_url, load_url, load_url_arriving, read_header_url, read_into, read_metadata_url,
-    read_ranges, resolve_url, tensor_names,
+    resolve_url, tensor_names,
 };
 pub use location::is_url;
 pub(crate) use location::url_of;
