@@ -39,46 +39,77 @@ pub(crate) fn save_sharded_files(
     // order, their names (checked as a single file's are) and the tree record.
     let walked = header_writer::walk_node_recorded(root);
     let paths = || root.tensors().into_iter().map(|(p, _)| p).collect();
-    let groups = plan_shards(
-        walked.tensors.iter().map(|t| t.nbytes() as u64),
-        max_shard_bytes,
-    );
+    let place = Place::of(path)?;
     let mut shard_options = options.clone();
-    shard_options
+    let Some(plan) = plan_save(&walked, paths, &mut shard_options, max_shard_bytes)? else {
+        write_walked(walked, paths, &place.single, &shard_options)?;
+        return Ok(vec![place.single]);
+    };
+    let count = plan.shards.len();
+    let mut staged = Vec::with_capacity(count);
+    for (i, (shard, names)) in plan.shards.into_iter().enumerate() {
+        let file = place.dir.join(place.shard_name(i + 1, count));
+        let file = stage_node(&shard, &file, &shard_options)?;
+        staged.push(StagedShard { file, names });
+    }
+    commit_sharded(&place, &plan.id, staged, plan.metadata, options.fsync)
+}
+
+/// The shards of a sharded save and its index.
+pub(crate) struct SavePlan {
+    /// The save's id ([`save_id`]).
+    pub(crate) id: String,
+    /// Each shard, in order: a dict of its tensors by name, and those names.
+    pub(crate) shards: Vec<(Node, Vec<String>)>,
+    /// The index's `metadata`: the total size, the tree record and the save's id.
+    pub(crate) metadata: serde_json::Value,
+}
+
+/// Plans the save of `walked` (recorded; `paths` its tensors' key paths) in shards of at
+/// most `max` bytes, `options` becoming the options of each file (the format, and for
+/// shards the save's id, recorded). `None` when the tensors fit one file; else shards
+/// whose names are checked as a single file's are.
+pub(crate) fn plan_save(
+    walked: &Walked<'_>,
+    paths: impl FnOnce() -> Vec<KeyPath>,
+    options: &mut SaveOptions,
+    max: u64,
+) -> Result<Option<SavePlan>> {
+    let groups = plan_shards(walked.tensors.iter().map(|t| t.nbytes() as u64), max);
+    options
         .metadata
         .entry("format".into())
         .or_insert_with(|| "pt".into());
-    let place = Place::of(path)?;
     if groups.len() <= 1 {
-        write_walked(walked, paths, &place.single, &shard_options)?;
-        return Ok(vec![place.single]);
+        return Ok(None);
     }
     let id = save_id();
-    shard_options
-        .metadata
-        .insert(SAVE_ID_KEY.into(), id.clone());
-    header_writer::check_names(&walked, paths)?;
-    let count = groups.len();
-    let mut staged = Vec::with_capacity(count);
-    for (i, group) in groups.iter().enumerate() {
-        let mut shard = TensorDict::new();
-        let mut names = Vec::with_capacity(group.len());
-        for &at in group {
-            let name = walked.name(at);
-            shard.insert(name.to_string(), Node::Tensor(walked.tensors[at].clone()));
-            names.push(name.to_string());
-        }
-        let file = place.dir.join(place.shard_name(i + 1, count));
-        let file = stage_node(&Node::Dict(shard), &file, &shard_options)?;
-        staged.push(StagedShard { file, names });
-    }
+    options.metadata.insert(SAVE_ID_KEY.into(), id.clone());
+    header_writer::check_names(walked, paths)?;
+    let shards = groups
+        .iter()
+        .map(|group| {
+            let mut shard = TensorDict::new();
+            let mut names = Vec::with_capacity(group.len());
+            for &at in group {
+                let name = walked.name(at);
+                shard.insert(name.to_string(), Node::Tensor(walked.tensors[at].clone()));
+                names.push(name.to_string());
+            }
+            (Node::Dict(shard), names)
+        })
+        .collect();
     let total: u64 = walked.tensors.iter().map(|t| t.nbytes() as u64).sum();
     let metadata = serde_json::json!({
         "total_size": total,
         TREE_METADATA_KEY: walked.record(),
         SAVE_ID_KEY: id,
     });
-    commit_sharded(&place, &id, staged, metadata, options.fsync)
+    Ok(Some(SavePlan {
+        id,
+        shards,
+        metadata,
+    }))
 }
 
 /// Checks the names of a walked tree, builds its header and writes the file as the
