@@ -179,39 +179,19 @@ pub(crate) fn resolve(path: &Path) -> Result<Target> {
     Ok(Target::File(path.to_path_buf()))
 }
 
-/// The checkpoint in the folder `dir`, in transformers' order: `model.safetensors`, else
-/// `model.safetensors.index.json`; else the one index in it (or the single file of the
-/// same name beside it, which a reader takes first), else its one safetensors file. A
-/// folder with several, or with none, is an error saying what it holds.
+/// The checkpoint in the folder `dir`, as [`choose_in_folder`] chooses it from its files.
 fn in_folder(dir: &Path) -> Result<Target> {
-    let mut indexes = Vec::new();
-    let mut files = Vec::new();
+    let mut names = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))? {
         let entry = entry.map_err(|e| Error::io("list", dir, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(stem) = name.strip_suffix(INDEX_SUFFIX) {
-            indexes.push(stem.to_string());
-        } else if name.ends_with(".safetensors") {
-            files.push(name);
-        }
+        names.push(entry.file_name().to_string_lossy().into_owned());
     }
-    let single_of = |stem: &str| format!("{stem}.safetensors");
-    let choose = |stem: &str| {
-        let single = single_of(stem);
-        if files.contains(&single) {
-            Target::File(dir.join(single))
-        } else {
-            Target::Index(dir.join(format!("{stem}{INDEX_SUFFIX}")))
-        }
-    };
-    if files.iter().any(|f| f == "model.safetensors") || indexes.iter().any(|s| s == "model") {
-        return Ok(choose("model"));
-    }
-    match (indexes.len(), files.len()) {
-        (1, _) => Ok(choose(&indexes[0])),
-        (0, 1) => Ok(Target::File(dir.join(&files[0]))),
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    match choose_in_folder(&names, &format!("{dir:?}"), "files", "the file")? {
+        Some(Chosen::File(name)) => Ok(Target::File(dir.join(name))),
+        Some(Chosen::Index(name)) => Ok(Target::Index(dir.join(name))),
         // The error opening a folder as a file gives (EISDIR), with what was looked for.
-        (0, 0) => Err(Error::io(
+        None => Err(Error::io(
             "find a checkpoint (a *.safetensors file or a *.safetensors.index.json) in",
             dir,
             std::fs::File::open(dir)
@@ -219,16 +199,66 @@ fn in_folder(dir: &Path) -> Result<Target> {
                 .err()
                 .unwrap_or_else(|| std::io::ErrorKind::IsADirectory.into()),
         )),
-        (0, n) => Err(Error::InvalidValue {
+    }
+}
+
+/// The checkpoint a folder holds, by name.
+pub(crate) enum Chosen {
+    /// A single safetensors file (or object).
+    File(String),
+    /// An index of shards.
+    Index(String),
+}
+
+/// The checkpoint among the `names` a folder holds, in transformers' order:
+/// `model.safetensors`, else `model.safetensors.index.json`; else the one index (or the
+/// single file of the same name beside it, which a reader takes first), else the one
+/// safetensors file; `None` when there is neither. A folder with several is an error
+/// naming it as `folder`, what it holds as `things` ("files") and what to name as `one`
+/// ("the file").
+pub(crate) fn choose_in_folder(
+    names: &[&str],
+    folder: &str,
+    things: &str,
+    one: &str,
+) -> Result<Option<Chosen>> {
+    let indexes: Vec<&str> = names
+        .iter()
+        .filter_map(|n| n.strip_suffix(INDEX_SUFFIX))
+        .collect();
+    let files: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    let choose = |stem: &str| {
+        let single = format!("{stem}.safetensors");
+        match files.contains(&single.as_str()) {
+            true => Chosen::File(single),
+            false => Chosen::Index(format!("{stem}{INDEX_SUFFIX}")),
+        }
+    };
+    if files.contains(&"model.safetensors") || indexes.contains(&"model") {
+        return Ok(Some(choose("model")));
+    }
+    let many = |reason: String| {
+        Err(Error::InvalidValue {
             key: String::new(),
-            reason: format!(
-                "{dir:?} holds {n} *.safetensors files and no index: name the file to load"
-            ),
-        }),
-        (n, _) => Err(Error::InvalidValue {
-            key: String::new(),
-            reason: format!("{dir:?} holds {n} *{INDEX_SUFFIX} files: name one"),
-        }),
+            reason,
+        })
+    };
+    match (indexes.as_slice(), files.as_slice()) {
+        ([stem], _) => Ok(Some(choose(stem))),
+        ([], [file]) => Ok(Some(Chosen::File(file.to_string()))),
+        ([], []) => Ok(None),
+        ([], n) => many(format!(
+            "{folder} holds {} *.safetensors {things} and no index: name {one} to load",
+            n.len()
+        )),
+        (n, _) => many(format!(
+            "{folder} holds {} *{INDEX_SUFFIX} {things}: name one",
+            n.len()
+        )),
     }
 }
 

@@ -34,7 +34,7 @@ use super::{lanes, plan, runtime};
 use crate::backend::Event;
 use crate::error::{Error, Result};
 use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SUFFIX};
-use crate::io::checkpoint::sharded::{load_index_with, READERS};
+use crate::io::checkpoint::sharded::{choose_in_folder, load_index_with, Chosen, READERS};
 use crate::io::format::header::{Header, HeaderCensus};
 use crate::io::format::header_reader::{header_len, parse_counted};
 use crate::io::format::tree_census;
@@ -326,7 +326,8 @@ enum Target {
     Index(Location),
 }
 
-/// The checkpoint in the folder `dir`, in transformers' order (as local folders).
+/// The checkpoint in the folder `dir`, in transformers' order ([`choose_in_folder`]),
+/// `model.safetensors` and its index asked for before the folder is listed.
 fn in_folder(dir: &Location) -> Result<Target> {
     let single = dir.sibling("model.safetensors");
     if head(&single).is_ok() {
@@ -343,43 +344,15 @@ fn in_folder(dir: &Location) -> Result<Target> {
         .iter()
         .filter_map(|o| o.location.filename())
         .collect();
-    let indexes: Vec<&&str> = names.iter().filter(|n| n.ends_with(INDEX_SUFFIX)).collect();
-    let files: Vec<&&str> = names
-        .iter()
-        .filter(|n| n.ends_with(".safetensors"))
-        .collect();
-    match (indexes.as_slice(), files.as_slice()) {
-        ([index], _) => {
-            let stem = index.strip_suffix(INDEX_SUFFIX).unwrap_or(index);
-            let single = format!("{stem}.safetensors");
-            match names.contains(&single.as_str()) {
-                true => Ok(Target::Object(dir.sibling(&single))),
-                false => Ok(Target::Index(dir.sibling(index))),
-            }
-        }
-        ([], [file]) => Ok(Target::Object(dir.sibling(file))),
-        ([], []) => Err(failed(
+    match choose_in_folder(&names, dir.url(), "objects", "the one")? {
+        Some(Chosen::File(name)) => Ok(Target::Object(dir.sibling(&name))),
+        Some(Chosen::Index(name)) => Ok(Target::Index(dir.sibling(&name))),
+        None => Err(failed(
             "find a checkpoint (a *.safetensors object or a *.safetensors.index.json) in",
             dir.url(),
             Cause::NotFound,
             "the folder holds neither",
         )),
-        ([], many) => Err(Error::InvalidValue {
-            key: String::new(),
-            reason: format!(
-                "{} holds {} *.safetensors objects and no index: name the one to load",
-                dir.url(),
-                many.len()
-            ),
-        }),
-        (many, _) => Err(Error::InvalidValue {
-            key: String::new(),
-            reason: format!(
-                "{} holds {} *{INDEX_SUFFIX} objects: name one",
-                dir.url(),
-                many.len()
-            ),
-        }),
     }
 }
 
