@@ -118,7 +118,7 @@ pub(crate) fn node_kind(c: &mut Cursor<'_>, depth: usize) -> Scan<Kind> {
     let at = *c;
     let name = c.key()?;
     Kind::from_name(&name).ok_or_else(|| {
-        let kinds: Vec<String> = KINDS.iter().map(|k| format!("`{k}`")).collect();
+        let kinds: Vec<String> = KINDS.iter().map(|(k, _)| format!("`{k}`")).collect();
         at.fault(format!(
             "unknown variant `{}`, expected one of {}",
             shorten(&name),
