@@ -11,7 +11,7 @@ use super::tree_meta::{bad, decimal_len, shorten, version_understood, Kind, KIND
 use crate::error::Result;
 
 /// What a tree record holds, counted.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct TreeCensus {
     /// Dicts.
     pub(crate) dicts: u64,
