@@ -274,14 +274,6 @@ impl Node {
         }
     }
 
-    fn child_mut(&mut self, key: &str) -> Option<&mut Node> {
-        match self {
-            Node::Dict(d) => d.entries.get_mut(key),
-            Node::List(items) | Node::Tuple(items) => items.get_mut(key.parse::<usize>().ok()?),
-            _ => None,
-        }
-    }
-
     /// Calls `f` on every tensor leaf with its path, in tree order.
     pub fn visit_tensors<'a>(&'a self, f: &mut impl FnMut(&KeyPath, &'a Tensor)) {
         self.visit_tensors_at(&mut KeyPath::default(), f);
@@ -575,30 +567,6 @@ impl TensorDict {
         self.entries.shift_remove(key)
     }
 
-    /// Removes the entry at a nested path (dict entries only at the last level).
-    pub fn remove_path(&mut self, path: &[&str]) -> Result<Node> {
-        let not_found = || Error::KeyNotFound {
-            path: path.join("/"),
-        };
-        let (last, parents) = path.split_last().ok_or_else(not_found)?;
-        if parents.is_empty() {
-            return self.remove(last).ok_or_else(not_found);
-        }
-        let (first, rest) = parents.split_first().expect("non-empty");
-        let mut node = self.entries.get_mut(*first).ok_or_else(not_found)?;
-        for k in rest {
-            node = node.child_mut(k).ok_or_else(not_found)?;
-        }
-        match node {
-            Node::Dict(d) => d.remove(last).ok_or_else(not_found),
-            Node::List(items) => match last.parse::<usize>() {
-                Ok(i) if i < items.len() => Ok(items.remove(i)),
-                _ => Err(not_found()),
-            },
-            _ => Err(not_found()),
-        }
-    }
-
     /// The top-level keys in order (integers as their text).
     pub fn keys(&self) -> impl Iterator<Item = &str> {
         self.entries.keys().map(DictKey::as_str)
@@ -617,11 +585,6 @@ impl TensorDict {
     /// The top-level entries in order, by value, with their keys as held.
     pub fn into_keyed_iter(self) -> impl Iterator<Item = (DictKey, Node)> {
         self.entries.into_iter()
-    }
-
-    /// True when some top-level key is an integer.
-    pub fn has_int_keys(&self) -> bool {
-        self.entries.keys().any(DictKey::is_int)
     }
 }
 
@@ -753,13 +716,9 @@ mod tests {
     #[test]
     fn remove_keeps_the_order_of_the_rest() {
         let mut d = sample_dict();
-        d.remove_path(&["model", "layer.0.weight"]).unwrap();
         assert!(d.remove("step").is_some());
         assert_eq!(d.keys().collect::<Vec<_>>(), ["model", "name", "history"]);
-        assert!(matches!(
-            d.remove_path(&["nope"]),
-            Err(Error::KeyNotFound { .. })
-        ));
+        assert!(d.remove("nope").is_none());
     }
 
     #[test]
@@ -810,11 +769,10 @@ mod tests {
             .collect();
         assert_eq!(kinds, [("0".into(), true), ("lr".into(), false)]);
         assert_eq!(d.iter_keyed().next().unwrap().0.as_int(), Some(0));
-        assert!(d.has_int_keys());
         // The string "0" is the same key: it replaces the entry in place, as a string.
         assert!(d.insert("0", 2i64).is_some());
         assert_eq!(d.keys().collect::<Vec<_>>(), ["0", "lr"]);
-        assert!(!d.has_int_keys());
+        assert!(!d.iter_keyed().any(|(k, _)| k.is_int()));
         let copied = Node::Dict(d)
             .try_map_tensors(&mut |_, t| Ok(t.clone()))
             .unwrap();

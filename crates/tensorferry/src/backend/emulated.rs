@@ -391,21 +391,10 @@ impl Backend for EmulatedDevice {
         Ok(unsafe { DeviceMemory::new(Backend::device(self), address, len, Box::new(release)) })
     }
 
-    /// Runs on the direction's stream thread, in submission order: the configured latency
-    /// and bandwidth, then the copies; `fail_copy` completes the event with an error
-    /// instead, and `panic_copy` panics on the stream thread.
-    unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        self.queue_batch(batch, keep, event, true);
-    }
-
-    unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        self.queue_batch(batch, keep, event, false);
-    }
-}
-
-impl EmulatedDevice {
-    /// Counts a batch and hands it to its direction's lane.
-    fn queue_batch(
+    /// Runs on the direction's stream thread (in submission order when `ordered`): the
+    /// configured latency and bandwidth, then the copies; `fail_copy` completes the event
+    /// with an error instead, and `panic_copy` panics on the stream thread.
+    unsafe fn queue(
         &self,
         batch: CopyBatch,
         keep: Box<dyn Any + Send>,
@@ -416,7 +405,9 @@ impl EmulatedDevice {
         self.ops.fetch_add(batch.ops.len() as u64, Ordering::SeqCst);
         submit_to(&self.lanes, batch, keep, event, n, ordered);
     }
+}
 
+impl EmulatedDevice {
     /// Holds `direction`'s stream (test only): nothing queued on it runs until the
     /// returned event completes.
     #[cfg(test)]

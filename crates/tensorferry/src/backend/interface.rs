@@ -106,7 +106,7 @@ pub(super) mod sealed {
 ///     fn device(&self) -> Device { Device::Emulated(7) }
 ///     fn alloc(&self, _len: usize) -> Result<DeviceMemory> { unimplemented!() }
 ///     fn pinned_pool(&self) -> Result<Arc<PinnedPool>> { unimplemented!() }
-///     unsafe fn submit(&self, _: CopyBatch, _: Box<dyn std::any::Any + Send>, _: &Event) {}
+///     unsafe fn queue(&self, _: CopyBatch, _: Box<dyn std::any::Any + Send>, _: &Event, _: bool) {}
 /// }
 /// ```
 pub trait Backend: sealed::Sealed + Send + Sync + fmt::Debug {
@@ -186,19 +186,25 @@ pub trait Backend: sealed::Sealed + Send + Sync + fmt::Debug {
     /// memories the direction names, until `event` completes (`keep` is how the caller
     /// ensures that), and nothing else may write the destinations or read them before
     /// `event` completes.
-    unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event);
+    unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
+        // SAFETY: forwarded contract.
+        unsafe { self.queue(batch, keep, event, true) }
+    }
 
-    /// As [`Backend::submit`], except that the batch does not queue behind batches of its
-    /// stream that still wait for host work: it runs as soon as its own waits allow. For
-    /// work that feeds a stream over time on behalf of a transfer those batches may be
+    /// [`Backend::submit`] when `ordered`; else the batch does not queue behind batches of
+    /// its stream that still wait for host work: it runs as soon as its own waits allow.
+    /// For work that feeds a stream over time on behalf of a transfer those batches may be
     /// waiting for (a staging ring's chunks), which would never run behind them.
     ///
     /// # Safety
     /// As [`Backend::submit`].
-    unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        // SAFETY: forwarded contract.
-        unsafe { self.submit(batch, keep, event) }
-    }
+    unsafe fn queue(
+        &self,
+        batch: CopyBatch,
+        keep: Box<dyn Any + Send>,
+        event: &Event,
+        ordered: bool,
+    );
 }
 
 /// The error of a device asked about another library's streams, which it has none of.

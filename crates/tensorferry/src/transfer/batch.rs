@@ -101,7 +101,7 @@ pub(crate) fn ops_into(
 /// thread ever blocks on another transfer, and chained non-blocking transfers (and staging
 /// rings, which feed a stream over time) cannot deadlock a stream. A panic in the backend
 /// fails `event` instead of reaching the caller. Not `ordered`: a staging ring's chunk
-/// ([`Backend::submit_unordered`]).
+/// ([`Backend::queue`]).
 ///
 /// # Safety
 /// As [`Backend::submit`]: `keep` must hold everything the ops address until `event`
@@ -116,11 +116,7 @@ pub(crate) unsafe fn submit_when_ready(
     let device = backend.device();
     // SAFETY: forwarded contract.
     let submitted = catch_unwind(AssertUnwindSafe(|| unsafe {
-        if ordered {
-            backend.submit(batch, keep, &event)
-        } else {
-            backend.submit_unordered(batch, keep, &event)
-        }
+        backend.queue(batch, keep, &event, ordered)
     }));
     if let Err(panic) = submitted {
         event.complete(Err(Failure::internal(device, &*panic)));

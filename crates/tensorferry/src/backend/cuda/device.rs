@@ -397,12 +397,14 @@ impl Backend for CudaDevice {
 
     /// Queues the batch from the calling thread on its direction's stream (see the module
     /// documentation); never blocks on other work.
-    unsafe fn submit(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        submit_to(&self.lanes, batch, keep, event, 0, true);
-    }
-
-    unsafe fn submit_unordered(&self, batch: CopyBatch, keep: Box<dyn Any + Send>, event: &Event) {
-        submit_to(&self.lanes, batch, keep, event, 0, false);
+    unsafe fn queue(
+        &self,
+        batch: CopyBatch,
+        keep: Box<dyn Any + Send>,
+        event: &Event,
+        ordered: bool,
+    ) {
+        submit_to(&self.lanes, batch, keep, event, 0, ordered);
     }
 }
 

@@ -25,12 +25,11 @@
 //! several threads or processes take turns for steps 2-4, so each leaves one whole
 //! checkpoint and the last to commit wins.
 
-use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};
 
-use super::index::{read_index, INDEX_SUFFIX, REPLACES_KEY};
+use super::index::{index_bytes, read_index, INDEX_SUFFIX, REPLACES_KEY};
 use crate::error::{Error, Result};
 use crate::io::fs::replace::{replace_with, sync_folder, Staged};
 use crate::io::fs::temp_files;
@@ -62,7 +61,7 @@ impl Place {
                     key: String::new(),
                     reason: format!("{path:?} does not end in a file name"),
                 })?;
-        let stem = name.strip_suffix(".safetensors").unwrap_or(name);
+        let stem = stem_of(name);
         let dir = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
@@ -89,12 +88,7 @@ impl Place {
         format!("{}-{i:05}-of-{n:05}.safetensors", self.stem)
     }
 
-    /// The name shard `i` of `n` takes in the save `id`.
-    fn saved_name(&self, i: usize, n: usize, id: &str) -> String {
-        format!("{}-{i:05}-of-{n:05}.{id}.safetensors", self.stem)
-    }
-
-    /// Whether `name` has the form of [`Place::saved_name`] for this stem; its usual
+    /// Whether `name` has the form of [`saved_shard_name`] for this stem; its usual
     /// name if so.
     fn usual_name_of_saved(&self, name: &str) -> Option<String> {
         let rest = name.strip_prefix(&self.stem)?.strip_prefix('-')?;
@@ -106,6 +100,17 @@ impl Place {
         (digits(i, 5) && digits(n, 5) && hex)
             .then(|| format!("{}-{i}-of-{n}.safetensors", self.stem))
     }
+}
+
+/// The checkpoint file `name` without `.safetensors`.
+pub(crate) fn stem_of(name: &str) -> &str {
+    name.strip_suffix(".safetensors").unwrap_or(name)
+}
+
+/// The name shard `i` (from 1) of `n` of the checkpoint `stem` takes in the save `id`:
+/// one no earlier checkpoint names.
+pub(crate) fn saved_shard_name(stem: &str, i: usize, n: usize, id: &str) -> String {
+    format!("{stem}-{i:05}-of-{n:05}.{id}.safetensors")
 }
 
 /// `ENOTDIR`, with its number (Python's `NotADirectoryError` needs it).
@@ -223,25 +228,14 @@ pub(crate) fn commit_sharded(
     let mut saved = Vec::with_capacity(n);
     let mut names = Vec::with_capacity(n);
     for (i, shard) in shards.into_iter().enumerate() {
-        let name = place.saved_name(i + 1, n, id);
+        let name = saved_shard_name(&place.stem, i + 1, n, id);
         shard.file.commit_as(&place.dir.join(&name))?;
         saved.push(name);
         names.push(shard.names);
     }
     let index = place.index();
     let write_index = |files: &[String]| -> Result<()> {
-        let mut weight_map = BTreeMap::new();
-        for (file, names) in files.iter().zip(&names) {
-            for name in names {
-                weight_map.insert(name.as_str(), file.as_str());
-            }
-        }
-        let text = serde_json::to_vec_pretty(&serde_json::json!({
-            "metadata": metadata,
-            "weight_map": weight_map,
-        }))
-        .expect("an index always serialises");
-        replace_with(&index, &text, fsync)
+        replace_with(&index, &index_bytes(&metadata, files, &names), fsync)
     };
     if fsync {
         // The shards' names reach the disk before the index that names them.
@@ -377,7 +371,7 @@ mod tests {
         };
         let id = save_id();
         assert_eq!(id.len(), ID_LEN);
-        let saved = place.saved_name(2, 13, &id);
+        let saved = saved_shard_name(&place.stem, 2, 13, &id);
         assert_eq!(
             place.usual_name_of_saved(&saved).as_deref(),
             Some("model-00002-of-00013.safetensors")

@@ -63,6 +63,26 @@ fn is_plain_shard_name(file: &str) -> bool {
     is_plain_name(file) && file.ends_with(".safetensors")
 }
 
+/// The text of an index whose `metadata` is `metadata`, naming `files[i]` for each of
+/// `names[i]`.
+pub(crate) fn index_bytes(
+    metadata: &serde_json::Value,
+    files: &[String],
+    names: &[Vec<String>],
+) -> Vec<u8> {
+    let mut weight_map = BTreeMap::new();
+    for (file, names) in files.iter().zip(names) {
+        for name in names {
+            weight_map.insert(name.as_str(), file.as_str());
+        }
+    }
+    serde_json::to_vec_pretty(&serde_json::json!({
+        "metadata": metadata,
+        "weight_map": weight_map,
+    }))
+    .expect("an index always serialises")
+}
+
 /// Reads and checks the index at `path`: JSON of at most [`MAX_INDEX_BYTES`], in UTF-8,
 /// whose shards are safetensors files in its own folder (an index naming an index, or a
 /// path, is refused: loading never recurses).

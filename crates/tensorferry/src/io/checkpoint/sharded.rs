@@ -39,46 +39,77 @@ pub(crate) fn save_sharded_files(
     // order, their names (checked as a single file's are) and the tree record.
     let walked = header_writer::walk_node_recorded(root);
     let paths = || root.tensors().into_iter().map(|(p, _)| p).collect();
-    let groups = plan_shards(
-        walked.tensors.iter().map(|t| t.nbytes() as u64),
-        max_shard_bytes,
-    );
+    let place = Place::of(path)?;
     let mut shard_options = options.clone();
-    shard_options
+    let Some(plan) = plan_save(&walked, paths, &mut shard_options, max_shard_bytes)? else {
+        write_walked(walked, paths, &place.single, &shard_options)?;
+        return Ok(vec![place.single]);
+    };
+    let count = plan.shards.len();
+    let mut staged = Vec::with_capacity(count);
+    for (i, (shard, names)) in plan.shards.into_iter().enumerate() {
+        let file = place.dir.join(place.shard_name(i + 1, count));
+        let file = stage_node(&shard, &file, &shard_options)?;
+        staged.push(StagedShard { file, names });
+    }
+    commit_sharded(&place, &plan.id, staged, plan.metadata, options.fsync)
+}
+
+/// The shards of a sharded save and its index.
+pub(crate) struct SavePlan {
+    /// The save's id ([`save_id`]).
+    pub(crate) id: String,
+    /// Each shard, in order: a dict of its tensors by name, and those names.
+    pub(crate) shards: Vec<(Node, Vec<String>)>,
+    /// The index's `metadata`: the total size, the tree record and the save's id.
+    pub(crate) metadata: serde_json::Value,
+}
+
+/// Plans the save of `walked` (recorded; `paths` its tensors' key paths) in shards of at
+/// most `max` bytes, `options` becoming the options of each file (the format, and for
+/// shards the save's id, recorded). `None` when the tensors fit one file; else shards
+/// whose names are checked as a single file's are.
+pub(crate) fn plan_save(
+    walked: &Walked<'_>,
+    paths: impl FnOnce() -> Vec<KeyPath>,
+    options: &mut SaveOptions,
+    max: u64,
+) -> Result<Option<SavePlan>> {
+    let groups = plan_shards(walked.tensors.iter().map(|t| t.nbytes() as u64), max);
+    options
         .metadata
         .entry("format".into())
         .or_insert_with(|| "pt".into());
-    let place = Place::of(path)?;
     if groups.len() <= 1 {
-        write_walked(walked, paths, &place.single, &shard_options)?;
-        return Ok(vec![place.single]);
+        return Ok(None);
     }
     let id = save_id();
-    shard_options
-        .metadata
-        .insert(SAVE_ID_KEY.into(), id.clone());
-    header_writer::check_names(&walked, paths)?;
-    let count = groups.len();
-    let mut staged = Vec::with_capacity(count);
-    for (i, group) in groups.iter().enumerate() {
-        let mut shard = TensorDict::new();
-        let mut names = Vec::with_capacity(group.len());
-        for &at in group {
-            let name = walked.name(at);
-            shard.insert(name.to_string(), Node::Tensor(walked.tensors[at].clone()));
-            names.push(name.to_string());
-        }
-        let file = place.dir.join(place.shard_name(i + 1, count));
-        let file = stage_node(&Node::Dict(shard), &file, &shard_options)?;
-        staged.push(StagedShard { file, names });
-    }
+    options.metadata.insert(SAVE_ID_KEY.into(), id.clone());
+    header_writer::check_names(walked, paths)?;
+    let shards = groups
+        .iter()
+        .map(|group| {
+            let mut shard = TensorDict::new();
+            let mut names = Vec::with_capacity(group.len());
+            for &at in group {
+                let name = walked.name(at);
+                shard.insert(name.to_string(), Node::Tensor(walked.tensors[at].clone()));
+                names.push(name.to_string());
+            }
+            (Node::Dict(shard), names)
+        })
+        .collect();
     let total: u64 = walked.tensors.iter().map(|t| t.nbytes() as u64).sum();
     let metadata = serde_json::json!({
         "total_size": total,
         TREE_METADATA_KEY: walked.record(),
         SAVE_ID_KEY: id,
     });
-    commit_sharded(&place, &id, staged, metadata, options.fsync)
+    Ok(Some(SavePlan {
+        id,
+        shards,
+        metadata,
+    }))
 }
 
 /// Checks the names of a walked tree, builds its header and writes the file as the
@@ -148,39 +179,19 @@ pub(crate) fn resolve(path: &Path) -> Result<Target> {
     Ok(Target::File(path.to_path_buf()))
 }
 
-/// The checkpoint in the folder `dir`, in transformers' order: `model.safetensors`, else
-/// `model.safetensors.index.json`; else the one index in it (or the single file of the
-/// same name beside it, which a reader takes first), else its one safetensors file. A
-/// folder with several, or with none, is an error saying what it holds.
+/// The checkpoint in the folder `dir`, as [`choose_in_folder`] chooses it from its files.
 fn in_folder(dir: &Path) -> Result<Target> {
-    let mut indexes = Vec::new();
-    let mut files = Vec::new();
+    let mut names = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| Error::io("list", dir, e))? {
         let entry = entry.map_err(|e| Error::io("list", dir, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if let Some(stem) = name.strip_suffix(INDEX_SUFFIX) {
-            indexes.push(stem.to_string());
-        } else if name.ends_with(".safetensors") {
-            files.push(name);
-        }
+        names.push(entry.file_name().to_string_lossy().into_owned());
     }
-    let single_of = |stem: &str| format!("{stem}.safetensors");
-    let choose = |stem: &str| {
-        let single = single_of(stem);
-        if files.contains(&single) {
-            Target::File(dir.join(single))
-        } else {
-            Target::Index(dir.join(format!("{stem}{INDEX_SUFFIX}")))
-        }
-    };
-    if files.iter().any(|f| f == "model.safetensors") || indexes.iter().any(|s| s == "model") {
-        return Ok(choose("model"));
-    }
-    match (indexes.len(), files.len()) {
-        (1, _) => Ok(choose(&indexes[0])),
-        (0, 1) => Ok(Target::File(dir.join(&files[0]))),
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    match choose_in_folder(&names, &format!("{dir:?}"), "files", "the file")? {
+        Some(Chosen::File(name)) => Ok(Target::File(dir.join(name))),
+        Some(Chosen::Index(name)) => Ok(Target::Index(dir.join(name))),
         // The error opening a folder as a file gives (EISDIR), with what was looked for.
-        (0, 0) => Err(Error::io(
+        None => Err(Error::io(
             "find a checkpoint (a *.safetensors file or a *.safetensors.index.json) in",
             dir,
             std::fs::File::open(dir)
@@ -188,16 +199,66 @@ fn in_folder(dir: &Path) -> Result<Target> {
                 .err()
                 .unwrap_or_else(|| std::io::ErrorKind::IsADirectory.into()),
         )),
-        (0, n) => Err(Error::InvalidValue {
+    }
+}
+
+/// The checkpoint a folder holds, by name.
+pub(crate) enum Chosen {
+    /// A single safetensors file (or object).
+    File(String),
+    /// An index of shards.
+    Index(String),
+}
+
+/// The checkpoint among the `names` a folder holds, in transformers' order:
+/// `model.safetensors`, else `model.safetensors.index.json`; else the one index (or the
+/// single file of the same name beside it, which a reader takes first), else the one
+/// safetensors file; `None` when there is neither. A folder with several is an error
+/// naming it as `folder`, what it holds as `things` ("files") and what to name as `one`
+/// ("the file").
+pub(crate) fn choose_in_folder(
+    names: &[&str],
+    folder: &str,
+    things: &str,
+    one: &str,
+) -> Result<Option<Chosen>> {
+    let indexes: Vec<&str> = names
+        .iter()
+        .filter_map(|n| n.strip_suffix(INDEX_SUFFIX))
+        .collect();
+    let files: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    let choose = |stem: &str| {
+        let single = format!("{stem}.safetensors");
+        match files.contains(&single.as_str()) {
+            true => Chosen::File(single),
+            false => Chosen::Index(format!("{stem}{INDEX_SUFFIX}")),
+        }
+    };
+    if files.contains(&"model.safetensors") || indexes.contains(&"model") {
+        return Ok(Some(choose("model")));
+    }
+    let many = |reason: String| {
+        Err(Error::InvalidValue {
             key: String::new(),
-            reason: format!(
-                "{dir:?} holds {n} *.safetensors files and no index: name the file to load"
-            ),
-        }),
-        (n, _) => Err(Error::InvalidValue {
-            key: String::new(),
-            reason: format!("{dir:?} holds {n} *{INDEX_SUFFIX} files: name one"),
-        }),
+            reason,
+        })
+    };
+    match (indexes.as_slice(), files.as_slice()) {
+        ([stem], _) => Ok(Some(choose(stem))),
+        ([], [file]) => Ok(Some(Chosen::File(file.to_string()))),
+        ([], []) => Ok(None),
+        ([], n) => many(format!(
+            "{folder} holds {} *.safetensors {things} and no index: name {one} to load",
+            n.len()
+        )),
+        (n, _) => many(format!(
+            "{folder} holds {} *{INDEX_SUFFIX} {things}: name one",
+            n.len()
+        )),
     }
 }
 

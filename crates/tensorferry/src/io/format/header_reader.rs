@@ -304,6 +304,7 @@ fn build(
     let mut tensors = Vec::with_capacity(usize::try_from(entries).unwrap_or(0));
     let mut metadata = BTreeMap::new();
     let mut seen_metadata = false;
+    let mut dims = Vec::new();
     let mut c = Cursor::new(text);
     c.object("a JSON object", |c, key| {
         if key == "__metadata__" {
@@ -317,12 +318,11 @@ fn build(
             }
             return Ok(());
         }
-        // Up to eight dims are gathered on the stack; a longer shape is read again into a
-        // vector of its exact length.
+        // Most entries are in the form writers write, and sound: read in one tight loop,
+        // their dims gathered on the stack. Any other is read again from its start by the
+        // general reader, which words it.
         let start = *c;
-        let (mut small, mut ndim) = ([0usize; 8], 0usize);
-        // Most entries are in the form writers write, and sound: read in one tight loop.
-        // Any other is read again from its start by the general reader, which words it.
+        let mut small = [0usize; 8];
         if let Some((dtype, ndim, begin, end)) = plain.then(|| plain_entry(c, &mut small)).flatten()
         {
             tensors.push(TensorEntry {
@@ -335,34 +335,18 @@ fn build(
             return Ok(());
         }
         *c = start;
-        let in_entry =
-            |f: Fault| Fault::new(f.at(), format!("tensor {:?}: {}", shorten(&key), f.what()));
-        let fields = entry(c, |d| {
-            if let Some(slot) = small.get_mut(ndim) {
-                *slot = d;
-            }
-            ndim += 1;
-        })
-        .map_err(in_entry)?;
-        let dtype = fields.check(text, &key)?;
-        let shape = match small.get(..ndim) {
-            Some(dims) => dims.to_vec(),
-            None => {
-                let mut shape = Vec::with_capacity(ndim);
-                entry(&mut { start }, |d| shape.push(d)).map_err(in_entry)?;
-                shape
-            }
-        };
-        // Packed floats: the header counts values, the tensor elements.
-        let unpacked = dtype.tensor_shape(shape);
-        let shape = unpacked.ok_or_else(|| start.fault("an entry changed while read"))?;
-        tensors.push(TensorEntry {
-            name: key.into_owned(),
-            dtype,
-            shape,
-            begin: fields.begin,
-            end: fields.end,
-        });
+        // The dims grow in one vector kept for every entry (the longest shape's growth);
+        // each entry takes a copy of its exact length.
+        dims.clear();
+        let fields = entry(c, |d| dims.push(d))
+            .map_err(|f| Fault::new(f.at(), format!("tensor {:?}: {}", shorten(&key), f.what())))?;
+        tensors.push(validate_entry(
+            &key,
+            fields.dtype,
+            dims.to_vec(),
+            fields.begin,
+            fields.end,
+        )?);
         Ok(())
     })?;
     Ok((tensors, metadata))
@@ -399,10 +383,6 @@ fn metadata_into(
 struct Fields {
     /// The dtype, or its code shortened when unknown.
     dtype: std::result::Result<DType, String>,
-    /// The number of values the shape holds, `None` when it overflows.
-    numel: Option<usize>,
-    /// Where the shape starts in the text (read again to word a fault).
-    shape_at: usize,
     begin: usize,
     end: usize,
 }
@@ -477,13 +457,11 @@ impl Field {
 /// One entry at the cursor, `{"dtype": …, "shape": […], "data_offsets": [b, e]}` (fields
 /// in any order, others skipped) or `[dtype, shape, data_offsets]`; each dimension of its
 /// shape goes to `dim`. Every fault of type or
-/// structure is a [`Fault`]; whether the fields agree is for [`Fields::check`].
+/// structure is a [`Fault`]; whether the fields agree is for [`validate_entry`].
 fn entry(c: &mut Cursor<'_>, mut dim: impl FnMut(usize)) -> Scan<Fields> {
     const ORDER: [Field; 3] = [Field::DType, Field::Shape, Field::Offsets];
     let mut fields = Fields {
         dtype: Err(String::new()),
-        numel: None,
-        shape_at: 0,
         begin: 0,
         end: 0,
     };
@@ -504,16 +482,10 @@ fn entry(c: &mut Cursor<'_>, mut dim: impl FnMut(usize)) -> Scan<Fields> {
                 fields.dtype = DType::from_safetensors_code(&code).ok_or_else(|| shorten(&code));
             }
             Field::Shape => {
-                c.peek();
-                fields.shape_at = c.pos();
-                let mut numel = Some(1usize);
                 c.array("a sequence", |c| {
-                    let d = c.usize("usize")?;
-                    numel = numel.and_then(|n| n.checked_mul(d));
-                    dim(d);
+                    dim(c.usize("usize")?);
                     Ok::<(), Fault>(())
                 })?;
-                fields.numel = numel;
             }
             _ => (fields.begin, fields.end) = offsets(c)?,
         }
@@ -615,27 +587,6 @@ fn offsets(c: &mut Cursor<'_>) -> Scan<(usize, usize)> {
         return Err(length(c, 3));
     }
     Ok((begin, end))
-}
-
-impl Fields {
-    /// The fields of the entry `name` agree (a known dtype; a shape whose bytes are the
-    /// span of the offsets), or the fault in words.
-    fn check(&self, text: &str, name: &str) -> Result<DType> {
-        if let (Ok(&dtype), Some(numel)) = (self.dtype.as_ref(), self.numel) {
-            let nbytes = numel.checked_mul(dtype.size());
-            if dtype.lanes() == 1 && self.begin <= self.end && nbytes == Some(self.end - self.begin)
-            {
-                return Ok(dtype);
-            }
-        }
-        // The fault, rare: the shape read again to word it.
-        let mut shape = Vec::new();
-        let _ = Cursor::at(text, self.shape_at).array("a sequence", |c| {
-            shape.push(c.usize("usize")?);
-            Ok::<(), Fault>(())
-        });
-        validate_entry(name, self.dtype.clone(), shape, self.begin, self.end).map(|e| e.dtype)
-    }
 }
 
 /// A name two entries share, if any, the first one met again. The names go into a set

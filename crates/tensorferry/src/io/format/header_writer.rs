@@ -578,19 +578,8 @@ pub(crate) fn build(walked: &Walked<'_>, user: &BTreeMap<String, String>) -> Bui
     bytes.extend_from_slice(&json);
     bytes.resize(8 + padded, b' ');
     census.header_bytes = padded as u64;
-    census.tree = recorded.then(|| {
-        Ok(TreeCensus {
-            dicts: walked.tree.dicts,
-            dict_entries: walked.tree.dict_entries,
-            sequences: walked.tree.sequences,
-            items: walked.tree.items,
-            string_bytes: walked.tree.string_bytes,
-            longest_string: walked.tree.longest_string,
-            lengths: Vec::new(),
-            aliased: Vec::new(),
-            root_at: 0,
-        })
-    });
+    // The walk counts what a census of its record would (no lengths, aliases or offset).
+    census.tree = recorded.then(|| Ok(walked.tree.clone()));
     #[cfg(debug_assertions)]
     check_census(&bytes[8..], &census);
     Built {

@@ -575,10 +575,6 @@ impl<'a> Cursor<'a> {
     /// Skips any one value inside `depth` arrays and objects (the nesting of the whole
     /// text bounded as `serde_json` bounds it).
     pub(crate) fn skip_value(&mut self, depth: usize) -> Scan<()> {
-        self.skip_nested(depth)
-    }
-
-    fn skip_nested(&mut self, depth: usize) -> Scan<()> {
         match self.peek() {
             Some(open @ (b'{' | b'[')) => {
                 if depth >= MAX_NESTING {
@@ -592,7 +588,7 @@ impl<'a> Cursor<'a> {
                     if open == b'{' {
                         self.key()?;
                     }
-                    self.skip_nested(depth + 1)?;
+                    self.skip_value(depth + 1)?;
                     if !self.more(close)? {
                         return Ok(());
                     }

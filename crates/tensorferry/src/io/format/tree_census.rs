@@ -11,7 +11,7 @@ use super::tree_meta::{bad, decimal_len, shorten, version_understood, Kind, KIND
 use crate::error::Result;
 
 /// What a tree record holds, counted.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct TreeCensus {
     /// Dicts.
     pub(crate) dicts: u64,
@@ -118,7 +118,7 @@ pub(crate) fn node_kind(c: &mut Cursor<'_>, depth: usize) -> Scan<Kind> {
     let at = *c;
     let name = c.key()?;
     Kind::from_name(&name).ok_or_else(|| {
-        let kinds: Vec<String> = KINDS.iter().map(|k| format!("`{k}`")).collect();
+        let kinds: Vec<String> = KINDS.iter().map(|(k, _)| format!("`{k}`")).collect();
         at.fault(format!(
             "unknown variant `{}`, expected one of {}",
             shorten(&name),

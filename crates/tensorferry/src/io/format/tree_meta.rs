@@ -61,25 +61,25 @@ pub(crate) enum Kind {
 impl Kind {
     /// The kind a record names `name` (the one key of a node's object), if any.
     pub(crate) fn from_name(name: &str) -> Option<Kind> {
-        Some(match name {
-            "dict" => Kind::Dict,
-            "list" => Kind::List,
-            "tuple" => Kind::Tuple,
-            "tensor" => Kind::Tensor,
-            "alias" => Kind::Alias,
-            "none" => Kind::None,
-            "bool" => Kind::Bool,
-            "int" => Kind::Int,
-            "float" => Kind::Float,
-            "str" => Kind::Str,
-            _ => return None,
-        })
+        KINDS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|&(_, kind)| kind)
     }
 }
 
-/// The names of the kinds, as a fault about an unknown one lists them.
-pub(crate) const KINDS: &[&str] = &[
-    "dict", "list", "tuple", "tensor", "alias", "none", "bool", "int", "float", "str",
+/// The names of the kinds, in the order a fault about an unknown one lists them.
+pub(crate) const KINDS: [(&str, Kind); 10] = [
+    ("dict", Kind::Dict),
+    ("list", Kind::List),
+    ("tuple", Kind::Tuple),
+    ("tensor", Kind::Tensor),
+    ("alias", Kind::Alias),
+    ("none", Kind::None),
+    ("bool", Kind::Bool),
+    ("int", Kind::Int),
+    ("float", Kind::Float),
+    ("str", Kind::Str),
 ];
 
 /// The length of the decimal text of `i`, which an integer key is held as.

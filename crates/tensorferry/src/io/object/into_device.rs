@@ -289,7 +289,7 @@ impl Reads<'_> {
             }
         }
         let concurrency = self.options.concurrency;
-        lanes::fetch_all_ahead(self.at, jobs, &self.version, concurrency, ahead)
+        lanes::fetch_all(self.at, jobs, &self.version, concurrency, Some(ahead))
     }
 }
 

@@ -83,29 +83,19 @@ impl Lanes {
 
 /// Fills each `(range, into)` of `jobs` with the bytes `range` of the object at `at` by
 /// one ranged GET, as [`request_part`] and [`drain_into`] do; see [`fetch_spawned_with`].
+/// `ahead`, if any, holds GETs of some of the ranges asked for already (by their range's
+/// first byte): their answers are drained instead of asking again.
 pub(super) fn fetch_spawned<R>(
     at: &Location,
     jobs: Vec<(Range<u64>, &mut [MaybeUninit<u8>])>,
     version: &Version,
     concurrency: usize,
-    alongside: impl FnOnce(&mut Lanes) -> R,
-) -> Result<R> {
-    fetch_spawned_ahead(at, jobs, version, concurrency, HashMap::new(), alongside)
-}
-
-/// [`fetch_spawned`], where `ahead` holds GETs of some of the ranges asked for already
-/// (by their range's first byte): their answers are drained instead of asking again.
-fn fetch_spawned_ahead<R>(
-    at: &Location,
-    jobs: Vec<(Range<u64>, &mut [MaybeUninit<u8>])>,
-    version: &Version,
-    concurrency: usize,
-    ahead: HashMap<u64, Asked>,
+    ahead: Option<HashMap<u64, Asked>>,
     alongside: impl FnOnce(&mut Lanes) -> R,
 ) -> Result<R> {
     let url = at.url().to_string();
     let (at, version) = (at.clone(), version.clone());
-    let ahead = Arc::new(Mutex::new(ahead));
+    let ahead = Arc::new(Mutex::new(ahead.unwrap_or_default()));
     let fetch = part_fetcher(move |range, into| {
         let (at, version, ahead) = (at.clone(), version.clone(), ahead.clone());
         async move {
@@ -121,27 +111,17 @@ fn fetch_spawned_ahead<R>(
     fetch_spawned_with(url, jobs, concurrency, fetch, alongside)
 }
 
-/// Fills each `(range, into)` of `jobs` as [`fetch_spawned`] does, waiting on this
-/// thread for all of them; the first failure stops the others.
+/// Fills each `(range, into)` of `jobs` as [`fetch_spawned`] does (taking the answers of
+/// the GETs `ahead` holds), waiting on this thread for all of them; the first failure
+/// stops the others.
 pub(super) fn fetch_all(
     at: &Location,
     jobs: Vec<(Range<u64>, &mut [MaybeUninit<u8>])>,
     version: &Version,
     concurrency: usize,
+    ahead: Option<HashMap<u64, Asked>>,
 ) -> Result<()> {
-    fetch_all_ahead(at, jobs, version, concurrency, HashMap::new())
-}
-
-/// [`fetch_all`], taking the answers of the GETs `ahead` holds (see
-/// [`fetch_spawned_ahead`]).
-pub(super) fn fetch_all_ahead(
-    at: &Location,
-    jobs: Vec<(Range<u64>, &mut [MaybeUninit<u8>])>,
-    version: &Version,
-    concurrency: usize,
-    ahead: HashMap<u64, Asked>,
-) -> Result<()> {
-    fetch_spawned_ahead(at, jobs, version, concurrency, ahead, |lanes| {
+    fetch_spawned(at, jobs, version, concurrency, ahead, |lanes| {
         runtime::block_on(lanes.join())
     })??
 }

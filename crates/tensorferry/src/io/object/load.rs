@@ -34,7 +34,7 @@ use super::{lanes, plan, runtime};
 use crate::backend::Event;
 use crate::error::{Error, Result};
 use crate::io::checkpoint::index::{check_index_len, parse_index, Index, INDEX_SUFFIX};
-use crate::io::checkpoint::sharded::{load_index_with, READERS};
+use crate::io::checkpoint::sharded::{choose_in_folder, load_index_with, Chosen, READERS};
 use crate::io::format::header::{Header, HeaderCensus};
 use crate::io::format::header_reader::{header_len, parse_counted};
 use crate::io::format::tree_census;
@@ -73,15 +73,11 @@ pub fn load_url_arriving(
     only: Option<&HashSet<String>>,
 ) -> Result<(Loaded, Arrival)> {
     let at = Location::open(url, options)?;
-    let arrived = |loaded| (loaded, Arrival::complete());
     let (mut loaded, arrival) = resolved_load(
         at,
         options,
-        |object| match only {
-            None => arrive_whole(object, options),
-            Some(names) => load_subset(object, options, names).map(arrived),
-        },
-        |index| load_index(index, options, only).map(arrived),
+        |object| arrive_object(object, options, only),
+        |index| Ok((load_index(index, options, only)?, Arrival::complete())),
     )?;
     if let Some(names) = only {
         loaded.root = blank_unwanted(loaded.root, &mut Vec::new(), names);
@@ -231,7 +227,7 @@ pub fn read_into(
             rest = tail;
         }
     }
-    lanes::fetch_all(&at, jobs, &version, options.concurrency)
+    lanes::fetch_all(&at, jobs, &version, options.concurrency, None)
 }
 
 /// What a load of `at` reads, as [`load_url`] says, read by `object` (one safetensors
@@ -299,7 +295,8 @@ enum Target {
     Index(Location),
 }
 
-/// The checkpoint in the folder `dir`, in transformers' order (as local folders).
+/// The checkpoint in the folder `dir`, in transformers' order ([`choose_in_folder`]),
+/// `model.safetensors` and its index asked for before the folder is listed.
 fn in_folder(dir: &Location) -> Result<Target> {
     let single = dir.sibling("model.safetensors");
     if head(&single).is_ok() {
@@ -316,43 +313,15 @@ fn in_folder(dir: &Location) -> Result<Target> {
         .iter()
         .filter_map(|o| o.location.filename())
         .collect();
-    let indexes: Vec<&&str> = names.iter().filter(|n| n.ends_with(INDEX_SUFFIX)).collect();
-    let files: Vec<&&str> = names
-        .iter()
-        .filter(|n| n.ends_with(".safetensors"))
-        .collect();
-    match (indexes.as_slice(), files.as_slice()) {
-        ([index], _) => {
-            let stem = index.strip_suffix(INDEX_SUFFIX).unwrap_or(index);
-            let single = format!("{stem}.safetensors");
-            match names.contains(&single.as_str()) {
-                true => Ok(Target::Object(dir.sibling(&single))),
-                false => Ok(Target::Index(dir.sibling(index))),
-            }
-        }
-        ([], [file]) => Ok(Target::Object(dir.sibling(file))),
-        ([], []) => Err(failed(
+    match choose_in_folder(&names, dir.url(), "objects", "the one")? {
+        Some(Chosen::File(name)) => Ok(Target::Object(dir.sibling(&name))),
+        Some(Chosen::Index(name)) => Ok(Target::Index(dir.sibling(&name))),
+        None => Err(failed(
             "find a checkpoint (a *.safetensors object or a *.safetensors.index.json) in",
             dir.url(),
             Cause::NotFound,
             "the folder holds neither",
         )),
-        ([], many) => Err(Error::InvalidValue {
-            key: String::new(),
-            reason: format!(
-                "{} holds {} *.safetensors objects and no index: name the one to load",
-                dir.url(),
-                many.len()
-            ),
-        }),
-        (many, _) => Err(Error::InvalidValue {
-            key: String::new(),
-            reason: format!(
-                "{} holds {} *{INDEX_SUFFIX} objects: name one",
-                dir.url(),
-                many.len()
-            ),
-        }),
     }
 }
 
@@ -381,7 +350,9 @@ fn load_index(
 ) -> Result<Loaded> {
     let index = read_index(at, options)?;
     load_index_with(index, Path::new(at.url()), READERS, |name| {
-        load_object(&at.sibling(name), options, only)
+        let (loaded, arrival) = arrive_object(&at.sibling(name), options, only)?;
+        arrival.wait()?;
+        Ok(loaded)
     })
 }
 
@@ -527,24 +498,18 @@ fn is_empty_object(e: &Error) -> bool {
         && (text.contains("InvalidRange") || text.contains("416 Range Not Satisfiable"))
 }
 
-/// Loads one safetensors object (never an index): all of it ([`load_whole`]), or the
-/// tensors `only` names, whose byte ranges the header says ([`load_subset`]).
-fn load_object(
+/// Loads one safetensors object (never an index): all of it ([`arrive_whole`]), or the
+/// tensors `only` names, whose byte ranges the header says ([`load_subset`]), which
+/// arrive whole.
+fn arrive_object(
     at: &Location,
     options: &ObjectOptions,
     only: Option<&HashSet<String>>,
-) -> Result<Loaded> {
+) -> Result<(Loaded, Arrival)> {
     match only {
-        None => load_whole(at, options),
-        Some(names) => load_subset(at, options, names),
+        None => arrive_whole(at, options),
+        Some(names) => Ok((load_subset(at, options, names)?, Arrival::complete())),
     }
-}
-
-/// Loads all of one safetensors object ([`arrive_whole`]), once every byte is in.
-fn load_whole(at: &Location, options: &ObjectOptions) -> Result<Loaded> {
-    let (loaded, arrival) = arrive_whole(at, options)?;
-    arrival.wait()?;
-    Ok(loaded)
 }
 
 /// Loads all of one safetensors object, its header's round trip hidden behind the data,
@@ -725,7 +690,7 @@ impl Fill {
         let (version, data_len) = (&self.version, self.version.size - data_start);
         let data = jobs_of(as_uninit(rest), self.split, &self.data_parts);
         let body = &mut self.body;
-        lanes::fetch_spawned(at, data, version, self.for_data, |data_lanes| {
+        lanes::fetch_spawned(at, data, version, self.for_data, None, |data_lanes| {
             if data_start <= first_end {
                 // The first GET holds the header: parsed as soon as it is in.
                 let (json, data_head) = with_header.split_at_mut(data_start as usize);
@@ -745,7 +710,7 @@ impl Fill {
             }
             let (first, carried) = as_uninit(&mut *with_header).split_at_mut(first_end as usize);
             let carried = jobs_of(carried, first_end, &self.header_parts);
-            lanes::fetch_spawned(at, carried, version, self.others, |header_lanes| {
+            lanes::fetch_spawned(at, carried, version, self.others, None, |header_lanes| {
                 let first_body = async {
                     body.fill(at, &mut first[k..]).await?;
                     body.end(at).await
@@ -831,7 +796,7 @@ fn load_subset(at: &Location, options: &ObjectOptions, names: &HashSet<String>) 
     let mut data = AlignedBuffer::zeroed_small_pages(header.data_len as usize)?;
     data.as_mut_slice()[..head_len].copy_from_slice(&header.data_head);
     let jobs = jobs_of(as_uninit(data.as_mut_slice()), header.data_start, &parts);
-    lanes::fetch_all(at, jobs, &header.version, options.concurrency)?;
+    lanes::fetch_all(at, jobs, &header.version, options.concurrency, None)?;
     build(parsed, Arc::new(Storage::owned(data)), 0).map_err(in_object)
 }
 

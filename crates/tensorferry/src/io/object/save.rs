@@ -13,7 +13,6 @@
 //! the new one does not is deleted (a single `stem.safetensors`, which readers would take
 //! before an index, first).
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
 use object_store::PutPayload;
@@ -24,15 +23,14 @@ use super::options::ObjectOptions;
 use super::runtime;
 use super::upload::{put, upload};
 use crate::error::Result;
-use crate::io::checkpoint::commit::save_id;
-use crate::io::checkpoint::index::{parse_index, INDEX_SUFFIX, SAVE_ID_KEY};
-use crate::io::checkpoint::sharded::plan_shards;
+use crate::io::checkpoint::commit::{saved_shard_name, stem_of};
+use crate::io::checkpoint::index::{index_bytes, parse_index, INDEX_SUFFIX};
+use crate::io::checkpoint::sharded::plan_save;
 use crate::io::format::header_writer;
-use crate::io::format::tree_meta::TREE_METADATA_KEY;
 use crate::io::write::{header_and_tensors, SaveOptions};
 use crate::tensor::Tensor;
 use crate::transfer::staging::Ring;
-use crate::tree::{Node, TensorDict};
+use crate::tree::Node;
 
 /// Saves `root` (checked by the caller as a local save checks it) to `url`: one object,
 /// or with `max_shard_bytes` shards of at most that much tensor data and their index
@@ -61,42 +59,25 @@ pub fn save_url(
         return save_single(&at, header, &tensors, ring, &object_options);
     };
     let walked = header_writer::walk_node_recorded(root);
-    let groups = plan_shards(walked.tensors.iter().map(|t| t.nbytes() as u64), max);
     let mut shard_options = options.clone();
-    shard_options
-        .metadata
-        .entry("format".into())
-        .or_insert_with(|| "pt".into());
-    if groups.len() <= 1 {
+    let Some(plan) = plan_save(&walked, || paths(root), &mut shard_options, max)? else {
         let (header, tensors) = header_and_tensors(walked, || paths(root), &shard_options)?;
         return save_single(&at, header, &tensors, ring, &object_options);
-    }
-    let id = save_id();
-    shard_options
-        .metadata
-        .insert(SAVE_ID_KEY.into(), id.clone());
-    header_writer::check_names(&walked, || paths(root))?;
-    let stem = stem_of(&at);
-    let count = groups.len();
-    let mut shards = Vec::with_capacity(count);
-    for (i, group) in groups.iter().enumerate() {
-        let mut names = Vec::with_capacity(group.len());
-        let mut shard = TensorDict::new();
-        for &k in group {
-            let name = walked.name(k);
-            shard.insert(name.to_string(), Node::Tensor(walked.tensors[k].clone()));
-            names.push(name.to_string());
-        }
-        let shard = Node::Dict(shard);
-        let file = format!("{stem}-{:05}-of-{count:05}.{id}.safetensors", i + 1);
-        shards.push((file, names));
+    };
+    let stem = stem_of(at.name());
+    let count = plan.shards.len();
+    let mut files: Vec<String> = Vec::with_capacity(count);
+    let mut names = Vec::with_capacity(count);
+    for (i, (shard, shard_names)) in plan.shards.into_iter().enumerate() {
+        files.push(saved_shard_name(stem, i + 1, count, &plan.id));
+        names.push(shard_names);
         let (header, tensors) = header_and_tensors(
             header_writer::walk_node(&shard),
             || paths(&shard),
             &shard_options,
         )?;
         let uploaded = upload(
-            &at.sibling(&shards[i].0),
+            &at.sibling(&files[i]),
             header,
             &tensors,
             ring,
@@ -104,24 +85,13 @@ pub fn save_url(
         );
         if let Err(e) = uploaded {
             // Shards of this save that no index names: gone, as far as the store lets us.
-            for (file, _) in &shards[..i] {
+            for file in &files[..i] {
                 let _ = delete(&at.sibling(file));
             }
             return Err(e);
         }
     }
-    let total: u64 = walked.tensors.iter().map(|t| t.nbytes() as u64).sum();
-    let mut weight_map = BTreeMap::new();
-    for (file, names) in &shards {
-        for name in names {
-            weight_map.insert(name.as_str(), file.as_str());
-        }
-    }
-    let text = serde_json::to_vec_pretty(&serde_json::json!({
-        "metadata": {"total_size": total, TREE_METADATA_KEY: walked.record(), SAVE_ID_KEY: id},
-        "weight_map": weight_map,
-    }))
-    .expect("an index always serialises");
+    let text = index_bytes(&plan.metadata, &files, &names);
     let index = at.sibling(&format!("{stem}{INDEX_SUFFIX}"));
     let previous = previous_shards(&index)?;
     put(&index, PutPayload::from(text))?;
@@ -129,24 +99,16 @@ pub fn save_url(
     // first, then the previous checkpoint's shards.
     delete(&at)?;
     let mut written: Vec<String> = Vec::with_capacity(count + 1);
-    for (file, _) in &shards {
+    for file in &files {
         written.push(at.sibling(file).url().to_string());
     }
     for old in previous {
-        if !shards.iter().any(|(file, _)| *file == old) {
+        if !files.contains(&old) {
             delete(&at.sibling(&old))?;
         }
     }
     written.push(index.url().to_string());
     Ok(written)
-}
-
-/// The name of the checkpoint at `at` without `.safetensors`.
-fn stem_of(at: &Location) -> String {
-    let name = at.name();
-    name.strip_suffix(".safetensors")
-        .unwrap_or(name)
-        .to_string()
 }
 
 /// Uploads one object, then removes a sharded checkpoint of the same name (which the
@@ -159,7 +121,7 @@ fn save_single(
     options: &ObjectOptions,
 ) -> Result<Vec<String>> {
     upload(at, header, tensors, ring, options)?;
-    let index = at.sibling(&format!("{}{INDEX_SUFFIX}", stem_of(at)));
+    let index = at.sibling(&format!("{}{INDEX_SUFFIX}", stem_of(at.name())));
     let previous = previous_shards(&index)?;
     if !previous.is_empty() {
         delete(&index)?;
