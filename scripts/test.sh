@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== cargo fmt"; cargo fmt --all -- --check
 echo "== cargo clippy"; cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo doc (no broken or private links in the public docs)"; RUSTDOCFLAGS="-D warnings" cargo doc --no-deps -p tensorferry
 # The object-storage tests run against a real S3 server on loopback; here they must run,
 # not skip (TENSORFERRY_REQUIRE_S3).
 bash scripts/s3-server.sh install

@@ -108,7 +108,7 @@ fn contiguous_dims(shape: &[usize]) -> Dims<isize> {
 /// or `None` when they overflow the address space. Foreign producers (NumPy, DLPack, the
 /// CUDA Array Interface) may use negative strides, so element 0 need not be the lowest, and
 /// their descriptions are not trusted: every step is checked. The one computation of a
-/// layout's extent: a tensor's span in its storage ([`Tensor::new`]) is this around its
+/// layout's extent: a tensor's span in its storage ([`Tensor::from_storage`]) is this around its
 /// offset.
 pub fn byte_extent(shape: &[usize], strides: &[isize], size: usize) -> Option<(isize, isize)> {
     if shape.contains(&0) {

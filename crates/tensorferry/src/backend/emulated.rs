@@ -1,8 +1,8 @@
 //! The emulated device `emu:N`, so that machines without a GPU (CI among them) run the
 //! very same transfer engine: device memory is a separate host allocation, its two streams
 //! (uploads; copies that read device memory, as on a GPU) are threads that run copies in
-//! submission order ([`super::lane`]), and the stream thread that ran a batch releases it
-//! and completes its event with the completer's code ([`super::completer`]). Capacity,
+//! submission order (`super::lane`), and the stream thread that ran a batch releases it
+//! and completes its event with the completer's code (`super::completer`). Capacity,
 //! speed and faults are set by [`EmuConfig`].
 
 use std::collections::HashMap;

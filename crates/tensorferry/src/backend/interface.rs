@@ -217,7 +217,7 @@ pub(crate) fn no_foreign_streams(device: Device) -> crate::error::Error {
 
 /// Memory of a device, freed through its backend's `release` when dropped — which the
 /// engine arranges to happen only after every queued copy using it has completed (the
-/// copies hold it). Memory lent to another library ([`DeviceMemory::lend`]) is freed only
+/// copies hold it). Memory lent to another library (`DeviceMemory::lend`) is freed only
 /// once its consumers' streams have run the work they queued on it.
 pub struct DeviceMemory {
     device: Device,

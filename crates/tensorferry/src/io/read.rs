@@ -165,7 +165,7 @@ fn load_one_file(path: &Path, options: LoadOptions) -> Result<Loaded> {
 }
 
 /// Reads and validates only the header of the file at `path` (cost proportional to it).
-/// Refuses what [`load`] refuses, before reading anything from the file.
+/// Refuses what [`crate::load`] refuses, before reading anything from the file.
 pub fn read_header(path: impl AsRef<Path>) -> Result<Header> {
     let path = path.as_ref();
     let (mut file, file_len) = open_regular(path)?;

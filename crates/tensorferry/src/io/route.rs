@@ -144,7 +144,7 @@ pub fn save(root: &Node, path: impl AsRef<Path>, options: &SaveOptions) -> Resul
 /// `"format": "pt"` unless `options.metadata` names a format (transformers requires the
 /// key).
 ///
-/// The checkpoint is replaced as a whole ([`super::checkpoint`]): a failure or a crash at
+/// The checkpoint is replaced as a whole (`super::checkpoint`): a failure or a crash at
 /// any point leaves the previous checkpoint of that name loadable, or the new one, never
 /// a mix; what the previous one held that the new one does not is removed, and nothing
 /// else in the folder. Returns the files written, the index last.

@@ -57,7 +57,7 @@ impl Default for SaveOptions {
 }
 
 /// The bytes a save of `root` writes before the tensors' data: the 8-byte length and the
-/// JSON header, padded so data starts 64-byte aligned. Refuses what [`save`] refuses
+/// JSON header, padded so data starts 64-byte aligned. Refuses what [`crate::save`] refuses
 /// before touching a file.
 pub fn header_bytes(root: &Node, options: &SaveOptions) -> Result<Vec<u8>> {
     check_root(root, options)?;

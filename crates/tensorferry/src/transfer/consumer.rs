@@ -110,7 +110,7 @@ impl<'a> Readable<'a> {
 /// Waits at most `timeout` until the copy filling `tensor` is queued on a GPU or has
 /// finished, whichever comes first: `true` then (nothing pending counts), `false` on
 /// timeout. A staged upload is queued once a host thread has queued its last chunk, long
-/// before it finishes: a caller of [`order_stream_after`] that got `Ok(false)` waits with
+/// before it finishes: a caller of `order_stream_after` that got `Ok(false)` waits with
 /// this, in slices, and asks again.
 pub fn wait_queued_timeout(tensor: &Tensor, timeout: std::time::Duration) -> bool {
     tensor

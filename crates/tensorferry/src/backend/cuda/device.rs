@@ -15,8 +15,8 @@
 //! after: its waits on CUDA work become `cuStreamWaitEvent` on the GPU, its copies are
 //! queued without waiting in between (`copy`), and a `CUevent` recorded after them marks
 //! its host [`Event`] (so later CUDA batches wait on the GPU too). A batch that waits for
-//! host work is deferred by its lane ([`crate::backend::lane`]): the caller never blocks.
-//! The completer ([`crate::backend::completer`]) releases what a batch held once its event
+//! host work is deferred by its lane (`crate::backend::lane`): the caller never blocks.
+//! The completer (`crate::backend::completer`) releases what a batch held once its event
 //! has passed, then completes the host event. A copy call that fails part-way through a
 //! batch still has the copies queued before it waited for (through the event, or by
 //! synchronising the stream) before anything is released.

@@ -28,9 +28,9 @@ pub struct Index {
     pub weight_map: BTreeMap<String, String>,
     /// tensorferry's tree record, when tensorferry wrote the index.
     pub record: Option<String>,
-    /// The save that wrote it, when tensorferry did ([`SAVE_ID_KEY`]).
+    /// The save that wrote it, when tensorferry did (`SAVE_ID_KEY`).
     pub save_id: Option<String>,
-    /// The files of the checkpoint it replaced ([`REPLACES_KEY`]), plain names only.
+    /// The files of the checkpoint it replaced (`REPLACES_KEY`), plain names only.
     pub replaces: Vec<String>,
 }
 
@@ -106,7 +106,7 @@ pub(crate) fn check_index_len(len: u64, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Checks the index bytes read from `path` (a file or an object), as [`read_index`] does:
+/// Checks the index bytes read from `path` (a file or an object), as `read_index` does:
 /// every reader of an index, Python's included, checks it here.
 pub fn parse_index(bytes: &[u8], path: &Path) -> Result<Index> {
     let bad = |reason: String| Error::Format {

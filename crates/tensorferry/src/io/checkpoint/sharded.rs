@@ -361,7 +361,7 @@ pub(crate) fn load_index_with(
 }
 
 /// The shard files of the sharded checkpoint at `path` (an index, or a folder or path
-/// that [`super::load`] reads an index from), each once in the index's order of first
+/// that `super::load` reads an index from), each once in the index's order of first
 /// mention, with the index; `None` when `path` is one safetensors file. Reads the index
 /// alone, so that a caller can read the shards' headers without their tensors.
 pub fn shard_files(path: impl AsRef<Path>) -> Result<Option<(PathBuf, Vec<PathBuf>)>> {

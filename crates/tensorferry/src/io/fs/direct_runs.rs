@@ -49,7 +49,7 @@ pub struct RunsRead {
 
 /// Reads `runs` of the file at `path` into fresh buffers of `sizes` bytes, with
 /// `O_DIRECT` where the filesystem allows (else through the page cache, and
-/// [`RunsRead::fallback`] says why). A run outside the file or its destination is an
+/// `RunsRead::fallback` says why). A run outside the file or its destination is an
 /// error naming both.
 ///
 /// ```no_run
