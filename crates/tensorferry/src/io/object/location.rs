@@ -134,58 +134,14 @@ impl Location {
         let parsed = Url::parse(url).map_err(|e| bad(format!("not a URL: {e}")))?;
         let (scheme, key) = ObjectStoreScheme::parse(&parsed).map_err(|e| bad(e.to_string()))?;
         let client_key = ClientKey::of(url, options);
-        if let Some(store) = client_for(&client_key) {
-            return Ok(Location {
-                store,
-                key,
-                url: url.to_string(),
-            });
-        }
-        let retry = RetryConfig {
-            backoff: BackoffConfig::default(),
-            max_retries: options.max_retries,
-            retry_timeout: options.retry_timeout,
+        let store = match client_for(&client_key) {
+            Some(store) => store,
+            None => {
+                let store = build_client(url, &parsed, scheme, options)?;
+                keep_client(client_key, store.clone());
+                store
+            }
         };
-        let built: object_store::Result<Arc<dyn ObjectStore>> = match scheme {
-            ObjectStoreScheme::AmazonS3 => {
-                let builder = object_store::aws::AmazonS3Builder::from_env()
-                    .with_url(url)
-                    // An endpoint the user set to plain HTTP (a server on the same
-                    // network) is taken as given.
-                    .with_allow_http(true)
-                    .with_retry(retry);
-                let endpoint = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
-                let builder = if std::env::var_os("AWS_UNSIGNED_PAYLOAD").is_some() {
-                    builder // the user's choice, read by from_env
-                } else {
-                    builder.with_unsigned_payload(unsigned_payload(endpoint.as_deref()))
-                };
-                builder.build().map(|s| Arc::new(s) as _)
-            }
-            ObjectStoreScheme::GoogleCloudStorage => {
-                object_store::gcp::GoogleCloudStorageBuilder::from_env()
-                    .with_url(url)
-                    .with_retry(retry)
-                    .build()
-                    .map(|s| Arc::new(s) as _)
-            }
-            ObjectStoreScheme::MicrosoftAzure => {
-                object_store::azure::MicrosoftAzureBuilder::from_env()
-                    .with_url(url)
-                    .with_retry(retry)
-                    .build()
-                    .map(|s| Arc::new(s) as _)
-            }
-            ObjectStoreScheme::Http => object_store::http::HttpBuilder::new()
-                .with_url(&parsed[..url::Position::BeforePath])
-                .with_retry(retry)
-                .with_client_options(object_store::ClientOptions::new().with_allow_http(true))
-                .build()
-                .map(|s| Arc::new(s) as _),
-            other => return Err(bad(format!("{other:?} is not an object store"))),
-        };
-        let store = built.map_err(|e| super::failure::from_store("open", url, e))?;
-        keep_client(client_key, store.clone());
         Ok(Location {
             store,
             key,
@@ -235,6 +191,59 @@ impl Location {
             url: format!("{folder_url}/{name}"),
         }
     }
+}
+
+/// A new client for the store `url` (parsed as `parsed`, of `scheme`) names, from the
+/// environment and `options`.
+fn build_client(
+    url: &str,
+    parsed: &Url,
+    scheme: ObjectStoreScheme,
+    options: &ObjectOptions,
+) -> Result<Arc<dyn ObjectStore>> {
+    let bad = |detail: String| failed("open", url, Cause::BadConfig, detail);
+    let retry = RetryConfig {
+        backoff: BackoffConfig::default(),
+        max_retries: options.max_retries,
+        retry_timeout: options.retry_timeout,
+    };
+    let built: object_store::Result<Arc<dyn ObjectStore>> = match scheme {
+        ObjectStoreScheme::AmazonS3 => {
+            let builder = object_store::aws::AmazonS3Builder::from_env()
+                .with_url(url)
+                // An endpoint the user set to plain HTTP (a server on the same
+                // network) is taken as given.
+                .with_allow_http(true)
+                .with_retry(retry);
+            let endpoint = builder.get_config_value(&AmazonS3ConfigKey::Endpoint);
+            let builder = if std::env::var_os("AWS_UNSIGNED_PAYLOAD").is_some() {
+                builder // the user's choice, read by from_env
+            } else {
+                builder.with_unsigned_payload(unsigned_payload(endpoint.as_deref()))
+            };
+            builder.build().map(|s| Arc::new(s) as _)
+        }
+        ObjectStoreScheme::GoogleCloudStorage => {
+            object_store::gcp::GoogleCloudStorageBuilder::from_env()
+                .with_url(url)
+                .with_retry(retry)
+                .build()
+                .map(|s| Arc::new(s) as _)
+        }
+        ObjectStoreScheme::MicrosoftAzure => object_store::azure::MicrosoftAzureBuilder::from_env()
+            .with_url(url)
+            .with_retry(retry)
+            .build()
+            .map(|s| Arc::new(s) as _),
+        ObjectStoreScheme::Http => object_store::http::HttpBuilder::new()
+            .with_url(&parsed[..url::Position::BeforePath])
+            .with_retry(retry)
+            .with_client_options(object_store::ClientOptions::new().with_allow_http(true))
+            .build()
+            .map(|s| Arc::new(s) as _),
+        other => return Err(bad(format!("{other:?} is not an object store"))),
+    };
+    built.map_err(|e| super::failure::from_store("open", url, e))
 }
 
 #[cfg(test)]
