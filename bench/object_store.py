@@ -27,8 +27,9 @@ Jobs, each on one object stored once (by tensorferry, untimed) in the server's f
   same bytes in parallel ranged GETs into memory, no parsing: presigned URLs, one
   keep-alive socket per thread, each answer's body received straight into its place in
   one buffer; --part-mb parts, --concurrency in flight, by the threads of one process (one
-  GIL) and by 4 forked processes of --concurrency/4 threads (into shared memory mapped
-  before the fork). A load's result is new memory, whose pages the kernel faults in as
+  GIL) and by 4 worker processes of --concurrency/4 threads (forked once, when the bench
+  starts, before any tree is built, so that the pages they share with this process are
+  not copied on the next rows' writes; into shared memory mapped before the fork). A load's result is new memory, whose pages the kernel faults in as
   they are first written (about 20,000 faults for 83 MB), so the roofs receive into new
   memory too: the threads' into a new buffer, the processes' each into new private
   memory of its own (freed after the run, untimed). "of roof" compares with the
@@ -53,9 +54,11 @@ Jobs, each on one object stored once (by tensorferry, untimed) in the server's f
 Times: --repeat rounds; in each round every row of a job runs once, the rows' order
 rotated by one place per round (never all of one row first). The table gives the median
 and best of the rounds and computes GB/s, "of roof" and the ratio to the fastest peer
-from the medians (median row / median of the faster roof). Every result is checked
-against the saved tensors once, outside the timing. The server's files are in the page
-cache (read once before). Server and client share this machine's cores, so every figure
+from the medians (median row / median of the faster roof); "faults" is the median of the
+minor page faults this process took in a round of the row (the process roofs' workers
+take theirs in their own processes), and each load's table ends with tensorferry's per
+round. Every result is checked against the saved tensors once, outside the timing. The
+server's files are in the page cache (read once before). Server and client share this machine's cores, so every figure
 is for loopback on this machine, not for a network: on two cores the clients' CPU, not the
 transport, sets the pace. --link-gbit G (root, iproute2) puts the server behind a link of
 G Gbit/s instead: a veth pair to a network namespace of its own, each direction shaped by a
@@ -69,6 +72,7 @@ import http.client
 import json
 import os
 import platform
+import resource
 import shutil
 import socket
 import statistics
@@ -89,6 +93,7 @@ ROOF_FRESH = "roof: ranged GETs, {} MiB, {} procs x {} thr, fresh pages"
 SAVE_THREADS = "roof: multipart, {} MiB, {} threads"
 SAVE_PROCESSES = "roof: multipart, {} MiB, {} procs x {} thr"
 PROCESSES = 4  # worker processes of the process roofs
+FAULTS = {}  # {row: [minor page faults of this process in each round]}, by timed_rounds
 
 
 def server_binary():
@@ -283,22 +288,45 @@ class Kept:
         self.roof.pool.map(_release, range(4 * self.roof.processes), chunksize=1)
 
 
-class ProcessRoof:
-    """The same ranged GETs by ``processes`` forked worker processes of ``threads`` threads
-    each (no GIL shared between them). ``run`` receives into one shared buffer mapped
-    before the fork and reused by every run (so its pages are never faulted in again: a
-    roof that errs high, as no load's result is memory faulted in before); ``run_fresh``
-    into new private memory in each worker, faulted in as the answers land, as a load's
-    new result is (freed after the run, untimed)."""
+class Workers:
+    """The process roofs' worker processes, forked once, when the bench starts: before any
+    tree is built and any row has run, so that they share almost none of this process's
+    memory. (A pool forked later, after load A's rows, shares the heap those rows left:
+    every page of it the next rows write is then copied on that first write, which slows
+    the loads and the peers' rows of the next job, and not the roofs, whose bytes land in
+    the workers or in mapped memory.) ``capacity`` bytes of shared memory, mapped before
+    the fork (:data:`_SHARED`), hold a reused roof's answers or an upload roof's bytes."""
 
-    def __init__(self, size, processes, threads):
+    def __init__(self, capacity, processes):
         import mmap
         import multiprocessing
 
         global _SHARED
-        _SHARED = mmap.mmap(-1, size)  # MAP_SHARED | MAP_ANONYMOUS: the workers write the parent's pages
-        self.size, self.processes, self.threads = size, processes, threads
+        _SHARED = mmap.mmap(-1, capacity)  # MAP_SHARED | MAP_ANONYMOUS: the workers write the parent's pages
+        self.capacity, self.processes = capacity, processes
         self.pool = multiprocessing.get_context("fork").Pool(processes)
+
+    def close(self):
+        global _SHARED
+        self.pool.terminate()
+        self.pool.join()
+        _SHARED.close()
+        _SHARED = None
+
+
+class ProcessRoof:
+    """The same ranged GETs of an object of ``size`` bytes by the worker processes of
+    ``workers`` (:class:`Workers`), of ``threads`` threads each (no GIL shared between
+    them). ``run`` receives into the shared buffer mapped before the fork and reused by
+    every run (so its pages are never faulted in again: a roof that errs high, as no load's
+    result is memory faulted in before); ``run_fresh`` into new private memory in each
+    worker, faulted in as the answers land, as a load's new result is (freed after the
+    run, untimed)."""
+
+    def __init__(self, workers, size, threads):
+        assert size <= workers.capacity, "object larger than the workers' shared memory"
+        self.pool, self.processes = workers.pool, workers.processes
+        self.size, self.threads = size, threads
 
     def _jobs(self, client, key, part):
         url = client.generate_presigned_url("get_object", Params={"Bucket": BUCKET, "Key": key}, ExpiresIn=3600)
@@ -308,7 +336,7 @@ class ProcessRoof:
     def run(self, client, key, part):
         url, shares = self._jobs(client, key, part)
         self.pool.starmap(_get_share, [(url, share, self.threads) for share in shares])
-        return _SHARED
+        return memoryview(_SHARED)[:self.size]
 
     def run_fresh(self, client, key, part, verify=False):
         url, shares = self._jobs(client, key, part)
@@ -322,13 +350,6 @@ class ProcessRoof:
         assert len(crcs) == -(-self.size // part), "roof ranges missing"
         for a, crc in crcs:
             assert crc == zlib.crc32(want[a:a + part]), f"roof bytes differ at {a}"
-
-    def close(self):
-        global _SHARED
-        self.pool.terminate()
-        self.pool.join()
-        _SHARED.close()
-        _SHARED = None
 
 
 def put_parts(view, parts, threads):
@@ -367,12 +388,12 @@ def _put_share(parts, threads):
 
 
 class ProcessUpload(ProcessRoof):
-    """The multipart roof's PUTs by forked worker processes (no GIL shared between them),
-    from ``data`` copied once into memory shared before the fork."""
+    """The multipart roof's PUTs by the worker processes of ``workers`` (no GIL shared
+    between them), from ``data`` copied once into their shared memory."""
 
-    def __init__(self, data, processes, threads):
-        super().__init__(len(data), processes, threads)
-        _SHARED[:] = data
+    def __init__(self, workers, data, threads):
+        super().__init__(workers, len(data), threads)
+        _SHARED[:len(data)] = data
 
     def send(self, parts):
         shares = self.pool.starmap(_put_share, [(parts[i::self.processes], self.threads) for i in range(self.processes)])
@@ -400,15 +421,18 @@ def check_tree(torch, got, want):
 def timed_rounds(rows, repeat):
     """Runs each ``(name, run, check)`` of ``rows`` once per round, ``repeat`` rounds, the
     order rotated by one place per round; ``check(result)`` runs once, untimed, and so
-    do ``result.release()`` (where it has one) and a ``sync`` after each run. Returns {name: [seconds, ...]}."""
+    do ``result.release()`` (where it has one) and a ``sync`` after each run. Returns {name: [seconds, ...]}; each
+    run's minor page faults in this process go to :data:`FAULTS`."""
     times = {name: [] for name, _, _ in rows}
     checked = set()
     for r in range(repeat):
         k = r % len(rows)
         for name, run, check in rows[k:] + rows[:k]:
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             out = run()
             times[name].append(time.perf_counter() - start)
+            FAULTS.setdefault(name, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
             if name not in checked:
                 check(out)
                 checked.add(name)
@@ -427,13 +451,17 @@ def table(say, title, size, times, roofs, tensorferry, peers, high=None):
     roof = min(med[n] for n in roofs)
     fastest = min((med[n] for n in peers if n in med), default=None)
     say(f"## {title}: {size / 1e6:.1f} MB")
-    say(f"{'row':54} {'median s':>9} {'best s':>8} {'GB/s':>6} {'of roof':>8} {'tf speed-up':>11}   rounds (s)")
+    say(f"{'row':54} {'median s':>9} {'best s':>8} {'GB/s':>6} {'of roof':>8} {'tf speed-up':>11} {'faults':>7}"
+        "   rounds (s)")
+    faults_of = {name: FAULTS.pop(name, [0]) for name in times}
     for name, t in times.items():
+        faults = statistics.median(faults_of[name])
         note = ""
         if name not in roofs and name != high and med[name] < roof:
             note = "  (above the roof: roof mismeasured)"
         ratio = f"{med[name] / med[tensorferry]:10.2f}x" if name in peers else f"{'':11}"
-        say(f"{name:54} {med[name]:9.3f} {min(t):8.3f} {size / med[name] / 1e9:6.2f} {roof / med[name]:8.0%} {ratio}   "
+        say(f"{name:54} {med[name]:9.3f} {min(t):8.3f} {size / med[name] / 1e9:6.2f} {roof / med[name]:8.0%} {ratio}"
+            f" {faults:7.0f}   "
             + " ".join(f"{x:.3f}" for x in t) + note)
     if fastest is not None:
         say(f"tensorferry: {roof / med[tensorferry]:.0%} of roof, {fastest / med[tensorferry]:.2f}x the fastest peer")
@@ -441,17 +469,19 @@ def table(say, title, size, times, roofs, tensorferry, peers, high=None):
         say(f"tensorferry: {roof / med[tensorferry]:.0%} of roof")
     if high in med:
         say(f"tensorferry: {med[high] / med[tensorferry]:.0%} of the roof that errs high ({high})")
+    say(f"{tensorferry}, minor page faults of this process in each round: "
+        + " ".join(str(n) for n in faults_of[tensorferry]))
     say()
 
 
-def load_job(args, client, fs, st, torch, tf, key, tree, work):
+def load_job(args, workers, client, fs, st, torch, tf, key, tree, work):
     size = os.path.getsize(os.path.join(work, "s3", BUCKET, key))
     with open(os.path.join(work, "s3", BUCKET, key), "rb") as f:
         want = f.read()  # and the server's file is in the page cache
     url = f"s3://{BUCKET}/{key}"
     part = args.part_mb << 20
     local = os.path.join(work, "download.safetensors")
-    processes = ProcessRoof(size, PROCESSES, max(1, args.concurrency // PROCESSES))
+    processes = ProcessRoof(workers, size, max(1, args.concurrency // PROCESSES))
 
     def boto_download():
         client.download_file(BUCKET, key, local)
@@ -477,22 +507,19 @@ def load_job(args, client, fs, st, torch, tf, key, tree, work):
     ]
     if args.skip_peers:
         rows = [row for row in rows if row[0].startswith("roof") or row[0].startswith("tensorferry")]
-    try:
-        times = timed_rounds(rows, args.repeat)
-    finally:
-        processes.close()
+    times = timed_rounds(rows, args.repeat)
     if os.path.exists(local):
         os.remove(local)
     return size, times
 
 
-def save_job(args, client, st, torch, tf, tree, work):
+def save_job(args, workers, client, st, torch, tf, tree, work):
     with open(os.path.join(work, "s3", BUCKET, LARGE), "rb") as f:
         data = f.read()  # the bytes tensorferry.save writes for `tree`
     saved = os.path.join(work, "s3", BUCKET, SAVED)
     view = memoryview(data)
     threads = max(1, args.concurrency // PROCESSES)
-    processes = ProcessUpload(data, PROCESSES, threads)
+    processes = ProcessUpload(workers, data, threads)
     local = os.path.join(work, "upload.safetensors")
     part = args.part_mb << 20
 
@@ -518,10 +545,7 @@ def save_job(args, client, st, torch, tf, tree, work):
          same_bytes),
         ("st.save_file + boto3 upload_file", peer, same_tree),
     ]
-    try:
-        times = timed_rounds(rows, args.repeat)
-    finally:
-        processes.close()
+    times = timed_rounds(rows, args.repeat)
     os.remove(local)
     return len(data), times
 
@@ -609,12 +633,16 @@ def main():
 
     import tensorferry as tf
 
+    # Forked first, while this process holds little: see Workers. Room for load A's or load
+    # B's object (tensor bytes and a header).
+    workers = Workers(max(args.mb << 20, args.small * (args.small_kb << 10)) + (64 << 20), PROCESSES)
     work = tempfile.mkdtemp(prefix="tf-object-bench-")
     link = Link(args.link_gbit)
     try:
         proc, endpoint = start_server(os.path.join(work, "s3"), link)
     except BaseException:
         link.close()
+        workers.close()
         raise
     os.environ.update({
         "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1",
@@ -659,16 +687,16 @@ def main():
         size = os.path.getsize(os.path.join(work, "s3", BUCKET, LARGE))
         size_b = os.path.getsize(os.path.join(work, "s3", BUCKET, SMALL))
         if "a" in jobs:
-            _, times = load_job(args, client, fs, st, torch, tf, LARGE, large, work)
+            _, times = load_job(args, workers, client, fs, st, torch, tf, LARGE, large, work)
             table(say, f"load A, {len(large)} bf16 tensors", size, times, roofs, "tensorferry.load(s3://)", peers,
                   reused)
         if "b" in jobs:
-            _, times = load_job(args, client, fs, st, torch, tf, SMALL, small, work)
+            _, times = load_job(args, workers, client, fs, st, torch, tf, SMALL, small, work)
             table(say, f"load B, {args.small} bf16 tensors of {args.small_kb} KiB", size_b, times, roofs,
                   "tensorferry.load(s3://)", peers, reused)
         del small
         if "save" in jobs:
-            saved, times = save_job(args, client, st, torch, tf, large, work)
+            saved, times = save_job(args, workers, client, st, torch, tf, large, work)
             save_roofs = [SAVE_THREADS.format(args.part_mb, args.concurrency),
                           SAVE_PROCESSES.format(args.part_mb, PROCESSES, max(1, args.concurrency // PROCESSES))]
             table(say, f"save, load A's {len(large)} tensors", saved, times, save_roofs,
@@ -682,6 +710,7 @@ def main():
         proc.kill()
         proc.wait()
         link.close()
+        workers.close()
         shutil.rmtree(work, ignore_errors=True)
     if args.out:
         with open(args.out, "w") as f:
