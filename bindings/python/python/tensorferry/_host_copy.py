@@ -91,7 +91,7 @@ def copy_many(leaves, out):
     torch = sys.modules.get("torch")
     if torch is None or len(leaves) < 2:
         return leaves
-    tensors = [leaf for _, leaf in leaves]
+    tensors, before = [leaf for _, leaf in leaves], len(out)
     with torch.no_grad():  # views made without autograd's bookkeeping
         for part, stacked, copied in _torch_copies(torch, tensors, False):
             for j, row, done in zip(part, stacked.unbind(0), copied):
@@ -99,6 +99,8 @@ def copy_many(leaves, out):
                     out[id(tensors[j])] = row
                 elif done:  # a dense tensor in another order: its strides, as clone keeps them
                     out[id(tensors[j])] = row.as_strided(row.shape, done)
+    if len(out) - before == len(leaves):
+        return []  # every leaf copied (each under an id of its own)
     return [item for item in leaves if id(item[1]) not in out]
 
 
