@@ -29,7 +29,8 @@ Jobs, each on one object stored once (by tensorferry, untimed) in the server's f
   one buffer; --part-mb parts, --concurrency in flight, by the threads of one process (one
   GIL) and by 4 worker processes of --concurrency/4 threads (forked once, when the bench
   starts, before any tree is built, so that the pages they share with this process are
-  not copied on the next rows' writes; into shared memory mapped before the fork). A load's result is new memory, whose pages the kernel faults in as
+  not copied on the next rows' writes; into shared memory mapped before the fork). A
+  load's result is new memory, whose pages the kernel faults in as
   they are first written (about 20,000 faults for 83 MB), so the roofs receive into new
   memory too: the threads' into a new buffer, the processes' each into new private
   memory of its own (freed after the run, untimed). "of roof" compares with the
@@ -58,8 +59,8 @@ from the medians (median row / median of the faster roof); "faults" is the media
 minor page faults this process took in a round of the row (the process roofs' workers
 take theirs in their own processes), and each load's table ends with tensorferry's per
 round. Every result is checked against the saved tensors once, outside the timing. The
-server's files are in the page cache (read once before). Server and client share this machine's cores, so every figure
-is for loopback on this machine, not for a network: on two cores the clients' CPU, not the
+server's files are in the page cache (read once before). Server and client share this
+machine's cores, so every figure is for loopback on this machine, not for a network: on two cores the clients' CPU, not the
 transport, sets the pace. --link-gbit G (root, iproute2) puts the server behind a link of
 G Gbit/s instead: a veth pair to a network namespace of its own, each direction shaped by a
 token bucket (tc tbf). The roofs run over the same link, so "of roof" then says how much of
