@@ -61,10 +61,11 @@ take theirs in their own processes), and each load's table ends with tensorferry
 round. Every result is checked against the saved tensors once, outside the timing. The
 server's files are in the page cache (read once before). Server and client share this
 machine's cores, so every figure is for loopback on this machine, not for a network: on
-two cores the clients' CPU, not the transport, sets the pace. --link-gbit G (root, iproute2) puts the server behind a link of
-G Gbit/s instead: a veth pair to a network namespace of its own, each direction shaped by a
-token bucket (tc tbf). The roofs run over the same link, so "of roof" then says how much of
-a link that is the bottleneck, as a NIC is, each client fills.
+two cores the clients' CPU, not the transport, sets the pace. --link-gbit G (root,
+iproute2) puts the server behind a link of G Gbit/s instead: a veth pair to a network
+namespace of its own, each direction shaped by a token bucket (tc tbf). The roofs run over
+the same link, so "of roof" then says how much of a link that is the bottleneck, as a NIC
+is, each client fills.
 """
 
 import argparse
