@@ -817,6 +817,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(host_copy::copy_rows, m)?)?;
     m.add_function(wrap_pyfunction!(walk::collect_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(walk::rebuild, m)?)?;
+    m.add_function(wrap_pyfunction!(walk::convert_native, m)?)?;
     m.add_function(wrap_pyfunction!(walk::container_kind, m)?)?;
     m.add_function(wrap_pyfunction!(walk::nested_keys, m)?)?;
     m.add_function(wrap_pyfunction!(walk::prune, m)?)?;

@@ -257,24 +257,109 @@ pub fn collect_tensors<'py>(
         ancestors: Vec::new(),
     };
     let mut walker = Walker {
-        kind_of,
+        kind_of: Some(kind_of),
         skip_numpy,
         select,
         tensor_types: Vec::new(),
-        out: Vec::new(),
+        paths: Some(Vec::new()),
+        leaves: Vec::new(),
     };
     walker.collect(obj, &mut at)?;
-    Ok(walker.out)
+    Ok(walker
+        .paths
+        .unwrap_or_default()
+        .into_iter()
+        .zip(walker.leaves)
+        .collect())
+}
+
+/// `obj` with each tensorferry tensor in it (exactly `Tensor`; NumPy arrays and other
+/// objects are kept) replaced by what `convert` makes of it, in one call for all of them:
+/// `convert(tensors, paths)` gets the list of those tensors in traversal order, each once
+/// (a tensor under two keys, as tied weights are, has one replacement, put under both),
+/// and their key paths (a list of tuples; a tensor's first) when `paths` is true, else
+/// None, and returns a sequence of as many replacements, in the same order (a tensor
+/// itself where it is to stay). Nothing is rebuilt, and `convert` is not called, when
+/// `obj` holds no such tensor. Two passes over `obj`, the replacements put in by their
+/// order: what a load's conversion to a framework takes.
+#[pyfunction]
+#[pyo3(signature = (obj, convert, paths=false))]
+pub fn convert_native<'py>(
+    obj: &Bound<'py, PyAny>,
+    convert: &Bound<'py, PyAny>,
+    paths: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = obj.py();
+    let mut walker = Walker {
+        kind_of: None,
+        skip_numpy: true,
+        select: None,
+        tensor_types: Vec::new(),
+        paths: paths.then(Vec::new),
+        leaves: Vec::new(),
+    };
+    walker.collect(obj, &mut Position::default())?;
+    if walker.leaves.is_empty() {
+        return Ok(obj.clone());
+    }
+    // Each tensor once: `order[i]` is the place among `unique` of the i-th one met.
+    let mut first = std::collections::HashMap::with_capacity(walker.leaves.len());
+    let (mut unique, mut unique_paths) = (Vec::new(), Vec::new());
+    let mut order = Vec::with_capacity(walker.leaves.len());
+    for (i, leaf) in walker.leaves.iter().enumerate() {
+        order.push(*first.entry(leaf.as_ptr() as usize).or_insert_with(|| {
+            unique.push(leaf.clone());
+            if let Some(paths) = &walker.paths {
+                unique_paths.push(paths[i].clone());
+            }
+            unique.len() - 1
+        }));
+    }
+    let keys = match paths {
+        true => Some(PyList::new(py, unique_paths)?),
+        false => None,
+    };
+    let made = convert.call1((PyList::new(py, &unique)?, keys))?;
+    let made: Vec<Bound<'py, PyAny>> = made.try_iter()?.collect::<PyResult<_>>()?;
+    if made.len() != unique.len() {
+        return Err(crate::errors::runtime_err(format!(
+            "convert_native: {} replacements for {} tensors",
+            made.len(),
+            unique.len()
+        )));
+    }
+    let r = Rebuilder {
+        replacements: &PyDict::new(py),
+        plain: false,
+        strict: None,
+        skip_numpy: false,
+        convert: None,
+        in_order: Some(InOrder {
+            leaves: walker.leaves,
+            order,
+            made,
+            next: std::cell::Cell::new(0),
+        }),
+    };
+    let out = r.rebuild(obj, &mut Position::default())?;
+    match r.in_order {
+        Some(o) if o.next.get() == o.leaves.len() => Ok(out),
+        _ => Err(changed(&[])),
+    }
 }
 
 struct Walker<'a, 'py> {
-    kind_of: &'a Bound<'py, PyAny>,
+    /// Which other objects are tensors (None: only tensorferry's own tensors and NumPy
+    /// arrays are).
+    kind_of: Option<&'a Bound<'py, PyAny>>,
     skip_numpy: bool,
     select: Option<Bound<'py, PyAny>>,
     /// The types `kind_of` has called tensors in this call: a dictionary of 20,000 PyTorch
     /// tensors asks it once, not 20,000 times.
     tensor_types: Vec<Bound<'py, PyType>>,
-    out: Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>,
+    /// Each leaf's key path, when asked for.
+    paths: Option<Vec<Bound<'py, PyTuple>>>,
+    leaves: Vec<Bound<'py, PyAny>>,
 }
 
 /// True for the state dict of a PyTorch optimizer (it holds "state" and "param_groups")
@@ -310,12 +395,11 @@ fn may_be_data(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
 
 impl<'py> Walker<'_, 'py> {
     fn collect(&mut self, obj: &Bound<'py, PyAny>, at: &mut Position<'py>) -> PyResult<()> {
-        let py = obj.py();
         let kind = match Kind::exact(obj)? {
             Some(kind) => kind,
             None if self.is_tensor(obj)? => {
                 if !(self.skip_numpy && is_exact_ndarray(obj)?) {
-                    self.out.push((at.key(py)?, obj.clone()));
+                    self.push(obj, at)?;
                 }
                 return Ok(());
             }
@@ -325,7 +409,7 @@ impl<'py> Walker<'_, 'py> {
             return Ok(());
         }
         if kind == Kind::List && self.is_data(obj, at)? {
-            self.out.push((at.key(py)?, obj.clone()));
+            self.push(obj, at)?;
             return Ok(());
         }
         // In a PyTorch optimizer's or scheduler's state, only tensors are leaves.
@@ -340,6 +424,15 @@ impl<'py> Walker<'_, 'py> {
         walked
     }
 
+    /// Takes `obj` as a leaf, with its path when paths are kept.
+    fn push(&mut self, obj: &Bound<'py, PyAny>, at: &Position<'py>) -> PyResult<()> {
+        if let Some(paths) = &mut self.paths {
+            paths.push(at.key(obj.py())?);
+        }
+        self.leaves.push(obj.clone());
+        Ok(())
+    }
+
     /// True for a tensor leaf (as `kind_of` says); plain values are not asked about.
     fn is_tensor(&mut self, obj: &Bound<'py, PyAny>) -> PyResult<bool> {
         if obj.is_exact_instance_of::<PyTensor>() || is_exact_ndarray(obj)? {
@@ -352,7 +445,10 @@ impl<'py> Walker<'_, 'py> {
         if self.tensor_types.iter().any(|t| t.is(&ty)) {
             return Ok(true);
         }
-        if self.kind_of.call1((obj,))?.is_none() {
+        let Some(kind_of) = self.kind_of else {
+            return Ok(false);
+        };
+        if kind_of.call1((obj,))?.is_none() {
             return Ok(false);
         }
         self.tensor_types.push(ty);
@@ -394,6 +490,7 @@ pub fn rebuild<'py>(
         strict,
         skip_numpy,
         convert,
+        in_order: None,
     };
     r.rebuild(obj, &mut Position::default())
 }
@@ -404,6 +501,36 @@ struct Rebuilder<'a, 'py> {
     strict: Option<Bound<'py, PyAny>>,
     skip_numpy: bool,
     convert: Option<(Bound<'py, PyType>, Bound<'py, PyAny>)>,
+    /// [`convert_native`]'s replacements of tensorferry tensors, by their order.
+    in_order: Option<InOrder<'py>>,
+}
+
+/// Replacements taken in traversal order: the `next` tensor met must be `leaves[next]`,
+/// and its replacement is `made[order[next]]`.
+struct InOrder<'py> {
+    leaves: Vec<Bound<'py, PyAny>>,
+    order: Vec<usize>,
+    made: Vec<Bound<'py, PyAny>>,
+    next: std::cell::Cell<usize>,
+}
+
+impl<'py> InOrder<'py> {
+    /// The replacement of the tensor `obj`, met at `path`: an error when it is not the
+    /// tensor collected in its place (the structure changed in between).
+    fn take(
+        &self,
+        obj: &Bound<'py, PyAny>,
+        path: &[Bound<'py, PyAny>],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let i = self.next.get();
+        match self.leaves.get(i) {
+            Some(leaf) if leaf.is(obj) => {
+                self.next.set(i + 1);
+                Ok(self.made[self.order[i]].clone())
+            }
+            _ => Err(changed(path)),
+        }
+    }
 }
 
 impl<'py> Rebuilder<'_, 'py> {
@@ -415,6 +542,11 @@ impl<'py> Rebuilder<'_, 'py> {
         if !self.replacements.is_empty() {
             if let Some(r) = self.replacements.get_item(obj.as_ptr() as usize)? {
                 return Ok(r);
+            }
+        }
+        if let Some(in_order) = &self.in_order {
+            if obj.is_exact_instance_of::<PyTensor>() {
+                return in_order.take(obj, &at.path);
             }
         }
         let kind = match Kind::exact(obj)? {

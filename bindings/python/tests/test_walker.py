@@ -179,3 +179,63 @@ def test_load_keys_keeps_the_named_leaves_and_drops_containers_left_empty(tmp_pa
     np.testing.assert_array_equal(out["l"][0], w + 4)
     whole = tf.load(path, keys="a")
     assert list(whole) == ["a"] and list(whole["a"]) == ["x", "y"]
+
+
+def _natives(n):
+    return [tf.to_device(np.full(3, float(i), np.float32), "cpu", like="tensorferry") for i in range(n)]
+
+
+def test_convert_native_replaces_each_tensor_once_by_order_and_keeps_every_other_leaf():
+    from tensorferry import _native
+
+    a, b, c = _natives(3)
+    arr = np.arange(2.0)
+    tree = {"x": a, "l": [b, Pair(c, "s")], "tied": a, "r": Row([arr, 7]), "f": Frozen({"k": b})}
+    seen = []
+
+    def convert(tensors, paths):
+        seen.append((list(tensors), paths))
+        return [("made", float(t.numpy()[0])) for t in tensors]
+
+    out = _native.convert_native(tree, convert, True)
+    [(tensors, paths)] = seen
+    assert [float(t.numpy()[0]) for t in tensors] == [0.0, 1.0, 2.0]  # a, b, c: each once
+    assert paths == [("x",), ("l", 0), ("l", 1, 0)]  # a tensor's first path
+    assert out["x"] is out["tied"] and out["x"] == ("made", 0.0)
+    assert out["l"][0] is out["f"]["k"] and out["l"][1] == Pair(("made", 2.0), "s")
+    assert type(out["l"][1]) is Pair and type(out["r"]) is Row and type(out["f"]) is Frozen
+    assert out["r"][0] is arr and out["r"][1] == 7
+    assert tree["x"] is a  # the input is not changed
+    assert _native.convert_native(tree, lambda t, p: seen.append(p) or list(t), False)["x"] is a
+    assert seen[-1] is None  # no paths unless asked for
+
+
+def test_convert_native_without_tensors_calls_nothing_and_gives_the_same_object():
+    from tensorferry import _native
+
+    tree = {"a": np.arange(2.0), "b": [1, "s"]}
+    assert _native.convert_native(tree, lambda *_: pytest.fail("called"), True) is tree
+
+
+def test_convert_native_refuses_a_wrong_count_and_a_tree_changed_by_convert():
+    from tensorferry import _native
+
+    a, b, late = _natives(3)
+    with pytest.raises(RuntimeError, match="1 replacements for 2 tensors"):
+        _native.convert_native({"a": a, "b": b}, lambda t, p: t[:1])
+    tree = {"a": a, "b": b}
+
+    def swaps(tensors, paths):
+        tree["a"] = late  # another tensor where the first one was
+        return tensors
+
+    with pytest.raises(RuntimeError, match="changed during the call at .*a"):
+        _native.convert_native(tree, swaps)
+    tree = {"a": a}
+
+    def adds(tensors, paths):
+        tree["z"] = late
+        return tensors
+
+    with pytest.raises(RuntimeError, match="changed during the call"):
+        _native.convert_native(tree, adds)

@@ -927,9 +927,6 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
             # The frameworks recorded at save time: the default, and {name: framework} for
             # the exceptions to it, read as the native load reads them.
             default, exceptions = _native.recorded_frameworks(meta.get(_FRAMEWORKS_KEY), meta.get("format"))
-            leaves = _native.collect_tensors(tree, fw.kind_of, True)
-            if set(map(type, (t for _, t in leaves))) - {fw.Tensor}:
-                leaves = [(p, t) for p, t in leaves if type(t) is fw.Tensor]
             # Only the frameworks the file names are imported (importing all three would cost a
             # process seconds on its first load).
             held = {}
@@ -940,27 +937,40 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
                 return held[kind]
 
             uniform = like or (default if not exceptions else None)
-            if uniform is not None and holds(uniform):
+            if uniform is not None and not holds(uniform):
+                uniform = None
+
+            def convert(tensors, paths):
                 # One framework for every tensor (the common case): no name to look up.
-                kinds, todo = [uniform] * len(leaves), leaves
-            else:
-                kinds, todo = [], []
-                for p, t in leaves:
-                    kind = like or exceptions.get(dotted(p), default)
-                    if holds(kind):
-                        kinds.append(kind)
-                        todo.append((p, t))
-                    elif kind != fw.NATIVE and not on_device and numpy_can_hold(t.dtype):
-                        kinds.append(fw.NUMPY)
-                        todo.append((p, t))
-            paths, tensors = zip(*todo) if todo else ((), ())
-            # PyTorch tensors of bytes still arriving are views made ahead of them; other
-            # frameworks get the bytes once in.
-            promised = arrival is not None and set(kinds) == {fw.TORCH}
-            if arrival is not None and not promised:
-                arrival.wait()
-            results = fw.from_native_many(tensors, kinds, paths, promised=promised)
-            result = _native.rebuild(tree, dict(zip(map(id, tensors), results)))
+                # Else each tensor's own, or NumPy's, or it stays a tensorferry tensor.
+                if uniform is not None:
+                    kinds, todo = [uniform] * len(tensors), range(len(tensors))
+                else:
+                    kinds, todo = [], []
+                    for i, (p, t) in enumerate(zip(paths, tensors)):
+                        kind = like or exceptions.get(dotted(p), default)
+                        if holds(kind):
+                            kinds.append(kind)
+                            todo.append(i)
+                        elif kind != fw.NATIVE and not on_device and numpy_can_hold(t.dtype):
+                            kinds.append(fw.NUMPY)
+                            todo.append(i)
+                # PyTorch tensors of bytes still arriving are views made ahead of them; other
+                # frameworks get the bytes once in.
+                promised = arrival is not None and set(kinds) == {fw.TORCH}
+                if arrival is not None and not promised:
+                    arrival.wait()
+                if uniform is not None:
+                    return fw.from_native_many(tensors, kinds, paths, promised=promised)
+                made = fw.from_native_many([tensors[i] for i in todo], kinds, [paths[i] for i in todo],
+                                           promised=promised)
+                for i, r in zip(todo, made):
+                    tensors[i] = r
+                return tensors
+
+            # Paths are for looking names up and for naming a tensor that fails to convert;
+            # PyTorch's conversion cannot fail on a tensor a load made.
+            result = _native.convert_native(tree, convert, uniform != fw.TORCH)
         if dtype is not None:
             result = _select.cast(result, dtype)
         if arrival is not None:
@@ -970,7 +980,7 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
             arrival.cancel()  # returns once nothing writes the memory any more
             # No view of bytes that did not all arrive is left to read, even through the
             # traceback's frames.
-            tree = result = results = None
+            tree = result = None
             traceback.clear_frames(e.__traceback__)
         raise
     return result
