@@ -281,7 +281,9 @@ pub fn collect_tensors<'py>(
 /// None, and returns a sequence of as many replacements, in the same order (a tensor
 /// itself where it is to stay). Nothing is rebuilt, and `convert` is not called, when
 /// `obj` holds no such tensor. Two passes over `obj`, the replacements put in by their
-/// order: what a load's conversion to a framework takes.
+/// order: what a load's conversion to a framework takes. A tensor met in the second pass
+/// that is not the one collected in its place, or one not met again, is an error (a
+/// container whose `items()` order is not the same on both passes is one too).
 #[pyfunction]
 #[pyo3(signature = (obj, convert, paths=false))]
 pub fn convert_native<'py>(
@@ -342,10 +344,17 @@ pub fn convert_native<'py>(
         }),
     };
     let out = r.rebuild(obj, &mut Position::default())?;
-    match r.in_order {
-        Some(o) if o.next.get() == o.leaves.len() => Ok(out),
-        _ => Err(changed(&[])),
+    let (met, collected) = r
+        .in_order
+        .map_or((0, 0), |o| (o.next.get(), o.leaves.len()));
+    if met != collected {
+        return Err(crate::errors::runtime_err(format!(
+            "the structure changed during the call: {} of its {collected} tensors were gone \
+             when it was rebuilt (another thread modified it?)",
+            collected - met
+        )));
     }
+    Ok(out)
 }
 
 struct Walker<'a, 'py> {

@@ -239,3 +239,26 @@ def test_convert_native_refuses_a_wrong_count_and_a_tree_changed_by_convert():
 
     with pytest.raises(RuntimeError, match="changed during the call"):
         _native.convert_native(tree, adds)
+    tree = {"a": a, "b": b}
+
+    def drops(tensors, paths):
+        del tree["b"]
+        return tensors
+
+    with pytest.raises(RuntimeError, match="1 of its 2 tensors were gone"):
+        _native.convert_native(tree, drops)
+    with pytest.raises(TypeError):
+        _native.convert_native({"a": a}, lambda t, p: None)  # no sequence of replacements
+
+
+def test_a_tensor_saved_under_two_names_loads_as_one_object_in_its_first_names_framework(tmp_path):
+    torch = pytest.importorskip("torch")
+    t = torch.arange(6.0)
+    path = tmp_path / "tied.safetensors"
+    tf.save({"a": t, "b": t.numpy()}, path)  # one tensor, stored once, from two frameworks
+    out = tf.load(path)
+    assert out["a"] is out["b"] and isinstance(out["a"], torch.Tensor)
+    tf.save({"b": t.numpy(), "a": t}, path)
+    out = tf.load(path)
+    assert out["a"] is out["b"] and isinstance(out["b"], np.ndarray)
+    np.testing.assert_array_equal(out["a"], np.arange(6.0, dtype=np.float32))

@@ -968,8 +968,8 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
                     tensors[i] = r
                 return tensors
 
-            # Paths are for looking names up and for naming a tensor that fails to convert;
-            # PyTorch's conversion cannot fail on a tensor a load made.
+            # Paths are for looking names up, and for naming a tensor that fails to convert
+            # one at a time; PyTorch's conversion of many takes none (it fails as a whole).
             result = _native.convert_native(tree, convert, uniform != fw.TORCH)
         if dtype is not None:
             result = _select.cast(result, dtype)
