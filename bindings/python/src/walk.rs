@@ -450,13 +450,13 @@ impl<'py> Walker<'_, 'py> {
         if is_plain(obj) {
             return Ok(false);
         }
+        let Some(kind_of) = self.kind_of else {
+            return Ok(false);
+        };
         let ty = obj.get_type();
         if self.tensor_types.iter().any(|t| t.is(&ty)) {
             return Ok(true);
         }
-        let Some(kind_of) = self.kind_of else {
-            return Ok(false);
-        };
         if kind_of.call1((obj,))?.is_none() {
             return Ok(false);
         }

@@ -944,7 +944,7 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
                 # One framework for every tensor (the common case): no name to look up.
                 # Else each tensor's own, or NumPy's, or it stays a tensorferry tensor.
                 if uniform is not None:
-                    kinds, todo = [uniform] * len(tensors), range(len(tensors))
+                    kinds = [uniform] * len(tensors)
                 else:
                     kinds, todo = [], []
                     for i, (p, t) in enumerate(zip(paths, tensors)):
