@@ -415,7 +415,7 @@ fn recorded_frameworks(
 /// NumPy arrays viewing each host tensor (zero-copy), in order.
 #[pyfunction]
 fn to_numpy_many<'py>(tensors: Vec<Bound<'py, PyTensor>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    guard(|| tensors.iter().map(numpy_interop::tensor_to_array).collect())
+    guard(|| tensors.iter().map(tensor::to_array).collect())
 }
 
 /// `({id(leaf): array}, other leaves)` for `[(path, leaf)]`: every `tensorferry.Tensor`
@@ -425,7 +425,7 @@ fn native_leaves_to_numpy<'py>(
     py: Python<'py>,
     leaves: &Bound<'py, PyList>,
 ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    guard(|| numpy_interop::native_leaves_to_numpy(py, leaves))
+    guard(|| tensor::native_leaves_to_numpy(py, leaves))
 }
 
 /// The rows of `tensor` (the slices along its first dimension) as tensors viewing its

@@ -7,12 +7,11 @@ use numpy::npyffi::{self, npy_intp, PY_ARRAY_API};
 use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyTuple, PyType};
+use pyo3::types::PyType;
 use tensorferry::internal::storage::ForeignMemory;
 use tensorferry::{DType, Device, Storage, Tensor};
 
 use crate::errors::{format_err, IntoPy};
-use crate::tensor::PyTensor;
 
 pub const NPY_ARRAY_WRITEABLE: c_int = 0x0400;
 
@@ -185,20 +184,14 @@ pub fn is_ndarray(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
     obj.is_instance(T.import(obj.py(), "numpy", "ndarray")?)
 }
 
-/// A NumPy array viewing a host tensor; its base is the tensor object, which keeps the
-/// memory alive. Read-only memory gives a read-only array.
-pub fn tensor_to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py, PyAny>> {
-    let py = tensor.py();
-    let t = &tensor.get().inner;
-    if !t.device().is_host() {
-        // Device memory: copy to the host (after the copies queued into it), then view that.
-        let host = crate::wait::move_tensors(py, &[t], Device::Cpu, Default::default())?;
-        let host = host.into_iter().next().expect("one result per source");
-        return tensor_to_array(&Bound::new(py, PyTensor::new(host))?);
-    }
-    // Always: a failed copy is "ready" too, and must raise, never show its buffer.
-    crate::wait::wait_all(py, [t])?;
-    let descr = descr_for(py, t.dtype())?;
+/// A NumPy array viewing `t`, a host tensor, whose base is `base`. Read-only memory gives
+/// a read-only array.
+///
+/// # Safety
+/// `t` is in host memory, every copy into it has ended, and `base` keeps its storage
+/// alive for as long as `base` lives.
+pub unsafe fn host_array<'py>(t: &Tensor, base: Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let descr = descr_for(base.py(), t.dtype())?;
     let size = t.dtype().size() as isize;
     let mut dims: Vec<npy_intp> = t.shape().iter().map(|&d| d as npy_intp).collect();
     let mut strides: Vec<npy_intp> = t
@@ -214,8 +207,8 @@ pub fn tensor_to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py
         NPY_ARRAY_WRITEABLE
     };
     // SAFETY: dims and strides have one entry per dimension and describe memory inside the
-    // tensor's storage (read-only memory flagged so), which the array's base, the tensor
-    // object, keeps alive for the array's lifetime.
+    // tensor's storage (read-only memory flagged so), which the array's base keeps alive for
+    // the array's lifetime (this function's contract).
     unsafe {
         array_over(
             descr,
@@ -223,7 +216,7 @@ pub fn tensor_to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py
             &mut strides,
             t.data_ptr() as *mut std::ffi::c_void,
             flags,
-            tensor.clone().into_any(),
+            base,
         )
     }
 }
@@ -289,63 +282,4 @@ pub fn import_or_convert(array: &Bound<'_, PyAny>) -> PyResult<Tensor> {
             dtype.str().map(|s| s.to_string()).unwrap_or_default()
         ))
     })
-}
-
-/// The `tensorferry.Tensor` leaves of `[(path, leaf)]` as NumPy arrays, in one pass:
-/// `({id(leaf): array}, [(path, leaf)] of every other leaf)`. Tensors in device memory
-/// come to the host first, all in one planned transfer; host tensors are viewed
-/// (zero-copy). A dtype NumPy needs ml_dtypes for, without it, is an error naming the key.
-pub fn native_leaves_to_numpy<'py>(
-    py: Python<'py>,
-    leaves: &Bound<'py, PyList>,
-) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
-    let arrays = PyDict::new(py);
-    let rest = PyList::empty(py);
-    let mut natives: Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>, Bound<'py, PyTensor>)> =
-        Vec::with_capacity(leaves.len());
-    let mut on_device = Vec::new();
-    for item in leaves.iter() {
-        let (path, leaf): (Bound<'py, PyTuple>, Bound<'py, PyAny>) = item.extract()?;
-        let Ok(tensor) = leaf.cast_exact::<PyTensor>() else {
-            rest.append((path, leaf))?;
-            continue;
-        };
-        let tensor = tensor.clone();
-        if !tensor.get().inner.device().is_host() {
-            on_device.push(natives.len());
-        }
-        natives.push((path, leaf, tensor));
-    }
-    if !on_device.is_empty() {
-        let sources: Vec<&Tensor> = on_device
-            .iter()
-            .map(|&i| &natives[i].2.get().inner)
-            .collect();
-        let hosted = crate::wait::move_tensors(py, &sources, Device::Cpu, Default::default())?;
-        for (i, host) in on_device.into_iter().zip(hosted) {
-            natives[i].2 = Bound::new(py, PyTensor::new(host))?;
-        }
-    }
-    let mut ml_dtypes_found = false;
-    for (path, leaf, tensor) in natives {
-        let dtype = tensor.get().inner.dtype();
-        if !dtype.is_numpy_native() && !dtype.is_ml_dtypes() {
-            let key = py
-                .import("tensorferry._tree")?
-                .call_method1("shown", (path,))?;
-            return Err(no_numpy_dtype(dtype, &key.str()?.to_cow()?));
-        }
-        if !dtype.is_numpy_native() && !ml_dtypes_found {
-            // Raises the error naming the key (as the Python rules show paths) when
-            // ml_dtypes is missing.
-            let key = py
-                .import("tensorferry._tree")?
-                .call_method1("shown", (path,))?;
-            py.import("tensorferry._numpy")?
-                .call_method1("require_ml_dtypes", (dtype.name(), key))?;
-            ml_dtypes_found = true;
-        }
-        arrays.set_item(leaf.as_ptr() as usize, tensor_to_array(&tensor)?)?;
-    }
-    Ok((arrays, rest))
 }

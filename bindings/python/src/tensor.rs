@@ -1,7 +1,7 @@
 //! `tensorferry.Tensor`: a native tensor seen from Python, with NumPy and DLPack exchange.
 
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyList, PyTuple};
 use tensorferry::internal::backend::StreamHandle;
 use tensorferry::{Device, Tensor};
 
@@ -103,7 +103,7 @@ impl PyTensor {
     /// >>> tf.Tensor.from_numpy(np.ones(2, np.int64)).numpy()
     /// array([1, 1])
     fn numpy(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
-        Ok(numpy_interop::tensor_to_array(slf)?.unbind())
+        Ok(to_array(slf)?.unbind())
     }
 
     /// NumPy's array protocol: `np.asarray(tensor)`.
@@ -113,7 +113,7 @@ impl PyTensor {
         dtype: Option<Bound<'_, PyAny>>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let mut arr = numpy_interop::tensor_to_array(slf)?;
+        let mut arr = to_array(slf)?;
         if let Some(dt) = dtype {
             arr = arr.call_method1("astype", (dt,))?;
         } else if copy == Some(true) {
@@ -272,4 +272,81 @@ pub fn consumer_stream(
             "{h} is not a CUDA stream handle"
         ))),
     }
+}
+
+/// A NumPy array of `tensor`: a view of host memory (its base is the tensor object, which
+/// keeps the memory alive), or a view of a host copy of device memory.
+pub fn to_array<'py>(tensor: &Bound<'py, PyTensor>) -> PyResult<Bound<'py, PyAny>> {
+    let py = tensor.py();
+    let t = &tensor.get().inner;
+    if !t.device().is_host() {
+        // Device memory: copy to the host (after the copies queued into it), then view that.
+        let host = crate::wait::move_tensors(py, &[t], Device::Cpu, Default::default())?;
+        let host = host.into_iter().next().expect("one result per source");
+        return to_array(&Bound::new(py, PyTensor::new(host))?);
+    }
+    // Always: a failed copy is "ready" too, and must raise, never show its buffer.
+    crate::wait::wait_all(py, [t])?;
+    // SAFETY: `t` is on the host, every copy into it has ended (above), and the base, the
+    // tensor object, holds `t` and with it its storage.
+    unsafe { numpy_interop::host_array(t, tensor.clone().into_any()) }
+}
+
+/// The `tensorferry.Tensor` leaves of `[(path, leaf)]` as NumPy arrays, in one pass:
+/// `({id(leaf): array}, [(path, leaf)] of every other leaf)`. Tensors in device memory
+/// come to the host first, all in one planned transfer; host tensors are viewed
+/// (zero-copy). A dtype NumPy needs ml_dtypes for, without it, is an error naming the key.
+pub fn native_leaves_to_numpy<'py>(
+    py: Python<'py>,
+    leaves: &Bound<'py, PyList>,
+) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
+    let arrays = PyDict::new(py);
+    let rest = PyList::empty(py);
+    let mut natives: Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>, Bound<'py, PyTensor>)> =
+        Vec::with_capacity(leaves.len());
+    let mut on_device = Vec::new();
+    for item in leaves.iter() {
+        let (path, leaf): (Bound<'py, PyTuple>, Bound<'py, PyAny>) = item.extract()?;
+        let Ok(tensor) = leaf.cast_exact::<PyTensor>() else {
+            rest.append((path, leaf))?;
+            continue;
+        };
+        let tensor = tensor.clone();
+        if !tensor.get().inner.device().is_host() {
+            on_device.push(natives.len());
+        }
+        natives.push((path, leaf, tensor));
+    }
+    if !on_device.is_empty() {
+        let sources: Vec<&Tensor> = on_device
+            .iter()
+            .map(|&i| &natives[i].2.get().inner)
+            .collect();
+        let hosted = crate::wait::move_tensors(py, &sources, Device::Cpu, Default::default())?;
+        for (i, host) in on_device.into_iter().zip(hosted) {
+            natives[i].2 = Bound::new(py, PyTensor::new(host))?;
+        }
+    }
+    let mut ml_dtypes_found = false;
+    for (path, leaf, tensor) in natives {
+        let dtype = tensor.get().inner.dtype();
+        if !dtype.is_numpy_native() && !dtype.is_ml_dtypes() {
+            let key = py
+                .import("tensorferry._tree")?
+                .call_method1("shown", (path,))?;
+            return Err(numpy_interop::no_numpy_dtype(dtype, &key.str()?.to_cow()?));
+        }
+        if !dtype.is_numpy_native() && !ml_dtypes_found {
+            // Raises the error naming the key (as the Python rules show paths) when
+            // ml_dtypes is missing.
+            let key = py
+                .import("tensorferry._tree")?
+                .call_method1("shown", (path,))?;
+            py.import("tensorferry._numpy")?
+                .call_method1("require_ml_dtypes", (dtype.name(), key))?;
+            ml_dtypes_found = true;
+        }
+        arrays.set_item(leaf.as_ptr() as usize, to_array(&tensor)?)?;
+    }
+    Ok((arrays, rest))
 }

@@ -329,7 +329,7 @@ impl Converter<'_, '_> {
         let kept = keyed.then(|| t.clone());
         let obj = Bound::new(py, PyTensor::new(t))?;
         let obj = if numpy {
-            crate::numpy_interop::tensor_to_array(&obj)?.unbind()
+            crate::tensor::to_array(&obj)?.unbind()
         } else {
             obj.into_any().unbind()
         };
