@@ -6,16 +6,13 @@
 //! synchronises on it before reading. Export waits for tensorferry's own pending copies
 //! first, so it names no stream and any consumer may read at once.
 
-use std::sync::Arc;
-
 // `AttributeError` is the protocol's answer for "no interface here" (`hasattr` says no):
 // the one bare built-in the binding raises.
 use pyo3::exceptions::PyAttributeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use tensorferry::internal::backend::StreamHandle;
-use tensorferry::internal::storage::ForeignMemory;
-use tensorferry::{DType, Device, Storage, Tensor};
+use tensorferry::{DType, Device, Tensor};
 
 use crate::errors::IntoPy;
 
@@ -136,11 +133,9 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
                 .collect::<PyResult<_>>()?
         }
     };
-    tensorferry::internal::tensor::checked_nbytes(dtype, &shape)
+    let nbytes = tensorferry::internal::tensor::checked_nbytes(dtype, &shape)
         .ok_or_else(|| invalid("shape overflows"))?;
-    let (below, above) = tensorferry::internal::tensor::byte_extent(&shape, &strides, size)
-        .ok_or_else(|| invalid("shape and strides overflow the address space"))?;
-    if address == 0 && above > below {
+    if address == 0 && nbytes > 0 {
         return Err(invalid("null data pointer for a non-empty array"));
     }
     // Version 3: the consumer synchronises on the producer's stream before reading.
@@ -184,20 +179,21 @@ pub fn import(obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
         }
         None => {}
     }
-    let lowest = address.wrapping_add_signed(below) as *mut u8;
-    let span = (above - below) as usize;
     let owner = Box::new(Producer(Some(obj.clone().unbind())));
-    // SAFETY: the producer promises, by the interface, that `span` bytes from the lowest
-    // element are device memory valid while the object lives; `owner` keeps it alive for
-    // as long as the storage, and the extent was computed with overflow checks.
-    let memory = unsafe { ForeignMemory::new(lowest, span, device, read_only, owner) };
-    Tensor::from_storage(
-        Arc::new(Storage::foreign(memory)),
-        (-below) as usize,
-        dtype,
-        shape,
-        strides,
-    )
+    // SAFETY: the producer promises, by the interface, that the elements it describes from
+    // `address` are device memory valid while the object lives; `owner` keeps it alive for
+    // as long as the storage (`from_foreign` checks the extent for overflow).
+    unsafe {
+        Tensor::from_foreign(
+            address as *mut u8,
+            device,
+            read_only,
+            owner,
+            dtype,
+            shape,
+            strides,
+        )
+    }
     .py_err()
 }
 

@@ -8,8 +8,7 @@ use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMet
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
-use tensorferry::internal::storage::ForeignMemory;
-use tensorferry::{DType, Device, Storage, Tensor};
+use tensorferry::{DType, Device, Tensor};
 
 use crate::errors::{format_err, IntoPy};
 
@@ -89,31 +88,20 @@ pub fn array_to_tensor(obj: &Bound<'_, PyAny>) -> PyResult<Option<Tensor>> {
     let shape: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
     let strides: Vec<isize> = byte_strides.iter().map(|&s| s / size).collect();
     let read_only = fields.flags & NPY_ARRAY_WRITEABLE == 0;
-    let Some((below, above)) =
-        tensorferry::internal::tensor::byte_extent(&shape, &strides, size as usize)
-    else {
-        return Ok(None);
-    };
-    let lowest = (fields.data as *mut u8).wrapping_offset(below);
     let owner: Py<PyAny> = obj.clone().unbind();
     // SAFETY: the array's data holds the described elements while the array lives, which
-    // `owner` ensures; the span covers exactly the elements; read-only arrays stay read-only.
-    let memory = unsafe {
-        ForeignMemory::new(
-            lowest,
-            (above - below) as usize,
+    // `owner` ensures; read-only arrays stay read-only.
+    unsafe {
+        Tensor::from_foreign(
+            fields.data as *mut u8,
             Device::Cpu,
             read_only,
             Box::new(owner),
+            dtype,
+            shape,
+            strides,
         )
-    };
-    Tensor::from_storage(
-        std::sync::Arc::new(Storage::foreign(memory)),
-        (-below) as usize,
-        dtype,
-        shape,
-        strides,
-    )
+    }
     .py_err()
     .map(Some)
 }

@@ -3,13 +3,11 @@
 
 use std::any::Any;
 use std::ffi::c_void;
-use std::sync::Arc;
 
 use crate::device::Device;
 use crate::dtype::{DLDataType, DType};
 use crate::error::{Error, Result};
-use crate::storage::{ForeignMemory, Storage};
-use crate::tensor::{byte_extent, checked_numel, contiguous_strides, Tensor};
+use crate::tensor::{checked_numel, contiguous_strides, Tensor};
 use crate::transfer::Readable;
 
 /// `DLDevice`.
@@ -258,29 +256,16 @@ pub unsafe fn import(
     let described = describe(managed.tensor());
     let read_only = managed.read_only();
     let owner = wrap(managed);
-    let (device, dtype, shape, strides, (lowest, elem0_offset), span) = described?;
+    let (device, dtype, shape, strides, elem0) = described?;
     // SAFETY: the producer guarantees the elements described are valid for as long as the
-    // managed tensor lives, which `owner` ensures; `lowest..lowest+span` covers exactly them.
-    let storage = unsafe { ForeignMemory::new(lowest, span, device, read_only, owner) };
-    Tensor::from_storage(
-        Arc::new(Storage::foreign(storage)),
-        elem0_offset,
-        dtype,
-        shape,
-        strides,
-    )
+    // managed tensor lives, which `owner` ensures.
+    unsafe { Tensor::from_foreign(elem0, device, read_only, owner, dtype, shape, strides) }
 }
 
-type Described = (
-    Device,
-    DType,
-    Vec<usize>,
-    Vec<isize>,
-    (*mut u8, usize),
-    usize,
-);
+/// Device, dtype, shape, strides and the address of element 0 of a DLPack tensor.
+type Described = (Device, DType, Vec<usize>, Vec<isize>, *mut u8);
 
-/// Device, dtype, shape, strides, (lowest byte address, offset of element 0 from it), span.
+/// What `t` describes ([`Described`]), checked.
 fn describe(t: &DLTensor) -> Result<Described> {
     let device = device_of(t.device)?;
     let dtype = DType::from_dlpack(t.dtype).ok_or_else(|| Error::UnsupportedDType {
@@ -319,22 +304,7 @@ fn describe(t: &DLTensor) -> Result<Described> {
         reason: format!("DLPack shape {shape:?} overflows"),
     })?;
     let elem0 = (t.data as *mut u8).wrapping_add(t.byte_offset as usize);
-    let (below, above) =
-        byte_extent(&shape, &strides, dtype.size()).ok_or_else(|| Error::Layout {
-            reason: format!(
-                "DLPack shape {shape:?} with strides {strides:?} overflows the address space"
-            ),
-        })?;
-    let lowest = elem0.wrapping_offset(below);
-    let span = (above - below) as usize;
-    Ok((
-        device,
-        dtype,
-        shape,
-        strides,
-        (lowest, (-below) as usize),
-        span,
-    ))
+    Ok((device, dtype, shape, strides, elem0))
 }
 
 /// What an exported tensor keeps alive: the tensor (its storage) and the shape and

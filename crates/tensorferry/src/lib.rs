@@ -57,13 +57,9 @@ pub mod internal {
     pub mod memory {
         pub use crate::memory::{AlignedBuffer, PinnedPool, PoolStats, HOST_ALIGNMENT};
     }
-    /// What a tensor's bytes live in.
-    pub mod storage {
-        pub use crate::storage::ForeignMemory;
-    }
     /// Tensor layout arithmetic.
     pub mod tensor {
-        pub use crate::tensor::{byte_extent, checked_nbytes, contiguous_strides};
+        pub use crate::tensor::{checked_nbytes, contiguous_strides};
     }
     /// The transfer engine and its staging ring.
     pub mod transfer {

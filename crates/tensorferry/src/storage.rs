@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::memory::{AlignedBuffer, HostBuffer};
 
 /// Memory owned by someone else, kept alive by `owner` for as long as this value lives.
-pub struct ForeignMemory {
+pub(crate) struct ForeignMemory {
     ptr: *mut u8,
     len: usize,
     device: Device,
@@ -36,7 +36,7 @@ impl ForeignMemory {
     /// nobody may write to them while tensorferry reads them — including while a slice of
     /// them that [`Storage::try_host_bytes`] (or a tensor's byte accessors) handed out is
     /// alive. `owner` is dropped exactly once, after the last use of `ptr`.
-    pub unsafe fn new(
+    pub(crate) unsafe fn new(
         ptr: *mut u8,
         len: usize,
         device: Device,
@@ -102,23 +102,9 @@ impl Storage {
     }
 
     /// Memory of another producer (a NumPy array, a DLPack or CUDA Array Interface
-    /// import), on the host or a device. Making the [`ForeignMemory`] is where the
-    /// producer's promises are taken (it is `unsafe`); wrapping it is not.
-    ///
-    /// ```
-    /// use tensorferry::internal::storage::ForeignMemory;
-    /// use tensorferry::{Device, Storage};
-    ///
-    /// let data: Box<[u8]> = vec![1, 2, 3, 4].into_boxed_slice();
-    /// let ptr = data.as_ptr() as *mut u8;
-    /// // SAFETY: `data` owns the 4 initialised bytes at `ptr` (a boxed slice does not move
-    /// // its heap memory), lives as long as the storage, and nobody writes it.
-    /// let memory = unsafe { ForeignMemory::new(ptr, 4, Device::Cpu, true, Box::new(data)) };
-    /// let storage = Storage::foreign(memory);
-    /// assert!(storage.is_read_only());
-    /// assert_eq!(storage.host_bytes(), Some(&[1u8, 2, 3, 4][..]));
-    /// ```
-    pub fn foreign(memory: ForeignMemory) -> Storage {
+    /// import), on the host or a device: made by [`crate::Tensor::from_foreign`], where
+    /// the producer's promises are taken.
+    pub(crate) fn foreign(memory: ForeignMemory) -> Storage {
         Storage(Inner::Foreign(memory))
     }
 

@@ -3,6 +3,7 @@
 //! Views share their storage (reference-counted); strided tensors are kept as they
 //! are and made contiguous only when a consumer needs it.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
 
@@ -10,7 +11,7 @@ use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::memory::AlignedBuffer;
-use crate::storage::Storage;
+use crate::storage::{ForeignMemory, Storage};
 
 mod dims;
 use dims::Dims;
@@ -181,6 +182,57 @@ impl Tensor {
             shape: shape.into(),
             strides: strides.into(),
         })
+    }
+
+    /// A tensor viewing memory that a foreign producer (NumPy, DLPack, the CUDA Array
+    /// Interface) describes: element 0 at `elem0` on `device`, with `dtype`, `shape` and
+    /// element `strides` (negative ones too), kept alive by `owner`. A layout whose extent
+    /// overflows the address space is an error, as is any other a storage cannot hold.
+    ///
+    /// # Safety
+    /// The bytes the layout reaches around `elem0` are valid for reads on `device` (and for
+    /// writes unless `read_only`), from any thread, for as long as `owner` lives, and nobody
+    /// writes to them while tensorferry reads them, including while a slice of them that a
+    /// tensor's byte accessors handed out is alive. `owner` is dropped exactly once, after
+    /// the last use of the memory.
+    ///
+    /// ```
+    /// use tensorferry::{DType, Device, Tensor};
+    ///
+    /// let data: Box<[f32]> = vec![1.0, 2.0, 3.0, 4.0].into_boxed_slice();
+    /// let ptr = data.as_ptr() as *mut u8;
+    /// // SAFETY: `data` owns the 16 initialised bytes at `ptr` (a boxed slice does not move
+    /// // its heap memory), lives as long as the tensor, and nobody writes it.
+    /// let t = unsafe {
+    ///     Tensor::from_foreign(ptr, Device::Cpu, true, Box::new(data), DType::F32, vec![2, 2], vec![2, 1])
+    /// }?;
+    /// assert!(t.storage().is_read_only());
+    /// assert_eq!(t.to_vec::<f32>()?, [1.0, 2.0, 3.0, 4.0]);
+    /// # Ok::<(), tensorferry::Error>(())
+    /// ```
+    pub unsafe fn from_foreign(
+        elem0: *mut u8,
+        device: Device,
+        read_only: bool,
+        owner: Box<dyn Any + Send + Sync>,
+        dtype: DType,
+        shape: Vec<usize>,
+        strides: Vec<isize>,
+    ) -> Result<Self> {
+        let (below, above) =
+            byte_extent(&shape, &strides, dtype.size()).ok_or_else(|| Error::Layout {
+                reason: format!(
+                    "shape {shape:?} with strides {strides:?} overflows the address space"
+                ),
+            })?;
+        let lowest = elem0.wrapping_offset(below);
+        // SAFETY: `lowest..lowest + (above - below)` is exactly the bytes the layout reaches
+        // around `elem0` (`byte_extent`, checked), which the caller promises are valid.
+        let memory = unsafe {
+            ForeignMemory::new(lowest, (above - below) as usize, device, read_only, owner)
+        };
+        let storage = Arc::new(Storage::foreign(memory));
+        Tensor::from_storage(storage, (-below) as usize, dtype, shape, strides)
     }
 
     /// A C-contiguous view of `storage` at byte `offset` (the results of a packed copy):

@@ -1083,25 +1083,19 @@ fn page_locked_memory_of_another_library_skips_the_staging_ring() {
         .unwrap()
         .pop()
         .unwrap();
-    let len = locked.nbytes();
     // SAFETY: `locked`'s bytes are host memory valid while it lives; the foreign memory
     // owns a clone of it, and nothing writes to it.
-    let memory = unsafe {
-        tensorferry::internal::storage::ForeignMemory::new(
+    let foreign = unsafe {
+        Tensor::from_foreign(
             locked.data_ptr() as *mut u8,
-            len,
             Device::Cpu,
             true,
             Box::new(locked.clone()),
+            tensorferry::DType::F32,
+            vec![values.len()],
+            vec![1],
         )
-    };
-    let foreign = Tensor::from_storage(
-        Arc::new(tensorferry::Storage::foreign(memory)),
-        0,
-        tensorferry::DType::F32,
-        vec![values.len()],
-        vec![1],
-    )
+    }
     .unwrap();
     let through_ring = MoveOptions {
         staging: SMALL_RING,

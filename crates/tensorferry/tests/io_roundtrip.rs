@@ -267,22 +267,18 @@ fn a_failed_write_leaves_the_previous_file_and_no_temporary() {
     let before = std::fs::read(&path).unwrap();
     // A view whose storage is foreign device memory cannot be written: the save fails.
     let mut bad = sample();
-    let dev = unsafe {
-        tensorferry::internal::storage::ForeignMemory::new(
+    // SAFETY: never read: the save refuses device memory before reading it.
+    let t = unsafe {
+        Tensor::from_foreign(
             std::ptr::null_mut(),
-            4,
             tensorferry::Device::Cuda(0),
             true,
             Box::new(()),
+            DType::F32,
+            vec![1],
+            vec![1],
         )
-    };
-    let t = Tensor::from_storage(
-        std::sync::Arc::new(tensorferry::Storage::foreign(dev)),
-        0,
-        DType::F32,
-        vec![1],
-        vec![1],
-    )
+    }
     .unwrap();
     bad.insert("gpu", t);
     assert!(save(
