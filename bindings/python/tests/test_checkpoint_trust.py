@@ -331,3 +331,29 @@ def test_tied_tensors_are_stored_once_and_overlaps_refused_blocking_or_not(torch
         if pending is not None:
             pending.result()
     assert tf.load(path)["wte"] is not None, "the previous file is intact"
+
+
+def test_a_sharded_checkpoint_whose_record_omits_a_stored_tensor_is_refused(tmp_path):
+    """As for one file: a tensor the index maps but the recorded tree leaves out is an
+    error, not a tensor silently dropped."""
+    tf.save({"a": np.ones(1024, np.float32), "b": np.zeros(1024, np.float32)}, str(tmp_path) + "/",
+            max_shard_size=4096)
+    path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["metadata"]["tensorferry"] = json.dumps({"format": 1, "tree": {"dict": [["a", {"tensor": "a"}]]}})
+    path.write_text(json.dumps(index))
+    for options in ({}, {"device": "emu:0"}, {"dtype": "float16"}):
+        with pytest.raises(tf.FormatError, match=r'tensor "b" is in the index but not in the recorded tree'):
+            tf.load(tmp_path, **options)
+
+
+def test_a_distributed_checkpoint_folder_is_named_as_one(torch, tmp_path):
+    """A folder of torch.distributed.checkpoint's pieces (.metadata and one file a rank) is
+    not a checkpoint tf.load reads: it says what is, and what reads it."""
+    import torch.distributed.checkpoint as dcp
+
+    from tensorferry.dcp import TensorferryWriter
+
+    dcp.save({"w": torch.ones(4), "epoch": 3}, storage_writer=TensorferryWriter(tmp_path / "ck"), no_dist=True)
+    with pytest.raises(tf.FormatError, match=r"PyTorch distributed checkpoint \(it holds \.metadata\).*TensorferryReader"):
+        tf.load(tmp_path / "ck")

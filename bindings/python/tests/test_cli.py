@@ -276,6 +276,15 @@ def test_convert_reads_sharded_pickles_through_their_index(tmp_path, torch):
     assert_same(tf.load(tmp_path / "model.safetensors", like="torch"), sd)
 
 
+@pytest.mark.parametrize("weight_map", [["pytorch_model-00001.bin"], {"w": 3}, "x"])
+def test_convert_names_an_index_whose_weight_map_is_no_map_of_files(weight_map, tmp_path, torch):
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    out = run("convert", tmp_path / "pytorch_model.bin.index.json", tmp_path / "out/")
+    assert out.returncode == 1, out
+    assert out.stderr.startswith("tensorferry: ") and "not an index of checkpoint shards" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_convert_keeps_nesting_and_plain_values(tmp_path, torch):
     ckpt = {"model": {"w": torch.ones(2, 3), "b": torch.zeros(3, dtype=torch.bfloat16)}, "epoch": 3, "name": "run-1",
             "betas": (0.9, 0.999), "done": False, "none": None, "layers": [torch.arange(4), torch.arange(2)]}

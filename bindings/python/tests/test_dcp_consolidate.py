@@ -139,6 +139,25 @@ def test_chunks_leaving_a_gap_are_a_format_error(tmp_path):
         consolidate(tmp_path / "dcp", tmp_path / "hf")
 
 
+def test_a_tensor_the_metadata_claims_larger_than_its_file_is_refused_before_its_memory_is_taken(tmp_path):
+    """The metadata says model.w is 2**40 float32 (4 TiB) in one chunk; the rank file holds
+    64 x 32: named before anything is allocated (PyTorch's allocator used to fail first)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    _saved(tmp_path)
+
+    def huge(md):
+        w = md.state_dict_metadata["model.w"]
+        w.size = torch.Size([1 << 40])
+        w.chunks = [ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 40]))]
+        md.storage_data = {(MetadataIndex("model.w", torch.Size([0]), 0) if k.fqn == "model.w" else k): v
+                           for k, v in md.storage_data.items()}
+
+    _rewrite_metadata(tmp_path / "dcp", huge)
+    with pytest.raises(tf.FormatError, match=r"model\.w is \[64, 32\] in the file, the metadata says \[1099511627776\]"):
+        consolidate(tmp_path / "dcp", tmp_path / "hf")
+
+
 def test_a_rank_file_of_another_save_is_a_format_error_naming_it(tmp_path):
     import shutil
 

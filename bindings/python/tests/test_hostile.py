@@ -327,3 +327,40 @@ def test_ctrl_c_interrupts_the_load_of_a_huge_index_at_once(tmp_path):
     assert out.strip().startswith("interrupted"), (out, err)
     # The index takes seconds to read; a load that ignored the signal answered after it.
     assert answered < 1.0, f"Ctrl-C answered after {answered:.2f} s"
+
+
+def _raw_file(path, entries, metadata=None, data=b""):
+    """A safetensors file written by hand: ``entries`` {name: (dtype, shape, begin, end)}."""
+    import struct
+
+    header = {n: {"dtype": d, "shape": s, "data_offsets": [b, e]} for n, (d, s, b, e) in entries.items()}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+@pytest.mark.parametrize("dtype, nbytes", [("F6_E2M3", 3), ("F6_E3M2", 3), ("F4", 2)])
+@pytest.mark.parametrize("how", [{"format": "pt"}, {"format": "flax"}, "torch", "jax"])
+def test_packed_floats_a_framework_cannot_hold_stay_tensorferry_tensors(dtype, nbytes, how, tmp_path):
+    """A file naming a framework (Hugging Face's "format"), or like=, whose tensors that
+    framework has no dtype for (PyTorch has float4_e2m1fn_x2 and no float6; JAX neither):
+    those stay tensorferry tensors, as without a format, the others convert."""
+    like = how if isinstance(how, str) else None
+    framework = like or {"pt": "torch", "flax": "jax"}[how["format"]]
+    module = pytest.importorskip(framework)
+    path = _raw_file(tmp_path / "p.safetensors", {"p": (dtype, [4], 0, nbytes), "w": ("F32", [2], nbytes, nbytes + 8)},
+                     how if isinstance(how, dict) else None, bytes(nbytes + 8))
+    got = tf.load(path, like=like)
+    held = framework == "torch" and hasattr(module, {"F4": "float4_e2m1fn_x2"}.get(dtype, "-"))
+    assert isinstance(got["p"], tf.Tensor) != held, type(got["p"])
+    assert not isinstance(got["w"], tf.Tensor), type(got["w"])
+
+
+def test_a_dimension_beyond_int64_is_an_error_naming_the_tensor(tmp_path):
+    """Valid JSON and zero bytes (an empty tensor), but no framework holds the shape."""
+    path = _raw_file(tmp_path / "d.safetensors", {"empty": ("F32", [0, 2**64 - 1], 0, 0)})
+    for like in (None, "tensorferry"):
+        with pytest.raises(tf.FormatError, match=r'tensor "empty".*dimension 18446744073709551615 .*beyond int64'):
+            tf.load(path, like=like)

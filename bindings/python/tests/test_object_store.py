@@ -1019,15 +1019,19 @@ def test_bfloat16_fills_torch_tensors_from_objects_without_ml_dtypes(s3, url, to
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_a_tied_name_of_out_missing_from_the_file_is_named(s3, url, tmp_path, torch, where):
-    """A file that leaves out a tied name (a head tied to the embedding, not saved) is a
-    FormatError naming it, whatever the tie in ``out=``."""
+def test_a_tied_name_of_out_missing_from_the_file_is_filled_through_its_other_name(s3, url, tmp_path, torch, where):
+    """A file that leaves out a tied name (a head tied to the embedding, stored once, as
+    transformers' save_pretrained and safetensors' save_model store it) fills it through the
+    name it holds; an untied name missing is named."""
     target = str(tmp_path / "m.safetensors") if where == "local" else url + "m.safetensors"
     tf.save({"embed": torch.arange(4.0)}, target)
     shared = torch.zeros(4)
+    tf.load(target, out={"embed": shared, "head": shared})
+    assert shared.tolist() == [0, 1, 2, 3]
+    alone = torch.zeros(4)
     with pytest.raises(tf.FormatError, match="head: in out= but not in the file"):
-        tf.load(target, out={"embed": shared, "head": shared})
-    assert not shared.any()
+        tf.load(target, out={"embed": torch.zeros(4), "head": alone})
+    assert not alone.any()
 
 
 def test_a_pinned_load_of_an_index_or_a_folder_is_refused(s3, url):
@@ -1518,3 +1522,153 @@ def test_a_process_group_plan_reads_each_object_header_once(own_server):
     # The index once too (the stand-in is written from the bytes the plan checked).
     assert sorted(key for key, start, _ in gets if start == "0") == shards + ["model.safetensors.index.json"], gets
     assert all(start == "0" for _, start, _ in gets), gets  # no data read by the plan
+
+
+def _lying_s3(answer_get):
+    """An ``http.server`` on 127.0.0.1 that speaks S3's path-style protocol as a hostile
+    or broken server might: every HEAD is a 404, PUTs succeed, and each GET is answered by
+    ``answer_get(handler, range_header)``. Returns the server (a real S3 server cannot
+    be made to lie, so this one stands in for the hostile side of the tests below)."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_HEAD(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_PUT(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("ETag", '"put"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_GET(self):
+            try:
+                answer_get(self, self.headers.get("Range"))
+            except OSError:
+                pass  # the client hung up
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _run_against(server, script, timeout=120):
+    """``script`` run in a child process whose S3 endpoint is ``server``, its address space
+    capped at 4 GB (an allocation of what a server claims would abort it): its output."""
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s", AWS_REGION="us-east-1",
+               AWS_ALLOW_HTTP="true", AWS_ENDPOINT_URL=f"http://127.0.0.1:{server.server_address[1]}")
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=cap)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    return done.stdout
+
+
+_RAISES = """
+import sys, tensorferry as tf
+try:
+    {call}
+    print("returned")
+except tf.TensorferryError as e:
+    print("typed", type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("call", [
+    "tf.load('s3://bucket/model.safetensors.index.json')",
+    "tf.metadata('s3://bucket/model.safetensors.index.json')",
+    "tf.save({'w': [1.0]}, 's3://bucket/model.safetensors')",
+])
+def test_an_index_whose_store_announces_a_terabyte_is_refused_before_it_is_held(call):
+    """The first GET of an index gets 1 MiB of a 2 MiB object; the second claims 1 TiB
+    (Content-Range and Content-Length) and sends a few bytes: its size is checked against the
+    first answer's before any memory is taken for it (object_store collects a body into one
+    allocation of the announced size: the process used to abort)."""
+    huge, size = 1 << 40, 2 << 20
+
+    def answer(handler, asked):
+        if not handler.path.split("?")[0].endswith(".index.json"):
+            body = b"<Error><Code>NoSuchKey</Code><Message>none</Message></Error>"
+            handler.send_response(404)
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(body)
+            return
+        if asked and asked != "bytes=0-":
+            a, b = map(int, asked.removeprefix("bytes=").split("-"))
+            handler.send_response(206)
+            handler.send_header("Content-Range", f"bytes {a}-{b}/{size}")
+            handler.send_header("Content-Length", str(b - a + 1))
+            handler.send_header("ETag", '"v1"')
+            handler.end_headers()
+            handler.wfile.write(b" " * (b - a + 1))
+            return
+        handler.send_response(206 if asked else 200)
+        if asked:
+            handler.send_header("Content-Range", f"bytes 0-{huge - 1}/{huge}")
+        handler.send_header("Content-Length", str(huge))
+        handler.send_header("ETag", '"v1"')
+        handler.end_headers()
+        handler.wfile.write(b" " * 4096)
+        time.sleep(5)
+
+    server = _lying_s3(answer)
+    try:
+        out = _run_against(server, _RAISES.format(call=call))
+    finally:
+        server.shutdown()
+    if call.startswith("tf.save"):
+        assert out.startswith("returned"), out  # an index it cannot read names no shard to delete
+    else:
+        assert out.startswith("typed"), out
+        assert "object changed" in out or "announced" in out, out
+
+
+def test_a_listing_that_never_ends_is_an_error_after_a_bounded_number_of_objects():
+    """A folder with no model.safetensors nor model.safetensors.index.json is listed; a
+    server whose listing pages never end (truncated, a new token each time) gets an error
+    naming the folder once 10,000 objects were seen, not a hang that fills memory."""
+    pages = [0]
+
+    def answer(handler, asked):
+        if "list-type=2" not in handler.path:
+            body = b"<Error><Code>NoSuchKey</Code><Message>none</Message></Error>"
+            handler.send_response(404)
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(body)
+            return
+        pages[0] += 1
+        page = pages[0]
+        items = "".join(f"<Contents><Key>ckpt/f{page}_{i}.bin</Key><LastModified>2024-01-01T00:00:00.000Z"
+                        f"</LastModified><ETag>\"e\"</ETag><Size>1</Size></Contents>" for i in range(1000))
+        body = ('<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>bucket</Name><Prefix>ckpt/</Prefix>'
+                "<KeyCount>1000</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>"
+                f"<NextContinuationToken>t{page}</NextContinuationToken>{items}</ListBucketResult>").encode()
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/xml")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    server = _lying_s3(answer)
+    try:
+        out = _run_against(server, _RAISES.format(call="tf.load('s3://bucket/ckpt/')"), timeout=60)
+    finally:
+        server.shutdown()
+    assert out.startswith("typed"), out
+    assert "over 10000 objects" in out and "s3://bucket/ckpt" in out, out
+    assert pages[0] <= 12, pages  # the pages of 10,000 objects, and one more

@@ -236,6 +236,8 @@ def _load_index(torch, index_path, bar):
             weight_map = json.load(f)["weight_map"]
     except (ValueError, KeyError, TypeError) as e:
         raise _Refused(f"{index_path}: not an index of checkpoint shards ({e!r})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise _Refused(f"{index_path}: not an index of checkpoint shards (its weight_map is no dict of file names)")
     folder = os.path.dirname(index_path)
     tree = {}
     files = sorted(set(weight_map.values()))

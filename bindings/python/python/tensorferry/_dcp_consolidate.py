@@ -76,15 +76,21 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
         for i, shard in enumerate(shards):
             tensors = {}
             for name, _, fqn, md in shard:
-                # The metadata reader checked that the chunks tile the tensor exactly: every
-                # element of ``full`` is read once.
-                full = torch.empty(md.size, dtype=md.properties.dtype)
+                # Every chunk found in its rank's file, its shape as the metadata says, before
+                # the tensor's memory is taken (the metadata may claim any size).
+                stored = []
                 for index, chunk in enumerate(md.chunks):
                     info = (metadata.storage_data or {}).get(MetadataIndex(fqn, chunk.offsets, index))
                     if info is None:
                         raise FormatError(f"{os.path.join(dcp_dir, METADATA_FILE)}: names no file for {fqn} at "
                                           f"{list(chunk.offsets)}")
-                    _read_chunk(os.path.join(dcp_dir, info.file), info.name, chunk, full, headers, save_id)
+                    path = os.path.join(dcp_dir, info.file)
+                    stored.append((path, chunk, _chunk_entry(path, info.name, chunk, headers, save_id)))
+                # The metadata reader checked that the chunks tile the tensor exactly: every
+                # element of ``full`` is read once.
+                full = torch.empty(md.size, dtype=md.properties.dtype)
+                for path, chunk, (fd, entry) in stored:
+                    _read_chunk(fd, path, entry, chunk, full)
                 tensors[name] = full
             file = SINGLE_FILE if len(shards) == 1 else _shard_name(i, len(shards))
             path = os.path.join(out_dir, file)
@@ -121,12 +127,9 @@ def _earlier_output(out_dir):
     return found
 
 
-def _read_chunk(path, name, chunk, full, headers, save_id):
-    """Reads the stored chunk ``name`` of ``path`` into its place in ``full``."""
-    import torch
-
-    from .dcp import _byte_view
-
+def _chunk_entry(path, name, chunk, headers, save_id):
+    """``(fd, entry)`` of the stored chunk ``name`` of ``path``, its shape checked against
+    ``chunk``'s (``headers`` keeps each file open and its header read once)."""
     if path not in headers:
         fd = _dcp_io.open_read(path)
         try:
@@ -140,6 +143,15 @@ def _read_chunk(path, name, chunk, full, headers, save_id):
         raise FormatError(f"{path}: holds no tensor {name!r}, which the checkpoint's metadata names")
     if entry.shape != tuple(chunk.sizes):
         raise FormatError(f"{path}: {name} is {list(entry.shape)} in the file, the metadata says {list(chunk.sizes)}")
+    return fd, entry
+
+
+def _read_chunk(fd, path, entry, chunk, full):
+    """Reads the stored chunk ``entry`` of ``path`` (open as ``fd``) into its place in ``full``."""
+    import torch
+
+    from .dcp import _byte_view
+
     place = full
     for dim, (offset, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
         place = place.narrow(dim, offset, length)

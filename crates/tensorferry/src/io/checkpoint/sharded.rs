@@ -247,6 +247,14 @@ pub(crate) fn choose_in_folder(
             reason,
         })
     };
+    if indexes.is_empty() && names.contains(&".metadata") {
+        // Its *.safetensors files are ranks' pieces, each of a part of the tensors.
+        return many(format!(
+            "{folder} is a PyTorch distributed checkpoint (it holds .metadata): read it with \
+             torch.distributed.checkpoint and tensorferry.dcp.TensorferryReader, or make one \
+             file of it with tensorferry.dcp.consolidate"
+        ));
+    }
     match (indexes.as_slice(), files.as_slice()) {
         ([stem], _) => Ok(Some(choose(stem))),
         ([], [file]) => Ok(Some(Chosen::File(file.to_string()))),
@@ -338,7 +346,14 @@ pub(crate) fn load_index_with(
         Some(text) => {
             let census = tree_census::count(&text)?;
             let mut source = Named(by_name);
-            decode(&text, &census, &mut source)?
+            let root = decode(&text, &census, &mut source)?;
+            // As for one file: every tensor stored must be in the tree.
+            if let Some(name) = source.0.keys().min() {
+                return Err(tree_meta::bad(format!(
+                    "tensor {name:?} is in the index but not in the recorded tree"
+                )));
+            }
+            root
         }
         None => Node::Dict(
             index

@@ -23,6 +23,10 @@ use crate::tensor::checked_nbytes;
 /// Largest header accepted, in bytes (as the official implementation).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 
+/// The largest dimension a header may give: int64's largest, as NumPy, PyTorch and every
+/// other framework hold shapes (an empty tensor may have any other dimension).
+const MAX_DIM: usize = i64::MAX as usize;
+
 /// Validates the first 8 bytes and returns the header length; `file_len` bounds it.
 pub(crate) fn header_len(prefix: &[u8], file_len: u64) -> Result<u64> {
     if file_len < 8 || prefix.len() < 8 {
@@ -535,7 +539,8 @@ fn plain_entry(c: &mut Cursor<'_>, dims: &mut [usize; 8]) -> Option<(DType, usiz
             let (mut ndim, mut numel) = (0usize, 1usize);
             if !c.eat_if(b']') {
                 loop {
-                    let d = c.plain_usize()?;
+                    // A dimension beyond int64 takes the slow path, which names it.
+                    let d = c.plain_usize().filter(|&d| d <= MAX_DIM)?;
                     *dims.get_mut(ndim)? = d;
                     ndim += 1;
                     numel = numel.checked_mul(d)?;
@@ -614,6 +619,15 @@ fn validate_entry(
 ) -> Result<TensorEntry> {
     let at = shorten(name);
     let dtype = dtype.map_err(|code| Error::format_in(&at, format!("unknown dtype {code:?}")))?;
+    if let Some(d) = shape.iter().find(|&&d| d > MAX_DIM) {
+        return Err(Error::format_in(
+            &at,
+            format!(
+                "dimension {d} of shape {} is beyond int64, which no framework holds",
+                shape_text(&shape)
+            ),
+        ));
+    }
     let shape = packed_shape(dtype, shape, &at)?;
     if begin > end {
         return Err(Error::format_in(

@@ -23,6 +23,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures_util::StreamExt;
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStoreExt};
 
 use super::arrival::{Arrival, Stop};
@@ -284,9 +285,47 @@ pub(super) fn resolved_load<T>(
 /// The error saying the bucket of `at` does not exist, when a listing says so (some
 /// servers answer a GET in a missing bucket with "no such key"); `None` otherwise.
 fn missing_bucket(at: &Location) -> Option<Error> {
-    let listed = runtime::block_on(at.store().list_with_delimiter(Some(at.key()))).ok()?;
-    let e = from_store("read", at.url(), listed.err()?);
+    // The first answer of a listing says it (a listing's pages are never all read here).
+    let first = runtime::block_on(async { at.store().list(Some(at.key())).next().await }).ok()?;
+    let e = from_store("read", at.url(), first?.err()?);
     (cause_of(&e) == Some(Cause::NoBucket)).then_some(e)
+}
+
+/// The most objects a folder's listing looks at: a listing is read page by page, and a
+/// server that never ends one must not hold the load, nor fill memory.
+const MAX_LISTED: usize = 10_000;
+
+/// The names of the objects directly in the folder `dir` (a listing of what is below it,
+/// of at most [`MAX_LISTED`] objects).
+fn names_in(dir: &Location) -> Result<Vec<String>> {
+    runtime::block_on(async {
+        let mut listing = dir.store().list(Some(dir.key()));
+        let (mut names, mut seen) = (Vec::new(), 0);
+        while let Some(object) = listing.next().await {
+            let object = object.map_err(|e| from_store("list", dir.url(), e))?;
+            seen += 1;
+            if seen > MAX_LISTED {
+                return Err(failed(
+                    "list",
+                    dir.url(),
+                    Cause::Other,
+                    format!(
+                        "over {MAX_LISTED} objects are below it: name the checkpoint's object \
+                         or index"
+                    ),
+                ));
+            }
+            let mut rest = object
+                .location
+                .prefix_match(dir.key())
+                .into_iter()
+                .flatten();
+            if let (Some(name), None) = (rest.next(), rest.next()) {
+                names.push(name.as_ref().to_string());
+            }
+        }
+        Ok(names)
+    })?
 }
 
 /// What a folder's checkpoint is.
@@ -306,13 +345,8 @@ fn in_folder(dir: &Location) -> Result<Target> {
     if head(&index).is_ok() {
         return Ok(Target::Index(index));
     }
-    let listing = runtime::block_on(dir.store().list_with_delimiter(Some(dir.key())))?
-        .map_err(|e| from_store("list", dir.url(), e))?;
-    let names: Vec<&str> = listing
-        .objects
-        .iter()
-        .filter_map(|o| o.location.filename())
-        .collect();
+    let listed = names_in(dir)?;
+    let names: Vec<&str> = listed.iter().map(String::as_str).collect();
     match choose_in_folder(&names, dir.url(), "objects", "the one")? {
         Some(Chosen::File(name)) => Ok(Target::Object(dir.sibling(&name))),
         Some(Chosen::Index(name)) => Ok(Target::Index(dir.sibling(&name))),
@@ -333,10 +367,18 @@ fn head(at: &Location) -> Result<ObjectMeta> {
 /// Reads and checks the index at `at`.
 pub(super) fn read_index(at: &Location, options: &ObjectOptions) -> Result<Index> {
     let label = Path::new(at.url());
-    let (first, meta) = get(at, GetRange::Bounded(0..options.header_bytes as u64), None)?;
+    let first_len = options.header_bytes as u64;
+    let (first, meta) = get(at, GetRange::Bounded(0..first_len), None, first_len)?;
     check_index_len(meta.size, label)?;
     let bytes = match (first.len() as u64) < meta.size {
-        true => get(at, GetRange::Offset(0), meta.e_tag)?.0,
+        true => {
+            let (whole, now) = get(at, GetRange::Offset(0), meta.e_tag, meta.size)?;
+            if now.size != meta.size {
+                let sizes = format!("{} bytes, then {}", meta.size, now.size);
+                return Err(failed("read", at.url(), Cause::Changed, sizes));
+            }
+            whole
+        }
         false => first,
     };
     parse_index(&bytes, label)
@@ -356,25 +398,38 @@ fn load_index(
     })
 }
 
-/// One GET of `range` of the object at `at` (conditional on `etag` when given): its
-/// bytes and what the store says of the object.
-fn get(at: &Location, range: GetRange, etag: Option<String>) -> Result<(Bytes, ObjectMeta)> {
+/// One GET of `range` of the object at `at` (conditional on `etag` when given), of at most
+/// `cap` bytes: its bytes and what the store says of the object. An answer announcing more
+/// is refused before any of it is held: a server may claim any length, and the body is
+/// collected into one allocation of the announced size.
+pub(super) fn get(
+    at: &Location,
+    range: GetRange,
+    etag: Option<String>,
+    cap: u64,
+) -> Result<(Bytes, ObjectMeta)> {
     runtime::block_on(async {
+        let options = GetOptions {
+            range: Some(range),
+            if_match: etag,
+            ..Default::default()
+        };
+        let store_error = |e| from_store("read", at.url(), e);
         let result = at
             .store()
-            .get_opts(
-                at.key(),
-                GetOptions {
-                    range: Some(range),
-                    if_match: etag,
-                    ..Default::default()
-                },
-            )
-            .await?;
+            .get_opts(at.key(), options)
+            .await
+            .map_err(store_error)?;
+        let len = result.range.end.saturating_sub(result.range.start);
+        if len > cap {
+            return Err(Error::Format {
+                at: at.url().to_string(),
+                reason: format!("the store announced {len} bytes where at most {cap} can be"),
+            });
+        }
         let meta = result.meta.clone();
-        Ok((result.bytes().await?, meta))
+        Ok((result.bytes().await.map_err(store_error)?, meta))
     })?
-    .map_err(|e| from_store("read", at.url(), e))
 }
 
 /// An object's header and the start of its data section, from the first GET.
@@ -413,7 +468,7 @@ pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<Fet
         return pinned_header(at, pinned);
     }
     let first_len = options.header_bytes.max(8) as u64;
-    let (first, meta) = match get(at, GetRange::Bounded(0..first_len), None) {
+    let (first, meta) = match get(at, GetRange::Bounded(0..first_len), None, first_len) {
         // An empty object has no range to give.
         Err(e) if is_empty_object(&e) => (
             Bytes::new(),

@@ -15,16 +15,16 @@
 
 use std::path::Path;
 
-use object_store::PutPayload;
+use object_store::{GetRange, PutPayload};
 
 use super::failure::{cause_of, from_store, Cause};
 use super::location::Location;
 use super::options::ObjectOptions;
 use super::runtime;
 use super::upload::{put, upload};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::io::checkpoint::commit::{saved_shard_name, stem_of};
-use crate::io::checkpoint::index::{index_bytes, parse_index, INDEX_SUFFIX};
+use crate::io::checkpoint::index::{index_bytes, parse_index, INDEX_SUFFIX, MAX_INDEX_BYTES};
 use crate::io::checkpoint::sharded::plan_save;
 use crate::io::format::header_writer;
 use crate::io::write::{header_and_tensors, SaveOptions};
@@ -134,28 +134,20 @@ fn save_single(
 
 /// The shard names of the index at `index`; none when there is no index.
 fn previous_shards(index: &Location) -> Result<Vec<String>> {
-    let got = runtime::block_on(async {
-        let result = index
-            .store()
-            .get_opts(index.key(), Default::default())
-            .await?;
-        result.bytes().await
-    })?;
-    match got {
-        Ok(bytes) => {
+    match super::load::get(index, GetRange::Offset(0), None, MAX_INDEX_BYTES) {
+        Ok((bytes, _)) => {
             // An index we cannot read names nothing we may delete.
             let Ok(parsed) = parse_index(&bytes, Path::new(index.url())) else {
                 return Ok(Vec::new());
             };
             Ok(parsed.files().map(String::from).collect())
         }
-        Err(e) => {
-            let e = from_store("read", index.url(), e);
-            match cause_of(&e) {
-                Some(Cause::NotFound) => Ok(Vec::new()),
-                _ => Err(e),
-            }
-        }
+        // Larger than any index may be: not one.
+        Err(Error::Format { .. }) => Ok(Vec::new()),
+        Err(e) => match cause_of(&e) {
+            Some(Cause::NotFound) => Ok(Vec::new()),
+            _ => Err(e),
+        },
     }
 }
 
