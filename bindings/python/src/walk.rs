@@ -242,15 +242,17 @@ fn or_on_exception<T>(py: Python<'_>, result: PyResult<T>, fallback: T) -> PyRes
 /// scheduler (`is_torch_state`) it is not asked: only tensors are leaves there. Paths
 /// start with `prefix` (where `obj` lies in a larger tree).
 /// `kind_of`'s answer must depend on the object's type alone (as `_frameworks.kind_of`'s,
-/// cached by type, does): it is asked once per type of tensor leaf in a call.
+/// cached by type, does): it is asked once per type of tensor leaf in a call. With
+/// `plain`, the plain values (None, bool, int, float, str) come too, in their places.
 #[pyfunction]
-#[pyo3(signature = (obj, kind_of, skip_numpy=false, select=None, prefix=None))]
+#[pyo3(signature = (obj, kind_of, skip_numpy=false, select=None, prefix=None, plain=false))]
 pub fn collect_tensors<'py>(
     obj: &Bound<'py, PyAny>,
     kind_of: &Bound<'py, PyAny>,
     skip_numpy: bool,
     select: Option<Bound<'py, PyAny>>,
     prefix: Option<Bound<'py, PyTuple>>,
+    plain: bool,
 ) -> PyResult<Vec<(Bound<'py, PyTuple>, Bound<'py, PyAny>)>> {
     let mut at = Position {
         path: prefix.map(|p| p.iter().collect()).unwrap_or_default(),
@@ -259,6 +261,7 @@ pub fn collect_tensors<'py>(
     let mut walker = Walker {
         kind_of: Some(kind_of),
         skip_numpy,
+        plain,
         select,
         tensor_types: Vec::new(),
         paths: Some(Vec::new()),
@@ -295,6 +298,7 @@ pub fn convert_native<'py>(
     let mut walker = Walker {
         kind_of: None,
         skip_numpy: true,
+        plain: false,
         select: None,
         tensor_types: Vec::new(),
         paths: paths.then(Vec::new),
@@ -362,6 +366,8 @@ struct Walker<'a, 'py> {
     /// arrays are).
     kind_of: Option<&'a Bound<'py, PyAny>>,
     skip_numpy: bool,
+    /// Whether plain values are leaves too.
+    plain: bool,
     select: Option<Bound<'py, PyAny>>,
     /// The types `kind_of` has called tensors in this call: a dictionary of 20,000 PyTorch
     /// tensors asks it once, not 20,000 times.
@@ -415,6 +421,9 @@ impl<'py> Walker<'_, 'py> {
             None => Kind::other(obj)?,
         };
         if kind == Kind::Leaf {
+            if self.plain && is_plain(obj) {
+                self.push(obj, at)?;
+            }
             return Ok(());
         }
         if kind == Kind::List && self.is_data(obj, at)? {
@@ -611,8 +620,10 @@ fn changed(path: &[Bound<'_, PyAny>]) -> PyErr {
 /// A mapping of `source`'s type holding `items`: an `OrderedDict` with `source`'s instance
 /// attributes (the same objects, as every plain leaf is kept: PyTorch's `state_dict()`
 /// carries the versions of its modules' formats in `_metadata`, which `load_state_dict`
-/// reads); a `defaultdict` with its factory; any other type built from the items, or,
-/// when it cannot be, the plain dict. Never changes `source`.
+/// reads); a `defaultdict` with its factory; a type that says how (a
+/// `__tensorferry_rebuild__(source, items)` method, as `TensorDict`'s keeps its batch size);
+/// any other type built from the items, or, when it cannot be, the plain dict. Never
+/// changes `source`.
 fn same_mapping<'py>(
     source: &Bound<'py, PyAny>,
     kind: Kind,
@@ -629,6 +640,9 @@ fn same_mapping<'py>(
         return Ok(out);
     }
     let ty = source.get_type();
+    if let Ok(rebuild) = ty.getattr(pyo3::intern!(py, "__tensorferry_rebuild__")) {
+        return rebuild.call1((source, items));
+    }
     let made = if source.is_instance(default_dict_type(py)?)? {
         source
             .getattr(pyo3::intern!(py, "default_factory"))

@@ -377,3 +377,38 @@ def test_a_failed_non_blocking_copy_names_its_key_when_the_handle_is_awaited(mov
     finally:
         tf.configure_emulated(0)
     assert (info.value.device, info.value.key) == ("emu:0", "model/w"), str(info.value)
+
+
+def test_the_host_is_also_cpu_0_as_pytorch_and_jax_name_it(torch):
+    src = {"a": np.ones(3)}
+    for device in ("cpu:0", torch.device("cpu", 0), torch.device("cpu:0")):
+        got = tf.to_device(src, device, copy=True)
+        np.testing.assert_array_equal(got["a"], src["a"])
+    with pytest.raises(tf.InvalidDeviceError, match=r"cpu:0"):
+        tf.to_device(src, "cpu:1")
+
+
+@pytest.mark.parametrize("call", ["to_host", "to_device", "load", "load_non_blocking"])
+def test_like_naming_a_framework_that_cannot_be_imported_is_an_error_everywhere(call, tmp_path, monkeypatch):
+    """Never a quiet fallback to NumPy: the same typed error from every function."""
+    import builtins
+
+    real = builtins.__import__
+
+    def refuse(name, *args, **kwargs):
+        if name == "jax" or name.startswith("jax."):
+            raise ImportError("no jax here")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.delitem(__import__("sys").modules, "jax", raising=False)
+    monkeypatch.setattr(builtins, "__import__", refuse)
+    src = {"a": np.ones(3, np.float32)}
+    tf.save(src, tmp_path / "a.safetensors")
+    run = {
+        "to_host": lambda: tf.to_host(src, like="jax"),
+        "to_device": lambda: tf.to_device(src, "cpu", like="jax"),
+        "load": lambda: tf.load(tmp_path / "a.safetensors", like="jax"),
+        "load_non_blocking": lambda: tf.load(tmp_path / "a.safetensors", like="jax", non_blocking=True),
+    }[call]
+    with pytest.raises(tf.FormatError, match=r"like='jax': jax cannot be imported"):
+        run()

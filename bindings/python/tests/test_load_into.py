@@ -54,6 +54,64 @@ def test_tied_targets_with_different_values_in_the_file_are_named_and_nothing_is
         assert torch.equal(v, before[k]), f"{k} was written"
 
 
+@pytest.mark.parametrize("writer", ["save_pretrained", "save_model"])
+def test_out_fills_a_tied_model_from_files_that_store_the_tied_tensor_once(writer, tied, torch, tmp_path):
+    """transformers' save_pretrained stores lm_head.weight only as transformer.wte.weight,
+    safetensors' save_model the other way round: the name the file lacks is the same tensor
+    of out= as one it holds, filled through that one."""
+    from safetensors.torch import save_model
+
+    model, fresh = tied(), tied()
+    if writer == "save_pretrained":
+        model.save_pretrained(tmp_path)
+        path = tmp_path / "model.safetensors"
+    else:
+        path = tmp_path / "m.safetensors"
+        save_model(model, str(path))
+    state = fresh.state_dict()
+    tf.load(path, out=state)
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr(), "still tied"
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+    # An untied name the file lacks is still named.
+    del state["lm_head.weight"]
+    state["extra.weight"] = torch.zeros(2)
+    with pytest.raises(tf.FormatError, match=r"extra\.weight: in out= but not in the file"):
+        tf.load(path, out=state)
+
+
+def test_out_takes_the_plain_values_of_the_file_as_torch_distributed_checkpoint_does(torch, tmp_path):
+    """An epoch, a step count, a learning rate in param_groups: a resume in place gets the
+    file's, in dicts and lists; a tuple that would have to change is named before anything
+    is written."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.8, 0.9))
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    tf.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3, "tags": ["a", None]},
+            tmp_path / "train/")
+    fresh = torch.nn.Linear(4, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    fresh(torch.ones(1, 4)).sum().backward()
+    fresh_opt.step()
+    out = {"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict(), "epoch": 0, "tags": ["b", None],
+           "only_here": 7}
+    assert tf.load(tmp_path / "train/", out=out) is out
+    assert out["epoch"] == 3 and out["tags"] == ["a", None] and out["only_here"] == 7
+    assert out["optimizer"]["param_groups"][0]["lr"] == 1e-5
+    fresh_opt.load_state_dict(out["optimizer"])
+    assert fresh_opt.param_groups[0]["lr"] == 1e-5
+    assert torch.equal(fresh.weight, model.weight)
+    # A value inside a tuple cannot change: named, and nothing written.
+    out = {"model": torch.nn.Linear(4, 2).state_dict(), "optimizer": fresh_opt.state_dict(), "epoch": 0,
+           "tags": ["a", None]}
+    out["optimizer"]["param_groups"][0]["betas"] = (0.5, 0.9)
+    weight = out["model"]["weight"].clone()
+    with pytest.raises(tf.FormatError, match=r"optimizer\.param_groups\.0\.betas\.0: 0\.8 in the file, 0\.5 in out="):
+        tf.load(tmp_path / "train/", out=out)
+    assert torch.equal(out["model"]["weight"], weight) and out["epoch"] == 0
+
+
 @pytest.mark.parametrize("framework", ["torch", "numpy"])
 def test_overlapping_views_in_out_are_named(framework, tmp_path):
     if framework == "torch":

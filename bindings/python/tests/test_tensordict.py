@@ -246,3 +246,37 @@ def test_anything_but_a_mapping_is_unequal():
 def test_a_tensordict_is_not_hashable():
     with pytest.raises(TypeError):
         hash(tf.TensorDict())
+
+
+def test_load_non_blocking_gives_a_transfer_of_a_tensordict_and_a_list_file_is_named(tmp_path):
+    tf.save({"x": np.arange(4.0), "n": 1}, tmp_path / "d.safetensors")
+    pending = tf.TensorDict.load(tmp_path / "d.safetensors", non_blocking=True)
+    assert isinstance(pending, tf.Transfer)
+    td = pending.result()
+    assert isinstance(td, tf.TensorDict) and td["n"] == 1
+    np.testing.assert_array_equal(td["x"], np.arange(4.0))
+    tf.save([np.ones(2)], tmp_path / "l.safetensors")
+    with pytest.raises(tf.FormatError, match=r"holds a list, not a dict"):
+        tf.TensorDict.load(tmp_path / "l.safetensors")
+
+
+@pytest.mark.parametrize("obj", [[np.ones(2)], "abc", [("a", 1)]])
+def test_a_tensordict_is_made_of_a_mapping_only(obj):
+    with pytest.raises(tf.TensorferryTypeError, match=r"TensorDict takes a mapping"):
+        tf.TensorDict(obj)
+
+
+def test_the_module_functions_keep_a_tensordicts_batch_size_as_its_methods_do():
+    td = tf.TensorDict({"x": np.ones((4, 3), np.float32), "inner": {"y": np.zeros(4)}}, batch_size=[4])
+    for moved in (tf.to_device(td, "emu:0"), tf.to_host(td, copy=True), tf.to_numpy(td), td.to("emu:0"),
+                  tf.to_host({"batch": td}, copy=True)["batch"]):
+        assert isinstance(moved, tf.TensorDict) and moved.batch_size == (4,), type(moved)
+
+
+def test_save_and_numpy_take_the_options_of_the_module_functions(tmp_path):
+    td = tf.TensorDict({"x": np.arange(4.0)})
+    pending = td.save(tmp_path / "d/", non_blocking=True, max_shard_size="1MB")
+    assert isinstance(pending, tf.Transfer)
+    pending.result()
+    np.testing.assert_array_equal(tf.load(tmp_path / "d/")["x"], np.arange(4.0))
+    np.testing.assert_array_equal(td.numpy(non_blocking=True).result()["x"], np.arange(4.0))

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 
 /// The forms [`Device::from_str`] accepts, for error messages.
 pub const ACCEPTED_DEVICE_FORMS: &str =
-    "\"cpu\", \"cuda\", \"cuda:N\", \"emu\", \"emu:N\" (N = 0, 1, …)";
+    "\"cpu\" (or \"cpu:0\"), \"cuda\", \"cuda:N\", \"emu\", \"emu:N\" (N = 0, 1, …)";
 
 /// A place a tensor's memory can live.
 ///
@@ -62,7 +62,8 @@ impl FromStr for Device {
         };
         let trimmed = s.trim();
         match trimmed {
-            "cpu" => return Ok(Device::Cpu),
+            // The host is one device; PyTorch and JAX also call it "cpu:0".
+            "cpu" | "cpu:0" => return Ok(Device::Cpu),
             "cuda" => return Ok(Device::Cuda(0)),
             "emu" => return Ok(Device::Emulated(0)),
             _ => {}
@@ -89,6 +90,7 @@ mod tests {
     #[test]
     fn parses_the_accepted_forms() {
         assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+        assert_eq!("cpu:0".parse::<Device>().unwrap(), Device::Cpu);
         assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
         assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
         assert_eq!("emu".parse::<Device>().unwrap(), Device::Emulated(0));
@@ -105,7 +107,7 @@ mod tests {
     #[test]
     fn rejects_bad_strings_listing_the_accepted_forms() {
         for bad in [
-            "gpu", "cuda:", "cuda:-1", "cuda:x", "CPU0", "", "cuda:1:2", "emu:",
+            "gpu", "cuda:", "cuda:-1", "cuda:x", "CPU0", "", "cuda:1:2", "emu:", "cpu:1",
         ] {
             let err = bad.parse::<Device>().unwrap_err();
             let msg = err.to_string();

@@ -196,6 +196,9 @@ def _check_staging(staging):
 def _check_like(like):
     if like is not None and like not in _LIKE:
         raise FormatError(f"like must be one of {_LIKE}, not {like!r}")
+    if like is not None and not fw.importable(like):
+        # Never a quiet fallback to another framework's tensors.
+        raise FormatError(f"like={like!r}: {like} cannot be imported in this process (is it installed?)")
 
 
 def _as_like(obj, like):
@@ -248,6 +251,13 @@ def _sync_producer(stream, leaves=(), target="cpu"):
         for ordinal in ordinals if stream in (1, 2) else ordinals[:1]:
             _native.cuda_stream_synchronize(ordinal, stream)
     else:
+        _check_stream(stream)
+
+
+def _check_stream(stream):
+    """Refuses a ``stream=`` that is no stream: neither a CUDA stream handle (an int) nor an
+    object with ``synchronize()`` (a framework's stream)."""
+    if stream is not None and not (isinstance(stream, int) or hasattr(stream, "synchronize")):
         raise TensorferryTypeError(
             f"stream must be a framework stream or a CUDA stream handle, not {type(stream).__name__}"
         )
@@ -805,7 +815,10 @@ def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto",
     args = dict(device=device, stream=stream, staging=staging, like=like, mmap=mmap, direct=direct, keys=keys,
                 dtype=dtype, out=out, progress=progress, process_group=process_group, shard=shard,
                 read_stats=read_stats)
-    _check_staging(staging)  # refused before the file is read, and not in the background
+    # Arguments are refused before the file is read, and not in the background.
+    _check_staging(staging)
+    _check_stream(stream)
+    _devices.name_of(device)
     if non_blocking:
         _check_like(like)
         what = f"tensorferry.load({os.fspath(path)!r}, non_blocking=True)"
@@ -945,11 +958,15 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
                 # Else each tensor's own, or NumPy's, or it stays a tensorferry tensor.
                 if uniform is not None:
                     kinds = [uniform] * len(tensors)
+                    lacking = fw.dtypes_lacking(uniform)
+                    if lacking and any(t.dtype in lacking for t in tensors):
+                        kinds = [fw.NATIVE if t.dtype in lacking else uniform for t in tensors]
+                        paths = paths or [()] * len(tensors)
                 else:
                     kinds, todo = [], []
                     for i, (p, t) in enumerate(zip(paths, tensors)):
                         kind = like or exceptions.get(dotted(p), default)
-                        if holds(kind):
+                        if holds(kind) and t.dtype not in fw.dtypes_lacking(kind):
                             kinds.append(kind)
                             todo.append(i)
                         elif kind != fw.NATIVE and not on_device and numpy_can_hold(t.dtype):

@@ -238,6 +238,7 @@ def into(out, path, dtype, keys, progress):
 
     cast_to = None if dtype is None else _select._dtype_name(dtype)
     targets = _select.fill_targets(out, stand_ins, value, cast_to)
+    plain = _select.plain_updates(out, skeleton)
     fetched.clear()
     targets_of = {}
     for name, t in targets.items():
@@ -268,4 +269,6 @@ def into(out, path, dtype, keys, progress):
     finally:
         if progress is not None:
             progress.close()
+    for update in plain:
+        update()
     return out

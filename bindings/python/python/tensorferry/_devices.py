@@ -60,7 +60,7 @@ def _parse(name, frameworks):
     match = _FRAMEWORK_NAME.fullmatch(name)
     if match is None:
         raise InvalidDeviceError(
-            f"invalid device \"{name}\": expected one of tensorferry's \"cpu\", \"cuda\", \"cuda:N\", \"emu\", "
+            f"invalid device \"{name}\": expected one of tensorferry's \"cpu\" (or \"cpu:0\"), \"cuda\", \"cuda:N\", \"emu\", "
             f"\"emu:N\", or a framework's {_FRAMEWORK_LIST} (each also as \"…:N\"; "
             "N = 0, 1, …)"
         )

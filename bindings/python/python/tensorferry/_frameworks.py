@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _native
 from ._errors import DeviceUnavailableError, FormatError
-from ._numpy import tensor_to_numpy, tensors_to_numpy  # noqa: F401 (re-exported)
+from ._numpy import PACKED_DTYPES, tensor_to_numpy, tensors_to_numpy  # noqa: F401 (re-exported)
 from ._tree import shown
 
 Tensor = _native.Tensor
@@ -356,6 +356,24 @@ def from_native(tensor, kind, key=""):
 
         return cuda.as_cuda_array(tensor)
     raise AssertionError(kind)
+
+
+_lacking = {}
+
+
+def dtypes_lacking(kind):
+    """The dtypes (names) of native tensors that ``kind``'s tensors cannot hold: values
+    packed several to an element, which only PyTorch holds, and only some of them (no
+    float6). A load leaves such tensors as ``tensorferry.Tensor``, as it does without a
+    framework."""
+    if kind not in _lacking:
+        if kind == TORCH:
+            import torch
+
+            _lacking[kind] = frozenset(d for d in PACKED_DTYPES if not hasattr(torch, d))
+        else:
+            _lacking[kind] = frozenset() if kind == NATIVE else PACKED_DTYPES
+    return _lacking[kind]
 
 
 def from_native_many(tensors, kinds, paths, order=False, promised=False):

@@ -149,12 +149,53 @@ def fill(out, loaded):
     can be. Returns ``out``."""
     sources = {dotted(p): t for p, t in _native.collect_tensors(loaded, fw.kind_of)}
     targets = fill_targets(out, sources, sources.__getitem__)
+    plain = plain_updates(out, loaded)
     # Every source in its target's framework before the first write: a conversion that
     # fails leaves every target as it was.
     ready = [(t, _like_target(t, sources[name])) for name, t in targets.items()]
     for t, s in ready:
         _copy_into(t, s)
+    for update in plain:
+        update()
     return out
+
+
+def plain_updates(out, loaded):
+    """The writes that give ``out=``'s plain values (None, bool, int, float, str: an epoch,
+    a learning rate) those of ``loaded`` at the same key paths, as
+    ``torch.distributed.checkpoint.load`` sets them: a list of functions to call once the
+    tensors are filled. A value only one side has is left; one that differs inside a
+    container that cannot change (a tuple) is a :class:`FormatError`, raised here, before
+    anything is written."""
+    stored = {p: v for p, v in _native.collect_tensors(loaded, fw.kind_of, True, plain=True)
+              if fw.kind_of(v) is None}
+    if not stored:
+        return []
+    updates, problems = [], []
+    for path, old in _native.collect_tensors(out, fw.kind_of, True, plain=True):
+        new = stored.get(path, old)
+        if new is old or fw.kind_of(old) is not None or _same_plain(new, old):
+            continue
+        parent = out
+        for key in path[:-1]:
+            # Items of containers, fields of namedtuples, attributes of a state dict (_metadata).
+            try:
+                parent = parent[key]
+            except (KeyError, IndexError, TypeError):
+                parent = getattr(parent, key)
+        if isinstance(parent, tuple) or not hasattr(parent, "__setitem__"):
+            problems.append(f"{dotted(path)}: {new!r} in the file, {old!r} in out=, in a "
+                            f"{type(parent).__name__}, which cannot change")
+        else:
+            updates.append(lambda parent=parent, key=path[-1], new=new: parent.__setitem__(key, new))
+    if problems:
+        raise FormatError("out= cannot be filled from the file:\n  " + "\n  ".join(problems))
+    return updates
+
+
+def _same_plain(a, b):
+    """``a`` and ``b`` are the same plain value (of one type: 1 is not True nor 1.0; NaN is NaN)."""
+    return type(a) is type(b) and (a == b or (isinstance(a, float) and a != a and b != b))
 
 
 def fill_targets(out, sources, value, cast_to=None):
@@ -165,7 +206,16 @@ def fill_targets(out, sources, value, cast_to=None):
     in a :class:`FormatError`."""
     targets = {dotted(p): t for p, t in _native.collect_tensors(out, fw.kind_of)}
     problems = []
-    for name in sorted(set(targets) - set(sources)):
+    missing = set(targets) - set(sources)
+    if missing:
+        # A name of a tied tensor that the file stores once, under another of its names (as
+        # transformers' save_pretrained and safetensors' save_model store lm_head.weight
+        # tied to the embeddings), is filled through that name.
+        held = {_memory_of(t) for n, t in targets.items() if n in sources} - {None}
+        for name in [n for n in missing if _memory_of(targets[n]) in held]:
+            missing.discard(name)
+            del targets[name]
+    for name in sorted(missing):
         problems.append(f"{name}: in out= but not in the file")
     for name in sorted(set(sources) - set(targets)):
         problems.append(f"{name}: in the file but not in out=")

@@ -1,6 +1,7 @@
 """``TensorDict``: the object form of a nested tensor dictionary, tensordict-style."""
 
 import operator
+import os
 from collections.abc import Mapping
 
 import numpy as np
@@ -52,6 +53,8 @@ class TensorDict:
             if batch_size is None:
                 batch_size = obj._batch_size
             obj = obj._data
+        if obj is not None and not isinstance(obj, Mapping):
+            raise TensorferryTypeError(f"TensorDict takes a mapping (a dict of tensors), not a {type(obj).__name__}")
         data = dict(obj) if obj is not None else {}
         data.update(kwargs)
         self._data = data
@@ -65,6 +68,11 @@ class TensorDict:
         td._data = data
         td._batch_size = batch_size
         return td
+
+    def __tensorferry_rebuild__(self, items):
+        """The TensorDict that tensorferry's functions return for this one, of ``items``
+        (the same keys, each value moved or converted): it keeps the batch size."""
+        return TensorDict._wrap(items, self._batch_size)
 
     # -- batch size -------------------------------------------------------------
     @property
@@ -183,9 +191,11 @@ class TensorDict:
         """A new TensorDict with every tensor on CUDA device ``index``."""
         return self.to(f"cuda:{index}", non_blocking=non_blocking)
 
-    def numpy(self):
-        """Plain nested containers whose tensors are NumPy arrays."""
-        return _api.to_numpy(self._data)
+    def numpy(self, **kwargs):
+        """Plain nested containers whose tensors are NumPy arrays (see
+        :func:`tensorferry.to_numpy`, whose options it takes: ``non_blocking=True`` gives a
+        :class:`Transfer`)."""
+        return _api.to_numpy(self._data, **kwargs)
 
     def to_dict(self):
         """Plain nested containers (dict, list, tuple) of the values as they are."""
@@ -195,14 +205,29 @@ class TensorDict:
         """A new TensorDict whose host tensors all live in one 64-byte-aligned buffer."""
         return TensorDict._wrap(_api.to_host(self._data, copy=True, _packed=True), self._batch_size)
 
-    def save(self, path, *, metadata=None):
-        """Saves to a safetensors file (see :func:`tensorferry.save`)."""
-        _api.save(self._data, path, metadata=metadata)
+    def save(self, path, **kwargs):
+        """Saves to a safetensors file, or a sharded checkpoint (see :func:`tensorferry.save`,
+        whose options it takes: ``non_blocking=True`` gives a :class:`Transfer`)."""
+        return _api.save(self._data, path, **kwargs)
 
     @classmethod
     def load(cls, path, **kwargs):
-        """Loads a safetensors file saved from a dict."""
-        return cls._wrap(_api.load(path, **kwargs))
+        """Loads a safetensors file saved from a dict (see :func:`tensorferry.load`, whose
+        options it takes); with ``non_blocking=True``, a :class:`Transfer` of the
+        TensorDict."""
+
+        def wrap(loaded):
+            if not isinstance(loaded, Mapping):
+                raise FormatError(
+                    f"{os.fspath(path)!r} holds a {type(loaded).__name__}, not a dict: load it with "
+                    "tensorferry.load"
+                )
+            return cls._wrap(loaded)
+
+        loaded = _api.load(path, **kwargs)
+        if isinstance(loaded, Transfer):
+            return loaded.then(wrap)
+        return wrap(loaded)
 
     def wait(self):
         """Waits for every copy into this dictionary's tensors (``non_blocking`` moves
