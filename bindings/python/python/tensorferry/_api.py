@@ -958,15 +958,11 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
                 # Else each tensor's own, or NumPy's, or it stays a tensorferry tensor.
                 if uniform is not None:
                     kinds = [uniform] * len(tensors)
-                    lacking = fw.dtypes_lacking(uniform)
-                    if lacking and any(t.dtype in lacking for t in tensors):
-                        kinds = [fw.NATIVE if t.dtype in lacking else uniform for t in tensors]
-                        paths = paths or [()] * len(tensors)
                 else:
                     kinds, todo = [], []
                     for i, (p, t) in enumerate(zip(paths, tensors)):
                         kind = like or exceptions.get(dotted(p), default)
-                        if holds(kind) and t.dtype not in fw.dtypes_lacking(kind):
+                        if holds(kind):
                             kinds.append(kind)
                             todo.append(i)
                         elif kind != fw.NATIVE and not on_device and numpy_can_hold(t.dtype):

@@ -364,8 +364,8 @@ _lacking = {}
 def dtypes_lacking(kind):
     """The dtypes (names) of native tensors that ``kind``'s tensors cannot hold: values
     packed several to an element, which only PyTorch holds, and only some of them (no
-    float6). A load leaves such tensors as ``tensorferry.Tensor``, as it does without a
-    framework."""
+    float6). Conversions leave such tensors as ``tensorferry.Tensor``, as a load does
+    without a framework (NumPy's conversion names them in its error instead)."""
     if kind not in _lacking:
         if kind == TORCH:
             import torch
@@ -387,7 +387,10 @@ def from_native_many(tensors, kinds, paths, order=False, promised=False):
     if kinds.count(TORCH) == len(kinds):
         return _torch_from_native_many(list(tensors), order, promised)  # one framework: no pass per leaf
     out = [None] * len(tensors)
-    _convert_each(out, [i for i, (t, k) in enumerate(zip(tensors, kinds)) if _host_numpy(k, t)],
+    for i, (t, k) in enumerate(zip(tensors, kinds)):
+        if k not in (TORCH, NUMPY) and t.dtype in dtypes_lacking(k):
+            out[i] = t  # packed values the framework has no dtype for stay as they are
+    _convert_each(out, [i for i, (t, k) in enumerate(zip(tensors, kinds)) if out[i] is None and _host_numpy(k, t)],
                   lambda at: tensors_to_numpy([tensors[i] for i in at], lambda j: shown(paths[at[j]])))
     _convert_each(out, [i for i, (t, k) in enumerate(zip(tensors, kinds)) if k == TORCH and out[i] is None],
                   lambda at: _torch_from_native_many([tensors[i] for i in at], order))
@@ -425,10 +428,8 @@ def _torch_from_native_many(tensors, order=False, promised=False):
     take = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
     tensors = _writable(tensors)
     streams = _torch_streams(torch, tensors) if order else None
-    if len(tensors) < 2:
-        return _take_capsules(tensors, take, streams, promised)
     out = [None] * len(tensors)
-    runs, rest = _native.host_runs(tensors, promised)
+    runs, rest = _native.host_runs(tensors, promised) if len(tensors) > 1 else ([], [0] * len(tensors))
     for (_, dtype, shape, spacing, at), flat in zip(runs, _take_capsules([r[0] for r in runs], take, None, promised)):
         tdtype = getattr(torch, dtype, None)
         try:
@@ -440,6 +441,10 @@ def _torch_from_native_many(tensors, order=False, promised=False):
         step = spacing // flat.element_size()
         for i, row in zip(at, torch.as_strided(flat, (len(at), *shape), (step, *strides)).unbind(0)):
             out[i] = row
+    lacking = dtypes_lacking(TORCH)
+    for i in [i for i in rest if tensors[i].dtype in lacking]:
+        out[i] = tensors[i]  # packed values PyTorch has no dtype for (float6) stay as they are
+    rest = [i for i in rest if out[i] is None]
     if rest:
         for i, t in zip(rest, _take_capsules([tensors[i] for i in rest], take, streams, promised)):
             out[i] = t

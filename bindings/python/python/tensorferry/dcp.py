@@ -184,6 +184,7 @@ def _build():
     from torch.futures import Future
 
     from . import _api, _dcp_io, _dcp_metadata, _native
+    from . import _frameworks as fw
     from ._errors import FormatError, io_error
 
     def done(value):
@@ -496,30 +497,6 @@ def _build():
     except ImportError:  # a PyTorch without DTensor
         DTensor = ()
 
-    def _split_dtensors(obj, found):
-        """``obj`` with each DTensor replaced by None, the DTensors appended to ``found``."""
-        if isinstance(obj, DTensor):
-            found.append(obj)
-            return None
-        if isinstance(obj, dict):
-            return {k: _split_dtensors(v, found) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(_split_dtensors(v, found) for v in obj) if type(obj) in (list, tuple) else obj
-        return obj
-
-    def _rewrap_dtensors(orig, staged, local):
-        """``staged`` with DTensors again where ``orig`` had them, built on the staged
-        local shards taken in order from ``local``."""
-        if isinstance(orig, DTensor):
-            return DTensor.from_local(
-                next(local), orig.device_mesh, orig.placements, shape=orig.shape, stride=orig.stride(), run_check=False
-            )
-        if isinstance(orig, dict):
-            return {k: _rewrap_dtensors(orig[k], staged[k], local) for k in orig}
-        if type(orig) in (list, tuple):
-            return type(staged)(_rewrap_dtensors(o, s, local) for o, s in zip(orig, staged))
-        return staged
-
     class TensorferryStager(AsyncStager):
         """Stages a state dict for ``dcp.async_save(..., async_stager=...)`` by
         :func:`tensorferry.to_host` with ``copy=True, pinned=True``: one planned transfer of
@@ -531,12 +508,21 @@ def _build():
         _synchronize_after_execute = False
 
         def stage(self, state_dict):
-            dtensors = []
-            plain = _split_dtensors(state_dict, dtensors)
+            dtensors = {p: t for p, t in _native.collect_tensors(state_dict, fw.kind_of) if isinstance(t, DTensor)}
             if not dtensors:
                 return _api.to_host(state_dict, copy=True, pinned=True)
-            staged, local = _api.to_host((plain, [d.to_local() for d in dtensors]), copy=True, pinned=True)
-            return _rewrap_dtensors(state_dict, staged, iter(local))
+            # Each DTensor staged by its local shard, then made a DTensor again, of the staged
+            # copy (once for a DTensor under two keys).
+            local = _native.rebuild(state_dict, {id(d): d.to_local() for d in dtensors.values()})
+            staged = _api.to_host(local, copy=True, pinned=True)
+            again = {}
+            for path, s in _native.collect_tensors(staged, fw.kind_of):
+                if path in dtensors and id(s) not in again:
+                    d = dtensors[path]
+                    again[id(s)] = DTensor.from_local(
+                        s, d.device_mesh, d.placements, shape=d.shape, stride=d.stride(), run_check=False
+                    )
+            return _native.rebuild(staged, again)
 
         def synchronize_staging(self):
             pass
