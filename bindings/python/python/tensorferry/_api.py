@@ -787,7 +787,11 @@ def load(path, *, device="cpu", non_blocking=False, stream=None, staging="auto",
     dictionary of existing tensors (a model's ``state_dict()``) to fill in place, after
     checking every name, shape, dtype and target and naming every problem; nothing is
     written unless all can be. Names of one tensor (tied weights) are filled once, and the
-    file must hold equal values for them; overlapping views are refused. It is returned.
+    file must hold equal values for them (or only one of them, as ``save_pretrained`` stores
+    a tied head); overlapping views are refused. Its plain values (an epoch, a learning
+    rate) take the file's where its dicts and lists hold them, as
+    ``torch.distributed.checkpoint.load`` sets them (a tuple that would have to change is
+    named first). It is returned.
     From object storage it is filled a group at a time, as a cast load reads (host memory
     holds two groups): a read that fails after the first group leaves the groups before it
     written, and its error says how many tensors were.
