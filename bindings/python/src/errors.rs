@@ -181,3 +181,23 @@ pub fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
         }
     }
 }
+
+/// A key path for messages, "a/b/0", shortened in the middle when very deep; "<root>" for
+/// the root.
+pub fn shown_path(path: &[Bound<'_, PyAny>]) -> String {
+    let part = |p: &Bound<'_, PyAny>| p.str().map(|s| s.to_string()).unwrap_or_default();
+    if path.is_empty() {
+        return "<root>".into();
+    }
+    if path.len() <= 12 {
+        return path.iter().map(part).collect::<Vec<_>>().join("/");
+    }
+    let head: Vec<String> = path[..5].iter().map(part).collect();
+    let tail: Vec<String> = path[path.len() - 5..].iter().map(part).collect();
+    format!(
+        "{}/…({} more)…/{}",
+        head.join("/"),
+        path.len() - 10,
+        tail.join("/")
+    )
+}

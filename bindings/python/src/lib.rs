@@ -412,6 +412,13 @@ fn recorded_frameworks(
     (default, exceptions)
 }
 
+/// A key path for messages: "a/b/0", shortened in the middle when very deep ("<root>" for
+/// the root), as every error of the walker shows one.
+#[pyfunction]
+fn shown_path(path: Vec<Bound<'_, PyAny>>) -> String {
+    errors::shown_path(&path)
+}
+
 /// NumPy arrays viewing each host tensor (zero-copy), in order.
 #[pyfunction]
 fn to_numpy_many<'py>(tensors: Vec<Bound<'py, PyTensor>>) -> PyResult<Vec<Bound<'py, PyAny>>> {
@@ -815,6 +822,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(groups::group_leaves, m)?)?;
     m.add_function(wrap_pyfunction!(host_copy::copy_arrays, m)?)?;
     m.add_function(wrap_pyfunction!(host_copy::copy_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(shown_path, m)?)?;
     m.add_function(wrap_pyfunction!(walk::collect_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(walk::rebuild, m)?)?;
     m.add_function(wrap_pyfunction!(walk::convert_native, m)?)?;

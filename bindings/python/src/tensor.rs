@@ -331,17 +331,13 @@ pub fn native_leaves_to_numpy<'py>(
     for (path, leaf, tensor) in natives {
         let dtype = tensor.get().inner.dtype();
         if !dtype.is_numpy_native() && !dtype.is_ml_dtypes() {
-            let key = py
-                .import("tensorferry._tree")?
-                .call_method1("shown", (path,))?;
-            return Err(numpy_interop::no_numpy_dtype(dtype, &key.str()?.to_cow()?));
+            let key = crate::errors::shown_path(&path.iter().collect::<Vec<_>>());
+            return Err(numpy_interop::no_numpy_dtype(dtype, &key));
         }
         if !dtype.is_numpy_native() && !ml_dtypes_found {
             // Raises the error naming the key (as the Python rules show paths) when
             // ml_dtypes is missing.
-            let key = py
-                .import("tensorferry._tree")?
-                .call_method1("shown", (path,))?;
+            let key = crate::errors::shown_path(&path.iter().collect::<Vec<_>>());
             py.import("tensorferry._numpy")?
                 .call_method1("require_ml_dtypes", (dtype.name(), key))?;
             ml_dtypes_found = true;

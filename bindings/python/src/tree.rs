@@ -211,35 +211,18 @@ pub fn node_to_py(
 
 /// True when two tensors of `node` start at one address (aliases of one tensor: the
 /// distinct tensors of a file never do). Addresses in tree order mostly rise (a file lays
-/// out each dtype's tensors in tree order), so most trees are settled by one pass that
-/// allocates nothing; others by sorting their addresses.
+/// out each dtype's tensors in tree order), so most trees are settled by one pass; others
+/// by sorting their addresses.
 fn has_shared_tensors(node: &Node) -> bool {
-    let mut last = None;
-    if each_address(node, &mut |at| {
-        let rising = last.is_none_or(|l| l < at);
-        last = Some(at);
-        rising
-    }) {
+    let mut all: Vec<usize> = (node.tensor_refs().into_iter())
+        .filter(|t| t.numel() > 0)
+        .map(|t| t.data_ptr() as usize)
+        .collect();
+    if all.windows(2).all(|w| w[0] < w[1]) {
         return false;
     }
-    let mut all = Vec::new();
-    each_address(node, &mut |at| {
-        all.push(at);
-        true
-    });
     all.sort_unstable();
     all.windows(2).any(|w| w[0] == w[1])
-}
-
-/// Calls `f` with the address of every tensor with elements of `node`, in tree order,
-/// while it says true; says whether it always did.
-fn each_address(node: &Node, f: &mut impl FnMut(usize) -> bool) -> bool {
-    match node {
-        Node::Tensor(t) => t.numel() == 0 || f(t.data_ptr() as usize),
-        Node::Value(_) => true,
-        Node::Dict(d) => d.iter().all(|(_, v)| each_address(v, f)),
-        Node::List(items) | Node::Tuple(items) => items.iter().all(|v| each_address(v, f)),
-    }
 }
 
 /// Hashes an address: a multiply spreads its bits upwards, and the rotation brings the

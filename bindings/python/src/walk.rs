@@ -11,6 +11,7 @@
 //! so another thread changing it while Python code runs (`kind_of`, a Mapping's methods)
 //! cannot break the iteration.
 
+use crate::errors::shown_path;
 use crate::numpy_interop::{is_exact_ndarray, is_ndarray};
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
@@ -142,22 +143,6 @@ fn is_plain(obj: &Bound<'_, PyAny>) -> bool {
         || obj.is_exact_instance_of::<PyInt>()
         || obj.is_exact_instance_of::<PyFloat>()
         || obj.is_exact_instance_of::<PyBool>()
-}
-
-/// A key path for messages, "a/b/0", shortened in the middle when very deep.
-pub fn shown_path(path: &[Bound<'_, PyAny>]) -> String {
-    let part = |p: &Bound<'_, PyAny>| p.str().map(|s| s.to_string()).unwrap_or_default();
-    if path.len() <= 12 {
-        return path.iter().map(part).collect::<Vec<_>>().join("/");
-    }
-    let head: Vec<String> = path[..5].iter().map(part).collect();
-    let tail: Vec<String> = path[path.len() - 5..].iter().map(part).collect();
-    format!(
-        "{}/…({} more)…/{}",
-        head.join("/"),
-        path.len() - 10,
-        tail.join("/")
-    )
 }
 
 fn invalid(key: String, reason: String) -> PyErr {

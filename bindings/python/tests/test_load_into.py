@@ -81,35 +81,38 @@ def test_out_fills_a_tied_model_from_files_that_store_the_tied_tensor_once(write
 
 
 def test_out_takes_the_plain_values_of_the_file_as_torch_distributed_checkpoint_does(torch, tmp_path):
-    """An epoch, a step count, a learning rate in param_groups: a resume in place gets the
-    file's, in dicts and lists; a tuple that would have to change is named before anything
-    is written."""
+    """An epoch, a learning rate in param_groups, an optimizer's betas and a scheduler's
+    milestones: a resume in place gets the file's. As DCP's load does, a list or tuple with
+    no tensor in it is one value, replaced whole; keys match as names do (0 and "0")."""
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.8, 0.9))
     model(torch.ones(1, 4)).sum().backward()
     opt.step()
-    tf.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3, "tags": ["a", None]},
-            tmp_path / "train/")
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3,
+             "milestones": [10, 20, 40], "by_step": {"0": 5}}
+    tf.save(saved, tmp_path / "train/")
     fresh = torch.nn.Linear(4, 2)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)  # default betas (0.9, 0.999)
     fresh(torch.ones(1, 4)).sum().backward()
     fresh_opt.step()
-    out = {"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict(), "epoch": 0, "tags": ["b", None],
-           "only_here": 7}
+    out = {"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict(), "epoch": 0,
+           "milestones": [30, 60], "by_step": {0: 1}, "only_here": 7}
     assert tf.load(tmp_path / "train/", out=out) is out
-    assert out["epoch"] == 3 and out["tags"] == ["a", None] and out["only_here"] == 7
-    assert out["optimizer"]["param_groups"][0]["lr"] == 1e-5
+    assert out["epoch"] == 3 and out["only_here"] == 7
+    assert out["milestones"] == [10, 20, 40] and out["by_step"] == {0: 5}
+    group = out["optimizer"]["param_groups"][0]
+    assert group["lr"] == 1e-5 and group["betas"] == (0.8, 0.9)
     fresh_opt.load_state_dict(out["optimizer"])
-    assert fresh_opt.param_groups[0]["lr"] == 1e-5
+    assert fresh_opt.param_groups[0]["lr"] == 1e-5 and fresh_opt.param_groups[0]["betas"] == (0.8, 0.9)
     assert torch.equal(fresh.weight, model.weight)
-    # A value inside a tuple cannot change: named, and nothing written.
-    out = {"model": torch.nn.Linear(4, 2).state_dict(), "optimizer": fresh_opt.state_dict(), "epoch": 0,
-           "tags": ["a", None]}
-    out["optimizer"]["param_groups"][0]["betas"] = (0.5, 0.9)
-    weight = out["model"]["weight"].clone()
-    with pytest.raises(tf.FormatError, match=r"optimizer\.param_groups\.0\.betas\.0: 0\.8 in the file, 0\.5 in out="):
-        tf.load(tmp_path / "train/", out=out)
-    assert torch.equal(out["model"]["weight"], weight) and out["epoch"] == 0
+
+
+def test_a_plain_value_that_would_change_inside_a_tuple_of_tensors_is_named_and_nothing_written(torch, tmp_path):
+    tf.save({"pair": (torch.ones(2), 2), "epoch": 3}, tmp_path / "p.safetensors")
+    out = {"pair": (torch.zeros(2), 1), "epoch": 0}
+    with pytest.raises(tf.FormatError, match=r"pair\.1: 2 in the file, 1 in out=, in a tuple, which cannot change"):
+        tf.load(tmp_path / "p.safetensors", out=out)
+    assert not out["pair"][0].any() and out["epoch"] == 0
 
 
 @pytest.mark.parametrize("framework", ["torch", "numpy"])

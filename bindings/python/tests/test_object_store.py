@@ -1034,6 +1034,21 @@ def test_a_tied_name_of_out_missing_from_the_file_is_filled_through_its_other_na
     assert not alone.any()
 
 
+def test_a_folder_is_listed_by_its_own_objects_not_those_of_its_subfolders(s3, url):
+    """A folder without model.safetensors (or its index) is listed by the delimiter: its
+    one *.safetensors object loads, whatever its subfolders hold; two are named."""
+    tree = _model()
+    tf.save(tree, url + "weights.safetensors")
+    tf.save(_model(salt=1.0), url + "sub/other.safetensors")
+    tf.save(_model(salt=2.0), url + "sub/deeper/more.safetensors")
+    assert_same(tf.load(url), tree)
+    tf.save(_model(salt=3.0), url + "second.safetensors")
+    with pytest.raises(tf.FormatError, match=r"holds 2 \*\.safetensors objects and no index"):
+        tf.load(url)
+    with pytest.raises(FileNotFoundError, match=r"holds neither"):
+        tf.load(url + "sub/deeper/nothing/")
+
+
 def test_a_pinned_load_of_an_index_or_a_folder_is_refused(s3, url):
     """What an earlier read found of one object is never applied to an index's shards."""
     tf.save(_model(), url, max_shard_size=20_000)
@@ -1670,5 +1685,5 @@ def test_a_listing_that_never_ends_is_an_error_after_a_bounded_number_of_objects
     finally:
         server.shutdown()
     assert out.startswith("typed"), out
-    assert "over 10000 objects" in out and "s3://bucket/ckpt" in out, out
+    assert "over 10000 entries" in out and "s3://bucket/ckpt" in out, out
     assert pages[0] <= 12, pages  # the pages of 10,000 objects, and one more

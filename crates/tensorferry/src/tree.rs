@@ -401,8 +401,24 @@ impl Node {
         f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
     ) -> Result<Node> {
         let mut out = self.clone();
-        out.replace_tensors_at(&mut KeyPath::default(), f)?;
+        out.replace_tensors_at(&mut KeyPath::default(), &mut |p, t| {
+            f(p, t).map(Node::Tensor)
+        })?;
         Ok(out)
+    }
+
+    /// This tree with every tensor whose dotted name is not in `only` replaced by `None`
+    /// (what a load of a subset of names gives).
+    pub(crate) fn keep_only(mut self, only: &std::collections::HashSet<String>) -> Node {
+        let mut blank = |path: &KeyPath, t: &Tensor| -> Result<Node> {
+            Ok(match only.contains(&path.dotted()) {
+                true => Node::Tensor(t.clone()),
+                false => Node::Value(Value::None),
+            })
+        };
+        let kept = self.replace_tensors_at(&mut KeyPath::default(), &mut blank);
+        kept.expect("the map never fails");
+        self
     }
 
     /// Like [`Node::try_map_tensors`] without paths, for maps that do not need them.
@@ -439,12 +455,12 @@ impl Node {
         Ok(())
     }
 
-    /// Replaces every tensor `t` at `path` (and below) of this (cloned) tree by
+    /// Replaces every tensor `t` at `path` (and below) of this (cloned) tree by the node
     /// `f(path, t)`, in order, with one path stack pushed and popped.
     fn replace_tensors_at(
         &mut self,
         path: &mut KeyPath,
-        f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Tensor>,
+        f: &mut impl FnMut(&KeyPath, &Tensor) -> Result<Node>,
     ) -> Result<()> {
         let mut below = |path: &mut KeyPath, key: String, v: &mut Node| {
             path.0.push(key);
@@ -453,7 +469,7 @@ impl Node {
             replaced
         };
         match self {
-            Node::Tensor(t) => *t = f(path, t)?,
+            Node::Tensor(t) => *self = f(path, t)?,
             Node::Value(_) => {}
             Node::Dict(d) => {
                 for (k, v) in d.entries.iter_mut() {

@@ -181,16 +181,16 @@ fn a_tree_handed_over_before_its_bytes_are_in_is_read_only_once_they_are() {
     let with = |suffix: &str| PathBuf::from(format!("{}{suffix}", base.display()));
     std::env::set_var("TENSORFERRY_TEST_OBJECT_HANDED", &base);
     let handed = load_url_arriving(url, &ObjectOptions::from_env(), None);
-    std::env::remove_var("TENSORFERRY_TEST_OBJECT_HANDED");
-    let (loaded, arrival) = handed.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !with(".ready").exists() {
-        assert!(
-            Instant::now() < deadline,
-            "the loader never reached its hook"
-        );
+    // The reading thread looks for the variable once it has handed the tree over, which
+    // may be after the call returned: it is removed once the hook is reached (another
+    // test's load that meets the hook meanwhile goes on with this one's ".go").
+    while !with(".ready").exists() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
+    std::env::remove_var("TENSORFERRY_TEST_OBJECT_HANDED");
+    assert!(with(".ready").exists(), "the loader never reached its hook");
+    let (loaded, arrival) = handed.unwrap();
     assert!(!arrival.is_done());
     let reader = std::thread::spawn(move || values(&loaded.root));
     std::thread::sleep(Duration::from_millis(300));

@@ -2,6 +2,7 @@
 existing tensors (``out=``) after checking every name, shape and dtype."""
 
 import fnmatch
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -164,25 +165,36 @@ def plain_updates(out, loaded):
     """The writes that give ``out=``'s plain values (None, bool, int, float, str: an epoch,
     a learning rate) those of ``loaded`` at the same key paths, as
     ``torch.distributed.checkpoint.load`` sets them: a list of functions to call once the
-    tensors are filled. A value only one side has is left; one that differs inside a
-    container that cannot change (a tuple) is a :class:`FormatError`, raised here, before
-    anything is written."""
-    stored = {p: v for p, v in _native.collect_tensors(loaded, fw.kind_of, True, plain=True)
-              if fw.kind_of(v) is None}
-    if not stored:
+    tensors are filled. As there, a list or tuple holding no tensor is one value, replaced
+    whole (a scheduler's milestones, an optimizer's betas); keys match as tensors' names
+    do (0 and "0" alike). A value only one side has is left; one that differs inside a
+    tuple that holds tensors (which cannot change) is a :class:`FormatError`, raised here,
+    before anything is written."""
+    leaves = _native.collect_tensors(out, fw.kind_of, True, plain=True)
+    plain = [p for p, v in leaves if fw.kind_of(v) is None]
+    if not plain:
         return []
+    # The containers that hold a tensor somewhere below: the others are values.
+    holding = {p[:i] for p, v in leaves if fw.kind_of(v) is not None for i in range(len(p))}
+    units = {}
+    for path in plain:
+        node = out
+        for i, key in enumerate(path):
+            if isinstance(node, (list, tuple)) and path[:i] not in holding and i:
+                path = path[:i]
+                break
+            node = _child(node, key)
+        units[path] = None
     updates, problems = [], []
-    for path, old in _native.collect_tensors(out, fw.kind_of, True, plain=True):
-        new = stored.get(path, old)
-        if new is old or fw.kind_of(old) is not None or _same_plain(new, old):
+    for path in units:
+        try:
+            new = _at(loaded, path)
+        except (LookupError, TypeError, AttributeError):
+            continue  # out= alone has it
+        parent = _at(out, path[:-1])
+        old = _child(parent, path[-1])
+        if _same_plain(new, old):
             continue
-        parent = out
-        for key in path[:-1]:
-            # Items of containers, fields of namedtuples, attributes of a state dict (_metadata).
-            try:
-                parent = parent[key]
-            except (KeyError, IndexError, TypeError):
-                parent = getattr(parent, key)
         if isinstance(parent, tuple) or not hasattr(parent, "__setitem__"):
             problems.append(f"{dotted(path)}: {new!r} in the file, {old!r} in out=, in a "
                             f"{type(parent).__name__}, which cannot change")
@@ -193,9 +205,35 @@ def plain_updates(out, loaded):
     return updates
 
 
+def _child(node, key):
+    """The item ``key`` of a container (a field or attribute where it has no such item: a
+    namedtuple's, a state dict's ``_metadata``); of a mapping, also under the key's other
+    spelling (0 for "0", "0" for 0), as names match."""
+    try:
+        return node[key]
+    except (KeyError, IndexError, TypeError):
+        pass
+    if isinstance(node, Mapping):
+        other = str(key) if isinstance(key, int) else int(key) if isinstance(key, str) and key.isdigit() else None
+        if other is not None and other in node:
+            return node[other]
+    return getattr(node, key)
+
+
+def _at(tree, path):
+    for key in path:
+        tree = _child(tree, key)
+    return tree
+
+
 def _same_plain(a, b):
-    """``a`` and ``b`` are the same plain value (of one type: 1 is not True nor 1.0; NaN is NaN)."""
-    return type(a) is type(b) and (a == b or (isinstance(a, float) and a != a and b != b))
+    """``a`` and ``b`` are the same plain value (of one type: 1 is not True nor 1.0; NaN is
+    NaN), or lists or tuples of such values item by item."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(_same_plain, a, b))
+    return a == b or (isinstance(a, float) and a != a and b != b)
 
 
 def fill_targets(out, sources, value, cast_to=None):

@@ -72,7 +72,7 @@ class TensorDict:
     def __tensorferry_rebuild__(self, items):
         """The TensorDict that tensorferry's functions return for this one, of ``items``
         (the same keys, each value moved or converted): it keeps the batch size."""
-        return TensorDict._wrap(items, self._batch_size)
+        return type(self)._wrap(items, self._batch_size)
 
     # -- batch size -------------------------------------------------------------
     @property

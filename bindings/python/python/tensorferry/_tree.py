@@ -17,9 +17,6 @@ def dotted(path):
 
 
 def shown(path):
-    """A key path for messages: 'a/b/0', shortened in the middle when very deep."""
-    if len(path) > 12:
-        head = "/".join(str(p) for p in path[:5])
-        tail = "/".join(str(p) for p in path[-5:])
-        return f"{head}/…({len(path) - 10} more)…/{tail}"
-    return "/".join(str(p) for p in path) or "<root>"
+    """A key path for messages: 'a/b/0', shortened in the middle when very deep (as the
+    walker's own errors show them)."""
+    return _native.shown_path(list(path))

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::get::{write_into, Asked, Version};
-use super::load::{blank_unwanted, fetch_header, read_index, resolved_load, FetchedHeader};
+use super::load::{fetch_header, read_index, resolved_load, FetchedHeader};
 use super::location::Location;
 use super::options::ObjectOptions;
 use super::{lanes, plan};
@@ -80,7 +80,7 @@ pub fn load_url_to_until(
         })
     })?;
     if let Some(names) = only {
-        loaded.root = blank_unwanted(loaded.root, &mut Vec::new(), names);
+        loaded.root = loaded.root.keep_only(names);
     }
     Ok(loaded)
 }

@@ -23,7 +23,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures_util::StreamExt;
+use object_store::list::PaginatedListOptions;
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStoreExt};
 
 use super::arrival::{Arrival, Stop};
@@ -42,7 +42,6 @@ use crate::io::format::tree_census;
 use crate::io::read::{build, Loaded};
 use crate::memory::{AlignedBuffer, HostBuffer, HOST_ALIGNMENT};
 use crate::storage::Storage;
-use crate::tree::{Node, TensorDict, Value};
 
 /// Loads the checkpoint at `url`: one safetensors object, an index of shards
 /// (`…/model.safetensors.index.json`), the index a sharded save to `url` wrote
@@ -81,7 +80,7 @@ pub fn load_url_arriving(
         |index| Ok((load_index(index, options, only)?, Arrival::complete())),
     )?;
     if let Some(names) = only {
-        loaded.root = blank_unwanted(loaded.root, &mut Vec::new(), names);
+        loaded.root = loaded.root.keep_only(names);
     }
     Ok((loaded, arrival))
 }
@@ -285,46 +284,74 @@ pub(super) fn resolved_load<T>(
 /// The error saying the bucket of `at` does not exist, when a listing says so (some
 /// servers answer a GET in a missing bucket with "no such key"); `None` otherwise.
 fn missing_bucket(at: &Location) -> Option<Error> {
-    // The first answer of a listing says it (a listing's pages are never all read here).
-    let first = runtime::block_on(async { at.store().list(Some(at.key())).next().await }).ok()?;
-    let e = from_store("read", at.url(), first?.err()?);
+    // The first page of a listing says it (one entry asked for).
+    let pages = at.pages()?;
+    let options = PaginatedListOptions {
+        max_keys: Some(1),
+        ..Default::default()
+    };
+    let first = runtime::block_on(pages.list_paginated(Some(at.key().as_ref()), options)).ok()?;
+    let e = from_store("read", at.url(), first.err()?);
     (cause_of(&e) == Some(Cause::NoBucket)).then_some(e)
 }
 
-/// The most objects a folder's listing looks at: a listing is read page by page, and a
-/// server that never ends one must not hold the load, nor fill memory.
+/// The most entries (objects and subfolders) a folder's listing may hold: a listing is read
+/// a page at a time, and a server whose pages never end must not hold the load, nor fill
+/// memory.
 const MAX_LISTED: usize = 10_000;
 
-/// The names of the objects directly in the folder `dir` (a listing of what is below it,
-/// of at most [`MAX_LISTED`] objects).
+/// The names of the objects directly in the folder `dir`: its listing by the delimiter
+/// `/`, a page at a time, of at most [`MAX_LISTED`] entries (over HTTP, one PROPFIND of
+/// depth 1).
 fn names_in(dir: &Location) -> Result<Vec<String>> {
+    let listing_error = |e| from_store("list", dir.url(), e);
+    let Some(pages) = dir.pages() else {
+        let listing = runtime::block_on(dir.store().list_with_delimiter(Some(dir.key())))?
+            .map_err(listing_error)?;
+        return Ok(listing
+            .objects
+            .iter()
+            .filter_map(|o| o.location.filename())
+            .map(String::from)
+            .collect());
+    };
+    // Unlike `ObjectStore::list`, a paged listing takes the prefix as it is given.
+    let prefix = match dir.key().as_ref() {
+        "" => String::new(),
+        key => format!("{key}/"),
+    };
     runtime::block_on(async {
-        let mut listing = dir.store().list(Some(dir.key()));
-        let (mut names, mut seen) = (Vec::new(), 0);
-        while let Some(object) = listing.next().await {
-            let object = object.map_err(|e| from_store("list", dir.url(), e))?;
-            seen += 1;
+        let (mut names, mut seen, mut token) = (Vec::new(), 0, None);
+        loop {
+            let options = PaginatedListOptions {
+                delimiter: Some("/".into()),
+                page_token: token.take(),
+                ..Default::default()
+            };
+            let page = pages
+                .list_paginated(Some(&prefix), options)
+                .await
+                .map_err(listing_error)?;
+            seen += page.result.objects.len() + page.result.common_prefixes.len();
             if seen > MAX_LISTED {
                 return Err(failed(
                     "list",
                     dir.url(),
                     Cause::Other,
-                    format!(
-                        "over {MAX_LISTED} objects are below it: name the checkpoint's object \
-                         or index"
-                    ),
+                    format!("over {MAX_LISTED} entries are in it: name the checkpoint's object or index"),
                 ));
             }
-            let mut rest = object
-                .location
-                .prefix_match(dir.key())
-                .into_iter()
-                .flatten();
-            if let (Some(name), None) = (rest.next(), rest.next()) {
-                names.push(name.as_ref().to_string());
+            let objects = page.result.objects.iter();
+            names.extend(
+                objects
+                    .filter_map(|o| o.location.filename())
+                    .map(String::from),
+            );
+            match page.page_token {
+                Some(next) => token = Some(next),
+                None => return Ok(names),
             }
         }
-        Ok(names)
     })?
 }
 
@@ -368,11 +395,11 @@ fn head(at: &Location) -> Result<ObjectMeta> {
 pub(super) fn read_index(at: &Location, options: &ObjectOptions) -> Result<Index> {
     let label = Path::new(at.url());
     let first_len = options.header_bytes as u64;
-    let (first, meta) = get(at, GetRange::Bounded(0..first_len), None, first_len)?;
+    let (first, meta) = get(at, Some(GetRange::Bounded(0..first_len)), None, first_len)?;
     check_index_len(meta.size, label)?;
     let bytes = match (first.len() as u64) < meta.size {
         true => {
-            let (whole, now) = get(at, GetRange::Offset(0), meta.e_tag, meta.size)?;
+            let (whole, now) = get(at, Some(GetRange::Offset(0)), meta.e_tag, meta.size)?;
             if now.size != meta.size {
                 let sizes = format!("{} bytes, then {}", meta.size, now.size);
                 return Err(failed("read", at.url(), Cause::Changed, sizes));
@@ -398,19 +425,20 @@ fn load_index(
     })
 }
 
-/// One GET of `range` of the object at `at` (conditional on `etag` when given), of at most
+/// One GET of `range` (the whole object for `None`) of the object at `at` (conditional on
+/// `etag` when given), of at most
 /// `cap` bytes: its bytes and what the store says of the object. An answer announcing more
 /// is refused before any of it is held: a server may claim any length, and the body is
 /// collected into one allocation of the announced size.
 pub(super) fn get(
     at: &Location,
-    range: GetRange,
+    range: Option<GetRange>,
     etag: Option<String>,
     cap: u64,
 ) -> Result<(Bytes, ObjectMeta)> {
     runtime::block_on(async {
         let options = GetOptions {
-            range: Some(range),
+            range,
             if_match: etag,
             ..Default::default()
         };
@@ -468,7 +496,7 @@ pub(super) fn fetch_header(at: &Location, options: &ObjectOptions) -> Result<Fet
         return pinned_header(at, pinned);
     }
     let first_len = options.header_bytes.max(8) as u64;
-    let (first, meta) = match get(at, GetRange::Bounded(0..first_len), None, first_len) {
+    let (first, meta) = match get(at, Some(GetRange::Bounded(0..first_len)), None, first_len) {
         // An empty object has no range to give.
         Err(e) if is_empty_object(&e) => (
             Bytes::new(),
@@ -881,38 +909,6 @@ fn jobs_of<'a>(
         rest_at = part.end;
     }
     jobs
-}
-
-/// `node` with every tensor whose name is not in `only` replaced by a `None` value.
-pub(super) fn blank_unwanted(node: Node, path: &mut Vec<String>, only: &HashSet<String>) -> Node {
-    let at = |key: String, child: Node, path: &mut Vec<String>| {
-        path.push(key);
-        let child = blank_unwanted(child, path, only);
-        (path.pop().expect("pushed above"), child)
-    };
-    match node {
-        Node::Tensor(t) if only.contains(&path.join(".")) => Node::Tensor(t),
-        Node::Tensor(_) => Node::Value(Value::None),
-        Node::Value(v) => Node::Value(v),
-        Node::Dict(d) => Node::Dict(
-            d.into_iter()
-                .map(|(k, v)| at(k, v, path))
-                .collect::<TensorDict>(),
-        ),
-        Node::List(items) => Node::List(blank_items(items, path, only)),
-        Node::Tuple(items) => Node::Tuple(blank_items(items, path, only)),
-    }
-}
-
-/// [`blank_unwanted`] on each item of a list or tuple.
-fn blank_items(items: Vec<Node>, path: &mut Vec<String>, only: &HashSet<String>) -> Vec<Node> {
-    let mut out = Vec::with_capacity(items.len());
-    for (i, item) in items.into_iter().enumerate() {
-        path.push(i.to_string());
-        out.push(blank_unwanted(item, path, only));
-        path.pop();
-    }
-    out
 }
 
 /// For tests only: with the environment variable `var` set to `<path>`, creates

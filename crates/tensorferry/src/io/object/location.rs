@@ -10,6 +10,7 @@
 use std::sync::{Arc, Mutex};
 
 use object_store::aws::AmazonS3ConfigKey;
+use object_store::list::PaginatedListStore;
 use object_store::path::Path as ObjectPath;
 use object_store::{BackoffConfig, ObjectStore, ObjectStoreScheme, RetryConfig};
 use url::Url;
@@ -58,17 +59,32 @@ pub(crate) fn url_of(path: &std::path::Path) -> Option<&str> {
 #[derive(Clone, Debug)]
 pub(crate) struct Location {
     store: Arc<dyn ObjectStore>,
+    /// The same store's listing a page at a time, where it has one (S3, GCS, Azure).
+    pages: Option<Pages>,
     /// The object's path in the store.
     key: ObjectPath,
     /// The URL as given, for messages.
     url: String,
 }
 
+/// A store's listing a page at a time.
+#[derive(Clone)]
+pub(crate) struct Pages(pub(crate) Arc<dyn PaginatedListStore>);
+
+impl std::fmt::Debug for Pages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pages")
+    }
+}
+
+/// A store's client: its objects, and its listing a page at a time where it has one.
+type Client = (Arc<dyn ObjectStore>, Option<Pages>);
+
 /// The clients built so far: a client (its TLS roots read from the system, its pool of
 /// open connections) is reused by every later open of an object in the same folder, made
 /// in the same process with the same environment and options. Building one reads and
 /// decodes the system's root certificates, a few milliseconds each time.
-static CLIENTS: Mutex<Vec<(ClientKey, Arc<dyn ObjectStore>)>> = Mutex::new(Vec::new());
+static CLIENTS: Mutex<Vec<(ClientKey, Client)>> = Mutex::new(Vec::new());
 
 /// The most clients kept; the oldest goes first.
 const CLIENTS_KEPT: usize = 16;
@@ -104,7 +120,7 @@ fn folder_of(url: &str) -> &str {
 }
 
 /// The client `key` was built for, if one was.
-fn client_for(key: &ClientKey) -> Option<Arc<dyn ObjectStore>> {
+fn client_for(key: &ClientKey) -> Option<Client> {
     let clients = CLIENTS.lock().unwrap_or_else(|p| p.into_inner());
     clients
         .iter()
@@ -114,7 +130,7 @@ fn client_for(key: &ClientKey) -> Option<Arc<dyn ObjectStore>> {
 
 /// Keeps `client`, built for `key`. Clients of another process (this one's parent, before
 /// a fork) are leaked, not dropped: their connections belong to the parent's runtime.
-fn keep_client(key: ClientKey, client: Arc<dyn ObjectStore>) {
+fn keep_client(key: ClientKey, client: Client) {
     let mut clients = CLIENTS.lock().unwrap_or_else(|p| p.into_inner());
     if clients.first().is_some_and(|(k, _)| k.pid != key.pid) {
         std::mem::forget(std::mem::take(&mut *clients));
@@ -134,16 +150,17 @@ impl Location {
         let parsed = Url::parse(url).map_err(|e| bad(format!("not a URL: {e}")))?;
         let (scheme, key) = ObjectStoreScheme::parse(&parsed).map_err(|e| bad(e.to_string()))?;
         let client_key = ClientKey::of(url, options);
-        let store = match client_for(&client_key) {
-            Some(store) => store,
+        let (store, pages) = match client_for(&client_key) {
+            Some(client) => client,
             None => {
-                let store = build_client(url, &parsed, scheme, options)?;
-                keep_client(client_key, store.clone());
-                store
+                let client = build_client(url, &parsed, scheme, options)?;
+                keep_client(client_key, client.clone());
+                client
             }
         };
         Ok(Location {
             store,
+            pages,
             key,
             url: url.to_string(),
         })
@@ -152,6 +169,11 @@ impl Location {
     /// The store's client.
     pub(crate) fn store(&self) -> &dyn ObjectStore {
         &*self.store
+    }
+
+    /// The store's listing a page at a time, where it has one (not over HTTP).
+    pub(crate) fn pages(&self) -> Option<&dyn PaginatedListStore> {
+        self.pages.as_ref().map(|p| &*p.0)
     }
 
     /// The object's path in its store.
@@ -187,6 +209,7 @@ impl Location {
         };
         Location {
             store: self.store.clone(),
+            pages: self.pages.clone(),
             key: folder_key.clone().join(name),
             url: format!("{folder_url}/{name}"),
         }
@@ -200,14 +223,14 @@ fn build_client(
     parsed: &Url,
     scheme: ObjectStoreScheme,
     options: &ObjectOptions,
-) -> Result<Arc<dyn ObjectStore>> {
+) -> Result<Client> {
     let bad = |detail: String| failed("open", url, Cause::BadConfig, detail);
     let retry = RetryConfig {
         backoff: BackoffConfig::default(),
         max_retries: options.max_retries,
         retry_timeout: options.retry_timeout,
     };
-    let built: object_store::Result<Arc<dyn ObjectStore>> = match scheme {
+    let built: object_store::Result<Client> = match scheme {
         ObjectStoreScheme::AmazonS3 => {
             let builder = object_store::aws::AmazonS3Builder::from_env()
                 .with_url(url)
@@ -221,29 +244,35 @@ fn build_client(
             } else {
                 builder.with_unsigned_payload(unsigned_payload(endpoint.as_deref()))
             };
-            builder.build().map(|s| Arc::new(s) as _)
+            builder.build().map(paged)
         }
         ObjectStoreScheme::GoogleCloudStorage => {
             object_store::gcp::GoogleCloudStorageBuilder::from_env()
                 .with_url(url)
                 .with_retry(retry)
                 .build()
-                .map(|s| Arc::new(s) as _)
+                .map(paged)
         }
         ObjectStoreScheme::MicrosoftAzure => object_store::azure::MicrosoftAzureBuilder::from_env()
             .with_url(url)
             .with_retry(retry)
             .build()
-            .map(|s| Arc::new(s) as _),
+            .map(paged),
         ObjectStoreScheme::Http => object_store::http::HttpBuilder::new()
             .with_url(&parsed[..url::Position::BeforePath])
             .with_retry(retry)
             .with_client_options(object_store::ClientOptions::new().with_allow_http(true))
             .build()
-            .map(|s| Arc::new(s) as _),
+            .map(|s| (Arc::new(s) as _, None)),
         other => return Err(bad(format!("{other:?} is not an object store"))),
     };
     built.map_err(|e| super::failure::from_store("open", url, e))
+}
+
+/// A client of a store that lists a page at a time.
+fn paged<S: ObjectStore + PaginatedListStore>(store: S) -> Client {
+    let store = Arc::new(store);
+    (store.clone(), Some(Pages(store)))
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@
 
 use std::path::Path;
 
-use object_store::{GetRange, PutPayload};
+use object_store::PutPayload;
 
 use super::failure::{cause_of, from_store, Cause};
 use super::location::Location;
@@ -134,7 +134,8 @@ fn save_single(
 
 /// The shard names of the index at `index`; none when there is no index.
 fn previous_shards(index: &Location) -> Result<Vec<String>> {
-    match super::load::get(index, GetRange::Offset(0), None, MAX_INDEX_BYTES) {
+    // The whole object, unranged: an empty one is not a range refused (416).
+    match super::load::get(index, None, None, MAX_INDEX_BYTES) {
         Ok((bytes, _)) => {
             // An index we cannot read names nothing we may delete.
             let Ok(parsed) = parse_index(&bytes, Path::new(index.url())) else {
