@@ -1576,6 +1576,15 @@ def _lying_s3(answer_get):
     return server
 
 
+def _no_such_key(handler):
+    """S3's answer for a missing object."""
+    body = b"<Error><Code>NoSuchKey</Code><Message>none</Message></Error>"
+    handler.send_response(404)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def _run_against(server, script, timeout=120):
     """``script`` run in a child process whose S3 endpoint is ``server``, its address space
     capped at 4 GB (an allocation of what a server claims would abort it): its output."""
@@ -1616,12 +1625,7 @@ def test_an_index_whose_store_announces_a_terabyte_is_refused_before_it_is_held(
 
     def answer(handler, asked):
         if not handler.path.split("?")[0].endswith(".index.json"):
-            body = b"<Error><Code>NoSuchKey</Code><Message>none</Message></Error>"
-            handler.send_response(404)
-            handler.send_header("Content-Length", str(len(body)))
-            handler.end_headers()
-            handler.wfile.write(body)
-            return
+            return _no_such_key(handler)
         if asked and asked != "bytes=0-":
             a, b = map(int, asked.removeprefix("bytes=").split("-"))
             handler.send_response(206)
@@ -1655,17 +1659,12 @@ def test_an_index_whose_store_announces_a_terabyte_is_refused_before_it_is_held(
 def test_a_listing_that_never_ends_is_an_error_after_a_bounded_number_of_objects():
     """A folder with no model.safetensors nor model.safetensors.index.json is listed; a
     server whose listing pages never end (truncated, a new token each time) gets an error
-    naming the folder once 10,000 objects were seen, not a hang that fills memory."""
+    naming the folder once 10,000 entries were seen, not a hang that fills memory."""
     pages = [0]
 
     def answer(handler, asked):
         if "list-type=2" not in handler.path:
-            body = b"<Error><Code>NoSuchKey</Code><Message>none</Message></Error>"
-            handler.send_response(404)
-            handler.send_header("Content-Length", str(len(body)))
-            handler.end_headers()
-            handler.wfile.write(body)
-            return
+            return _no_such_key(handler)
         pages[0] += 1
         page = pages[0]
         items = "".join(f"<Contents><Key>ckpt/f{page}_{i}.bin</Key><LastModified>2024-01-01T00:00:00.000Z"
