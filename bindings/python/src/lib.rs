@@ -152,8 +152,18 @@ fn check_staging(staging: Option<Bound<'_, PyAny>>) -> PyResult<()> {
 #[pyfunction]
 fn configure_emulated(index: usize, settings: &str) -> PyResult<()> {
     guard(|| {
-        let config =
-            tensorferry::internal::backend::emulated::EmuConfig::parse(settings).py_err()?;
+        // Its errors name the settings given here, not the variable read otherwise.
+        let config = tensorferry::internal::backend::emulated::EmuConfig::parse(settings)
+            .map_err(|e| match e {
+                tensorferry::Error::InvalidValue { reason, .. } => {
+                    tensorferry::Error::InvalidValue {
+                        key: "configure_emulated".into(),
+                        reason,
+                    }
+                }
+                other => other,
+            })
+            .py_err()?;
         tensorferry::internal::backend::emulated::configure(index, config).py_err()
     })
 }
@@ -164,6 +174,15 @@ fn configure_emulated(index: usize, settings: &str) -> PyResult<()> {
 fn pinned_pool_stats<'py>(py: Python<'py>, device: &str) -> PyResult<Bound<'py, PyDict>> {
     guard(|| {
         let d: Device = device.parse().py_err()?;
+        if d == Device::Cpu {
+            return Err(tensorferry::Error::InvalidValue {
+                key: "device".into(),
+                reason: "the host has no pool of its own: name the device whose copies to the \
+                         host land in it (\"cuda:0\", \"emu:0\")"
+                    .into(),
+            })
+            .py_err();
+        }
         let s = tensorferry::internal::backend::backend_for(d)
             .py_err()?
             .pinned_pool()

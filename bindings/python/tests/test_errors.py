@@ -412,3 +412,12 @@ def test_like_naming_a_framework_that_cannot_be_imported_is_an_error_everywhere(
     }[call]
     with pytest.raises(tf.FormatError, match=r"like='jax': jax cannot be imported"):
         run()
+
+
+def test_argument_errors_name_what_was_given():
+    with pytest.raises(tf.FormatError, match=r"host has no pool of its own") as info:
+        tf.pinned_pool_stats("cpu")
+    assert "backend" not in str(info.value)
+    with pytest.raises(tf.FormatError, match=r'configure_emulated.*unknown key "bogus"') as info:
+        tf.configure_emulated(0, bogus=1)
+    assert "TENSORFERRY_EMU" not in str(info.value)
