@@ -330,14 +330,14 @@ pub fn native_leaves_to_numpy<'py>(
     let mut ml_dtypes_found = false;
     for (path, leaf, tensor) in natives {
         let dtype = tensor.get().inner.dtype();
+        let key = || crate::errors::shown_path(&path.iter().collect::<Vec<_>>());
         if !dtype.is_numpy_native() && !dtype.is_ml_dtypes() {
-            let key = crate::errors::shown_path(&path.iter().collect::<Vec<_>>());
-            return Err(numpy_interop::no_numpy_dtype(dtype, &key));
+            return Err(numpy_interop::no_numpy_dtype(dtype, &key()));
         }
         if !dtype.is_numpy_native() && !ml_dtypes_found {
             // Raises the error naming the key (as the Python rules show paths) when
             // ml_dtypes is missing.
-            let key = crate::errors::shown_path(&path.iter().collect::<Vec<_>>());
+            let key = key();
             py.import("tensorferry._numpy")?
                 .call_method1("require_ml_dtypes", (dtype.name(), key))?;
             ml_dtypes_found = true;

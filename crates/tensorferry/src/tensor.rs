@@ -219,18 +219,18 @@ impl Tensor {
         shape: Vec<usize>,
         strides: Vec<isize>,
     ) -> Result<Self> {
-        let (below, above) =
-            byte_extent(&shape, &strides, dtype.size()).ok_or_else(|| Error::Layout {
-                reason: format!(
-                    "shape {shape:?} with strides {strides:?} overflows the address space"
-                ),
-            })?;
+        let extent = byte_extent(&shape, &strides, dtype.size()).and_then(|(below, above)| {
+            Some((below, usize::try_from(above.checked_sub(below)?).ok()?))
+        });
+        let (below, span) = extent.ok_or_else(|| Error::Layout {
+            reason: format!("shape {shape:?} with strides {strides:?} overflows the address space"),
+        })?;
         let lowest = elem0.wrapping_offset(below);
-        // SAFETY: `lowest..lowest + (above - below)` is exactly the bytes the layout reaches
-        // around `elem0` (`byte_extent`, checked), which the caller promises are valid.
-        let memory = unsafe {
-            ForeignMemory::new(lowest, (above - below) as usize, device, read_only, owner)
-        };
+        // SAFETY: `lowest..lowest + span` is the bytes the layout reaches around `elem0`
+        // (`byte_extent`, checked), which the caller promises are valid; a shape and strides
+        // of different lengths make a shorter span, and `from_storage` refuses that tensor
+        // before any use.
+        let memory = unsafe { ForeignMemory::new(lowest, span, device, read_only, owner) };
         let storage = Arc::new(Storage::foreign(memory));
         Tensor::from_storage(storage, (-below) as usize, dtype, shape, strides)
     }

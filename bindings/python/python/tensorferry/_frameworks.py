@@ -429,7 +429,7 @@ def _torch_from_native_many(tensors, order=False, promised=False):
     tensors = _writable(tensors)
     streams = _torch_streams(torch, tensors) if order else None
     out = [None] * len(tensors)
-    runs, rest = _native.host_runs(tensors, promised) if len(tensors) > 1 else ([], [0] * len(tensors))
+    runs, rest = _native.host_runs(tensors, promised) if len(tensors) > 1 else ([], list(range(len(tensors))))
     for (_, dtype, shape, spacing, at), flat in zip(runs, _take_capsules([r[0] for r in runs], take, None, promised)):
         tdtype = getattr(torch, dtype, None)
         try:

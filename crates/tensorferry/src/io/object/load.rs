@@ -426,10 +426,9 @@ fn load_index(
 }
 
 /// One GET of `range` (the whole object for `None`) of the object at `at` (conditional on
-/// `etag` when given), of at most
-/// `cap` bytes: its bytes and what the store says of the object. An answer announcing more
-/// is refused before any of it is held: a server may claim any length, and the body is
-/// collected into one allocation of the announced size.
+/// `etag` when given), of at most `cap` bytes: its bytes and what the store says of the
+/// object. An answer announcing more is refused before any of it is held: a server may
+/// claim any length, and the body is collected into one allocation of the announced size.
 pub(super) fn get(
     at: &Location,
     range: Option<GetRange>,

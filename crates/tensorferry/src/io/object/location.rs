@@ -69,7 +69,7 @@ pub(crate) struct Location {
 
 /// A store's listing a page at a time.
 #[derive(Clone)]
-pub(crate) struct Pages(pub(crate) Arc<dyn PaginatedListStore>);
+pub(crate) struct Pages(Arc<dyn PaginatedListStore>);
 
 impl std::fmt::Debug for Pages {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
