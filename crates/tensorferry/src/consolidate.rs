@@ -204,7 +204,6 @@ fn copy_group(dst: &mut [u8], base: usize, pieces: &[Piece<'_>]) -> Result<()> {
 mod tests {
     use super::*;
     use crate::dtype::DType;
-    use crate::tree::{consolidate, Node, TensorDict};
 
     #[test]
     fn copy_into_places_each_source_at_its_offset_and_refuses_overlaps() {
@@ -224,46 +223,25 @@ mod tests {
     }
 
     #[test]
-    fn consolidated_tensors_share_one_buffer_and_keep_values() {
-        let mut d = TensorDict::new();
-        d.insert("a", Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap());
+    fn packed_tensors_share_one_buffer_and_keep_values() {
+        let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap();
         let m = Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6], &[2, 3]).unwrap();
-        d.insert_path(&["n", "t"], m.transpose(0, 1).unwrap())
-            .unwrap();
-        d.insert("s", "text");
-        let c = consolidate(&Node::Dict(d)).unwrap();
-        let a = c.tensor(&["a"]).unwrap();
-        let t = c.tensor(&["n", "t"]).unwrap();
+        let packed = pack(&[&a, &m.transpose(0, 1).unwrap()]).unwrap();
+        let (a, t) = (&packed[0], &packed[1]);
         assert!(Arc::ptr_eq(a.storage(), t.storage()));
         assert_eq!(t.offset() % HOST_ALIGNMENT, 0);
         assert!(t.is_contiguous());
         assert_eq!(t.to_vec::<i32>().unwrap(), vec![1, 4, 2, 5, 3, 6]);
         assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0]);
-        assert!(c.get_path(&["s"]).is_some());
     }
 
     #[test]
     fn parallel_copy_matches_the_source_bytes() {
-        let mut d = TensorDict::new();
         let big: Vec<u8> = (0..(40usize << 20)).map(|i| (i * 7 % 251) as u8).collect();
-        d.insert(
-            "big",
-            Tensor::from_bytes(DType::U8, vec![big.len()], &big).unwrap(),
-        );
-        for i in 0..50 {
-            d.insert(
-                format!("small{i}"),
-                Tensor::from_slice(&[i as u8; 100], &[100]).unwrap(),
-            );
-        }
-        let c = consolidate(&Node::Dict(d)).unwrap();
-        assert_eq!(
-            c.tensor(&["big"]).unwrap().contiguous_bytes().unwrap(),
-            &big[..]
-        );
-        assert_eq!(
-            c.tensor(&["small49"]).unwrap().to_vec::<u8>().unwrap(),
-            vec![49; 100]
-        );
+        let mut tensors = vec![Tensor::from_bytes(DType::U8, vec![big.len()], &big).unwrap()];
+        tensors.extend((0..50).map(|i| Tensor::from_slice(&[i as u8; 100], &[100]).unwrap()));
+        let packed = pack(&tensors.iter().collect::<Vec<_>>()).unwrap();
+        assert_eq!(packed[0].contiguous_bytes().unwrap(), &big[..]);
+        assert_eq!(packed[50].to_vec::<u8>().unwrap(), vec![49; 100]);
     }
 }

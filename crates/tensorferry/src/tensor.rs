@@ -81,27 +81,21 @@ impl Element for bool {
 
 /// C-order (row-major) strides, in elements, of `shape`.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
-    let mut strides = vec![0isize; shape.len()];
+    contiguous_dims(shape).to_vec()
+}
+
+/// [`contiguous_strides`] without a heap allocation for up to four dimensions.
+fn contiguous_dims(shape: &[usize]) -> Dims<isize> {
+    let mut strides: Dims<isize> = match shape.len() {
+        n @ 0..=4 => Dims::from_slice(&[0; 4][..n]),
+        n => vec![0; n].into(),
+    };
     let mut acc = 1isize;
     for (s, &n) in strides.iter_mut().zip(shape).rev() {
         *s = acc;
         acc = acc.saturating_mul(n.max(1) as isize);
     }
     strides
-}
-
-/// [`contiguous_strides`] without a heap allocation for up to four dimensions.
-fn contiguous_dims(shape: &[usize]) -> Dims<isize> {
-    if shape.len() > 4 {
-        return contiguous_strides(shape).into();
-    }
-    let mut strides = [0isize; 4];
-    let mut acc = 1isize;
-    for (s, &n) in strides[..shape.len()].iter_mut().zip(shape).rev() {
-        *s = acc;
-        acc = acc.saturating_mul(n.max(1) as isize);
-    }
-    Dims::from_slice(&strides[..shape.len()])
 }
 
 /// Where the elements of a layout lie around element 0, in bytes: `(below, above)` with

@@ -8,6 +8,7 @@ key. :func:`device_of` also names devices the engine does not drive ("rocm:0", "
 PyTorch's ROCm builds call their GPUs "cuda" (``torch.version.hip`` tells them apart).
 """
 
+import math
 import sys
 
 import numpy as np
@@ -437,9 +438,8 @@ def _torch_from_native_many(tensors, order=False, promised=False):
         except (RuntimeError, TypeError):
             rest.extend(at)  # a dtype PyTorch cannot view bytes as: one capsule each
             continue
-        strides = _contiguous_strides(shape)
-        step = spacing // flat.element_size()
-        for i, row in zip(at, torch.as_strided(flat, (len(at), *shape), (step, *strides)).unbind(0)):
+        step, numel = spacing // flat.element_size(), math.prod(shape)
+        for i, row in zip(at, torch.as_strided(flat, (len(at), numel), (step, 1)).view((len(at), *shape)).unbind(0)):
             out[i] = row
     lacking = dtypes_lacking(TORCH)
     for i in [i for i in rest if tensors[i].dtype in lacking]:
@@ -457,15 +457,6 @@ def _torch_streams(torch, tensors):
     ``torch.from_dlpack`` passes it)."""
     gpus = {t.device for t in tensors if t.device.startswith("cuda:")}
     return {int(g[5:]): torch.cuda.current_stream(int(g[5:])).cuda_stream or 1 for g in gpus}
-
-
-def _contiguous_strides(shape):
-    """Element strides of a C-contiguous tensor of ``shape``."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _writable(tensors):

@@ -677,40 +677,6 @@ mod tests {
     }
 
     #[test]
-    fn chained_staged_transfers_beyond_the_pools_size_all_complete() {
-        use crate::device::Device;
-        use crate::transfer::{move_tensors, MoveOptions};
-        // Each transfer's copies wait for the one before, and there are three times as
-        // many as the pool has threads: the pool runs them oldest first, so none waits for
-        // one that cannot start.
-        let staged = MoveOptions {
-            non_blocking: true,
-            staging: Staging::Ring {
-                chunk_bytes: 4096,
-                depth: 2,
-            },
-            ..Default::default()
-        };
-        let data: Vec<u8> = (0..20_000u32).map(|i| (i % 251) as u8).collect();
-        let mut t = Tensor::from_slice(&data, &[data.len()]).unwrap();
-        let mut all = Vec::new();
-        for i in 0..3 * worker::max_workers() {
-            let to = if i % 2 == 0 {
-                Device::Emulated(0)
-            } else {
-                Device::Cpu
-            };
-            t = move_tensors(&[&t], to, staged).unwrap().pop().unwrap();
-            all.push(t.clone());
-        }
-        for t in &all {
-            t.wait().unwrap();
-        }
-        let home = t.to(Device::Cpu, false).unwrap();
-        assert_eq!(home.to_vec::<u8>().unwrap(), data);
-    }
-
-    #[test]
     fn shares_cover_every_byte_once_in_about_equal_parts() {
         let spans = [run(0, 7), run(100, 5)];
         let shares = split(&spans, 3);

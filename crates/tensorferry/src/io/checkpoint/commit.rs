@@ -387,4 +387,33 @@ mod tests {
             assert_eq!(place.usual_name_of_saved(other), None, "{other}");
         }
     }
+
+    #[test]
+    fn a_save_removes_what_a_dead_process_left_in_the_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let stale = dir.path().join(temp_files::temp_name(dead, 7));
+        fs::write(&stale, b"half a file").unwrap();
+        let live = dir
+            .path()
+            .join(temp_files::temp_name(std::process::id(), u64::MAX));
+        fs::write(&live, b"being written").unwrap();
+        let path = dir.path().join("x.safetensors");
+        let place = Place::of(&path).unwrap();
+        let staged = crate::io::fs::replace::stage(&path, false, |w| {
+            std::io::Write::write_all(w, b"a checkpoint").map_err(|e| Error::io("write", &path, e))
+        })
+        .unwrap();
+        commit_single(&place, staged, false).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"a checkpoint");
+        assert!(live.exists(), "a live process's temporary file stays");
+        if cfg!(target_os = "linux") {
+            assert!(
+                !stale.exists(),
+                "a dead process's temporary file is removed"
+            );
+        }
+    }
 }

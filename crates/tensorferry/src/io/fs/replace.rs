@@ -188,39 +188,3 @@ fn keep_owner_and_mode(file: &File, old: &Metadata) -> io::Result<()> {
 fn keep_owner_and_mode(file: &File, old: &Metadata) -> io::Result<()> {
     file.set_permissions(old.permissions())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_save_removes_what_a_dead_process_left_in_the_folder() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
-        child.wait().unwrap();
-        let stale = dir.path().join(temp_files::temp_name(dead, 7));
-        fs::write(&stale, b"half a file").unwrap();
-        let live = dir
-            .path()
-            .join(temp_files::temp_name(std::process::id(), u64::MAX));
-        fs::write(&live, b"being written").unwrap();
-        let path = dir.path().join("x.safetensors");
-        let mut d = crate::TensorDict::new();
-        d.insert("x", crate::Tensor::from_slice(&[1.5f32], &[1]).unwrap());
-        crate::save(
-            &crate::Node::from(d.clone()),
-            &path,
-            &crate::SaveOptions::default(),
-        )
-        .unwrap();
-        assert!(path.exists());
-        assert!(live.exists(), "a live process's temporary file stays");
-        if cfg!(target_os = "linux") {
-            assert!(
-                !stale.exists(),
-                "a dead process's temporary file is removed"
-            );
-        }
-    }
-}
