@@ -66,3 +66,8 @@ pub mod internal {
         pub use crate::transfer::{staging, wait_queued_timeout, Readable};
     }
 }
+
+/// The ordering rules of the backends and the engine, proved with gates (a test module of
+/// its own: it reaches into both).
+#[cfg(test)]
+mod ordering_tests;

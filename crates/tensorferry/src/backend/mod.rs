@@ -15,8 +15,6 @@ pub(crate) mod event;
 mod fence;
 mod interface;
 pub(crate) mod lane;
-#[cfg(test)]
-pub(crate) mod ordering_tests;
 mod probe;
 pub(crate) mod process;
 pub(crate) mod stream;
@@ -30,6 +28,15 @@ pub use probe::available_devices;
 // The crate's own backends, the only ones (`Backend` is sealed).
 impl interface::sealed::Sealed for emulated::EmulatedDevice {}
 impl interface::sealed::Sealed for cuda_device::CudaDevice {}
+
+/// Unit tests that hold streams and queue batches behind host work on a device (the
+/// ordering rules of `ordering_tests`), or that use emu:1 and count its pool, run one at a
+/// time under this lock, so that none sees another's held or deferred work.
+#[cfg(test)]
+pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The device that owns device memory at `address`, a pointer another library handed over
 /// with no device (the CUDA Array Interface), as the driver reports it.

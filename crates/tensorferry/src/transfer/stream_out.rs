@@ -144,7 +144,7 @@ impl<S: FnMut(&[u8]) -> Result<()>> RingSteps for Download<'_, S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::ordering_tests::serial;
+    use crate::backend::serial;
     use crate::error::Error;
 
     /// emu:1, whose unit tests run one at a time: its pool's counts are this test's own.

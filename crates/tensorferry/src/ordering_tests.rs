@@ -4,7 +4,12 @@
 //! opens. Every rule runs on the emulated device, and on CUDA when the fake driver is
 //! loaded (its hooks are looked up by name; on a real driver the CUDA variants skip).
 //! Fault injection (fake driver only) covers a copy call failing half-way through a batch
-//! and CUDA event calls failing.
+//! and CUDA event calls failing. Last, on CUDA: the context and capture mode a user's
+//! thread had are what it has after tensorferry's calls.
+//!
+//! A module of its own at the crate's root, since it reaches into the backends and the
+//! engine above them: no module below the engine imports it (`backend::serial` is the
+//! lock the tests of both take).
 
 use std::any::Any;
 use std::ffi::c_void;
@@ -12,20 +17,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::event::Progress;
-use super::{backend_for, CopyBatch, CopyOp, Direction, Event, StreamHandle};
+use crate::backend::cuda;
+use crate::backend::event::Progress;
+use crate::backend::{
+    backend_for, serial, Backend, CopyBatch, CopyOp, Direction, Event, StreamHandle,
+};
 use crate::device::Device;
 use crate::transfer::{move_tensors, MoveOptions, Readable};
 use crate::Tensor;
-
-/// The rules below hold streams and queue batches behind host work on the same GPU: run
-/// one at a time, so that no rule sees another's held or deferred work on its streams.
-/// Other unit tests that use emu:1 (and count its pool) take the same lock.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// How long a negative check ("has not run") gives the work to run wrongly.
 const SETTLE: Duration = Duration::from_millis(30);
@@ -61,8 +60,8 @@ impl Drop for Gate {
 fn hook<T: Copy>(name: &[u8]) -> Option<T> {
     use cudarc::driver::sys;
     if !matches!(
-        super::cuda::status(),
-        super::cuda::CudaStatus::Available { .. }
+        crate::backend::cuda::status(),
+        crate::backend::cuda::CudaStatus::Available { .. }
     ) {
         return None;
     }
@@ -80,10 +79,14 @@ type ClearFn = unsafe extern "C" fn() -> u32;
 fn gate(device: Device, direction: Direction) -> Option<Gate> {
     match device {
         Device::Emulated(i) => {
-            let held = super::emulated::device(i).unwrap().gate(direction);
+            let held = crate::backend::emulated::device(i).unwrap().gate(direction);
             Some(Gate(Some(Box::new(move || held.complete(Ok(()))))))
         }
-        Device::Cuda(i) => gate_stream(super::cuda::device::device(i).ok()?.stream_of(direction)),
+        Device::Cuda(i) => gate_stream(
+            crate::backend::cuda::device::device(i)
+                .ok()?
+                .stream_of(direction),
+        ),
         Device::Cpu => None,
     }
 }
@@ -108,7 +111,7 @@ fn gate_stream(stream: usize) -> Option<Gate> {
 /// destroyed when dropped.
 struct ForeignStream {
     raw: cudarc::driver::sys::CUstream,
-    context: super::cuda::driver::Context,
+    context: crate::backend::cuda::driver::Context,
     device: Device,
 }
 
@@ -128,7 +131,9 @@ impl ForeignStream {
         let Device::Cuda(ordinal) = device else {
             unreachable!("a CUDA device")
         };
-        let context = super::cuda::device::device(ordinal).unwrap().context;
+        let context = crate::backend::cuda::device::device(ordinal)
+            .unwrap()
+            .context;
         let _current = context.enter(device).unwrap();
         let mut raw: sys::CUstream = std::ptr::null_mut();
         // SAFETY: the GPU's context is current; `raw` is a live out pointer.
@@ -168,7 +173,7 @@ impl ForeignStream {
 
     /// An event recorded on this stream now, checked not to pass while the upload the
     /// stream was ordered after is held.
-    fn mark_held(&self) -> super::cuda::event::CudaEvent {
+    fn mark_held(&self) -> crate::backend::cuda::event::CudaEvent {
         let after = self.mark();
         std::thread::sleep(SETTLE);
         let ran = after.query().unwrap();
@@ -184,9 +189,9 @@ impl ForeignStream {
 
     /// An event recorded on this stream now: it passes once the work queued on the
     /// stream so far (and whatever that was made to wait for) has run.
-    fn mark(&self) -> super::cuda::event::CudaEvent {
+    fn mark(&self) -> crate::backend::cuda::event::CudaEvent {
         let _current = self.context.enter(self.device).unwrap();
-        super::cuda::event::CudaEvent::record(self.context, self.device, self.raw).unwrap()
+        crate::backend::cuda::event::CudaEvent::record(self.context, self.device, self.raw).unwrap()
     }
 }
 
@@ -260,8 +265,8 @@ fn fake_driver(gpus: usize) -> bool {
 }
 
 fn last_gpu() -> Device {
-    match super::cuda::status() {
-        super::cuda::CudaStatus::Available { gpus, .. } => Device::Cuda(gpus.len() - 1),
+    match crate::backend::cuda::status() {
+        crate::backend::cuda::CudaStatus::Available { gpus, .. } => Device::Cuda(gpus.len() - 1),
         _ => unreachable!("checked by the caller"),
     }
 }
@@ -491,8 +496,8 @@ fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() 
         return;
     };
     let Device::Cuda(i) = dev else { unreachable!() };
-    let batched = super::cuda::device::device(i).unwrap().copy_path()
-        == super::cuda::device::CopyPath::Batched;
+    let batched = crate::backend::cuda::device::device(i).unwrap().copy_path()
+        == crate::backend::cuda::device::CopyPath::Batched;
     let mut faults = None;
     // An upload: the fault is injected on this thread, which queues uploads (downloads are
     // queued on their lane's own thread).
@@ -736,13 +741,13 @@ fn automatic_rings_in_flight_are_bounded_and_the_rest_copy_directly() {
     let held = gate(dev, Direction::HostToDevice).unwrap();
     let before = pool.stats();
     let auto = auto_ring();
-    let moved: Vec<Tensor> = (0..3 * super::super::transfer::MAX_AUTO_RINGS)
+    let moved: Vec<Tensor> = (0..3 * crate::transfer::MAX_AUTO_RINGS)
         .map(|_| moved(&host, dev, auto))
         .collect();
     let after = pool.stats();
     let rings = (after.hits + after.misses) - (before.hits + before.misses);
     assert!(
-        (1..=super::super::transfer::MAX_AUTO_RINGS as u64).contains(&rings),
+        (1..=crate::transfer::MAX_AUTO_RINGS as u64).contains(&rings),
         "{rings} rings at once"
     );
     held.open();
@@ -817,7 +822,7 @@ fn in_child() -> bool {
 fn run_in_child(name: &str, env: &[(&str, &str)]) {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
-            &format!("backend::ordering_tests::{name}"),
+            &format!("ordering_tests::{name}"),
             "--exact",
             "--nocapture",
             "--test-threads=1",
@@ -960,8 +965,8 @@ fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
     };
     // A pool that keeps one block: a second one given back is unpinned, and asking for
     // another size unpins the cached one first.
-    let gpu = super::cuda::device::device(ordinal).unwrap();
-    let allocator = super::cuda::pinned::CudaPinnedAllocator::new(
+    let gpu = crate::backend::cuda::device::device(ordinal).unwrap();
+    let allocator = crate::backend::cuda::pinned::CudaPinnedAllocator::new(
         gpu.context,
         Device::Cuda(ordinal),
         gpu.freer().clone(),
@@ -1101,7 +1106,7 @@ fn free_memory(dev: Device) -> usize {
     let Device::Cuda(ordinal) = dev else {
         unreachable!("a CUDA device")
     };
-    let gpu = super::cuda::device::device(ordinal).unwrap();
+    let gpu = crate::backend::cuda::device::device(ordinal).unwrap();
     let _current = gpu.context.enter(dev).unwrap();
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: the GPU's context is current; live out pointers.
@@ -1155,7 +1160,7 @@ fn child_a_lent_device_buffer_is_freed_behind_its_consumers_stream() {
     release_without_waiting(capsule);
     // Whatever frees were handed to the freeing thread have run: freeing the lent memory
     // while the consumer's copy is queued aborts the process (a use after free).
-    let gpu = super::cuda::device::device(ordinal).unwrap();
+    let gpu = crate::backend::cuda::device::device(ordinal).unwrap();
     assert!(gpu.freer().wait_idle(PATIENCE));
     std::thread::sleep(SETTLE);
     assert!(gpu.freer().wait_idle(PATIENCE));
@@ -1269,7 +1274,10 @@ fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
         assert_eq!(back.to_vec::<u32>().unwrap(), data);
         drop((there, back));
         let Device::Cuda(i) = dev else { unreachable!() };
-        let freer = super::cuda::device::device(i).unwrap().freer().clone();
+        let freer = crate::backend::cuda::device::device(i)
+            .unwrap()
+            .freer()
+            .clone();
         assert!(freer.wait_idle(PATIENCE));
     })
     .join()
@@ -1391,4 +1399,88 @@ fn a_device_without_foreign_streams_refuses_to_order_after_one() {
     assert!(err.contains("emu:0") && err.contains("no streams"), "{err}");
     assert!(emu.synchronize_stream(stream).is_err());
     assert!(emu.producer_stream().is_none());
+}
+
+// Contexts and capture modes: what tensorferry's driver calls leave on a user's thread.
+
+fn current() -> cudarc::driver::sys::CUcontext {
+    let mut ctx: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the driver is loaded (the caller checked); live out pointer.
+    unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut ctx) };
+    ctx
+}
+
+#[test]
+fn a_users_thread_keeps_its_current_context() {
+    if cuda::device::device(0).is_err() {
+        eprintln!("skipped: no CUDA driver");
+        return;
+    }
+    // A thread with no context, as PyTorch leaves its workers until they touch a GPU.
+    std::thread::spawn(|| {
+        assert!(current().is_null());
+        let host = Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap();
+        let there = host.to(Device::Cuda(0), false).unwrap();
+        let back = there.to(Device::Cpu, false).unwrap();
+        drop(there);
+        assert_eq!(back.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+        assert!(current().is_null(), "tensorferry left a context current");
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn the_gpu_of_a_foreign_pointer_is_found_from_a_thread_with_no_context() {
+    let cuda::CudaStatus::Available { gpus, .. } = cuda::status() else {
+        return eprintln!("skipped: no CUDA driver");
+    };
+    let last = gpus.len() - 1;
+    let memory = cuda::device::device(last).unwrap().alloc(256).unwrap();
+    let address = memory.as_ptr() as usize;
+    // A thread with no context current, as a Python thread importing an array through
+    // the CUDA Array Interface may be.
+    std::thread::spawn(move || {
+        assert!(current().is_null());
+        assert_eq!(cuda::driver::pointer_device(address).unwrap(), last);
+        assert!(current().is_null(), "tensorferry left a context current");
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn driver_calls_run_relaxed_and_leave_the_threads_capture_mode_as_it_was() {
+    const CU_STREAM_CAPTURE_MODE_GLOBAL: std::ffi::c_uint = 0;
+    const CU_STREAM_CAPTURE_MODE_RELAXED: std::ffi::c_uint = cuda::driver::RELAXED;
+    let Ok(gpu) = cuda::device::device(0) else {
+        eprintln!("skipped: no CUDA driver");
+        return;
+    };
+    std::thread::spawn(move || {
+        // A user's thread in the default (global) mode, as PyTorch's graph capture uses.
+        assert_eq!(
+            cuda::driver::exchange_capture_mode(CU_STREAM_CAPTURE_MODE_GLOBAL),
+            Some(CU_STREAM_CAPTURE_MODE_GLOBAL)
+        );
+        {
+            let _current = gpu.context.enter(Device::Cuda(0)).unwrap();
+            let inside = cuda::driver::exchange_capture_mode(CU_STREAM_CAPTURE_MODE_RELAXED);
+            assert_eq!(inside, Some(CU_STREAM_CAPTURE_MODE_RELAXED));
+        }
+        let host = Tensor::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+        let back = host
+            .to(Device::Cuda(0), false)
+            .unwrap()
+            .to(Device::Cpu, false)
+            .unwrap();
+        assert_eq!(back.to_vec::<f32>().unwrap(), [1.0, 2.0]);
+        assert_eq!(
+            cuda::driver::exchange_capture_mode(CU_STREAM_CAPTURE_MODE_GLOBAL),
+            Some(CU_STREAM_CAPTURE_MODE_GLOBAL),
+            "tensorferry left the thread's capture mode changed"
+        );
+    })
+    .join()
+    .unwrap();
 }
