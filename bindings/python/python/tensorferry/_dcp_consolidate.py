@@ -51,10 +51,9 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     from . import _api, _cast_load, _dcp_metadata
-    from .dcp import METADATA_FILE
 
     dcp_dir, out_dir = os.fspath(dcp_dir), os.fspath(out_dir)
-    metadata = _dcp_metadata.load(os.path.join(dcp_dir, METADATA_FILE))
+    metadata = _dcp_metadata.load(os.path.join(dcp_dir, _dcp_io.METADATA_FILE))
     limit = None if max_shard_size is None else _api._parse_size(max_shard_size)
     wanted = []
     for fqn, md in metadata.state_dict_metadata.items():
@@ -82,7 +81,7 @@ def consolidate(dcp_dir, out_dir, *, max_shard_size=None, prefix=None, fsync=Tru
                 for index, chunk in enumerate(md.chunks):
                     info = (metadata.storage_data or {}).get(MetadataIndex(fqn, chunk.offsets, index))
                     if info is None:
-                        raise FormatError(f"{os.path.join(dcp_dir, METADATA_FILE)}: names no file for {fqn} at "
+                        raise FormatError(f"{os.path.join(dcp_dir, _dcp_io.METADATA_FILE)}: names no file for {fqn} at "
                                           f"{list(chunk.offsets)}")
                     path = os.path.join(dcp_dir, info.file)
                     stored.append((path, chunk, _chunk_entry(path, info.name, chunk, headers, save_id)))
@@ -150,13 +149,12 @@ def _read_chunk(fd, path, entry, chunk, full):
     """Reads the stored chunk ``entry`` of ``path`` (open as ``fd``) into its place in ``full``."""
     import torch
 
-    from .dcp import _byte_view
 
     place = full
     for dim, (offset, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
         place = place.narrow(dim, offset, length)
     dest = place if place.is_contiguous() else torch.empty(tuple(chunk.sizes), dtype=full.dtype)
     if dest.numel():
-        _dcp_io.read_runs(fd, path, entry, [(0, entry.end - entry.begin)], _byte_view(dest))
+        _dcp_io.read_runs(fd, path, entry, [(0, entry.end - entry.begin)], _dcp_io.byte_view(dest))
     if dest is not place:
         place.copy_(dest)

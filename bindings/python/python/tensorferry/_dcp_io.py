@@ -12,6 +12,9 @@ import dataclasses
 from . import _native
 from ._errors import FormatError, TensorferryTypeError
 
+#: The name of a DCP checkpoint's metadata file.
+METADATA_FILE = ".metadata"
+
 #: Bytes per element of each safetensors dtype.
 ITEM_SIZE = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -25,6 +28,29 @@ TORCH_NAMES = {
     "U16": "uint16", "I16": "int16", "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32",
     "F32": "float32", "C64": "complex64", "U64": "uint64", "I64": "int64", "F64": "float64",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageInfo:
+    """Where one saved item lies: the rank file (relative to the checkpoint folder) and
+    the tensor's name in it. DCP keeps one per item in ``Metadata.storage_data``."""
+
+    file: str
+    name: str
+
+
+# Checkpoints name it where users import it from: a pickle holds "tensorferry.dcp".
+StorageInfo.__module__ = __name__.rpartition(".")[0] + ".dcp"
+
+
+def byte_view(tensor):
+    """A writable memoryview of a contiguous CPU tensor's bytes."""
+    import torch
+
+    flat = tensor.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
 
 
 @dataclasses.dataclass

@@ -71,13 +71,12 @@ def _allowed_globals():
     import torch
     import torch.distributed.checkpoint.metadata as md
 
-    from . import dcp
 
     allowed = {}
     for cls in (md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
                 md.TensorProperties, md.StorageMeta, md.MetadataIndex):
         allowed[(md.__name__, cls.__name__)] = _Global("class", cls, cls.__name__)
-    allowed[(dcp.__name__, "StorageInfo")] = _Global("class", dcp.StorageInfo, "StorageInfo")
+    allowed[(_dcp_io.StorageInfo.__module__, "StorageInfo")] = _Global("class", _dcp_io.StorageInfo, "StorageInfo")
     allowed[("torch", "Size")] = _Global("size", torch.Size, "Size")
     allowed[("torch.serialization", "_get_layout")] = _Global("layout", None, "_get_layout")
     allowed[(md.__name__, "_MEM_FORMAT_ENCODING")] = _Global("memfmt", md._MEM_FORMAT_ENCODING, "_MEM_FORMAT_ENCODING")
@@ -534,7 +533,6 @@ def _field_checks():
     import torch
     import torch.distributed.checkpoint.metadata as md
 
-    from . import dcp
 
     def is_size(v):
         return type(v) is torch.Size
@@ -617,7 +615,7 @@ def _field_checks():
             "checkpoint_id": opt(is_str), "save_id": opt(is_str), "load_id": opt(is_str),
             "modules": lambda v: type(v) is list and all(type(m) is str for m in v)}),
         md.MetadataIndex: dataclass_state({"fqn": is_str, "offset": opt(is_size), "index": opt(is_int)}),
-        dcp.StorageInfo: dataclass_state({"file": is_str, "name": is_str}),
+        _dcp_io.StorageInfo: dataclass_state({"file": is_str, "name": is_str}),
     }
 
 
@@ -634,7 +632,6 @@ def _validate(metadata):
     """Checks the structure DCP and this layer rely on; raises _Refused."""
     import torch.distributed.checkpoint.metadata as md
 
-    from . import dcp
 
     if type(metadata) is not md.Metadata:
         raise _Refused(f"it holds a {_what(metadata)}, not a DCP Metadata")
@@ -666,7 +663,7 @@ def _validate(metadata):
                 raise _Refused(f"the planner's entry {_what(key)}: {_what(value)}")
     if metadata.storage_data is not None:
         for key, where in metadata.storage_data.items():
-            if type(key) is not md.MetadataIndex or type(where) is not dcp.StorageInfo:
+            if type(key) is not md.MetadataIndex or type(where) is not _dcp_io.StorageInfo:
                 raise _Refused(f"storage data {_what(key)}: {_what(where)}")
             if not RANK_FILE.fullmatch(where.file):
                 raise _Refused(f"{key.fqn} is stored in {where.file!r}, not in a rank file of this folder")

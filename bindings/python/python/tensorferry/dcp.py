@@ -57,24 +57,14 @@ import pickle
 import uuid
 
 from ._dcp_consolidate import consolidate
-from ._dcp_io import ReadStats
+from ._dcp_io import METADATA_FILE, ReadStats, StorageInfo, byte_view
 
 __all__ = ["TensorferryWriter", "TensorferryReader", "TensorferryStager", "ReadStats", "consolidate"]
 
-METADATA_FILE = ".metadata"
 SUFFIX = ".safetensors"
 SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 #: The key, in a rank file's safetensors metadata, of the id of the save that wrote it.
 SAVE_ID_KEY = "DCP_SAVE_ID"
-
-
-@dataclasses.dataclass(frozen=True)
-class StorageInfo:
-    """Where one saved item lies: the rank file (relative to the checkpoint folder) and
-    the tensor's name in it. DCP keeps one per item in ``Metadata.storage_data``."""
-
-    file: str
-    name: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,16 +152,6 @@ def _exists(path):
 
 def _metadata_file(rank=None):
     return METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-
-
-def _byte_view(tensor):
-    """A writable memoryview of a contiguous CPU tensor's bytes."""
-    import torch
-
-    flat = tensor.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
 
 
 def _build():
@@ -450,7 +430,7 @@ def _build():
             todo = []
             for _, _, dest, _, runs, entry in batch:
                 if runs:
-                    todo.extend(_dcp_io.pieces(entry, runs, _byte_view(dest)))
+                    todo.extend(_dcp_io.pieces(entry, runs, byte_view(dest)))
             _dcp_io.read_pieces(fd, path, todo, self.read_threads, self.read_stats)
             for item, target, dest, direct, _, _ in batch:
                 if not direct:
