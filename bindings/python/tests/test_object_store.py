@@ -1528,7 +1528,7 @@ def test_a_process_group_plan_reads_each_object_header_once(own_server):
     assert len(shards) == 4
     with open(own_server.log) as f:
         before = len(f.read())
-    plan = _fanout._plan("s3://bucket/ts/", 0, 1, None, None, None, None, None)
+    plan = _fanout._plan("s3://bucket/ts/", 0, 1, None, None, None, None, None, tf.load)
     for fd in plan.fds.values():
         _dcp_io.close(fd)
     with open(own_server.log) as f:

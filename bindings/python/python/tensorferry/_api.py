@@ -13,6 +13,7 @@ import numpy as np
 from . import _cast_load
 from . import _devices
 from . import _fallback
+from . import _fanout
 from . import _frameworks as fw
 from . import _native
 from . import _progress
@@ -836,11 +837,10 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     if stream is not None and out is not None:
         _sync_producer(stream, _native.collect_tensors(out, fw.kind_of), target=None)
     if process_group is not None or shard is not None or read_stats is not None:
-        from . import _fanout
-
         return _fanout.load(
             path, process_group=process_group, shard=shard, read_stats=read_stats, device=device, like=like,
-            keys=keys, dtype=dtype, out=out, direct=direct, mmap=mmap, staging=staging,
+            keys=keys, dtype=dtype, out=out, direct=direct, mmap=mmap, staging=staging, local_load=load,
+            to_device=to_device,
         )
     _check_like(like)
     target = _devices.name_of(device)
@@ -854,7 +854,7 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     if url and out is not None:
         # A group of tensors at a time, every name, shape and dtype checked first: host
         # memory holds two groups, whatever the checkpoint's size.
-        return _cast_load.into(out, path, dtype, keys, progress)
+        return _cast_load.into(out, path, dtype, keys, progress, load)
     # A cast onto a device goes a group of tensors at a time (host memory bounded by two
     # groups, whatever the checkpoint's size); from object storage, each group is fetched
     # alone (the subset too: it needs no names from here).
@@ -864,7 +864,7 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
         # One object's header, read for its names, is not asked for again by the load.
         names, aliased, pinned = _native.object_names(path)
         if aliased:  # a tensor of two names (tied): its paths come from the tree record
-            only = _cast_load.subset_names(path, keys)
+            only = _cast_load.subset_names(path, keys, load)
         else:
             only = {n for n in names if any(_select._matches(n, p) for p in patterns)}
     if direct and keys is not None:
@@ -899,7 +899,7 @@ def _load(path, *, device, stream, staging, like, mmap, direct, keys, dtype, out
     # no byte is read) while the rest arrives, and nothing is handed out before it has.
     early = url and not on_device and keys is None and out is None and dtype is None and like in (None, fw.TORCH)
     if grouped and url:
-        tree, meta = _cast_load.from_objects(path, dtype, target, staging, _onto_device, keys, progress)
+        tree, meta = _cast_load.from_objects(path, dtype, target, staging, _onto_device, keys, progress, load)
         pending, fallback, arrival = False, None, None
     else:
         tree, meta, pending, fallback, arrival = _native.load(

@@ -117,9 +117,10 @@ class _Objects:
     object as its header was read (``objects``: ``_dcp_io.RemoteObject``s; ``headers``:
     ``({name: Entry}, metadata)``), the name each tensor is stored under (``name_of``, by
     ``id``: a tied name is in no header), and the version of each object and of the index
-    (``versions``), pinned from here on."""
+    (``versions``), pinned from here on. ``local_load`` is :func:`tensorferry.load`, which
+    builds the skeleton from the headers."""
 
-    def __init__(self, path):
+    def __init__(self, path, local_load):
         is_index, self.top = _native.resolve(path)
         self.save_id, self.file_of, files = None, None, [self.top]
         # The index's version too: a save that replaced it names other shards.
@@ -128,7 +129,7 @@ class _Objects:
         if is_index:
             self.file_of, files, self.save_id, index = _fanout._shards(self.top)
         self.skeleton = _fanout._skeleton_of_objects(
-            self.top, files, fw.NATIVE, self.objects, self.versions, self.headers, index
+            self.top, files, fw.NATIVE, self.objects, self.versions, self.headers, local_load, index
         )
         self.name_of = _select.stored_names(self.skeleton, {n for entries, _ in self.headers.values() for n in entries})
         self.files, self.order = files, {f: i for i, f in enumerate(files)}
@@ -175,28 +176,29 @@ class _Objects:
         return self.top if self.file_of is None else self.file_of[self.name_of[id(leaf)]]
 
 
-def subset_names(path, keys):
+def subset_names(path, keys, local_load):
     """The names a native subset load of ``keys`` from the object-storage checkpoint
     ``path`` takes (as ``only``): each chosen tensor's dotted path, and the name its bytes
-    are stored under, which differs for a tied name."""
-    objects = _Objects(path)
+    are stored under, which differs for a tied name (``local_load``: see :class:`_Objects`)."""
+    objects = _Objects(path, local_load)
     chosen = _native.collect_tensors(objects.selected(keys), fw.kind_of)
     return {dotted(p) for p, _ in chosen} | {objects.name_of[id(t)] for _, t in chosen}
 
 
-def from_objects(path, dtype, target, staging, move, keys, progress):
+def from_objects(path, dtype, target, staging, move, keys, progress, local_load):
     """``(tree, metadata)``: the checkpoint at the object-storage URL ``path`` (an object,
     an index or a prefix; ``keys``: patterns, as ``load`` takes them) cast to ``dtype`` on
     ``target``, read a group at a time (see :func:`onto_device`). Its tensors are
     ``tensorferry.Tensor``s; ``metadata`` is the first object's. Every group reads the
-    version of its object whose header the load began with: the result is one save."""
-    objects = _Objects(path)
+    version of its object whose header the load began with: the result is one save.
+    ``local_load``: see :class:`_Objects`."""
+    objects = _Objects(path, local_load)
     skeleton = objects.skeleton if keys is None else objects.selected(keys)
     tree = onto_device(skeleton, dtype, target, staging, move, progress and path, objects)
     return tree, objects.headers[objects.files[0]][1] if objects.files else {}
 
 
-def into(out, path, dtype, keys, progress):
+def into(out, path, dtype, keys, progress, local_load):
     """Fills ``out=`` (PyTorch tensors and NumPy arrays, on any device) from the
     object-storage checkpoint ``path`` a group of tensors at a time, as a cast load reads
     it: host memory holds two groups, whatever the checkpoint's size. Every name, shape,
@@ -206,8 +208,9 @@ def into(out, path, dtype, keys, progress):
     frameworks and cast whole before any of it is written: a checkpoint of one group is
     written only once all of it is in; past that, a read that fails (the network, an
     object replaced meanwhile) leaves the groups before it written, and its error says how
-    many tensors were (a note, which Python shows from 3.11 on). Returns ``out``."""
-    objects = _Objects(path)
+    many tensors were (a note, which Python shows from 3.11 on). Returns ``out``.
+    ``local_load``: see :class:`_Objects`."""
+    objects = _Objects(path, local_load)
     skeleton = objects.skeleton if keys is None else objects.selected(keys)
     leaves = _native.collect_tensors(skeleton, fw.kind_of)
     stand_ins = {dotted(p): t for p, t in leaves}

@@ -87,9 +87,13 @@ class _Plan:
     digest: str  # what every rank must agree on
 
 
-def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, out, direct, mmap, staging):
+def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, out, direct, mmap, staging, local_load,
+         to_device):
     """:func:`tensorferry.load` on every rank of ``process_group``; see its docstring.
-    ``mmap`` and ``staging`` have no effect (parts are read into fresh memory)."""
+    ``mmap`` and ``staging`` have no effect (parts are read into fresh memory).
+    ``local_load`` and ``to_device`` are :func:`tensorferry.load` and
+    :func:`tensorferry.to_device`, which the fan-out sits on: the structure as a load
+    builds it, the error it gives, and the moves of the parts onto their device."""
     del mmap, staging
     if process_group is None:
         raise FormatError("shard= and read_stats= load through a process group: pass process_group=")
@@ -106,7 +110,7 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
         target = _devices.name_of(device)
         if target != "cpu":
             _native.ensure_device(target)
-        plan = _plan(os.fspath(path), rank, world, like, keys, dtype, shard, stats)
+        plan = _plan(os.fspath(path), rank, world, like, keys, dtype, shard, stats, local_load)
     except Exception as e:  # every rank learns it below
         error = e
     try:
@@ -132,7 +136,9 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
     streamed = out is None and _torch_device(target) != target
     read = [part, slices]
     del part, slices  # held by `read` alone, which the exchange empties
-    tree = _exchange_and_build(plan, read, target, dist, process_group, agree, dtype if streamed else None, streamed)
+    tree = _exchange_and_build(
+        plan, read, target, dist, process_group, agree, dtype if streamed else None, streamed, to_device
+    )
     if streamed:
         return tree
     if dtype is not None:
@@ -145,30 +151,28 @@ def load(path, *, process_group, shard, read_stats, device, like, keys, dtype, o
 # ---- planning ----------------------------------------------------------------------------
 
 
-def _plan(path, rank, world, like, keys, dtype, shard, stats):
+def _plan(path, rank, world, like, keys, dtype, shard, stats, local_load):
     """The plan of the load on this rank (every rank computes the same one but for its
-    slices' places)."""
-    from . import _api
-
+    slices' places); ``local_load`` is :func:`tensorferry.load`."""
     is_index, top = _native.resolve(path)  # as tensorferry.load resolves it
     fds, identities = {}, {}
     try:
         try:
             _open(top, fds, identities)
         except OSError as e:
-            _api.load(path, like=like, keys=keys)  # raises the error tensorferry.load gives
+            local_load(path, like=like, keys=keys)  # raises the error tensorferry.load gives
             raise io_error(e.errno, f"open: {e.strerror}", e.filename) from None
         # The structure as tensorferry.load builds it, from a map whose tensor pages stay
         # untouched (an object's, below, from its headers alone).
         remote = isinstance(fds[top], _dcp_io.RemoteObject)
-        skeleton = None if remote else _api.load(path, like=like)
+        skeleton = None if remote else local_load(path, like=like)
         save_id, index = None, None
         headers = {}  # file -> ({name: Entry}, metadata), each header read once
         if is_index:
             file_of, files, save_id, index = _shards(top)
         if remote:
-            skeleton = _skeleton_of_objects(top, files if is_index else [top], like, fds, identities, headers, index,
-                                            stats)
+            skeleton = _skeleton_of_objects(top, files if is_index else [top], like, fds, identities, headers,
+                                            local_load, index, stats)
         if not is_index and top not in headers:
             headers[top] = _header(top, fds, identities, stats)
         # Each tensor once, under the name a file stores it by (found before keys= may
@@ -251,17 +255,15 @@ def _identity(path):
     return st.st_dev, st.st_ino
 
 
-def _skeleton_of_objects(top, files, like, fds, identities, headers, index=None, stats=None):
+def _skeleton_of_objects(top, files, like, fds, identities, headers, local_load, index=None, stats=None):
     """The tree :func:`tensorferry.load` gives for the checkpoint whose index (its bytes:
     ``index``) or one object is ``top`` (``files``: its objects), its tensors not read: a
     mapped load of a local stand-in holding the index and the objects' headers alone (sparse
     files of the objects' sizes, never read past their headers). Each object's header is
     read once, its version pinned here, and ``headers[url]`` given ``({name: Entry},
-    metadata)``; ``stats`` counts the headers' bytes."""
+    metadata)``; ``stats`` counts the headers' bytes. ``local_load`` is :func:`tensorferry.load`."""
     import shutil
     import tempfile
-
-    from . import _api
 
     folder = tempfile.mkdtemp(prefix="tensorferry-fanout-")
     try:
@@ -277,7 +279,7 @@ def _skeleton_of_objects(top, files, like, fds, identities, headers, index=None,
             with open(os.path.join(folder, os.path.basename(url)), "wb") as f:
                 f.write(head)
                 f.truncate(size)
-        return _api.load(os.path.join(folder, os.path.basename(top)), like=like)
+        return local_load(os.path.join(folder, os.path.basename(top)), like=like)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the maps stay valid
 
@@ -606,11 +608,9 @@ def _view(part, it):
     return part[it.offset : it.offset + it.wire_nbytes].view(_torch_dtype(it.wire)).reshape(it.shape)
 
 
-def _moved(plan, indices, tensors, target, dtype):
+def _moved(plan, indices, tensors, target, dtype, to_device):
     """``{item index: tensor on target}``: host ``tensors`` (items ``indices``) cast to
     ``dtype`` and moved to ``target`` (one move for all, through the staging ring)."""
-    from ._api import to_device
-
     if not indices:
         return {}
     if dtype is not None:
@@ -619,7 +619,7 @@ def _moved(plan, indices, tensors, target, dtype):
     return {i: moved[str(i)] for i in indices}
 
 
-def _exchange_and_build(plan, read, target, dist, pg, agree, dtype, streamed):
+def _exchange_and_build(plan, read, target, dist, pg, agree, dtype, streamed, to_device):
     """Broadcasts every rank's part from its owner and builds the tree: the skeleton with
     each tensor leaf replaced by a tensor of the framework ``tensorferry.load`` gives it.
     ``read`` is ``[part, slices]`` (emptied here: the part is freed once sent or moved).
@@ -645,12 +645,12 @@ def _exchange_and_build(plan, read, target, dist, pg, agree, dtype, streamed):
             part = None
         if streamed:
             mine = [i for i, it in enumerate(plan.items) if it.split is None and it.owner == owner]
-            moved.update(_moved(plan, mine, [_view(buf, plan.items[i]) for i in mine], target, dtype))
+            moved.update(_moved(plan, mine, [_view(buf, plan.items[i]) for i in mine], target, dtype, to_device))
         elif buf is not None:
             parts[owner] = buf.to(built)
         del buf
     if streamed:
-        moved.update(_moved(plan, list(slices), list(slices.values()), target, dtype))
+        moved.update(_moved(plan, list(slices), list(slices.values()), target, dtype, to_device))
         results = [moved[i] for i in range(len(plan.items))]
         return _native.rebuild(plan.skeleton, {id(leaf): r for (_, leaf), r in zip(plan.leaves, results)})
     tensors = []
