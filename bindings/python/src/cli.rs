@@ -16,6 +16,12 @@ fn cli_main(py: Python<'_>, argv: Vec<OsString>) -> u8 {
     py.detach(|| tensorferry_cli::run(argv))
 }
 
+/// `n` bytes in decimal units, as `tensorferry inspect` prints them: `497.8 MB`.
+#[pyfunction]
+fn human_bytes(n: u64) -> String {
+    tensorferry_cli::human(n)
+}
+
 /// A progress bar of the command's style on stderr, drawn only when stderr is a
 /// terminal: `kind` "bytes" (a total of bytes, with rate and time left) or "steps".
 #[pyclass(name = "CliProgress", frozen, module = "tensorferry._native")]
@@ -59,5 +65,6 @@ impl CliProgress {
 /// Adds the command's functions to the native module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cli_main, m)?)?;
+    m.add_function(wrap_pyfunction!(human_bytes, m)?)?;
     m.add_class::<CliProgress>()
 }

@@ -319,7 +319,7 @@ fn described(total: Total) -> String {
 }
 
 /// `bytes` in decimal units, as checkpoint sizes are given (`5GB` shards): `497.8 MB`.
-fn human(bytes: u64) -> String {
+pub fn human(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["KB", "MB", "GB", "TB", "PB"];
     if bytes < 1000 {
         return format!("{bytes} B");

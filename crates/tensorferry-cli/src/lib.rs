@@ -22,6 +22,7 @@ mod inspect;
 mod out;
 pub mod progress;
 
+pub use inspect::human;
 use std::ffi::OsString;
 use std::io::{self, BufWriter};
 use std::path::PathBuf;

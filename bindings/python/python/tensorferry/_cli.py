@@ -150,7 +150,7 @@ def _convert(input_path, output, max_shard_size, overwrite):
     finally:
         writing.finish()
     written = target + _INDEX_SUFFIX if os.path.exists(target + _INDEX_SUFFIX) else target
-    count = f"{_count(len(stored), 'tensor')}, {total} bytes ({_human(total)})"
+    count = f"{_count(len(stored), 'tensor')}, {total} bytes ({_native.human_bytes(total)})"
     return "\n".join([f"wrote {written}: {count}", *notes])
 
 
@@ -360,16 +360,6 @@ def _untangled(tree, tensors):
 
 def _count(n, what):
     return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-def _human(n):
-    """``n`` bytes in decimal units, as inspect prints them."""
-    value, unit = float(n), "B"
-    for u in ("KB", "MB", "GB", "TB", "PB"):
-        if value < 1000:
-            break
-        value, unit = value / 1000, u
-    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def _say(what):

@@ -74,6 +74,22 @@ impl Drop for Asked {
     }
 }
 
+/// The answer to a GET of `range` (all of the object for None), of the version `etag`
+/// names if given, once it has begun (status and headers): its body is still to come.
+pub(super) async fn answer(
+    at: &Location,
+    range: Option<GetRange>,
+    etag: Option<String>,
+) -> Result<GetResult> {
+    let store: &dyn ObjectStore = at.store();
+    let options = GetOptions {
+        range,
+        if_match: etag,
+        ..Default::default()
+    };
+    (store.get_opts(at.key(), options).await).map_err(|e| from_store("read", at.url(), e))
+}
+
 /// A ranged GET of `range`, once its answer has begun (status and headers, checked
 /// against `version`): its body is still to come ([`drain_into`]).
 pub(super) async fn request_part(
@@ -81,18 +97,7 @@ pub(super) async fn request_part(
     range: Range<u64>,
     version: &Version,
 ) -> Result<GetResult> {
-    let store: &dyn ObjectStore = at.store();
-    let result = store
-        .get_opts(
-            at.key(),
-            GetOptions {
-                range: Some(GetRange::Bounded(range)),
-                if_match: version.etag.clone(),
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| from_store("read", at.url(), e))?;
+    let result = answer(at, Some(GetRange::Bounded(range)), version.etag.clone()).await?;
     let changed = result.meta.size != version.size
         || (version.etag.is_some() && result.meta.e_tag != version.etag);
     if changed {

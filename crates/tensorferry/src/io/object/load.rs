@@ -24,11 +24,11 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use object_store::list::PaginatedListOptions;
-use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStoreExt};
+use object_store::{GetRange, ObjectMeta, ObjectStoreExt};
 
 use super::arrival::{Arrival, Stop};
 use super::failure::{cause_of, failed, from_store, Cause};
-use super::get::{fetch_part, Body, Version};
+use super::get::{answer, fetch_part, Body, Version};
 use super::location::Location;
 use super::options::{ObjectOptions, Pinned};
 use super::{lanes, plan, runtime};
@@ -436,17 +436,7 @@ pub(super) fn get(
     cap: u64,
 ) -> Result<(Bytes, ObjectMeta)> {
     runtime::block_on(async {
-        let options = GetOptions {
-            range,
-            if_match: etag,
-            ..Default::default()
-        };
-        let store_error = |e| from_store("read", at.url(), e);
-        let result = at
-            .store()
-            .get_opts(at.key(), options)
-            .await
-            .map_err(store_error)?;
+        let result = answer(at, range, etag).await?;
         let len = result.range.end.saturating_sub(result.range.start);
         if len > cap {
             return Err(Error::Format {
@@ -455,7 +445,8 @@ pub(super) fn get(
             });
         }
         let meta = result.meta.clone();
-        Ok((result.bytes().await.map_err(store_error)?, meta))
+        let bytes = result.bytes().await;
+        Ok((bytes.map_err(|e| from_store("read", at.url(), e))?, meta))
     })?
 }
 
@@ -843,21 +834,11 @@ async fn first_answer(
     len: u64,
     pinned: Option<&Pinned>,
 ) -> Result<(ObjectMeta, Body)> {
-    let answer = at
-        .store()
-        .get_opts(
-            at.key(),
-            GetOptions {
-                range: Some(GetRange::Bounded(0..len)),
-                if_match: pinned.and_then(|p| p.etag.clone()),
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| from_store("read", at.url(), e))?;
-    let meta = answer.meta.clone();
+    let etag = pinned.and_then(|p| p.etag.clone());
+    let first = answer(at, Some(GetRange::Bounded(0..len)), etag).await?;
+    let meta = first.meta.clone();
     check_pinned(at, &meta, pinned)?;
-    let body = Body::of(0..len.min(meta.size), answer.into_stream());
+    let body = Body::of(0..len.min(meta.size), first.into_stream());
     Ok((meta, body))
 }
 
