@@ -149,7 +149,6 @@ def _read_chunk(fd, path, entry, chunk, full):
     """Reads the stored chunk ``entry`` of ``path`` (open as ``fd``) into its place in ``full``."""
     import torch
 
-
     place = full
     for dim, (offset, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
         place = place.narrow(dim, offset, length)

@@ -71,7 +71,6 @@ def _allowed_globals():
     import torch
     import torch.distributed.checkpoint.metadata as md
 
-
     allowed = {}
     for cls in (md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
                 md.TensorProperties, md.StorageMeta, md.MetadataIndex):
@@ -533,7 +532,6 @@ def _field_checks():
     import torch
     import torch.distributed.checkpoint.metadata as md
 
-
     def is_size(v):
         return type(v) is torch.Size
 
@@ -631,7 +629,6 @@ def _leaf_types():
 def _validate(metadata):
     """Checks the structure DCP and this layer rely on; raises _Refused."""
     import torch.distributed.checkpoint.metadata as md
-
 
     if type(metadata) is not md.Metadata:
         raise _Refused(f"it holds a {_what(metadata)}, not a DCP Metadata")
