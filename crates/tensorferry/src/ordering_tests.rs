@@ -59,10 +59,7 @@ impl Drop for Gate {
 /// A fake-driver test hook, if the loaded driver is the fake.
 fn hook<T: Copy>(name: &[u8]) -> Option<T> {
     use cudarc::driver::sys;
-    if !matches!(
-        crate::backend::cuda::status(),
-        crate::backend::cuda::CudaStatus::Available { .. }
-    ) {
+    if !matches!(cuda::status(), cuda::CudaStatus::Available { .. }) {
         return None;
     }
     // SAFETY: the driver library is loaded (status is Available); the symbol, when the
@@ -82,11 +79,7 @@ fn gate(device: Device, direction: Direction) -> Option<Gate> {
             let held = crate::backend::emulated::device(i).unwrap().gate(direction);
             Some(Gate(Some(Box::new(move || held.complete(Ok(()))))))
         }
-        Device::Cuda(i) => gate_stream(
-            crate::backend::cuda::device::device(i)
-                .ok()?
-                .stream_of(direction),
-        ),
+        Device::Cuda(i) => gate_stream(cuda::device::device(i).ok()?.stream_of(direction)),
         Device::Cpu => None,
     }
 }
@@ -111,7 +104,7 @@ fn gate_stream(stream: usize) -> Option<Gate> {
 /// destroyed when dropped.
 struct ForeignStream {
     raw: cudarc::driver::sys::CUstream,
-    context: crate::backend::cuda::driver::Context,
+    context: cuda::driver::Context,
     device: Device,
 }
 
@@ -131,9 +124,7 @@ impl ForeignStream {
         let Device::Cuda(ordinal) = device else {
             unreachable!("a CUDA device")
         };
-        let context = crate::backend::cuda::device::device(ordinal)
-            .unwrap()
-            .context;
+        let context = cuda::device::device(ordinal).unwrap().context;
         let _current = context.enter(device).unwrap();
         let mut raw: sys::CUstream = std::ptr::null_mut();
         // SAFETY: the GPU's context is current; `raw` is a live out pointer.
@@ -173,7 +164,7 @@ impl ForeignStream {
 
     /// An event recorded on this stream now, checked not to pass while the upload the
     /// stream was ordered after is held.
-    fn mark_held(&self) -> crate::backend::cuda::event::CudaEvent {
+    fn mark_held(&self) -> cuda::event::CudaEvent {
         let after = self.mark();
         std::thread::sleep(SETTLE);
         let ran = after.query().unwrap();
@@ -189,9 +180,9 @@ impl ForeignStream {
 
     /// An event recorded on this stream now: it passes once the work queued on the
     /// stream so far (and whatever that was made to wait for) has run.
-    fn mark(&self) -> crate::backend::cuda::event::CudaEvent {
+    fn mark(&self) -> cuda::event::CudaEvent {
         let _current = self.context.enter(self.device).unwrap();
-        crate::backend::cuda::event::CudaEvent::record(self.context, self.device, self.raw).unwrap()
+        cuda::event::CudaEvent::record(self.context, self.device, self.raw).unwrap()
     }
 }
 
@@ -265,8 +256,8 @@ fn fake_driver(gpus: usize) -> bool {
 }
 
 fn last_gpu() -> Device {
-    match crate::backend::cuda::status() {
-        crate::backend::cuda::CudaStatus::Available { gpus, .. } => Device::Cuda(gpus.len() - 1),
+    match cuda::status() {
+        cuda::CudaStatus::Available { gpus, .. } => Device::Cuda(gpus.len() - 1),
         _ => unreachable!("checked by the caller"),
     }
 }
@@ -496,8 +487,7 @@ fn a_copy_call_failing_half_way_releases_nothing_before_the_queued_copies_ran() 
         return;
     };
     let Device::Cuda(i) = dev else { unreachable!() };
-    let batched = crate::backend::cuda::device::device(i).unwrap().copy_path()
-        == crate::backend::cuda::device::CopyPath::Batched;
+    let batched = cuda::device::device(i).unwrap().copy_path() == cuda::device::CopyPath::Batched;
     let mut faults = None;
     // An upload: the fault is injected on this thread, which queues uploads (downloads are
     // queued on their lane's own thread).
@@ -965,8 +955,8 @@ fn pinned_memory_is_unpinned_on_the_freeing_thread_never_where_it_is_dropped() {
     };
     // A pool that keeps one block: a second one given back is unpinned, and asking for
     // another size unpins the cached one first.
-    let gpu = crate::backend::cuda::device::device(ordinal).unwrap();
-    let allocator = crate::backend::cuda::pinned::CudaPinnedAllocator::new(
+    let gpu = cuda::device::device(ordinal).unwrap();
+    let allocator = cuda::pinned::CudaPinnedAllocator::new(
         gpu.context,
         Device::Cuda(ordinal),
         gpu.freer().clone(),
@@ -1106,7 +1096,7 @@ fn free_memory(dev: Device) -> usize {
     let Device::Cuda(ordinal) = dev else {
         unreachable!("a CUDA device")
     };
-    let gpu = crate::backend::cuda::device::device(ordinal).unwrap();
+    let gpu = cuda::device::device(ordinal).unwrap();
     let _current = gpu.context.enter(dev).unwrap();
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: the GPU's context is current; live out pointers.
@@ -1160,7 +1150,7 @@ fn child_a_lent_device_buffer_is_freed_behind_its_consumers_stream() {
     release_without_waiting(capsule);
     // Whatever frees were handed to the freeing thread have run: freeing the lent memory
     // while the consumer's copy is queued aborts the process (a use after free).
-    let gpu = crate::backend::cuda::device::device(ordinal).unwrap();
+    let gpu = cuda::device::device(ordinal).unwrap();
     assert!(gpu.freer().wait_idle(PATIENCE));
     std::thread::sleep(SETTLE);
     assert!(gpu.freer().wait_idle(PATIENCE));
@@ -1274,10 +1264,7 @@ fn tensorferry_never_breaks_a_graph_another_thread_is_capturing() {
         assert_eq!(back.to_vec::<u32>().unwrap(), data);
         drop((there, back));
         let Device::Cuda(i) = dev else { unreachable!() };
-        let freer = crate::backend::cuda::device::device(i)
-            .unwrap()
-            .freer()
-            .clone();
+        let freer = cuda::device::device(i).unwrap().freer().clone();
         assert!(freer.wait_idle(PATIENCE));
     })
     .join()
