@@ -18,8 +18,9 @@ use super::read::{build, header_of, LoadOptions, Loaded};
 use crate::backend::{backend_for, Backend};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::transfer::staging::Ring;
 use crate::transfer::staging::{AUTO_CHUNK_BYTES, AUTO_DEPTH};
-use crate::transfer::stream_in::{stream_to_device, Piece, StreamRing};
+use crate::transfer::stream_in::{stream_to_device, Piece};
 use crate::transfer::Staging;
 
 /// [`crate::io::load_to_until`] onto a device (not the host), `staging` validated.
@@ -44,12 +45,12 @@ pub(crate) fn stream_to(
 
 /// The host buffers for `staging`: its ring, else the automatic one (ordinary memory
 /// where no pinned memory is to be had); chunks in whole 4096-byte blocks.
-pub(crate) fn ring_for(staging: Staging) -> StreamRing {
+pub(crate) fn ring_for(staging: Staging) -> Ring {
     let (chunk_bytes, depth) = match staging {
         Staging::Ring { chunk_bytes, depth } => (chunk_bytes, depth),
         Staging::Auto | Staging::Off => (AUTO_CHUNK_BYTES, AUTO_DEPTH),
     };
-    StreamRing {
+    Ring {
         chunk_bytes: chunk_bytes.max(1).next_multiple_of(DIRECT_ALIGN),
         depth: depth.max(1),
         align: DIRECT_ALIGN,
@@ -62,7 +63,7 @@ fn stream_file(
     path: &Path,
     backend: &Arc<dyn Backend>,
     direct: bool,
-    ring: StreamRing,
+    ring: Ring,
     stop: &AtomicBool,
 ) -> Result<Loaded> {
     let (mut file, file_len) = open_regular(path)?;
@@ -79,7 +80,7 @@ fn stream_file(
 struct Stream<'a> {
     /// Read with `O_DIRECT`.
     direct: bool,
-    ring: StreamRing,
+    ring: Ring,
     /// Give up before the next chunk once set.
     stop: &'a AtomicBool,
 }
@@ -98,7 +99,7 @@ fn stream_data(
     let Stream { direct, ring, stop } = stream;
     let data_len = (file_len - data_start) as usize;
     let window = Window::covering(data_start, file_len);
-    let ring = StreamRing {
+    let ring = Ring {
         chunk_bytes: ring.chunk_bytes.min(window.len.max(DIRECT_ALIGN)),
         ..ring
     };

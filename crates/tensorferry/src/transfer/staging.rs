@@ -84,14 +84,20 @@ pub enum Staging {
     },
 }
 
-/// The ring a transfer uses.
+/// The host buffers a transfer, or a stream to or from a device, copies through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Ring {
-    chunk_bytes: usize,
-    depth: usize,
-    /// `Staging::Auto` chose it: a ring that cannot be set up, or one beyond
-    /// [`MAX_AUTO_RINGS`], leaves the transfer to a direct batch instead.
-    automatic: bool,
+    /// Bytes of each buffer: the most one chunk may hold.
+    pub(crate) chunk_bytes: usize,
+    /// Buffers in the ring.
+    pub(crate) depth: usize,
+    /// Alignment of each buffer's start (a power of two; 1 where pinned memory's own will do).
+    pub(crate) align: usize,
+    /// `Staging::Auto` chose it (or `Off`, for a stream into a device): a transfer's ring
+    /// that cannot be set up, or one beyond [`MAX_AUTO_RINGS`], leaves the transfer to a
+    /// direct batch instead, and a stream's buffers are ordinary memory where no pinned
+    /// memory is to be had.
+    pub(crate) automatic: bool,
 }
 
 impl Staging {
@@ -130,6 +136,7 @@ impl Staging {
             Staging::Auto if total < AUTO_MIN_BYTES => non_blocking.then_some(Ring {
                 chunk_bytes: total.min(AUTO_CHUNK_BYTES),
                 depth: 2,
+                align: 1,
                 automatic: true,
             }),
             _ => self.ring_for_stream(),
@@ -145,11 +152,13 @@ impl Staging {
             Staging::Auto => Some(Ring {
                 chunk_bytes: AUTO_CHUNK_BYTES,
                 depth: AUTO_DEPTH,
+                align: 1,
                 automatic: true,
             }),
             Staging::Ring { chunk_bytes, depth } => Some(Ring {
                 chunk_bytes: chunk_bytes.max(1),
                 depth: depth.max(1),
+                align: 1,
                 automatic: false,
             }),
         }
@@ -183,22 +192,6 @@ impl Ring {
             check_ring(self.chunk_bytes, self.depth)?;
         }
         Ok(self)
-    }
-
-    /// True when `Staging::Auto` chose the ring: one that cannot get pinned memory copies
-    /// through ordinary memory instead.
-    pub(crate) fn automatic(self) -> bool {
-        self.automatic
-    }
-
-    /// Bytes per chunk (and per pinned buffer).
-    pub(crate) fn chunk_bytes(self) -> usize {
-        self.chunk_bytes
-    }
-
-    /// Pinned buffers in the ring.
-    pub(crate) fn depth(self) -> usize {
-        self.depth
     }
 }
 
@@ -327,7 +320,7 @@ impl Transfer {
         // A transfer smaller than a chunk needs no more than its own size.
         let slot_bytes = ring.chunk_bytes.min(layout.total);
         let depth = ring.depth.min(chunks.len());
-        let memory = RingMemory::pinned(&pool, slot_bytes, depth, 1)?;
+        let memory = RingMemory::pinned(&pool, slot_bytes, depth, ring.align)?;
         Ok(Transfer {
             backend,
             direction,

@@ -16,23 +16,10 @@ use std::sync::Arc;
 use super::batch::submit_when_ready;
 use super::ring::{drive, RingSteps};
 use super::ring_memory::RingMemory;
+use super::staging::Ring;
 use crate::backend::{Backend, CopyBatch, CopyOp, Direction, Event, Failure};
 use crate::error::{Error, Result};
 use crate::storage::Storage;
-
-/// The host buffers of a stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct StreamRing {
-    /// Bytes of each buffer: the most one chunk may hold.
-    pub chunk_bytes: usize,
-    /// Buffers in the ring.
-    pub depth: usize,
-    /// Alignment of each buffer's start (a power of two).
-    pub align: usize,
-    /// `Staging::Auto` (or `Off`) chose the ring: where no pinned memory is to be had, its
-    /// buffers are ordinary memory.
-    pub automatic: bool,
-}
 
 /// What goes to the device from one chunk: `len` bytes from `skip` in its buffer, to
 /// `dst_offset` in the device memory.
@@ -59,7 +46,7 @@ pub(crate) fn stream_to_device(
     backend: &Arc<dyn Backend>,
     total: usize,
     pieces: &[Piece],
-    ring: StreamRing,
+    ring: Ring,
     fill: impl FnMut(usize, &mut [MaybeUninit<u8>]) -> Result<()>,
 ) -> Result<Arc<Storage>> {
     check_pieces(total, pieces, ring.chunk_bytes)?;
@@ -185,8 +172,8 @@ mod tests {
     use crate::device::Device;
 
     /// A ring of two 4 KiB slots, smaller than the tests' data.
-    fn small_ring() -> StreamRing {
-        StreamRing {
+    fn small_ring() -> Ring {
+        Ring {
             chunk_bytes: 4096,
             depth: 2,
             align: 4096,
@@ -234,7 +221,7 @@ mod tests {
     #[test]
     fn a_failing_producer_is_the_streams_error() {
         let backend = backend_for(Device::Emulated(0)).unwrap();
-        let ring = StreamRing {
+        let ring = Ring {
             depth: 1,
             ..small_ring()
         };

@@ -75,16 +75,16 @@ fn through_ring(
     }
     let layout = PackedLayout { offsets, total };
     let (runs, waits) = runs(&sources, &layout)?;
-    let chunks = chunks(&runs, ring.chunk_bytes());
+    let chunks = chunks(&runs, ring.chunk_bytes);
     let backend = backend_for(device)?;
     // A ring `Staging::Auto` chose that gets no pinned memory streams through ordinary
     // memory: the device copies there directly, and host memory stays bounded.
     let memory = RingMemory::pinned_else_pageable(
         backend.pinned_pool(),
-        ring.chunk_bytes().min(total),
-        ring.depth().min(chunks.len()),
-        1,
-        ring.automatic(),
+        ring.chunk_bytes.min(total),
+        ring.depth.min(chunks.len()),
+        ring.align,
+        ring.automatic,
     )?;
     let depth = memory.depth();
     let mut steps = Download {

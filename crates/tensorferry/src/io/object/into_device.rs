@@ -27,7 +27,8 @@ use crate::io::read::{build, Loaded};
 use crate::memory::AlignedBuffer;
 use crate::storage::Storage;
 use crate::tensor::Tensor;
-use crate::transfer::stream_in::{stream_to_device, Piece, StreamRing};
+use crate::transfer::staging::Ring;
+use crate::transfer::stream_in::{stream_to_device, Piece};
 use crate::transfer::Staging;
 
 /// Requests of one chunk are never cut smaller than this (unless the chunk is).
@@ -89,7 +90,7 @@ pub fn load_url_to_until(
 struct Stream<'a> {
     backend: &'a Arc<dyn Backend>,
     options: &'a ObjectOptions,
-    ring: StreamRing,
+    ring: Ring,
     /// Give up before the next chunk once set.
     stop: &'a AtomicBool,
 }
@@ -162,7 +163,7 @@ fn stream_ranges(
     stream: &Stream<'_>,
 ) -> Result<Arc<Storage>> {
     let total: u64 = ranges.iter().map(|r| r.end - r.start).sum();
-    let ring = StreamRing {
+    let ring = Ring {
         chunk_bytes: stream
             .ring
             .chunk_bytes
